@@ -1,0 +1,287 @@
+"""Train: the data order that gives each rank its slice of every global batch.
+
+The order of an epoch is the same on every rank (the user's sampler, made rank-independent). It is cut into global
+batches of ``B`` samples; rank ``r`` takes the contiguous slice after ranks ``< r``. Positions are counted in GLOBAL
+samples, so a resumed run keeps its place even when the split or the world size changed.
+
+Lightning never sees these samplers directly: :class:`HeteroDataLoader` replaces the user's loader (keeping its
+settings) and counts the batches it hands to the loop, which is what a checkpoint records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
+
+from lightning_hetero.plan import split_by_weights
+
+# Keys of the loader state saved in Lightning's checkpoint. No key depends on the rank: DeepSpeed writes the client
+# state from data-parallel rank 0 only and every rank reads that one file.
+STATE_EPOCH = "epoch"
+STATE_SAMPLES_CONSUMED = "global_samples_consumed"
+STATE_NUM_SAMPLES = "num_samples"
+STATE_SEED = "seed"
+_STATE_KEYS = (STATE_EPOCH, STATE_SAMPLES_CONSUMED, STATE_NUM_SAMPLES, STATE_SEED)
+
+
+@dataclass(frozen=True)
+class GlobalStep:
+    """One global batch: positions ``[begin, begin + sum(sizes))`` of the epoch order, ``sizes[r]`` for rank ``r``."""
+
+    begin: int
+    sizes: tuple[int, ...]
+
+    @property
+    def global_size(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def end(self) -> int:
+        return self.begin + self.global_size
+
+    def positions(self, rank: int) -> range:
+        start = self.begin + sum(self.sizes[:rank])
+        return range(start, start + self.sizes[rank])
+
+
+def epoch_steps(num_samples: int, batch_sizes: Sequence[int], drop_last: bool, start: int = 0) -> list[GlobalStep]:
+    """The global batches of one epoch over ``num_samples`` positions, beginning at position ``start``.
+
+    Full batches carry exactly ``batch_sizes``. A last batch shorter than ``B`` is dropped when ``drop_last``;
+    otherwise it is split in the same proportions with at least one sample per rank. When it holds fewer samples
+    than there are ranks it cannot give every rank one, so it joins the previous batch instead of being dropped.
+    Every rank computes the same list, so all run the same number of steps and every position is used once.
+    """
+    global_batch = sum(batch_sizes)
+    world_size = len(batch_sizes)
+    bounds = list(range(start, num_samples, global_batch))
+    steps = [(begin, min(begin + global_batch, num_samples)) for begin in bounds]
+    if steps and steps[-1][1] - steps[-1][0] < global_batch:
+        begin, end = steps.pop()
+        if not drop_last:
+            if end - begin < world_size and steps:
+                begin = steps.pop()[0]
+            if end - begin >= world_size:
+                steps.append((begin, end))
+    return [
+        GlobalStep(begin, tuple(batch_sizes) if end - begin == global_batch else tuple(split_by_weights(end - begin, batch_sizes)))
+        for begin, end in steps
+    ]
+
+
+class GlobalOrder(Sampler[int]):
+    """The user's sampler made identical on every rank, with a new order per epoch where it shuffles.
+
+    A ``RandomSampler`` draws from a generator seeded with ``seed + epoch`` (its other settings are kept); any
+    other sampler is iterated as it is and must itself give every rank the same order (``set_epoch`` is forwarded).
+    """
+
+    def __init__(self, sampler: Sampler, seed: int = 0) -> None:
+        self.user_sampler = sampler
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        if callable(getattr(self.user_sampler, "set_epoch", None)):
+            self.user_sampler.set_epoch(epoch)
+
+    @property
+    def shuffles(self) -> bool:
+        return isinstance(self.user_sampler, RandomSampler)
+
+    def __iter__(self) -> Iterator[int]:
+        sampler = self.user_sampler
+        if isinstance(sampler, RandomSampler):
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            sampler = RandomSampler(
+                sampler.data_source, replacement=sampler.replacement, num_samples=sampler.num_samples, generator=generator
+            )
+        return iter(sampler)
+
+    def __len__(self) -> int:
+        return len(self.user_sampler)  # type: ignore[arg-type]
+
+
+class HeteroBatchSampler(Sampler[list[int]]):
+    """Yields this rank's slice of every global batch of the epoch (dataset indices)."""
+
+    def __init__(self, order: GlobalOrder, batch_sizes: Sequence[int], rank: int, drop_last: bool) -> None:
+        if not 0 <= rank < len(batch_sizes):
+            raise ValueError(f"rank {rank} is outside the split {list(batch_sizes)}")
+        self.sampler = order  # the attribute Lightning's `_set_sampler_epoch` looks for
+        self.batch_sizes = tuple(batch_sizes)
+        self.rank = rank
+        self.drop_last = drop_last
+        self._steps: Optional[list[GlobalStep]] = None
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    def steps(self, start: int = 0) -> list[GlobalStep]:
+        return epoch_steps(len(self.sampler), self.batch_sizes, self.drop_last, start)
+
+    def begin_iteration(self, start: int = 0) -> list[GlobalStep]:
+        """Fix the steps of the next ``__iter__`` (the loader calls this to count what it hands out)."""
+        self._steps = self.steps(start)
+        return self._steps
+
+    def __iter__(self) -> Iterator[list[int]]:
+        steps = self._steps if self._steps is not None else self.steps()
+        self._steps = None
+        if not steps:
+            return
+        order = list(self.sampler)
+        for step in steps:
+            yield [order[p] for p in step.positions(self.rank)]
+
+    def __len__(self) -> int:
+        """Steps in a whole epoch (Lightning counts a resumed epoch from its beginning)."""
+        return len(self.steps())
+
+
+class HeteroDataLoader(DataLoader):
+    """The user's DataLoader settings over a :class:`HeteroBatchSampler`, resumable in global samples.
+
+    It counts the batches it yields in the main process (Lightning does not prefetch sized loaders there), so
+    ``state_dict()`` is exact even when worker processes read ahead. ``on_batch(local, global)`` is told the sample
+    counts of every batch just before the loop receives it: the strategy derives the loss weight from them.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_sampler: HeteroBatchSampler,
+        on_batch: Optional[Callable[[int, int], None]] = None,
+        **loader_kwargs: Any,
+    ) -> None:
+        super().__init__(dataset, batch_sampler=batch_sampler, **loader_kwargs)
+        self.on_batch = on_batch
+        self._epoch_of_position = 0
+        self._position = 0
+        self._resume_at: Optional[tuple[int, int]] = None  # (epoch, global samples consumed) from a checkpoint
+
+    @property
+    def hetero_batch_sampler(self) -> HeteroBatchSampler:
+        return self.batch_sampler  # type: ignore[return-value]
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        # A generator: nothing runs until the first batch is asked for, after Lightning's `set_epoch`.
+        sampler = self.hetero_batch_sampler
+        start = 0
+        if self._resume_at is not None and self._resume_at[0] == sampler.epoch:
+            start = self._resume_at[1]
+        self._resume_at = None
+        steps = sampler.begin_iteration(start)
+        self._epoch_of_position, self._position = sampler.epoch, start
+        batches = super().__iter__()
+        for step, batch in zip(steps, batches):
+            self._position = step.end
+            if self.on_batch is not None:
+                self.on_batch(step.sizes[sampler.rank], step.global_size)
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        order = self.hetero_batch_sampler.sampler
+        return {
+            STATE_EPOCH: self._epoch_of_position,
+            STATE_SAMPLES_CONSUMED: self._position,
+            STATE_NUM_SAMPLES: len(order),
+            STATE_SEED: order.seed,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        missing = [key for key in _STATE_KEYS if key not in state_dict]
+        if missing:
+            raise ValueError(
+                f"The checkpoint's training-loader state {state_dict} lacks {missing}: it was not written by"
+                " HeteroStrategy's loader. Resume from a checkpoint of a HeteroStrategy run, or start a new run."
+            )
+        order = self.hetero_batch_sampler.sampler
+        if state_dict[STATE_NUM_SAMPLES] != len(order):
+            raise ValueError(
+                f"The checkpoint was taken with a training set of {state_dict[STATE_NUM_SAMPLES]} samples but the"
+                f" loader now has {len(order)}: the saved position would point at other samples. Resume with the"
+                " same dataset."
+            )
+        if order.shuffles and state_dict[STATE_SEED] != order.seed:
+            raise ValueError(
+                f"The checkpoint's shuffle seed is {state_dict[STATE_SEED]} but this run's is {order.seed}: the"
+                f" remaining samples of the epoch would differ. Call `seed_everything({state_dict[STATE_SEED]})`"
+                " before building the Trainer (the seed comes from PL_GLOBAL_SEED)."
+            )
+        consumed = state_dict[STATE_SAMPLES_CONSUMED]
+        if not 0 <= consumed <= len(order):
+            raise ValueError(f"The checkpoint's `{STATE_SAMPLES_CONSUMED}={consumed}` is outside [0, {len(order)}].")
+        self._resume_at = (state_dict[STATE_EPOCH], consumed)
+        self._epoch_of_position, self._position = self._resume_at
+
+
+# DataLoader arguments carried over from the user's loader (everything except how batches are formed).
+_KEPT_LOADER_SETTINGS = (
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "generator",
+    "prefetch_factor",
+    "persistent_workers",
+    "pin_memory_device",
+    "in_order",
+)
+
+
+def describe_unsupported_loader(dataloader: DataLoader, name: str) -> Optional[str]:
+    """Why this loader cannot be split by HeteroStrategy, or None when it can."""
+    if isinstance(dataloader.dataset, IterableDataset):
+        return (
+            f"The {name} uses an IterableDataset ({type(dataloader.dataset).__name__}). HeteroStrategy splits every"
+            " global batch by sample index, which needs a map-style dataset (`__getitem__` and `__len__`). Wrap the"
+            " data in a map-style Dataset, or use Lightning's DeepSpeedStrategy for streams."
+        )
+    batch_sampler = dataloader.batch_sampler
+    if batch_sampler is None:
+        return (
+            f"The {name} has `batch_size=None` (automatic batching off), so there is no global batch to split."
+            " Give it a `batch_size`."
+        )
+    if type(batch_sampler) is not BatchSampler:
+        return (
+            f"The {name} has a custom `batch_sampler` ({type(batch_sampler).__name__}). HeteroStrategy forms the"
+            " global batches itself; give the loader a `sampler` (the order) and a `batch_size` instead."
+        )
+    return None
+
+
+def loader_batch_size(dataloader: DataLoader) -> Optional[int]:
+    batch_sampler = dataloader.batch_sampler
+    return getattr(batch_sampler, "batch_size", None) if batch_sampler is not None else None
+
+
+def rebuild_loader(
+    dataloader: DataLoader,
+    batch_sizes: Sequence[int],
+    rank: int,
+    seed: int,
+    on_batch: Optional[Callable[[int, int], None]] = None,
+) -> HeteroDataLoader:
+    """A :class:`HeteroDataLoader` with the user's settings, order and ``drop_last``, cut by ``batch_sizes``."""
+    user_batch_sampler = dataloader.batch_sampler
+    assert isinstance(user_batch_sampler, BatchSampler)  # checked by describe_unsupported_loader
+    batch_sampler = HeteroBatchSampler(
+        GlobalOrder(user_batch_sampler.sampler, seed), batch_sizes, rank, drop_last=user_batch_sampler.drop_last
+    )
+    kwargs = {key: getattr(dataloader, key) for key in _KEPT_LOADER_SETTINGS if hasattr(dataloader, key)}
+    if kwargs.get("num_workers", 0) == 0:
+        # DataLoader refuses these with no workers, even at their defaults.
+        kwargs.pop("prefetch_factor", None)
+        kwargs.pop("persistent_workers", None)
+    return HeteroDataLoader(dataloader.dataset, batch_sampler, on_batch=on_batch, **kwargs)

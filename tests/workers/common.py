@@ -1,0 +1,80 @@
+"""Model and data shared by the multi-process worker scripts and the single-process references in the tests."""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import nn
+from torch.utils.data import Dataset
+
+IN_FEATURES = 4
+
+
+class IndexedRegression(Dataset):
+    """Deterministic regression data; each item carries its index so tests can see which samples were used."""
+
+    def __init__(self, num_samples: int = 64, seed: int = 1234) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(num_samples, IN_FEATURES, generator=generator)
+        self.y = (self.x @ torch.tensor([1.0, -2.0, 0.5, 3.0]) + 0.1 * torch.randn(num_samples, generator=generator))[:, None]
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int):
+        return self.x[index], self.y[index], index
+
+
+def make_network(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(IN_FEATURES, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def batch_loss(network: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(network(x), y)
+
+
+class RegressionModule(LightningModule):
+    """A plain LightningModule: nothing in it knows about HeteroStrategy."""
+
+    def __init__(self, lr: float = 0.05, momentum: float = 0.9, manual: bool = False) -> None:
+        super().__init__()
+        self.network = make_network()
+        self.lr, self.momentum = lr, momentum
+        self.automatic_optimization = not manual
+        self.seen: list[int] = []
+        self.eval_seen: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y, index = batch
+        self.seen.extend(index.tolist())
+        loss = batch_loss(self.network, x, y)
+        self.log("train_loss", loss, sync_dist=True)
+        if not self.automatic_optimization:
+            optimizer = self.optimizers()
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y, index = batch
+        self.eval_seen.extend(index.tolist())
+        self.log("val_loss", batch_loss(self.network, x, y), sync_dist=True)
+
+    def test_step(self, batch, batch_idx):
+        self.validation_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
+
+
+def reference_training(dataset: IndexedRegression, steps: list[list[int]], lr: float = 0.05, momentum: float = 0.9):
+    """One process, whole global batches: what every HeteroStrategy run must reproduce."""
+    network = make_network()
+    optimizer = torch.optim.SGD(network.parameters(), lr=lr, momentum=momentum)
+    for indices in steps:
+        optimizer.zero_grad()
+        batch_loss(network, dataset.x[indices], dataset.y[indices]).backward()
+        optimizer.step()
+    return {name: p.detach().clone() for name, p in network.named_parameters()}

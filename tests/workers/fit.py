@@ -1,0 +1,107 @@
+"""Worker for the multi-process tests: one HeteroStrategy fit on CPU, launched by Lightning on each rank.
+
+Rank 0 writes `result.json` into --out: final parameters (gathered under ZeRO-3), and every rank's sample indices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import torch  # noqa: E402
+from common import IndexedRegression, RegressionModule  # noqa: E402
+from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from lightning_hetero import HeteroStrategy  # noqa: E402
+
+
+class WriteResult(Callback):
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        import deepspeed
+
+        params = {}
+        for name, p in pl_module.named_parameters():
+            with deepspeed.zero.GatheredParameters([p], enabled=hasattr(p, "ds_id")):
+                params[name] = p.detach().double().tolist()
+        seen = [None] * trainer.world_size
+        torch.distributed.all_gather_object(seen, pl_module.seen)
+        eval_seen = [None] * trainer.world_size
+        torch.distributed.all_gather_object(eval_seen, pl_module.eval_seen)
+        if trainer.is_global_zero:
+            result = {
+                "params": params,
+                "seen": seen,
+                "eval_seen": eval_seen,
+                "global_step": trainer.global_step,
+                "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+            }
+            (self.out / "result.json").write_text(json.dumps(result))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--stage", type=int, default=2)
+    parser.add_argument("--batch-sizes", type=int, nargs="*")
+    parser.add_argument("--samples", type=int, default=64)
+    parser.add_argument("--max-steps", type=int, default=-1)
+    parser.add_argument("--max-epochs", type=int, default=1)
+    parser.add_argument("--loader-batch-size", type=int, default=8)
+    parser.add_argument("--shuffle", action="store_true")
+    parser.add_argument("--drop-last", action="store_true")
+    parser.add_argument("--manual", action="store_true")
+    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--val-samples", type=int, default=0)
+    parser.add_argument("--checkpoint-every", type=int, default=0)
+    parser.add_argument("--ckpt-path")
+    parser.add_argument("--config-by-rank", help="JSON list: rank r's DeepSpeed config (to provoke a mismatch)")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    seed_everything(7)
+    dataset = IndexedRegression(args.samples)
+    train = DataLoader(dataset, batch_size=args.loader_batch_size, shuffle=args.shuffle, drop_last=args.drop_last)
+    val = DataLoader(IndexedRegression(args.val_samples, seed=99), batch_size=4) if args.val_samples else None
+
+    strategy_kwargs = {"stage": args.stage}
+    if args.batch_sizes:
+        strategy_kwargs["batch_sizes"] = args.batch_sizes
+    if args.config_by_rank:
+        rank = int(os.environ.get("LOCAL_RANK", 0))
+        strategy_kwargs["config"] = json.loads(args.config_by_rank)[rank]
+    callbacks = [WriteResult(args.out)]
+    if args.checkpoint_every:
+        callbacks.append(
+            ModelCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=args.checkpoint_every, save_top_k=-1)
+        )
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=HeteroStrategy(**strategy_kwargs),
+        precision=args.precision,
+        max_epochs=args.max_epochs,
+        max_steps=args.max_steps,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=args.out,
+    )
+    model = RegressionModule(manual=args.manual)
+    trainer.fit(model, train, val, ckpt_path=args.ckpt_path)
+
+
+if __name__ == "__main__":
+    main()
