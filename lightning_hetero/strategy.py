@@ -9,6 +9,7 @@ batches need: the loss weight, the sample-weighted ``sync_dist`` mean, and sampl
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 from collections.abc import Iterator, Sequence
@@ -92,6 +93,9 @@ class HeteroStrategy(DeepSpeedStrategy):
         if config is not None or self.DEEPSPEED_ENV_VAR in os.environ:
             self._reconcile_user_config(stage, kwargs)
 
+        # Formatting adds keys (gradient_accumulation_steps...) that the parent refuses to see twice; each
+        # trainer call (validate, then fit) formats a fresh copy of what the user gave.
+        self._base_config = copy.deepcopy(self.config)
         self.plan: Optional[SplitPlan] = None
         self._user_use_distributed_sampler: Optional[bool] = None
         # (local, global) sample counts of the batch the loop is working on, told by the HeteroDataLoader.
@@ -164,11 +168,19 @@ class HeteroStrategy(DeepSpeedStrategy):
         connector.use_distributed_sampler = self._user_use_distributed_sampler if predicting else False
 
     @override
+    def _init_config_if_needed(self) -> None:
+        # The parent formats once per strategy; the micro-batch depends on the trainer call (fit or not).
+        self._format_config()
+        self._config_initialized = True
+
+    @override
     def _format_config(self) -> None:
-        assert self.config is not None and self.lightning_module is not None
+        assert self.lightning_module is not None
+        self.config = copy.deepcopy(self._base_config)
         trainer = self.lightning_module.trainer
         fitting = trainer.state.fn == TrainerFn.FITTING
-        self.plan = self._resolve_plan(trainer) if fitting else None
+        if fitting:
+            self.plan = self._resolve_plan(trainer)
         micro_batch = self.plan.batch_sizes[self.global_rank] if self.plan is not None else 1
         self.config["train_micro_batch_size_per_gpu"] = micro_batch
         super()._format_config()

@@ -1,0 +1,26 @@
+"""`lightning-hetero`: Lightning's CLI with HeteroStrategy registered first.
+
+Lightning resolves `trainer.strategy: hetero` before any callback entry point could import this package, so a plain
+LightningCLI script does not know the name; this entry point imports the package, then hands over to LightningCLI
+(subcommands fit, validate, test, predict; any LightningModule or LightningDataModule by `class_path`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import lightning_hetero  # noqa: F401  (registers "hetero" in Lightning's StrategyRegistry)
+
+
+def main(args: list[str] | None = None) -> None:
+    from lightning.pytorch.cli import LightningCLI
+
+    # Like `python -m`, let `class_path: mypackage.MyModel` name modules in the working directory.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    LightningCLI(args=args, save_config_kwargs={"overwrite": True})
+
+
+if __name__ == "__main__":
+    main()
