@@ -17,9 +17,17 @@ import torch  # noqa: E402
 from common import IndexedRegression, RegressionModule  # noqa: E402
 from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
+from torch.utils.data import DataLoader, IterableDataset  # noqa: E402
 
 from lightning_hetero import HeteroStrategy  # noqa: E402
+
+
+class IterableWrapper(IterableDataset):
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+
+    def __iter__(self):
+        return (self.dataset[i] for i in range(len(self.dataset)))
 
 
 class WriteResult(Callback):
@@ -65,12 +73,15 @@ def main() -> None:
     parser.add_argument("--val-samples", type=int, default=0)
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--ckpt-path")
+    parser.add_argument("--iterable", action="store_true", help="train on an IterableDataset (must be refused)")
     parser.add_argument("--config-by-rank", help="JSON list: rank r's DeepSpeed config (to provoke a mismatch)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
     seed_everything(7)
     dataset = IndexedRegression(args.samples)
+    if args.iterable:
+        dataset = IterableWrapper(dataset)
     train = DataLoader(dataset, batch_size=args.loader_batch_size, shuffle=args.shuffle, drop_last=args.drop_last)
     val = DataLoader(IndexedRegression(args.val_samples, seed=99), batch_size=4) if args.val_samples else None
 

@@ -1,0 +1,57 @@
+"""Shared helpers: run a worker script as a bounded, killable process group."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+
+WORKERS = Path(__file__).parent / "workers"
+REPO = Path(__file__).parent.parent
+
+
+@dataclass
+class RunResult:
+    returncode: int
+    output: str
+    result: Optional[dict[str, Any]]
+
+
+def run_bounded(command: list[str], timeout: float, cwd: Path = REPO, env: Optional[dict[str, str]] = None) -> tuple[int, str]:
+    """Run ``command`` in its own process group; on timeout kill the whole group (Lightning's launched ranks too)."""
+    process = subprocess.Popen(
+        command,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})},
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"{' '.join(command)} did not finish within {timeout} s (a hang?). Output:\n{output[-4000:]}")
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # leftover ranks of a failed run
+        except ProcessLookupError:
+            pass
+    return process.returncode, output
+
+
+def run_fit(out: Path, *args: str, timeout: float = 240) -> RunResult:
+    """`tests/workers/fit.py` with ``args``; its result.json (written by rank 0) when the run succeeded."""
+    returncode, output = run_bounded([sys.executable, str(WORKERS / "fit.py"), "--out", str(out), *args], timeout)
+    result_file = out / "result.json"
+    result = json.loads(result_file.read_text()) if returncode == 0 and result_file.exists() else None
+    return RunResult(returncode, output, result)

@@ -1,0 +1,135 @@
+"""HeteroStrategy end to end: real multi-process fits on CPU (gloo), each bounded by a timeout.
+
+The claim under test is "same result as one process on the same global batches": parameters are compared
+numerically with :func:`reference_training`, which never touches Lightning or DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import RandomSampler
+
+sys.path.insert(0, str(Path(__file__).parent / "workers"))
+
+from common import IndexedRegression, batch_loss, make_network, reference_training  # noqa: E402
+from conftest import run_fit  # noqa: E402
+
+TOLERANCE = 1e-5
+BATCH_SIZES = [3, 13]  # global batch 16: rank 1 carries 13/16 of every step
+
+
+def max_param_difference(result: dict, reference: dict[str, torch.Tensor]) -> float:
+    return max(
+        (torch.tensor(result["params"][f"network.{name}"], dtype=torch.float64) - value.double()).abs().max().item()
+        for name, value in reference.items()
+    )
+
+
+def contiguous_steps(num_samples: int, global_batch: int, count: int) -> list[list[int]]:
+    return [list(range(k * global_batch, (k + 1) * global_batch)) for k in range(count)][: num_samples // global_batch]
+
+
+def rank_slices(steps: list[list[int]], batch_sizes: list[int]) -> list[list[int]]:
+    """What each rank must see: the contiguous slice after the ranks before it, step by step."""
+    seen: list[list[int]] = [[] for _ in batch_sizes]
+    for step in steps:
+        begin = 0
+        for rank, size in enumerate(batch_sizes):
+            seen[rank].extend(step[begin : begin + size])
+            begin += size
+    return seen
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_uneven_batches_equal_one_process_and_resume_mid_epoch(stage, tmp_path):
+    dataset = IndexedRegression(64)
+    steps = contiguous_steps(64, 16, 4)
+    common = ["--stage", str(stage), "--batch-sizes", *map(str, BATCH_SIZES)]
+
+    first = run_fit(tmp_path / "first", *common, "--max-steps", "2", "--checkpoint-every", "2")
+    assert first.returncode == 0, first.output[-4000:]
+    assert first.result["global_step"] == 2
+    assert max_param_difference(first.result, reference_training(dataset, steps[:2])) <= TOLERANCE
+    assert first.result["seen"] == rank_slices(steps[:2], BATCH_SIZES)
+
+    (checkpoint,) = (tmp_path / "first" / "ckpt").iterdir()
+    resumed = run_fit(tmp_path / "resumed", *common, "--val-samples", "10", "--ckpt-path", str(checkpoint))
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    assert resumed.result["global_step"] == 4
+    # The resumed run trains exactly on the samples the first one had not used, and ends where one run would.
+    assert resumed.result["seen"] == rank_slices(steps[2:], BATCH_SIZES)
+    final = reference_training(dataset, steps)
+    assert max_param_difference(resumed.result, final) <= TOLERANCE
+
+    # Validation: every sample once across ranks, and the synced metric is the mean over all samples.
+    val = IndexedRegression(10, seed=99)
+    assert sorted(sum(resumed.result["eval_seen"], [])) == list(range(10))
+    network, before_last = make_network(), make_network()
+    network.load_state_dict(final)
+    # The last logged train_loss (on_step, sync_dist) is the full-batch loss of step 4 before its update.
+    before_last.load_state_dict(reference_training(dataset, steps[:3]))
+    with torch.no_grad():
+        expected_val_loss = batch_loss(network, val.x, val.y).item()
+        expected_train_loss = batch_loss(before_last, dataset.x[steps[3]], dataset.y[steps[3]]).item()
+    assert resumed.result["metrics"]["val_loss"] == pytest.approx(expected_val_loss, rel=1e-5)
+    assert resumed.result["metrics"]["train_loss"] == pytest.approx(expected_train_loss, rel=1e-5)
+
+
+def test_three_ranks_shuffled_two_epochs_with_partial_last_batch(tmp_path):
+    """70 samples, global batch 16: four full steps and a last one of 6 split 1/2/3-ish, a new order per epoch."""
+    batch_sizes = [2, 5, 9]
+    dataset = IndexedRegression(70)
+    run = run_fit(
+        tmp_path, "--devices", "3", "--stage", "1", "--batch-sizes", *map(str, batch_sizes),
+        "--samples", "70", "--shuffle", "--max-epochs", "2",
+    )  # fmt: skip
+    assert run.returncode == 0, run.output[-4000:]
+    steps = []
+    for epoch in range(2):
+        # Same permutation on every rank: seeded with seed_everything's seed (7) + epoch.
+        order = list(RandomSampler(dataset, generator=torch.Generator().manual_seed(7 + epoch)))
+        steps += [order[begin : begin + 16] for begin in range(0, 70, 16)]
+    assert run.result["global_step"] == 10
+    assert max_param_difference(run.result, reference_training(dataset, steps)) <= TOLERANCE
+    seen = run.result["seen"]
+    assert sorted(sum(seen, [])) == sorted(list(range(70)) * 2)  # each sample once per epoch
+    assert steps[0] != list(range(16)) and steps[0] != steps[5]  # shuffled, and differently per epoch
+    assert [len(s) for s in seen] == [2 * (4 * size) + 2 * last for size, last in zip(batch_sizes, [1, 2, 3])]
+
+
+def test_manual_optimization_and_drop_last(tmp_path):
+    dataset = IndexedRegression(70)
+    run = run_fit(
+        tmp_path, "--stage", "2", "--batch-sizes", *map(str, BATCH_SIZES), "--samples", "70", "--drop-last", "--manual"
+    )
+    assert run.returncode == 0, run.output[-4000:]
+    steps = contiguous_steps(70, 16, 4)  # the last 6 samples are dropped, as the loader asked
+    assert run.result["seen"] == rank_slices(steps, BATCH_SIZES)
+    assert max_param_difference(run.result, reference_training(dataset, steps)) <= TOLERANCE
+
+
+def test_bf16_mixed_trains_close_to_fp32(tmp_path):
+    run = run_fit(tmp_path, "--stage", "2", "--batch-sizes", *map(str, BATCH_SIZES), "--precision", "bf16-mixed")
+    assert run.returncode == 0, run.output[-4000:]
+    assert run.result["global_step"] == 4
+    reference = reference_training(IndexedRegression(64), contiguous_steps(64, 16, 4))
+    # bf16 activations: close to the fp32 result, not equal to it.
+    assert max_param_difference(run.result, reference) <= 2e-2
+
+
+def test_precision_differing_across_ranks_fails_on_every_rank(tmp_path):
+    configs = '[{"bf16": {"enabled": false}}, {"bf16": {"enabled": true}}]'
+    run = run_fit(tmp_path, "--config-by-rank", configs, timeout=120)
+    assert run.returncode != 0
+    assert run.output.count("bf16.enabled (rank 0: False, rank 1: True)") >= 2, run.output[-4000:]
+    assert "silently wrong" in run.output
+
+
+def test_iterable_dataset_is_refused_on_every_rank(tmp_path):
+    run = run_fit(tmp_path, "--iterable", timeout=120)
+    assert run.returncode != 0
+    assert run.output.count("uses an IterableDataset") >= 2, run.output[-4000:]
