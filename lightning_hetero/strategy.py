@@ -140,7 +140,9 @@ class HeteroStrategy(DeepSpeedStrategy):
         known_global_batch = self.global_batch_size
         if known_global_batch is None and self.batch_sizes is not None:
             known_global_batch = sum(self.batch_sizes)
-        resolve_split(self.world_size, known_global_batch or self.world_size, self.batch_sizes, self.weights)
+        # (`world_size` comes from the cluster environment, which is only filled in by setup_distributed.)
+        world_size = self.num_nodes * self.num_processes
+        resolve_split(world_size, known_global_batch or world_size, self.batch_sizes, self.weights)
         if self.root_device.type == "cpu":
             # DeepSpeed takes `root_device.index` as its device rank and Lightning checks that the indices count
             # 0..n-1; CPU devices carry no index, so give them one (torch ignores it for tensors).

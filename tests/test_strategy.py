@@ -1,0 +1,87 @@
+"""HeteroStrategy without processes: argument checks, config reconciliation, registration, world-size checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_hetero import HeteroStrategy
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"stage": 4}, "`stage=4` is not a ZeRO stage"),
+        ({"stage": True}, "`stage=True` is not a ZeRO stage"),
+        ({"batch_sizes": [4, 4], "weights": [1.0, 1.0]}, "both `batch_sizes=[4, 4]` and `weights=[1.0, 1.0]`"),
+        ({"batch_sizes": [0, 3]}, "`batch_sizes=[0, 3]` holds [0]"),
+        ({"batch_sizes": [2.5, 3]}, "holds [2.5]"),
+        ({"batch_sizes": [3, 13], "global_batch_size": 15}, "sums to 16 but `global_batch_size=15`"),
+        ({"weights": [1.0, float("nan")]}, "holds [nan]"),
+        ({"weights": [1.0, -0.5]}, "holds [-0.5]"),
+        ({"global_batch_size": 0}, "`global_batch_size=0` must be a positive integer"),
+        ({"config": {"gradient_accumulation_steps": 2}}, "`gradient_accumulation_steps=2`"),
+        ({"config": {"train_micro_batch_size_per_gpu": 8}}, "`train_micro_batch_size_per_gpu=8`"),
+        ({"config": {"train_batch_size": 64}}, "`train_batch_size=64`"),
+        ({"config": {"zero_optimization": {"stage": 7}}}, "`zero_optimization.stage=7`"),
+    ],
+)
+def test_constructor_rejects_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=None) as error:
+        HeteroStrategy(**kwargs)
+    assert message in str(error.value)
+
+
+def test_config_stage_wins_over_the_argument_and_says_so():
+    with pytest.warns(UserWarning, match=r"`zero_optimization.stage=3` wins over `stage=1`"):
+        strategy = HeteroStrategy(stage=1, config={"zero_optimization": {"stage": 3}})
+    assert strategy.config["zero_optimization"]["stage"] == 3
+
+
+def test_stage_fills_a_config_that_leaves_it_unset():
+    assert HeteroStrategy(stage=3, config={"bf16": {"enabled": False}}).config["zero_optimization"]["stage"] == 3
+    assert HeteroStrategy(config={}).config["zero_optimization"]["stage"] == 2
+
+
+def test_arguments_that_a_config_replaces_are_named_in_a_warning():
+    with pytest.warns(UserWarning, match=r"ignored: \['offload_optimizer', 'reduce_bucket_size'\]"):
+        HeteroStrategy(config={}, offload_optimizer=True, reduce_bucket_size=10)
+
+
+def test_default_config_uses_the_stage_argument():
+    assert HeteroStrategy(stage=3).config["zero_optimization"]["stage"] == 3
+    assert HeteroStrategy().config["zero_optimization"]["stage"] == 2
+
+
+def test_registered_as_hetero_and_selected_by_name():
+    assert "hetero" in StrategyRegistry
+    trainer = Trainer(strategy="hetero", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, HeteroStrategy)
+    # The parent's names still belong to the parent.
+    assert StrategyRegistry["deepspeed"]["strategy"].__name__ == "DeepSpeedStrategy"
+
+
+def _strategy_for_world(world_size: int, **kwargs) -> HeteroStrategy:
+    strategy = HeteroStrategy(**kwargs)
+    strategy.accelerator = CPUAccelerator()
+    strategy.parallel_devices = [torch.device("cpu")] * world_size
+    return strategy
+
+
+@pytest.mark.parametrize(
+    ("world_size", "kwargs", "message"),
+    [
+        (3, {"batch_sizes": [4, 12]}, "`batch_sizes=[4, 12]` has 2 entries but the job has 3 ranks"),
+        (3, {"weights": [1.0, 0.5]}, "`weights=[1.0, 0.5]` has 2 entries but the job has 3 ranks"),
+        (3, {"global_batch_size": 2}, "`global_batch_size=2` is smaller than the world size 3"),
+    ],
+)
+def test_world_size_mistakes_fail_before_the_process_group_starts(world_size, kwargs, message):
+    strategy = _strategy_for_world(world_size, **kwargs)
+    with pytest.raises(ValueError) as error:
+        strategy.setup_environment()  # would initialise the process group next: it must not get there
+    assert message in str(error.value)
+    assert not torch.distributed.is_initialized()
