@@ -16,8 +16,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import psutil
 import torch
 import torch.distributed
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy
@@ -36,7 +38,21 @@ from lightning_hetero.configure import (
     rank_config,
 )
 from lightning_hetero.data import HeteroDataLoader, describe_unsupported_loader, loader_batch_size, rebuild_loader
-from lightning_hetero.plan import SplitPlan, check_split_arguments, loss_weight, resolve_split, split_by_weights
+from lightning_hetero.devices import DeviceFacts, collect_device_facts
+from lightning_hetero.emulate import ENV_VAR as EMULATE_ENV_VAR
+from lightning_hetero.emulate import SlowdownEmulator, check_speeds, speeds_from_environment
+from lightning_hetero.plan import (
+    PlannedSplit,
+    SplitPlan,
+    check_split_arguments,
+    equal_split_time,
+    loss_weight,
+    plan_min_max,
+    predicted_times,
+    resolve_split,
+    split_by_weights,
+)
+from lightning_hetero.profiler import RankProfile, probe_sizes, profile_training_step
 
 # Arguments of DeepSpeedStrategy that only build its default DeepSpeed config: a user config replaces them all.
 _DEFAULT_CONFIG_ARGUMENTS = frozenset(
@@ -51,6 +67,8 @@ _DEFAULT_CONFIG_ARGUMENTS = frozenset(
     }
 )  # fmt: skip
 DEFAULT_STAGE = 2
+# The automatic split stays equal unless the planner predicts at least this gain over the equal split.
+MIN_PREDICTED_GAIN = 0.05
 PLAN_DIRNAME = "hetero"
 
 
@@ -64,12 +82,17 @@ class HeteroStrategy(DeepSpeedStrategy):
             the world size (what DDP would use), or the sum of ``batch_sizes``.
         batch_sizes: each rank's micro-batch, in global rank order; they sum to the global batch.
         weights: relative capability per rank; the global batch is split in proportion (each rank >= 1 sample).
+        emulate_speeds: a test and demo aid: one speed in (0, 1] per rank; a rank with speed ``f`` stretches its
+            local compute to ``1/f`` of its duration (see :mod:`lightning_hetero.emulate`). Also read from the
+            environment variable ``LIGHTNING_HETERO_EMULATE_SPEEDS=1.0,0.4``; the argument wins.
         config: a DeepSpeed config dict or JSON path, as for :class:`DeepSpeedStrategy`. It must not set the
             micro-batch, the train batch or ``gradient_accumulation_steps``; the strategy owns them.
         **kwargs: any other :class:`DeepSpeedStrategy` argument. Those that only build the default DeepSpeed config
             are ignored, with a warning, when ``config`` is given.
 
-    With neither ``batch_sizes`` nor ``weights`` the global batch is split equally.
+    With neither ``batch_sizes`` nor ``weights`` the split is automatic: every rank benchmarks its own training
+    step at fit start, and the planner picks the integer split that minimises the slowest rank's predicted step time
+    within each device's memory.
     """
 
     strategy_name = "hetero"
@@ -81,8 +104,13 @@ class HeteroStrategy(DeepSpeedStrategy):
         batch_sizes: Optional[Sequence[int]] = None,
         weights: Optional[Sequence[float]] = None,
         config: Optional[Union[_PATH, dict[str, Any]]] = None,
+        emulate_speeds: Optional[Sequence[float]] = None,
         **kwargs: Any,
     ) -> None:
+        if emulate_speeds is not None:
+            check_speeds(emulate_speeds)
+        else:
+            emulate_speeds = speeds_from_environment()
         if stage is not None and (isinstance(stage, bool) or stage not in (0, 1, 2, 3)):
             raise ValueError(f"`stage={stage!r}` is not a ZeRO stage. Use 0, 1, 2 or 3 (default {DEFAULT_STAGE}).")
         check_split_arguments(global_batch_size, batch_sizes, weights)
@@ -90,6 +118,8 @@ class HeteroStrategy(DeepSpeedStrategy):
         self.global_batch_size = global_batch_size
         self.batch_sizes = list(batch_sizes) if batch_sizes is not None else None
         self.weights = list(weights) if weights is not None else None
+        self._emulate_speeds = list(emulate_speeds) if emulate_speeds is not None else None
+        self._emulator: Optional[SlowdownEmulator] = None
         if config is not None or self.DEEPSPEED_ENV_VAR in os.environ:
             self._reconcile_user_config(stage, kwargs)
 
@@ -97,6 +127,9 @@ class HeteroStrategy(DeepSpeedStrategy):
         # trainer call (validate, then fit) formats a fresh copy of what the user gave.
         self._base_config = copy.deepcopy(self.config)
         self.plan: Optional[SplitPlan] = None
+        self.profiles: Optional[list[RankProfile]] = None
+        self.prediction: Optional[dict[str, Any]] = None
+        self.device_facts: list[DeviceFacts] = []
         self._user_use_distributed_sampler: Optional[bool] = None
         # (local, global) sample counts of the batch the loop is working on, told by the HeteroDataLoader.
         self._batch_samples: Optional[tuple[int, int]] = None
@@ -143,6 +176,11 @@ class HeteroStrategy(DeepSpeedStrategy):
         # (`world_size` comes from the cluster environment, which is only filled in by setup_distributed.)
         world_size = self.num_nodes * self.num_processes
         resolve_split(world_size, known_global_batch or world_size, self.batch_sizes, self.weights)
+        if self._emulate_speeds is not None and len(self._emulate_speeds) != world_size:
+            raise ValueError(
+                f"`emulate_speeds={self._emulate_speeds}` (or {EMULATE_ENV_VAR}) has {len(self._emulate_speeds)}"
+                f" entries but the job has {world_size} ranks. Give one speed per rank."
+            )
         if self.root_device.type == "cpu":
             # DeepSpeed takes `root_device.index` as its device rank and Lightning checks that the indices count
             # 0..n-1; CPU devices carry no index, so give them one (torch ignores it for tensors).
@@ -151,6 +189,8 @@ class HeteroStrategy(DeepSpeedStrategy):
         self._take_over_distributed_sampling()
         # Skip DeepSpeedStrategy.setup_environment: its only addition is refusing every accelerator but CUDA.
         DDPStrategy.setup_environment(self)
+        if self._emulate_speeds is not None:
+            self._emulator = SlowdownEmulator(self._emulate_speeds[self.global_rank], self.root_device)
 
     def _take_over_distributed_sampling(self) -> None:
         """Keep Lightning from replacing the user's sampler with a shuffling DistributedSampler (we shard)."""
@@ -177,35 +217,82 @@ class HeteroStrategy(DeepSpeedStrategy):
 
     @override
     def _format_config(self) -> None:
+        """Measure, plan, configure: the per-rank DeepSpeed config of this trainer call.
+
+        Two collectives, reached by every rank in the same order whatever its arguments: the first gathers the
+        arguments, device facts and (automatic split) profiles, and checks the arguments agree before anything
+        depends on them; the second checks the finished configs agree.
+        """
         assert self.lightning_module is not None
         self.config = copy.deepcopy(self._base_config)
         trainer = self.lightning_module.trainer
         fitting = trainer.state.fn == TrainerFn.FITTING
+        loader = self._training_loader(trainer) if fitting else None
+        global_batch_size = self._global_batch_size(loader) if fitting else None
+        profile = None
+        if fitting and self.batch_sizes is None and self.weights is None:
+            profile = self._profile(loader, global_batch_size)  # type: ignore[arg-type]
+        facts = collect_device_facts(self.root_device)
+        arguments = {
+            "global_batch_size": global_batch_size,
+            "batch_sizes": self.batch_sizes,
+            "weights": self.weights,
+            "emulate_speeds": self._emulate_speeds,
+        }
+        gathered = self._all_gather({"arguments": arguments, "facts": facts.to_dict(), "profile": profile})
+        _raise_if_arguments_differ([entry["arguments"] for entry in gathered])
+        self.device_facts = [DeviceFacts.from_dict(entry["facts"]) for entry in gathered]
         if fitting:
-            self.plan = self._resolve_plan(trainer)
+            assert global_batch_size is not None
+            self.profiles = [RankProfile.from_dict(e["profile"]) for e in gathered] if profile is not None else None
+            self.plan, self.prediction = self._decide_split(global_batch_size)
+
         micro_batch = self.plan.batch_sizes[self.global_rank] if self.plan is not None else 1
         self.config["train_micro_batch_size_per_gpu"] = micro_batch
         super()._format_config()
         self.config = rank_config(self.config, micro_batch)
-        devices = self._agree_on_config()
-        if fitting and self.plan is not None:
-            self._report_plan(trainer, devices)
+        configs = self._all_gather(self.config)
+        lines = config_disagreements(configs)
+        if lines:
+            raise ValueError(disagreement_message(lines))
+        if fitting:
+            self._report_plan(trainer)
 
-    def _resolve_plan(self, trainer: Any) -> SplitPlan:
-        global_batch_size = self.global_batch_size
-        if global_batch_size is None and self.batch_sizes is not None:
-            global_batch_size = sum(self.batch_sizes)
-        if global_batch_size is None:
-            global_batch_size = self._global_batch_from_loader(trainer)
-        return resolve_split(self.world_size, global_batch_size, self.batch_sizes, self.weights)
+    def _decide_split(self, global_batch_size: int) -> tuple[SplitPlan, Optional[dict[str, Any]]]:
+        if self.profiles is None:
+            return resolve_split(self.world_size, global_batch_size, self.batch_sizes, self.weights), None
+        resolve_split(self.world_size, global_batch_size)  # the global batch must give every rank a sample
+        costs = [profile.cost_model() for profile in self.profiles]
+        planned = plan_min_max(costs, global_batch_size)
+        equal_time = equal_split_time(costs, global_batch_size)
+        source = "auto"
+        if planned.speedup_over(equal_time) < 1 + MIN_PREDICTED_GAIN:
+            # Within measurement noise of equal devices: an uneven split would only chase noise.
+            equal = tuple(split_by_weights(global_batch_size, [1.0] * self.world_size))
+            planned = PlannedSplit(equal, equal_time, predicted_times(costs, equal))
+            source = f"auto: equal, predicted gain < {MIN_PREDICTED_GAIN:.0%}"
+        prediction = {
+            "step_seconds": planned.predicted_step_time,
+            "rank_step_seconds": list(planned.predicted_times),
+            "equal_split_step_seconds": equal_time,
+            "speedup": planned.speedup_over(equal_time),
+        }
+        return SplitPlan(planned.batch_sizes, source=source), prediction
 
-    def _global_batch_from_loader(self, trainer: Any) -> int:
+    def _training_loader(self, trainer: Any) -> Any:
         source = trainer.fit_loop._data_source
         loader = source.dataloader() if source.is_defined() else None
         if isinstance(loader, DataLoader):
             problem = describe_unsupported_loader(loader, "training loader")
             if problem:
                 raise ValueError(problem)
+        return loader
+
+    def _global_batch_size(self, loader: Any) -> int:
+        if self.global_batch_size is not None:
+            return self.global_batch_size
+        if self.batch_sizes is not None:
+            return sum(self.batch_sizes)
         batch_size = loader_batch_size(loader) if isinstance(loader, DataLoader) else None
         if batch_size is None:
             raise ValueError(
@@ -215,41 +302,93 @@ class HeteroStrategy(DeepSpeedStrategy):
             )
         return batch_size * self.world_size
 
-    def _agree_on_config(self) -> list[str]:
-        """Gather every rank's config and device; raise on every rank if a shared setting differs."""
-        assert self.config is not None
-        mine = {"config": self.config, "device": _describe_device(self.root_device)}
-        if self.world_size == 1:
-            return [mine["device"]]
-        gathered: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(gathered, mine)
-        lines = config_disagreements([entry["config"] for entry in gathered])
-        if lines:
-            raise ValueError(disagreement_message(lines))
-        return [entry["device"] for entry in gathered]
+    def _profile(self, loader: Any, global_batch_size: int) -> dict[str, Any]:
+        """Benchmark this rank's training step (local compute only) for the automatic split."""
+        if not isinstance(loader, DataLoader):
+            raise ValueError(
+                f"The automatic split profiles the model on samples of the training DataLoader, got"
+                f" {type(loader).__name__}. Pass `batch_sizes=[...]` or `weights=[...]`."
+            )
+        module = self.lightning_module
+        assert module is not None
+        module.to(self.root_device)  # DeepSpeed would move it there next anyway
+        dataset, collate = loader.dataset, loader.collate_fn
 
-    def _report_plan(self, trainer: Any, devices: list[str]) -> None:
+        def make_batch(size: int) -> Any:
+            batch = collate([dataset[i % len(dataset)] for i in range(size)])
+            return move_data_to_device(batch, self.root_device)
+
+        if self.root_device.type == "cuda":
+            free_bytes: Optional[float] = float(torch.cuda.mem_get_info(self.root_device)[0])
+        else:
+            free_bytes = float(psutil.virtual_memory().available)
+        profile = profile_training_step(
+            module,
+            make_batch,
+            probe_sizes(global_batch_size, self.world_size),
+            self.root_device,
+            emulator=self._emulator,
+            free_bytes=free_bytes,
+        )
+        return profile.to_dict()
+
+    def _all_gather(self, obj: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [obj]
+        gathered: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(gathered, obj)
+        return gathered
+
+    def _report_plan(self, trainer: Any) -> None:
+        """Rank 0 prints the plan table; every rank writes its config (and rank 0 the whole plan) as JSON."""
         assert self.plan is not None and self.config is not None
-        rows = [
-            {"rank": rank, "device": device, "micro_batch": size, "share": f"{share:.1%}"}
-            for rank, (device, size, share) in enumerate(zip(devices, self.plan.batch_sizes, self.plan.shares()))
-        ]
+        rows = []
+        for rank, (facts, size, share) in enumerate(zip(self.device_facts, self.plan.batch_sizes, self.plan.shares())):
+            row = {"rank": rank, "device": facts.describe(), "micro_batch": size, "share": f"{share:.1%}"}
+            if self.profiles is not None and self.prediction is not None:
+                row["throughput"] = f"{self.profiles[rank].throughput(size):.0f}"
+                row["step"] = f"{self.prediction['rank_step_seconds'][rank] * 1e3:.1f}"
+            rows.append(row)
         log_dir = Path(trainer.log_dir or trainer.default_root_dir) / PLAN_DIRNAME  # log_dir broadcasts: all ranks
         log_dir.mkdir(parents=True, exist_ok=True)
+        plan = {
+            "source": self.plan.source,
+            "global_batch_size": self.plan.global_batch_size,
+            "batch_sizes": list(self.plan.batch_sizes),
+            "prediction": self.prediction,
+            "emulate_speeds": self._emulate_speeds,
+        }
         record = {
             "rank": self.global_rank,
-            "device": devices[self.global_rank],
-            "plan": {"source": self.plan.source, "global_batch_size": self.plan.global_batch_size, "batch_sizes": list(self.plan.batch_sizes)},
+            "device": self.device_facts[self.global_rank].to_dict(),
+            "plan": plan,
             "loss_weight": self.plan.loss_weight(self.global_rank),
+            "profile": self.profiles[self.global_rank].to_dict() if self.profiles else None,
             "deepspeed_config": self.config,
         }
         (log_dir / f"rank_{self.global_rank}.json").write_text(json.dumps(record, indent=2, default=str))
-        table = format_plan_table(
-            rows, [("rank", "rank"), ("device", "device"), ("micro_batch", "micro-batch"), ("share", "share")]
-        )
+        if not self.is_global_zero:
+            return
+        everything = {
+            **plan,
+            "devices": [facts.to_dict() for facts in self.device_facts],
+            "profiles": [profile.to_dict() for profile in self.profiles] if self.profiles else None,
+        }
+        (log_dir / "plan.json").write_text(json.dumps(everything, indent=2, default=str))
+        columns = [("rank", "rank"), ("device", "device"), ("micro_batch", "micro-batch"), ("share", "share")]
+        summary = ""
+        if self.profiles is not None and self.prediction is not None:
+            columns += [("throughput", "samples/s"), ("step", "step ms")]
+            summary = (
+                f"\npredicted step: {self.prediction['step_seconds'] * 1e3:.1f} ms with this split,"
+                f" {self.prediction['equal_split_step_seconds'] * 1e3:.1f} ms with an equal split"
+                f" (speedup {self.prediction['speedup']:.2f}x); profiling took"
+                f" {max(p.wall_seconds for p in self.profiles):.2f} s"
+            )
+        stage = self.config.get("zero_optimization", {}).get("stage", 0)
         rank_zero_info(
-            f"HeteroStrategy plan ({self.plan.source}): global batch {self.plan.global_batch_size},"
-            f" ZeRO stage {self.config.get('zero_optimization', {}).get('stage', 0)}\n{table}\nwritten to {log_dir}"
+            f"HeteroStrategy plan ({self.plan.source}): global batch {self.plan.global_batch_size}, ZeRO stage {stage}\n"
+            f"{format_plan_table(rows, columns)}{summary}\nwritten to {log_dir}"
         )
 
     # ------------------------------------------------------------------ data
@@ -299,8 +438,12 @@ class HeteroStrategy(DeepSpeedStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         # DeepSpeed averages ranks equally; weighting the loss makes that average the full-batch mean.
-        super().backward(closure_loss * self.current_loss_weight(), optimizer, *args, **kwargs)
+        with self._emulated():
+            super().backward(closure_loss * self.current_loss_weight(), optimizer, *args, **kwargs)
         return closure_loss
+
+    def _emulated(self) -> contextlib.AbstractContextManager:
+        return self._emulator.slowed() if self._emulator is not None else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def _weighted_sync(self) -> Iterator[None]:
@@ -312,7 +455,7 @@ class HeteroStrategy(DeepSpeedStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._weighted_sync():
+        with self._weighted_sync(), self._emulated():
             return super().training_step(*args, **kwargs)
 
     @override
@@ -350,9 +493,12 @@ class HeteroStrategy(DeepSpeedStrategy):
         return (packed[:-1] / packed[-1]).reshape(tensor.shape).to(tensor.dtype if tensor.is_floating_point() else torch.float32)
 
 
-def _describe_device(device: torch.device) -> str:
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return f"cuda:{index} {torch.cuda.get_device_name(index)}"
-    threads = torch.get_num_threads()
-    return f"cpu ({threads} thread{'s' if threads != 1 else ''})"
+
+def _raise_if_arguments_differ(arguments: list[dict[str, Any]]) -> None:
+    differing = sorted(key for key in arguments[0] if any(other.get(key) != arguments[0][key] for other in arguments))
+    if differing:
+        per_rank = "; ".join(f"{key}: " + ", ".join(f"rank {r}: {a.get(key)}" for r, a in enumerate(arguments)) for key in differing)
+        raise ValueError(
+            f"HeteroStrategy was built with different arguments on different ranks ({per_rank})."
+            " Every rank must run the same script with the same arguments (and the same training loader batch size)."
+        )

@@ -1,0 +1,87 @@
+"""Heterogeneity emulation: make identical hardware behave like slower devices (a test and demo aid).
+
+A rank with speed ``f`` (0 < f <= 1) sleeps ``(1/f - 1)`` times the local compute it just did, so its forward and
+backward take ``1/f`` as long, in proportion to its own batch. Only local compute is stretched: the clock is this
+thread's CPU time on CPU, which does not advance while the thread blocks in a gloo collective, so time spent
+waiting for other ranks is not multiplied. On CUDA the clock is synchronised wall time; there, ZeRO-2/3 backward
+passes contain gradient reduction, which is stretched too (ZeRO-0/1 communicate outside forward and backward).
+
+The profiler is not told the factors: it measures the stretched compute like any other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from collections.abc import Iterator, Sequence
+from typing import Callable, Optional
+
+import torch
+
+ENV_VAR = "LIGHTNING_HETERO_EMULATE_SPEEDS"
+
+
+def parse_speeds(text: str, source: str = ENV_VAR) -> tuple[float, ...]:
+    """``"1.0,0.4"`` -> ``(1.0, 0.4)``, checked."""
+    try:
+        speeds = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(
+            f"`{source}={text!r}` is not a comma-separated list of numbers. Example: `{source}=1.0,0.4`."
+        ) from None
+    check_speeds(speeds, source)
+    return speeds
+
+
+def check_speeds(speeds: Sequence[float], source: str = "emulate_speeds") -> None:
+    if len(speeds) == 0:
+        raise ValueError(f"`{source}` is empty: give one speed per rank, e.g. [1.0, 0.4].")
+    bad = [s for s in speeds if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s)]
+    bad += [s for s in speeds if s not in bad and not 0 < s <= 1]
+    if bad:
+        raise ValueError(
+            f"`{source}={list(speeds)}` holds {bad}: each speed must be in (0, 1] (1.0 = this hardware, 0.4 = 2.5x"
+            " slower). Emulation can only slow a rank down; scale the list so the fastest rank is 1.0."
+        )
+
+
+def speeds_from_environment() -> Optional[tuple[float, ...]]:
+    text = os.environ.get(ENV_VAR, "").strip()
+    return parse_speeds(text) if text else None
+
+
+def compute_clock(device: torch.device) -> Callable[[], float]:
+    """A clock that advances with this rank's local compute only (see the module docstring)."""
+    if device.type == "cuda":
+
+        def cuda_clock() -> float:
+            torch.cuda.synchronize(device)
+            return time.perf_counter()
+
+        return cuda_clock
+    # With one intra-op thread all compute runs on this thread; with more, the process's CPU time counts the
+    # OpenMP workers too (and a little gloo work, which is why one thread is preferred).
+    return time.thread_time if torch.get_num_threads() == 1 else time.process_time
+
+
+class SlowdownEmulator:
+    """Stretches the local compute inside :meth:`slowed` blocks to ``1/speed`` of its duration."""
+
+    def __init__(self, speed: float, device: torch.device) -> None:
+        check_speeds([speed])
+        self.speed = speed
+        self._clock = compute_clock(device)
+        self.added_seconds = 0.0
+
+    @contextlib.contextmanager
+    def slowed(self) -> Iterator[None]:
+        start = self._clock()
+        try:
+            yield
+        finally:
+            extra = (1.0 / self.speed - 1.0) * max(0.0, self._clock() - start)
+            if extra > 0:
+                time.sleep(extra)
+                self.added_seconds += extra

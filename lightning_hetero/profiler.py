@@ -1,0 +1,251 @@
+"""Measure: a short benchmark of the user's own training step on this rank, giving a cost model and a memory ceiling.
+
+Forward + backward of ``training_step`` on real samples at a few micro-batch sizes, after warm-up, on a plain local
+module (before DeepSpeed wraps it), so it measures local compute and never waits in a collective. Everything it
+touches is put back: parameters and buffers (BatchNorm statistics), gradients, and the random number generators
+(dropout, augmentations), so a profiled run trains exactly like an unprofiled one with the same split. It reads
+samples from the dataset directly, never through the sampler, so the data order is untouched.
+
+The fitting and sizing decisions are pure functions below; :func:`profile_training_step` is the measuring part.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import statistics
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from lightning_hetero.emulate import SlowdownEmulator
+from lightning_hetero.plan import CostModel
+
+# Fraction of the free memory a plan may fill: activations are not the only allocations (fragmentation, workspace).
+MEMORY_HEADROOM = 0.8
+
+
+@dataclass(frozen=True)
+class RankProfile:
+    """What one rank measured: step time per probed micro-batch and the fitted cost model."""
+
+    batch_sizes: tuple[int, ...]
+    seconds: tuple[float, ...]  # median forward+backward time per probed size
+    fixed_seconds: float
+    seconds_per_sample: float
+    max_batch: Optional[int]  # memory ceiling; None = no limit found
+    bytes_per_sample: Optional[float]
+    wall_seconds: float  # what profiling cost on this rank
+
+    def cost_model(self) -> CostModel:
+        return CostModel(fixed=self.fixed_seconds, per_sample=self.seconds_per_sample, max_batch=self.max_batch)
+
+    def throughput(self, batch_size: int) -> float:
+        """Predicted samples per second of local compute at ``batch_size``."""
+        return batch_size / self.cost_model().time(batch_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RankProfile:
+        return cls(**{**data, "batch_sizes": tuple(data["batch_sizes"]), "seconds": tuple(data["seconds"])})
+
+
+def probe_sizes(global_batch_size: int, world_size: int) -> list[int]:
+    """Micro-batch sizes to time: around the equal share, wide enough to separate fixed from per-sample cost."""
+    share = max(1, global_batch_size // world_size)
+    return sorted({max(1, share // 2), share, max(2, 2 * share)})
+
+
+def fit_linear_cost(batch_sizes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
+    """Least-squares ``seconds = fixed + per_sample * batch``, with ``fixed >= 0`` and ``per_sample > 0``.
+
+    Timing noise can make the unconstrained fit's intercept negative (or, at tiny sizes, the slope); then the
+    constrained optimum lies on that boundary and is refitted there.
+    """
+    if len(batch_sizes) != len(seconds) or len(set(batch_sizes)) < 2:
+        raise ValueError(f"need timings at two or more distinct batch sizes, got {list(batch_sizes)}")
+    n = len(batch_sizes)
+    mean_b = sum(batch_sizes) / n
+    mean_t = sum(seconds) / n
+    covariance = sum((b - mean_b) * (t - mean_t) for b, t in zip(batch_sizes, seconds))
+    variance = sum((b - mean_b) ** 2 for b in batch_sizes)
+    per_sample = covariance / variance
+    fixed = mean_t - per_sample * mean_b
+    if fixed < 0:  # through the origin
+        fixed, per_sample = 0.0, sum(b * t for b, t in zip(batch_sizes, seconds)) / sum(b * b for b in batch_sizes)
+    smallest_positive = max(mean_t, 1e-9) * 1e-6 / max(batch_sizes)
+    if per_sample <= 0:  # flat in batch size: all cost is fixed; keep a tiny slope so more samples never look free
+        fixed, per_sample = mean_t, smallest_positive
+    return fixed, max(per_sample, smallest_positive)
+
+
+def memory_ceiling(bytes_per_sample: Optional[float], free_bytes: Optional[float]) -> Optional[int]:
+    """The largest micro-batch whose activations fit in ``MEMORY_HEADROOM`` of the free memory (None: unknown)."""
+    if not bytes_per_sample or bytes_per_sample <= 0 or free_bytes is None:
+        return None
+    return max(0, math.floor(free_bytes * MEMORY_HEADROOM / bytes_per_sample))
+
+
+class _NoOptimizer:
+    """Stands in for ``self.optimizers()`` while profiling a manual-optimization step: nothing may be updated."""
+
+    def zero_grad(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def step(self, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> None:
+        if closure is not None:
+            closure()
+
+
+@contextlib.contextmanager
+def _training_step_in_isolation(module: nn.Module) -> Iterator[None]:
+    """Run ``training_step`` outside Lightning's loop: logging and optimizer calls become no-ops, backward is plain."""
+
+    def no_op(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    stubs = {
+        "log": no_op,
+        "log_dict": no_op,
+        "optimizers": lambda *args, **kwargs: _NoOptimizer(),
+        "lr_schedulers": lambda *args, **kwargs: None,
+        "manual_backward": lambda loss, *args, **kwargs: loss.backward(),
+        "toggle_optimizer": no_op,
+        "untoggle_optimizer": no_op,
+    }
+    shadowed = {name: module.__dict__[name] for name in stubs if name in module.__dict__}
+    module.__dict__.update(stubs)  # instance attributes shadow the methods
+    try:
+        yield
+    finally:
+        for name in stubs:
+            module.__dict__.pop(name, None)
+        module.__dict__.update(shadowed)
+
+
+@contextlib.contextmanager
+def preserved_training_state(module: nn.Module, device: torch.device) -> Iterator[None]:
+    """Put parameters, buffers, gradients and every RNG back as they were."""
+    saved_tensors = {name: tensor.detach().clone() for name, tensor in module.state_dict(keep_vars=True).items()}
+    saved_grads = {name: (p.grad.detach().clone() if p.grad is not None else None) for name, p in module.named_parameters()}
+    python_rng = random.getstate()
+    torch_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    numpy_rng = _numpy_rng_state()
+    was_training = module.training
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, tensor in module.state_dict(keep_vars=True).items():
+                tensor.copy_(saved_tensors[name])
+        for name, p in module.named_parameters():
+            p.grad = saved_grads[name]
+        random.setstate(python_rng)
+        torch.set_rng_state(torch_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, device)
+        if numpy_rng is not None:
+            import numpy
+
+            numpy.random.set_state(numpy_rng)
+        module.train(was_training)
+
+
+def _numpy_rng_state() -> Any:
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy.random.get_state()
+
+
+def _loss_of(output: Any) -> Optional[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict):
+        return output.get("loss")
+    return None
+
+
+def profile_training_step(
+    module: nn.Module,
+    make_batch: Callable[[int], Any],
+    batch_sizes: Sequence[int],
+    device: torch.device,
+    warmup: int = 2,
+    repeats: int = 5,
+    emulator: Optional[SlowdownEmulator] = None,
+    free_bytes: Optional[float] = None,
+) -> RankProfile:
+    """Time forward + backward of ``module.training_step`` at each size (median of ``repeats`` after ``warmup``).
+
+    ``make_batch(n)`` returns a batch of ``n`` samples already on ``device``. Activation memory per sample is the
+    growth of what autograd saves for backward between sizes; with ``free_bytes`` it gives the memory ceiling. A
+    CUDA out-of-memory at a size caps the ceiling below it and stops the probing there.
+    """
+    started = time.perf_counter()
+    slowed = emulator.slowed if emulator is not None else contextlib.nullcontext
+    synchronize = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    timed_sizes: list[int] = []
+    medians: list[float] = []
+    saved_bytes: list[float] = []
+    oom_at: Optional[int] = None
+    with preserved_training_state(module, device), _training_step_in_isolation(module):
+        module.train()
+        for size in sorted(batch_sizes):
+            try:
+                batch = make_batch(size)
+                samples: list[float] = []
+                for attempt in range(warmup + repeats):
+                    bytes_saved = [0]
+
+                    def pack(tensor: torch.Tensor) -> torch.Tensor:
+                        bytes_saved[0] += tensor.numel() * tensor.element_size()
+                        return tensor
+
+                    synchronize()
+                    begin = time.perf_counter()
+                    with slowed(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                        loss = _loss_of(module.training_step(batch, 0))
+                        if loss is not None and loss.requires_grad:
+                            loss.backward()
+                    synchronize()
+                    if attempt >= warmup:
+                        samples.append(time.perf_counter() - begin)
+                    module.zero_grad(set_to_none=True)
+                timed_sizes.append(size)
+                medians.append(statistics.median(samples))
+                saved_bytes.append(float(bytes_saved[0]))
+            except torch.cuda.OutOfMemoryError:
+                oom_at = size
+                module.zero_grad(set_to_none=True)
+                torch.cuda.empty_cache()
+                break
+    if len(timed_sizes) < 2:
+        raise RuntimeError(
+            f"HeteroStrategy's profiler could time only micro-batch sizes {timed_sizes} on {device}"
+            f"{f' (out of memory at {oom_at})' if oom_at else ''}. Give `batch_sizes=[...]` or `weights=[...]`"
+            " instead of the automatic split, or a smaller global batch."
+        )
+    fixed, per_sample = fit_linear_cost(timed_sizes, medians)
+    bytes_per_sample = (saved_bytes[-1] - saved_bytes[0]) / (timed_sizes[-1] - timed_sizes[0]) or None
+    ceiling = memory_ceiling(bytes_per_sample, free_bytes)
+    if oom_at is not None:
+        ceiling = min(ceiling, oom_at - 1) if ceiling is not None else oom_at - 1
+    return RankProfile(
+        batch_sizes=tuple(timed_sizes),
+        seconds=tuple(medians),
+        fixed_seconds=fixed,
+        seconds_per_sample=per_sample,
+        max_batch=ceiling,
+        bytes_per_sample=bytes_per_sample,
+        wall_seconds=time.perf_counter() - started,
+    )
