@@ -43,7 +43,7 @@ class SpiralDataModule(LightningDataModule):
 
 
 class SpiralClassifier(LightningModule):
-    def __init__(self, hidden: int = 256, lr: float = 3e-3) -> None:
+    def __init__(self, hidden: int = 1024, lr: float = 1e-3) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.network = nn.Sequential(

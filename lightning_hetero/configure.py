@@ -31,8 +31,15 @@ def check_user_config(config: Mapping[str, Any]) -> None:
             " micro-batch. Remove the key and use `HeteroStrategy(global_batch_size=..., batch_sizes=[...])`."
         )
     zero = config.get("zero_optimization", {})
-    stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
-    if stage not in (0, 1, 2, 3):
+    if not isinstance(zero, Mapping):
+        # DeepSpeed still reads a bare bool as a deprecated stage switch, but Lightning and the strategy index the
+        # section as a dict (`zero_optimization.stage`) and would fail later with an AttributeError.
+        raise ValueError(
+            f"The DeepSpeed config sets `zero_optimization={zero!r}`; it must be a dict such as"
+            ' `{"stage": 2}`.'
+        )
+    stage = zero.get("stage", 0)
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise ValueError(
             f"The DeepSpeed config sets `zero_optimization.stage={stage!r}`; ZeRO stages are 0, 1, 2 and 3."
         )

@@ -10,12 +10,22 @@ settings) and counts the batches it hands to the loop, which is what a checkpoin
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
+from torch.utils.data.distributed import DistributedSampler
 
 from lightning_hetero.plan import split_by_weights
 
@@ -26,6 +36,9 @@ STATE_SAMPLES_CONSUMED = "global_samples_consumed"
 STATE_NUM_SAMPLES = "num_samples"
 STATE_SEED = "seed"
 _STATE_KEYS = (STATE_EPOCH, STATE_SAMPLES_CONSUMED, STATE_NUM_SAMPLES, STATE_SEED)
+# torch's samplers that draw from their `generator` (or, without one, from the global RNG, which drifts apart between
+# ranks): GlobalOrder iterates a copy seeded with ``seed + epoch`` so that every rank draws the same order.
+_SEEDED_SAMPLERS = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
 
 
 @dataclass(frozen=True)
@@ -76,8 +89,9 @@ def epoch_steps(num_samples: int, batch_sizes: Sequence[int], drop_last: bool, s
 class GlobalOrder(Sampler[int]):
     """The user's sampler made identical on every rank, with a new order per epoch where it shuffles.
 
-    A ``RandomSampler`` draws from a generator seeded with ``seed + epoch`` (its other settings are kept); any
-    other sampler is iterated as it is and must itself give every rank the same order (``set_epoch`` is forwarded).
+    A ``RandomSampler``, ``SubsetRandomSampler`` or ``WeightedRandomSampler`` draws from a generator seeded with
+    ``seed + epoch`` (its other settings are kept); any other sampler is iterated as it is and must itself give every
+    rank the same order (``set_epoch`` is forwarded).
     """
 
     def __init__(self, sampler: Sampler, seed: int = 0) -> None:
@@ -92,16 +106,15 @@ class GlobalOrder(Sampler[int]):
 
     @property
     def shuffles(self) -> bool:
-        return isinstance(self.user_sampler, RandomSampler)
+        return isinstance(self.user_sampler, _SEEDED_SAMPLERS)
 
     def __iter__(self) -> Iterator[int]:
         sampler = self.user_sampler
-        if isinstance(sampler, RandomSampler):
+        if isinstance(sampler, _SEEDED_SAMPLERS):
             generator = torch.Generator()
             generator.manual_seed(self.seed + self.epoch)
-            sampler = RandomSampler(
-                sampler.data_source, replacement=sampler.replacement, num_samples=sampler.num_samples, generator=generator
-            )
+            sampler = copy.copy(sampler)  # same settings, our generator; the user's sampler is left untouched
+            sampler.generator = generator
         return iter(sampler)
 
     def __len__(self) -> int:
@@ -257,6 +270,12 @@ def describe_unsupported_loader(dataloader: DataLoader, name: str) -> Optional[s
         return (
             f"The {name} has a custom `batch_sampler` ({type(batch_sampler).__name__}). HeteroStrategy forms the"
             " global batches itself; give the loader a `sampler` (the order) and a `batch_size` instead."
+        )
+    if isinstance(batch_sampler.sampler, DistributedSampler):
+        return (
+            f"The {name} uses a {type(batch_sampler.sampler).__name__}, which gives every rank a different shard;"
+            " HeteroStrategy needs the same order on every rank and shards it itself. Use `shuffle=True` (or the"
+            " sampler you would wrap) instead of the DistributedSampler."
         )
     return None
 

@@ -6,6 +6,10 @@ thread's CPU time on CPU, which does not advance while the thread blocks in a gl
 waiting for other ranks is not multiplied. On CUDA the clock is synchronised wall time; there, ZeRO-2/3 backward
 passes contain gradient reduction, which is stretched too (ZeRO-0/1 communicate outside forward and backward).
 
+DeepSpeed's own host-side work inside backward (ZeRO-2/3 gradient bucketing in the gradient hooks, the
+post-backward reduction) is not compute of the emulated device, so the strategy excludes it (:meth:`excluded`):
+otherwise a slow rank would pay a stretched per-parameter overhead that no profile of the model can see.
+
 The profiler is not told the factors: it measures the stretched compute like any other.
 """
 
@@ -74,14 +78,40 @@ class SlowdownEmulator:
         self.speed = speed
         self._clock = compute_clock(device)
         self.added_seconds = 0.0
+        self._excluded_seconds = 0.0
 
     @contextlib.contextmanager
     def slowed(self) -> Iterator[None]:
+        start, wall_start, excluded_before = self._clock(), time.perf_counter(), self._excluded_seconds
+        try:
+            yield
+        finally:
+            # The process's CPU time counts every intra-op thread: parallel compute is not longer than its wall time.
+            compute = min(self._clock() - start, time.perf_counter() - wall_start)
+            compute -= self._excluded_seconds - excluded_before
+            extra = (1.0 / self.speed - 1.0) * max(0.0, compute)
+            if extra > 0:
+                time.sleep(extra)
+                self.added_seconds += extra
+
+    @contextlib.contextmanager
+    def excluded(self) -> Iterator[None]:
+        """Work inside a :meth:`slowed` block that a slower device would not do slower (host-side bookkeeping)."""
         start = self._clock()
         try:
             yield
         finally:
-            extra = (1.0 / self.speed - 1.0) * max(0.0, self._clock() - start)
-            if extra > 0:
-                time.sleep(extra)
-                self.added_seconds += extra
+            self._excluded_seconds += self._clock() - start
+
+    def exclude_method(self, owner: object, name: str) -> bool:
+        """Wrap ``owner.name`` (an instance attribute shadows the method) in :meth:`excluded`; False if absent."""
+        method = getattr(owner, name, None)
+        if not callable(method):
+            return False
+
+        def wrapper(*args: object, **kwargs: object) -> object:
+            with self.excluded():
+                return method(*args, **kwargs)
+
+        setattr(owner, name, wrapper)
+        return True

@@ -12,6 +12,7 @@ The fitting and sizing decisions are pure functions below; :func:`profile_traini
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import random
 import statistics
@@ -104,6 +105,13 @@ class _NoOptimizer:
             closure()
 
 
+class _NoScheduler:
+    """Stands in for ``self.lr_schedulers()`` while profiling: a manual step may call ``sch.step()``."""
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
 @contextlib.contextmanager
 def _training_step_in_isolation(module: nn.Module) -> Iterator[None]:
     """Run ``training_step`` outside Lightning's loop: logging and optimizer calls become no-ops, backward is plain."""
@@ -115,7 +123,7 @@ def _training_step_in_isolation(module: nn.Module) -> Iterator[None]:
         "log": no_op,
         "log_dict": no_op,
         "optimizers": lambda *args, **kwargs: _NoOptimizer(),
-        "lr_schedulers": lambda *args, **kwargs: None,
+        "lr_schedulers": lambda *args, **kwargs: _NoScheduler(),
         "manual_backward": lambda loss, *args, **kwargs: loss.backward(),
         "toggle_optimizer": no_op,
         "untoggle_optimizer": no_op,
@@ -133,18 +141,22 @@ def _training_step_in_isolation(module: nn.Module) -> Iterator[None]:
 @contextlib.contextmanager
 def preserved_training_state(module: nn.Module, device: torch.device) -> Iterator[None]:
     """Put parameters, buffers, gradients and every RNG back as they were."""
-    saved_tensors = {name: tensor.detach().clone() for name, tensor in module.state_dict(keep_vars=True).items()}
+    # Parameters and all buffers, non-persistent ones too (which state_dict leaves out).
+    saved_tensors = {
+        name: tensor.detach().clone() for name, tensor in itertools.chain(module.named_parameters(), module.named_buffers())
+    }
     saved_grads = {name: (p.grad.detach().clone() if p.grad is not None else None) for name, p in module.named_parameters()}
     python_rng = random.getstate()
     torch_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     numpy_rng = _numpy_rng_state()
-    was_training = module.training
+    # Every submodule's own mode: Lightning trains frozen submodules (e.g. a BatchNorm in eval) as the user left them.
+    modes = [(submodule, submodule.training) for submodule in module.modules()]
     try:
         yield
     finally:
         with torch.no_grad():
-            for name, tensor in module.state_dict(keep_vars=True).items():
+            for name, tensor in itertools.chain(module.named_parameters(), module.named_buffers()):
                 tensor.copy_(saved_tensors[name])
         for name, p in module.named_parameters():
             p.grad = saved_grads[name]
@@ -156,7 +168,8 @@ def preserved_training_state(module: nn.Module, device: torch.device) -> Iterato
             import numpy
 
             numpy.random.set_state(numpy_rng)
-        module.train(was_training)
+        for submodule, training in modes:
+            submodule.training = training
 
 
 def _numpy_rng_state() -> Any:
@@ -184,10 +197,13 @@ def profile_training_step(
     repeats: int = 5,
     emulator: Optional[SlowdownEmulator] = None,
     free_bytes: Optional[float] = None,
+    time_batch_assembly: bool = False,
 ) -> RankProfile:
     """Time forward + backward of ``module.training_step`` at each size (median of ``repeats`` after ``warmup``).
 
-    ``make_batch(n)`` returns a batch of ``n`` samples already on ``device``. Activation memory per sample is the
+    ``make_batch(n)`` returns a batch of ``n`` samples already on ``device``. With ``time_batch_assembly`` it is
+    called, and timed, in every attempt: when the loader has no workers, reading and collating samples happens on
+    the training thread and grows with the micro-batch like compute does. Activation memory per sample is the
     growth of what autograd saves for backward between sizes; with ``free_bytes`` it gives the memory ceiling. A
     CUDA out-of-memory at a size caps the ceiling below it and stops the probing there.
     """
@@ -198,6 +214,8 @@ def profile_training_step(
     medians: list[float] = []
     saved_bytes: list[float] = []
     oom_at: Optional[int] = None
+    # Manual optimization: training_step does its own (stubbed) manual_backward; a second backward would fail.
+    automatic = getattr(module, "automatic_optimization", True)
     with preserved_training_state(module, device), _training_step_in_isolation(module):
         module.train()
         for size in sorted(batch_sizes):
@@ -213,9 +231,11 @@ def profile_training_step(
 
                     synchronize()
                     begin = time.perf_counter()
+                    if time_batch_assembly and attempt > 0:
+                        batch = make_batch(size)  # not slowed: loading runs on the host, whatever the device
                     with slowed(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
                         loss = _loss_of(module.training_step(batch, 0))
-                        if loss is not None and loss.requires_grad:
+                        if automatic and loss is not None and loss.requires_grad:
                             loss.backward()
                     synchronize()
                     if attempt >= warmup:

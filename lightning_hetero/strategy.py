@@ -258,6 +258,16 @@ class HeteroStrategy(DeepSpeedStrategy):
         if fitting:
             self._report_plan(trainer)
 
+    @override
+    def init_deepspeed(self) -> None:
+        super().init_deepspeed()
+        if self._emulator is not None:
+            # DeepSpeed's gradient bookkeeping runs on the host at host speed, whatever the emulated device.
+            engine = self.deepspeed_engine
+            self._emulator.exclude_method(engine, "allreduce_gradients")
+            if engine.optimizer is not None:
+                self._emulator.exclude_method(engine.optimizer, "reduce_ready_partitions_and_remove_grads")
+
     def _decide_split(self, global_batch_size: int) -> tuple[SplitPlan, Optional[dict[str, Any]]]:
         if self.profiles is None:
             return resolve_split(self.world_size, global_batch_size, self.batch_sizes, self.weights), None
@@ -329,6 +339,7 @@ class HeteroStrategy(DeepSpeedStrategy):
             self.root_device,
             emulator=self._emulator,
             free_bytes=free_bytes,
+            time_batch_assembly=loader.num_workers == 0,
         )
         return profile.to_dict()
 

@@ -1,0 +1,197 @@
+"""Unit tests for lightning_hetero.configure: per-rank DeepSpeed configs and the check that shared settings agree."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from lightning_hetero.configure import (
+    PER_RANK_KEYS,
+    check_user_config,
+    config_disagreements,
+    config_fingerprint,
+    disagreement_message,
+    format_plan_table,
+    rank_config,
+    shared_settings,
+)
+
+BASE = {
+    "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8, "offload_optimizer": {"device": "cpu"}},
+    "bf16": {"enabled": True},
+    "gradient_clipping": 1.0,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.999]}},
+}
+
+# ---------------------------------------------------------------------------------------------- check_user_config
+
+
+@pytest.mark.parametrize(
+    ("config", "mentions"),
+    [
+        ({"gradient_accumulation_steps": 4}, ["gradient_accumulation_steps=4", "accumulate_grad_batches"]),
+        ({"train_batch_size": 64}, ["train_batch_size=64", "batch_sizes"]),
+        ({"train_micro_batch_size_per_gpu": 8}, ["train_micro_batch_size_per_gpu=8", "batch_sizes"]),
+        ({"zero_optimization": {"stage": 4}}, ["zero_optimization.stage=4", "0, 1, 2 and 3"]),
+        ({"zero_optimization": {"stage": -1}}, ["zero_optimization.stage=-1"]),
+        ({"zero_optimization": {"stage": "2"}}, ["zero_optimization.stage='2'"]),
+        ({"zero_optimization": {"stage": True}}, ["zero_optimization.stage=True"]),
+        ({"zero_optimization": True}, ["zero_optimization=True"]),
+        ({"zero_optimization": None}, ["zero_optimization=None"]),
+    ],
+)
+def test_check_user_config_rejects_owned_keys_and_bad_stage(config, mentions):
+    with pytest.raises(ValueError) as info:
+        check_user_config({**BASE, **config})
+    for part in mentions:
+        assert part in str(info.value)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_check_user_config_accepts_valid_configs(stage):
+    assert check_user_config({**BASE, "zero_optimization": {"stage": stage}}) is None
+    assert check_user_config({}) is None  # no zero section: stage 0
+    assert check_user_config({"zero_optimization": {}}) is None  # no stage: DeepSpeed's default
+
+
+# ---------------------------------------------------------------------------------------------- rank_config
+
+
+def test_rank_config_sets_micro_batch_drops_train_batch_and_copies():
+    config = {**copy.deepcopy(BASE), "train_batch_size": 99, "train_micro_batch_size_per_gpu": 1}
+    before = copy.deepcopy(config)
+    result = rank_config(config, 24)
+    assert result["train_micro_batch_size_per_gpu"] == 24
+    assert type(result["train_micro_batch_size_per_gpu"]) is int
+    assert "train_batch_size" not in result
+    assert config == before  # the input is untouched
+    # A deep copy: editing the result's nested sections does not reach the caller's config.
+    result["zero_optimization"]["stage"] = 3
+    result["optimizer"]["params"]["betas"].append(0.5)
+    assert config == before
+    # Every other setting is carried over.
+    assert {k: v for k, v in rank_config(BASE, 8).items() if k not in PER_RANK_KEYS} == BASE
+
+
+# ---------------------------------------------------------------------------------------------- disagreements
+
+
+def test_config_disagreements_none_when_only_per_rank_keys_differ():
+    configs = [rank_config(BASE, 8), rank_config(BASE, 24), {**rank_config(BASE, 3), "train_batch_size": 12}]
+    assert config_disagreements(configs) == []
+    assert len({config_fingerprint(c) for c in configs}) == 1
+    assert "train_micro_batch_size_per_gpu" not in shared_settings(configs[0])
+    assert shared_settings(configs[0]) == BASE
+
+
+def test_config_disagreements_finds_nested_differences():
+    other = copy.deepcopy(BASE)
+    other["bf16"]["enabled"] = False
+    other["zero_optimization"]["offload_optimizer"]["device"] = "nvme"
+    lines = config_disagreements([rank_config(BASE, 8), rank_config(other, 24)])
+    assert len(lines) == 2
+    assert lines[0].startswith("bf16.enabled") and "rank 0: True" in lines[0] and "rank 1: False" in lines[0]
+    assert lines[1].startswith("zero_optimization.offload_optimizer.device")
+    assert "rank 0: cpu" in lines[1] and "rank 1: nvme" in lines[1]
+    assert config_fingerprint(rank_config(BASE, 8)) != config_fingerprint(rank_config(other, 8))
+
+
+def test_config_disagreements_reports_keys_missing_on_some_ranks():
+    missing = copy.deepcopy(BASE)
+    del missing["gradient_clipping"]
+    del missing["bf16"]
+    lines = config_disagreements([BASE, BASE, missing])
+    assert lines == [
+        "bf16.enabled (rank 0: True, rank 1: True, rank 2: <unset>)",
+        "gradient_clipping (rank 0: 1.0, rank 1: 1.0, rank 2: <unset>)",
+    ]
+
+
+def test_config_disagreements_single_rank_and_equal_lists():
+    assert config_disagreements([BASE]) == []
+    changed = copy.deepcopy(BASE)
+    changed["optimizer"]["params"]["betas"] = [0.9, 0.95]
+    lines = config_disagreements([BASE, changed])
+    assert lines == ["optimizer.params.betas (rank 0: [0.9, 0.999], rank 1: [0.9, 0.95])"]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda c: c["bf16"].update(enabled=False),
+        lambda c: c.update(fp16={"enabled": True}),
+        lambda c: c.update(communication_data_type="fp32"),
+        lambda c: c.update(torch_autocast={"enabled": True}),
+    ],
+)
+def test_disagreement_message_warns_about_precision(change):
+    other = copy.deepcopy(BASE)
+    change(other)
+    lines = config_disagreements([BASE, other])
+    assert lines
+    message = disagreement_message(lines)
+    assert "fp16/bf16" in message and "silently wrong" in message
+    for line in lines:
+        assert line in message
+
+
+def test_disagreement_message_without_precision_keys():
+    other = copy.deepcopy(BASE)
+    other["gradient_clipping"] = 0.5
+    other["zero_optimization"]["reduce_bucket_size"] = 1e8
+    lines = config_disagreements([BASE, other])
+    message = disagreement_message(lines)
+    assert "silently wrong" not in message
+    assert "gradient_clipping (rank 0: 1.0, rank 1: 0.5)" in message
+    assert "zero_optimization.reduce_bucket_size" in message
+    assert "same strategy arguments" in message
+
+
+def test_disagreement_message_not_fooled_by_precision_words_in_values():
+    # A value mentioning "bf16" (or a dotted value) on a non-precision key is not a precision disagreement.
+    lines = config_disagreements([{"comment": "bf16 run"}, {"comment": "fp16.run"}])
+    assert "silently wrong" not in disagreement_message(lines)
+
+
+def test_config_fingerprint_is_order_independent():
+    reordered = dict(reversed(list(BASE.items())))
+    assert config_fingerprint(BASE) == config_fingerprint(reordered)
+    assert json.loads(config_fingerprint({**BASE, "train_micro_batch_size_per_gpu": 3})) == json.loads(
+        json.dumps(BASE)
+    )
+
+
+# ---------------------------------------------------------------------------------------------- format_plan_table
+
+
+def test_format_plan_table_aligns_columns():
+    columns = [("rank", "rank"), ("device", "device"), ("micro_batch", "micro-batch"), ("share", "share")]
+    rows = [
+        {"rank": 0, "device": "cuda:0 NVIDIA H100 80GB HBM3", "micro_batch": 48, "share": "75.0%"},
+        {"rank": 1, "device": "cpu (2 threads)", "micro_batch": 16, "share": "25.0%"},
+        {"rank": 10, "device": "x", "micro_batch": 1234567, "share": ""},
+    ]
+    table = format_plan_table(rows, columns)
+    lines = table.split("\n")
+    assert len(lines) == 2 + len(rows)
+    header, rule, body = lines[0], lines[1], lines[2:]
+    starts = [header.index(heading) for _, heading in columns]
+    assert starts == sorted(starts) and starts[0] == 0
+    # The rule has one dash run per column, starting where the column starts.
+    assert [i for i, ch in enumerate(rule) if ch == "-" and (i == 0 or rule[i - 1] == " ")] == starts
+    for row, line in zip(rows, body):
+        for (key, _), start in zip(columns, starts):
+            assert line[start:].startswith(str(row[key]))
+            if str(row[key]):
+                assert start == 0 or line[start - 2 : start] == "  "  # two spaces at least before every column
+    # Each column is as wide as its widest cell, and no line has trailing blanks.
+    assert rule.split("  ") == ["-" * 4, "-" * len(rows[0]["device"]), "-" * len("micro-batch"), "-" * len("share")]
+    assert all(line == line.rstrip() for line in lines)
+
+
+def test_format_plan_table_missing_keys_and_no_rows():
+    table = format_plan_table([{"a": 1}], [("a", "A"), ("b", "B")])
+    assert table.split("\n") == ["A  B", "-  -", "1"]
+    assert format_plan_table([], [("a", "alpha")]).split("\n") == ["alpha", "-----"]
