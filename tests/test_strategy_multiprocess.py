@@ -6,6 +6,7 @@ numerically with :func:`reference_training`, which never touches Lightning or De
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -133,3 +134,25 @@ def test_iterable_dataset_is_refused_on_every_rank(tmp_path):
     run = run_fit(tmp_path, "--iterable", timeout=120)
     assert run.returncode != 0
     assert run.output.count("uses an IterableDataset") >= 2, run.output[-4000:]
+
+
+def test_automatic_split_finds_an_emulated_slow_rank_and_leaves_training_unchanged(tmp_path):
+    """The profiler must find rank 1's slowdown by measuring; profiling must not change what training computes."""
+    model = ["--hidden", "512", "--depth", "2", "--dropout", "0.1", "--samples", "512", "--loader-batch-size", "64", "--max-steps", "3"]
+    auto = run_fit(tmp_path / "auto", *model, "--emulate-speeds", "1.0", "0.25")
+    assert auto.returncode == 0, auto.output[-4000:]
+    plan = json.loads((tmp_path / "auto" / "hetero" / "plan.json").read_text())
+    assert plan["source"] == "auto"
+    fast, slow = plan["batch_sizes"]
+    assert fast + slow == 128
+    assert fast >= 2 * slow, plan  # 4x slower compute: the fast rank takes the larger share
+    assert plan["prediction"]["speedup"] > 1.2
+    profiles = plan["profiles"]  # per-sample cost also holds batch assembly, which emulation does not slow
+    assert profiles[1]["seconds_per_sample"] > 1.5 * profiles[0]["seconds_per_sample"]
+
+    # The same split given explicitly (no profiling): bitwise the same training (parameters, dropout masks, data).
+    explicit = run_fit(tmp_path / "explicit", *model, "--batch-sizes", str(fast), str(slow))
+    assert explicit.returncode == 0, explicit.output[-4000:]
+    assert explicit.result["seen"] == auto.result["seen"]
+    for name, value in auto.result["params"].items():
+        assert torch.equal(torch.tensor(value), torch.tensor(explicit.result["params"][name])), name

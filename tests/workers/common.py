@@ -25,9 +25,13 @@ class IndexedRegression(Dataset):
         return self.x[index], self.y[index], index
 
 
-def make_network(seed: int = 0) -> nn.Module:
+def make_network(seed: int = 0, hidden: int = 8, dropout: float = 0.0, depth: int = 1) -> nn.Module:
+    """``depth`` hidden layers of width ``hidden``; dropout after the first (to test RNG preservation)."""
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(IN_FEATURES, 8), nn.Tanh(), nn.Linear(8, 1))
+    layers: list[nn.Module] = [nn.Linear(IN_FEATURES, hidden), nn.Tanh()] + ([nn.Dropout(dropout)] if dropout else [])
+    for _ in range(depth - 1):
+        layers += [nn.Linear(hidden, hidden), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(hidden, 1))
 
 
 def batch_loss(network: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -37,17 +41,28 @@ def batch_loss(network: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Te
 class RegressionModule(LightningModule):
     """A plain LightningModule: nothing in it knows about HeteroStrategy."""
 
-    def __init__(self, lr: float = 0.05, momentum: float = 0.9, manual: bool = False) -> None:
+    def __init__(
+        self,
+        lr: float = 0.05,
+        momentum: float = 0.9,
+        manual: bool = False,
+        hidden: int = 8,
+        dropout: float = 0.0,
+        depth: int = 1,
+    ) -> None:
         super().__init__()
-        self.network = make_network()
+        self.network = make_network(hidden=hidden, dropout=dropout, depth=depth)
         self.lr, self.momentum = lr, momentum
         self.automatic_optimization = not manual
         self.seen: list[int] = []
         self.eval_seen: list[int] = []
 
+    def on_train_batch_start(self, batch, batch_idx):
+        # Recorded in a hook, not in training_step: the automatic split's profiler runs training_step itself.
+        self.seen.extend(batch[2].tolist())
+
     def training_step(self, batch, batch_idx):
         x, y, index = batch
-        self.seen.extend(index.tolist())
         loss = batch_loss(self.network, x, y)
         self.log("train_loss", loss, sync_dist=True)
         if not self.automatic_optimization:

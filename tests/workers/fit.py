@@ -73,6 +73,10 @@ def main() -> None:
     parser.add_argument("--val-samples", type=int, default=0)
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--ckpt-path")
+    parser.add_argument("--hidden", type=int, default=8)
+    parser.add_argument("--dropout", type=float, default=0.0)
+    parser.add_argument("--depth", type=int, default=1)
+    parser.add_argument("--emulate-speeds", type=float, nargs="*")
     parser.add_argument("--iterable", action="store_true", help="train on an IterableDataset (must be refused)")
     parser.add_argument("--config-by-rank", help="JSON list: rank r's DeepSpeed config (to provoke a mismatch)")
     args = parser.parse_args()
@@ -88,6 +92,8 @@ def main() -> None:
     strategy_kwargs = {"stage": args.stage}
     if args.batch_sizes:
         strategy_kwargs["batch_sizes"] = args.batch_sizes
+    if args.emulate_speeds:
+        strategy_kwargs["emulate_speeds"] = args.emulate_speeds
     if args.config_by_rank:
         rank = int(os.environ.get("LOCAL_RANK", 0))
         strategy_kwargs["config"] = json.loads(args.config_by_rank)[rank]
@@ -110,7 +116,7 @@ def main() -> None:
         num_sanity_val_steps=0,
         default_root_dir=args.out,
     )
-    model = RegressionModule(manual=args.manual)
+    model = RegressionModule(manual=args.manual, hidden=args.hidden, dropout=args.dropout, depth=args.depth)
     trainer.fit(model, train, val, ckpt_path=args.ckpt_path)
 
 
