@@ -104,7 +104,8 @@ class DeviceFacts:
         free_bytes = self.free_memory_bytes
         free = "free memory unknown" if free_bytes is None else f"{free_bytes / _GIB:.1f} GiB free"
         if self.kind == "cpu":
-            threads = "? threads" if self.torch_threads is None else f"{self.torch_threads} threads"
+            count = self.torch_threads
+            threads = "? threads" if count is None else f"{count} thread{'' if count == 1 else 's'}"
             return f"cpu: {threads}, {isa_summary(self.isa_features)} ({free})"
         details = [free] if self.sm_count is None else [f"{self.sm_count} SMs", free]
         return f"{self.name} ({', '.join(details)})"

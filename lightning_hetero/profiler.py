@@ -15,7 +15,6 @@ import contextlib
 import itertools
 import math
 import random
-import statistics
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -36,7 +35,7 @@ class RankProfile:
     """What one rank measured: step time per probed micro-batch and the fitted cost model."""
 
     batch_sizes: tuple[int, ...]
-    seconds: tuple[float, ...]  # median forward+backward time per probed size
+    seconds: tuple[float, ...]  # fastest forward+backward time per probed size
     fixed_seconds: float
     seconds_per_sample: float
     max_batch: Optional[int]  # memory ceiling; None = no limit found
@@ -59,9 +58,10 @@ class RankProfile:
 
 
 def probe_sizes(global_batch_size: int, world_size: int) -> list[int]:
-    """Micro-batch sizes to time: around the equal share, wide enough to separate fixed from per-sample cost."""
+    """Micro-batch sizes to time: from an eighth of the equal share to twice it, so that the fitted line holds for
+    the small batches a slow rank may be given as well as the large ones of a fast rank."""
     share = max(1, global_batch_size // world_size)
-    return sorted({max(1, share // 2), share, max(2, 2 * share)})
+    return sorted({max(1, share // 8), max(1, share // 2), share, max(2, 2 * share)})
 
 
 def fit_linear_cost(batch_sizes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
@@ -124,7 +124,7 @@ def _training_step_in_isolation(module: nn.Module) -> Iterator[None]:
         "log_dict": no_op,
         "optimizers": lambda *args, **kwargs: _NoOptimizer(),
         "lr_schedulers": lambda *args, **kwargs: _NoScheduler(),
-        "manual_backward": lambda loss, *args, **kwargs: loss.backward(),
+        "manual_backward": lambda loss, *args, **kwargs: loss.backward(*args, **kwargs),
         "toggle_optimizer": no_op,
         "untoggle_optimizer": no_op,
     }
@@ -142,9 +142,8 @@ def _training_step_in_isolation(module: nn.Module) -> Iterator[None]:
 def preserved_training_state(module: nn.Module, device: torch.device) -> Iterator[None]:
     """Put parameters, buffers, gradients and every RNG back as they were."""
     # Parameters and all buffers, non-persistent ones too (which state_dict leaves out).
-    saved_tensors = {
-        name: tensor.detach().clone() for name, tensor in itertools.chain(module.named_parameters(), module.named_buffers())
-    }
+    tensors = itertools.chain(module.named_parameters(), module.named_buffers())
+    saved_tensors = {name: tensor.detach().clone() for name, tensor in tensors}
     saved_grads = {name: (p.grad.detach().clone() if p.grad is not None else None) for name, p in module.named_parameters()}
     python_rng = random.getstate()
     torch_rng = torch.get_rng_state()
@@ -199,7 +198,7 @@ def profile_training_step(
     free_bytes: Optional[float] = None,
     time_batch_assembly: bool = False,
 ) -> RankProfile:
-    """Time forward + backward of ``module.training_step`` at each size (median of ``repeats`` after ``warmup``).
+    """Time forward + backward of ``module.training_step`` at each size (fastest of ``repeats`` after ``warmup``).
 
     ``make_batch(n)`` returns a batch of ``n`` samples already on ``device``. With ``time_batch_assembly`` it is
     called, and timed, in every attempt: when the loader has no workers, reading and collating samples happens on
@@ -210,59 +209,67 @@ def profile_training_step(
     started = time.perf_counter()
     slowed = emulator.slowed if emulator is not None else contextlib.nullcontext
     synchronize = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    timed_sizes: list[int] = []
-    medians: list[float] = []
-    saved_bytes: list[float] = []
+    timed_sizes = sorted(set(batch_sizes))
+    timings: dict[int, list[float]] = {size: [] for size in timed_sizes}
+    saved_bytes: dict[int, float] = {}
+    batches: dict[int, Any] = {}
     oom_at: Optional[int] = None
     # Manual optimization: training_step does its own (stubbed) manual_backward; a second backward would fail.
     automatic = getattr(module, "automatic_optimization", True)
+
+    def time_one_step(size: int) -> float:
+        bytes_saved = [0]
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            bytes_saved[0] += tensor.numel() * tensor.element_size()
+            return tensor
+
+        synchronize()
+        begin = time.perf_counter()
+        if time_batch_assembly or size not in batches:
+            batches[size] = make_batch(size)  # not slowed: loading runs on the host, whatever the device
+        with slowed(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            loss = _loss_of(module.training_step(batches[size], 0))
+            if automatic and loss is not None and loss.requires_grad:
+                loss.backward()
+        synchronize()
+        module.zero_grad(set_to_none=True)
+        saved_bytes[size] = float(bytes_saved[0])
+        return time.perf_counter() - begin
+
     with preserved_training_state(module, device), _training_step_in_isolation(module):
         module.train()
-        for size in sorted(batch_sizes):
-            try:
-                batch = make_batch(size)
-                samples: list[float] = []
-                for attempt in range(warmup + repeats):
-                    bytes_saved = [0]
-
-                    def pack(tensor: torch.Tensor) -> torch.Tensor:
-                        bytes_saved[0] += tensor.numel() * tensor.element_size()
-                        return tensor
-
-                    synchronize()
-                    begin = time.perf_counter()
-                    if time_batch_assembly and attempt > 0:
-                        batch = make_batch(size)  # not slowed: loading runs on the host, whatever the device
-                    with slowed(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-                        loss = _loss_of(module.training_step(batch, 0))
-                        if automatic and loss is not None and loss.requires_grad:
-                            loss.backward()
-                    synchronize()
-                    if attempt >= warmup:
-                        samples.append(time.perf_counter() - begin)
+        # Rounds over all sizes, so that a burst of interference from elsewhere hits every size alike; the
+        # fastest repeat is kept, since interference only ever adds time.
+        for attempt in range(warmup + repeats):
+            for size in list(timed_sizes):
+                try:
+                    seconds = time_one_step(size)
+                except torch.cuda.OutOfMemoryError:
+                    oom_at = size
+                    timed_sizes = [s for s in timed_sizes if s < size]
                     module.zero_grad(set_to_none=True)
-                timed_sizes.append(size)
-                medians.append(statistics.median(samples))
-                saved_bytes.append(float(bytes_saved[0]))
-            except torch.cuda.OutOfMemoryError:
-                oom_at = size
-                module.zero_grad(set_to_none=True)
-                torch.cuda.empty_cache()
-                break
+                    batches.clear()
+                    torch.cuda.empty_cache()
+                    break
+                if attempt >= warmup:
+                    timings[size].append(seconds)
+    fastest = [min(timings[size]) for size in timed_sizes]
     if len(timed_sizes) < 2:
         raise RuntimeError(
             f"HeteroStrategy's profiler could time only micro-batch sizes {timed_sizes} on {device}"
             f"{f' (out of memory at {oom_at})' if oom_at else ''}. Give `batch_sizes=[...]` or `weights=[...]`"
             " instead of the automatic split, or a smaller global batch."
         )
-    fixed, per_sample = fit_linear_cost(timed_sizes, medians)
-    bytes_per_sample = (saved_bytes[-1] - saved_bytes[0]) / (timed_sizes[-1] - timed_sizes[0]) or None
+    fixed, per_sample = fit_linear_cost(timed_sizes, fastest)
+    smallest, largest = timed_sizes[0], timed_sizes[-1]
+    bytes_per_sample = (saved_bytes[largest] - saved_bytes[smallest]) / (largest - smallest) or None
     ceiling = memory_ceiling(bytes_per_sample, free_bytes)
     if oom_at is not None:
         ceiling = min(ceiling, oom_at - 1) if ceiling is not None else oom_at - 1
     return RankProfile(
         batch_sizes=tuple(timed_sizes),
-        seconds=tuple(medians),
+        seconds=tuple(fastest),
         fixed_seconds=fixed,
         seconds_per_sample=per_sample,
         max_batch=ceiling,

@@ -12,12 +12,13 @@ from conftest import REPO, run_bounded
 
 def plan_rows(output: str) -> list[tuple[int, int]]:
     """(rank, micro-batch) rows of the plan table printed by rank 0."""
-    return [(int(rank), int(micro)) for rank, micro in re.findall(r"^(\d+)\s+cpu \([^)]*\)\s+(\d+)\s", output, re.M)]
+    return [(int(rank), int(micro)) for rank, micro in re.findall(r"^(\d+)\s+cpu: [^\n]*?\)\s+(\d+)\s", output, re.M)]
 
 
 @pytest.mark.parametrize(
     ("config", "expected_rows"),
-    [("configs/spirals.yaml", [(0, 64), (1, 64)]), ("configs/spirals_weighted.yaml", [(0, 91), (1, 37)])],
+    # The string form plans automatically (equal on identical ranks, unless timing noise predicts a gain).
+    [("configs/spirals.yaml", None), ("configs/spirals_weighted.yaml", [(0, 91), (1, 37)])],
 )
 def test_cli_fits_with_string_and_class_path_strategy(config, expected_rows, tmp_path):
     executable = shutil.which("lightning-hetero")
@@ -30,7 +31,10 @@ def test_cli_fits_with_string_and_class_path_strategy(config, expected_rows, tmp
         timeout=180,
     )  # fmt: skip
     assert returncode == 0, output[-4000:]
-    assert plan_rows(output) == expected_rows
+    rows = plan_rows(output)
+    assert [rank for rank, _ in rows] == [0, 1] and sum(micro for _, micro in rows) == 128
+    if expected_rows is not None:
+        assert rows == expected_rows
     assert sorted(p.name for p in tmp_path.rglob("rank_*.json")) == ["rank_0.json", "rank_1.json"]
 
 
@@ -39,6 +43,9 @@ def test_example_learns(tmp_path):
         [sys.executable, "examples/train_spirals.py", "--epochs", "2", "--root", str(tmp_path)], timeout=240, cwd=REPO
     )
     assert returncode == 0, output[-4000:]
-    assert plan_rows(output) == [(0, 91), (1, 37)]
+    (_, fast), (_, slow) = plan_rows(output)  # automatic split, rank 1 emulated at speed 0.4
+    assert fast + slow == 256 and fast > 1.5 * slow
+    assert "speedup" in output
     before, after = map(float, re.search(r"validation accuracy ([\d.]+)% -> ([\d.]+)%", output).groups())
-    assert before < 50 and after > 80
+    loss_before, loss_after = map(float, re.search(r"validation loss +([\d.]+) -> ([\d.]+)", output).groups())
+    assert after > before + 15 and loss_after < loss_before / 2  # two epochs only: clearly learning
