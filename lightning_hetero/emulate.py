@@ -97,11 +97,12 @@ class SlowdownEmulator:
     @contextlib.contextmanager
     def excluded(self) -> Iterator[None]:
         """Work inside a :meth:`slowed` block that a slower device would not do slower (host-side bookkeeping)."""
-        start = self._clock()
+        start, wall_start = self._clock(), time.perf_counter()
         try:
             yield
         finally:
-            self._excluded_seconds += self._clock() - start
+            # Measured like slowed() measures compute, so that the subtraction compares like with like.
+            self._excluded_seconds += min(self._clock() - start, time.perf_counter() - wall_start)
 
     def exclude_method(self, owner: object, name: str) -> bool:
         """Wrap ``owner.name`` (an instance attribute shadows the method) in :meth:`excluded`; False if absent."""
