@@ -133,6 +133,7 @@ def resolve_split(
     weights: Optional[Sequence[float]] = None,
 ) -> SplitPlan:
     """The split for a job of ``world_size`` ranks: explicit sizes, sizes derived from weights, or an equal split."""
+    check_split_arguments(global_batch_size, batch_sizes, weights)
     if batch_sizes is not None and len(batch_sizes) != world_size:
         raise ValueError(
             f"`batch_sizes={list(batch_sizes)}` has {len(batch_sizes)} entries but the job has {world_size}"
@@ -143,7 +144,6 @@ def resolve_split(
             f"`weights={list(weights)}` has {len(weights)} entries but the job has {world_size} ranks."
             " Give exactly one weight per rank, in global rank order."
         )
-    check_split_arguments(global_batch_size, batch_sizes, weights)
     if global_batch_size < world_size:
         raise ValueError(
             f"`global_batch_size={global_batch_size}` is smaller than the world size {world_size}: every rank needs"
@@ -157,11 +157,11 @@ def resolve_split(
 
 
 def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)  # numpy integers too
 
 
 def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -456,3 +456,34 @@ def _last_true(holds, guess: int, high: int) -> int:
         else:
             bad = middle
     return good
+
+
+# The automatic split stays equal unless the planner predicts at least this gain over the equal split: on
+# identical devices the measured costs differ only by timing noise, and an uneven split would chase it.
+MIN_PREDICTED_GAIN = 0.05
+
+
+@dataclass(frozen=True)
+class AutomaticSplit:
+    """The automatic split's decision and the predictions behind it."""
+
+    planned: PlannedSplit  # what the job will run
+    equal_split_step_time: float  # inf when the equal split breaks a memory ceiling
+    kept_equal: bool  # the planner's split was not worth it
+
+    @property
+    def predicted_speedup(self) -> float:
+        return self.planned.speedup_over(self.equal_split_step_time)
+
+
+def plan_automatic_split(
+    costs: Sequence[CostModel], global_batch_size: int, min_gain: float = MIN_PREDICTED_GAIN
+) -> AutomaticSplit:
+    """:func:`plan_min_max`, unless the equal split fits in memory and is predicted within ``min_gain`` of it."""
+    planned = plan_min_max(costs, global_batch_size)
+    equal_time = equal_split_time(costs, global_batch_size)
+    if planned.speedup_over(equal_time) >= 1 + min_gain:
+        return AutomaticSplit(planned, equal_time, kept_equal=False)
+    equal = tuple(split_by_weights(global_batch_size, [1.0] * len(costs)))
+    times = predicted_times(costs, equal)
+    return AutomaticSplit(PlannedSplit(equal, max(times), times), equal_time, kept_equal=True)

@@ -42,13 +42,11 @@ from lightning_hetero.devices import DeviceFacts, collect_device_facts
 from lightning_hetero.emulate import ENV_VAR as EMULATE_ENV_VAR
 from lightning_hetero.emulate import SlowdownEmulator, check_speeds, speeds_from_environment
 from lightning_hetero.plan import (
-    PlannedSplit,
+    MIN_PREDICTED_GAIN,
     SplitPlan,
     check_split_arguments,
-    equal_split_time,
     loss_weight,
-    plan_min_max,
-    predicted_times,
+    plan_automatic_split,
     resolve_split,
     split_by_weights,
 )
@@ -67,8 +65,6 @@ _DEFAULT_CONFIG_ARGUMENTS = frozenset(
     }
 )  # fmt: skip
 DEFAULT_STAGE = 2
-# The automatic split stays equal unless the planner predicts at least this gain over the equal split.
-MIN_PREDICTED_GAIN = 0.05
 PLAN_DIRNAME = "hetero"
 
 
@@ -273,19 +269,14 @@ class HeteroStrategy(DeepSpeedStrategy):
             return resolve_split(self.world_size, global_batch_size, self.batch_sizes, self.weights), None
         resolve_split(self.world_size, global_batch_size)  # the global batch must give every rank a sample
         costs = [profile.cost_model() for profile in self.profiles]
-        planned = plan_min_max(costs, global_batch_size)
-        equal_time = equal_split_time(costs, global_batch_size)
-        source = "auto"
-        if planned.speedup_over(equal_time) < 1 + MIN_PREDICTED_GAIN:
-            # Within measurement noise of equal devices: an uneven split would only chase noise.
-            equal = tuple(split_by_weights(global_batch_size, [1.0] * self.world_size))
-            planned = PlannedSplit(equal, equal_time, predicted_times(costs, equal))
-            source = f"auto: equal, predicted gain < {MIN_PREDICTED_GAIN:.0%}"
+        decision = plan_automatic_split(costs, global_batch_size)
+        planned = decision.planned
+        source = f"auto: equal, predicted gain < {MIN_PREDICTED_GAIN:.0%}" if decision.kept_equal else "auto"
         prediction = {
             "step_seconds": planned.predicted_step_time,
             "rank_step_seconds": list(planned.predicted_times),
-            "equal_split_step_seconds": equal_time,
-            "speedup": planned.speedup_over(equal_time),
+            "equal_split_step_seconds": decision.equal_split_step_time,
+            "speedup": decision.predicted_speedup,
         }
         return SplitPlan(planned.batch_sizes, source=source), prediction
 

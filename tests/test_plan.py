@@ -288,3 +288,15 @@ def test_loss_weight_makes_equal_rank_average_the_full_batch_mean(batch_sizes, s
     deepspeed_average = math.fsum(plan.loss_weight(r) * rank_means[r] for r in range(world)) / world
     full_mean = math.fsum(x for l in losses for x in l) / plan.global_batch_size
     assert math.isclose(deepspeed_average, full_mean, rel_tol=1e-9)
+
+
+def test_numpy_integers_are_accepted_as_batch_sizes():
+    import numpy
+
+    plan = resolve_split(2, 32, [numpy.int64(8), 24])
+    assert plan.batch_sizes == (8, 24)
+
+
+def test_giving_both_batch_sizes_and_weights_is_reported_before_their_lengths():
+    with pytest.raises(ValueError, match="both `batch_sizes"):
+        resolve_split(3, 32, batch_sizes=[8, 24], weights=[1.0, 1.0])

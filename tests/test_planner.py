@@ -21,6 +21,7 @@ from lightning_hetero.plan import (
     CostModel,
     PlannedSplit,
     equal_split_time,
+    plan_automatic_split,
     plan_min_max,
     predicted_step_time,
     predicted_times,
@@ -388,3 +389,40 @@ def test_predicted_step_time_rejects_mismatched_or_empty_sizes():
         predicted_step_time(costs, [1, 2, 3])
     with pytest.raises(ValueError, match=r"hold \[0\]"):
         predicted_step_time(costs, [0, 2])
+
+
+# ---------------------------------------------------------------- the automatic split's decision
+
+
+def test_automatic_split_keeps_equal_when_the_gain_is_within_noise():
+    # Identical devices whose measurements differ by 1%: the planner's uneven split would gain under 5%.
+    costs = [CostModel(fixed=0.001, per_sample=1.00e-4), CostModel(fixed=0.001, per_sample=1.01e-4)]
+    decision = plan_automatic_split(costs, 128)
+    assert decision.kept_equal
+    assert decision.planned.batch_sizes == (64, 64)
+    assert decision.predicted_speedup == pytest.approx(1.0)
+    assert decision.planned.predicted_step_time == pytest.approx(predicted_step_time(costs, [64, 64]))
+
+
+def test_automatic_split_follows_the_planner_when_the_gain_is_real():
+    costs = [CostModel(fixed=0.0, per_sample=1.0), CostModel(fixed=0.0, per_sample=2.5)]
+    decision = plan_automatic_split(costs, 70)
+    assert not decision.kept_equal
+    assert decision.planned == plan_min_max(costs, 70)
+    assert decision.predicted_speedup == pytest.approx(87.5 / 50)
+
+
+def test_automatic_split_never_keeps_an_equal_split_that_breaks_a_memory_ceiling():
+    # Same speed, but rank 1 holds at most 20 samples: the equal split (35, 35) cannot run.
+    costs = [CostModel(fixed=0.0, per_sample=1.0), CostModel(fixed=0.0, per_sample=1.0, max_batch=20)]
+    decision = plan_automatic_split(costs, 70)
+    assert not decision.kept_equal
+    assert decision.planned.batch_sizes == (50, 20)
+    assert decision.equal_split_step_time == math.inf
+
+
+@pytest.mark.parametrize("min_gain", [0.0, 0.2, 0.5])
+def test_automatic_split_threshold_is_respected(min_gain):
+    costs = [CostModel(fixed=0.0, per_sample=1.0), CostModel(fixed=0.0, per_sample=1.5)]  # plan gains 1.2x
+    decision = plan_automatic_split(costs, 100, min_gain=min_gain)
+    assert decision.kept_equal == (decision.equal_split_step_time / plan_min_max(costs, 100).predicted_step_time < 1 + min_gain)
