@@ -476,14 +476,19 @@ class HeteroStrategy(DeepSpeedStrategy):
     ) -> Any:
         """Inside a step, a "mean" is weighted by each rank's sample count (``self.log(..., sync_dist=True)``).
 
-        Lightning's epoch-level mean already divides summed values by summed batch sizes; the per-step value is a
-        plain mean over ranks, which unequal batches would bias. Outside a step the parent's mean applies.
+        Lightning's epoch-level mean divides summed values by summed batch sizes, both averaged over ranks (that part
+        only needs the integer average done in floating point); the per-step value is a plain mean over ranks,
+        which unequal batches would bias. Outside a step the parent's mean applies.
         """
+        is_mean = isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")
+        if is_mean and isinstance(tensor, Tensor) and not tensor.is_floating_point():
+            # Lightning averages the epoch's summed batch sizes (an integer tensor) across ranks; with unequal
+            # shards an integer mean truncates (11 samples on 3 ranks -> 3) and biases every epoch metric.
+            tensor = tensor.double()
         weighted = (
-            self._sync_weight is not None
+            is_mean
+            and self._sync_weight is not None
             and isinstance(tensor, Tensor)
-            and isinstance(reduce_op, str)
-            and reduce_op.lower() in ("mean", "avg")
             and torch.distributed.is_available()
             and torch.distributed.is_initialized()
         )
@@ -492,8 +497,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         weight = float(self._sync_weight)  # type: ignore[arg-type]
         packed = torch.cat([tensor.detach().double().reshape(-1) * weight, tensor.new_tensor([weight], dtype=torch.float64)])
         torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.SUM, group=group)
-        return (packed[:-1] / packed[-1]).reshape(tensor.shape).to(tensor.dtype if tensor.is_floating_point() else torch.float32)
-
+        return (packed[:-1] / packed[-1]).reshape(tensor.shape).to(tensor.dtype)
 
 
 def _raise_if_arguments_differ(arguments: list[dict[str, Any]]) -> None:

@@ -86,7 +86,7 @@ def test_three_ranks_shuffled_two_epochs_with_partial_last_batch(tmp_path):
     dataset = IndexedRegression(70)
     run = run_fit(
         tmp_path, "--devices", "3", "--stage", "1", "--batch-sizes", *map(str, batch_sizes),
-        "--samples", "70", "--shuffle", "--max-epochs", "2",
+        "--samples", "70", "--shuffle", "--max-epochs", "2", "--test-samples", "11",
     )  # fmt: skip
     assert run.returncode == 0, run.output[-4000:]
     steps = []
@@ -100,6 +100,16 @@ def test_three_ranks_shuffled_two_epochs_with_partial_last_batch(tmp_path):
     assert sorted(sum(seen, [])) == sorted(list(range(70)) * 2)  # each sample once per epoch
     assert steps[0] != list(range(16)) and steps[0] != steps[5]  # shuffled, and differently per epoch
     assert [len(s) for s in seen] == [2 * (4 * size) + 2 * last for size, last in zip(batch_sizes, [1, 2, 3])]
+
+    # trainer.test on 11 samples over 3 uneven ranks: each sample once, and the synced loss is the all-sample mean.
+    tested = json.loads((tmp_path / "test_result.json").read_text())
+    assert sorted(sum(tested["test_seen"], [])) == list(range(11))
+    assert all(tested["test_seen"])  # every rank ran (and logged with sync_dist) without a hang
+    network = make_network()
+    network.load_state_dict(reference_training(dataset, steps))
+    test_set = IndexedRegression(11, seed=5)
+    with torch.no_grad():
+        assert tested["test_loss"] == pytest.approx(batch_loss(network, test_set.x, test_set.y).item(), rel=1e-5)
 
 
 def test_manual_optimization_and_drop_last(tmp_path):

@@ -56,6 +56,7 @@ class RegressionModule(LightningModule):
         self.automatic_optimization = not manual
         self.seen: list[int] = []
         self.eval_seen: list[int] = []
+        self.test_seen: list[int] = []
 
     def on_train_batch_start(self, batch, batch_idx):
         # Recorded in a hook, not in training_step: the automatic split's profiler runs training_step itself.
@@ -78,7 +79,9 @@ class RegressionModule(LightningModule):
         self.log("val_loss", batch_loss(self.network, x, y), sync_dist=True)
 
     def test_step(self, batch, batch_idx):
-        self.validation_step(batch, batch_idx)
+        x, y, index = batch
+        self.test_seen.extend(index.tolist())
+        self.log("test_loss", batch_loss(self.network, x, y), sync_dist=True)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)

@@ -34,6 +34,13 @@ class WriteResult(Callback):
     def __init__(self, out: Path) -> None:
         self.out = out
 
+    def on_test_end(self, trainer, pl_module) -> None:
+        seen = [None] * trainer.world_size
+        torch.distributed.all_gather_object(seen, pl_module.test_seen)
+        if trainer.is_global_zero:
+            result = {"test_seen": seen, "test_loss": float(trainer.callback_metrics["test_loss"])}
+            (self.out / "test_result.json").write_text(json.dumps(result))
+
     def on_fit_end(self, trainer, pl_module) -> None:
         import deepspeed
 
@@ -71,6 +78,7 @@ def main() -> None:
     parser.add_argument("--manual", action="store_true")
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--val-samples", type=int, default=0)
+    parser.add_argument("--test-samples", type=int, default=0, help="run trainer.test after fit on this many")
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--ckpt-path")
     parser.add_argument("--hidden", type=int, default=8)
@@ -118,6 +126,8 @@ def main() -> None:
     )
     model = RegressionModule(manual=args.manual, hidden=args.hidden, dropout=args.dropout, depth=args.depth)
     trainer.fit(model, train, val, ckpt_path=args.ckpt_path)
+    if args.test_samples:
+        trainer.test(model, DataLoader(IndexedRegression(args.test_samples, seed=5), batch_size=4), verbose=False)
 
 
 if __name__ == "__main__":
