@@ -85,3 +85,15 @@ def test_world_size_mistakes_fail_before_the_process_group_starts(world_size, kw
         strategy.setup_environment()  # would initialise the process group next: it must not get there
     assert message in str(error.value)
     assert not torch.distributed.is_initialized()
+
+
+def test_no_way_to_infer_the_global_batch_is_a_clear_error():
+    from torch.utils.data import DataLoader
+
+    strategy = HeteroStrategy()
+    with pytest.raises(ValueError, match=r"cannot infer the global batch.*got list.*global_batch_size="):
+        strategy._global_batch_size([[1, 2], [3, 4]])  # a plain iterable, not a DataLoader
+    with pytest.raises(ValueError, match=r"cannot infer the global batch.*got DataLoader"):
+        strategy._global_batch_size(DataLoader(list(range(8)), batch_size=None))
+    assert HeteroStrategy(global_batch_size=48)._global_batch_size(None) == 48
+    assert HeteroStrategy(batch_sizes=[3, 13])._global_batch_size(None) == 16
