@@ -223,24 +223,13 @@ class HeteroStrategy(DeepSpeedStrategy):
         self.config = copy.deepcopy(self._base_config)
         trainer = self.lightning_module.trainer
         fitting = trainer.state.fn == TrainerFn.FITTING
-        loader = self._training_loader(trainer) if fitting else None
-        global_batch_size = self._global_batch_size(loader) if fitting else None
-        profile = None
-        if fitting and self.batch_sizes is None and self.weights is None:
-            profile = self._profile(loader, global_batch_size)  # type: ignore[arg-type]
-        facts = collect_device_facts(self.root_device)
-        arguments = {
-            "global_batch_size": global_batch_size,
-            "batch_sizes": self.batch_sizes,
-            "weights": self.weights,
-            "emulate_speeds": self._emulate_speeds,
-        }
-        gathered = self._all_gather({"arguments": arguments, "facts": facts.to_dict(), "profile": profile})
+        gathered = self._gather_local_measurements(trainer, fitting)
         _raise_if_arguments_differ([entry["arguments"] for entry in gathered])
         self.device_facts = [DeviceFacts.from_dict(entry["facts"]) for entry in gathered]
         if fitting:
-            assert global_batch_size is not None
-            self.profiles = [RankProfile.from_dict(e["profile"]) for e in gathered] if profile is not None else None
+            global_batch_size = gathered[self.global_rank]["arguments"]["global_batch_size"]
+            profiled = gathered[self.global_rank]["profile"] is not None
+            self.profiles = [RankProfile.from_dict(e["profile"]) for e in gathered] if profiled else None
             self.plan, self.prediction = self._decide_split(global_batch_size)
 
         micro_batch = self.plan.batch_sizes[self.global_rank] if self.plan is not None else 1
@@ -253,6 +242,37 @@ class HeteroStrategy(DeepSpeedStrategy):
             raise ValueError(disagreement_message(lines))
         if fitting:
             self._report_plan(trainer)
+
+    def _gather_local_measurements(self, trainer: Any, fitting: bool) -> list[dict[str, Any]]:
+        """Every rank's arguments, device facts and profile; a failure on any rank is raised on every rank.
+
+        The local part runs user code (the training loader, the training step): if it fails on one rank only,
+        the others must not wait for it in the gather, so the failure travels in the gather instead.
+        """
+        try:
+            loader = self._training_loader(trainer) if fitting else None
+            global_batch_size = self._global_batch_size(loader) if fitting else None
+            profile = None
+            if fitting and self.batch_sizes is None and self.weights is None:
+                profile = self._profile(loader, global_batch_size)  # type: ignore[arg-type]
+            arguments = {
+                "global_batch_size": global_batch_size,
+                "batch_sizes": self.batch_sizes,
+                "weights": self.weights,
+                "emulate_speeds": self._emulate_speeds,
+            }
+            local = {"arguments": arguments, "facts": collect_device_facts(self.root_device).to_dict(), "profile": profile}
+            failure: Optional[BaseException] = None
+        except Exception as error:
+            local, failure = {}, error
+        gathered = self._all_gather({**local, "failure": None if failure is None else f"{type(failure).__name__}: {failure}"})
+        if failure is not None:
+            raise failure
+        failed = [(rank, entry["failure"]) for rank, entry in enumerate(gathered) if entry["failure"]]
+        if failed:
+            rank, message = failed[0]
+            raise RuntimeError(f"HeteroStrategy: setup failed on rank {rank} ({message}); every rank stops here.")
+        return gathered
 
     @override
     def init_deepspeed(self) -> None:

@@ -140,6 +140,14 @@ def test_precision_differing_across_ranks_fails_on_every_rank(tmp_path):
     assert "silently wrong" in run.output
 
 
+def test_a_failure_on_one_rank_during_profiling_stops_every_rank(tmp_path):
+    """The automatic split runs the user's training_step on each rank; if one rank fails, none may hang."""
+    run = run_fit(tmp_path, "--fail-on-rank", "1", timeout=120)
+    assert run.returncode != 0
+    assert "training_step failed on this rank only" in run.output
+    assert "setup failed on rank 1 (RuntimeError: training_step failed on this rank only)" in run.output
+
+
 def test_iterable_dataset_is_refused_on_every_rank(tmp_path):
     run = run_fit(tmp_path, "--iterable", timeout=120)
     assert run.returncode != 0

@@ -30,6 +30,10 @@ class IterableWrapper(IterableDataset):
         return (self.dataset[i] for i in range(len(self.dataset)))
 
 
+def failing_step(batch, batch_idx):
+    raise RuntimeError("training_step failed on this rank only")
+
+
 class WriteResult(Callback):
     def __init__(self, out: Path) -> None:
         self.out = out
@@ -85,6 +89,7 @@ def main() -> None:
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--depth", type=int, default=1)
     parser.add_argument("--emulate-speeds", type=float, nargs="*")
+    parser.add_argument("--fail-on-rank", type=int, help="training_step raises on this rank (a one-rank failure)")
     parser.add_argument("--iterable", action="store_true", help="train on an IterableDataset (must be refused)")
     parser.add_argument("--config-by-rank", help="JSON list: rank r's DeepSpeed config (to provoke a mismatch)")
     args = parser.parse_args()
@@ -125,6 +130,8 @@ def main() -> None:
         default_root_dir=args.out,
     )
     model = RegressionModule(manual=args.manual, hidden=args.hidden, dropout=args.dropout, depth=args.depth)
+    if args.fail_on_rank is not None and int(os.environ.get("LOCAL_RANK", 0)) == args.fail_on_rank:
+        model.training_step = failing_step
     trainer.fit(model, train, val, ckpt_path=args.ckpt_path)
     if args.test_samples:
         trainer.test(model, DataLoader(IndexedRegression(args.test_samples, seed=5), batch_size=4), verbose=False)
