@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from lightning_hetero.emulate import SlowdownEmulator
+from lightning_hetero.emulate import SlowdownEmulator, compute_clock
 from lightning_hetero.plan import CostModel
 
 # Fraction of the free memory a plan may fill: activations are not the only allocations (fragmentation, workspace).
@@ -200,6 +200,10 @@ def profile_training_step(
 ) -> RankProfile:
     """Time forward + backward of ``module.training_step`` at each size (fastest of ``repeats`` after ``warmup``).
 
+    Time is this rank's compute clock (:func:`~lightning_hetero.emulate.compute_clock`: the thread's CPU time on
+    CPU, synchronised wall time on CUDA) plus any emulated slowdown, so ranks that share CPU cores during the
+    probe do not mistake waiting for a core for a slow device.
+
     ``make_batch(n)`` returns a batch of ``n`` samples already on ``device``. With ``time_batch_assembly`` it is
     called, and timed, in every attempt: when the loader has no workers, reading and collating samples happens on
     the training thread and grows with the micro-batch like compute does. Activation memory per sample is the
@@ -208,6 +212,7 @@ def profile_training_step(
     """
     started = time.perf_counter()
     slowed = emulator.slowed if emulator is not None else contextlib.nullcontext
+    clock = compute_clock(device)
     synchronize = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     timed_sizes = sorted(set(batch_sizes))
     timings: dict[int, list[float]] = {size: [] for size in timed_sizes}
@@ -225,7 +230,8 @@ def profile_training_step(
             return tensor
 
         synchronize()
-        begin = time.perf_counter()
+        begin, compute_begin = time.perf_counter(), clock()
+        slept_before = emulator.added_seconds if emulator is not None else 0.0
         if time_batch_assembly or size not in batches:
             batches[size] = make_batch(size)  # not slowed: loading runs on the host, whatever the device
         with slowed(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
@@ -233,9 +239,13 @@ def profile_training_step(
             if automatic and loss is not None and loss.requires_grad:
                 loss.backward()
         synchronize()
+        wall, compute = time.perf_counter() - begin, clock() - compute_begin
+        slept = (emulator.added_seconds if emulator is not None else 0.0) - slept_before
         module.zero_grad(set_to_none=True)
         saved_bytes[size] = float(bytes_saved[0])
-        return time.perf_counter() - begin
+        # This rank's own compute (never longer than the wall time) plus the emulated slowdown: time spent waiting
+        # for a CPU core that other processes hold is not this device's speed.
+        return min(compute, wall - slept) + slept
 
     with preserved_training_state(module, device), _training_step_in_isolation(module):
         module.train()
