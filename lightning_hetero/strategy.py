@@ -8,6 +8,7 @@ batches need: the loss weight, the sample-weighted ``sync_dist`` mean, and sampl
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import json
@@ -66,6 +67,11 @@ _DEFAULT_CONFIG_ARGUMENTS = frozenset(
 )  # fmt: skip
 DEFAULT_STAGE = 2
 PLAN_DIRNAME = "hetero"
+
+
+def _destroy_process_group_at_exit() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 class HeteroStrategy(DeepSpeedStrategy):
@@ -185,6 +191,11 @@ class HeteroStrategy(DeepSpeedStrategy):
         self._take_over_distributed_sampling()
         # Skip DeepSpeedStrategy.setup_environment: its only addition is refusing every accelerator but CUDA.
         DDPStrategy.setup_environment(self)
+        # A gloo group still alive when the interpreter finalises can abort the process at exit ("terminate called
+        # without an active exception", exit code -6 after a successful fit). Lightning registers this clean-up for
+        # NCCL only, and only on its own init path, which DeepSpeed's init_distributed bypasses.
+        atexit.unregister(_destroy_process_group_at_exit)  # once, however many fit/test calls
+        atexit.register(_destroy_process_group_at_exit)
         if self._emulate_speeds is not None:
             self._emulator = SlowdownEmulator(self._emulate_speeds[self.global_rank], self.root_device)
 
@@ -278,11 +289,12 @@ class HeteroStrategy(DeepSpeedStrategy):
     def init_deepspeed(self) -> None:
         super().init_deepspeed()
         if self._emulator is not None:
-            # DeepSpeed's gradient bookkeeping runs on the host at host speed, whatever the emulated device.
+            # DeepSpeed's gradient bookkeeping runs on the host at host speed, whatever the emulated device, and
+            # the emulated delay is paid before the gradient exchange, where a slower device would hold peers back.
             engine = self.deepspeed_engine
-            self._emulator.exclude_method(engine, "allreduce_gradients")
+            self._emulator.at_host_speed(engine, "allreduce_gradients")
             if engine.optimizer is not None:
-                self._emulator.exclude_method(engine.optimizer, "reduce_ready_partitions_and_remove_grads")
+                self._emulator.at_host_speed(engine.optimizer, "reduce_ready_partitions_and_remove_grads")
 
     def _decide_split(self, global_batch_size: int) -> tuple[SplitPlan, Optional[dict[str, Any]]]:
         if self.profiles is None:
