@@ -9,6 +9,10 @@ passes contain gradient reduction, which is stretched too (ZeRO-0/1 communicate 
 DeepSpeed's own host-side work inside backward (ZeRO-2/3 gradient bucketing in the gradient hooks, the
 post-backward reduction) is not compute of the emulated device, so the strategy excludes it (:meth:`excluded`):
 otherwise a slow rank would pay a stretched per-parameter overhead that no profile of the model can see.
+Before such a call the rank first sleeps what it owes for the compute so far (:meth:`catch_up`): on a slower device
+the gradients reach the exchange later, so the other ranks wait at the collective. Sleeping only at the end of the
+backward pass would put the delay after the exchange, where it hides behind the next step's compute instead of
+holding the others back.
 
 The profiler is not told the factors: it measures the stretched compute like any other.
 """
@@ -79,20 +83,44 @@ class SlowdownEmulator:
         self._clock = compute_clock(device)
         self.added_seconds = 0.0
         self._excluded_seconds = 0.0
+        # The open slowed() block: (compute clock, wall clock, excluded seconds) at its start and what it has paid.
+        self._block: Optional[list[float]] = None
+
+    def _owed(self) -> float:
+        if self._block is None:
+            return 0.0
+        start, wall_start, excluded_before, paid = self._block
+        # The process's CPU time counts every intra-op thread: parallel compute is not longer than its wall time.
+        # Sleeping advances the wall clock only, so the minimum stays the compute while any is left to pay.
+        compute = min(self._clock() - start, time.perf_counter() - wall_start - paid)
+        compute -= self._excluded_seconds - excluded_before
+        return (1.0 / self.speed - 1.0) * max(0.0, compute) - paid
+
+    def catch_up(self) -> None:
+        """Sleep now for the compute done so far in the open :meth:`slowed` block (a no-op outside one)."""
+        extra = self._owed()
+        if extra > 0:
+            time.sleep(extra)
+            self.added_seconds += extra
+            assert self._block is not None
+            self._block[3] += extra
 
     @contextlib.contextmanager
     def slowed(self) -> Iterator[None]:
-        start, wall_start, excluded_before = self._clock(), time.perf_counter(), self._excluded_seconds
+        if self._block is not None:
+            # Nested (manual optimization: backward inside training_step): part of the open block, whose clock
+            # already counts this compute; a block of its own would stretch it twice.
+            try:
+                yield
+            finally:
+                self.catch_up()
+            return
+        self._block = [self._clock(), time.perf_counter(), self._excluded_seconds, 0.0]
         try:
             yield
         finally:
-            # The process's CPU time counts every intra-op thread: parallel compute is not longer than its wall time.
-            compute = min(self._clock() - start, time.perf_counter() - wall_start)
-            compute -= self._excluded_seconds - excluded_before
-            extra = (1.0 / self.speed - 1.0) * max(0.0, compute)
-            if extra > 0:
-                time.sleep(extra)
-                self.added_seconds += extra
+            self.catch_up()
+            self._block = None
 
     @contextlib.contextmanager
     def excluded(self) -> Iterator[None]:
@@ -104,13 +132,16 @@ class SlowdownEmulator:
             # Measured like slowed() measures compute, so that the subtraction compares like with like.
             self._excluded_seconds += min(self._clock() - start, time.perf_counter() - wall_start)
 
-    def exclude_method(self, owner: object, name: str) -> bool:
-        """Wrap ``owner.name`` (an instance attribute shadows the method) in :meth:`excluded`; False if absent."""
+    def at_host_speed(self, owner: object, name: str) -> bool:
+        """Make ``owner.name`` (an instance attribute shadows the method) first :meth:`catch_up`, then run
+        :meth:`excluded`: a gradient exchange waits for the emulated compute before it and is not stretched itself.
+        False if ``owner`` has no such method."""
         method = getattr(owner, name, None)
         if not callable(method):
             return False
 
         def wrapper(*args: object, **kwargs: object) -> object:
+            self.catch_up()
             with self.excluded():
                 return method(*args, **kwargs)
 

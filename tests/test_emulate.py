@@ -302,7 +302,7 @@ def test_excluded_work_is_not_stretched():
         torch.set_num_threads(torch_threads)
 
 
-def test_exclude_method_wraps_an_instance_method():
+def test_at_host_speed_wraps_an_instance_method():
     class Engine:
         def reduce(self, x: int) -> int:
             _work(_calibrate_work(0.02))
@@ -310,9 +310,64 @@ def test_exclude_method_wraps_an_instance_method():
 
     engine = Engine()
     emulator = SlowdownEmulator(0.25, CPU)
-    assert emulator.exclude_method(engine, "missing") is False
-    assert emulator.exclude_method(engine, "reduce") is True
+    assert emulator.at_host_speed(engine, "missing") is False
+    assert emulator.at_host_speed(engine, "reduce") is True
     assert "reduce" in vars(engine) and Engine().reduce.__func__ is Engine.reduce  # the instance only
     with emulator.slowed():
         assert engine.reduce(21) == 42
     assert emulator.added_seconds < 0.5 * 3 * 0.02  # well below the stretch of the ~20 ms it did
+
+
+def test_the_delay_is_paid_before_a_host_speed_call():
+    """A gradient exchange must start only after the slow rank's stretched backward, so that peers wait at the
+    collective as they would for a slower device; sleeping after it would hide the delay."""
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        n = _calibrate_work(0.03)
+        emulator = SlowdownEmulator(0.25, CPU)
+        paid_when_called: list[float] = []
+
+        class Engine:
+            def allreduce_gradients(self) -> None:
+                paid_when_called.append(emulator.added_seconds)
+
+        engine = Engine()
+        emulator.at_host_speed(engine, "allreduce_gradients")
+        with emulator.slowed():
+            cpu = time.thread_time()
+            _work(n)  # the backward compute
+            cpu = time.thread_time() - cpu
+            engine.allreduce_gradients()
+        after_block = emulator.added_seconds
+    finally:
+        torch.set_num_threads(torch_threads)
+    assert paid_when_called[0] == pytest.approx(3 * cpu, rel=0.15, abs=3e-3)  # all of it, before the exchange
+    assert after_block - paid_when_called[0] < 0.2 * paid_when_called[0]  # little left to pay at the end
+
+
+def test_catch_up_outside_a_block_does_nothing():
+    emulator = SlowdownEmulator(0.25, CPU)
+    _work(_calibrate_work(0.01))
+    emulator.catch_up()
+    assert emulator.added_seconds == 0.0
+
+
+def test_nested_blocks_stretch_once():
+    """Manual optimization runs backward (a slowed block) inside training_step (another): the inner compute is
+    stretched once, not by both blocks."""
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        n = _calibrate_work(0.02)
+        emulator = SlowdownEmulator(0.5, CPU)
+        with emulator.slowed():
+            cpu = time.thread_time()
+            _work(n)
+            with emulator.slowed():
+                _work(n)
+            _work(n)
+            cpu = time.thread_time() - cpu
+    finally:
+        torch.set_num_threads(torch_threads)
+    assert emulator.added_seconds == pytest.approx(cpu, rel=0.15, abs=3e-3)  # (1/0.5 - 1) x all of it, once
