@@ -512,6 +512,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         only needs the integer average done in floating point); the per-step value is a plain mean over ranks,
         which unequal batches would bias. Outside a step the parent's mean applies.
         """
+        self._before_collective()
         is_mean = isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")
         if is_mean and isinstance(tensor, Tensor) and not tensor.is_floating_point():
             # Lightning averages the epoch's summed batch sizes (an integer tensor) across ranks; with unequal
@@ -530,6 +531,27 @@ class HeteroStrategy(DeepSpeedStrategy):
         packed = torch.cat([tensor.detach().double().reshape(-1) * weight, tensor.new_tensor([weight], dtype=torch.float64)])
         torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.SUM, group=group)
         return (packed[:-1] / packed[-1]).reshape(tensor.shape).to(tensor.dtype)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        self._before_collective()
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        self._before_collective()
+        return super().broadcast(obj, src)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        self._before_collective()
+        super().barrier(*args, **kwargs)
+
+    def _before_collective(self) -> None:
+        # An emulated slow rank reaches a collective (e.g. a `self.log(..., sync_dist=True)` inside training_step)
+        # only after its stretched compute, as a slower device would; paying later would let its peers run ahead.
+        if self._emulator is not None:
+            self._emulator.catch_up()
 
 
 def _raise_if_arguments_differ(arguments: list[dict[str, Any]]) -> None:

@@ -97,3 +97,23 @@ def test_no_way_to_infer_the_global_batch_is_a_clear_error():
         strategy._global_batch_size(DataLoader(list(range(8)), batch_size=None))
     assert HeteroStrategy(global_batch_size=48)._global_batch_size(None) == 48
     assert HeteroStrategy(batch_sizes=[3, 13])._global_batch_size(None) == 16
+
+
+def test_an_emulated_slow_rank_pays_its_delay_before_every_collective():
+    """A slow device reaches a collective (e.g. ``self.log(..., sync_dist=True)`` in training_step) only after its
+    stretched compute; the emulator's owed delay must be paid first, or the other ranks would run ahead."""
+    events: list[str] = []
+
+    class RecordingEmulator:
+        def catch_up(self) -> None:
+            events.append("catch_up")
+
+    strategy = HeteroStrategy()
+    strategy._emulator = RecordingEmulator()
+    value = torch.tensor([2.0])
+    # Without a process group each collective returns its input; what matters is the delay paid before it.
+    assert torch.equal(strategy.reduce(value), value)
+    assert torch.equal(strategy.all_gather(value), value)
+    assert strategy.broadcast("obj") == "obj"
+    strategy.barrier()
+    assert events == ["catch_up"] * 4
