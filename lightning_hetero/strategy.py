@@ -412,12 +412,15 @@ class HeteroStrategy(DeepSpeedStrategy):
         columns = [("rank", "rank"), ("device", "device"), ("micro_batch", "micro-batch"), ("share", "share")]
         summary = ""
         if self.profiles is not None and self.prediction is not None:
-            columns += [("throughput", "samples/s"), ("step", "step ms")]
+            columns += [("throughput", "samples/s"), ("step", "compute ms")]
+            # The profile times each rank's own forward + backward: the prediction is the slowest rank's local
+            # compute per step; the gradient exchange, the optimizer step and the loop add about the same time to
+            # any split.
             summary = (
-                f"\npredicted step: {self.prediction['step_seconds'] * 1e3:.1f} ms with this split,"
+                f"\npredicted compute per step: {self.prediction['step_seconds'] * 1e3:.1f} ms with this split,"
                 f" {self.prediction['equal_split_step_seconds'] * 1e3:.1f} ms with an equal split"
-                f" (speedup {self.prediction['speedup']:.2f}x); profiling took"
-                f" {max(p.wall_seconds for p in self.profiles):.2f} s"
+                f" (speedup {self.prediction['speedup']:.2f}x; communication and optimizer time come on top);"
+                f" profiling took {max(p.wall_seconds for p in self.profiles):.2f} s"
             )
         stage = self.config.get("zero_optimization", {}).get("stage", 0)
         rank_zero_info(

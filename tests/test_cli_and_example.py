@@ -38,14 +38,20 @@ def test_cli_fits_with_string_and_class_path_strategy(config, expected_rows, tmp
     assert sorted(p.name for p in tmp_path.rglob("rank_*.json")) == ["rank_0.json", "rank_1.json"]
 
 
-def test_example_learns(tmp_path):
+def test_example_learns_and_compares_with_the_equal_split(tmp_path):
     returncode, output = run_bounded(
-        [sys.executable, "examples/train_spirals.py", "--epochs", "2", "--root", str(tmp_path)], timeout=240, cwd=REPO
+        [sys.executable, "examples/train_spirals.py", "--epochs", "2", "--root", str(tmp_path)], timeout=300, cwd=REPO
     )
     assert returncode == 0, output[-4000:]
-    (_, fast), (_, slow) = plan_rows(output)  # automatic split, rank 1 emulated at speed 0.4
+    # Two plan tables: the automatic split (rank 1 emulated at speed 0.4), then the equal-split baseline.
+    (_, fast), (_, slow), baseline_0, baseline_1 = plan_rows(output)
     assert fast + slow == 256 and fast > 1.5 * slow
-    assert "speedup" in output
+    assert (baseline_0, baseline_1) == ((0, 128), (1, 128))
+    assert re.search(r"predicted compute per step: [\d.]+ ms with this split, [\d.]+ ms with an equal split", output)
+    rows = dict(re.findall(r"^(hetero|equal \(DDP\)) +(\d+/\d+) ", output, re.M))
+    assert rows == {"hetero": f"{fast}/{slow}", "equal (DDP)": "128/128"}, output[-2000:]
+    assert re.search(r"^measured speedup over the equal split: [\d.]+x$", output, re.M)
+    assert re.search(r"^profiling cost: [\d.]+ s once per fit = [\d.]+% of a 500-step run", output, re.M)
     before, after = map(float, re.search(r"validation accuracy ([\d.]+)% -> ([\d.]+)%", output).groups())
     loss_before, loss_after = map(float, re.search(r"validation loss +([\d.]+) -> ([\d.]+)", output).groups())
     assert after > before + 15 and loss_after < loss_before / 2  # two epochs only: clearly learning
