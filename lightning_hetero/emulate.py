@@ -9,10 +9,13 @@ passes contain gradient reduction, which is stretched too (ZeRO-0/1 communicate 
 DeepSpeed's own host-side work inside backward (ZeRO-2/3 gradient bucketing in the gradient hooks, the
 post-backward reduction) is not compute of the emulated device, so the strategy excludes it (:meth:`excluded`):
 otherwise a slow rank would pay a stretched per-parameter overhead that no profile of the model can see.
-Before such a call the rank first sleeps what it owes for the compute so far (:meth:`catch_up`): on a slower device
-the gradients reach the exchange later, so the other ranks wait at the collective. Sleeping only at the end of the
-backward pass would put the delay after the exchange, where it hides behind the next step's compute instead of
-holding the others back.
+Before a call that communicates, the rank first sleeps what it owes for the compute so far (:meth:`catch_up`): on a
+slower device the gradients reach the exchange later, so the other ranks wait at the collective. Sleeping only at
+the end of the backward pass would put the delay after the exchange, where it hides behind the next step's compute
+instead of holding the others back. It sleeps there only, not in every per-parameter hook: on a CPU, compute right
+after a thread wakes up runs slower (cold caches), and a sleep per parameter made a rank at speed 0.125 compute 20 %
+more per step than its profile, which sleeps once per step; the stretch multiplied that into a fixed cost the
+planner could not see.
 
 The profiler is not told the factors: it measures the stretched compute like any other.
 """
@@ -83,6 +86,8 @@ class SlowdownEmulator:
         self._clock = compute_clock(device)
         self.added_seconds = 0.0
         self._excluded_seconds = 0.0
+        # The open (outermost) excluded() block: (compute clock, wall clock) at its start.
+        self._exclusion_start: Optional[tuple[float, float]] = None
         # The open slowed() block: (compute clock, wall clock, excluded seconds) at its start and what it has paid.
         self._block: Optional[list[float]] = None
 
@@ -93,8 +98,16 @@ class SlowdownEmulator:
         # The process's CPU time counts every intra-op thread: parallel compute is not longer than its wall time.
         # Sleeping advances the wall clock only, so the minimum stays the compute while any is left to pay.
         compute = min(self._clock() - start, time.perf_counter() - wall_start - paid)
-        compute -= self._excluded_seconds - excluded_before
+        compute -= self._excluded_seconds - excluded_before + self._open_exclusion()
         return (1.0 / self.speed - 1.0) * max(0.0, compute) - paid
+
+    def _elapsed_since(self, start: float, wall_start: float) -> float:
+        # Measured like slowed() measures compute, so that the subtraction compares like with like.
+        return min(self._clock() - start, time.perf_counter() - wall_start)
+
+    def _open_exclusion(self) -> float:
+        """Excluded work done so far in an excluded() block that has not ended (a catch_up inside one)."""
+        return 0.0 if self._exclusion_start is None else self._elapsed_since(*self._exclusion_start)
 
     def catch_up(self) -> None:
         """Sleep now for the compute done so far in the open :meth:`slowed` block (a no-op outside one)."""
@@ -124,24 +137,32 @@ class SlowdownEmulator:
 
     @contextlib.contextmanager
     def excluded(self) -> Iterator[None]:
-        """Work inside a :meth:`slowed` block that a slower device would not do slower (host-side bookkeeping)."""
-        start, wall_start = self._clock(), time.perf_counter()
+        """Work inside a :meth:`slowed` block that a slower device would not do slower (host-side bookkeeping).
+
+        Nested blocks (a bucket reduce inside a gradient hook) count once, as part of the outermost one.
+        """
+        if self._exclusion_start is not None:
+            yield
+            return
+        self._exclusion_start = (self._clock(), time.perf_counter())
         try:
             yield
         finally:
-            # Measured like slowed() measures compute, so that the subtraction compares like with like.
-            self._excluded_seconds += min(self._clock() - start, time.perf_counter() - wall_start)
+            self._excluded_seconds += self._open_exclusion()
+            self._exclusion_start = None
 
-    def at_host_speed(self, owner: object, name: str) -> bool:
-        """Make ``owner.name`` (an instance attribute shadows the method) first :meth:`catch_up`, then run
-        :meth:`excluded`: a gradient exchange waits for the emulated compute before it and is not stretched itself.
-        False if ``owner`` has no such method."""
+    def at_host_speed(self, owner: object, name: str, pay_first: bool = True) -> bool:
+        """Make ``owner.name`` (an instance attribute shadows the method) run :meth:`excluded`, after a
+        :meth:`catch_up` when ``pay_first``: a gradient exchange waits for the emulated compute before it and is not
+        stretched itself; ``pay_first=False`` is for bookkeeping that does not communicate. False if ``owner`` has
+        no such method."""
         method = getattr(owner, name, None)
         if not callable(method):
             return False
 
         def wrapper(*args: object, **kwargs: object) -> object:
-            self.catch_up()
+            if pay_first:
+                self.catch_up()
             with self.excluded():
                 return method(*args, **kwargs)
 

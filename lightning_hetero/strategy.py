@@ -67,6 +67,9 @@ _DEFAULT_CONFIG_ARGUMENTS = frozenset(
 )  # fmt: skip
 DEFAULT_STAGE = 2
 PLAN_DIRNAME = "hetero"
+# The methods of DeepSpeed's ZeRO optimizers that reduce a full gradient bucket during backward (ZeRO-1/2, ZeRO-3;
+# the second is private, hence mangled).
+_DEEPSPEED_BUCKET_REDUCES = ("reduce_ipg_grads", "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads")
 
 
 def _destroy_process_group_at_exit() -> None:
@@ -290,11 +293,16 @@ class HeteroStrategy(DeepSpeedStrategy):
         super().init_deepspeed()
         if self._emulator is not None:
             # DeepSpeed's gradient bookkeeping runs on the host at host speed, whatever the emulated device, and
-            # the emulated delay is paid before the gradient exchange, where a slower device would hold peers back.
+            # the emulated delay is paid before each gradient exchange, where a slower device would hold peers back:
+            # the post-backward reduction (every stage) and, in ZeRO-1/2/3, a bucket reduced when it fills up
+            # during backward. The per-parameter hooks only fill buckets, so nothing is paid there.
             engine = self.deepspeed_engine
             self._emulator.at_host_speed(engine, "allreduce_gradients")
-            if engine.optimizer is not None:
-                self._emulator.at_host_speed(engine.optimizer, "reduce_ready_partitions_and_remove_grads")
+            optimizer = engine.optimizer
+            if optimizer is not None:
+                self._emulator.at_host_speed(optimizer, "reduce_ready_partitions_and_remove_grads", pay_first=False)
+                for bucket_reduce in _DEEPSPEED_BUCKET_REDUCES:
+                    self._emulator.at_host_speed(optimizer, bucket_reduce)
 
     def _decide_split(self, global_batch_size: int) -> tuple[SplitPlan, Optional[dict[str, Any]]]:
         if self.profiles is None:

@@ -371,3 +371,80 @@ def test_nested_blocks_stretch_once():
     finally:
         torch.set_num_threads(torch_threads)
     assert emulator.added_seconds == pytest.approx(cpu, rel=0.15, abs=3e-3)  # (1/0.5 - 1) x all of it, once
+
+
+def _single_thread_cpu(block) -> float:
+    """Run ``block`` with one intra-op thread (the emulator's thread-time clock); its CPU seconds."""
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        start = time.thread_time()
+        block()
+        return time.thread_time() - start
+    finally:
+        torch.set_num_threads(torch_threads)
+
+
+def test_nested_exclusions_count_once():
+    """A bucket reduce (excluded) runs inside a gradient hook (excluded): its time must not be subtracted twice
+    from the compute, or the compute around it would go unstretched."""
+    n = _calibrate_work(0.03)
+    emulator = SlowdownEmulator(0.25, CPU)
+    compute: list[float] = []
+
+    def block() -> None:
+        with emulator.slowed():
+            compute.append(_single_thread_cpu(lambda: _work(n)))
+            with emulator.excluded(), emulator.excluded():
+                _work(n)
+
+    _single_thread_cpu(block)
+    # 3 x the 30 ms of compute; counting the excluded 30 ms twice would leave nothing to stretch.
+    assert emulator.added_seconds == pytest.approx(3 * compute[0], rel=0.2, abs=5e-3)
+
+
+def test_a_delay_paid_inside_an_exclusion_leaves_the_excluded_part_out():
+    """ZeRO-2 reduces a full bucket from inside a gradient hook: the delay paid there is for the compute before
+    the hook, not for the hook's own bookkeeping up to that point."""
+    n = _calibrate_work(0.03)
+    emulator = SlowdownEmulator(0.25, CPU)
+    paid_at_reduce: list[float] = []
+    compute: list[float] = []
+
+    def block() -> None:
+        with emulator.slowed():
+            compute.append(_single_thread_cpu(lambda: _work(n)))
+            with emulator.excluded():
+                _work(n)  # bookkeeping before the bucket is full
+                emulator.catch_up()
+                paid_at_reduce.append(emulator.added_seconds)
+
+    _single_thread_cpu(block)
+    assert paid_at_reduce[0] == pytest.approx(3 * compute[0], rel=0.2, abs=5e-3)
+    assert emulator.added_seconds == pytest.approx(paid_at_reduce[0], rel=0.1, abs=3e-3)  # nothing more at the end
+
+
+def test_bookkeeping_wrapped_without_paying_first_does_not_sleep_when_called():
+    """Per-parameter gradient hooks only fill buckets: they are excluded from the stretch but pay nothing, so that
+    a backward pass sleeps once before its reduction rather than once per parameter."""
+    calls: list[float] = []
+    emulator = SlowdownEmulator(0.25, CPU)
+
+    class Optimizer:
+        def reduce_ready_partitions_and_remove_grads(self, param: int) -> None:
+            calls.append(emulator.added_seconds)
+            _work(_calibrate_work(0.01))
+
+    optimizer = Optimizer()
+    assert emulator.at_host_speed(optimizer, "reduce_ready_partitions_and_remove_grads", pay_first=False)
+    n = _calibrate_work(0.02)
+
+    def block() -> None:
+        with emulator.slowed():
+            for param in range(3):
+                _work(n)  # autograd computing this parameter's gradient
+                optimizer.reduce_ready_partitions_and_remove_grads(param)
+
+    _single_thread_cpu(block)
+    assert calls == [0.0, 0.0, 0.0]  # no sleep inside the hooks
+    assert emulator.added_seconds == pytest.approx(3 * 3 * 0.02, rel=0.3)  # all of it once, at the block's end
