@@ -117,8 +117,9 @@ def main() -> None:
     first = runs["hetero"]
     if not first["is_global_zero"]:
         return
-    print(f"\n{'run':12s}  {'micro-batches':13s}  {'samples/s':>9s}  {'median step':>11s}  {'val loss':>8s}  {'val acc':>7s}")
-    print(f"{'before':12s}  {'':13s}  {'':9s}  {'':11s}  {first['before']['val_loss']:8.3f}  {first['before']['val_acc']:7.1%}")
+    print(f"\n{'run':12s}  micro-batches  samples/s  median step  val loss  val acc")
+    before = first["before"]
+    print(f"{'before':12s}  {'':37s}  {before['val_loss']:8.3f}  {before['val_acc']:7.1%}")
     for name, run in runs.items():
         print(
             f"{name:12s}  {run['split']:13s}  {run['samples_per_second']:9.0f}  {run['step'] * 1e3:8.1f} ms"

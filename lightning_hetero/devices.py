@@ -99,6 +99,22 @@ class DeviceFacts:
             values["peers"] = tuple(PeerLink(**peer) for peer in values["peers"])
         return cls(**values)
 
+    def model_signature(self) -> tuple[Any, ...]:
+        """The facts that make two devices the same model for speed: not where they are (host, index, bus), not
+        what changes while they run (free memory, current clock), not how the facts were read."""
+        return (
+            self.kind,
+            self.name,
+            self.compute_capability,
+            self.sm_count,
+            self.max_sm_clock_mhz,
+            self.max_memory_clock_mhz,
+            self.usable_cpus,
+            self.torch_threads,
+            self.isa_features,
+            self.torch_cpu_capability,
+        )
+
     def describe(self) -> str:
         """One line for the plan table."""
         free_bytes = self.free_memory_bytes
@@ -109,6 +125,11 @@ class DeviceFacts:
             return f"cpu: {threads}, {isa_summary(self.isa_features)} ({free})"
         details = [free] if self.sm_count is None else [f"{self.sm_count} SMs", free]
         return f"{self.name} ({', '.join(details)})"
+
+
+def same_model(facts: Iterable[DeviceFacts]) -> bool:
+    """Whether all these devices are the same model (:meth:`DeviceFacts.model_signature`)."""
+    return len({f.model_signature() for f in facts}) <= 1
 
 
 def collect_device_facts(device: Union[torch.device, str]) -> DeviceFacts:

@@ -39,15 +39,15 @@ from lightning_hetero.configure import (
     rank_config,
 )
 from lightning_hetero.data import HeteroDataLoader, describe_unsupported_loader, loader_batch_size, rebuild_loader
-from lightning_hetero.devices import DeviceFacts, collect_device_facts
+from lightning_hetero.devices import DeviceFacts, collect_device_facts, same_model
 from lightning_hetero.emulate import ENV_VAR as EMULATE_ENV_VAR
 from lightning_hetero.emulate import SlowdownEmulator, check_speeds, speeds_from_environment
 from lightning_hetero.plan import (
-    MIN_PREDICTED_GAIN,
     SplitPlan,
     check_split_arguments,
     loss_weight,
     plan_automatic_split,
+    required_gain,
     resolve_split,
     split_by_weights,
 )
@@ -309,9 +309,15 @@ class HeteroStrategy(DeepSpeedStrategy):
             return resolve_split(self.world_size, global_batch_size, self.batch_sizes, self.weights), None
         resolve_split(self.world_size, global_batch_size)  # the global batch must give every rank a sample
         costs = [profile.cost_model() for profile in self.profiles]
-        decision = plan_automatic_split(costs, global_batch_size)
+        # Same-model devices are presumed equally fast unless the profile says otherwise by a wide margin; emulated
+        # speeds declare them different (the profiler still has to measure by how much).
+        identical = self._emulate_speeds is None and same_model(self.device_facts)
+        decision = plan_automatic_split(costs, global_batch_size, min_gain=required_gain(identical))
         planned = decision.planned
-        source = f"auto: equal, predicted gain < {MIN_PREDICTED_GAIN:.0%}" if decision.kept_equal else "auto"
+        source = "auto"
+        if decision.kept_equal:
+            devices = "same-model devices" if identical else "devices"
+            source = f"auto: equal, predicted gain < {decision.min_gain:.0%} on {devices}"
         prediction = {
             "step_seconds": planned.predicted_step_time,
             "rank_step_seconds": list(planned.predicted_times),

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import re
 import json
+import re
 import sys
 import types
 from types import SimpleNamespace
@@ -24,6 +24,7 @@ from lightning_hetero.devices import (
     parse_cpu_flags,
     parse_cpu_model,
     pcie_link_name,
+    same_model,
 )
 
 SPR_FLAGS = (
@@ -134,6 +135,51 @@ def test_cpu_facts_on_this_machine_are_sane_and_round_trip_through_json():
 
     encoded = json.dumps(facts.to_dict())
     assert DeviceFacts.from_dict(json.loads(encoded)) == facts
+
+
+A100 = DeviceFacts(
+    kind="cuda", name="NVIDIA A100-SXM4-80GB", hostname="node-a", index=0, total_memory_bytes=80 * 2**30,
+    free_memory_bytes=70 * 2**30, sm_count=108, compute_capability=(8, 0), sm_clock_mhz=1410, max_sm_clock_mhz=1410,
+    max_memory_clock_mhz=1593, pci_bus_id="0000:07:00.0", sources=("torch", "nvml"),
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"hostname": "node-b", "index": 3, "pci_bus_id": "0000:b7:00.0"},  # where it is
+        {"free_memory_bytes": 12 * 2**30, "sm_clock_mhz": 210},  # what changes while it runs
+        {"sources": ("nvml",), "notes": ("torch cuda unavailable: ...",)},  # how the facts were read
+        {"peers": (PeerLink("0000:0f:00.0", "nvlink"),)},
+    ],
+)
+def test_same_model_ignores_place_state_and_provenance(changes):
+    other = DeviceFacts(**{**A100.__dict__, **changes})
+    assert other.model_signature() == A100.model_signature()
+    assert same_model([A100, other, A100])
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"name": "NVIDIA A100-PCIE-40GB"},
+        {"sm_count": 98},  # a MIG slice or a cut-down part
+        {"compute_capability": (8, 6)},
+        {"max_sm_clock_mhz": 1095},  # a power-capped board
+        {"kind": "cpu", "name": "Intel(R) Xeon(R) Platinum 8480+", "torch_threads": 8},
+    ],
+)
+def test_same_model_tells_different_devices_apart(changes):
+    other = DeviceFacts(**{**A100.__dict__, **changes})
+    assert not same_model([A100, other])
+    assert same_model([other]) and same_model([])
+
+
+def test_cpu_ranks_with_different_thread_counts_or_isa_are_different_models():
+    cpu = cpu_facts()
+    assert same_model([cpu, cpu_facts()])  # two ranks of this machine
+    assert not same_model([cpu, DeviceFacts(**{**cpu.__dict__, "torch_threads": (cpu.torch_threads or 1) + 1})])
+    assert not same_model([cpu, DeviceFacts(**{**cpu.__dict__, "isa_features": ("avx2",)})])
 
 
 def test_cpu_facts_without_procfs_or_psutil_notes_what_is_missing(monkeypatch):

@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_hetero.plan import (
+    MIN_PREDICTED_GAIN,
     CostModel,
     PlannedSplit,
     equal_split_time,
@@ -25,6 +26,7 @@ from lightning_hetero.plan import (
     plan_min_max,
     predicted_step_time,
     predicted_times,
+    required_gain,
     split_by_weights,
 )
 
@@ -426,3 +428,22 @@ def test_automatic_split_threshold_is_respected(min_gain):
     costs = [CostModel(fixed=0.0, per_sample=1.0), CostModel(fixed=0.0, per_sample=1.5)]  # plan gains 1.2x
     decision = plan_automatic_split(costs, 100, min_gain=min_gain)
     assert decision.kept_equal == (decision.equal_split_step_time / plan_min_max(costs, 100).predicted_step_time < 1 + min_gain)
+
+
+def test_the_decision_records_the_gain_it_required():
+    costs = [CostModel(fixed=0.0, per_sample=1.0), CostModel(fixed=0.0, per_sample=1.5)]
+    assert plan_automatic_split(costs, 100, min_gain=0.3).min_gain == 0.3
+    assert plan_automatic_split(costs, 100).min_gain == MIN_PREDICTED_GAIN
+
+
+def test_same_model_devices_need_a_wide_margin_to_leave_the_equal_split():
+    """Two ranks of one GPU model whose profiles differ by 15 % (a transient on a shared host, say): the planner
+    would gain about 7 %, which is enough for different devices, not for devices presumed equally fast."""
+    assert required_gain(same_model=False) == MIN_PREDICTED_GAIN
+    assert required_gain(same_model=True) > 3 * MIN_PREDICTED_GAIN
+    noisy = [CostModel(fixed=0.0, per_sample=1.0), CostModel(fixed=0.0, per_sample=1.15)]
+    assert plan_automatic_split(noisy, 200, min_gain=required_gain(same_model=True)).planned.batch_sizes == (100, 100)
+    assert plan_automatic_split(noisy, 200, min_gain=required_gain(same_model=False)).planned.batch_sizes == (107, 93)
+    # A same-model rank that is really 1.5x slower (a throttled board) is still split around.
+    throttled = [CostModel(fixed=0.0, per_sample=1.0), CostModel(fixed=0.0, per_sample=1.5)]
+    assert not plan_automatic_split(throttled, 200, min_gain=required_gain(same_model=True)).kept_equal
