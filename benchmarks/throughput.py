@@ -33,8 +33,8 @@ seconds the emulator sleeps):
     fetch      previous ``on_train_batch_end`` -> ``on_train_batch_start`` (data loading, loop bookkeeping)
     forward    ``on_train_batch_start`` -> ``on_before_backward`` (``training_step`` including the emulated slowdown
                of the forward)
-    backward   ``on_before_backward`` -> the last parameter-gradient hook (autograd's local backward, with the
-               emulated slowdown the strategy pays in DeepSpeed's gradient hooks before each bucket is reduced)
+    backward   ``on_before_backward`` -> the last parameter-gradient hook (autograd's local backward, with any
+               emulated slowdown paid before a gradient bucket that filled up during backward was reduced)
     bwd_sleep  seconds slept from the last gradient hook to the step's end: the rest of the emulated backward
                slowdown, "pre" before DeepSpeed's backward returned (the strategy pays it before the gradient reduce)
                or "post" after it (only if the emulation slept after the reduce, which it should not)

@@ -463,8 +463,8 @@ def _last_true(holds, guess: int, high: int) -> int:
 MIN_PREDICTED_GAIN = 0.05
 # ... and this much when every rank's device is the same model (same static facts): those ranks are presumed equally
 # fast, and a one-shot profile can tell them apart by more than 5 % for a while. On this project's 2-vCPU test
-# machine, profiles of identical ranks predicted gains of up to 18 % that training then did not show (it ran 6-8 %
-# slower than the equal split). A same-model rank has to be about 1.4x slower (2 ranks) to be split around.
+# machine, profiles of identical ranks predicted gains of 6-18 % (once 28 %) that training then did not show: those
+# splits ran 6-8 % slower than the equal one. With 2 ranks, a same-model rank has to be 1.5x slower to be split around.
 MIN_PREDICTED_GAIN_SAME_MODEL = 0.25
 
 

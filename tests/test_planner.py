@@ -444,6 +444,6 @@ def test_same_model_devices_need_a_wide_margin_to_leave_the_equal_split():
     noisy = [CostModel(fixed=0.0, per_sample=1.0), CostModel(fixed=0.0, per_sample=1.15)]
     assert plan_automatic_split(noisy, 200, min_gain=required_gain(same_model=True)).planned.batch_sizes == (100, 100)
     assert plan_automatic_split(noisy, 200, min_gain=required_gain(same_model=False)).planned.batch_sizes == (107, 93)
-    # A same-model rank that is really 1.5x slower (a throttled board) is still split around.
-    throttled = [CostModel(fixed=0.0, per_sample=1.0), CostModel(fixed=0.0, per_sample=1.5)]
+    # A same-model rank that is really 1.6x slower (a throttled board) is still split around.
+    throttled = [CostModel(fixed=0.0, per_sample=1.0), CostModel(fixed=0.0, per_sample=1.6)]
     assert not plan_automatic_split(throttled, 200, min_gain=required_gain(same_model=True)).kept_equal
