@@ -26,7 +26,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
 from examples.spirals import SpiralClassifier, SpiralDataModule  # noqa: E402
 from lightning_hetero import HeteroStrategy  # noqa: E402
 
-# The profiling cost is quoted against a run of this many steps (issue: under 3 % of a 500-step run).
+# The profiling cost is quoted against a run of this many steps (the target: under 3 % of it).
 REFERENCE_STEPS = 500
 
 

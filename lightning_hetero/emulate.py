@@ -13,8 +13,8 @@ Before a call that communicates, the rank first sleeps what it owes for the comp
 slower device the gradients reach the exchange later, so the other ranks wait at the collective. Sleeping only at
 the end of the backward pass would put the delay after the exchange, where it hides behind the next step's compute
 instead of holding the others back. It sleeps there only, not in every per-parameter hook: on a CPU, compute right
-after a thread wakes up runs slower (cold caches), and a sleep per parameter made a rank at speed 0.125 compute 20 %
-more per step than its profile, which sleeps once per step; the stretch multiplied that into a fixed cost the
+after a thread wakes up runs slower (cold caches): a sleep per parameter made a rank at speed 0.125 compute 20 %
+more per step than one sleep per pass, as in its profile, and the stretch multiplied that into a fixed cost the
 planner could not see.
 
 The profiler is not told the factors: it measures the stretched compute like any other.
