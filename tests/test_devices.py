@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
@@ -154,7 +155,7 @@ A100 = DeviceFacts(
     ],
 )
 def test_same_model_ignores_place_state_and_provenance(changes):
-    other = DeviceFacts(**{**A100.__dict__, **changes})
+    other = dataclasses.replace(A100, **changes)
     assert other.model_signature() == A100.model_signature()
     assert same_model([A100, other, A100])
 
@@ -170,7 +171,7 @@ def test_same_model_ignores_place_state_and_provenance(changes):
     ],
 )
 def test_same_model_tells_different_devices_apart(changes):
-    other = DeviceFacts(**{**A100.__dict__, **changes})
+    other = dataclasses.replace(A100, **changes)
     assert not same_model([A100, other])
     assert same_model([other]) and same_model([])
 
@@ -178,8 +179,8 @@ def test_same_model_tells_different_devices_apart(changes):
 def test_cpu_ranks_with_different_thread_counts_or_isa_are_different_models():
     cpu = cpu_facts()
     assert same_model([cpu, cpu_facts()])  # two ranks of this machine
-    assert not same_model([cpu, DeviceFacts(**{**cpu.__dict__, "torch_threads": (cpu.torch_threads or 1) + 1})])
-    assert not same_model([cpu, DeviceFacts(**{**cpu.__dict__, "isa_features": ("avx2",)})])
+    assert not same_model([cpu, dataclasses.replace(cpu, torch_threads=(cpu.torch_threads or 1) + 1)])
+    assert not same_model([cpu, dataclasses.replace(cpu, isa_features=("avx2",))])
 
 
 def test_cpu_facts_without_procfs_or_psutil_notes_what_is_missing(monkeypatch):
