@@ -100,14 +100,10 @@ def main() -> None:
     if args.emulate_speeds is None and args.devices == 2:
         args.emulate_speeds = [1.0, 0.4]
 
-    runs = {}
-    runs["hetero"] = train(
-        args,
-        HeteroStrategy(
-            stage=args.stage, weights=args.weights, batch_sizes=args.batch_sizes, emulate_speeds=args.emulate_speeds
-        ),
-        args.root,
+    strategy = HeteroStrategy(
+        stage=args.stage, weights=args.weights, batch_sizes=args.batch_sizes, emulate_speeds=args.emulate_speeds
     )
+    runs = {"hetero": train(args, strategy, args.root)}
     if not args.no_baseline:
         # What DDP (or Lightning's DeepSpeedStrategy) does: every rank the loader's batch size.
         equal = [args.batch_size] * args.devices
@@ -118,15 +114,15 @@ def main() -> None:
     if not first["is_global_zero"]:
         return
     print(f"\n{'run':12s}  micro-batches  samples/s  median step  val loss  val acc")
-    before = first["before"]
+    before, after = first["before"], first["after"]
     print(f"{'before':12s}  {'':37s}  {before['val_loss']:8.3f}  {before['val_acc']:7.1%}")
     for name, run in runs.items():
         print(
             f"{name:12s}  {run['split']:13s}  {run['samples_per_second']:9.0f}  {run['step'] * 1e3:8.1f} ms"
             f"  {run['after']['val_loss']:8.3f}  {run['after']['val_acc']:7.1%}"
         )
-    print(f"validation loss     {first['before']['val_loss']:.3f} -> {first['after']['val_loss']:.3f}")
-    print(f"validation accuracy {first['before']['val_acc']:.1%} -> {first['after']['val_acc']:.1%}")
+    print(f"validation loss     {before['val_loss']:.3f} -> {after['val_loss']:.3f}")
+    print(f"validation accuracy {before['val_acc']:.1%} -> {after['val_acc']:.1%}")
     if "equal (DDP)" in runs:
         speedup = first["samples_per_second"] / runs["equal (DDP)"]["samples_per_second"]
         print(f"measured speedup over the equal split: {speedup:.2f}x")
