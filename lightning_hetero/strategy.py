@@ -8,7 +8,6 @@ batches need: the loss weight, the sample-weighted ``sync_dist`` mean, and sampl
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import copy
 import json
@@ -52,6 +51,7 @@ from lightning_hetero.plan import (
     split_by_weights,
 )
 from lightning_hetero.profiler import RankProfile, probe_sizes, profile_training_step
+from lightning_hetero.shutdown import register_exit_cleanup
 
 # Arguments of DeepSpeedStrategy that only build its default DeepSpeed config: a user config replaces them all.
 _DEFAULT_CONFIG_ARGUMENTS = frozenset(
@@ -70,11 +70,6 @@ PLAN_DIRNAME = "hetero"
 # The methods of DeepSpeed's ZeRO optimizers that reduce a full gradient bucket during backward (ZeRO-1/2, ZeRO-3;
 # the second is private, hence mangled).
 _DEEPSPEED_BUCKET_REDUCES = ("reduce_ipg_grads", "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads")
-
-
-def _destroy_process_group_at_exit() -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 class HeteroStrategy(DeepSpeedStrategy):
@@ -194,11 +189,9 @@ class HeteroStrategy(DeepSpeedStrategy):
         self._take_over_distributed_sampling()
         # Skip DeepSpeedStrategy.setup_environment: its only addition is refusing every accelerator but CUDA.
         DDPStrategy.setup_environment(self)
-        # A gloo group still alive when the interpreter finalises can abort the process at exit ("terminate called
-        # without an active exception", exit code -6 after a successful fit). Lightning registers this clean-up for
-        # NCCL only, and only on its own init path, which DeepSpeed's init_distributed bypasses.
-        atexit.unregister(_destroy_process_group_at_exit)  # once, however many fit/test calls
-        atexit.register(_destroy_process_group_at_exit)
+        # Without this a gloo job can abort at exit after a successful fit (exit code -6; see shutdown.py). Lightning
+        # destroys the process group at exit for NCCL only, and only on its own init path, which DeepSpeed bypasses.
+        register_exit_cleanup()
         if self._emulate_speeds is not None:
             self._emulator = SlowdownEmulator(self._emulate_speeds[self.global_rank], self.root_device)
 

@@ -1,0 +1,72 @@
+"""Unit tests for lightning_hetero.shutdown: the exit clean-up waits while a gloo worker thread is runnable.
+
+A stand-in thread takes gloo's worker name ("pt_gloo_runloop") through prctl and spins, which is what a worker that
+still has a release to finish looks like from /proc.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import threading
+import time
+
+import pytest
+
+from lightning_hetero.shutdown import GLOO_WORKER_THREAD_NAME, runnable_gloo_workers, wait_for_gloo_workers_to_settle
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread states from /proc")
+PR_SET_NAME = 15
+
+
+class NamedThread(threading.Thread):
+    """A thread that names itself like a gloo worker, then spins (runnable) or sleeps until told to stop."""
+
+    def __init__(self, spin: bool) -> None:
+        super().__init__(daemon=True)
+        self.spin = spin
+        self.named = threading.Event()
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc.prctl(PR_SET_NAME, GLOO_WORKER_THREAD_NAME.encode(), 0, 0, 0)
+        self.named.set()
+        while not self.stop.is_set():
+            if not self.spin:
+                self.stop.wait()
+            # Spinning in Python keeps the thread runnable: it holds or waits for the GIL, or computes.
+
+    def __enter__(self) -> "NamedThread":
+        self.start()
+        assert self.named.wait(5)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.join(5)
+
+
+def test_no_gloo_workers_means_settled_at_once():
+    assert runnable_gloo_workers() == 0
+    started = time.monotonic()
+    assert wait_for_gloo_workers_to_settle(max_wait=2.0)
+    assert time.monotonic() - started < 1.0
+
+
+def test_a_sleeping_worker_does_not_hold_up_the_exit():
+    with NamedThread(spin=False):
+        time.sleep(0.05)
+        assert runnable_gloo_workers() == 0
+        assert wait_for_gloo_workers_to_settle(max_wait=2.0)
+
+
+def test_a_runnable_worker_is_counted_and_waited_for_up_to_the_bound():
+    with NamedThread(spin=True):
+        # A spinning thread is runnable whenever it is looked at, apart from the moments it waits for the GIL.
+        assert any(runnable_gloo_workers() == 1 for _ in range(50))
+        started = time.monotonic()
+        assert not wait_for_gloo_workers_to_settle(max_wait=0.3)
+        assert 0.3 <= time.monotonic() - started < 2.0
+    assert wait_for_gloo_workers_to_settle(max_wait=2.0)
