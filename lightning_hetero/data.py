@@ -81,7 +81,10 @@ def epoch_steps(num_samples: int, batch_sizes: Sequence[int], drop_last: bool, s
             if end - begin >= world_size:
                 steps.append((begin, end))
     return [
-        GlobalStep(begin, tuple(batch_sizes) if end - begin == global_batch else tuple(split_by_weights(end - begin, batch_sizes)))
+        GlobalStep(
+            begin,
+            tuple(batch_sizes) if end - begin == global_batch else tuple(split_by_weights(end - begin, batch_sizes)),
+        )
         for begin, end in steps
     ]
 

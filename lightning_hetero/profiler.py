@@ -144,7 +144,9 @@ def preserved_training_state(module: nn.Module, device: torch.device) -> Iterato
     # Parameters and all buffers, non-persistent ones too (which state_dict leaves out).
     tensors = itertools.chain(module.named_parameters(), module.named_buffers())
     saved_tensors = {name: tensor.detach().clone() for name, tensor in tensors}
-    saved_grads = {name: (p.grad.detach().clone() if p.grad is not None else None) for name, p in module.named_parameters()}
+    saved_grads = {
+        name: (p.grad.detach().clone() if p.grad is not None else None) for name, p in module.named_parameters()
+    }
     python_rng = random.getstate()
     torch_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None

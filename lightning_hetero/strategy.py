@@ -143,7 +143,10 @@ class HeteroStrategy(DeepSpeedStrategy):
         if config_stage is None:
             zero["stage"] = DEFAULT_STAGE if stage is None else stage
         elif stage is not None and stage != config_stage:
-            rank_zero_warn(f"HeteroStrategy: the DeepSpeed config's `zero_optimization.stage={config_stage}` wins over `stage={stage}`.")
+            rank_zero_warn(
+                f"HeteroStrategy: the DeepSpeed config's `zero_optimization.stage={config_stage}` wins over"
+                f" `stage={stage}`."
+            )
         ignored = sorted(_DEFAULT_CONFIG_ARGUMENTS & kwargs.keys())
         if kwargs.get("logging_batch_size_per_gpu", "auto") != "auto":
             ignored.append("logging_batch_size_per_gpu")
@@ -268,11 +271,13 @@ class HeteroStrategy(DeepSpeedStrategy):
                 "weights": self.weights,
                 "emulate_speeds": self._emulate_speeds,
             }
-            local = {"arguments": arguments, "facts": collect_device_facts(self.root_device).to_dict(), "profile": profile}
+            facts = collect_device_facts(self.root_device).to_dict()
+            local = {"arguments": arguments, "facts": facts, "profile": profile}
             failure: Optional[BaseException] = None
         except Exception as error:
             local, failure = {}, error
-        gathered = self._all_gather({**local, "failure": None if failure is None else f"{type(failure).__name__}: {failure}"})
+        failure_text = None if failure is None else f"{type(failure).__name__}: {failure}"
+        gathered = self._all_gather({**local, "failure": failure_text})
         if failure is not None:
             raise failure
         failed = [(rank, entry["failure"]) for rank, entry in enumerate(gathered) if entry["failure"]]
@@ -431,7 +436,8 @@ class HeteroStrategy(DeepSpeedStrategy):
             )
         stage = self.config.get("zero_optimization", {}).get("stage", 0)
         rank_zero_info(
-            f"HeteroStrategy plan ({self.plan.source}): global batch {self.plan.global_batch_size}, ZeRO stage {stage}\n"
+            f"HeteroStrategy plan ({self.plan.source}): global batch {self.plan.global_batch_size},"
+            f" ZeRO stage {stage}\n"
             f"{format_plan_table(rows, columns)}{summary}\nwritten to {log_dir}"
         )
 
@@ -514,7 +520,10 @@ class HeteroStrategy(DeepSpeedStrategy):
 
     @override
     def reduce(
-        self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[torch.distributed.ReduceOp, str]] = "mean"
+        self,
+        tensor: Any,
+        group: Optional[Any] = None,
+        reduce_op: Optional[Union[torch.distributed.ReduceOp, str]] = "mean",
     ) -> Any:
         """Inside a step, a "mean" is weighted by each rank's sample count (``self.log(..., sync_dist=True)``).
 
@@ -538,7 +547,9 @@ class HeteroStrategy(DeepSpeedStrategy):
         if not weighted:
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
         weight = float(self._sync_weight)  # type: ignore[arg-type]
-        packed = torch.cat([tensor.detach().double().reshape(-1) * weight, tensor.new_tensor([weight], dtype=torch.float64)])
+        packed = torch.cat(
+            [tensor.detach().double().reshape(-1) * weight, tensor.new_tensor([weight], dtype=torch.float64)]
+        )
         torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.SUM, group=group)
         return (packed[:-1] / packed[-1]).reshape(tensor.shape).to(tensor.dtype)
 
@@ -567,7 +578,9 @@ class HeteroStrategy(DeepSpeedStrategy):
 def _raise_if_arguments_differ(arguments: list[dict[str, Any]]) -> None:
     differing = sorted(key for key in arguments[0] if any(other.get(key) != arguments[0][key] for other in arguments))
     if differing:
-        per_rank = "; ".join(f"{key}: " + ", ".join(f"rank {r}: {a.get(key)}" for r, a in enumerate(arguments)) for key in differing)
+        per_rank = "; ".join(
+            f"{key}: " + ", ".join(f"rank {r}: {a.get(key)}" for r, a in enumerate(arguments)) for key in differing
+        )
         raise ValueError(
             f"HeteroStrategy was built with different arguments on different ranks ({per_rank})."
             " Every rank must run the same script with the same arguments (and the same training loader batch size)."

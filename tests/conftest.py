@@ -24,7 +24,9 @@ class RunResult:
     result: Optional[dict[str, Any]]
 
 
-def run_bounded(command: list[str], timeout: float, cwd: Path = REPO, env: Optional[dict[str, str]] = None) -> tuple[int, str]:
+def run_bounded(
+    command: list[str], timeout: float, cwd: Path = REPO, env: Optional[dict[str, str]] = None
+) -> tuple[int, str]:
     """Run ``command`` in its own process group; on timeout kill the whole group (Lightning's launched ranks too)."""
     process = subprocess.Popen(
         command,

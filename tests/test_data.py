@@ -139,7 +139,8 @@ def test_epoch_steps_short_remainder_joins_previous_step():
     # 11 samples, B=5, W=2: the last sample cannot give both ranks one, so it joins the second step.
     assert epoch_steps(11, [2, 3], drop_last=False) == [GlobalStep(0, (2, 3)), GlobalStep(5, (2, 4))]
     # With 12 the remainder (2 samples) is a step of its own: one sample per rank.
-    assert epoch_steps(12, [2, 3], drop_last=False) == [GlobalStep(0, (2, 3)), GlobalStep(5, (2, 3)), GlobalStep(10, (1, 1))]
+    expected = [GlobalStep(0, (2, 3)), GlobalStep(5, (2, 3)), GlobalStep(10, (1, 1))]
+    assert epoch_steps(12, [2, 3], drop_last=False) == expected
     assert epoch_steps(12, [2, 3], drop_last=True) == [GlobalStep(0, (2, 3)), GlobalStep(5, (2, 3))]
     assert epoch_steps(10, [2, 3], drop_last=False) == [GlobalStep(0, (2, 3)), GlobalStep(5, (2, 3))]
 
@@ -191,7 +192,8 @@ def test_global_order_random_sampler_same_for_every_rank_and_new_per_epoch():
     rank0.set_epoch(0)
     assert list(rank0) == first  # the order is a function of seed + epoch only
     assert list(GlobalOrder(RandomSampler(data), seed=43)) != first
-    # The documented contract (checkpoints rely on it): the permutation torch draws from a generator seeded seed + epoch.
+    # The documented contract (checkpoints rely on it): the permutation torch draws from a generator seeded
+    # seed + epoch.
     expected = list(RandomSampler(data, generator=torch.Generator().manual_seed(42 + 1)))
     assert second == expected
 

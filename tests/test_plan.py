@@ -284,9 +284,9 @@ def test_loss_weight_makes_equal_rank_average_the_full_batch_mean(batch_sizes, s
     # DeepSpeed averages the ranks' (weighted) mean losses with equal weight: that must be the full-batch mean.
     rng = random.Random(seed)
     losses = [[rng.uniform(0, 10) for _ in range(b)] for b in batch_sizes]
-    rank_means = [math.fsum(l) / len(l) for l in losses]
+    rank_means = [math.fsum(rank_losses) / len(rank_losses) for rank_losses in losses]
     deepspeed_average = math.fsum(plan.loss_weight(r) * rank_means[r] for r in range(world)) / world
-    full_mean = math.fsum(x for l in losses for x in l) / plan.global_batch_size
+    full_mean = math.fsum(x for rank_losses in losses for x in rank_losses) / plan.global_batch_size
     assert math.isclose(deepspeed_average, full_mean, rel_tol=1e-9)
 
 

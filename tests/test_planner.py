@@ -427,7 +427,8 @@ def test_automatic_split_never_keeps_an_equal_split_that_breaks_a_memory_ceiling
 def test_automatic_split_threshold_is_respected(min_gain):
     costs = [CostModel(fixed=0.0, per_sample=1.0), CostModel(fixed=0.0, per_sample=1.5)]  # plan gains 1.2x
     decision = plan_automatic_split(costs, 100, min_gain=min_gain)
-    assert decision.kept_equal == (decision.equal_split_step_time / plan_min_max(costs, 100).predicted_step_time < 1 + min_gain)
+    predicted_gain = decision.equal_split_step_time / plan_min_max(costs, 100).predicted_step_time
+    assert decision.kept_equal == (predicted_gain < 1 + min_gain)
 
 
 def test_the_decision_records_the_gain_it_required():

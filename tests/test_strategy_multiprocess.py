@@ -156,7 +156,8 @@ def test_iterable_dataset_is_refused_on_every_rank(tmp_path):
 
 def test_automatic_split_finds_an_emulated_slow_rank_and_leaves_training_unchanged(tmp_path):
     """The profiler must find rank 1's slowdown by measuring; profiling must not change what training computes."""
-    model = ["--hidden", "512", "--depth", "2", "--dropout", "0.1", "--samples", "512", "--loader-batch-size", "64", "--max-steps", "3"]
+    model = ["--hidden", "512", "--depth", "2", "--dropout", "0.1", "--samples", "512", "--loader-batch-size", "64"]
+    model += ["--max-steps", "3"]
     auto = run_fit(tmp_path / "auto", *model, "--emulate-speeds", "1.0", "0.25")
     assert auto.returncode == 0, auto.output[-4000:]
     plan = json.loads((tmp_path / "auto" / "hetero" / "plan.json").read_text())

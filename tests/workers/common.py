@@ -16,7 +16,8 @@ class IndexedRegression(Dataset):
     def __init__(self, num_samples: int = 64, seed: int = 1234) -> None:
         generator = torch.Generator().manual_seed(seed)
         self.x = torch.randn(num_samples, IN_FEATURES, generator=generator)
-        self.y = (self.x @ torch.tensor([1.0, -2.0, 0.5, 3.0]) + 0.1 * torch.randn(num_samples, generator=generator))[:, None]
+        noise = 0.1 * torch.randn(num_samples, generator=generator)
+        self.y = (self.x @ torch.tensor([1.0, -2.0, 0.5, 3.0]) + noise)[:, None]
 
     def __len__(self) -> int:
         return len(self.x)
