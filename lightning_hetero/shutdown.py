@@ -22,6 +22,8 @@ import time
 
 import torch.distributed
 
+from lightning_hetero.devices import _read_text
+
 GLOO_WORKER_THREAD_NAME = "pt_gloo_runloop"
 # Settled means: two checks in a row, one poll apart, saw no gloo worker runnable. Bounded, so that a worker stuck
 # in a collective another rank never joins (a job that failed) delays the exit by at most this long.
@@ -64,15 +66,10 @@ def runnable_gloo_workers() -> int:
     except OSError:
         return 0
     runnable = 0
-    for task in tasks:
-        try:
-            with open(f"/proc/self/task/{task}/comm") as comm:
-                if comm.read().strip() != GLOO_WORKER_THREAD_NAME:
-                    continue
-            with open(f"/proc/self/task/{task}/stat") as stat:
-                # The state follows the parenthesised name, which may itself hold spaces or parentheses.
-                state = stat.read().rpartition(")")[2].split()[0]
-        except (OSError, IndexError):
-            continue  # the thread ended while we looked
-        runnable += state == "R"
+    for task in tasks:  # a thread that ends while we look reads as None
+        if (_read_text(f"/proc/self/task/{task}/comm") or "").strip() != GLOO_WORKER_THREAD_NAME:
+            continue
+        # The state follows the parenthesised name, which may itself hold spaces or parentheses.
+        fields = (_read_text(f"/proc/self/task/{task}/stat") or "").rpartition(")")[2].split()
+        runnable += bool(fields) and fields[0] == "R"
     return runnable
