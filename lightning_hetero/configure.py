@@ -14,17 +14,20 @@ from typing import Any
 
 # Keys that legitimately differ by rank: the micro-batch and what DeepSpeed derives from it.
 PER_RANK_KEYS = frozenset({"train_micro_batch_size_per_gpu", "train_batch_size"})
+# Keys that say who owns gradient accumulation: Lightning's loop does (see lightning_owns_accumulation).
+ACCUMULATION_KEYS = ("gradient_accumulation_steps", "managed_gradient_accumulation")
 # Keys whose disagreement DeepSpeed does not catch and that corrupt the result without an error.
 _PRECISION_KEYS = ("fp16", "bf16", "torch_autocast", "communication_data_type")
 
 
 def check_user_config(config: Mapping[str, Any]) -> None:
     """Reject DeepSpeed config entries that Lightning or the strategy own. Raised in the constructor."""
-    if "gradient_accumulation_steps" in config:
-        raise ValueError(
-            f"The DeepSpeed config sets `gradient_accumulation_steps={config['gradient_accumulation_steps']}`."
-            " Lightning owns it: remove the key and use `Trainer(accumulate_grad_batches=...)`."
-        )
+    for key in ACCUMULATION_KEYS:
+        if key in config:
+            raise ValueError(
+                f"The DeepSpeed config sets `{key}={config[key]}`. Lightning's loop owns gradient accumulation"
+                " (as with DDP): remove the key and use `Trainer(accumulate_grad_batches=...)`."
+            )
     for key in sorted(PER_RANK_KEYS & config.keys()):
         raise ValueError(
             f"The DeepSpeed config sets `{key}={config[key]}`, but HeteroStrategy gives every rank its own"
@@ -46,10 +49,37 @@ def check_user_config(config: Mapping[str, Any]) -> None:
 
 
 def rank_config(config: Mapping[str, Any], micro_batch_size: int) -> dict[str, Any]:
-    """A copy of ``config`` with this rank's micro-batch."""
-    result = copy.deepcopy(dict(config))
+    """A copy of ``config`` with this rank's micro-batch, accumulation left to Lightning's loop."""
+    result = lightning_owns_accumulation(config)
     result["train_micro_batch_size_per_gpu"] = int(micro_batch_size)
     result.pop("train_batch_size", None)  # DeepSpeed derives it as micro * gas * world on each rank
+    return result
+
+
+def lightning_owns_accumulation(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``config`` in which every ``optimizer.step()`` is an optimizer update, as with DDP.
+
+    Lightning's loop (or the user's own step, in manual optimization) decides when the optimizer steps: after every
+    ``accumulate_grad_batches`` batches and at the end of an epoch, with each loss already divided by k. DeepSpeed's
+    own accumulation would divide the loss by k a second time and step on its own micro-step count, which does not
+    restart with the epoch. So DeepSpeed counts one micro-step per update (``gradient_accumulation_steps=1``) and:
+
+    - ZeRO 0-2 run with ``managed_gradient_accumulation=False``: ``backward`` only accumulates, ``step()`` reduces
+      and updates. With DeepSpeed's managed mode every backward would be a boundary, and ZeRO-1/2 then overwrite the
+      reduced gradient of the previous backward instead of adding to it (measured: two backward passes before a step
+      trained on the second batch only). DeepSpeed allows ``overlap_comm`` in that mode for ZeRO-2 only; ZeRO-0/1
+      reduce once per step anyway, so it is switched off there.
+    - ZeRO-3 keeps the managed mode (its overlap_comm matters and is refused in the other mode): it reduces and
+      partitions in every backward and adds the partitions up, which is exact.
+    """
+    result = copy.deepcopy(dict(config))
+    result["gradient_accumulation_steps"] = 1
+    zero = result.get("zero_optimization")
+    stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
+    if stage < 3:
+        result["managed_gradient_accumulation"] = False
+        if stage < 2 and isinstance(zero, dict):
+            zero["overlap_comm"] = False
     return result
 
 

@@ -147,6 +147,12 @@ class HeteroStrategy(DeepSpeedStrategy):
                 f"HeteroStrategy: the DeepSpeed config's `zero_optimization.stage={config_stage}` wins over"
                 f" `stage={stage}`."
             )
+        if zero["stage"] in (0, 1) and zero.get("overlap_comm"):
+            rank_zero_warn(
+                f"HeteroStrategy: the DeepSpeed config's `zero_optimization.overlap_comm=True` is switched off for"
+                f" ZeRO-{zero['stage']}: Lightning's loop owns gradient accumulation, and DeepSpeed allows overlap_comm"
+                " there only with ZeRO-2 and 3 (ZeRO-0/1 reduce once per optimizer step either way)."
+            )
         ignored = sorted(_DEFAULT_CONFIG_ARGUMENTS & kwargs.keys())
         if kwargs.get("logging_batch_size_per_gpu", "auto") != "auto":
             ignored.append("logging_batch_size_per_gpu")
@@ -155,6 +161,21 @@ class HeteroStrategy(DeepSpeedStrategy):
                 f"HeteroStrategy: a DeepSpeed `config` was given, so these arguments are ignored: {ignored}."
                 " Put those settings into the config instead."
             )
+
+    @property
+    @override
+    def handles_gradient_accumulation(self) -> bool:
+        # False, as for DDP: Lightning's loop accumulates (each loss divided by k, the optimizer stepped after k batches
+        # and at the end of an epoch), so global_step, LR schedulers and checkpoints count optimizer updates. The
+        # DeepSpeed config follows it (configure.lightning_owns_accumulation).
+        return False
+
+    @contextlib.contextmanager
+    @override
+    def block_backward_sync(self) -> Iterator[None]:
+        # Lightning enters this for the batches it accumulates. DeepSpeed's `no_sync` (which the parent would call)
+        # refuses ZeRO-2/3; the config already makes the step, not the backward, finish the reduction.
+        yield
 
     @classmethod
     @override

@@ -14,6 +14,7 @@ from lightning_hetero.configure import (
     config_fingerprint,
     disagreement_message,
     format_plan_table,
+    lightning_owns_accumulation,
     rank_config,
     shared_settings,
 )
@@ -32,6 +33,7 @@ BASE = {
     ("config", "mentions"),
     [
         ({"gradient_accumulation_steps": 4}, ["gradient_accumulation_steps=4", "accumulate_grad_batches"]),
+        ({"managed_gradient_accumulation": True}, ["managed_gradient_accumulation=True", "accumulate_grad_batches"]),
         ({"train_batch_size": 64}, ["train_batch_size=64", "batch_sizes"]),
         ({"train_micro_batch_size_per_gpu": 8}, ["train_micro_batch_size_per_gpu=8", "batch_sizes"]),
         ({"zero_optimization": {"stage": 4}}, ["zero_optimization.stage=4", "0, 1, 2 and 3"]),
@@ -71,8 +73,24 @@ def test_rank_config_sets_micro_batch_drops_train_batch_and_copies():
     result["zero_optimization"]["stage"] = 3
     result["optimizer"]["params"]["betas"].append(0.5)
     assert config == before
-    # Every other setting is carried over.
-    assert {k: v for k, v in rank_config(BASE, 8).items() if k not in PER_RANK_KEYS} == BASE
+    # Every other setting is carried over; accumulation is left to Lightning.
+    assert {k: v for k, v in rank_config(BASE, 8).items() if k not in PER_RANK_KEYS} == lightning_owns_accumulation(BASE)
+
+
+@pytest.mark.parametrize(("stage", "managed", "overlap_comm"), [(0, False, False), (1, False, False), (2, False, True),
+                                                                 (3, True, True)])  # fmt: skip
+def test_lightning_owns_accumulation_per_stage(stage, managed, overlap_comm):
+    """One DeepSpeed micro-step per optimizer update; ZeRO 0-2 reduce in step() (DeepSpeed's unmanaged mode, which
+    allows overlap_comm with ZeRO-2 only); ZeRO-3 stays managed and keeps overlap_comm."""
+    config = {"zero_optimization": {"stage": stage, "overlap_comm": True}, "gradient_clipping": 1.0}
+    result = lightning_owns_accumulation(config)
+    assert result["gradient_accumulation_steps"] == 1
+    assert result.get("managed_gradient_accumulation", True) is managed
+    assert result["zero_optimization"]["overlap_comm"] is overlap_comm
+    assert result["gradient_clipping"] == 1.0
+    assert config["zero_optimization"]["overlap_comm"] is True  # the input is untouched
+    # No zero section at all is stage 0.
+    assert lightning_owns_accumulation({})["managed_gradient_accumulation"] is False
 
 
 # ---------------------------------------------------------------------------------------------- disagreements
@@ -83,7 +101,7 @@ def test_config_disagreements_none_when_only_per_rank_keys_differ():
     assert config_disagreements(configs) == []
     assert len({config_fingerprint(c) for c in configs}) == 1
     assert "train_micro_batch_size_per_gpu" not in shared_settings(configs[0])
-    assert shared_settings(configs[0]) == BASE
+    assert shared_settings(configs[0]) == lightning_owns_accumulation(BASE)
 
 
 def test_config_disagreements_finds_nested_differences():

@@ -117,3 +117,13 @@ def test_an_emulated_slow_rank_pays_its_delay_before_every_collective():
     assert strategy.broadcast("obj") == "obj"
     strategy.barrier()
     assert events == ["catch_up"] * 4
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_overlap_comm_in_a_user_config_is_switched_off_for_zero_0_and_1_with_a_warning(stage):
+    with pytest.warns(UserWarning, match=rf"`zero_optimization.overlap_comm=True` is switched off for ZeRO-{stage}"):
+        HeteroStrategy(config={"zero_optimization": {"stage": stage, "overlap_comm": True}})
+
+
+def test_lightning_accumulates_gradients_as_with_ddp():
+    assert HeteroStrategy().handles_gradient_accumulation is False

@@ -175,3 +175,28 @@ def test_automatic_split_finds_an_emulated_slow_rank_and_leaves_training_unchang
     assert explicit.result["seen"] == auto.result["seen"]
     for name, value in auto.result["params"].items():
         assert torch.equal(torch.tensor(value), torch.tensor(explicit.result["params"][name])), name
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_gradient_accumulation_equals_ddp(stage, tmp_path):
+    """`Trainer(accumulate_grad_batches=3)`: the update is DDP's, one step per 3 global batches and one at the end of
+    each epoch (4 batches per epoch: windows of 3 and 1), each loss divided by 3 once, not twice."""
+    run = run_fit(
+        tmp_path, "--stage", str(stage), "--batch-sizes", *map(str, BATCH_SIZES), "--max-epochs", "2", "--accumulate", "3"
+    )
+    assert run.returncode == 0, run.output[-4000:]
+    assert run.result["global_step"] == 4  # optimizer steps, as DDP counts them
+    dataset = IndexedRegression(64)
+    steps = contiguous_steps(64, 16, 4) * 2
+    reference = reference_training(dataset, steps, accumulate=3, batches_per_epoch=4)
+    assert max_param_difference(run.result, reference) <= TOLERANCE
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_manual_optimization_with_own_accumulation_equals_ddp(stage, tmp_path):
+    """Manual optimization accumulating as Lightning documents it (backward on loss / 2, step every 2 batches)."""
+    run = run_fit(tmp_path, "--stage", str(stage), "--batch-sizes", *map(str, BATCH_SIZES), "--manual", "--accumulate", "2")
+    assert run.returncode == 0, run.output[-4000:]
+    reference = reference_training(IndexedRegression(64), contiguous_steps(64, 16, 4), accumulate=2)
+    assert max_param_difference(run.result, reference) <= TOLERANCE
+

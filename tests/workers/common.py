@@ -35,8 +35,8 @@ def make_network(seed: int = 0, hidden: int = 8, dropout: float = 0.0, depth: in
     return nn.Sequential(*layers, nn.Linear(hidden, 1))
 
 
-def batch_loss(network: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return nn.functional.mse_loss(network(x), y)
+def batch_loss(network: nn.Module, x: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    return nn.functional.mse_loss(network(x), y, reduction=reduction)
 
 
 class RegressionModule(LightningModule):
@@ -50,11 +50,16 @@ class RegressionModule(LightningModule):
         hidden: int = 8,
         dropout: float = 0.0,
         depth: int = 1,
+        manual_accumulation: int = 1,
+        reduction: str = "mean",
     ) -> None:
         super().__init__()
         self.network = make_network(hidden=hidden, dropout=dropout, depth=depth)
         self.lr, self.momentum = lr, momentum
         self.automatic_optimization = not manual
+        # Manual optimization with the accumulation Lightning documents: backward on loss / k, step every k batches.
+        self.manual_accumulation = manual_accumulation
+        self.reduction = reduction
         self.seen: list[int] = []
         self.eval_seen: list[int] = []
         self.test_seen: list[int] = []
@@ -65,13 +70,15 @@ class RegressionModule(LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y, index = batch
-        loss = batch_loss(self.network, x, y)
+        loss = batch_loss(self.network, x, y, self.reduction)
         self.log("train_loss", loss, sync_dist=True)
         if not self.automatic_optimization:
             optimizer = self.optimizers()
-            optimizer.zero_grad()
-            self.manual_backward(loss)
-            optimizer.step()
+            k = self.manual_accumulation
+            self.manual_backward(loss / k)
+            if (batch_idx + 1) % k == 0 or self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+                optimizer.step()
+                optimizer.zero_grad()
         return loss
 
     def validation_step(self, batch, batch_idx):
@@ -88,12 +95,38 @@ class RegressionModule(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
 
 
-def reference_training(dataset: IndexedRegression, steps: list[list[int]], lr: float = 0.05, momentum: float = 0.9):
-    """One process, whole global batches: what every HeteroStrategy run must reproduce."""
+def reference_training(
+    dataset: IndexedRegression,
+    steps: list[list[int]],
+    lr: float = 0.05,
+    momentum: float = 0.9,
+    accumulate: int = 1,
+    batches_per_epoch: int = 0,
+    sum_over_ranks: int = 0,
+):
+    """One process, whole global batches: what every HeteroStrategy run must reproduce.
+
+    ``steps`` are global batches; with ``accumulate=k`` an optimizer step follows every k of them and the last of
+    each epoch (``batches_per_epoch``, default: all steps are one epoch), each batch's loss divided by k: DDP's
+    gradient accumulation in Lightning. ``sum_over_ranks=W`` trains a summed loss as DDP on W ranks does: the
+    gradient of the global batch's sum divided by W.
+    """
     network = make_network()
     optimizer = torch.optim.SGD(network.parameters(), lr=lr, momentum=momentum)
-    for indices in steps:
+    epoch_length = batches_per_epoch or len(steps)
+    windows = [
+        steps[begin : min(begin + accumulate, epoch_begin + epoch_length)]
+        for epoch_begin in range(0, len(steps), epoch_length)
+        for begin in range(epoch_begin, min(epoch_begin + epoch_length, len(steps)), accumulate)
+    ]
+    for window in windows:
         optimizer.zero_grad()
-        batch_loss(network, dataset.x[indices], dataset.y[indices]).backward()
+        for indices in window:
+            x, y = dataset.x[indices], dataset.y[indices]
+            if sum_over_ranks:
+                loss = batch_loss(network, x, y, "sum") / sum_over_ranks
+            else:
+                loss = batch_loss(network, x, y)
+            (loss / accumulate).backward()
         optimizer.step()
     return {name: p.detach().clone() for name, p in network.named_parameters()}

@@ -80,6 +80,8 @@ def main() -> None:
     parser.add_argument("--shuffle", action="store_true")
     parser.add_argument("--drop-last", action="store_true")
     parser.add_argument("--manual", action="store_true")
+    parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches (manual: done in the step)")
+    parser.add_argument("--loss-reduction", choices=["mean", "sum"], help="HeteroStrategy(loss_reduction=...)")
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--val-samples", type=int, default=0)
     parser.add_argument("--test-samples", type=int, default=0, help="run trainer.test after fit on this many")
@@ -107,6 +109,8 @@ def main() -> None:
         strategy_kwargs["batch_sizes"] = args.batch_sizes
     if args.emulate_speeds:
         strategy_kwargs["emulate_speeds"] = args.emulate_speeds
+    if args.loss_reduction:
+        strategy_kwargs["loss_reduction"] = args.loss_reduction
     if args.config_by_rank:
         rank = int(os.environ.get("LOCAL_RANK", 0))
         strategy_kwargs["config"] = json.loads(args.config_by_rank)[rank]
@@ -122,6 +126,7 @@ def main() -> None:
         precision=args.precision,
         max_epochs=args.max_epochs,
         max_steps=args.max_steps,
+        accumulate_grad_batches=1 if args.manual else args.accumulate,
         callbacks=callbacks,
         logger=False,
         enable_progress_bar=False,
@@ -129,7 +134,14 @@ def main() -> None:
         num_sanity_val_steps=0,
         default_root_dir=args.out,
     )
-    model = RegressionModule(manual=args.manual, hidden=args.hidden, dropout=args.dropout, depth=args.depth)
+    model = RegressionModule(
+        manual=args.manual,
+        hidden=args.hidden,
+        dropout=args.dropout,
+        depth=args.depth,
+        manual_accumulation=args.accumulate if args.manual else 1,
+        reduction=args.loss_reduction or "mean",
+    )
     if args.fail_on_rank is not None and int(os.environ.get("LOCAL_RANK", 0)) == args.fail_on_rank:
         model.training_step = failing_step
     trainer.fit(model, train, val, ckpt_path=args.ckpt_path)
