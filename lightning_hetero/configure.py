@@ -8,9 +8,12 @@ the same everywhere or the collectives mismatch, hang, or (per-rank fp16/bf16) f
 from __future__ import annotations
 
 import copy
+import difflib
 import json
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import KeysView, Mapping, Sequence
+from typing import Any, Optional
+
+from lightning_hetero.arguments import check_stage
 
 # Keys that legitimately differ by rank: the micro-batch and what DeepSpeed derives from it.
 PER_RANK_KEYS = frozenset({"train_micro_batch_size_per_gpu", "train_batch_size"})
@@ -41,11 +44,119 @@ def check_user_config(config: Mapping[str, Any]) -> None:
             f"The DeepSpeed config sets `zero_optimization={zero!r}`; it must be a dict such as"
             ' `{"stage": 2}`.'
         )
-    stage = zero.get("stage", 0)
-    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+    try:
+        check_stage(zero.get("stage", 0), "zero_optimization.stage")
+    except ValueError as error:
+        raise ValueError(f"The DeepSpeed config's {error}") from None
+    check_deepspeed_keys(config)
+
+
+# Top-level keys DeepSpeed reads outside DeepSpeedConfig._initialize_params (deepspeed/__init__.py and the config's
+# warning check), so the recording below does not see them.
+_KEYS_READ_ELSEWHERE = frozenset({"sequence_parallel_size", "data_parallel_size", "vocabulary_size"})
+
+
+def check_deepspeed_keys(config: Mapping[str, Any]) -> None:
+    """Refuse a DeepSpeed config with a key DeepSpeed does not know, naming the closest valid key.
+
+    DeepSpeed ignores an unknown top-level key without a word (``"zero_optimisation": {"stage": 3}`` silently ran
+    ZeRO-2), while its sections are pydantic models that forbid extra keys. So this parses the config the way
+    DeepSpeed does (``DeepSpeedConfig._initialize_params``, which needs no process group) through a dict that records
+    which top-level keys DeepSpeed looks up: any other key is unknown. Section errors are rewritten to name the key
+    path. Without that private method (another DeepSpeed version) the check is skipped, and DeepSpeed's own
+    validation still runs at setup, on every rank alike.
+    """
+    try:
+        import pydantic
+        from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError, _reject_removed_config_keys
+    except ImportError:  # pragma: no cover - another DeepSpeed layout
+        return
+    parse = getattr(DeepSpeedConfig, "_initialize_params", None)
+    if parse is None:  # pragma: no cover
+        return
+    try:
+        _reject_removed_config_keys(config)  # DeepSpeed's own message for a removed feature
+    except DeepSpeedConfigError as error:
+        raise ValueError(f"The DeepSpeed config is invalid: {error}") from None
+    recorded = _RecordingDict(copy.deepcopy(dict(config)))
+    try:
+        parse(object.__new__(DeepSpeedConfig), recorded)
+    except pydantic.ValidationError as error:
+        raise ValueError(_section_error_message(recorded.last_key, error)) from None
+    except (DeepSpeedConfigError, AssertionError, ValueError, TypeError, KeyError):
+        return  # DeepSpeed raises it again at setup with its own message; only unknown keys are ours to find
+    known = recorded.looked_up | _KEYS_READ_ELSEWHERE
+    unknown = [key for key in config if key not in known]
+    if unknown:
+        lines = [f"`{key}`{_did_you_mean(key, known)}" for key in unknown]
         raise ValueError(
-            f"The DeepSpeed config sets `zero_optimization.stage={stage!r}`; ZeRO stages are 0, 1, 2 and 3."
+            f"The DeepSpeed config has keys DeepSpeed does not know: {', '.join(lines)}. DeepSpeed would ignore them"
+            " without a word, so those settings would have no effect. Fix the spelling or remove them."
         )
+
+
+class _RecordingDict(dict):
+    """A dict that remembers which keys were looked up (and the last one: the section being parsed)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.looked_up: set[str] = set()
+        self.last_key: Optional[str] = None
+
+    def _saw(self, key: Any) -> None:
+        self.looked_up.add(key)
+        self.last_key = key
+
+    def __getitem__(self, key: Any) -> Any:
+        self._saw(key)
+        return super().__getitem__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self._saw(key)
+        return super().get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        self._saw(key)
+        return super().__contains__(key)
+
+    def keys(self) -> KeysView:  # DeepSpeed writes `KEY in param_dict.keys()` too
+        return _RecordingKeys(self)
+
+
+class _RecordingKeys(KeysView):
+    def __contains__(self, key: object) -> bool:
+        return key in self._mapping  # type: ignore[operator]  (records through _RecordingDict.__contains__)
+
+
+def _section_error_message(section: Optional[str], error: Any) -> str:
+    problems = []
+    for item in error.errors(include_url=False):
+        path = ".".join(str(part) for part in (section, *item["loc"]) if part is not None)
+        if item["type"] == "extra_forbidden":
+            hint = _did_you_mean(str(item["loc"][-1]), _model_fields(error.title)) if len(item["loc"]) == 1 else ""
+            problems.append(f"`{path}` is not a DeepSpeed setting{hint}")
+        else:
+            problems.append(f"`{path}={item.get('input')!r}`: {item['msg']}")
+    return f"The DeepSpeed config is invalid: {'; '.join(problems)}. Fix or remove those entries."
+
+
+def _model_fields(model_name: str) -> set[str]:
+    """The field names (and aliases) of the DeepSpeed config model called ``model_name``."""
+    from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+
+    pending, names = [DeepSpeedConfigModel], set()
+    while pending:
+        model = pending.pop()
+        pending.extend(model.__subclasses__())
+        if model.__name__ == model_name:
+            for name, field in model.model_fields.items():
+                names.add(field.alias or name)
+    return names
+
+
+def _did_you_mean(key: str, candidates: Any) -> str:
+    close = difflib.get_close_matches(key, sorted(str(c) for c in candidates), n=1, cutoff=0.6)
+    return f" (did you mean `{close[0]}`?)" if close else ""
 
 
 def rank_config(config: Mapping[str, Any], micro_batch_size: int) -> dict[str, Any]:

@@ -31,22 +31,34 @@ from typing import Callable, Optional
 
 import torch
 
+from lightning_hetero.arguments import per_rank_list
+
 ENV_VAR = "LIGHTNING_HETERO_EMULATE_SPEEDS"
 
 
 def parse_speeds(text: str, source: str = ENV_VAR) -> tuple[float, ...]:
-    """``"1.0,0.4"`` -> ``(1.0, 0.4)``, checked."""
+    """``"1.0,0.4"`` -> ``(1.0, 0.4)``, checked. An empty entry (``"1.0,,0.4"``) is an error, not a skipped rank."""
+    parts = [part.strip() for part in text.split(",")]
+    if not any(parts):
+        raise ValueError(f"`{source}={text!r}` is empty: give one speed per rank, e.g. `{source}=1.0,0.4`.")
+    if "" in parts:
+        raise ValueError(
+            f"`{source}={text!r}` has an empty entry (position {parts.index('')}): give exactly one number per rank,"
+            f" e.g. `{source}=1.0,0.4`."
+        )
     try:
-        speeds = tuple(float(part) for part in text.split(",") if part.strip())
+        speeds = tuple(float(part) for part in parts)
     except ValueError:
         raise ValueError(
-            f"`{source}={text!r}` is not a comma-separated list of numbers. Example: `{source}=1.0,0.4`."
+            f"`{source}={text!r}` is not a comma-separated list of numbers, one per rank (no empty entries)."
+            f" Example: `{source}=1.0,0.4`."
         ) from None
     check_speeds(speeds, source)
     return speeds
 
 
 def check_speeds(speeds: Sequence[float], source: str = "emulate_speeds") -> None:
+    speeds = per_rank_list(source, speeds, "[1.0, 0.4]")
     if len(speeds) == 0:
         raise ValueError(f"`{source}` is empty: give one speed per rank, e.g. [1.0, 0.4].")
     bad = [s for s in speeds if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s)]
@@ -81,7 +93,7 @@ class SlowdownEmulator:
     """Stretches the local compute inside :meth:`slowed` blocks to ``1/speed`` of its duration."""
 
     def __init__(self, speed: float, device: torch.device) -> None:
-        check_speeds([speed])
+        check_speeds([speed], "speed")
         self.speed = speed
         self._clock = compute_clock(device)
         self.added_seconds = 0.0

@@ -15,6 +15,10 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Optional
 
+from lightning_hetero.arguments import is_int as _is_int
+from lightning_hetero.arguments import is_real as _is_real
+from lightning_hetero.arguments import per_rank_list
+
 
 @dataclass(frozen=True)
 class SplitPlan:
@@ -35,17 +39,22 @@ class SplitPlan:
         total = self.global_batch_size
         return tuple(b / total for b in self.batch_sizes)
 
-    def loss_weight(self, rank: int) -> float:
-        """Factor on rank ``rank``'s loss that makes DeepSpeed's equal-weight average the full-batch mean.
-
-        DeepSpeed divides the summed gradients by the world size ``W`` whatever each rank's batch was, so a rank
-        holding ``b_r`` of ``B`` samples must count ``b_r * W / B`` times its own mean loss.
-        """
-        return loss_weight(self.batch_sizes[rank], self.global_batch_size, self.world_size)
+    def loss_weight(self, rank: int, loss_reduction: str = "mean") -> float:
+        """Factor on rank ``rank``'s loss that makes DeepSpeed's update the one DDP makes: see :func:`loss_weight`."""
+        return loss_weight(self.batch_sizes[rank], self.global_batch_size, self.world_size, loss_reduction)
 
 
-def loss_weight(local_samples: int, global_samples: int, world_size: int) -> float:
-    """``b_r * W / B``: see :meth:`SplitPlan.loss_weight`."""
+def loss_weight(local_samples: int, global_samples: int, world_size: int, loss_reduction: str = "mean") -> float:
+    """The factor on a rank's loss under which DeepSpeed's update is DDP's, whatever the split.
+
+    DeepSpeed divides the summed gradients by the world size ``W`` whatever each rank's batch was. For a loss that is
+    the mean over the rank's ``b_r`` samples (``loss_reduction="mean"``), DDP's update is the gradient of the mean over
+    all ``B`` samples, so the rank counts ``b_r * W / B`` times its own mean. For a loss that is the sum over its
+    samples (``"sum"``), DDP's update is the gradient of the global sum divided by ``W``: exactly DeepSpeed's
+    average of the ranks' sums, so the factor is 1.
+    """
+    if loss_reduction == "sum":
+        return 1.0
     return local_samples * world_size / global_samples
 
 
@@ -93,7 +102,7 @@ def check_split_arguments(
     """Checks that need no world size: run them in the constructor so a mistake fails before any process starts."""
     if batch_sizes is not None and weights is not None:
         raise ValueError(
-            f"HeteroStrategy got both `batch_sizes={list(batch_sizes)}` and `weights={list(weights)}`."
+            f"HeteroStrategy got both `batch_sizes={batch_sizes!r}` and `weights={weights!r}`."
             " Pass one of them: `batch_sizes` fixes each rank's micro-batch, `weights` derives them."
         )
     if global_batch_size is not None and (not _is_int(global_batch_size) or global_batch_size < 1):
@@ -102,6 +111,7 @@ def check_split_arguments(
             " across all ranks), or None to use the training loader's batch_size times the world size."
         )
     if batch_sizes is not None:
+        batch_sizes = per_rank_list("batch_sizes", batch_sizes, "[8, 24]")
         if len(batch_sizes) == 0:
             raise ValueError("`batch_sizes=[]` is empty: give one micro-batch size per rank, e.g. [8, 24].")
         bad = [b for b in batch_sizes if not _is_int(b) or b < 1]
@@ -116,6 +126,7 @@ def check_split_arguments(
                 f"{global_batch_size}`. Make them agree, or drop `global_batch_size` (it is then the sum)."
             )
     if weights is not None:
+        weights = per_rank_list("weights", weights, "[1.0, 0.4]")
         if len(weights) == 0:
             raise ValueError("`weights=[]` is empty: give one relative capability per rank, e.g. [1.0, 0.4].")
         bad_weights = [w for w in weights if not _is_real(w) or not math.isfinite(w) or w <= 0]
@@ -154,14 +165,6 @@ def resolve_split(
     if weights is not None:
         return SplitPlan(tuple(split_by_weights(global_batch_size, weights)), source="weights")
     return SplitPlan(tuple(split_by_weights(global_batch_size, [1.0] * world_size)), source="equal")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)  # numpy integers too
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_hetero.arguments import check_loss_reduction, check_stage
 from lightning_hetero.configure import (
     check_user_config,
     config_disagreements,
@@ -82,6 +83,9 @@ class HeteroStrategy(DeepSpeedStrategy):
             the world size (what DDP would use), or the sum of ``batch_sizes``.
         batch_sizes: each rank's micro-batch, in global rank order; they sum to the global batch.
         weights: relative capability per rank; the global batch is split in proportion (each rank >= 1 sample).
+        loss_reduction: ``"mean"`` (default) when ``training_step`` returns the mean loss over its batch, ``"sum"``
+            when it returns the sum. Each rank's loss is weighted so that the update is DDP's whatever the split:
+            ``b_r * W / B`` for a mean, 1 for a sum (see :func:`lightning_hetero.plan.loss_weight`).
         emulate_speeds: a test and demo aid: one speed in (0, 1] per rank; a rank with speed ``f`` stretches its
             local compute to ``1/f`` of its duration (see :mod:`lightning_hetero.emulate`). Also read from the
             environment variable ``LIGHTNING_HETERO_EMULATE_SPEEDS=1.0,0.4``; the argument wins.
@@ -105,19 +109,22 @@ class HeteroStrategy(DeepSpeedStrategy):
         weights: Optional[Sequence[float]] = None,
         config: Optional[Union[_PATH, dict[str, Any]]] = None,
         emulate_speeds: Optional[Sequence[float]] = None,
+        loss_reduction: str = "mean",
         **kwargs: Any,
     ) -> None:
         if emulate_speeds is not None:
             check_speeds(emulate_speeds)
         else:
             emulate_speeds = speeds_from_environment()
-        if stage is not None and (isinstance(stage, bool) or stage not in (0, 1, 2, 3)):
-            raise ValueError(f"`stage={stage!r}` is not a ZeRO stage. Use 0, 1, 2 or 3 (default {DEFAULT_STAGE}).")
+        if stage is not None:
+            check_stage(stage)
+        check_loss_reduction(loss_reduction)
         check_split_arguments(global_batch_size, batch_sizes, weights)
         super().__init__(stage=DEFAULT_STAGE if stage is None else stage, config=config, **kwargs)
         self.global_batch_size = global_batch_size
         self.batch_sizes = list(batch_sizes) if batch_sizes is not None else None
         self.weights = list(weights) if weights is not None else None
+        self.loss_reduction = loss_reduction
         self._emulate_speeds = list(emulate_speeds) if emulate_speeds is not None else None
         self._emulator: Optional[SlowdownEmulator] = None
         if config is not None or self.DEEPSPEED_ENV_VAR in os.environ:
@@ -291,6 +298,7 @@ class HeteroStrategy(DeepSpeedStrategy):
                 "batch_sizes": self.batch_sizes,
                 "weights": self.weights,
                 "emulate_speeds": self._emulate_speeds,
+                "loss_reduction": self.loss_reduction,
             }
             facts = collect_device_facts(self.root_device).to_dict()
             local = {"arguments": arguments, "facts": facts, "profile": profile}
@@ -429,7 +437,8 @@ class HeteroStrategy(DeepSpeedStrategy):
             "rank": self.global_rank,
             "device": self.device_facts[self.global_rank].to_dict(),
             "plan": plan,
-            "loss_weight": self.plan.loss_weight(self.global_rank),
+            "loss_weight": self.plan.loss_weight(self.global_rank, self.loss_reduction),
+            "loss_reduction": self.loss_reduction,
             "profile": self.profiles[self.global_rank].to_dict() if self.profiles else None,
             "deepspeed_config": self.config,
         }
@@ -499,11 +508,12 @@ class HeteroStrategy(DeepSpeedStrategy):
     # ------------------------------------------------------------------ steps
 
     def current_loss_weight(self) -> float:
-        """``b_r * W / B`` for the batch being trained on (the last global batch may be shorter)."""
+        """The loss weight of the batch being trained on (the last global batch may be shorter): ``b_r * W / B``
+        for a mean loss, 1 for a summed one."""
         if self._batch_samples is not None:
-            return loss_weight(*self._batch_samples, self.world_size)
+            return loss_weight(*self._batch_samples, self.world_size, self.loss_reduction)
         if self.plan is not None:
-            return self.plan.loss_weight(self.global_rank)
+            return self.plan.loss_weight(self.global_rank, self.loss_reduction)
         return 1.0
 
     @override

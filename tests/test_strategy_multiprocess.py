@@ -200,3 +200,16 @@ def test_manual_optimization_with_own_accumulation_equals_ddp(stage, tmp_path):
     reference = reference_training(IndexedRegression(64), contiguous_steps(64, 16, 4), accumulate=2)
     assert max_param_difference(run.result, reference) <= TOLERANCE
 
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_summed_loss_with_loss_reduction_sum_equals_ddp(stage, tmp_path):
+    """`loss = sum over the batch` (Lightning's DemoModel): with `loss_reduction="sum"` the uneven split makes DDP's
+    update, the gradient of the global batch's sum divided by the world size."""
+    run = run_fit(
+        tmp_path, "--stage", str(stage), "--batch-sizes", *map(str, BATCH_SIZES), "--loss-reduction", "sum",
+        "--max-steps", "3",
+    )  # fmt: skip
+    assert run.returncode == 0, run.output[-4000:]
+    reference = reference_training(IndexedRegression(64), contiguous_steps(64, 16, 3), lr=0.05, sum_over_ranks=2)
+    assert max_param_difference(run.result, reference) <= TOLERANCE
