@@ -11,6 +11,8 @@ settings) and counts the batches it hands to the loop, which is what a checkpoin
 from __future__ import annotations
 
 import copy
+import hashlib
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -28,6 +30,7 @@ from torch.utils.data import (
 from torch.utils.data.distributed import DistributedSampler
 
 from lightning_hetero.plan import split_by_weights
+from lightning_hetero.randomness import preserved_random_state
 
 # Keys of the loader state saved in Lightning's checkpoint. No key depends on the rank: DeepSpeed writes the client
 # state from data-parallel rank 0 only and every rank reads that one file.
@@ -39,6 +42,9 @@ _STATE_KEYS = (STATE_EPOCH, STATE_SAMPLES_CONSUMED, STATE_NUM_SAMPLES, STATE_SEE
 # torch's samplers that draw from their `generator` (or, without one, from the global RNG, which drifts apart between
 # ranks): GlobalOrder iterates a copy seeded with ``seed + epoch`` so that every rank draws the same order.
 _SEEDED_SAMPLERS = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
+# Positions of an epoch's order that are hashed to compare ranks: enough to tell two shuffles (or two datasets in a
+# different order) apart, and cheap for any dataset size.
+FINGERPRINT_POSITIONS = 4096
 
 
 @dataclass(frozen=True)
@@ -307,3 +313,22 @@ def rebuild_loader(
         kwargs.pop("prefetch_factor", None)
         kwargs.pop("persistent_workers", None)
     return HeteroDataLoader(dataloader.dataset, batch_sampler, on_batch=on_batch, **kwargs)
+
+
+def describe_order(loader: HeteroDataLoader) -> dict[str, Any]:
+    """What this rank's loader will cut, to compare across ranks before training on it.
+
+    The dataset length, the samples and steps of an epoch, and a fingerprint of the first positions of epoch 0's
+    order: ranks that differ in any of them would use some samples twice and others never (or run different
+    numbers of steps and hang in a collective). Drawing the order leaves every random generator as it was.
+    """
+    batch_sampler = loader.hetero_batch_sampler
+    order = GlobalOrder(batch_sampler.sampler.user_sampler, batch_sampler.sampler.seed)  # epoch 0, a fresh copy
+    with preserved_random_state():
+        first = [int(index) for index in itertools.islice(iter(order), FINGERPRINT_POSITIONS)]
+    return {
+        "dataset_length": len(loader.dataset),
+        "samples_per_epoch": len(order),
+        "steps_per_epoch": len(batch_sampler),
+        "order_fingerprint": hashlib.sha256(repr(first).encode()).hexdigest()[:16],
+    }

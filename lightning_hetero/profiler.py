@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-import random
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -25,6 +24,7 @@ from torch import nn
 
 from lightning_hetero.emulate import SlowdownEmulator, compute_clock
 from lightning_hetero.plan import CostModel
+from lightning_hetero.randomness import preserved_random_state
 
 # Fraction of the free memory a plan may fill: activations are not the only allocations (fragmentation, workspace).
 MEMORY_HEADROOM = 0.8
@@ -147,38 +147,19 @@ def preserved_training_state(module: nn.Module, device: torch.device) -> Iterato
     saved_grads = {
         name: (p.grad.detach().clone() if p.grad is not None else None) for name, p in module.named_parameters()
     }
-    python_rng = random.getstate()
-    torch_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    numpy_rng = _numpy_rng_state()
     # Every submodule's own mode: Lightning trains frozen submodules (e.g. a BatchNorm in eval) as the user left them.
     modes = [(submodule, submodule.training) for submodule in module.modules()]
     try:
-        yield
+        with preserved_random_state(device):
+            yield
     finally:
         with torch.no_grad():
             for name, tensor in itertools.chain(module.named_parameters(), module.named_buffers()):
                 tensor.copy_(saved_tensors[name])
         for name, p in module.named_parameters():
             p.grad = saved_grads[name]
-        random.setstate(python_rng)
-        torch.set_rng_state(torch_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state(cuda_rng, device)
-        if numpy_rng is not None:
-            import numpy
-
-            numpy.random.set_state(numpy_rng)
         for submodule, training in modes:
             submodule.training = training
-
-
-def _numpy_rng_state() -> Any:
-    try:
-        import numpy
-    except ImportError:
-        return None
-    return numpy.random.get_state()
 
 
 def _loss_of(output: Any) -> Optional[torch.Tensor]:

@@ -14,7 +14,7 @@ import json
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, TypeVar, Union
 
 import psutil
 import torch
@@ -24,6 +24,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.ddp import DDPStrategy
+from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
@@ -38,7 +39,13 @@ from lightning_hetero.configure import (
     format_plan_table,
     rank_config,
 )
-from lightning_hetero.data import HeteroDataLoader, describe_unsupported_loader, loader_batch_size, rebuild_loader
+from lightning_hetero.data import (
+    HeteroDataLoader,
+    describe_order,
+    describe_unsupported_loader,
+    loader_batch_size,
+    rebuild_loader,
+)
 from lightning_hetero.devices import DeviceFacts, collect_device_facts, same_model
 from lightning_hetero.emulate import ENV_VAR as EMULATE_ENV_VAR
 from lightning_hetero.emulate import SlowdownEmulator, check_speeds, speeds_from_environment
@@ -70,6 +77,7 @@ DEFAULT_STAGE = 2
 PLAN_DIRNAME = "hetero"
 # The methods of DeepSpeed's ZeRO optimizers that reduce a full gradient bucket during backward (ZeRO-1/2, ZeRO-3;
 # the second is private, hence mangled).
+T = TypeVar("T")
 _DEEPSPEED_BUCKET_REDUCES = ("reduce_ipg_grads", "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads")
 
 
@@ -141,6 +149,8 @@ class HeteroStrategy(DeepSpeedStrategy):
         # (local, global) sample counts of the batch the loop is working on, told by the HeteroDataLoader.
         self._batch_samples: Optional[tuple[int, int]] = None
         self._sync_weight: Optional[int] = None
+        self._data_seed: Optional[int] = None  # rank 0's seed_everything seed: the data order of every rank
+        self._said_order_is_kept = False
 
     def _reconcile_user_config(self, stage: Optional[int], kwargs: dict[str, Any]) -> None:
         assert self.config is not None
@@ -263,6 +273,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         gathered = self._gather_local_measurements(trainer, fitting)
         _raise_if_arguments_differ([entry["arguments"] for entry in gathered])
+        self._data_seed = _agreed_seed([entry["seed"] for entry in gathered])
         self.device_facts = [DeviceFacts.from_dict(entry["facts"]) for entry in gathered]
         if fitting:
             global_batch_size = gathered[self.global_rank]["arguments"]["global_batch_size"]
@@ -282,12 +293,9 @@ class HeteroStrategy(DeepSpeedStrategy):
             self._report_plan(trainer)
 
     def _gather_local_measurements(self, trainer: Any, fitting: bool) -> list[dict[str, Any]]:
-        """Every rank's arguments, device facts and profile; a failure on any rank is raised on every rank.
+        """Every rank's arguments, data-order seed, device facts and profile (the profile runs user code)."""
 
-        The local part runs user code (the training loader, the training step): if it fails on one rank only,
-        the others must not wait for it in the gather, so the failure travels in the gather instead.
-        """
-        try:
+        def measure() -> tuple[None, dict[str, Any]]:
             loader = self._training_loader(trainer) if fitting else None
             global_batch_size = self._global_batch_size(loader) if fitting else None
             profile = None
@@ -301,19 +309,31 @@ class HeteroStrategy(DeepSpeedStrategy):
                 "loss_reduction": self.loss_reduction,
             }
             facts = collect_device_facts(self.root_device).to_dict()
-            local = {"arguments": arguments, "facts": facts, "profile": profile}
+            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+            return None, {"arguments": arguments, "seed": seed, "facts": facts, "profile": profile}
+
+        return self._gather_or_raise("setup", measure)[1]
+
+    def _gather_or_raise(self, what: str, compute: Callable[[], tuple[T, Any]]) -> tuple[T, list[Any]]:
+        """Run ``compute`` (local result, shared part) and gather the shared parts; a failure anywhere stops every rank.
+
+        ``compute`` runs user code (loaders, the training step) and checks that may fail on one rank only: the others
+        must not wait for it in the gather, so the failure travels in the gather instead and every rank raises.
+        """
+        try:
+            local, shared = compute()
             failure: Optional[BaseException] = None
         except Exception as error:
-            local, failure = {}, error
+            local, shared, failure = None, None, error
         failure_text = None if failure is None else f"{type(failure).__name__}: {failure}"
-        gathered = self._all_gather({**local, "failure": failure_text})
+        gathered = self._all_gather({"shared": shared, "failure": failure_text})
         if failure is not None:
             raise failure
         failed = [(rank, entry["failure"]) for rank, entry in enumerate(gathered) if entry["failure"]]
         if failed:
             rank, message = failed[0]
-            raise RuntimeError(f"HeteroStrategy: setup failed on rank {rank} ({message}); every rank stops here.")
-        return gathered
+            raise RuntimeError(f"HeteroStrategy: {what} failed on rank {rank} ({message}); every rank stops here.")
+        return local, [entry["shared"] for entry in gathered]  # type: ignore[return-value]
 
     @override
     def init_deepspeed(self) -> None:
@@ -355,7 +375,12 @@ class HeteroStrategy(DeepSpeedStrategy):
 
     def _training_loader(self, trainer: Any) -> Any:
         source = trainer.fit_loop._data_source
-        loader = source.dataloader() if source.is_defined() else None
+        if not source.is_defined():
+            return None
+        # Requested as Lightning requests it, then handed to the fit loop when it asks: the user's
+        # `train_dataloader()` runs once per fit, as under DDP (it may build a random dataset, as BoringModel's does).
+        loader = _request_dataloader(source)
+        _serve_once(source, loader)
         if isinstance(loader, DataLoader):
             problem = describe_unsupported_loader(loader, "training loader")
             if problem:
@@ -484,18 +509,38 @@ class HeteroStrategy(DeepSpeedStrategy):
             return dataloader
         training = stage == RunningStage.TRAINING
         name = "training loader" if training else f"{stage.dataloader_prefix if stage else 'evaluation'} loader"
-        problem = describe_unsupported_loader(dataloader, name)
-        if problem:
-            raise ValueError(problem)
-        if training:
-            assert self.plan is not None
-            batch_sizes: Sequence[int] = self.plan.batch_sizes
-        else:
-            # Evaluation: the DDP-sized global batch, split in the training proportions so steps take as long.
-            global_batch = (loader_batch_size(dataloader) or 1) * self.world_size
-            batch_sizes = split_by_weights(global_batch, self._split_weights())
-        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-        return rebuild_loader(dataloader, batch_sizes, self.global_rank, seed, on_batch=self._on_batch)
+
+        def rebuild() -> tuple[HeteroDataLoader, dict[str, Any]]:
+            problem = describe_unsupported_loader(dataloader, name)
+            if problem:
+                raise ValueError(problem)
+            if training:
+                assert self.plan is not None
+                batch_sizes: Sequence[int] = self.plan.batch_sizes
+            else:
+                # Evaluation: the DDP-sized global batch, split in the training proportions so steps take as long.
+                global_batch = (loader_batch_size(dataloader) or 1) * self.world_size
+                batch_sizes = split_by_weights(global_batch, self._split_weights())
+            seed = self._data_seed if self._data_seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+            loader = rebuild_loader(dataloader, batch_sizes, self.global_rank, seed, on_batch=self._on_batch)
+            return loader, describe_order(loader)
+
+        loader, orders = self._gather_or_raise(f"preparing the {name}", rebuild)
+        lines = config_disagreements(orders)
+        if lines:
+            raise ValueError(
+                f"HeteroStrategy: the ranks' {name}s differ: " + "; ".join(lines) + ". Every rank must load the same"
+                " dataset with the same sampler: the strategy cuts one epoch order into per-rank slices, so different"
+                " data would use some samples twice and others never, or make the ranks run different numbers of steps."
+            )
+        if training and not loader.hetero_batch_sampler.sampler.shuffles and not self._said_order_is_kept:
+            self._said_order_is_kept = True
+            rank_zero_info(
+                "HeteroStrategy keeps the training loader's order: it does not shuffle, so every epoch uses the samples"
+                " in the same order (DDP's DistributedSampler would shuffle). Pass `shuffle=True` to the DataLoader to"
+                " shuffle."
+            )
+        return loader
 
     def _split_weights(self) -> Sequence[float]:
         if self.plan is not None:
@@ -566,8 +611,9 @@ class HeteroStrategy(DeepSpeedStrategy):
         is_mean = isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")
         if is_mean and isinstance(tensor, Tensor) and not tensor.is_floating_point():
             # Lightning averages the epoch's summed batch sizes (an integer tensor) across ranks; with unequal
-            # shards an integer mean truncates (11 samples on 3 ranks -> 3) and biases every epoch metric.
-            tensor = tensor.double()
+            # shards an integer mean truncates (11 samples on 3 ranks -> 3) and biases every epoch metric. Averaged
+            # in torch's default dtype, as DDP's true division does, so the metric divided by it keeps its dtype.
+            tensor = tensor.to(torch.get_default_dtype())
         weighted = (
             is_mean
             and self._sync_weight is not None
@@ -599,11 +645,44 @@ class HeteroStrategy(DeepSpeedStrategy):
         self._before_collective()
         super().barrier(*args, **kwargs)
 
+    @override
+    def teardown(self) -> None:
+        # A fit that failed before its loop asked for the training loader must not hand it to the next fit.
+        if self.lightning_module is not None and self.lightning_module._trainer is not None:
+            self.lightning_module.trainer.fit_loop._data_source.__dict__.pop("dataloader", None)
+        super().teardown()
+
     def _before_collective(self) -> None:
         # An emulated slow rank reaches a collective (e.g. a `self.log(..., sync_dist=True)` inside training_step)
         # only after its stretched compute, as a slower device would; paying later would let its peers run ahead.
         if self._emulator is not None:
             self._emulator.catch_up()
+
+
+def _serve_once(source: Any, loader: Any) -> None:
+    """Make the next ``source.dataloader()`` return ``loader`` instead of calling the user's hook again."""
+
+    def dataloader() -> Any:
+        del source.dataloader  # back to the hook, for `reload_dataloaders_every_n_epochs`
+        return loader
+
+    source.dataloader = dataloader
+
+
+def _agreed_seed(seeds: list[int]) -> int:
+    """Rank 0's seed, for the data order of every rank; different seeds on other ranks are said, not used.
+
+    A per-rank seed (``seed_everything(seed + rank)``, for different augmentations) is legitimate, but the epoch order
+    must be the same on every rank or samples are used twice and others never.
+    """
+    if any(seed != seeds[0] for seed in seeds):
+        per_rank = ", ".join(f"rank {rank}: {seed}" for rank, seed in enumerate(seeds))
+        rank_zero_warn(
+            f"HeteroStrategy: `seed_everything` gave the ranks different seeds ({per_rank}). The data order uses rank"
+            f" 0's seed {seeds[0]} on every rank, so that each sample is used once per epoch; the other random"
+            " numbers (dropout, augmentations) keep each rank's own seed."
+        )
+    return seeds[0]
 
 
 def _raise_if_arguments_differ(arguments: list[dict[str, Any]]) -> None:

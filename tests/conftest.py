@@ -51,9 +51,13 @@ def run_bounded(
     return process.returncode, output
 
 
-def run_fit(out: Path, *args: str, timeout: float = 240) -> RunResult:
-    """`tests/workers/fit.py` with ``args``; its result.json (written by rank 0) when the run succeeded."""
-    returncode, output = run_bounded([sys.executable, str(WORKERS / "fit.py"), "--out", str(out), *args], timeout)
+def run_fit(out: Path, *args: str, timeout: float = 240, warnings: bool = False) -> RunResult:
+    """`tests/workers/fit.py` with ``args``; its result.json (written by rank 0) when the run succeeded.
+
+    Python warnings are hidden unless ``warnings`` (the test asserts one)."""
+    env = {"PYTHONWARNINGS": "default"} if warnings else None
+    command = [sys.executable, str(WORKERS / "fit.py"), "--out", str(out), *args]
+    returncode, output = run_bounded(command, timeout, env=env)
     result_file = out / "result.json"
     result = json.loads(result_file.read_text()) if returncode == 0 and result_file.exists() else None
     return RunResult(returncode, output, result)

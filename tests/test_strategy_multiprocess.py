@@ -213,3 +213,29 @@ def test_summed_loss_with_loss_reduction_sum_equals_ddp(stage, tmp_path):
     assert run.returncode == 0, run.output[-4000:]
     reference = reference_training(IndexedRegression(64), contiguous_steps(64, 16, 3), lr=0.05, sum_over_ranks=2)
     assert max_param_difference(run.result, reference) <= TOLERANCE
+
+
+def test_train_dataloader_runs_once_metrics_keep_their_dtype_and_the_kept_order_is_said_once(tmp_path):
+    """As under DDP: the model's `train_dataloader()` is called once per fit, epoch-level `sync_dist` metrics stay
+    float32, and since this loader does not shuffle (DDP's sampler would), the log says so once."""
+    run = run_fit(tmp_path, "--loader-in-hook", "--batch-sizes", *map(str, BATCH_SIZES), "--val-samples", "10")
+    assert run.returncode == 0, run.output[-4000:]
+    assert run.result["train_dataloader_calls"] == 1
+    assert run.result["metric_dtypes"]["val_loss"] == "torch.float32", run.result["metric_dtypes"]
+    assert run.output.count("HeteroStrategy keeps the training loader's order: it does not shuffle") == 1
+
+
+def test_ranks_with_different_training_sets_fail_on_every_rank(tmp_path):
+    """64 samples on rank 0 and 80 on rank 1 used to crash one rank while the job exited 0 (or hang)."""
+    run = run_fit(tmp_path, "--samples-on-rank-1", "80", "--batch-sizes", *map(str, BATCH_SIZES), timeout=120)
+    assert run.returncode != 0
+    assert run.output.count("the ranks' training loaders differ") == 2, run.output[-4000:]
+    assert "dataset_length (rank 0: 64, rank 1: 80)" in run.output
+
+
+def test_different_seeds_on_the_ranks_use_rank_0s_order_and_say_so(tmp_path):
+    """seed_everything(7) on rank 0 and (8) on rank 1 with shuffle=True: each sample still once per epoch."""
+    run = run_fit(tmp_path, "--seed-per-rank", "--shuffle", "--batch-sizes", *map(str, BATCH_SIZES), warnings=True)
+    assert run.returncode == 0, run.output[-4000:]
+    assert "different seeds (rank 0: 7, rank 1: 8)" in run.output
+    assert sorted(sum(run.result["seen"], [])) == list(range(64))

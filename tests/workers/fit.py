@@ -34,6 +34,19 @@ def failing_step(batch, batch_idx):
     raise RuntimeError("training_step failed on this rank only")
 
 
+class LoaderInHook(RegressionModule):
+    """Builds its training loader in `train_dataloader()` and counts the calls (BoringModel builds data there)."""
+
+    def __init__(self, loader, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.loader = loader
+        self.train_dataloader_calls = 0
+
+    def train_dataloader(self):
+        self.train_dataloader_calls += 1
+        return self.loader
+
+
 class WriteResult(Callback):
     def __init__(self, out: Path) -> None:
         self.out = out
@@ -63,6 +76,8 @@ class WriteResult(Callback):
                 "eval_seen": eval_seen,
                 "global_step": trainer.global_step,
                 "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+                "metric_dtypes": {k: str(v.dtype) for k, v in trainer.callback_metrics.items()},
+                "train_dataloader_calls": getattr(pl_module, "train_dataloader_calls", None),
             }
             (self.out / "result.json").write_text(json.dumps(result))
 
@@ -93,12 +108,17 @@ def main() -> None:
     parser.add_argument("--emulate-speeds", type=float, nargs="*")
     parser.add_argument("--fail-on-rank", type=int, help="training_step raises on this rank (a one-rank failure)")
     parser.add_argument("--iterable", action="store_true", help="train on an IterableDataset (must be refused)")
+    parser.add_argument("--loader-in-hook", action="store_true", help="the model's train_dataloader() builds it")
+    parser.add_argument("--samples-on-rank-1", type=int, help="a different training set length on rank 1")
+    parser.add_argument("--seed-per-rank", action="store_true", help="seed_everything(7 + rank)")
     parser.add_argument("--config-by-rank", help="JSON list: rank r's DeepSpeed config (to provoke a mismatch)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
-    seed_everything(7)
-    dataset = IndexedRegression(args.samples)
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    seed_everything(7 + rank if args.seed_per_rank else 7)
+    samples = args.samples_on_rank_1 if args.samples_on_rank_1 and rank == 1 else args.samples
+    dataset = IndexedRegression(samples)
     if args.iterable:
         dataset = IterableWrapper(dataset)
     train = DataLoader(dataset, batch_size=args.loader_batch_size, shuffle=args.shuffle, drop_last=args.drop_last)
@@ -112,7 +132,6 @@ def main() -> None:
     if args.loss_reduction:
         strategy_kwargs["loss_reduction"] = args.loss_reduction
     if args.config_by_rank:
-        rank = int(os.environ.get("LOCAL_RANK", 0))
         strategy_kwargs["config"] = json.loads(args.config_by_rank)[rank]
     callbacks = [WriteResult(args.out)]
     if args.checkpoint_every:
@@ -134,7 +153,12 @@ def main() -> None:
         num_sanity_val_steps=0,
         default_root_dir=args.out,
     )
-    model = RegressionModule(
+    model_class = RegressionModule
+    model_kwargs = {}
+    if args.loader_in_hook:
+        model_class, model_kwargs = LoaderInHook, {"loader": train}
+    model = model_class(
+        **model_kwargs,
         manual=args.manual,
         hidden=args.hidden,
         dropout=args.dropout,
@@ -142,9 +166,9 @@ def main() -> None:
         manual_accumulation=args.accumulate if args.manual else 1,
         reduction=args.loss_reduction or "mean",
     )
-    if args.fail_on_rank is not None and int(os.environ.get("LOCAL_RANK", 0)) == args.fail_on_rank:
+    if args.fail_on_rank is not None and rank == args.fail_on_rank:
         model.training_step = failing_step
-    trainer.fit(model, train, val, ckpt_path=args.ckpt_path)
+    trainer.fit(model, None if args.loader_in_hook else train, val, ckpt_path=args.ckpt_path)
     if args.test_samples:
         trainer.test(model, DataLoader(IndexedRegression(args.test_samples, seed=5), batch_size=4), verbose=False)
 
