@@ -31,6 +31,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_hetero import failures
 from lightning_hetero.arguments import check_loss_reduction, check_stage
 from lightning_hetero.configure import (
     check_user_config,
@@ -644,6 +645,20 @@ class HeteroStrategy(DeepSpeedStrategy):
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         self._before_collective()
         super().barrier(*args, **kwargs)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Say on every rank which rank failed and how (see :mod:`lightning_hetero.failures`); no collective here."""
+        super().on_exception(exception)
+        if not isinstance(exception, Exception) or self.world_size == 1:
+            return
+        if failures.is_lost_peer_error(exception):
+            found, reachable = failures.read_failures(self.world_size, exclude=self.global_rank)
+            explanation = failures.lost_peer_explanation(self.global_rank, found, reachable)
+            first = exception.args[0] if exception.args else ""
+            exception.args = (f"{explanation}\n{first}", *exception.args[1:])
+        else:
+            failures.publish_failure(self.global_rank, exception)
 
     @override
     def teardown(self) -> None:

@@ -239,3 +239,19 @@ def test_different_seeds_on_the_ranks_use_rank_0s_order_and_say_so(tmp_path):
     assert run.returncode == 0, run.output[-4000:]
     assert "different seeds (rank 0: 7, rank 1: 8)" in run.output
     assert sorted(sum(run.result["seen"], [])) == list(range(64))
+
+
+@pytest.mark.parametrize(("rank", "where", "error"), [
+    (1, "training_step", "RuntimeError: training_step failed on this rank only"),
+    (0, "collate_fn", "ValueError: collate_fn failed on this rank only"),
+])  # fmt: skip
+def test_a_failure_during_training_is_named_on_every_rank(rank, where, error, tmp_path):
+    """The other rank does not stop at gloo's "Connection reset by peer" alone: it names the failed rank and error."""
+    run = run_fit(
+        tmp_path, "--batch-sizes", *map(str, BATCH_SIZES), "--fail-on-rank", str(rank), "--fail-in", where, timeout=120
+    )
+    assert run.returncode != 0
+    survivor = 1 - rank
+    assert f"[rank{survivor}]: RuntimeError: HeteroStrategy: rank {rank} failed with {error}." in run.output, (
+        run.output[-4000:]
+    )

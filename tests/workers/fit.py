@@ -34,6 +34,19 @@ def failing_step(batch, batch_idx):
     raise RuntimeError("training_step failed on this rank only")
 
 
+def failing_collate(collate):
+    """The loader's collate_fn, raising from the second batch on."""
+    calls = []
+
+    def collate_fn(samples):
+        calls.append(1)
+        if len(calls) > 1:
+            raise ValueError("collate_fn failed on this rank only")
+        return collate(samples)
+
+    return collate_fn
+
+
 class LoaderInHook(RegressionModule):
     """Builds its training loader in `train_dataloader()` and counts the calls (BoringModel builds data there)."""
 
@@ -107,6 +120,7 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=1)
     parser.add_argument("--emulate-speeds", type=float, nargs="*")
     parser.add_argument("--fail-on-rank", type=int, help="training_step raises on this rank (a one-rank failure)")
+    parser.add_argument("--fail-in", choices=["training_step", "collate_fn"], default="training_step")
     parser.add_argument("--iterable", action="store_true", help="train on an IterableDataset (must be refused)")
     parser.add_argument("--loader-in-hook", action="store_true", help="the model's train_dataloader() builds it")
     parser.add_argument("--samples-on-rank-1", type=int, help="a different training set length on rank 1")
@@ -167,7 +181,10 @@ def main() -> None:
         reduction=args.loss_reduction or "mean",
     )
     if args.fail_on_rank is not None and rank == args.fail_on_rank:
-        model.training_step = failing_step
+        if args.fail_in == "training_step":
+            model.training_step = failing_step
+        else:
+            train.collate_fn = failing_collate(train.collate_fn)
     trainer.fit(model, None if args.loader_in_hook else train, val, ckpt_path=args.ckpt_path)
     if args.test_samples:
         trainer.test(model, DataLoader(IndexedRegression(args.test_samples, seed=5), batch_size=4), verbose=False)
