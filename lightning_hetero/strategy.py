@@ -61,6 +61,7 @@ from lightning_hetero.plan import (
 )
 from lightning_hetero.profiler import RankProfile, probe_sizes, profile_training_step
 from lightning_hetero.shutdown import register_exit_cleanup
+from lightning_hetero.stopping import StopOnSigterm, all_reduce_max
 
 # Arguments of DeepSpeedStrategy that only build its default DeepSpeed config: a user config replaces them all.
 _DEFAULT_CONFIG_ARGUMENTS = frozenset(
@@ -236,6 +237,14 @@ class HeteroStrategy(DeepSpeedStrategy):
         register_exit_cleanup()
         if self._emulate_speeds is not None:
             self._emulator = SlowdownEmulator(self._emulate_speeds[self.global_rank], self.root_device)
+        self._stop_on_sigterm = StopOnSigterm(all_reduce_max, self.root_device)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        # Lightning registered its signal handlers just before the loop started; ours take the SIGTERM part over.
+        assert self.lightning_module is not None
+        self._stop_on_sigterm.install(self.lightning_module.trainer)
 
     def _take_over_distributed_sampling(self) -> None:
         """Keep Lightning from replacing the user's sampler with a shuffling DistributedSampler (we shard)."""

@@ -6,8 +6,13 @@ numerically with :func:`reference_training`, which never touches Lightning or De
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +22,9 @@ from torch.utils.data import RandomSampler
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 
 from common import IndexedRegression, batch_loss, make_network, reference_training  # noqa: E402
-from conftest import run_fit  # noqa: E402
+from conftest import REPO, WORKERS, run_fit  # noqa: E402
+
+from lightning_hetero.stopping import EXIT_CODE_INTERRUPTED  # noqa: E402
 
 TOLERANCE = 1e-5
 BATCH_SIZES = [3, 13]  # global batch 16: rank 1 carries 13/16 of every step
@@ -255,3 +262,30 @@ def test_a_failure_during_training_is_named_on_every_rank(rank, where, error, tm
     assert f"[rank{survivor}]: RuntimeError: HeteroStrategy: rank {rank} failed with {error}." in run.output, (
         run.output[-4000:]
     )
+
+
+@pytest.mark.parametrize("signalled_rank", [0, 1])
+def test_sigterm_to_any_rank_stops_every_rank_with_a_non_zero_exit_code(signalled_rank, tmp_path):
+    """SIGTERM mid-training made both ranks exit 0 (to rank 0) although the fit had not finished."""
+    command = [sys.executable, str(WORKERS / "fit.py"), "--out", str(tmp_path), "--batch-sizes", *map(str, BATCH_SIZES)]
+    command += ["--max-epochs", "100000", "--signal-test"]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})  # fmt: skip
+    try:
+        pid_file = tmp_path / f"pid_rank{signalled_rank}"
+        deadline = time.monotonic() + 120
+        while not pid_file.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pid_file.exists(), "training did not start"
+        time.sleep(0.2)  # the file may be empty for an instant
+        os.kill(int(pid_file.read_text()), signal.SIGTERM)
+        output, _ = process.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode != 0, output[-3000:]
+    codes = {rank: (tmp_path / f"exit_rank{rank}").read_text() for rank in (0, 1) if (tmp_path / f"exit_rank{rank}").exists()}
+    # Every rank that recorded its exit stopped with 143; rank 0 may instead be killed by Lightning's launcher (-9)
+    # when it sees rank 1 exit non-zero first: never 0 either way.
+    assert codes.get(1) == str(EXIT_CODE_INTERRUPTED), (codes, output[-3000:])
+    assert codes.get(0, str(EXIT_CODE_INTERRUPTED)) == str(EXIT_CODE_INTERRUPTED), codes

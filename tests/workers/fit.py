@@ -60,6 +60,17 @@ class LoaderInHook(RegressionModule):
         return self.loader
 
 
+class WritePidWhenTraining(Callback):
+    """Each rank writes its PID to `pid_rank<r>` once training has run a few steps (for signal tests)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == 3:
+            (self.out / f"pid_rank{trainer.global_rank}").write_text(str(os.getpid()))
+
+
 class WriteResult(Callback):
     def __init__(self, out: Path) -> None:
         self.out = out
@@ -120,6 +131,7 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=1)
     parser.add_argument("--emulate-speeds", type=float, nargs="*")
     parser.add_argument("--fail-on-rank", type=int, help="training_step raises on this rank (a one-rank failure)")
+    parser.add_argument("--signal-test", action="store_true", help="write PIDs at step 3 and every rank's exit code")
     parser.add_argument("--fail-in", choices=["training_step", "collate_fn"], default="training_step")
     parser.add_argument("--iterable", action="store_true", help="train on an IterableDataset (must be refused)")
     parser.add_argument("--loader-in-hook", action="store_true", help="the model's train_dataloader() builds it")
@@ -147,7 +159,7 @@ def main() -> None:
         strategy_kwargs["loss_reduction"] = args.loss_reduction
     if args.config_by_rank:
         strategy_kwargs["config"] = json.loads(args.config_by_rank)[rank]
-    callbacks = [WriteResult(args.out)]
+    callbacks = [WriteResult(args.out)] + ([WritePidWhenTraining(args.out)] if args.signal_test else [])
     if args.checkpoint_every:
         callbacks.append(
             ModelCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=args.checkpoint_every, save_top_k=-1)
@@ -191,4 +203,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as stop:  # the code this rank exits with (Lightning's launcher ignores the other ranks' codes)
+        if "--signal-test" in sys.argv:
+            out = Path(sys.argv[sys.argv.index("--out") + 1])
+            (out / f"exit_rank{os.environ.get('LOCAL_RANK', 0)}").write_text(str(stop.code))
+        raise
