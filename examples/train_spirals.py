@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere in a clone
 
 from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from examples.spirals import SpiralClassifier, SpiralDataModule  # noqa: E402
 from lightning_hetero import HeteroStrategy  # noqa: E402
@@ -49,10 +50,21 @@ class StepTimer(Callback):
     def median_step(self) -> float:
         return statistics.median(self.times[5:] or self.times)  # the first steps warm up
 
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        # Progress, one line per epoch from rank 0 (the progress bar is off: its redraws fill a log).
+        if trainer.sanity_checking or trainer.state.fn != "fit" or not trainer.is_global_zero or not self.times:
+            return
+        metrics = trainer.callback_metrics
+        print(
+            f"  epoch {trainer.current_epoch + 1}/{trainer.max_epochs}: val loss {float(metrics['val_loss']):.3f},"
+            f" val acc {float(metrics['val_acc']):.1%}, median step {self.median_step() * 1e3:.1f} ms",
+            flush=True,
+        )
+
 
 def train(args: argparse.Namespace, strategy: HeteroStrategy, root: str) -> dict:
     """One run from the same initial model and data order: validate, fit, validate."""
-    seed_everything(0)
+    seed_everything(0, verbose=False)
     data = SpiralDataModule(batch_size=args.batch_size)
     model = SpiralClassifier()
     timer = StepTimer()
@@ -63,6 +75,8 @@ def train(args: argparse.Namespace, strategy: HeteroStrategy, root: str) -> dict
         max_epochs=args.epochs,
         default_root_dir=root,
         callbacks=[timer],
+        logger=CSVLogger(root),
+        log_every_n_steps=10,
         enable_progress_bar=False,
         enable_model_summary=False,
     )

@@ -24,6 +24,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.ddp import DDPStrategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -31,7 +32,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_hetero import failures
+from lightning_hetero import failures, quiet
 from lightning_hetero.arguments import check_loss_reduction, check_stage
 from lightning_hetero.configure import (
     check_user_config,
@@ -130,7 +131,9 @@ class HeteroStrategy(DeepSpeedStrategy):
             check_stage(stage)
         check_loss_reduction(loss_reduction)
         check_split_arguments(global_batch_size, batch_sizes, weights)
-        super().__init__(stage=DEFAULT_STAGE if stage is None else stage, config=config, **kwargs)
+        quiet.silence_adverts()
+        with quiet.third_party_noise_silenced():  # the parent imports DeepSpeed, which prints its accelerator guess
+            super().__init__(stage=DEFAULT_STAGE if stage is None else stage, config=config, **kwargs)
         self.global_batch_size = global_batch_size
         self.batch_sizes = list(batch_sizes) if batch_sizes is not None else None
         self.weights = list(weights) if weights is not None else None
@@ -262,6 +265,18 @@ class HeteroStrategy(DeepSpeedStrategy):
         # Prediction keeps Lightning's sharding (no collectives per step, uneven counts are harmless there).
         predicting = trainer.state.fn == TrainerFn.PREDICTING
         connector.use_distributed_sampler = self._user_use_distributed_sampler if predicting else False
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if type(self._launcher) is _SubprocessScriptLauncher:
+            # Each trainer call runs inside the launcher on every rank: the scope in which the noise is silenced.
+            self._launcher = quiet.QuietLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def _init_deepspeed_distributed(self) -> None:
+        with quiet.prints_dropped():
+            super()._init_deepspeed_distributed()
 
     @override
     def _init_config_if_needed(self) -> None:

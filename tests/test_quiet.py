@@ -1,0 +1,54 @@
+"""Unit tests for lightning_hetero.quiet: known third-party noise is dropped inside the block, nothing else is."""
+
+from __future__ import annotations
+
+import io
+import logging
+import warnings
+
+from lightning_hetero import quiet
+
+
+def test_known_log_messages_are_dropped_only_inside_the_block(caplog):
+    logger = logging.getLogger("DeepSpeed")
+    with caplog.at_level(logging.WARNING, logger="DeepSpeed"), quiet.third_party_noise_silenced():
+        logger.warning("Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it.")
+        logger.warning("a DeepSpeed warning the user can act on")
+    assert [r.getMessage() for r in caplog.records] == ["a DeepSpeed warning the user can act on"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="DeepSpeed"):
+        logger.warning("Setting accelerator to CPU.")  # outside the strategy's calls: untouched
+    assert [r.getMessage() for r in caplog.records] == ["Setting accelerator to CPU."]
+
+
+def test_known_warnings_are_dropped_and_others_pass():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with quiet.third_party_noise_silenced():
+            warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated. Use ...", FutureWarning)
+            warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated", UserWarning)  # other category
+            warnings.warn("the user's own warning", UserWarning)
+    assert [str(w.message) for w in caught] == [
+        "`torch.distributed.all_gather_into_tensor` is deprecated",
+        "the user's own warning",
+    ]
+
+
+def test_print_filter_drops_known_lines_and_keeps_the_rest():
+    target = io.StringIO()
+    stream = quiet._LineFilter(target, ("built successfully",))
+    stream.write("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully\nkeep ")
+    stream.write("this\nand this partial")
+    stream.flush()
+    assert target.getvalue() == "keep this\nand this partial"
+
+
+def test_lightning_tips_are_dropped_once_a_strategy_exists(caplog):
+    quiet.silence_adverts()
+    quiet.silence_adverts()  # idempotent
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    assert sum(isinstance(f, quiet._DropMessages) for f in logger.filters) == 1
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+        logger.info("💡 Tip: For seamless cloud logging ...")
+        logger.info("GPU available: False, used: False")
+    assert [r.getMessage() for r in caplog.records] == ["GPU available: False, used: False"]
