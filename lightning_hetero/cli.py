@@ -11,6 +11,7 @@ import os
 import sys
 
 import lightning_hetero  # noqa: F401  (registers "hetero" in Lightning's StrategyRegistry)
+from lightning_hetero.quiet import third_party_noise_silenced
 
 
 def main(args: list[str] | None = None) -> None:
@@ -19,7 +20,9 @@ def main(args: list[str] | None = None) -> None:
     # Like `python -m`, let `class_path: mypackage.MyModel` name modules in the working directory.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    LightningCLI(args=args, save_config_kwargs={"overwrite": True})
+    # Parsing the arguments imports DeepSpeed (through the strategy's signature) before any strategy exists.
+    with third_party_noise_silenced():
+        LightningCLI(args=args, save_config_kwargs={"overwrite": True})
 
 
 if __name__ == "__main__":

@@ -112,6 +112,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--stage", type=int, default=2)
     parser.add_argument("--batch-sizes", type=int, nargs="*")
+    parser.add_argument("--global-batch-size", type=int)
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--max-steps", type=int, default=-1)
     parser.add_argument("--max-epochs", type=int, default=1)
@@ -153,6 +154,8 @@ def main() -> None:
     strategy_kwargs = {"stage": args.stage}
     if args.batch_sizes:
         strategy_kwargs["batch_sizes"] = args.batch_sizes
+    if args.global_batch_size:
+        strategy_kwargs["global_batch_size"] = args.global_batch_size
     if args.emulate_speeds:
         strategy_kwargs["emulate_speeds"] = args.emulate_speeds
     if args.loss_reduction:

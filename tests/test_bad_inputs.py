@@ -1,0 +1,128 @@
+"""Mistakes at every place a user can make them, each caught early with a message that names the argument and value.
+
+One table per way in: the constructor, a DeepSpeed config, the emulation environment variable, the `lightning-hetero`
+CLI's YAML (all caught before any process starts), and setup on 2 ranks (every process must exit, in bounded time,
+with the message on every rank). Multi-process cases elsewhere: differing training sets, DeepSpeed configs differing
+by rank and an IterableDataset (tests/test_strategy_multiprocess.py).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+from conftest import REPO, run_fit
+
+from lightning_hetero import HeteroStrategy
+from lightning_hetero.emulate import ENV_VAR
+
+CONSTRUCTOR = [
+    ({"stage": 4}, "`stage=4` is not a ZeRO stage"),
+    ({"stage": 2.0}, "`stage=2.0` is not a ZeRO stage"),
+    ({"stage": True}, "`stage=True` is not a ZeRO stage"),
+    ({"stage": "2"}, "`stage='2'` is not a ZeRO stage"),
+    ({"batch_sizes": 8}, "`batch_sizes=8` is not a list"),
+    ({"batch_sizes": {0: 8, 1: 8}}, "`batch_sizes={0: 8, 1: 8}` is a mapping"),
+    ({"batch_sizes": "8,8"}, "`batch_sizes='8,8'` is not a list"),
+    ({"batch_sizes": [0, 3]}, "`batch_sizes=[0, 3]` holds [0]"),
+    ({"batch_sizes": [2.5, 3]}, "`batch_sizes=[2.5, 3]` holds [2.5]"),
+    ({"batch_sizes": []}, "`batch_sizes=[]` is empty"),
+    ({"batch_sizes": [3, 13], "global_batch_size": 15}, "sums to 16 but `global_batch_size=15`"),
+    ({"batch_sizes": [4, 4], "weights": [1.0, 1.0]}, "both `batch_sizes=[4, 4]` and `weights=[1.0, 1.0]`"),
+    ({"weights": 0.4}, "`weights=0.4` is not a list"),
+    ({"weights": {1.0, 0.4}}, "is not a list"),
+    ({"weights": [1.0, math.nan]}, "`weights=[1.0, nan]` holds [nan]"),
+    ({"weights": [1.0, -0.5]}, "`weights=[1.0, -0.5]` holds [-0.5]"),
+    ({"global_batch_size": 0}, "`global_batch_size=0` must be a positive integer"),
+    ({"global_batch_size": 64.0}, "`global_batch_size=64.0` must be a positive integer"),
+    ({"emulate_speeds": 0.4}, "`emulate_speeds=0.4` is not a list"),
+    ({"emulate_speeds": [1.0, 1.5]}, "`emulate_speeds=[1.0, 1.5]` holds [1.5]"),
+    ({"emulate_speeds": [1.0, 0]}, "`emulate_speeds=[1.0, 0]` holds [0]"),
+    ({"loss_reduction": "avg"}, "`loss_reduction='avg'` is not one of ['mean', 'sum']"),
+]
+
+DEEPSPEED_CONFIG = [
+    ({"zero_optimisation": {"stage": 3}}, "`zero_optimisation` (did you mean `zero_optimization`?)"),
+    ({"steps_per_prnt": 10}, "`steps_per_prnt` (did you mean `steps_per_print`?)"),
+    ({"zero_optimization": {"stage": 2, "overlap_com": True}}, "`zero_optimization.overlap_com` is not a DeepSpeed"),
+    ({"fp16": {"enabled": True, "loss_scal": 0}}, "`fp16.loss_scal` is not a DeepSpeed setting (did you mean"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"devic": "cpu"}}}, "`zero_optimization.offload_optim"),
+    ({"zero_optimization": {"stage": 2.0}}, "`zero_optimization.stage=2.0` is not a ZeRO stage"),
+    ({"zero_optimization": True}, "`zero_optimization=True`; it must be a dict"),
+    ({"gradient_accumulation_steps": 2}, "`gradient_accumulation_steps=2`. Lightning's loop owns"),
+    ({"train_micro_batch_size_per_gpu": 8}, "`train_micro_batch_size_per_gpu=8`, but HeteroStrategy gives"),
+    ({"amp": {"enabled": True}}, "NVIDIA Apex AMP integration has been removed"),
+]
+
+ENVIRONMENT = [
+    ("1.0,,0.4", f"`{ENV_VAR}='1.0,,0.4'` has an empty entry (position 1)"),
+    ("1.0,abc", f"`{ENV_VAR}='1.0,abc'` is not a comma-separated list of numbers"),
+    ("1.0,2", f"`{ENV_VAR}=[1.0, 2.0]` holds [2.0]"),
+    (" , ", f"`{ENV_VAR}=','` is empty"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), CONSTRUCTOR + [({"config": c}, m) for c, m in DEEPSPEED_CONFIG])
+def test_constructor_and_deepspeed_config_mistakes_fail_in_the_constructor(kwargs, message):
+    with pytest.raises(ValueError) as error:
+        HeteroStrategy(**kwargs)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize(("value", "message"), ENVIRONMENT)
+def test_environment_variable_mistakes_fail_in_the_constructor(value, message, monkeypatch):
+    monkeypatch.setenv(ENV_VAR, value)
+    with pytest.raises(ValueError) as error:
+        HeteroStrategy()
+    assert message in str(error.value)
+
+
+CLI_YAML = [
+    ("{stage: 7}", "`stage=7` is not a ZeRO stage"),
+    ("{weights: [1.0, -1.0]}", "`weights=[1.0, -1.0]` holds [-1.0]"),
+    ("{loss_reduction: avg}", "`loss_reduction='avg'` is not one of"),
+    ("{emulate_speeds: [1.0, 2.0]}", "`emulate_speeds=[1.0, 2.0]` holds [2.0]"),
+    ("{config: {zero_optimisation: {stage: 3}}}", "did you mean `zero_optimization`?"),
+    ("{batch_sizes: 8}", 'Parser key "batch_sizes"'),  # jsonargparse checks the annotated type first
+]
+
+
+@pytest.mark.parametrize(("init_args", "message"), CLI_YAML)
+def test_cli_yaml_mistakes_fail_before_any_process_starts(init_args, message, tmp_path, monkeypatch, capsys):
+    from lightning_hetero.cli import main
+
+    config = tmp_path / "bad.yaml"
+    config.write_text(
+        "trainer:\n  accelerator: cpu\n  devices: 2\n  strategy:\n    class_path: lightning_hetero.HeteroStrategy\n"
+        f"    init_args: {init_args}\nmodel:\n  class_path: examples.spirals.SpiralClassifier\n"
+        "data:\n  class_path: examples.spirals.SpiralDataModule\n"
+    )
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr("sys.argv", ["lightning-hetero"])
+    # jsonargparse exits on a value of the wrong type; our constructor's error reaches the user as raised.
+    with pytest.raises((SystemExit, ValueError)) as stop:
+        main(["fit", "--config", str(config)])
+    if isinstance(stop.value, SystemExit):
+        assert stop.value.code != 0
+    assert message in str(stop.value) + capsys.readouterr().err
+
+
+SETUP = [
+    (["--batch-sizes", "4", "4", "8"], "`batch_sizes=[4, 4, 8]` has 3 entries but the job has 2 ranks"),
+    (["--emulate-speeds", "1", "0.5", "0.5"], "has 3 entries but the job has 2 ranks. Give one speed per rank"),
+    (["--global-batch-size", "1"], "`global_batch_size=1` is smaller than the world size 2"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), SETUP)
+def test_setup_mistakes_on_two_ranks_stop_every_process_with_the_message(args, message, tmp_path):
+    started = time.monotonic()
+    run = run_fit(tmp_path, *args, timeout=90)
+    assert run.returncode != 0
+    assert run.output.count(message) == 2, run.output[-3000:]  # said by both ranks
+    assert time.monotonic() - started < 90
+
+
+def test_the_table_has_at_least_thirty_mistakes():
+    assert len(CONSTRUCTOR) + len(DEEPSPEED_CONFIG) + len(ENVIRONMENT) + len(CLI_YAML) + len(SETUP) >= 30
