@@ -9,16 +9,37 @@ import warnings
 from lightning_hetero import quiet
 
 
-def test_known_log_messages_are_dropped_only_inside_the_block(caplog):
+class Recorder(logging.Handler):
+    """Records what reaches a logger's handlers (DeepSpeed's logger does not propagate to the root, caplog's)."""
+
+    def __init__(self, logger_name: str) -> None:
+        super().__init__(logging.DEBUG)
+        self.logger = logging.getLogger(logger_name)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __enter__(self) -> Recorder:
+        self.logger.addHandler(self)
+        self.level_before = self.logger.level
+        self.logger.setLevel(logging.DEBUG)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.level_before)
+
+
+def test_known_log_messages_are_dropped_only_inside_the_block():
     logger = logging.getLogger("DeepSpeed")
-    with caplog.at_level(logging.WARNING, logger="DeepSpeed"), quiet.third_party_noise_silenced():
+    with Recorder("DeepSpeed") as recorder, quiet.third_party_noise_silenced():
         logger.warning("Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it.")
         logger.warning("a DeepSpeed warning the user can act on")
-    assert [r.getMessage() for r in caplog.records] == ["a DeepSpeed warning the user can act on"]
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="DeepSpeed"):
+    assert recorder.messages == ["a DeepSpeed warning the user can act on"]
+    with Recorder("DeepSpeed") as recorder:
         logger.warning("Setting accelerator to CPU.")  # outside the strategy's calls: untouched
-    assert [r.getMessage() for r in caplog.records] == ["Setting accelerator to CPU."]
+    assert recorder.messages == ["Setting accelerator to CPU."]
 
 
 def test_known_warnings_are_dropped_and_others_pass():
@@ -43,12 +64,12 @@ def test_print_filter_drops_known_lines_and_keeps_the_rest():
     assert target.getvalue() == "keep this\nand this partial"
 
 
-def test_lightning_tips_are_dropped_once_a_strategy_exists(caplog):
+def test_lightning_tips_are_dropped_once_a_strategy_exists():
     quiet.silence_adverts()
     quiet.silence_adverts()  # idempotent
     logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     assert sum(isinstance(f, quiet._DropMessages) for f in logger.filters) == 1
-    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+    with Recorder("lightning.pytorch.utilities.rank_zero") as recorder:
         logger.info("💡 Tip: For seamless cloud logging ...")
         logger.info("GPU available: False, used: False")
-    assert [r.getMessage() for r in caplog.records] == ["GPU available: False, used: False"]
+    assert recorder.messages == ["GPU available: False, used: False"]

@@ -122,6 +122,7 @@ def main() -> None:
     parser.add_argument("--manual", action="store_true")
     parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches (manual: done in the step)")
     parser.add_argument("--loss-reduction", choices=["mean", "sum"], help="HeteroStrategy(loss_reduction=...)")
+    parser.add_argument("--model-reduction", choices=["mean", "sum"], help="the model's loss (default: as above)")
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--val-samples", type=int, default=0)
     parser.add_argument("--test-samples", type=int, default=0, help="run trainer.test after fit on this many")
@@ -193,7 +194,7 @@ def main() -> None:
         dropout=args.dropout,
         depth=args.depth,
         manual_accumulation=args.accumulate if args.manual else 1,
-        reduction=args.loss_reduction or "mean",
+        reduction=args.model_reduction or args.loss_reduction or "mean",
     )
     if args.fail_on_rank is not None and rank == args.fail_on_rank:
         if args.fail_in == "training_step":
