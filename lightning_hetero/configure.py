@@ -200,7 +200,9 @@ def shared_settings(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def config_disagreements(configs: Sequence[Mapping[str, Any]]) -> list[str]:
-    """One line per setting whose value differs between ranks (compared on :func:`shared_settings`)."""
+    """One line per setting whose value differs between ranks (compared on :func:`shared_settings`).
+
+    Any per-rank mappings can be compared this way (the strategy also compares its arguments and data orders)."""
     flat = [_flatten(shared_settings(config)) for config in configs]
     keys = sorted(set().union(*flat))
     lines = []

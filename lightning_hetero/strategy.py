@@ -78,9 +78,9 @@ _DEFAULT_CONFIG_ARGUMENTS = frozenset(
 )  # fmt: skip
 DEFAULT_STAGE = 2
 PLAN_DIRNAME = "hetero"
+T = TypeVar("T")
 # The methods of DeepSpeed's ZeRO optimizers that reduce a full gradient bucket during backward (ZeRO-1/2, ZeRO-3;
 # the second is private, hence mangled).
-T = TypeVar("T")
 _DEEPSPEED_BUCKET_REDUCES = ("reduce_ipg_grads", "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads")
 
 
@@ -334,8 +334,7 @@ class HeteroStrategy(DeepSpeedStrategy):
                 "loss_reduction": self.loss_reduction,
             }
             facts = collect_device_facts(self.root_device).to_dict()
-            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-            return None, {"arguments": arguments, "seed": seed, "facts": facts, "profile": profile}
+            return None, {"arguments": arguments, "seed": _local_seed(), "facts": facts, "profile": profile}
 
         return self._gather_or_raise("setup", measure)[1]
 
@@ -546,7 +545,7 @@ class HeteroStrategy(DeepSpeedStrategy):
                 # Evaluation: the DDP-sized global batch, split in the training proportions so steps take as long.
                 global_batch = (loader_batch_size(dataloader) or 1) * self.world_size
                 batch_sizes = split_by_weights(global_batch, self._split_weights())
-            seed = self._data_seed if self._data_seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+            seed = self._data_seed if self._data_seed is not None else _local_seed()
             loader = rebuild_loader(dataloader, batch_sizes, self.global_rank, seed, on_batch=self._on_batch)
             return loader, describe_order(loader)
 
@@ -708,6 +707,11 @@ def _serve_once(source: Any, loader: Any) -> None:
     source.dataloader = dataloader
 
 
+def _local_seed() -> int:
+    """This rank's `seed_everything` seed (Lightning keeps it in PL_GLOBAL_SEED), 0 when none was set."""
+    return int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+
 def _agreed_seed(seeds: list[int]) -> int:
     """Rank 0's seed, for the data order of every rank; different seeds on other ranks are said, not used.
 
@@ -725,12 +729,9 @@ def _agreed_seed(seeds: list[int]) -> int:
 
 
 def _raise_if_arguments_differ(arguments: list[dict[str, Any]]) -> None:
-    differing = sorted(key for key in arguments[0] if any(other.get(key) != arguments[0][key] for other in arguments))
-    if differing:
-        per_rank = "; ".join(
-            f"{key}: " + ", ".join(f"rank {r}: {a.get(key)}" for r, a in enumerate(arguments)) for key in differing
-        )
+    lines = config_disagreements(arguments)
+    if lines:
         raise ValueError(
-            f"HeteroStrategy was built with different arguments on different ranks ({per_rank})."
-            " Every rank must run the same script with the same arguments (and the same training loader batch size)."
+            f"HeteroStrategy was built with different arguments on different ranks: {'; '.join(lines)}. Every rank"
+            " must run the same script with the same arguments (and the same training loader batch size)."
         )

@@ -112,6 +112,7 @@ SETUP = [
     (["--batch-sizes", "4", "4", "8"], "`batch_sizes=[4, 4, 8]` has 3 entries but the job has 2 ranks"),
     (["--emulate-speeds", "1", "0.5", "0.5"], "has 3 entries but the job has 2 ranks. Give one speed per rank"),
     (["--global-batch-size", "1"], "`global_batch_size=1` is smaller than the world size 2"),
+    (["--rank-1-strategy-args", '{"loss_reduction": "sum"}'], "loss_reduction (rank 0: mean, rank 1: sum)"),
 ]
 
 
