@@ -320,12 +320,20 @@ def describe_order(loader: HeteroDataLoader) -> dict[str, Any]:
 
     The dataset length, the samples and steps of an epoch, and a fingerprint of the first positions of epoch 0's
     order: ranks that differ in any of them would use some samples twice and others never (or run different
-    numbers of steps and hang in a collective). Drawing the order leaves every random generator as it was.
+    numbers of steps and hang in a collective). Drawing the order leaves the global random generators and the
+    sampler's own generator as they were.
     """
     batch_sampler = loader.hetero_batch_sampler
     order = GlobalOrder(batch_sampler.sampler.user_sampler, batch_sampler.sampler.seed)  # epoch 0, a fresh copy
-    with preserved_random_state():
-        first = [int(index) for index in itertools.islice(iter(order), FINGERPRINT_POSITIONS)]
+    # A custom sampler is iterated itself: its own generator is put back too (other state it keeps cannot be).
+    generator = getattr(order.user_sampler, "generator", None)
+    generator_state = generator.get_state() if isinstance(generator, torch.Generator) else None
+    try:
+        with preserved_random_state():
+            first = [int(index) for index in itertools.islice(iter(order), FINGERPRINT_POSITIONS)]
+    finally:
+        if generator_state is not None:
+            generator.set_state(generator_state)
     return {
         "dataset_length": len(loader.dataset),
         "samples_per_epoch": len(order),

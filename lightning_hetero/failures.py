@@ -23,15 +23,14 @@ KEY_PREFIX = "lightning_hetero/failure/"
 # only covers a store that answers slowly.
 READ_SECONDS = 3.0
 _POLL_SECONDS = 0.05
-# What torch's gloo and NCCL backends say when a peer process is gone (lower case).
+# What torch's gloo backend (and NCCL, where it raises instead of aborting the process) says when a peer process is
+# gone (lower case). Phrases a rank's own failure can produce too (timeouts) are left out: that rank must publish.
 _LOST_PEER_PHRASES = (
     "connection reset by peer",
     "connection closed by peer",
     "broken pipe",
     "connection refused",
     "communicator was aborted",
-    "socket timeout",
-    "nccl error",
 )
 
 
@@ -87,6 +86,7 @@ def read_failures(world_size: int, exclude: int, wait: float = READ_SECONDS) -> 
         return {}, False
     keys = {rank: f"{KEY_PREFIX}{rank}" for rank in range(world_size) if rank != exclude}
     deadline = time.monotonic() + wait
+    timeout_before = getattr(store, "timeout", None)
     try:
         store.set_timeout(timedelta(seconds=wait))
         while True:
@@ -96,6 +96,12 @@ def read_failures(world_size: int, exclude: int, wait: float = READ_SECONDS) -> 
             time.sleep(_POLL_SECONDS)
     except Exception:
         return {}, False
+    finally:
+        if timeout_before is not None:
+            try:
+                store.set_timeout(timeout_before)
+            except Exception:  # noqa: S110 - a store that no longer answers keeps whatever timeout it had
+                pass
 
 
 def _default_store() -> Optional[Any]:

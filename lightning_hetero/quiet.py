@@ -2,12 +2,15 @@
 
 Every rank of a run used to print DeepSpeed's accelerator guess and op-build message, its warning about an "untested"
 optimizer (any optimizer but Adam), torch's deprecation of a function DeepSpeed calls, a deprecation inside Lightning,
-and Lightning's advertising tips. None of these tells the user anything to do. Each is matched by its logger (or
-warning category) and the start of its text, and dropped only while the strategy's own code runs: its constructor
-(DeepSpeed is imported there) and the trainer calls it launches (:class:`QuietLauncher`). Everything else, the user's
-warnings and the actionable ones of Lightning and DeepSpeed included, passes unchanged. The one exception is
-Lightning's tips, printed while the Trainer is built, between our calls: their filter stays on once a HeteroStrategy
-exists.
+and Lightning's advertising tips. None of these tells the user anything to do. Each is matched by its source (logger
+name, or warning category and the module that issues it) and the start of its text; everything else, the user's
+warnings and the actionable ones of Lightning and DeepSpeed included, passes unchanged.
+
+- Log messages and DeepSpeed's print are dropped only while the strategy's own code runs: its constructor (DeepSpeed
+  is imported there) and the trainer calls it launches (:class:`QuietLauncher`).
+- Lightning's tips (printed while the Trainer is built, between our calls) and the two deprecation warnings (raised
+  deep inside a fit) are filtered from the first HeteroStrategy on, by exact source: a ``warnings.catch_warnings``
+  around each trainer call would instead throw away every warning filter the user's own code adds during the fit.
 """
 
 from __future__ import annotations
@@ -29,12 +32,15 @@ _LOG_NOISE = {
     # Printed once per rank and trainer call; the plan table says how many ranks run.
     "lightning.pytorch.strategies.deepspeed": ("initializing deepspeed distributed",),
 }
-# Lightning's advertising, printed while the Trainer is built (not during a call of ours).
+# Lightning's advertising, printed while the Trainer is built.
 _ADVERTS = {"lightning.pytorch.utilities.rank_zero": ("💡 Tip:",)}
-# (category, regular expression for the start of the message) of warnings dropped while the strategy's code runs.
+# (category, start of the message, module the warning is attributed to) of deprecations nobody but the library
+# authors can act on.
 _WARNING_NOISE = (
-    (FutureWarning, r"`torch\.distributed\.all_gather_into_tensor` is deprecated"),  # DeepSpeed's call, torch's warning
-    (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated"),  # inside Lightning's loop, torch's warning
+    # DeepSpeed's ZeRO step calls it; torch warns.
+    (FutureWarning, r"`torch\.distributed\.all_gather_into_tensor` is deprecated", r"torch\.distributed\.c10d_logger"),
+    # Lightning's loop builds a LeafSpec; torch warns.
+    (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated", r"lightning\.pytorch\.utilities\._pytree"),
 )
 # Lines DeepSpeed writes with print() while it initialises communication.
 _PRINT_NOISE = ("deepspeed_shm_comm_op built successfully",)
@@ -49,31 +55,35 @@ class _DropMessages(logging.Filter):
         return not str(record.msg).startswith(self.starts)
 
 
-_advert_filters: list[tuple[logging.Logger, _DropMessages]] = []
+_lasting_filters: list[tuple[logging.Logger, _DropMessages]] = []
 
 
-def silence_adverts() -> None:
-    """Drop Lightning's tips from now on (idempotent)."""
-    if not _advert_filters:
-        for name, starts in _ADVERTS.items():
-            logger, dropping = logging.getLogger(name), _DropMessages(starts)
-            logger.addFilter(dropping)
-            _advert_filters.append((logger, dropping))
+def install_lasting_filters() -> None:
+    """Drop Lightning's tips and the two deprecation warnings from now on (idempotent)."""
+    if _lasting_filters:
+        return
+    for name, starts in _ADVERTS.items():
+        logger, dropping = logging.getLogger(name), _DropMessages(starts)
+        logger.addFilter(dropping)
+        _lasting_filters.append((logger, dropping))
+    _filter_warning_noise()
+
+
+def _filter_warning_noise() -> None:
+    for category, message, module in _WARNING_NOISE:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
 
 
 @contextlib.contextmanager
 def third_party_noise_silenced() -> Iterator[None]:
-    """Drop the known third-party noise (loggers, warnings) for the duration of the block."""
+    """Drop the known third-party log messages for the duration of the block."""
     # getLogger creates a logger that does not exist yet; DeepSpeed's logger factory configures that same object
     # on import and keeps its filters.
     added = [(logging.getLogger(name), _DropMessages(starts)) for name, starts in _LOG_NOISE.items()]
     for logger, dropping in added:
         logger.addFilter(dropping)
     try:
-        with warnings.catch_warnings():
-            for category, message in _WARNING_NOISE:
-                warnings.filterwarnings("ignore", message=message, category=category)
-            yield
+        yield
     finally:
         for logger, dropping in added:
             logger.removeFilter(dropping)

@@ -4,13 +4,15 @@ Lightning's own handling leaves a scheduler believing the job finished: its SIGT
 (a collective inside a signal handler) and its loops then raise ``SIGTERMException()``, a ``SystemExit`` with code 0.
 A SIGTERM to rank 0 made every rank exit 0 after an unfinished fit; one to another rank never reached rank 0.
 
-Here the handler only sets a flag. Once per training step, where Lightning broadcast rank 0's flag, the ranks
-all-reduce their flags with MAX instead (the same one-element collective, so no extra one): a signal to any rank
-stops all of them before the same step, each raising ``SIGTERMException(EXIT_CODE_INTERRUPTED)``. Lightning's
-``on_exception`` callbacks run as before (``OnExceptionCheckpoint`` sees the same exception type), and the process
-exits with 143 = 128 + SIGTERM, the code a shell gives a process ended by SIGTERM, which torchrun and Slurm read as
-"not finished". A SIGTERM during validation is acted on at the next training step; one after the last training
-step lets the fit finish.
+Here the handler only sets a flag (it takes the place of Lightning's notifier before Lightning registers its
+handlers, so it is the handler from the first moment of the run). Once per training step, where Lightning broadcast
+rank 0's flag, the ranks all-reduce their flags with MAX instead (the same one-element collective, so no extra one):
+a signal to any rank stops all of them before the same step, each raising ``SIGTERMException(EXIT_CODE_INTERRUPTED)``
+with ``trainer.received_sigterm`` set. A single process has no such collective; there the flag is Lightning's own,
+which its loop checks after each step. Lightning's ``on_exception`` callbacks run as before (``OnExceptionCheckpoint``
+sees the same exception type), and the process exits with 143 = 128 + SIGTERM, the code a shell gives a process ended
+by SIGTERM, which torchrun and Slurm read as "not finished". A SIGTERM during validation is acted on at the next
+training step; one after the last training step lets the fit finish.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed
-from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose, _SignalConnector
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 EXIT_CODE_INTERRUPTED = 128 + int(signal.SIGTERM)
@@ -32,34 +33,40 @@ class StopOnSigterm:
     def __init__(self, all_reduce_max: Callable[[torch.Tensor], None], device: torch.device) -> None:
         self._all_reduce_max = all_reduce_max
         self._device = device
+        self._trainer: Any = None
         self.requested = False
+
+    def install(self, trainer: Any) -> None:
+        """Take the place of Lightning's SIGTERM notifier and of its per-step broadcast of rank 0's flag.
+
+        Called before Lightning registers its signal handlers for the run: it builds them from the connector's
+        ``_sigterm_notifier_fn`` at that moment, so the instance attribute set here is what it registers.
+        """
+        self._trainer = trainer
+        self.requested = False
+        trainer._signal_connector._sigterm_notifier_fn = self.on_sigterm
+        # Lightning calls this at the start of every training step on every rank (when the world has several ranks).
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self.stop_if_any_rank_was_signalled
 
     def on_sigterm(self, signum: int, frame: Any) -> None:
         # A signal handler runs between two bytecodes of the main thread, possibly inside a collective's Python
         # frame: it must not communicate, only remember.
         self.requested = True
-
-    def install(self, trainer: Any) -> bool:
-        """Take the place of Lightning's SIGTERM notifier (after Lightning registered its handlers for this run) and of
-        its per-step broadcast. False where Lightning registered nothing (not the main thread, Windows)."""
-        self.requested = False
-        handler = signal.getsignal(signal.SIGTERM)
-        epoch_loop = trainer.fit_loop.epoch_loop
-        if not isinstance(handler, _HandlersCompose) or not hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
-            return False
-        notifier = _SignalConnector._sigterm_notifier_fn
-        handler.signal_handlers = [
-            self.on_sigterm if getattr(h, "__func__", None) is notifier else h for h in handler.signal_handlers
-        ]
-        # Lightning calls this at the start of every training step on every rank (when the world has several ranks).
-        epoch_loop._broadcast_sigterm_tensor = self.stop_if_any_rank_was_signalled
-        return True
+        if self._trainer is not None and self._trainer.world_size == 1:
+            self._trainer._signal_connector.received_sigterm = True  # Lightning's loop stops after this step
 
     def stop_if_any_rank_was_signalled(self) -> None:
         flag = torch.tensor([int(self.requested)], device=self._device)
         self._all_reduce_max(flag)
         if flag.item():
+            self._trainer._signal_connector.received_sigterm = True  # what callbacks read
             raise SIGTERMException(EXIT_CODE_INTERRUPTED)
+
+
+def exit_code_for(exception: BaseException) -> None:
+    """Give a ``SIGTERMException`` raised without a code (Lightning's own) the interrupted exit code."""
+    if isinstance(exception, SIGTERMException) and not exception.code:
+        exception.code = EXIT_CODE_INTERRUPTED
 
 
 def all_reduce_max(tensor: torch.Tensor) -> None:

@@ -29,7 +29,7 @@ from lightning.pytorch.trainer.connectors.data_connector import _request_dataloa
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, SequentialSampler
 from typing_extensions import override
 
 from lightning_hetero import failures, quiet
@@ -62,7 +62,7 @@ from lightning_hetero.plan import (
 )
 from lightning_hetero.profiler import RankProfile, probe_sizes, profile_training_step
 from lightning_hetero.shutdown import register_exit_cleanup
-from lightning_hetero.stopping import StopOnSigterm, all_reduce_max
+from lightning_hetero.stopping import StopOnSigterm, all_reduce_max, exit_code_for
 
 # Arguments of DeepSpeedStrategy that only build its default DeepSpeed config: a user config replaces them all.
 _DEFAULT_CONFIG_ARGUMENTS = frozenset(
@@ -131,7 +131,7 @@ class HeteroStrategy(DeepSpeedStrategy):
             check_stage(stage)
         check_loss_reduction(loss_reduction)
         check_split_arguments(global_batch_size, batch_sizes, weights)
-        quiet.silence_adverts()
+        quiet.install_lasting_filters()
         with quiet.third_party_noise_silenced():  # the parent imports DeepSpeed, which prints its accelerator guess
             super().__init__(stage=DEFAULT_STAGE if stage is None else stage, config=config, **kwargs)
         self.global_batch_size = global_batch_size
@@ -240,14 +240,10 @@ class HeteroStrategy(DeepSpeedStrategy):
         register_exit_cleanup()
         if self._emulate_speeds is not None:
             self._emulator = SlowdownEmulator(self._emulate_speeds[self.global_rank], self.root_device)
-        self._stop_on_sigterm = StopOnSigterm(all_reduce_max, self.root_device)
-
-    @override
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        # Lightning registered its signal handlers just before the loop started; ours take the SIGTERM part over.
-        assert self.lightning_module is not None
-        self._stop_on_sigterm.install(self.lightning_module.trainer)
+        if self.lightning_module is not None:
+            # Before Lightning registers its signal handlers for this run (after the strategy's setup).
+            self._stop_on_sigterm = StopOnSigterm(all_reduce_max, self.root_device)
+            self._stop_on_sigterm.install(self.lightning_module.trainer)
 
     def _take_over_distributed_sampling(self) -> None:
         """Keep Lightning from replacing the user's sampler with a shuffling DistributedSampler (we shard)."""
@@ -349,7 +345,7 @@ class HeteroStrategy(DeepSpeedStrategy):
             failure: Optional[BaseException] = None
         except Exception as error:
             local, shared, failure = None, None, error
-        failure_text = None if failure is None else f"{type(failure).__name__}: {failure}"
+        failure_text = None if failure is None else failures.describe(failure)
         gathered = self._all_gather({"shared": shared, "failure": failure_text})
         if failure is not None:
             raise failure
@@ -557,7 +553,8 @@ class HeteroStrategy(DeepSpeedStrategy):
                 " dataset with the same sampler: the strategy cuts one epoch order into per-rank slices, so different"
                 " data would use some samples twice and others never, or make the ranks run different numbers of steps."
             )
-        if training and not loader.hetero_batch_sampler.sampler.shuffles and not self._said_order_is_kept:
+        user_sampler = loader.hetero_batch_sampler.sampler.user_sampler
+        if training and isinstance(user_sampler, SequentialSampler) and not self._said_order_is_kept:
             self._said_order_is_kept = True
             rank_zero_info(
                 "HeteroStrategy keeps the training loader's order: it does not shuffle, so every epoch uses the samples"
@@ -673,6 +670,7 @@ class HeteroStrategy(DeepSpeedStrategy):
     def on_exception(self, exception: BaseException) -> None:
         """Say on every rank which rank failed and how (see :mod:`lightning_hetero.failures`); no collective here."""
         super().on_exception(exception)
+        exit_code_for(exception)
         if not isinstance(exception, Exception) or self.world_size == 1:
             return
         if failures.is_lost_peer_error(exception):
@@ -684,11 +682,22 @@ class HeteroStrategy(DeepSpeedStrategy):
             failures.publish_failure(self.global_rank, exception)
 
     @override
+    def load_checkpoint(self, checkpoint_path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        # DeepSpeed restores the checkpoint after the strategy's setup, where the training loader was requested:
+        # the model or datamodule state it restores may change what `train_dataloader()` returns, so the fit loop
+        # asks again, as under DDP.
+        self._forget_served_loader()
+        return super().load_checkpoint(checkpoint_path, *args, **kwargs)
+
+    @override
     def teardown(self) -> None:
         # A fit that failed before its loop asked for the training loader must not hand it to the next fit.
+        self._forget_served_loader()
+        super().teardown()
+
+    def _forget_served_loader(self) -> None:
         if self.lightning_module is not None and self.lightning_module._trainer is not None:
             self.lightning_module.trainer.fit_loop._data_source.__dict__.pop("dataloader", None)
-        super().teardown()
 
     def _before_collective(self) -> None:
         # An emulated slow rank reaches a collective (e.g. a `self.log(..., sync_dist=True)` inside training_step)

@@ -43,6 +43,7 @@ def test_publish_then_read_through_a_store(monkeypatch):
     failures.publish_failure(1, RuntimeError("boom"))
     found, reachable = failures.read_failures(world_size=3, exclude=0, wait=0.2)
     assert reachable and found == {1: "RuntimeError: boom"}
+    assert store.timeout.total_seconds() == 300  # the store's own timeout is put back
     # A rank does not read its own record; with nothing recorded the read gives up after `wait`.
     assert failures.read_failures(world_size=3, exclude=1, wait=0.1) == ({}, True)
 

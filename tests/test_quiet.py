@@ -42,16 +42,20 @@ def test_known_log_messages_are_dropped_only_inside_the_block():
     assert recorder.messages == ["Setting accelerator to CPU."]
 
 
-def test_known_warnings_are_dropped_and_others_pass():
+def test_known_warnings_are_dropped_at_their_source_only():
+    """Filtered by category, message and the module that issues them: the same text from elsewhere still shows."""
+    message = "`torch.distributed.all_gather_into_tensor` is deprecated. Please use ..."
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with quiet.third_party_noise_silenced():
-            warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated. Use ...", FutureWarning)
-            warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated", UserWarning)  # other category
-            warnings.warn("the user's own warning", UserWarning)
-    assert [str(w.message) for w in caught] == [
-        "`torch.distributed.all_gather_into_tensor` is deprecated",
-        "the user's own warning",
+        quiet._filter_warning_noise()  # what install_lasting_filters adds, in front of "always"
+        warnings.warn_explicit(message, FutureWarning, "c10d_logger.py", 83, module="torch.distributed.c10d_logger")
+        warnings.warn_explicit(message, FutureWarning, "mine.py", 1, module="my_project.train")
+        warnings.warn_explicit(message, UserWarning, "c10d_logger.py", 83, module="torch.distributed.c10d_logger")
+        warnings.warn("the user's own warning", UserWarning)
+    assert [(str(w.message), w.category) for w in caught] == [
+        (message, FutureWarning),  # another module
+        (message, UserWarning),  # another category
+        ("the user's own warning", UserWarning),
     ]
 
 
@@ -65,8 +69,8 @@ def test_print_filter_drops_known_lines_and_keeps_the_rest():
 
 
 def test_lightning_tips_are_dropped_once_a_strategy_exists():
-    quiet.silence_adverts()
-    quiet.silence_adverts()  # idempotent
+    quiet.install_lasting_filters()
+    quiet.install_lasting_filters()  # idempotent
     logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     assert sum(isinstance(f, quiet._DropMessages) for f in logger.filters) == 1
     with Recorder("lightning.pytorch.utilities.rank_zero") as recorder:

@@ -65,9 +65,13 @@ def test_uneven_batches_equal_one_process_and_resume_mid_epoch(stage, tmp_path):
     assert first.result["seen"] == rank_slices(steps[:2], BATCH_SIZES)
 
     (checkpoint,) = (tmp_path / "first" / "ckpt").iterdir()
-    resumed = run_fit(tmp_path / "resumed", *common, "--val-samples", "10", "--ckpt-path", str(checkpoint))
+    resumed = run_fit(
+        tmp_path / "resumed", *common, "--val-samples", "10", "--ckpt-path", str(checkpoint), "--loader-in-hook"
+    )
     assert resumed.returncode == 0, resumed.output[-4000:]
     assert resumed.result["global_step"] == 4
+    # Once at setup, once more after the checkpoint restored the model (its state may change the loader), as DDP.
+    assert resumed.result["train_dataloader_calls"] == 2
     # The resumed run trains exactly on the samples the first one had not used, and ends where one run would.
     assert resumed.result["seen"] == rank_slices(steps[2:], BATCH_SIZES)
     final = reference_training(dataset, steps)
@@ -264,27 +268,31 @@ def test_a_failure_during_training_is_named_on_every_rank(rank, where, error, tm
     )
 
 
-@pytest.mark.parametrize("signalled_rank", [0, 1])
-def test_sigterm_to_any_rank_stops_every_rank_with_a_non_zero_exit_code(signalled_rank, tmp_path):
+@pytest.mark.parametrize(("devices", "signalled_rank"), [(2, 0), (2, 1), (1, 0)])
+def test_sigterm_to_any_rank_stops_every_rank_with_a_non_zero_exit_code(devices, signalled_rank, tmp_path):
     """SIGTERM mid-training made both ranks exit 0 (to rank 0) although the fit had not finished."""
-    command = [sys.executable, str(WORKERS / "fit.py"), "--out", str(tmp_path), "--batch-sizes", *map(str, BATCH_SIZES)]
-    command += ["--max-epochs", "100000", "--signal-test"]
+    command = [sys.executable, str(WORKERS / "fit.py"), "--out", str(tmp_path), "--devices", str(devices)]
+    command += ["--batch-sizes", *map(str, BATCH_SIZES[:devices]), "--max-epochs", "100000", "--signal-test"]
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})  # fmt: skip
     try:
         pid_file = tmp_path / f"pid_rank{signalled_rank}"
         deadline = time.monotonic() + 120
-        while not pid_file.exists() and process.poll() is None and time.monotonic() < deadline:
+        while not (pid_file.exists() and pid_file.read_text()) and process.poll() is None:
+            assert time.monotonic() < deadline, "training did not start"
             time.sleep(0.1)
-        assert pid_file.exists(), "training did not start"
-        time.sleep(0.2)  # the file may be empty for an instant
         os.kill(int(pid_file.read_text()), signal.SIGTERM)
         output, _ = process.communicate(timeout=60)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
+    codes = {rank: (tmp_path / f"exit_rank{rank}").read_text() for rank in range(devices)
+             if (tmp_path / f"exit_rank{rank}").exists()}  # fmt: skip
+    assert "result.json" not in os.listdir(tmp_path)  # the fit did not finish
+    if devices == 1:
+        assert process.returncode == EXIT_CODE_INTERRUPTED, output[-3000:]
+        return
     assert process.returncode != 0, output[-3000:]
-    codes = {rank: (tmp_path / f"exit_rank{rank}").read_text() for rank in (0, 1) if (tmp_path / f"exit_rank{rank}").exists()}
     # Every rank that recorded its exit stopped with 143; rank 0 may instead be killed by Lightning's launcher (-9)
     # when it sees rank 1 exit non-zero first: never 0 either way.
     assert codes.get(1) == str(EXIT_CODE_INTERRUPTED), (codes, output[-3000:])
