@@ -27,11 +27,13 @@ import math
 import os
 import time
 from collections.abc import Iterator, Sequence
-from typing import Callable, Optional
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 
-from lightning_hetero.arguments import per_rank_list
+from lightning_hetero.arguments import is_int, per_rank_list
 
 ENV_VAR = "LIGHTNING_HETERO_EMULATE_SPEEDS"
 
@@ -70,9 +72,90 @@ def check_speeds(speeds: Sequence[float], source: str = "emulate_speeds") -> Non
         )
 
 
-def speeds_from_environment() -> Optional[tuple[float, ...]]:
+def speeds_from_environment() -> Optional[SpeedSchedule]:
     text = os.environ.get(ENV_VAR, "").strip()
-    return parse_speeds(text) if text else None
+    return parse_schedule(text) if text else None
+
+
+@dataclass(frozen=True)
+class SpeedSchedule:
+    """Emulated speeds that change at given global steps: ``changes[i] = (step, speeds per rank)``, from step 0.
+
+    A plain list of speeds is the schedule ``{0: speeds}``. A change takes effect at the training step whose
+    ``global_step`` (optimizer steps done before it) reaches its step: this is how a device that drifts (throttles,
+    gets a neighbour job) is emulated.
+    """
+
+    changes: tuple[tuple[int, tuple[float, ...]], ...]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.changes[0][1])
+
+    def at(self, step: int) -> tuple[float, ...]:
+        current = self.changes[0][1]
+        for begin, speeds in self.changes:
+            if begin > step:
+                break
+            current = speeds
+        return current
+
+    def to_json(self) -> Any:
+        """A list when the speeds never change (as the user most often writes them), else ``{step: speeds}``."""
+        if len(self.changes) == 1:
+            return list(self.changes[0][1])
+        return {str(step): list(speeds) for step, speeds in self.changes}
+
+
+def speed_schedule(value: Any, source: str = "emulate_speeds") -> SpeedSchedule:
+    """A checked :class:`SpeedSchedule` from a list of speeds or a mapping ``{global step: speeds}``."""
+    if not isinstance(value, Mapping):
+        check_speeds(value, source)
+        return SpeedSchedule(((0, tuple(float(s) for s in value)),))
+    steps = list(value)
+    bad_steps = [step for step in steps if not is_int(step) or step < 0]
+    if bad_steps or not steps:
+        raise ValueError(
+            f"`{source}={dict(value)!r}` is a schedule whose keys must be global steps (integers >= 0), got"
+            f" {bad_steps or 'none'}. Example: `{source}={{0: [1.0, 1.0], 200: [1.0, 0.4]}}`."
+        )
+    if 0 not in steps:
+        raise ValueError(
+            f"`{source}={dict(value)!r}` does not say the speeds at step 0: add a `0: [...]` entry (the speeds until"
+            " the first change)."
+        )
+    changes = []
+    for step in sorted(steps):
+        check_speeds(value[step], f"{source}[{step}]")
+        changes.append((int(step), tuple(float(s) for s in value[step])))
+    lengths = {len(speeds) for _, speeds in changes}
+    if len(lengths) > 1:
+        raise ValueError(
+            f"`{source}={dict(value)!r}` gives different numbers of ranks at different steps"
+            f" ({', '.join(f'step {step}: {len(speeds)}' for step, speeds in changes)}): give every step one speed"
+            " per rank."
+        )
+    return SpeedSchedule(tuple(changes))
+
+
+def parse_schedule(text: str, source: str = ENV_VAR) -> SpeedSchedule:
+    """``"1.0,1.0;200:1.0,0.4"`` -> speeds 1.0,1.0 from step 0 and 1.0,0.4 from step 200, checked."""
+    schedule: dict[int, tuple[float, ...]] = {}
+    for position, part in enumerate(text.split(";")):
+        step_text, separator, speeds_text = part.rpartition(":")
+        if not separator:
+            step_text = "0" if position == 0 else ""
+        try:
+            step = int(step_text.strip())
+        except ValueError:
+            raise ValueError(
+                f"`{source}={text!r}`: entry {position + 1} ({part.strip()!r}) must be `STEP:speeds` (only the first"
+                f" entry may leave out its step, meaning 0). Example: `{source}=1.0,1.0;200:1.0,0.4`."
+            ) from None
+        if step in schedule:
+            raise ValueError(f"`{source}={text!r}` gives step {step} twice.")
+        schedule[step] = parse_speeds(speeds_text, source)
+    return speed_schedule(schedule, source)
 
 
 def compute_clock(device: torch.device) -> Callable[[], float]:

@@ -50,7 +50,7 @@ from lightning_hetero.data import (
 )
 from lightning_hetero.devices import DeviceFacts, collect_device_facts, same_model
 from lightning_hetero.emulate import ENV_VAR as EMULATE_ENV_VAR
-from lightning_hetero.emulate import SlowdownEmulator, check_speeds, speeds_from_environment
+from lightning_hetero.emulate import SlowdownEmulator, speed_schedule, speeds_from_environment
 from lightning_hetero.plan import (
     SplitPlan,
     check_split_arguments,
@@ -98,8 +98,10 @@ class HeteroStrategy(DeepSpeedStrategy):
             when it returns the sum. Each rank's loss is weighted so that the update is DDP's whatever the split:
             ``b_r * W / B`` for a mean, 1 for a sum (see :func:`lightning_hetero.plan.loss_weight`).
         emulate_speeds: a test and demo aid: one speed in (0, 1] per rank; a rank with speed ``f`` stretches its
-            local compute to ``1/f`` of its duration (see :mod:`lightning_hetero.emulate`). Also read from the
-            environment variable ``LIGHTNING_HETERO_EMULATE_SPEEDS=1.0,0.4``; the argument wins.
+            local compute to ``1/f`` of its duration (see :mod:`lightning_hetero.emulate`). A drift is a schedule
+            ``{global step: speeds}`` starting at 0, e.g. ``{0: [1.0, 1.0], 200: [1.0, 0.4]}``. Also read from the
+            environment variable ``LIGHTNING_HETERO_EMULATE_SPEEDS=1.0,0.4`` (a schedule:
+            ``1.0,1.0;200:1.0,0.4``); the argument wins.
         config: a DeepSpeed config dict or JSON path, as for :class:`DeepSpeedStrategy`. It must not set the
             micro-batch, the train batch or ``gradient_accumulation_steps``; the strategy owns them.
         **kwargs: any other :class:`DeepSpeedStrategy` argument. Those that only build the default DeepSpeed config
@@ -119,14 +121,11 @@ class HeteroStrategy(DeepSpeedStrategy):
         batch_sizes: Optional[Sequence[int]] = None,
         weights: Optional[Sequence[float]] = None,
         config: Optional[Union[_PATH, dict[str, Any]]] = None,
-        emulate_speeds: Optional[Sequence[float]] = None,
+        emulate_speeds: Optional[Union[Sequence[float], dict[int, Sequence[float]]]] = None,
         loss_reduction: str = "mean",
         **kwargs: Any,
     ) -> None:
-        if emulate_speeds is not None:
-            check_speeds(emulate_speeds)
-        else:
-            emulate_speeds = speeds_from_environment()
+        schedule = speed_schedule(emulate_speeds) if emulate_speeds is not None else speeds_from_environment()
         if stage is not None:
             check_stage(stage)
         check_loss_reduction(loss_reduction)
@@ -138,7 +137,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         self.batch_sizes = list(batch_sizes) if batch_sizes is not None else None
         self.weights = list(weights) if weights is not None else None
         self.loss_reduction = loss_reduction
-        self._emulate_speeds = list(emulate_speeds) if emulate_speeds is not None else None
+        self._speed_schedule = schedule
         self._emulator: Optional[SlowdownEmulator] = None
         if config is not None or self.DEEPSPEED_ENV_VAR in os.environ:
             self._reconcile_user_config(stage, kwargs)
@@ -222,10 +221,11 @@ class HeteroStrategy(DeepSpeedStrategy):
         # (`world_size` comes from the cluster environment, which is only filled in by setup_distributed.)
         world_size = self.num_nodes * self.num_processes
         resolve_split(world_size, known_global_batch or world_size, self.batch_sizes, self.weights)
-        if self._emulate_speeds is not None and len(self._emulate_speeds) != world_size:
+        if self._speed_schedule is not None and self._speed_schedule.world_size != world_size:
             raise ValueError(
-                f"`emulate_speeds={self._emulate_speeds}` (or {EMULATE_ENV_VAR}) has {len(self._emulate_speeds)}"
-                f" entries but the job has {world_size} ranks. Give one speed per rank."
+                f"`emulate_speeds={self._speed_schedule.to_json()}` (or {EMULATE_ENV_VAR}) has"
+                f" {self._speed_schedule.world_size} entries but the job has {world_size} ranks. Give one speed per"
+                " rank."
             )
         if self.root_device.type == "cpu":
             # DeepSpeed takes `root_device.index` as its device rank and Lightning checks that the indices count
@@ -238,8 +238,8 @@ class HeteroStrategy(DeepSpeedStrategy):
         # Without this a gloo job can abort at exit after a successful fit (exit code -6; see shutdown.py). Lightning
         # destroys the process group at exit for NCCL only, and only on its own init path, which DeepSpeed bypasses.
         register_exit_cleanup()
-        if self._emulate_speeds is not None:
-            self._emulator = SlowdownEmulator(self._emulate_speeds[self.global_rank], self.root_device)
+        if self._speed_schedule is not None:
+            self._emulator = SlowdownEmulator(self._speed_schedule.at(0)[self.global_rank], self.root_device)
         if self.lightning_module is not None:
             # Before Lightning registers its signal handlers for this run (after the strategy's setup).
             self._stop_on_sigterm = StopOnSigterm(all_reduce_max, self.root_device)
@@ -326,7 +326,7 @@ class HeteroStrategy(DeepSpeedStrategy):
                 "global_batch_size": global_batch_size,
                 "batch_sizes": self.batch_sizes,
                 "weights": self.weights,
-                "emulate_speeds": self._emulate_speeds,
+                "emulate_speeds": self._speed_schedule.to_json() if self._speed_schedule else None,
                 "loss_reduction": self.loss_reduction,
             }
             facts = collect_device_facts(self.root_device).to_dict()
@@ -378,7 +378,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         costs = [profile.cost_model() for profile in self.profiles]
         # Same-model devices are presumed equally fast unless the profile says otherwise by a wide margin; emulated
         # speeds declare them different (the profiler still has to measure by how much).
-        identical = self._emulate_speeds is None and same_model(self.device_facts)
+        identical = self._speed_schedule is None and same_model(self.device_facts)
         decision = plan_automatic_split(costs, global_batch_size, min_gain=required_gain(identical))
         planned = decision.planned
         source = "auto"
@@ -476,7 +476,7 @@ class HeteroStrategy(DeepSpeedStrategy):
             "global_batch_size": self.plan.global_batch_size,
             "batch_sizes": list(self.plan.batch_sizes),
             "prediction": self.prediction,
-            "emulate_speeds": self._emulate_speeds,
+            "emulate_speeds": self._speed_schedule.to_json() if self._speed_schedule else None,
         }
         record = {
             "rank": self.global_rank,
@@ -602,6 +602,10 @@ class HeteroStrategy(DeepSpeedStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._emulator is not None and self._speed_schedule is not None:
+            # A drift schedule: the emulated device's speed from this optimizer step on.
+            assert self.lightning_module is not None
+            self._emulator.speed = self._speed_schedule.at(self.lightning_module.trainer.global_step)[self.global_rank]
         with self._weighted_sync(), self._emulated():
             return super().training_step(*args, **kwargs)
 

@@ -18,7 +18,9 @@ from lightning_hetero.emulate import (
     SlowdownEmulator,
     check_speeds,
     compute_clock,
+    parse_schedule,
     parse_speeds,
+    speed_schedule,
     speeds_from_environment,
 )
 
@@ -106,7 +108,9 @@ def test_speeds_from_environment(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "   ")
     assert speeds_from_environment() is None
     monkeypatch.setenv(ENV_VAR, "1.0, 0.4")
-    assert speeds_from_environment() == (1.0, 0.4)
+    assert speeds_from_environment() == speed_schedule([1.0, 0.4])
+    monkeypatch.setenv(ENV_VAR, "1.0,1.0;200:1.0,0.4")
+    assert speeds_from_environment() == speed_schedule({0: [1.0, 1.0], 200: [1.0, 0.4]})
     monkeypatch.setenv(ENV_VAR, "1.0,zero")
     with pytest.raises(ValueError, match=rf"`{ENV_VAR}='1.0,zero'`"):
         speeds_from_environment()
@@ -452,3 +456,52 @@ def test_bookkeeping_wrapped_without_paying_first_does_not_sleep_when_called():
     assert calls == [0.0, 0.0, 0.0]  # no sleep inside the hooks
     # 3 x the compute, paid once at the block's end; the hooks' own work is not stretched.
     assert emulator.added_seconds == pytest.approx(3 * sum(compute), rel=0.2, abs=5e-3)
+
+
+# ---------------------------------------------------------------------------------------------------- drift schedules
+
+
+def test_a_schedule_changes_speeds_at_the_given_global_steps():
+    schedule = parse_schedule("1.0,1.0;200:1.0,0.4;300:0.5,1")
+    assert [schedule.at(step) for step in (0, 199, 200, 299, 300, 10_000)] == [
+        (1.0, 1.0), (1.0, 1.0), (1.0, 0.4), (1.0, 0.4), (0.5, 1.0), (0.5, 1.0)
+    ]  # fmt: skip
+    assert schedule.world_size == 2
+    assert schedule == speed_schedule({0: [1.0, 1.0], 300: [0.5, 1.0], 200: [1.0, 0.4]})  # any key order
+    assert schedule.to_json() == {"0": [1.0, 1.0], "200": [1.0, 0.4], "300": [0.5, 1.0]}
+    assert speed_schedule([1.0, 0.4]).to_json() == [1.0, 0.4]  # a constant list stays a list
+    assert parse_schedule("1.0,0.4") == speed_schedule([1.0, 0.4])
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ({200: [1.0, 0.4]}, "does not say the speeds at step 0"),
+        ({0: [1.0, 1.0], -5: [1.0, 0.4]}, "keys must be global steps (integers >= 0), got [-5]"),
+        ({0: [1.0, 1.0], 2.5: [1.0, 0.4]}, "got [2.5]"),
+        ({}, "got none"),
+        ({0: [1.0, 1.0], 200: [1.0]}, "different numbers of ranks at different steps (step 0: 2, step 200: 1)"),
+        ({0: [1.0, 1.0], 200: [1.0, 1.5]}, "`emulate_speeds[200]=[1.0, 1.5]` holds [1.5]"),
+        ({0: 0.4}, "`emulate_speeds[0]=0.4` is not a list"),
+    ],
+)
+def test_bad_schedules_are_clear_errors(value, message):
+    with pytest.raises(ValueError) as error:
+        speed_schedule(value)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("1.0,1.0;1.0,0.4", "entry 2 ('1.0,0.4') must be `STEP:speeds`"),
+        ("1.0,1.0;x:1.0,0.4", "entry 2 ('x:1.0,0.4') must be `STEP:speeds`"),
+        ("1.0,1.0;200:1.0,0.4;200:1.0,0.5", "gives step 200 twice"),
+        ("1.0,1.0;200:1.0,,0.4", "has an empty entry"),
+        ("200:1.0,0.4", "does not say the speeds at step 0"),
+    ],
+)
+def test_bad_schedules_in_the_environment_variable_name_it(text, message):
+    with pytest.raises(ValueError) as error:
+        parse_schedule(text)
+    assert message in str(error.value) and ENV_VAR in str(error.value)

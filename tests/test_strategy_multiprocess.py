@@ -297,3 +297,12 @@ def test_sigterm_to_any_rank_stops_every_rank_with_a_non_zero_exit_code(devices,
     # when it sees rank 1 exit non-zero first: never 0 either way.
     assert codes.get(1) == str(EXIT_CODE_INTERRUPTED), (codes, output[-3000:])
     assert codes.get(0, str(EXIT_CODE_INTERRUPTED)) == str(EXIT_CODE_INTERRUPTED), codes
+
+
+def test_a_drift_schedule_slows_a_rank_from_the_given_step(tmp_path):
+    """`emulate_speeds={0: [1, 1], 3: [1, 0.25]}`: rank 1 pays no delay in steps 0-2 and a growing one from step 3."""
+    run = run_fit(tmp_path, "--batch-sizes", *map(str, BATCH_SIZES), "--emulate-schedule", '{"0": [1, 1], "3": [1, 0.25]}')
+    assert run.returncode == 0, run.output[-4000:]
+    fast, slow = run.result["emulated_delay"]
+    assert fast == [0.0] * 4  # speed 1.0 throughout
+    assert slow[:3] == [0.0, 0.0, 0.0] and slow[3] > 0.0, slow

@@ -61,6 +61,7 @@ class RegressionModule(LightningModule):
         self.manual_accumulation = manual_accumulation
         self.reduction = reduction
         self.seen: list[int] = []
+        self.emulated_delay: list = []
         self.eval_seen: list[int] = []
         self.test_seen: list[int] = []
 

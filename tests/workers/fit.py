@@ -71,6 +71,14 @@ class WritePidWhenTraining(Callback):
             (self.out / f"pid_rank{trainer.global_rank}").write_text(str(os.getpid()))
 
 
+class RecordEmulatedDelay(Callback):
+    """The emulator's delay paid so far, after every training step (to see a drift schedule take effect)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        emulator = trainer.strategy._emulator
+        pl_module.emulated_delay.append(emulator.added_seconds if emulator is not None else None)
+
+
 class WriteResult(Callback):
     def __init__(self, out: Path) -> None:
         self.out = out
@@ -93,11 +101,14 @@ class WriteResult(Callback):
         torch.distributed.all_gather_object(seen, pl_module.seen)
         eval_seen = [None] * trainer.world_size
         torch.distributed.all_gather_object(eval_seen, pl_module.eval_seen)
+        emulated_delay = [None] * trainer.world_size
+        torch.distributed.all_gather_object(emulated_delay, pl_module.emulated_delay)
         if trainer.is_global_zero:
             result = {
                 "params": params,
                 "seen": seen,
                 "eval_seen": eval_seen,
+                "emulated_delay": emulated_delay,
                 "global_step": trainer.global_step,
                 "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
                 "metric_dtypes": {k: str(v.dtype) for k, v in trainer.callback_metrics.items()},
@@ -132,6 +143,7 @@ def main() -> None:
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--depth", type=int, default=1)
     parser.add_argument("--emulate-speeds", type=float, nargs="*")
+    parser.add_argument("--emulate-schedule", help="JSON {step: speeds}: a drift schedule")
     parser.add_argument("--fail-on-rank", type=int, help="training_step raises on this rank (a one-rank failure)")
     parser.add_argument("--signal-test", action="store_true", help="write PIDs at step 3 and every rank's exit code")
     parser.add_argument("--fail-in", choices=["training_step", "collate_fn"], default="training_step")
@@ -160,13 +172,15 @@ def main() -> None:
         strategy_kwargs["global_batch_size"] = args.global_batch_size
     if args.emulate_speeds:
         strategy_kwargs["emulate_speeds"] = args.emulate_speeds
+    if args.emulate_schedule:
+        strategy_kwargs["emulate_speeds"] = {int(k): v for k, v in json.loads(args.emulate_schedule).items()}
     if args.loss_reduction:
         strategy_kwargs["loss_reduction"] = args.loss_reduction
     if args.config_by_rank:
         strategy_kwargs["config"] = json.loads(args.config_by_rank)[rank]
     if args.rank_1_strategy_args and rank == 1:
         strategy_kwargs.update(json.loads(args.rank_1_strategy_args))
-    callbacks = [WriteResult(args.out)] + ([WritePidWhenTraining(args.out)] if args.signal_test else [])
+    callbacks = [WriteResult(args.out), RecordEmulatedDelay()] + ([WritePidWhenTraining(args.out)] if args.signal_test else [])
     if args.checkpoint_every:
         callbacks.append(
             ModelCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=args.checkpoint_every, save_top_k=-1)
