@@ -72,7 +72,8 @@ def main() -> None:
                 for name, value in reference.items()
             )
             rows.append({"case": case, "stage": stage, "batch_sizes": args.batch_sizes, "max_abs_diff": difference})
-            print(f"{case:18s} ZeRO-{stage}  micro-batches {args.batch_sizes}  max |param - DDP param| = {difference:.2e}")
+            sizes = args.batch_sizes
+            print(f"{case:18s} ZeRO-{stage}  micro-batches {sizes}  max |param - DDP param| = {difference:.2e}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rows, indent=2))
     print(f"written to {args.out}")

@@ -173,7 +173,8 @@ class HeteroDataLoader(DataLoader):
 
     It counts the batches it yields in the main process (Lightning does not prefetch sized loaders there), so
     ``state_dict()`` is exact even when worker processes read ahead. ``on_batch(local, global)`` is told the sample
-    counts of every batch just before the loop receives it: the strategy derives the loss weight from them.
+    counts of every batch just before the loop receives it: the strategy derives the loss weight from them;
+    ``on_fetch()`` just before each batch is fetched (where the step's measurement starts).
     """
 
     def __init__(
@@ -181,10 +182,12 @@ class HeteroDataLoader(DataLoader):
         dataset: Any,
         batch_sampler: HeteroBatchSampler,
         on_batch: Optional[Callable[[int, int], None]] = None,
+        on_fetch: Optional[Callable[[], None]] = None,
         **loader_kwargs: Any,
     ) -> None:
         super().__init__(dataset, batch_sampler=batch_sampler, **loader_kwargs)
         self.on_batch = on_batch
+        self.on_fetch = on_fetch
         self._epoch_of_position = 0
         self._position = 0
         self._resume_at: Optional[tuple[int, int]] = None  # (epoch, global samples consumed) from a checkpoint
@@ -203,7 +206,10 @@ class HeteroDataLoader(DataLoader):
         steps = sampler.begin_iteration(start)
         self._epoch_of_position, self._position = sampler.epoch, start
         batches = super().__iter__()
-        for step, batch in zip(steps, batches):
+        for step in steps:
+            if self.on_fetch is not None:
+                self.on_fetch()
+            batch = next(batches)
             self._position = step.end
             if self.on_batch is not None:
                 self.on_batch(step.sizes[sampler.rank], step.global_size)
@@ -300,6 +306,7 @@ def rebuild_loader(
     rank: int,
     seed: int,
     on_batch: Optional[Callable[[int, int], None]] = None,
+    on_fetch: Optional[Callable[[], None]] = None,
 ) -> HeteroDataLoader:
     """A :class:`HeteroDataLoader` with the user's settings, order and ``drop_last``, cut by ``batch_sizes``."""
     user_batch_sampler = dataloader.batch_sampler
@@ -312,7 +319,7 @@ def rebuild_loader(
         # DataLoader refuses these with no workers, even at their defaults.
         kwargs.pop("prefetch_factor", None)
         kwargs.pop("persistent_workers", None)
-    return HeteroDataLoader(dataloader.dataset, batch_sampler, on_batch=on_batch, **kwargs)
+    return HeteroDataLoader(dataloader.dataset, batch_sampler, on_batch=on_batch, on_fetch=on_fetch, **kwargs)
 
 
 def describe_order(loader: HeteroDataLoader) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, SequentialSampler
 from typing_extensions import override
 
-from lightning_hetero import failures, quiet
+from lightning_hetero import failures, quiet, report
 from lightning_hetero.arguments import check_loss_reduction, check_stage
 from lightning_hetero.configure import (
     check_user_config,
@@ -50,7 +50,7 @@ from lightning_hetero.data import (
 )
 from lightning_hetero.devices import DeviceFacts, collect_device_facts, same_model
 from lightning_hetero.emulate import ENV_VAR as EMULATE_ENV_VAR
-from lightning_hetero.emulate import SlowdownEmulator, speed_schedule, speeds_from_environment
+from lightning_hetero.emulate import SlowdownEmulator, compute_clock, speed_schedule, speeds_from_environment
 from lightning_hetero.plan import (
     SplitPlan,
     check_split_arguments,
@@ -62,6 +62,7 @@ from lightning_hetero.plan import (
 )
 from lightning_hetero.profiler import RankProfile, probe_sizes, profile_training_step
 from lightning_hetero.shutdown import register_exit_cleanup
+from lightning_hetero.watch import RunWatch, StepMeter
 from lightning_hetero.stopping import StopOnSigterm, all_reduce_max, exit_code_for
 
 # Arguments of DeepSpeedStrategy that only build its default DeepSpeed config: a user config replaces them all.
@@ -240,6 +241,9 @@ class HeteroStrategy(DeepSpeedStrategy):
         register_exit_cleanup()
         if self._speed_schedule is not None:
             self._emulator = SlowdownEmulator(self._speed_schedule.at(0)[self.global_rank], self.root_device)
+        emulator = self._emulator
+        meter = StepMeter(compute_clock(self.root_device), lambda: emulator.added_seconds if emulator else 0.0)
+        self._watch = RunWatch(meter)
         if self.lightning_module is not None:
             # Before Lightning registers its signal handlers for this run (after the strategy's setup).
             self._stop_on_sigterm = StopOnSigterm(all_reduce_max, self.root_device)
@@ -542,7 +546,14 @@ class HeteroStrategy(DeepSpeedStrategy):
                 global_batch = (loader_batch_size(dataloader) or 1) * self.world_size
                 batch_sizes = split_by_weights(global_batch, self._split_weights())
             seed = self._data_seed if self._data_seed is not None else _local_seed()
-            loader = rebuild_loader(dataloader, batch_sizes, self.global_rank, seed, on_batch=self._on_batch)
+            loader = rebuild_loader(
+                dataloader,
+                batch_sizes,
+                self.global_rank,
+                seed,
+                on_batch=self._on_training_batch if training else self._on_batch,
+                on_fetch=self._watch.meter.fetch_started if training else None,
+            )
             return loader, describe_order(loader)
 
         loader, orders = self._gather_or_raise(f"preparing the {name}", rebuild)
@@ -571,6 +582,10 @@ class HeteroStrategy(DeepSpeedStrategy):
     def _on_batch(self, local_samples: int, global_samples: int) -> None:
         self._batch_samples = (local_samples, global_samples)
 
+    def _on_training_batch(self, local_samples: int, global_samples: int) -> None:
+        self._on_batch(local_samples, global_samples)
+        self._watch.meter.batch_ready(local_samples)
+
     # ------------------------------------------------------------------ steps
 
     def current_loss_weight(self) -> float:
@@ -587,7 +602,31 @@ class HeteroStrategy(DeepSpeedStrategy):
         # DeepSpeed averages ranks equally; weighting the loss makes that average the full-batch mean.
         with self._emulated():
             super().backward(closure_loss * self.current_loss_weight(), optimizer, *args, **kwargs)
+        self._watch.meter.backward_ended()
         return closure_loss
+
+    @override
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        result = super().optimizer_step(*args, **kwargs)
+        self._watch.meter.optimizer_step_ended()
+        return result
+
+    @override
+    def on_train_end(self) -> None:
+        """Every rank hands in its last records; rank 0 writes the run report and prints its summary."""
+        super().on_train_end()
+        steps = self._watch.finish(self._all_gather)
+        assert self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        directory = Path(trainer.log_dir or trainer.default_root_dir) / PLAN_DIRNAME  # log_dir broadcasts: all ranks
+        if not self.is_global_zero:
+            return
+        run_report = report.build_report(steps, replans=[], world_size=self.world_size)
+        step_seconds = sum(step["step_seconds"] for step in steps)
+        if step_seconds > 0:
+            run_report["summary"]["measurement_share"] = self._watch.exchange_seconds / step_seconds
+        json_path, png_path = report.write_report(run_report, directory)
+        rank_zero_info(f"{report.summary_text(run_report)}\nwritten to {json_path} and {png_path.name}")
 
     def _emulated(self) -> contextlib.AbstractContextManager:
         return self._emulator.slowed() if self._emulator is not None else contextlib.nullcontext()
@@ -602,6 +641,7 @@ class HeteroStrategy(DeepSpeedStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._watch.before_training_step(self._all_gather)
         if self._emulator is not None and self._speed_schedule is not None:
             # A drift schedule: the emulated device's speed from this optimizer step on.
             assert self.lightning_module is not None

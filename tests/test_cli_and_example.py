@@ -59,10 +59,13 @@ def test_example_learns_and_compares_with_the_equal_split(tmp_path):
         env={"PYTHONWARNINGS": "default"},  # as a user runs it: every warning shown
     )
     assert returncode == 0, output[-4000:]
-    # Output for a person: the plans, one progress line per epoch, the result; none of the third-party noise.
+    # Output for a person: the plans, one progress line per epoch, the run reports, the result; none of the
+    # third-party noise.
     assert [line for line in NOISE if line in output] == [], output[-4000:]
-    assert len(output.splitlines()) <= 40, output
+    assert len(output.splitlines()) <= 44, output  # one screen
     assert len(re.findall(r"^  epoch \d/2: val loss [\d.]+, val acc [\d.]+%", output, re.M)) == 4
+    summaries = re.findall(r"^HeteroStrategy run report: \d+ steps, \d+ samples/s, balance efficiency", output, re.M)
+    assert len(summaries) == 2
     # Two plan tables: the automatic split (rank 1 emulated at speed 0.4), then the equal-split baseline.
     (_, fast), (_, slow), baseline_0, baseline_1 = plan_rows(output)
     assert fast + slow == 256 and fast > 1.5 * slow

@@ -74,7 +74,8 @@ def test_rank_config_sets_micro_batch_drops_train_batch_and_copies():
     result["optimizer"]["params"]["betas"].append(0.5)
     assert config == before
     # Every other setting is carried over; accumulation is left to Lightning.
-    assert {k: v for k, v in rank_config(BASE, 8).items() if k not in PER_RANK_KEYS} == lightning_owns_accumulation(BASE)
+    carried = {k: v for k, v in rank_config(BASE, 8).items() if k not in PER_RANK_KEYS}
+    assert carried == lightning_owns_accumulation(BASE)
 
 
 @pytest.mark.parametrize(("stage", "managed", "overlap_comm"), [(0, False, False), (1, False, False), (2, False, True),

@@ -1,4 +1,4 @@
-"""Unit tests for lightning_hetero.failures: which errors are a lost peer, what a survivor says, the store round trip."""
+"""Unit tests for lightning_hetero.failures: which errors are a lost peer, what a survivor says, the store."""
 
 from __future__ import annotations
 

@@ -63,6 +63,12 @@ def test_uneven_batches_equal_one_process_and_resume_mid_epoch(stage, tmp_path):
     assert first.result["global_step"] == 2
     assert max_param_difference(first.result, reference_training(dataset, steps[:2])) <= TOLERANCE
     assert first.result["seen"] == rank_slices(steps[:2], BATCH_SIZES)
+    # The run report: one entry per training step with every rank's micro-batch and measured times.
+    run_report = json.loads((tmp_path / "first" / "hetero" / "report.json").read_text())
+    assert [step["batch_sizes"] for step in run_report["steps"]] == [BATCH_SIZES, BATCH_SIZES]
+    assert all(c > 0 for step in run_report["steps"] for c in step["compute_seconds"])
+    assert all(step["step_seconds"] >= max(step["compute_seconds"]) for step in run_report["steps"])
+    assert run_report["summary"]["steps"] == 2 and (tmp_path / "first" / "hetero" / "report.png").exists()
 
     (checkpoint,) = (tmp_path / "first" / "ckpt").iterdir()
     resumed = run_fit(
@@ -193,8 +199,9 @@ def test_gradient_accumulation_equals_ddp(stage, tmp_path):
     """`Trainer(accumulate_grad_batches=3)`: the update is DDP's, one step per 3 global batches and one at the end of
     each epoch (4 batches per epoch: windows of 3 and 1), each loss divided by 3 once, not twice."""
     run = run_fit(
-        tmp_path, "--stage", str(stage), "--batch-sizes", *map(str, BATCH_SIZES), "--max-epochs", "2", "--accumulate", "3"
-    )
+        tmp_path, "--stage", str(stage), "--batch-sizes", *map(str, BATCH_SIZES), "--max-epochs", "2",
+        "--accumulate", "3",
+    )  # fmt: skip
     assert run.returncode == 0, run.output[-4000:]
     assert run.result["global_step"] == 4  # optimizer steps, as DDP counts them
     dataset = IndexedRegression(64)
@@ -206,7 +213,8 @@ def test_gradient_accumulation_equals_ddp(stage, tmp_path):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_manual_optimization_with_own_accumulation_equals_ddp(stage, tmp_path):
     """Manual optimization accumulating as Lightning documents it (backward on loss / 2, step every 2 batches)."""
-    run = run_fit(tmp_path, "--stage", str(stage), "--batch-sizes", *map(str, BATCH_SIZES), "--manual", "--accumulate", "2")
+    args = ["--stage", str(stage), "--batch-sizes", *map(str, BATCH_SIZES), "--manual", "--accumulate", "2"]
+    run = run_fit(tmp_path, *args)
     assert run.returncode == 0, run.output[-4000:]
     reference = reference_training(IndexedRegression(64), contiguous_steps(64, 16, 4), accumulate=2)
     assert max_param_difference(run.result, reference) <= TOLERANCE
@@ -301,7 +309,8 @@ def test_sigterm_to_any_rank_stops_every_rank_with_a_non_zero_exit_code(devices,
 
 def test_a_drift_schedule_slows_a_rank_from_the_given_step(tmp_path):
     """`emulate_speeds={0: [1, 1], 3: [1, 0.25]}`: rank 1 pays no delay in steps 0-2 and a growing one from step 3."""
-    run = run_fit(tmp_path, "--batch-sizes", *map(str, BATCH_SIZES), "--emulate-schedule", '{"0": [1, 1], "3": [1, 0.25]}')
+    schedule = '{"0": [1, 1], "3": [1, 0.25]}'
+    run = run_fit(tmp_path, "--batch-sizes", *map(str, BATCH_SIZES), "--emulate-schedule", schedule)
     assert run.returncode == 0, run.output[-4000:]
     fast, slow = run.result["emulated_delay"]
     assert fast == [0.0] * 4  # speed 1.0 throughout

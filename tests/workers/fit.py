@@ -180,7 +180,9 @@ def main() -> None:
         strategy_kwargs["config"] = json.loads(args.config_by_rank)[rank]
     if args.rank_1_strategy_args and rank == 1:
         strategy_kwargs.update(json.loads(args.rank_1_strategy_args))
-    callbacks = [WriteResult(args.out), RecordEmulatedDelay()] + ([WritePidWhenTraining(args.out)] if args.signal_test else [])
+    callbacks = [WriteResult(args.out), RecordEmulatedDelay()]
+    if args.signal_test:
+        callbacks.append(WritePidWhenTraining(args.out))
     if args.checkpoint_every:
         callbacks.append(
             ModelCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=args.checkpoint_every, save_top_k=-1)

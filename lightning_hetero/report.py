@@ -1,0 +1,123 @@
+"""Report: what a fit did on every rank, for a person (a printed summary, a plot) and for tools (``report.json``).
+
+At the end of fit rank 0 writes into the run's ``hetero/`` directory:
+
+``report.json`` (format version 1, a user-facing contract)::
+
+    {
+      "format_version": 1,
+      "world_size": W,
+      "steps": [                      # one entry per training step, in order
+        {"step": 0,                   # index of the training step in this fit
+         "batch_sizes": [b_0, ...],   # each rank's micro-batch
+         "compute_seconds": [...],    # each rank's local compute (see lightning_hetero.watch)
+         "wait_seconds": [...],       # each rank's step time that was not compute (waiting, host work)
+         "step_seconds": s},          # the step's wall time: the slowest rank's
+        ...],
+      "replans": [                    # each change of split during the fit (empty while the split is fixed)
+        {"step": k, "batch_sizes": [...], "predicted_gain": g}, ...],
+      "summary": {"steps": n, "samples_per_second": x, "balance_efficiency_start": a,
+                  "balance_efficiency_end": b, "replans": r,
+                  "measurement_share": m}  # rank 0's time in the exchanges of records / the run's step time
+    }
+
+``report.png``: each rank's compute time per step and its share of the global batch, re-plans marked.
+
+Balance efficiency is ``sum(compute) / (W * max(compute))`` over the ranks of a step: 1.0 when every rank computes
+for as long as the slowest, ``1/W`` when one rank does all the work. The pure functions build and describe the
+report; only :func:`write_report` touches files (and imports matplotlib, with its non-interactive backend).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from lightning_hetero.watch import balance_efficiency
+
+FORMAT_VERSION = 1
+# The start and the end of a run, for the summary: this share of its steps (at least one step each).
+_EDGE_SHARE = 0.1
+
+
+def build_report(steps: list[dict[str, Any]], replans: list[dict[str, Any]], world_size: int) -> dict[str, Any]:
+    return {
+        "format_version": FORMAT_VERSION,
+        "world_size": world_size,
+        "steps": steps,
+        "replans": replans,
+        "summary": summarize(steps, replans),
+    }
+
+
+def summarize(steps: list[dict[str, Any]], replans: list[dict[str, Any]]) -> dict[str, Any]:
+    edge = max(1, round(len(steps) * _EDGE_SHARE))
+    efficiencies = [balance_efficiency(step["compute_seconds"]) for step in steps]
+    seconds = sum(step["step_seconds"] for step in steps)
+    return {
+        "steps": len(steps),
+        "samples_per_second": sum(sum(step["batch_sizes"]) for step in steps) / seconds if seconds > 0 else None,
+        "balance_efficiency_start": statistics.median(efficiencies[:edge]) if steps else None,
+        "balance_efficiency_end": statistics.median(efficiencies[-edge:]) if steps else None,
+        "replans": len(replans),
+    }
+
+
+def summary_text(report: dict[str, Any]) -> str:
+    summary = report["summary"]
+    if not summary["steps"]:
+        return "HeteroStrategy run report: no training step was recorded."
+    cost = summary.get("measurement_share")
+    return (
+        f"HeteroStrategy run report: {summary['steps']} steps, {summary['samples_per_second']:.0f} samples/s,"
+        f" balance efficiency {summary['balance_efficiency_start']:.2f} at the start ->"
+        f" {summary['balance_efficiency_end']:.2f} at the end (1.00 = every rank computes as long as the slowest),"
+        f" {summary['replans']} re-plans"
+        + (f"; measuring cost {cost:.2%} of the step time" if cost is not None else "")
+    )
+
+
+def write_report(report: dict[str, Any], directory: Path) -> tuple[Path, Path]:
+    """``report.json`` and ``report.png`` in ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = directory / "report.json", directory / "report.png"
+    json_path.write_text(json.dumps(report, indent=1))
+    _plot(report, png_path)
+    return json_path, png_path
+
+
+def _plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display, no GUI toolkit
+    import matplotlib.pyplot as plt
+
+    steps = report["steps"]
+    world_size = report["world_size"]
+    x = [step["step"] for step in steps]
+    figure, (compute_axis, share_axis) = plt.subplots(2, 1, sharex=True, figsize=(9, 6), constrained_layout=True)
+    for rank in range(world_size):
+        compute_axis.plot(x, [step["compute_seconds"][rank] * 1e3 for step in steps], label=f"rank {rank}", lw=1)
+    compute_axis.set_ylabel("compute per step (ms)")
+    compute_axis.set_title("Each rank's compute per training step: balanced when the lines meet")
+    shares = [[step["batch_sizes"][rank] / sum(step["batch_sizes"]) for step in steps] for rank in range(world_size)]
+    share_axis.stackplot(x, shares, labels=[f"rank {rank}" for rank in range(world_size)], alpha=0.8)
+    share_axis.set_ylim(0, 1)
+    share_axis.set_ylabel("share of the global batch")
+    share_axis.set_xlabel("training step")
+    for replan in report["replans"]:
+        for axis in (compute_axis, share_axis):
+            axis.axvline(replan["step"], color="black", ls="--", lw=1)
+        compute_axis.annotate("re-plan", (replan["step"], 1), xycoords=("data", "axes fraction"), va="top")
+    compute_axis.legend(loc="upper right", fontsize="small")
+    summary = report["summary"]
+    if summary["steps"]:
+        figure.suptitle(
+            f"{summary['steps']} steps, {summary['samples_per_second']:.0f} samples/s, balance efficiency"
+            f" {summary['balance_efficiency_start']:.2f} -> {summary['balance_efficiency_end']:.2f},"
+            f" {summary['replans']} re-plans"
+        )
+    figure.savefig(path, dpi=100)
+    plt.close(figure)

@@ -1,0 +1,145 @@
+"""Watch: what this rank did in every training step, measured in the loop without a collective.
+
+For each training step a rank records its local compute and the step's wall time. Compute is the profiler's clock
+(:func:`lightning_hetero.emulate.compute_clock`: the thread's CPU time on CPU, synchronised wall time on CUDA) from
+the moment its loader starts fetching the batch to the end of backward, plus the delay an emulated slower device
+paid in between; the clock stands still while the thread waits in a gloo collective. The step's wall time runs from
+that fetch to the end of its last backward or optimizer step: what is not compute is waiting for the slowest rank in
+the gradient exchange and the host's own work (the optimizer update). Records are kept until the ranks exchange
+them, every ``window`` steps, in one small gather the strategy does; every rank then holds the same numbers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Optional
+
+# Steps between two exchanges of the ranks' records (one small gather each).
+WINDOW = 20
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int  # index of the training step in this fit (0, 1, ...)
+    batch_size: int  # this rank's micro-batch
+    compute_seconds: float
+    step_seconds: float
+
+    @property
+    def wait_seconds(self) -> float:
+        return max(0.0, self.step_seconds - self.compute_seconds)
+
+
+class StepMeter:
+    """Per-step compute and wall time of one rank, from calls at the loop's points (no Lightning in here).
+
+    ``compute_clock`` is the rank's compute clock; ``emulated_seconds`` the emulated delay paid so far (it advances
+    the wall clock, not the compute clock, and counts as compute of the emulated device).
+    """
+
+    def __init__(
+        self,
+        compute_clock: Callable[[], float],
+        emulated_seconds: Callable[[], float] = lambda: 0.0,
+        wall_clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self._compute_clock = compute_clock
+        self._emulated_seconds = emulated_seconds
+        self._wall_clock = wall_clock
+        # The open step: wall, compute clock and emulated delay at its fetch; its compute so far; its last activity.
+        self._open: Optional[list[float]] = None
+        self._batch_size = 0
+        self._steps = 0
+        self.pending: list[StepRecord] = []
+
+    def fetch_started(self) -> None:
+        """The loader starts producing the next batch: the previous step (if any) is complete."""
+        self._close()
+        self._open = [self._wall_clock(), self._compute_clock(), self._emulated_seconds(), 0.0, 0.0]
+
+    def batch_ready(self, batch_size: int) -> None:
+        self._batch_size = batch_size
+
+    def backward_ended(self) -> None:
+        if self._open is not None:
+            compute = self._compute_clock() - self._open[1] + self._emulated_seconds() - self._open[2]
+            self._open[3] = max(self._open[3], compute)  # manual optimization: several backward passes per step
+            self._open[4] = self._wall_clock()
+
+    def optimizer_step_ended(self) -> None:
+        if self._open is not None:
+            self._open[4] = self._wall_clock()
+
+    def training_ended(self) -> None:
+        self._close()
+
+    def take(self) -> list[StepRecord]:
+        records, self.pending = self.pending, []
+        return records
+
+    def _close(self) -> None:
+        if self._open is None:
+            return
+        wall_start, _, _, compute, wall_end = self._open
+        self._open = None
+        # Every batch gets a record (compute 0 if no backward ran), so every rank holds as many as the others.
+        step_seconds = max(compute, wall_end - wall_start) if wall_end else compute
+        self.pending.append(StepRecord(self._steps, self._batch_size, compute, step_seconds))
+        self._steps += 1
+
+
+class RunWatch:
+    """This rank's meter, and every rank's steps of the fit gathered so far (the same list on every rank).
+
+    The strategy calls :meth:`before_training_step` at the start of every training step on every rank; every
+    ``window`` steps the ranks exchange their pending records there in one gather (the step count is the same on
+    every rank, so they all reach it). ``exchange_seconds`` is what the exchanges cost this rank.
+    """
+
+    def __init__(self, meter: StepMeter, window: int = WINDOW) -> None:
+        self.meter = meter
+        self.window = window
+        self.steps: list[dict[str, Any]] = []
+        self.exchange_seconds = 0.0
+        self._training_steps = 0
+
+    def before_training_step(self, all_gather: Callable[[Any], list[Any]]) -> None:
+        self._training_steps += 1
+        if self._training_steps % self.window == 0:
+            self._exchange(all_gather)
+
+    def finish(self, all_gather: Callable[[Any], list[Any]]) -> list[dict[str, Any]]:
+        self.meter.training_ended()
+        self._exchange(all_gather)
+        return self.steps
+
+    def _exchange(self, all_gather: Callable[[Any], list[Any]]) -> None:
+        start = time.perf_counter()
+        gathered = all_gather([asdict(record) for record in self.meter.take()])
+        self.steps.extend(job_steps([[StepRecord(**record) for record in rank] for rank in gathered]))
+        self.exchange_seconds += time.perf_counter() - start
+
+
+def balance_efficiency(compute_seconds: Sequence[float]) -> float:
+    """``sum(compute) / (W * max(compute))`` over the ranks of a step: 1.0 when all compute as long as the slowest."""
+    slowest = max(compute_seconds)
+    return sum(compute_seconds) / (len(compute_seconds) * slowest) if slowest > 0 else 1.0
+
+
+def job_steps(records_by_rank: Sequence[Sequence[StepRecord]]) -> list[dict[str, Any]]:
+    """Every rank's records of the same steps, as one entry per step (the ``steps`` of the run report)."""
+    counts = {len(records) for records in records_by_rank}
+    if len(counts) != 1:
+        raise ValueError(f"the ranks recorded different numbers of steps: {[len(r) for r in records_by_rank]}")
+    return [
+        {
+            "step": same_step[0].step,
+            "batch_sizes": [record.batch_size for record in same_step],
+            "compute_seconds": [record.compute_seconds for record in same_step],
+            "wait_seconds": [record.wait_seconds for record in same_step],
+            "step_seconds": max(record.step_seconds for record in same_step),
+        }
+        for same_step in zip(*records_by_rank)
+    ]

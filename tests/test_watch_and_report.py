@@ -1,0 +1,138 @@
+"""Unit tests for lightning_hetero.watch (per-step measurement, exchange) and lightning_hetero.report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lightning_hetero import report
+from lightning_hetero.watch import RunWatch, StepMeter, StepRecord, balance_efficiency, job_steps
+
+
+class FakeClocks:
+    def __init__(self) -> None:
+        self.compute = self.wall = self.emulated = 0.0
+
+    def advance(self, compute: float = 0.0, wall: float = 0.0, emulated: float = 0.0) -> None:
+        self.compute += compute
+        self.emulated += emulated
+        self.wall += wall + emulated  # an emulated delay is a sleep: wall time, not compute-clock time
+
+
+def make_meter(clocks: FakeClocks) -> StepMeter:
+    return StepMeter(lambda: clocks.compute, lambda: clocks.emulated, lambda: clocks.wall)
+
+
+def test_a_step_is_compute_from_fetch_to_backward_and_wall_time_to_its_last_activity():
+    clocks = FakeClocks()
+    meter = make_meter(clocks)
+    meter.fetch_started()
+    clocks.advance(compute=0.002, wall=0.002)  # fetch
+    meter.batch_ready(12)
+    clocks.advance(compute=0.010, wall=0.010, emulated=0.005)  # forward + backward, then the emulated delay
+    meter.backward_ended()
+    clocks.advance(wall=0.020)  # waiting for the slower rank in the exchange, the optimizer update
+    meter.optimizer_step_ended()
+    clocks.advance(wall=1.0)  # validation, callbacks: not part of the step
+    meter.fetch_started()
+    (record,) = meter.take()
+    assert record == StepRecord(0, 12, compute_seconds=pytest.approx(0.017), step_seconds=pytest.approx(0.037))
+    assert record.wait_seconds == pytest.approx(0.020)
+    assert meter.take() == []  # taken once
+
+
+def test_manual_optimization_counts_compute_up_to_the_last_backward():
+    clocks = FakeClocks()
+    meter = make_meter(clocks)
+    meter.fetch_started()
+    for _ in range(2):
+        clocks.advance(compute=0.004, wall=0.004)
+        meter.backward_ended()
+    meter.training_ended()
+    (record,) = meter.take()
+    assert record.compute_seconds == pytest.approx(0.008) and record.step_seconds == pytest.approx(0.008)
+
+
+def test_every_batch_gets_a_record_so_ranks_stay_aligned():
+    clocks = FakeClocks()
+    meter = make_meter(clocks)
+    meter.fetch_started()  # no backward ran (a skipped step)
+    meter.fetch_started()
+    clocks.advance(compute=0.001, wall=0.001)
+    meter.backward_ended()
+    meter.training_ended()
+    assert [(r.step, r.compute_seconds) for r in meter.take()] == [(0, 0.0), (1, pytest.approx(0.001))]
+
+
+def test_run_watch_exchanges_every_window_and_at_the_end():
+    clocks = FakeClocks()
+    watch = RunWatch(make_meter(clocks), window=3)
+    calls = []
+
+    def all_gather(records):  # two ranks; the other one a bit slower
+        calls.append(len(records))
+        slower = [{**record, "compute_seconds": record["compute_seconds"] * 2} for record in records]
+        return [records, slower]
+
+    for _ in range(7):  # Lightning's order: the loader fetches, then training_step starts
+        watch.meter.fetch_started()
+        watch.meter.batch_ready(4)
+        watch.before_training_step(all_gather)
+        clocks.advance(compute=0.001, wall=0.001)
+        watch.meter.backward_ended()
+    steps = watch.finish(all_gather)
+    # Exchanges at the 3rd and 6th training step (the records closed by then: a step closes at the next fetch),
+    # and the rest at the end.
+    assert calls == [2, 3, 2]
+    assert [step["step"] for step in steps] == list(range(7))
+    assert steps[0]["compute_seconds"] == [pytest.approx(0.001), pytest.approx(0.002)]
+    assert steps[0]["batch_sizes"] == [4, 4]
+
+
+def test_job_steps_refuses_ranks_with_different_step_counts():
+    record = StepRecord(0, 4, 0.01, 0.02)
+    with pytest.raises(ValueError, match=r"different numbers of steps: \[1, 2\]"):
+        job_steps([[record], [record, record]])
+
+
+@pytest.mark.parametrize(
+    ("compute", "efficiency"), [([1.0, 1.0], 1.0), ([1.0, 0.5], 0.75), ([2.0, 0.0, 0.0, 0.0], 0.25), ([0.0, 0.0], 1.0)]
+)
+def test_balance_efficiency(compute, efficiency):
+    assert balance_efficiency(compute) == pytest.approx(efficiency)
+
+
+def synthetic_steps(count: int) -> list[dict]:
+    """Rank 1 twice as slow for the first half, balanced after a re-plan at the middle."""
+    steps = []
+    for step in range(count):
+        slow = 0.02 if step < count // 2 else 0.01
+        batch_sizes = [8, 8] if step < count // 2 else [10, 6]
+        steps.append(
+            {"step": step, "batch_sizes": batch_sizes, "compute_seconds": [0.01, slow],
+             "wait_seconds": [slow - 0.01, 0.0], "step_seconds": 0.025}
+        )  # fmt: skip
+    return steps
+
+
+def test_report_summary_and_files(tmp_path):
+    steps = synthetic_steps(20)
+    replans = [{"step": 10, "batch_sizes": [10, 6], "predicted_gain": 0.5}]
+    run_report = report.build_report(steps, replans, world_size=2)
+    summary = run_report["summary"]
+    assert summary["steps"] == 20 and summary["replans"] == 1
+    assert summary["samples_per_second"] == pytest.approx(16 / 0.025)
+    assert summary["balance_efficiency_start"] == pytest.approx(0.75)
+    assert summary["balance_efficiency_end"] == pytest.approx(1.0)
+    text = report.summary_text(run_report)
+    assert "20 steps, 640 samples/s, balance efficiency 0.75 at the start -> 1.00 at the end" in text
+    json_path, png_path = report.write_report(run_report, tmp_path / "hetero")
+    assert json.loads(json_path.read_text()) == json.loads(json.dumps(run_report))
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png_path.stat().st_size > 10_000
+
+
+def test_an_empty_run_has_a_report_too(tmp_path):
+    run_report = report.build_report([], [], world_size=2)
+    assert report.summary_text(run_report) == "HeteroStrategy run report: no training step was recorded."
+    report.write_report(run_report, tmp_path)
