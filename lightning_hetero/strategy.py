@@ -579,6 +579,11 @@ class HeteroStrategy(DeepSpeedStrategy):
             return self.plan.batch_sizes
         return self.batch_sizes or self.weights or [1.0] * self.world_size
 
+    @property
+    def watch(self) -> RunWatch:
+        """What every rank did in each training step so far (see :mod:`lightning_hetero.watch`)."""
+        return self._watch
+
     def _on_batch(self, local_samples: int, global_samples: int) -> None:
         self._batch_samples = (local_samples, global_samples)
 

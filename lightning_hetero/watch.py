@@ -143,3 +143,21 @@ def job_steps(records_by_rank: Sequence[Sequence[StepRecord]]) -> list[dict[str,
         }
         for same_step in zip(*records_by_rank)
     ]
+
+
+def step_metrics(step: dict[str, Any], prefix: str = "hetero") -> dict[str, float]:
+    """One step of the run report as flat metrics: each rank's and the job's (see callbacks.HeteroMonitor)."""
+    global_batch = sum(step["batch_sizes"])
+    metrics = {
+        f"{prefix}/samples_per_second": global_batch / step["step_seconds"] if step["step_seconds"] > 0 else 0.0,
+        f"{prefix}/balance_efficiency": balance_efficiency(step["compute_seconds"]),
+    }
+    for rank, (size, compute, wait) in enumerate(
+        zip(step["batch_sizes"], step["compute_seconds"], step["wait_seconds"])
+    ):
+        metrics[f"{prefix}/rank_{rank}/micro_batch"] = float(size)
+        metrics[f"{prefix}/rank_{rank}/share"] = size / global_batch
+        metrics[f"{prefix}/rank_{rank}/compute_ms"] = compute * 1e3
+        metrics[f"{prefix}/rank_{rank}/wait_ms"] = wait * 1e3
+        metrics[f"{prefix}/rank_{rank}/samples_per_second"] = size / compute if compute > 0 else 0.0
+    return metrics

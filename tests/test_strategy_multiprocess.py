@@ -7,6 +7,7 @@ numerically with :func:`reference_training`, which never touches Lightning or De
 from __future__ import annotations
 
 import contextlib
+import csv
 import json
 import os
 import signal
@@ -236,12 +237,21 @@ def test_summed_loss_with_loss_reduction_sum_equals_ddp(stage, tmp_path):
 
 def test_train_dataloader_runs_once_metrics_keep_their_dtype_and_the_kept_order_is_said_once(tmp_path):
     """As under DDP: the model's `train_dataloader()` is called once per fit, epoch-level `sync_dist` metrics stay
-    float32, and since this loader does not shuffle (DDP's sampler would), the log says so once."""
-    run = run_fit(tmp_path, "--loader-in-hook", "--batch-sizes", *map(str, BATCH_SIZES), "--val-samples", "10")
+    float32, and since this loader does not shuffle (DDP's sampler would), the log says so once. The same run has a
+    HeteroMonitor and a CSVLogger: every rank's step metrics land in the logger's file."""
+    args = ["--loader-in-hook", "--batch-sizes", *map(str, BATCH_SIZES), "--val-samples", "10", "--monitor"]
+    run = run_fit(tmp_path, *args)
     assert run.returncode == 0, run.output[-4000:]
     assert run.result["train_dataloader_calls"] == 1
     assert run.result["metric_dtypes"]["val_loss"] == "torch.float32", run.result["metric_dtypes"]
     assert run.output.count("HeteroStrategy keeps the training loader's order: it does not shuffle") == 1
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv") as file:
+        rows = [row for row in csv.DictReader(file) if row.get("hetero/balance_efficiency")]
+    assert [int(row["step"]) for row in rows] == [0, 1, 2, 3]
+    for rank, size in enumerate(BATCH_SIZES):
+        assert {float(row[f"hetero/rank_{rank}/micro_batch"]) for row in rows} == {size}
+        assert all(float(row[f"hetero/rank_{rank}/compute_ms"]) > 0 for row in rows)
+    assert all(0 < float(row["hetero/balance_efficiency"]) <= 1 for row in rows)
 
 
 def test_ranks_with_different_training_sets_fail_on_every_rank(tmp_path):

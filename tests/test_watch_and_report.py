@@ -7,7 +7,7 @@ import json
 import pytest
 
 from lightning_hetero import report
-from lightning_hetero.watch import RunWatch, StepMeter, StepRecord, balance_efficiency, job_steps
+from lightning_hetero.watch import RunWatch, StepMeter, StepRecord, balance_efficiency, job_steps, step_metrics
 
 
 class FakeClocks:
@@ -136,3 +136,24 @@ def test_an_empty_run_has_a_report_too(tmp_path):
     run_report = report.build_report([], [], world_size=2)
     assert report.summary_text(run_report) == "HeteroStrategy run report: no training step was recorded."
     report.write_report(run_report, tmp_path)
+
+
+def test_step_metrics_per_rank_and_for_the_job():
+    step = {"step": 3, "batch_sizes": [12, 4], "compute_seconds": [0.012, 0.008], "wait_seconds": [0.0, 0.004],
+            "step_seconds": 0.016}  # fmt: skip
+    metrics = step_metrics(step)
+    assert metrics["hetero/samples_per_second"] == pytest.approx(1000)
+    assert metrics["hetero/balance_efficiency"] == pytest.approx(0.02 / 0.024)
+    assert metrics["hetero/rank_1/share"] == 0.25 and metrics["hetero/rank_1/micro_batch"] == 4.0
+    assert metrics["hetero/rank_1/compute_ms"] == pytest.approx(8.0) and metrics["hetero/rank_1/wait_ms"] == 4.0
+    assert metrics["hetero/rank_0/samples_per_second"] == pytest.approx(1000)
+
+
+def test_the_monitor_refuses_another_strategy():
+    from lightning.pytorch import Trainer
+
+    from lightning_hetero import HeteroMonitor
+
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    with pytest.raises(ValueError, match="HeteroMonitor reads what HeteroStrategy measures.*SingleDeviceStrategy"):
+        HeteroMonitor().on_train_start(trainer, None)

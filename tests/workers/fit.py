@@ -17,9 +17,10 @@ import torch  # noqa: E402
 from common import IndexedRegression, RegressionModule  # noqa: E402
 from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from torch.utils.data import DataLoader, IterableDataset  # noqa: E402
 
-from lightning_hetero import HeteroStrategy  # noqa: E402
+from lightning_hetero import HeteroMonitor, HeteroStrategy  # noqa: E402
 
 
 class IterableWrapper(IterableDataset):
@@ -145,6 +146,7 @@ def main() -> None:
     parser.add_argument("--emulate-speeds", type=float, nargs="*")
     parser.add_argument("--emulate-schedule", help="JSON {step: speeds}: a drift schedule")
     parser.add_argument("--fail-on-rank", type=int, help="training_step raises on this rank (a one-rank failure)")
+    parser.add_argument("--monitor", action="store_true", help="HeteroMonitor with a CSVLogger in --out")
     parser.add_argument("--signal-test", action="store_true", help="write PIDs at step 3 and every rank's exit code")
     parser.add_argument("--fail-in", choices=["training_step", "collate_fn"], default="training_step")
     parser.add_argument("--iterable", action="store_true", help="train on an IterableDataset (must be refused)")
@@ -183,6 +185,8 @@ def main() -> None:
     callbacks = [WriteResult(args.out), RecordEmulatedDelay()]
     if args.signal_test:
         callbacks.append(WritePidWhenTraining(args.out))
+    if args.monitor:
+        callbacks.append(HeteroMonitor())
     if args.checkpoint_every:
         callbacks.append(
             ModelCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=args.checkpoint_every, save_top_k=-1)
@@ -196,7 +200,7 @@ def main() -> None:
         max_steps=args.max_steps,
         accumulate_grad_batches=1 if args.manual else args.accumulate,
         callbacks=callbacks,
-        logger=False,
+        logger=CSVLogger(args.out, name="csv") if args.monitor else False,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,

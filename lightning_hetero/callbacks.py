@@ -1,0 +1,59 @@
+"""Callbacks: what the strategy measures, logged through the Trainer's own loggers (CSV, TensorBoard, W&B, MLflow...).
+
+:class:`HeteroMonitor` is a thin adapter, as Lightning's ThroughputMonitor is over its meter: the measuring is the
+strategy's (:mod:`lightning_hetero.watch`, every rank, exchanged every few steps), this only turns the steps every
+rank now holds into metrics. Loggers write on rank 0 only, and rank 0 has every rank's numbers, so each rank's
+metrics appear under its own name: ``hetero/rank_<r>/micro_batch``, ``share``, ``compute_ms``, ``wait_ms``,
+``samples_per_second``, and for the job ``hetero/samples_per_second`` and ``hetero/balance_efficiency``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch import Callback
+from typing_extensions import override
+
+from lightning_hetero.watch import step_metrics
+
+
+class HeteroMonitor(Callback):
+    """Log every training step of every rank of a :class:`~lightning_hetero.HeteroStrategy` run to the loggers.
+
+    Args:
+        prefix: the metrics' name prefix.
+
+    Steps are logged as the ranks exchange them (every 20 steps, and the rest at the end of fit), each at its own
+    step index, so the curves are complete but appear in batches.
+    """
+
+    def __init__(self, prefix: str = "hetero") -> None:
+        self.prefix = prefix
+        self._logged = 0
+
+    @override
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if not hasattr(trainer.strategy, "watch"):
+            raise ValueError(
+                f"HeteroMonitor reads what HeteroStrategy measures, but the Trainer's strategy is"
+                f" {type(trainer.strategy).__name__}. Use `Trainer(strategy='hetero')` or remove the callback."
+            )
+        self._logged = 0
+
+    @override
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._log_new_steps(trainer)
+
+    @override
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        self._log_new_steps(trainer)  # the last steps, exchanged when training ended
+
+    def _log_new_steps(self, trainer: Any) -> None:
+        steps = trainer.strategy.watch.steps[self._logged :]
+        self._logged += len(steps)
+        if not trainer.is_global_zero:
+            return
+        for step in steps:
+            metrics = step_metrics(step, self.prefix)
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step["step"])
