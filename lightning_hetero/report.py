@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from lightning_hetero.watch import balance_efficiency
 
@@ -42,27 +42,38 @@ FORMAT_VERSION = 1
 _EDGE_SHARE = 0.1
 
 
-def build_report(steps: list[dict[str, Any]], replans: list[dict[str, Any]], world_size: int) -> dict[str, Any]:
+def build_report(
+    steps: list[dict[str, Any]],
+    replans: list[dict[str, Any]],
+    world_size: int,
+    exchange_seconds: Optional[float] = None,
+) -> dict[str, Any]:
+    """The run report; ``exchange_seconds`` (rank 0's time exchanging records) gives the measuring cost."""
     return {
         "format_version": FORMAT_VERSION,
         "world_size": world_size,
         "steps": steps,
         "replans": replans,
-        "summary": summarize(steps, replans),
+        "summary": summarize(steps, replans, exchange_seconds),
     }
 
 
-def summarize(steps: list[dict[str, Any]], replans: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(
+    steps: list[dict[str, Any]], replans: list[dict[str, Any]], exchange_seconds: Optional[float] = None
+) -> dict[str, Any]:
     edge = max(1, round(len(steps) * _EDGE_SHARE))
     efficiencies = [balance_efficiency(step["compute_seconds"]) for step in steps]
     seconds = sum(step["step_seconds"] for step in steps)
-    return {
+    summary = {
         "steps": len(steps),
         "samples_per_second": sum(sum(step["batch_sizes"]) for step in steps) / seconds if seconds > 0 else None,
         "balance_efficiency_start": statistics.median(efficiencies[:edge]) if steps else None,
         "balance_efficiency_end": statistics.median(efficiencies[-edge:]) if steps else None,
         "replans": len(replans),
     }
+    if exchange_seconds is not None and seconds > 0:
+        summary["measurement_share"] = exchange_seconds / seconds
+    return summary
 
 
 def summary_text(report: dict[str, Any]) -> str:

@@ -626,10 +626,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         directory = Path(trainer.log_dir or trainer.default_root_dir) / PLAN_DIRNAME  # log_dir broadcasts: all ranks
         if not self.is_global_zero:
             return
-        run_report = report.build_report(steps, replans=[], world_size=self.world_size)
-        step_seconds = sum(step["step_seconds"] for step in steps)
-        if step_seconds > 0:
-            run_report["summary"]["measurement_share"] = self._watch.exchange_seconds / step_seconds
+        run_report = report.build_report(steps, [], self.world_size, exchange_seconds=self._watch.exchange_seconds)
         json_path, png_path = report.write_report(run_report, directory)
         rank_zero_info(f"{report.summary_text(run_report)}\nwritten to {json_path} and {png_path.name}")
 

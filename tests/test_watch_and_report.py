@@ -119,8 +119,9 @@ def synthetic_steps(count: int) -> list[dict]:
 def test_report_summary_and_files(tmp_path):
     steps = synthetic_steps(20)
     replans = [{"step": 10, "batch_sizes": [10, 6], "predicted_gain": 0.5}]
-    run_report = report.build_report(steps, replans, world_size=2)
+    run_report = report.build_report(steps, replans, world_size=2, exchange_seconds=0.005)
     summary = run_report["summary"]
+    assert summary["measurement_share"] == pytest.approx(0.005 / (20 * 0.025))
     assert summary["steps"] == 20 and summary["replans"] == 1
     assert summary["samples_per_second"] == pytest.approx(16 / 0.025)
     assert summary["balance_efficiency_start"] == pytest.approx(0.75)
