@@ -26,8 +26,7 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Iterator, Sequence
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 

@@ -62,8 +62,8 @@ from lightning_hetero.plan import (
 )
 from lightning_hetero.profiler import RankProfile, probe_sizes, profile_training_step
 from lightning_hetero.shutdown import register_exit_cleanup
-from lightning_hetero.watch import RunWatch, StepMeter
 from lightning_hetero.stopping import StopOnSigterm, all_reduce_max, exit_code_for
+from lightning_hetero.watch import RunWatch, StepMeter
 
 # Arguments of DeepSpeedStrategy that only build its default DeepSpeed config: a user config replaces them all.
 _DEFAULT_CONFIG_ARGUMENTS = frozenset(
