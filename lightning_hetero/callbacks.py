@@ -4,7 +4,9 @@
 strategy's (:mod:`lightning_hetero.watch`, every rank, exchanged every few steps), this only turns the steps every
 rank now holds into metrics. Loggers write on rank 0 only, and rank 0 has every rank's numbers, so each rank's
 metrics appear under its own name: ``hetero/rank_<r>/micro_batch``, ``share``, ``compute_ms``, ``wait_ms``,
-``samples_per_second``, and for the job ``hetero/samples_per_second`` and ``hetero/balance_efficiency``.
+``samples_per_second``, and for the job ``hetero/samples_per_second`` and ``hetero/balance_efficiency``. Each
+re-plan is logged at the step it takes effect as ``hetero/replan_predicted_gain`` (the new micro-batches show in
+``micro_batch`` from that step on).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class HeteroMonitor(Callback):
     def __init__(self, prefix: str = "hetero") -> None:
         self.prefix = prefix
         self._logged = 0
+        self._replans_logged = 0
 
     @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -39,6 +42,7 @@ class HeteroMonitor(Callback):
                 f" {type(trainer.strategy).__name__}. Use `Trainer(strategy='hetero')` or remove the callback."
             )
         self._logged = 0
+        self._replans_logged = 0
 
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -51,9 +55,15 @@ class HeteroMonitor(Callback):
     def _log_new_steps(self, trainer: Any) -> None:
         steps = trainer.strategy.watch.steps[self._logged :]
         self._logged += len(steps)
+        replans = trainer.strategy.replans[self._replans_logged :]
+        self._replans_logged += len(replans)
         if not trainer.is_global_zero:
             return
         for step in steps:
             metrics = step_metrics(step, self.prefix)
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step["step"])
+        for replan in replans:
+            gain = {f"{self.prefix}/replan_predicted_gain": replan["predicted_gain"]}
+            for logger in trainer.loggers:
+                logger.log_metrics(gain, step=replan["step"])

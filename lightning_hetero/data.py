@@ -39,6 +39,8 @@ STATE_SAMPLES_CONSUMED = "global_samples_consumed"
 STATE_NUM_SAMPLES = "num_samples"
 STATE_SEED = "seed"
 _STATE_KEYS = (STATE_EPOCH, STATE_SAMPLES_CONSUMED, STATE_NUM_SAMPLES, STATE_SEED)
+# The split in use when the checkpoint was taken (a re-plan may have changed it); absent from older checkpoints.
+STATE_BATCH_SIZES = "batch_sizes"
 # torch's samplers that draw from their `generator` (or, without one, from the global RNG, which drifts apart between
 # ranks): GlobalOrder iterates a copy seeded with ``seed + epoch`` so that every rank draws the same order.
 _SEEDED_SAMPLERS = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
@@ -146,6 +148,20 @@ class HeteroBatchSampler(Sampler[list[int]]):
     def epoch(self) -> int:
         return self.sampler.epoch
 
+    def use_split(self, batch_sizes: Sequence[int]) -> None:
+        """Cut the global batches with ``batch_sizes`` from now on (same world size, same global batch).
+
+        The loader notices before its next batch and cuts the rest of the epoch anew from its position; the global
+        batches keep their positions, so every sample is still used once and the step count is unchanged.
+        """
+        sizes = tuple(int(b) for b in batch_sizes)
+        if len(sizes) != len(self.batch_sizes) or sum(sizes) != sum(self.batch_sizes) or min(sizes) < 1:
+            raise ValueError(
+                f"a new split {list(sizes)} must give each of the {len(self.batch_sizes)} ranks at least one sample"
+                f" and sum to the global batch {sum(self.batch_sizes)}"
+            )
+        self.batch_sizes = sizes
+
     def steps(self, start: int = 0) -> list[GlobalStep]:
         return epoch_steps(len(self.sampler), self.batch_sizes, self.drop_last, start)
 
@@ -174,7 +190,12 @@ class HeteroDataLoader(DataLoader):
     It counts the batches it yields in the main process (Lightning does not prefetch sized loaders there), so
     ``state_dict()`` is exact even when worker processes read ahead. ``on_batch(local, global)`` is told the sample
     counts of every batch just before the loop receives it: the strategy derives the loss weight from them;
-    ``on_fetch()`` just before each batch is fetched (where the step's measurement starts).
+    ``on_fetch()`` just before each batch is fetched (where the step's measurement starts, and where the strategy
+    may change the split: a global-batch boundary, reached by every rank at the same step).
+
+    When the split changes, the pass over the data is restarted from the current position with the new split: the
+    batches worker processes had read ahead under the old split are discarded (persistent workers are reset, not
+    respawned), and the epoch's order is drawn again, the same order (its seed is ``seed + epoch``).
     """
 
     def __init__(
@@ -191,6 +212,8 @@ class HeteroDataLoader(DataLoader):
         self._epoch_of_position = 0
         self._position = 0
         self._resume_at: Optional[tuple[int, int]] = None  # (epoch, global samples consumed) from a checkpoint
+        # The split the checkpoint was taken with, until the strategy takes it (see `take_checkpoint_split`).
+        self._checkpoint_split: Optional[tuple[int, ...]] = None
 
     @property
     def hetero_batch_sampler(self) -> HeteroBatchSampler:
@@ -205,10 +228,18 @@ class HeteroDataLoader(DataLoader):
         self._resume_at = None
         steps = sampler.begin_iteration(start)
         self._epoch_of_position, self._position = sampler.epoch, start
-        batches = super().__iter__()
-        for step in steps:
+        split, batches, index = sampler.batch_sizes, None, 0
+        # A re-split keeps the global batches' bounds, so the number of steps left is fixed here.
+        for _ in range(len(steps)):
             if self.on_fetch is not None:
                 self.on_fetch()
+            if sampler.batch_sizes != split:
+                split, batches, index = sampler.batch_sizes, None, 0
+                steps = sampler.begin_iteration(self._position)
+            if batches is None:  # started at the first fetch, so a re-split there costs no discarded read-ahead
+                batches = super().__iter__()
+            step = steps[index]
+            index += 1
             batch = next(batches)
             self._position = step.end
             if self.on_batch is not None:
@@ -222,7 +253,17 @@ class HeteroDataLoader(DataLoader):
             STATE_SAMPLES_CONSUMED: self._position,
             STATE_NUM_SAMPLES: len(order),
             STATE_SEED: order.seed,
+            STATE_BATCH_SIZES: list(self.hetero_batch_sampler.batch_sizes),
         }
+
+    def take_checkpoint_split(self) -> Optional[tuple[int, ...]]:
+        """The split recorded in the checkpoint this loader was restored from (once; None otherwise).
+
+        The loader does not apply it itself: whether a resumed fit keeps it (re-planning on) or the split the user
+        fixed is the strategy's decision.
+        """
+        split, self._checkpoint_split = self._checkpoint_split, None
+        return split
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
         missing = [key for key in _STATE_KEYS if key not in state_dict]
@@ -248,6 +289,8 @@ class HeteroDataLoader(DataLoader):
         if not 0 <= consumed <= len(order):
             raise ValueError(f"The checkpoint's `{STATE_SAMPLES_CONSUMED}={consumed}` is outside [0, {len(order)}].")
         self._resume_at = (state_dict[STATE_EPOCH], consumed)
+        saved_split = state_dict.get(STATE_BATCH_SIZES)
+        self._checkpoint_split = tuple(saved_split) if saved_split is not None else None
         self._epoch_of_position, self._position = self._resume_at
 
 

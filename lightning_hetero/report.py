@@ -85,7 +85,7 @@ def summary_text(report: dict[str, Any]) -> str:
         f"HeteroStrategy run report: {summary['steps']} steps, {summary['samples_per_second']:.0f} samples/s,"
         f" balance efficiency {summary['balance_efficiency_start']:.2f} at the start ->"
         f" {summary['balance_efficiency_end']:.2f} at the end (1.00 = every rank computes as long as the slowest),"
-        f" {summary['replans']} re-plans"
+        f" {summary['replans']} re-plan{'' if summary['replans'] == 1 else 's'}"
         + (f"; measuring cost {cost:.2%} of the step time" if cost is not None else "")
     )
 
@@ -128,7 +128,7 @@ def _plot(report: dict[str, Any], path: Path) -> None:
         figure.suptitle(
             f"{summary['steps']} steps, {summary['samples_per_second']:.0f} samples/s, balance efficiency"
             f" {summary['balance_efficiency_start']:.2f} -> {summary['balance_efficiency_end']:.2f},"
-            f" {summary['replans']} re-plans"
+            f" {summary['replans']} re-plan{'' if summary['replans'] == 1 else 's'}"
         )
     figure.savefig(path, dpi=100)
     plt.close(figure)

@@ -52,6 +52,7 @@ from lightning_hetero.devices import DeviceFacts, collect_device_facts, same_mod
 from lightning_hetero.emulate import ENV_VAR as EMULATE_ENV_VAR
 from lightning_hetero.emulate import SlowdownEmulator, compute_clock, speed_schedule, speeds_from_environment
 from lightning_hetero.plan import (
+    CostModel,
     SplitPlan,
     check_split_arguments,
     loss_weight,
@@ -61,6 +62,8 @@ from lightning_hetero.plan import (
     split_by_weights,
 )
 from lightning_hetero.profiler import RankProfile, probe_sizes, profile_training_step
+from lightning_hetero.rebalance import SplitFollower
+from lightning_hetero.replan import DEFAULT_THRESHOLD, DEFAULT_WINDOW, Rebalancer, check_rebalance_arguments
 from lightning_hetero.shutdown import register_exit_cleanup
 from lightning_hetero.stopping import StopOnSigterm, all_reduce_max, exit_code_for
 from lightning_hetero.watch import RunWatch, StepMeter
@@ -103,6 +106,12 @@ class HeteroStrategy(DeepSpeedStrategy):
             ``{global step: speeds}`` starting at 0, e.g. ``{0: [1.0, 1.0], 200: [1.0, 0.4]}``. Also read from the
             environment variable ``LIGHTNING_HETERO_EMULATE_SPEEDS=1.0,0.4`` (a schedule:
             ``1.0,1.0;200:1.0,0.4``); the argument wins.
+        rebalance: re-plan the split during training from what each rank measures (see
+            :mod:`lightning_hetero.replan`). Default None: on for the automatic split, off when ``batch_sizes`` or
+            ``weights`` fix it (True then starts from the fixed split, assuming time proportional to the batch).
+        rebalance_window: training steps between two exchanges of the ranks' measurements (default 20): the
+            re-plan decisions, the run report's and the HeteroMonitor's updates happen at that rhythm.
+        rebalance_threshold: the predicted gain a new split needs over the current one (default 0.05: 5 % faster).
         config: a DeepSpeed config dict or JSON path, as for :class:`DeepSpeedStrategy`. It must not set the
             micro-batch, the train batch or ``gradient_accumulation_steps``; the strategy owns them.
         **kwargs: any other :class:`DeepSpeedStrategy` argument. Those that only build the default DeepSpeed config
@@ -110,7 +119,7 @@ class HeteroStrategy(DeepSpeedStrategy):
 
     With neither ``batch_sizes`` nor ``weights`` the split is automatic: every rank benchmarks its own training
     step at fit start, and the planner picks the integer split that minimises the slowest rank's predicted step time
-    within each device's memory.
+    within each device's memory; then, every ``rebalance_window`` steps, the split follows what the ranks measure.
     """
 
     strategy_name = "hetero"
@@ -124,6 +133,9 @@ class HeteroStrategy(DeepSpeedStrategy):
         config: Optional[Union[_PATH, dict[str, Any]]] = None,
         emulate_speeds: Optional[Union[Sequence[float], dict[int, Sequence[float]]]] = None,
         loss_reduction: str = "mean",
+        rebalance: Optional[bool] = None,
+        rebalance_window: int = DEFAULT_WINDOW,
+        rebalance_threshold: float = DEFAULT_THRESHOLD,
         **kwargs: Any,
     ) -> None:
         schedule = speed_schedule(emulate_speeds) if emulate_speeds is not None else speeds_from_environment()
@@ -131,6 +143,7 @@ class HeteroStrategy(DeepSpeedStrategy):
             check_stage(stage)
         check_loss_reduction(loss_reduction)
         check_split_arguments(global_batch_size, batch_sizes, weights)
+        check_rebalance_arguments(rebalance, rebalance_window, rebalance_threshold)
         quiet.install_lasting_filters()
         with quiet.third_party_noise_silenced():  # the parent imports DeepSpeed, which prints its accelerator guess
             super().__init__(stage=DEFAULT_STAGE if stage is None else stage, config=config, **kwargs)
@@ -138,6 +151,10 @@ class HeteroStrategy(DeepSpeedStrategy):
         self.batch_sizes = list(batch_sizes) if batch_sizes is not None else None
         self.weights = list(weights) if weights is not None else None
         self.loss_reduction = loss_reduction
+        self.rebalance = rebalance
+        self.rebalance_window = int(rebalance_window)
+        self.rebalance_threshold = float(rebalance_threshold)
+        self._follower: Optional[SplitFollower] = None
         self._speed_schedule = schedule
         self._emulator: Optional[SlowdownEmulator] = None
         if config is not None or self.DEEPSPEED_ENV_VAR in os.environ:
@@ -243,7 +260,7 @@ class HeteroStrategy(DeepSpeedStrategy):
             self._emulator = SlowdownEmulator(self._speed_schedule.at(0)[self.global_rank], self.root_device)
         emulator = self._emulator
         meter = StepMeter(compute_clock(self.root_device), lambda: emulator.added_seconds if emulator else 0.0)
-        self._watch = RunWatch(meter)
+        self._watch = RunWatch(meter, window=self.rebalance_window)
         if self.lightning_module is not None:
             # Before Lightning registers its signal handlers for this run (after the strategy's setup).
             self._stop_on_sigterm = StopOnSigterm(all_reduce_max, self.root_device)
@@ -305,6 +322,7 @@ class HeteroStrategy(DeepSpeedStrategy):
             profiled = gathered[self.global_rank]["profile"] is not None
             self.profiles = [RankProfile.from_dict(e["profile"]) for e in gathered] if profiled else None
             self.plan, self.prediction = self._decide_split(global_batch_size)
+            self._follower = SplitFollower(self._watch, self._all_gather, self._make_rebalancer(), self._use_split)
 
         micro_batch = self.plan.batch_sizes[self.global_rank] if self.plan is not None else 1
         self.config["train_micro_batch_size_per_gpu"] = micro_batch
@@ -332,6 +350,7 @@ class HeteroStrategy(DeepSpeedStrategy):
                 "weights": self.weights,
                 "emulate_speeds": self._speed_schedule.to_json() if self._speed_schedule else None,
                 "loss_reduction": self.loss_reduction,
+                "rebalance": [self.rebalance, self.rebalance_window, self.rebalance_threshold],
             }
             facts = collect_device_facts(self.root_device).to_dict()
             return None, {"arguments": arguments, "seed": _local_seed(), "facts": facts, "profile": profile}
@@ -396,6 +415,44 @@ class HeteroStrategy(DeepSpeedStrategy):
             "speedup": decision.predicted_speedup,
         }
         return SplitPlan(planned.batch_sizes, source=source), prediction
+
+    def _make_rebalancer(self) -> Optional[Rebalancer]:
+        """What re-plans the split during this fit; None when re-planning is off (or there is one rank)."""
+        assert self.plan is not None
+        rebalancing = self.rebalance if self.rebalance is not None else self.profiles is not None
+        if not rebalancing or self.world_size == 1:
+            return None
+        if self.profiles is not None:
+            base_costs = [profile.cost_model() for profile in self.profiles]
+        else:
+            # A split the user fixed, no profile: time proportional to the batch, and no memory ceiling known.
+            base_costs = [CostModel(fixed=0.0, per_sample=1.0)] * self.world_size
+        return Rebalancer(base_costs, self.plan.batch_sizes, self.rebalance_window, self.rebalance_threshold)
+
+    def _use_split(self, batch_sizes: tuple[int, ...]) -> None:
+        """The split changed (a re-plan, or the one a checkpoint recorded): keep the plan and DeepSpeed in step.
+
+        The loss weight needs nothing here: it is derived from every batch's sample counts as the loader hands it
+        over. DeepSpeed reads `train_micro_batch_size_per_gpu` (and the `train_batch_size` derived from it) only for
+        bookkeeping: its throughput and sample counters, the default batch of its own `deepspeed_io` loader, and
+        data-efficiency (random-LTD) settings that this strategy does not use. The gradient reduction and the
+        optimizer never read it, so changing it between two steps is safe; it is kept equal to the batch this rank
+        gets so that those counters and a checkpoint's config tell the truth.
+        """
+        self.plan = SplitPlan(tuple(batch_sizes), source="re-plan")
+        micro_batch = batch_sizes[self.global_rank]
+        if self.config is not None:
+            self.config["train_micro_batch_size_per_gpu"] = micro_batch
+        if self._deepspeed_engine_ready():
+            self.deepspeed_engine.set_train_micro_batch_size(micro_batch)
+
+    def _deepspeed_engine_ready(self) -> bool:
+        return self.model is not None and hasattr(self.model, "set_train_micro_batch_size")
+
+    @property
+    def replans(self) -> list[dict[str, Any]]:
+        """The re-plans of this fit so far, as in the run report: ``{"step", "batch_sizes", "predicted_gain"}``."""
+        return [replan.to_dict() for replan in self._follower.replans] if self._follower is not None else []
 
     def _training_loader(self, trainer: Any) -> Any:
         source = trainer.fit_loop._data_source
@@ -552,11 +609,13 @@ class HeteroStrategy(DeepSpeedStrategy):
                 self.global_rank,
                 seed,
                 on_batch=self._on_training_batch if training else self._on_batch,
-                on_fetch=self._watch.meter.fetch_started if training else None,
+                on_fetch=self._follower.before_fetch if training and self._follower is not None else None,
             )
             return loader, describe_order(loader)
 
         loader, orders = self._gather_or_raise(f"preparing the {name}", rebuild)
+        if training and self._follower is not None:
+            self._follower.loader = loader
         lines = config_disagreements(orders)
         if lines:
             raise ValueError(
@@ -626,7 +685,9 @@ class HeteroStrategy(DeepSpeedStrategy):
         directory = Path(trainer.log_dir or trainer.default_root_dir) / PLAN_DIRNAME  # log_dir broadcasts: all ranks
         if not self.is_global_zero:
             return
-        run_report = report.build_report(steps, [], self.world_size, exchange_seconds=self._watch.exchange_seconds)
+        run_report = report.build_report(
+            steps, self.replans, self.world_size, exchange_seconds=self._watch.exchange_seconds
+        )
         json_path, png_path = report.write_report(run_report, directory)
         rank_zero_info(f"{report.summary_text(run_report)}\nwritten to {json_path} and {png_path.name}")
 
@@ -643,7 +704,6 @@ class HeteroStrategy(DeepSpeedStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._watch.before_training_step(self._all_gather)
         if self._emulator is not None and self._speed_schedule is not None:
             # A drift schedule: the emulated device's speed from this optimizer step on.
             assert self.lightning_module is not None

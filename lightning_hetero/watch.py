@@ -93,9 +93,9 @@ class StepMeter:
 class RunWatch:
     """This rank's meter, and every rank's steps of the fit gathered so far (the same list on every rank).
 
-    The strategy calls :meth:`before_training_step` at the start of every training step on every rank; every
-    ``window`` steps the ranks exchange their pending records there in one gather (the step count is the same on
-    every rank, so they all reach it). ``exchange_seconds`` is what the exchanges cost this rank.
+    The training loader calls :meth:`before_fetch` before it fetches each batch, on every rank; every ``window``
+    batches the ranks exchange their pending records there in one gather (every rank fetches the same number of
+    batches, so they all reach it). ``exchange_seconds`` is what the exchanges cost this rank.
     """
 
     def __init__(self, meter: StepMeter, window: int = WINDOW) -> None:
@@ -103,12 +103,17 @@ class RunWatch:
         self.window = window
         self.steps: list[dict[str, Any]] = []
         self.exchange_seconds = 0.0
-        self._training_steps = 0
+        self.fetched = 0  # training batches fetched so far in this fit: the index of the step about to start
 
-    def before_training_step(self, all_gather: Callable[[Any], list[Any]]) -> None:
-        self._training_steps += 1
-        if self._training_steps % self.window == 0:
-            self._exchange(all_gather)
+    def before_fetch(self, all_gather: Callable[[Any], list[Any]]) -> bool:
+        """Close the previous step, exchange every ``window`` steps, open the next; True when an exchange ran."""
+        self.meter.training_ended()
+        exchanged = self.fetched > 0 and self.fetched % self.window == 0
+        if exchanged:
+            self._exchange(all_gather)  # outside any step's measurement: its cost is counted apart
+        self.meter.fetch_started()
+        self.fetched += 1
+        return exchanged
 
     def finish(self, all_gather: Callable[[Any], list[Any]]) -> list[dict[str, Any]]:
         self.meter.training_ended()

@@ -28,6 +28,7 @@ from torch.utils.data import (
 from torch.utils.data.distributed import DistributedSampler
 
 from lightning_hetero.data import (
+    STATE_BATCH_SIZES,
     STATE_EPOCH,
     STATE_NUM_SAMPLES,
     STATE_SAMPLES_CONSUMED,
@@ -344,7 +345,10 @@ def test_batch_sampler_with_replacement_sampler_tiles_the_draws():
 def resume(loader_factory, state, epoch):
     loader = loader_factory()
     loader.load_state_dict(state)
-    assert loader.state_dict() == state  # a checkpoint taken right after restoring keeps the position
+    # A checkpoint taken right after restoring keeps the position (and records the split this loader cuts).
+    assert loader.state_dict() == state | {STATE_BATCH_SIZES: list(loader.hetero_batch_sampler.batch_sizes)}
+    assert loader.take_checkpoint_split() == tuple(state[STATE_BATCH_SIZES])  # for the strategy to decide on
+    assert loader.take_checkpoint_split() is None  # once
     return run_epoch(loader, epoch)
 
 
@@ -384,6 +388,7 @@ def test_loader_resumes_exactly_where_it_stopped(
     assert all(state == states[0] for state in states)
     state = states[0]
     assert state[STATE_NUM_SAMPLES] == num_samples and state[STATE_SEED] == 7
+    assert state[STATE_BATCH_SIZES] == batch_sizes
     if stop:
         assert state[STATE_EPOCH] == epoch
         assert state[STATE_SAMPLES_CONSUMED] == steps[stop - 1].end
@@ -423,9 +428,10 @@ def test_loader_len_counts_whole_epoch_steps():
 
 def test_loader_state_before_and_after_an_epoch():
     loader = rank_loaders(11, [2, 3], seed=9)[0]
-    assert loader.state_dict() == {STATE_EPOCH: 0, STATE_SAMPLES_CONSUMED: 0, STATE_NUM_SAMPLES: 11, STATE_SEED: 9}
+    fixed = {STATE_NUM_SAMPLES: 11, STATE_SEED: 9, STATE_BATCH_SIZES: [2, 3]}
+    assert loader.state_dict() == {STATE_EPOCH: 0, STATE_SAMPLES_CONSUMED: 0} | fixed
     run_epoch(loader, 3)
-    assert loader.state_dict() == {STATE_EPOCH: 3, STATE_SAMPLES_CONSUMED: 11, STATE_NUM_SAMPLES: 11, STATE_SEED: 9}
+    assert loader.state_dict() == {STATE_EPOCH: 3, STATE_SAMPLES_CONSUMED: 11} | fixed
     # Resuming that end-of-epoch state in the same epoch yields nothing more.
     fresh = rank_loaders(11, [2, 3], seed=9)[0]
     fresh.load_state_dict(loader.state_dict())
@@ -613,3 +619,75 @@ def test_describe_unsupported_loader():
 def test_loader_batch_size():
     assert loader_batch_size(DataLoader(Indexed(8), batch_size=3)) == 3
     assert loader_batch_size(DataLoader(Indexed(8), batch_size=None)) is None
+
+
+# ---------------------------------------------------------------------------------------------- re-split mid-epoch
+
+
+def run_epoch_with_resplits(num_samples, batch_sizes, splits, epochs=(1,), **kwargs):
+    """Every rank's batches of the ``epochs``, the split changed to ``splits[k]`` before step ``k`` (as the strategy
+    does from the loader's ``on_fetch``, on every rank at the same step), and the ``(local, global)`` sizes told."""
+    per_rank, told = [], []
+    for rank in range(len(batch_sizes)):
+        loader = rank_loaders(num_samples, batch_sizes, seed=3, **kwargs)[rank]
+        fetches, sizes = [], []
+
+        def before_fetch(loader=loader, fetches=fetches):
+            if len(fetches) in splits:
+                loader.hetero_batch_sampler.use_split(splits[len(fetches)])
+            fetches.append(1)
+
+        loader.on_fetch = before_fetch
+        loader.on_batch = lambda local, total, sizes=sizes: sizes.append((local, total))
+        per_rank.append([batch for epoch in epochs for batch in run_epoch(loader, epoch)])
+        told.append(sizes)
+    return per_rank, told
+
+
+@settings(database=None, max_examples=60, deadline=None)
+@given(
+    num_samples=st.integers(4, 40),
+    batch_sizes=st.lists(st.integers(1, 6), min_size=2, max_size=4),
+    changes=st.lists(st.tuples(st.integers(0, 12), st.lists(st.floats(0.1, 10), min_size=4, max_size=4)), max_size=3),
+    drop_last=st.booleans(),
+)
+def test_a_resplit_mid_epoch_keeps_every_sample_once_and_the_global_batches(
+    num_samples, batch_sizes, changes, drop_last
+):
+    world, global_batch = len(batch_sizes), sum(batch_sizes)
+    splits = {step: split_by_weights(global_batch, weights[:world]) for step, weights in changes}
+    unchanged, _ = run_epoch_with_resplits(num_samples, batch_sizes, {}, drop_last=drop_last)
+    changed, told = run_epoch_with_resplits(num_samples, batch_sizes, splits, drop_last=drop_last)
+    # Same steps, and each global batch (all ranks' slices in rank order) holds the same samples in the same order:
+    # the update of every step is the one the unchanged split would make.
+    assert len({len(batches) for batches in changed}) == 1 and len(changed[0]) == len(unchanged[0])
+    for step in range(len(unchanged[0])):
+        assert flat(rank[step] for rank in changed) == flat(rank[step] for rank in unchanged)
+        expected_split = batch_sizes
+        for start in sorted(k for k in splits if k <= step):
+            expected_split = splits[start]
+        sizes = [len(rank[step]) for rank in changed]
+        if sum(sizes) == global_batch:  # full batches carry the split in force (a short last one, its proportions)
+            assert sizes == list(expected_split)
+        assert [rank_told[step] for rank_told in told] == [(size, sum(sizes)) for size in sizes]
+    used = flat(flat(batches) for batches in changed)
+    assert len(used) == len(set(used))
+
+
+@pytest.mark.parametrize("persistent_workers", [False, True])
+def test_a_resplit_discards_the_workers_read_ahead(persistent_workers):
+    kwargs = {"num_workers": 2, "persistent_workers": persistent_workers, "prefetch_factor": 4}
+    splits = {3: [1, 7], 5: [6, 2], 12: [3, 5]}  # the last in the second epoch, over the same (persistent) workers
+    changed, _ = run_epoch_with_resplits(80, [4, 4], splits, epochs=(0, 1), **kwargs)
+    unchanged, _ = run_epoch_with_resplits(80, [4, 4], {}, epochs=(0, 1))
+    assert [len(batch) for batch in changed[0]] == [4, 4, 4, 1, 1, 6, 6, 6, 6, 6] + [6, 6, 3, 3, 3, 3, 3, 3, 3, 3]
+    assert [flat(step) for step in zip(*changed)] == [flat(step) for step in zip(*unchanged)]
+
+
+def test_use_split_refuses_another_world_size_or_global_batch():
+    sampler = rank_loaders(12, [2, 3])[0].hetero_batch_sampler
+    for bad in ([5], [2, 2], [0, 5], [1, 2, 2]):
+        with pytest.raises(ValueError, match="must give each of the 2 ranks at least one sample and sum to"):
+            sampler.use_split(bad)
+    sampler.use_split([4, 1])
+    assert sampler.batch_sizes == (4, 1)

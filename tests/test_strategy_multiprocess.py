@@ -330,3 +330,41 @@ def test_a_drift_schedule_slows_a_rank_from_the_given_step(tmp_path):
     fast, slow = run.result["emulated_delay"]
     assert fast == [0.0] * 4  # speed 1.0 throughout
     assert slow[:3] == [0.0, 0.0, 0.0] and slow[3] > 0.0, slow
+
+
+def test_a_resplit_mid_epoch_equals_one_process_and_a_checkpoint_after_it_resumes_with_its_split(tmp_path):
+    """Rank 1 slows down 5x at step 2; re-planning (every 3 steps) moves samples to rank 0 in the middle of epoch 0.
+
+    The global batches stay the same positions whatever the split, so the run must equal one process on them, use
+    every sample once per epoch, and a checkpoint taken after the re-split must resume with the split it recorded.
+    """
+    dataset = IndexedRegression(160)
+    steps = contiguous_steps(160, 16, 10) * 2  # two epochs in order
+    common = ["--samples", "160", "--batch-sizes", "8", "8", "--max-epochs", "2"]
+    common += ["--emulate-schedule", '{"0": [1, 1], "2": [1, 0.2]}']
+    common += ["--strategy-args", '{"rebalance": true, "rebalance_window": 3}']
+    first = run_fit(tmp_path / "first", *common, "--checkpoint-every", "8", "--monitor")
+    assert first.returncode == 0, first.output[-4000:]
+    log_dir = tmp_path / "first" / "csv" / "version_0"  # with a logger, the run's hetero/ is in its log_dir
+    run_report = json.loads((log_dir / "hetero" / "report.json").read_text())
+    splits = [tuple(step["batch_sizes"]) for step in run_report["steps"]]
+    replans = run_report["replans"]
+    assert replans and replans[0]["step"] == 6, (replans, splits)  # the first decision after two windows
+    assert splits[:6] == [(8, 8)] * 6 and splits[6][0] > 8, splits  # mid-epoch 0, towards the fast rank
+    for replan in replans:  # every rank switched at that step, to what the report says
+        assert splits[replan["step"]] == tuple(replan["batch_sizes"]) and replan["predicted_gain"] >= 0.05
+    seen = first.result["seen"]
+    assert sorted(sum(seen, [])) == sorted(list(range(160)) * 2)  # each sample once per epoch
+    assert max_param_difference(first.result, reference_training(dataset, steps)) <= TOLERANCE
+    with open(log_dir / "metrics.csv") as metrics_file:
+        logged = [row for row in csv.DictReader(metrics_file) if row.get("hetero/replan_predicted_gain")]
+    assert [int(row["step"]) for row in logged] == [replan["step"] for replan in replans]
+
+    (checkpoint,) = [path for path in (tmp_path / "first" / "ckpt").iterdir() if "step=8" in path.name]
+    resumed = run_fit(tmp_path / "resumed", *common, "--ckpt-path", str(checkpoint))
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    resumed_report = json.loads((tmp_path / "resumed" / "hetero" / "report.json").read_text())
+    assert tuple(resumed_report["steps"][0]["batch_sizes"]) == splits[8]  # the checkpoint's split, not [8, 8]
+    assert "resumes with the checkpoint's micro-batches" in resumed.output
+    assert sorted(sum(resumed.result["seen"], [])) == sorted([*range(8 * 16, 160), *range(160)])
+    assert max_param_difference(resumed.result, reference_training(dataset, steps)) <= TOLERANCE

@@ -75,17 +75,21 @@ def test_run_watch_exchanges_every_window_and_at_the_end():
         slower = [{**record, "compute_seconds": record["compute_seconds"] * 2} for record in records]
         return [records, slower]
 
-    for _ in range(7):  # Lightning's order: the loader fetches, then training_step starts
-        watch.meter.fetch_started()
+    exchanged = []
+    for _ in range(7):  # the loader calls before_fetch, then the batch goes through the training step
+        exchanged.append(watch.before_fetch(all_gather))
         watch.meter.batch_ready(4)
-        watch.before_training_step(all_gather)
         clocks.advance(compute=0.001, wall=0.001)
         watch.meter.backward_ended()
+        clocks.advance(wall=0.5)  # callbacks, validation: not part of the step; the exchange is not either
     steps = watch.finish(all_gather)
-    # Exchanges at the 3rd and 6th training step (the records closed by then: a step closes at the next fetch),
-    # and the rest at the end.
-    assert calls == [2, 3, 2]
+    # Exchanges before the 4th and 7th fetch, of the 3 steps completed since the last (the step before a fetch is
+    # closed first), and the last one at the end.
+    assert exchanged == [False, False, False, True, False, False, True]
+    assert calls == [3, 3, 1]
+    assert watch.fetched == 7
     assert [step["step"] for step in steps] == list(range(7))
+    assert all(step["step_seconds"] == pytest.approx(0.001) for step in steps)
     assert steps[0]["compute_seconds"] == [pytest.approx(0.001), pytest.approx(0.002)]
     assert steps[0]["batch_sizes"] == [4, 4]
 

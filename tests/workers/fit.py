@@ -153,6 +153,7 @@ def main() -> None:
     parser.add_argument("--loader-in-hook", action="store_true", help="the model's train_dataloader() builds it")
     parser.add_argument("--samples-on-rank-1", type=int, help="a different training set length on rank 1")
     parser.add_argument("--seed-per-rank", action="store_true", help="seed_everything(7 + rank)")
+    parser.add_argument("--strategy-args", help="JSON: more HeteroStrategy arguments (every rank)")
     parser.add_argument("--rank-1-strategy-args", help="JSON: strategy arguments that rank 1 alone is given")
     parser.add_argument("--config-by-rank", help="JSON list: rank r's DeepSpeed config (to provoke a mismatch)")
     args = parser.parse_args()
@@ -180,6 +181,8 @@ def main() -> None:
         strategy_kwargs["loss_reduction"] = args.loss_reduction
     if args.config_by_rank:
         strategy_kwargs["config"] = json.loads(args.config_by_rank)[rank]
+    if args.strategy_args:
+        strategy_kwargs.update(json.loads(args.strategy_args))
     if args.rank_1_strategy_args and rank == 1:
         strategy_kwargs.update(json.loads(args.rank_1_strategy_args))
     callbacks = [WriteResult(args.out), RecordEmulatedDelay()]

@@ -1,0 +1,250 @@
+"""The re-plan decision (lightning_hetero.replan): pure functions fed synthetic, noisy measurements.
+
+The simulator plays a job: each step every rank computes for its true cost at its micro-batch, times a random
+noise factor (and now and then a large outlier: a garbage collection, a page fault); every ``window`` steps the
+rebalancer sees every step so far, as the ranks do after an exchange, and may switch the split from the next step.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from lightning_hetero.plan import CostModel, plan_min_max, predicted_step_time, split_by_weights
+from lightning_hetero.replan import (
+    MIN_INTERVAL_WINDOWS,
+    Rebalancer,
+    check_rebalance_arguments,
+    decide_split,
+    gain_uncertainty,
+    refit_cost_models,
+    weighted_median,
+)
+
+WINDOW = 20
+
+
+def simulate(truth, rebalancer, steps, seed, noise=0.15, outliers=0.03):
+    """Run ``steps`` steps; ``truth(step)`` gives every rank's true CostModel. Returns the rebalancer's replans."""
+    rng = random.Random(seed)
+    history = []
+    for step in range(steps):
+        if step and step % rebalancer.window == 0:
+            rebalancer.consider(history, step)
+        costs = truth(step)
+        compute = []
+        for cost, size in zip(costs, rebalancer.split):
+            factor = rng.lognormvariate(0, noise) * (rng.uniform(3, 10) if rng.random() < outliers else 1)
+            compute.append(cost.time(size) * factor)
+        history.append({"step": step, "batch_sizes": list(rebalancer.split), "compute_seconds": compute})
+    return rebalancer.replans
+
+
+def equal(world, global_batch=64):
+    return tuple(split_by_weights(global_batch, [1] * world))
+
+
+def relative_to_best(truth_costs, split):
+    """How much slower (predicted, noise-free) ``split`` is than the best split for the true costs."""
+    best = plan_min_max(truth_costs, sum(split)).predicted_step_time
+    return predicted_step_time(truth_costs, split) / best - 1
+
+
+# ---------------------------------------------------------------------------------------------- building blocks
+
+
+def test_weighted_median_is_the_middle_of_the_weight():
+    assert weighted_median([3.0, 1.0, 2.0], [1, 1, 1]) == 2.0
+    assert weighted_median([1.0, 100.0], [1, 1]) == 1.0  # an exact tie takes the lower value
+    assert weighted_median([1.0, 2.0, 50.0], [1, 1, 3]) == 50.0  # enough weight moves it
+    assert weighted_median([1.0, 1.1, 0.9, 1000.0], [1, 1, 1, 1]) == 1.0  # an outlier does not
+    with pytest.raises(ValueError, match="as many weights as values"):
+        weighted_median([], [])
+
+
+def test_refit_keeps_the_shape_and_scales_to_what_was_measured():
+    base = [CostModel(0.01, 0.001, max_batch=40), CostModel(0.0, 0.002)]
+    # Rank 0 measured twice its model (an outlier step too), rank 1 its model exactly.
+    steps = [
+        {"step": i, "batch_sizes": [10, 6], "compute_seconds": [2 * base[0].time(10), base[1].time(6)]}
+        for i in range(9)
+    ] + [{"step": 9, "batch_sizes": [10, 6], "compute_seconds": [50.0, base[1].time(6)]}]
+    refit = refit_cost_models(base, steps, WINDOW)
+    assert refit[0].cost == CostModel(0.02, 0.002, max_batch=40)
+    assert refit[1].cost.per_sample == pytest.approx(0.002) and refit[1].cost.fixed == 0.0
+    assert refit[0].relative_error == 0.0  # all but the outlier agree exactly
+
+
+def test_the_noise_margin_grows_with_the_spread_and_shrinks_with_more_steps():
+    base = [CostModel(0.0, 1.0)] * 2
+    rng = random.Random(0)
+
+    def margin(spread, count):
+        steps = [
+            {"step": i, "batch_sizes": [1, 1], "compute_seconds": [rng.lognormvariate(0, spread) for _ in range(2)]}
+            for i in range(count)
+        ]
+        return gain_uncertainty(refit_cost_models(base, steps, window=10**9))  # no decay: plain sample size
+
+    assert margin(0.0, 40) == 0.0
+    assert 0.5 * 3 * 0.2 * 1.25 * 2**0.5 / 40**0.5 < margin(0.2, 40) < 2 * 3 * 0.2 * 1.25 * 2**0.5 / 40**0.5
+    assert margin(0.4, 40) > margin(0.2, 40) > margin(0.2, 400)
+
+
+def test_refit_needs_a_measured_step_on_every_rank():
+    base = [CostModel(0.0, 1.0)] * 2
+    assert refit_cost_models(base, [], WINDOW) is None
+    skipped = [{"step": 0, "batch_sizes": [4, 4], "compute_seconds": [0.01, 0.0]}]  # rank 1 ran no backward
+    assert refit_cost_models(base, skipped, WINDOW) is None
+
+
+def test_recent_steps_outweigh_older_ones_one_window_after_a_change():
+    base = [CostModel(0.0, 1.0)]
+    old = [{"step": i, "batch_sizes": [1], "compute_seconds": [1.0]} for i in range(2 * WINDOW)]
+    new = [{"step": 2 * WINDOW + i, "batch_sizes": [1], "compute_seconds": [3.0]} for i in range(WINDOW)]
+    # A few steps of a new level are outliers; a window of them is a drift, and the older steps no longer count.
+    assert refit_cost_models(base, old + new[:3], WINDOW)[0].cost.per_sample == 1.0
+    assert refit_cost_models(base, old + new, WINDOW)[0].cost.per_sample == 3.0
+    rng = random.Random(1)
+    noisy = [{**step, "compute_seconds": [rng.lognormvariate(0, 0.3)]} for step in old]
+    shifted = [{**step, "compute_seconds": [1.03 * rng.lognormvariate(0, 0.3)]} for step in new]
+    # A shift within the noise is no drift: old and new steps are pooled (the weighted median of all of them).
+    ratios = [step["compute_seconds"][0] for step in reversed(noisy + shifted)]
+    pooled = weighted_median(ratios, [0.5 ** (age / WINDOW) for age in range(len(ratios))])
+    assert refit_cost_models(base, noisy + shifted, WINDOW)[0].cost.per_sample == pooled
+
+
+def test_decide_split_switches_only_for_a_gain_at_or_above_the_threshold():
+    costs = [CostModel(0.0, 1.0), CostModel(0.0, 1.25)]
+    # Equal split: 40 * 1.25 = 50; best [44, 36]: max(44, 45) = 45, a gain of 50 / 45 - 1 = 11.1 %.
+    assert decide_split(costs, (40, 40), threshold=0.12) is None
+    split, gain = decide_split(costs, (40, 40), threshold=0.11)
+    assert split == (45, 35) and gain == pytest.approx(50 / 45 - 1)  # (44, 36) is as fast, its other rank slower
+    assert decide_split(costs, (45, 35), threshold=0.0) is None  # already the best split
+    assert decide_split(costs, (40, 40), threshold=0.05, margin=0.07) is None  # the noise margin comes on top
+
+
+def test_a_split_over_a_memory_ceiling_is_always_left():
+    costs = [CostModel(0.0, 1.0), CostModel(0.0, 1.0, max_batch=10)]
+    split, gain = decide_split(costs, (20, 20), threshold=1e9)
+    assert split == (30, 10) and gain == float("inf")
+
+
+@pytest.mark.parametrize(
+    ("rebalance", "window", "threshold", "message"),
+    [
+        ("yes", 20, 0.05, "`rebalance='yes'` must be True, False or None"),
+        (None, 0, 0.05, "`rebalance_window=0` must be a positive integer"),
+        (None, 2.5, 0.05, "`rebalance_window=2.5` must be a positive integer"),
+        (None, True, 0.05, "`rebalance_window=True` must be a positive integer"),
+        (None, 20, -0.1, "`rebalance_threshold=-0.1` must be a finite number >= 0"),
+        (None, 20, float("nan"), "`rebalance_threshold=nan` must be a finite number >= 0"),
+        (None, 20, "5%", "`rebalance_threshold='5%'` must be a finite number >= 0"),
+    ],
+)
+def test_bad_rebalance_arguments_are_named(rebalance, window, threshold, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_rebalance_arguments(rebalance, window, threshold)
+
+
+def test_good_rebalance_arguments_pass():
+    for rebalance in (None, True, False):
+        check_rebalance_arguments(rebalance, 1, 0)
+        check_rebalance_arguments(rebalance, 50, 0.2)
+
+
+# ---------------------------------------------------------------------------------------------- the decision
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("seed", range(8))
+def test_identical_ranks_keep_the_equal_split_under_noise(world, seed):
+    truth = [CostModel(0.002, 0.001)] * world
+    # The starting models disagree by up to 30 %, as a one-second profile of identical devices can.
+    rng = random.Random(seed)
+    base = [CostModel(0.002 * rng.uniform(0.7, 1.3), 0.001 * rng.uniform(0.7, 1.3)) for _ in range(world)]
+    rebalancer = Rebalancer(base, equal(world), window=WINDOW, threshold=0.05)
+    assert simulate(lambda step: truth, rebalancer, steps=2000, seed=seed, noise=0.25, outliers=0.05) == []
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_misread_split_moves_to_the_truth_within_a_few_windows_and_stays(seed):
+    truth = [CostModel(0.001, 0.001), CostModel(0.001, 0.0025), CostModel(0.002, 0.0012)]
+    # The profile got the shape wrong too (no fixed part at all) and the speeds backwards.
+    base = [CostModel(0.0, 0.002), CostModel(0.0, 0.001), CostModel(0.0, 0.001)]
+    start = plan_min_max(base, 96).batch_sizes
+    rebalancer = Rebalancer(base, start, window=WINDOW, threshold=0.05)
+    replans = simulate(lambda step: truth, rebalancer, steps=1500, seed=seed)
+    assert 1 <= len(replans) <= 3
+    assert replans[-1].step <= 6 * WINDOW  # within a few windows
+    # At the truth's best split, up to the dead band (the threshold plus the noise margin, a few per cent here).
+    assert relative_to_best(truth, rebalancer.split) < 0.10
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_drift_is_followed_and_the_split_stays_after_it(seed):
+    before, after = [CostModel(0.001, 0.001)] * 2, [CostModel(0.001, 0.001), CostModel(0.0025, 0.0025)]
+    drift_at = 400
+
+    def truth(step):
+        return before if step < drift_at else after
+
+    rebalancer = Rebalancer([CostModel(0.001, 0.001)] * 2, equal(2), window=WINDOW, threshold=0.05)
+    replans = simulate(truth, rebalancer, steps=1600, seed=seed)
+    assert [replan.step for replan in replans if replan.step <= drift_at] == []
+    assert 1 <= len(replans) <= 2
+    assert replans[0].step == drift_at + WINDOW  # the first exchange after the drift
+    assert relative_to_best(after, replans[0].batch_sizes) < 0.10  # the newest window alone decided
+    assert relative_to_best(after, rebalancer.split) < 0.10
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_switches_are_never_closer_than_the_minimum_interval(seed):
+    # An adversary: the slow rank alternates every window, so there is always a gain to chase.
+    slow, fast = CostModel(0.0, 0.004), CostModel(0.0, 0.001)
+
+    def truth(step):
+        return [slow, fast] if (step // WINDOW) % 2 else [fast, slow]
+
+    rebalancer = Rebalancer([fast, fast], equal(2), window=WINDOW, threshold=0.05)
+    replans = simulate(truth, rebalancer, steps=1000, seed=seed)
+    steps = [0] + [replan.step for replan in replans]
+    assert replans and all(b - a >= MIN_INTERVAL_WINDOWS * WINDOW for a, b in zip(steps, steps[1:]))
+
+
+def test_memory_ceilings_are_respected_whatever_the_measurements():
+    truth = [CostModel(0.0, 0.0001, max_batch=12), CostModel(0.0, 0.01)]  # rank 0 100x faster but small
+    rebalancer = Rebalancer(truth, (12, 52), window=WINDOW, threshold=0.0)
+    simulate(lambda step: truth, rebalancer, steps=400, seed=0, noise=0.5)
+    assert all(replan.batch_sizes[0] <= 12 for replan in rebalancer.replans)
+    assert rebalancer.split == (12, 52)
+
+
+def test_every_rank_takes_the_same_decisions_from_the_exchanged_steps():
+    truth = [CostModel(0.001, 0.001), CostModel(0.001, 0.003)]
+    base = [CostModel(0.001, 0.001)] * 2
+    ranks = [Rebalancer(base, equal(2), window=WINDOW) for _ in range(2)]
+    rng = random.Random(5)
+    history = []
+    for step in range(600):
+        if step and step % WINDOW == 0:
+            # Each rank decides on its own copy of the gathered numbers, as they arrive through the gather (pickled).
+            decisions = [rank.consider(json.loads(json.dumps(history)), step) for rank in ranks]
+            assert decisions[0] == decisions[1]
+        compute = [c.time(b) * rng.lognormvariate(0, 0.2) for c, b in zip(truth, ranks[0].split)]
+        history.append({"step": step, "batch_sizes": list(ranks[0].split), "compute_seconds": compute})
+    assert ranks[0].replans == ranks[1].replans and ranks[0].replans
+
+
+def test_adopting_a_checkpoints_split_restarts_the_interval():
+    rebalancer = Rebalancer([CostModel(0.0, 1.0)] * 2, (8, 8), window=WINDOW)
+    rebalancer.adopt((10, 6), step=0)
+    assert rebalancer.split == (10, 6) and rebalancer.replans == []
+    steps = [{"step": i, "batch_sizes": [10, 6], "compute_seconds": [10.0, 30.0]} for i in range(2 * WINDOW)]
+    assert rebalancer.consider(steps[:WINDOW], WINDOW) is None  # too early after adopting
+    replan = rebalancer.consider(steps, 2 * WINDOW)
+    # Rank 0 takes 1 s per sample, rank 1 5 s: (14, 2) takes max(14, 10) = 14 s instead of max(10, 30).
+    assert replan is not None and replan.step == 2 * WINDOW and replan.batch_sizes == (14, 2)
+    assert replan.to_dict() == {"step": 40, "batch_sizes": [14, 2], "predicted_gain": pytest.approx(30 / 14 - 1)}
