@@ -9,13 +9,14 @@ checkpoint takes up the split the checkpoint recorded first, when re-planning is
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import time
+from typing import Callable, Optional
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_hetero.data import HeteroDataLoader
 from lightning_hetero.replan import Rebalancer, Replan
-from lightning_hetero.watch import RunWatch
+from lightning_hetero.watch import RunWatch, TensorGather
 
 
 class SplitFollower:
@@ -28,7 +29,7 @@ class SplitFollower:
     def __init__(
         self,
         watch: RunWatch,
-        all_gather: Callable[[Any], list[Any]],
+        all_gather: TensorGather,
         rebalancer: Optional[Rebalancer],
         on_switch: Callable[[tuple[int, ...]], None],
     ) -> None:
@@ -37,26 +38,32 @@ class SplitFollower:
         self._all_gather = all_gather
         self._on_switch = on_switch
         self.loader: Optional[HeteroDataLoader] = None
+        self.decision_seconds = 0.0  # what deciding cost this rank (the run report counts it with the exchanges)
 
     @property
     def replans(self) -> list[Replan]:
         return self.rebalancer.replans if self.rebalancer is not None else []
 
     def before_fetch(self) -> None:
-        exchanged = self.watch.before_fetch(self._all_gather)
+        if self.loader is not None and self.rebalancer is not None:
+            restored = self.loader.take_checkpoint_split()
+            if restored is not None:
+                self._resume_with(restored)
+        self.watch.before_fetch(self._all_gather, after_exchange=self._decide)
+
+    def _decide(self) -> None:
+        """Right after an exchange: every rank holds the same steps and takes the same decision."""
         if self.loader is None or self.rebalancer is None:
             return
-        restored = self.loader.take_checkpoint_split()
-        if restored is not None:
-            self._resume_with(restored)
-        if exchanged:
-            replan = self.rebalancer.consider(self.watch.steps, self.watch.fetched - 1)
-            if replan is not None:
-                rank_zero_info(
-                    f"HeteroStrategy re-plan before step {replan.step}: micro-batches {list(replan.batch_sizes)}"
-                    f" (predicted {replan.predicted_gain:.0%} faster than {list(self._current())})"
-                )
-                self._switch(replan.batch_sizes)
+        started = time.perf_counter()
+        replan = self.rebalancer.consider(self.watch.steps, self.watch.fetched)  # the step about to be fetched
+        if replan is not None:
+            rank_zero_info(
+                f"HeteroStrategy re-plan before step {replan.step}: micro-batches {list(replan.batch_sizes)}"
+                f" (predicted {replan.predicted_gain:.0%} faster than {list(self._current())})"
+            )
+            self._switch(replan.batch_sizes)
+        self.decision_seconds += time.perf_counter() - started
 
     def _resume_with(self, split: tuple[int, ...]) -> None:
         """Take up the checkpoint's split if it fits this job (same world size and global batch); else re-plan on."""
@@ -64,7 +71,7 @@ class SplitFollower:
         current = self._current()
         if split == current or len(split) != len(current) or sum(split) != sum(current):
             return
-        self.rebalancer.adopt(split, self.watch.fetched - 1)
+        self.rebalancer.adopt(split, self.watch.fetched)  # from the step about to be fetched
         self._switch(split)
         rank_zero_info(f"HeteroStrategy resumes with the checkpoint's micro-batches {list(split)}")
 

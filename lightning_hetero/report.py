@@ -18,7 +18,7 @@ At the end of fit rank 0 writes into the run's ``hetero/`` directory:
         {"step": k, "batch_sizes": [...], "predicted_gain": g}, ...],
       "summary": {"steps": n, "samples_per_second": x, "balance_efficiency_start": a,
                   "balance_efficiency_end": b, "replans": r,
-                  "measurement_share": m}  # rank 0's time in the exchanges of records / the run's step time
+                  "measurement_share": m}  # rank 0's time exchanging records and deciding re-plans / step time
     }
 
 ``report.png``: each rank's compute time per step and its share of the global batch, re-plans marked.
@@ -99,6 +99,15 @@ def write_report(report: dict[str, Any], directory: Path) -> tuple[Path, Path]:
     return json_path, png_path
 
 
+def _axis_top(values: list[float]) -> Optional[float]:
+    """A y-axis limit that shows the bulk of ``values``; None when no value lies far above it."""
+    if len(values) < 20:
+        return None
+    ordered = sorted(values)
+    top = 1.5 * ordered[int(0.98 * (len(ordered) - 1))]
+    return top if ordered[-1] > top > 0 else None
+
+
 def _plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -109,12 +118,24 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     world_size = report["world_size"]
     x = [step["step"] for step in steps]
     figure, (compute_axis, share_axis) = plt.subplots(2, 1, sharex=True, figsize=(9, 6), constrained_layout=True)
+    compute_ms = [[step["compute_seconds"][rank] * 1e3 for step in steps] for rank in range(world_size)]
     for rank in range(world_size):
-        compute_axis.plot(x, [step["compute_seconds"][rank] * 1e3 for step in steps], label=f"rank {rank}", lw=1)
+        compute_axis.plot(x, compute_ms[rank], label=f"rank {rank}", lw=1)
     compute_axis.set_ylabel("compute per step (ms)")
     compute_axis.set_title("Each rank's compute per training step: balanced when the lines meet")
-    shares = [[step["batch_sizes"][rank] / sum(step["batch_sizes"]) for step in steps] for rank in range(world_size)]
-    share_axis.stackplot(x, shares, labels=[f"rank {rank}" for rank in range(world_size)], alpha=0.8)
+    top = _axis_top([value for values in compute_ms for value in values])
+    if top is not None:
+        # One outlier step (a garbage collection, a page fault) would flatten every line: leave it off the axis.
+        above = sum(value > top for values in compute_ms for value in values)
+        compute_axis.set_ylim(0, top)
+        label = f"{above} outlier{'' if above == 1 else 's'} above the axis"
+        compute_axis.annotate(label, (0.01, 0.97), xycoords="axes fraction", va="top", fontsize="small")
+    bottom = [0.0] * len(steps)
+    for rank in range(world_size):  # stacked shares, constant within a step (a re-plan is a step change)
+        share = [step["batch_sizes"][rank] / sum(step["batch_sizes"]) for step in steps]
+        top_edge = [low + part for low, part in zip(bottom, share)]
+        share_axis.fill_between(x, bottom, top_edge, step="post", alpha=0.8, label=f"rank {rank}")
+        bottom = top_edge
     share_axis.set_ylim(0, 1)
     share_axis.set_ylabel("share of the global batch")
     share_axis.set_xlabel("training step")

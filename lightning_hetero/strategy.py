@@ -322,7 +322,9 @@ class HeteroStrategy(DeepSpeedStrategy):
             profiled = gathered[self.global_rank]["profile"] is not None
             self.profiles = [RankProfile.from_dict(e["profile"]) for e in gathered] if profiled else None
             self.plan, self.prediction = self._decide_split(global_batch_size)
-            self._follower = SplitFollower(self._watch, self._all_gather, self._make_rebalancer(), self._use_split)
+            self._follower = SplitFollower(
+                self._watch, self._all_gather_tensor, self._make_rebalancer(), self._use_split
+            )
 
         micro_batch = self.plan.batch_sizes[self.global_rank] if self.plan is not None else 1
         self.config["train_micro_batch_size_per_gpu"] = micro_batch
@@ -513,6 +515,14 @@ class HeteroStrategy(DeepSpeedStrategy):
         )
         return profile.to_dict()
 
+    def _all_gather_tensor(self, tensor: Tensor) -> list[Tensor]:
+        """Every rank's ``tensor`` (the same shape and dtype on every rank), in rank order."""
+        if self.world_size == 1:
+            return [tensor]
+        gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        torch.distributed.all_gather(gathered, tensor)
+        return gathered
+
     def _all_gather(self, obj: Any) -> list[Any]:
         if self.world_size == 1:
             return [obj]
@@ -679,15 +689,14 @@ class HeteroStrategy(DeepSpeedStrategy):
     def on_train_end(self) -> None:
         """Every rank hands in its last records; rank 0 writes the run report and prints its summary."""
         super().on_train_end()
-        steps = self._watch.finish(self._all_gather)
+        steps = self._watch.finish(self._all_gather_tensor)
         assert self.lightning_module is not None
         trainer = self.lightning_module.trainer
         directory = Path(trainer.log_dir or trainer.default_root_dir) / PLAN_DIRNAME  # log_dir broadcasts: all ranks
         if not self.is_global_zero:
             return
-        run_report = report.build_report(
-            steps, self.replans, self.world_size, exchange_seconds=self._watch.exchange_seconds
-        )
+        measuring = self._watch.exchange_seconds + (self._follower.decision_seconds if self._follower else 0.0)
+        run_report = report.build_report(steps, self.replans, self.world_size, exchange_seconds=measuring)
         json_path, png_path = report.write_report(run_report, directory)
         rank_zero_info(f"{report.summary_text(run_report)}\nwritten to {json_path} and {png_path.name}")
 

@@ -13,11 +13,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
 
 # Steps between two exchanges of the ranks' records (one small gather each).
 WINDOW = 20
+# A gatherer of one float64 tensor per rank (the same shape on every rank), e.g. torch.distributed.all_gather.
+TensorGather = Callable[[Tensor], list[Tensor]]
 
 
 @dataclass(frozen=True)
@@ -105,26 +110,43 @@ class RunWatch:
         self.exchange_seconds = 0.0
         self.fetched = 0  # training batches fetched so far in this fit: the index of the step about to start
 
-    def before_fetch(self, all_gather: Callable[[Any], list[Any]]) -> bool:
-        """Close the previous step, exchange every ``window`` steps, open the next; True when an exchange ran."""
+    def before_fetch(self, all_gather: TensorGather, after_exchange: Optional[Callable[[], None]] = None) -> bool:
+        """Close the previous step, exchange every ``window`` steps (then call ``after_exchange``), open the next.
+
+        True when an exchange ran. Both happen between two steps' measurements: their cost is counted apart.
+        """
         self.meter.training_ended()
         exchanged = self.fetched > 0 and self.fetched % self.window == 0
         if exchanged:
-            self._exchange(all_gather)  # outside any step's measurement: its cost is counted apart
+            self._exchange(all_gather)
+            if after_exchange is not None:
+                after_exchange()
         self.meter.fetch_started()
         self.fetched += 1
         return exchanged
 
-    def finish(self, all_gather: Callable[[Any], list[Any]]) -> list[dict[str, Any]]:
+    def finish(self, all_gather: TensorGather) -> list[dict[str, Any]]:
         self.meter.training_ended()
         self._exchange(all_gather)
         return self.steps
 
-    def _exchange(self, all_gather: Callable[[Any], list[Any]]) -> None:
+    def _exchange(self, all_gather: TensorGather) -> None:
+        # One tensor collective: every rank holds as many records as the others (one per fetched batch), so the
+        # shapes agree; no pickling, as an object gather would need.
         start = time.perf_counter()
-        gathered = all_gather([asdict(record) for record in self.meter.take()])
-        self.steps.extend(job_steps([[StepRecord(**record) for record in rank] for rank in gathered]))
+        gathered = all_gather(pack_records(self.meter.take()))
+        self.steps.extend(job_steps([unpack_records(packed) for packed in gathered]))
         self.exchange_seconds += time.perf_counter() - start
+
+
+def pack_records(records: Sequence[StepRecord]) -> Tensor:
+    """Records as one ``[n, 4]`` float64 tensor (step, batch size, compute, step seconds) for a tensor gather."""
+    rows = [[record.step, record.batch_size, record.compute_seconds, record.step_seconds] for record in records]
+    return torch.tensor(rows, dtype=torch.float64).reshape(len(records), 4)
+
+
+def unpack_records(packed: Tensor) -> list[StepRecord]:
+    return [StepRecord(int(step), int(size), compute, seconds) for step, size, compute, seconds in packed.tolist()]
 
 
 def balance_efficiency(compute_seconds: Sequence[float]) -> float:

@@ -5,9 +5,19 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from lightning_hetero import report
-from lightning_hetero.watch import RunWatch, StepMeter, StepRecord, balance_efficiency, job_steps, step_metrics
+from lightning_hetero.watch import (
+    RunWatch,
+    StepMeter,
+    StepRecord,
+    balance_efficiency,
+    job_steps,
+    pack_records,
+    step_metrics,
+    unpack_records,
+)
 
 
 class FakeClocks:
@@ -70,10 +80,11 @@ def test_run_watch_exchanges_every_window_and_at_the_end():
     watch = RunWatch(make_meter(clocks), window=3)
     calls = []
 
-    def all_gather(records):  # two ranks; the other one a bit slower
-        calls.append(len(records))
-        slower = [{**record, "compute_seconds": record["compute_seconds"] * 2} for record in records]
-        return [records, slower]
+    def all_gather(packed):  # two ranks; the other one a bit slower
+        calls.append(len(packed))
+        slower = packed.clone()
+        slower[:, 2] *= 2  # compute seconds
+        return [packed, slower]
 
     exchanged = []
     for _ in range(7):  # the loader calls before_fetch, then the batch goes through the training step
@@ -92,6 +103,14 @@ def test_run_watch_exchanges_every_window_and_at_the_end():
     assert all(step["step_seconds"] == pytest.approx(0.001) for step in steps)
     assert steps[0]["compute_seconds"] == [pytest.approx(0.001), pytest.approx(0.002)]
     assert steps[0]["batch_sizes"] == [4, 4]
+
+
+def test_records_travel_as_one_float64_tensor_exactly():
+    records = [StepRecord(0, 7, 0.0123456789, 0.02), StepRecord(1, 300, 1e-6, 2.5)]
+    packed = pack_records(records)
+    assert packed.dtype == torch.float64 and packed.shape == (2, 4)
+    assert unpack_records(packed) == records
+    assert pack_records([]).shape == (0, 4) and unpack_records(pack_records([])) == []
 
 
 def test_job_steps_refuses_ranks_with_different_step_counts():
