@@ -1,7 +1,8 @@
 """HeteroStrategy: Lightning's DeepSpeedStrategy with a per-rank micro-batch, on CPU and CUDA.
 
 Thin orchestration: the split comes from :mod:`lightning_hetero.plan`, each rank's DeepSpeed config from
-:mod:`lightning_hetero.configure`, the data order from :mod:`lightning_hetero.data`. What this class adds to the
+:mod:`lightning_hetero.configure`, the data order from :mod:`lightning_hetero.data`, the measurements and re-plans
+during training from :mod:`lightning_hetero.watch` and :mod:`lightning_hetero.rebalance`. What this class adds to the
 parent is where those are called, the collectives that check the ranks agree, and three corrections that unequal
 batches need: the loss weight, the sample-weighted ``sync_dist`` mean, and sampling that respects the user's order.
 """

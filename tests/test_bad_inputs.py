@@ -40,6 +40,9 @@ CONSTRUCTOR = [
     ({"emulate_speeds": [1.0, 1.5]}, "`emulate_speeds=[1.0, 1.5]` holds [1.5]"),
     ({"emulate_speeds": [1.0, 0]}, "`emulate_speeds=[1.0, 0]` holds [0]"),
     ({"loss_reduction": "avg"}, "`loss_reduction='avg'` is not one of ['mean', 'sum']"),
+    ({"rebalance": "auto"}, "`rebalance='auto'` must be True, False or None"),
+    ({"rebalance_window": 0}, "`rebalance_window=0` must be a positive integer"),
+    ({"rebalance_threshold": -0.05}, "`rebalance_threshold=-0.05` must be a finite number >= 0"),
 ]
 
 DEEPSPEED_CONFIG = [
