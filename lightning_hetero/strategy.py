@@ -517,12 +517,16 @@ class HeteroStrategy(DeepSpeedStrategy):
         return profile.to_dict()
 
     def _all_gather_tensor(self, tensor: Tensor) -> list[Tensor]:
-        """Every rank's ``tensor`` (the same shape and dtype on every rank), in rank order."""
+        """Every rank's ``tensor`` (the same shape and dtype on every rank), in rank order, on the CPU.
+
+        Gathered on this rank's device: NCCL, the CUDA backend, only moves CUDA tensors (gloo takes either).
+        """
         if self.world_size == 1:
             return [tensor]
-        gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        torch.distributed.all_gather(gathered, tensor)
-        return gathered
+        local = tensor.to(self.root_device)
+        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
+        torch.distributed.all_gather(gathered, local)
+        return [part.cpu() for part in gathered]
 
     def _all_gather(self, obj: Any) -> list[Any]:
         if self.world_size == 1:
