@@ -676,7 +676,8 @@ def test_a_resplit_mid_epoch_keeps_every_sample_once_and_the_global_batches(
 
 @pytest.mark.parametrize("persistent_workers", [False, True])
 def test_a_resplit_discards_the_workers_read_ahead(persistent_workers):
-    kwargs = {"num_workers": 2, "persistent_workers": persistent_workers, "prefetch_factor": 4}
+    # DataLoader's own timeout bounds each batch fetched from the worker processes: a hang fails the test.
+    kwargs = {"num_workers": 2, "persistent_workers": persistent_workers, "prefetch_factor": 4, "timeout": 60}
     splits = {3: [1, 7], 5: [6, 2], 12: [3, 5]}  # the last in the second epoch, over the same (persistent) workers
     changed, _ = run_epoch_with_resplits(80, [4, 4], splits, epochs=(0, 1), **kwargs)
     unchanged, _ = run_epoch_with_resplits(80, [4, 4], {}, epochs=(0, 1))
