@@ -35,6 +35,7 @@ class StopOnSigterm:
         self._device = device
         self._trainer: Any = None
         self.requested = False
+        self._agreed = False
 
     def install(self, trainer: Any) -> None:
         """Take the place of Lightning's SIGTERM notifier and of its per-step broadcast of rank 0's flag.
@@ -43,7 +44,7 @@ class StopOnSigterm:
         ``_sigterm_notifier_fn`` at that moment, so the instance attribute set here is what it registers.
         """
         self._trainer = trainer
-        self.requested = False
+        self.requested = self._agreed = False
         trainer._signal_connector._sigterm_notifier_fn = self.on_sigterm
         # Lightning calls this at the start of every training step on every rank (when the world has several ranks).
         trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self.stop_if_any_rank_was_signalled
@@ -60,7 +61,15 @@ class StopOnSigterm:
         self._all_reduce_max(flag)
         if flag.item():
             self._trainer._signal_connector.received_sigterm = True  # what callbacks read
+            self._agreed = True
             raise SIGTERMException(EXIT_CODE_INTERRUPTED)
+
+    def stopped_every_rank(self, exception: BaseException) -> bool:
+        """Whether ``exception`` is the stop a SIGTERM caused on every rank at the same step boundary (so that all
+        of them can still save a checkpoint together)."""
+        if not isinstance(exception, SIGTERMException) or self._trainer is None:
+            return False
+        return self._agreed or (self._trainer.world_size == 1 and self.requested)
 
 
 def exit_code_for(exception: BaseException) -> None:

@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional, TypeVar, Union
 import psutil
 import torch
 import torch.distributed
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
@@ -27,13 +28,13 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, SequentialSampler
 from typing_extensions import override
 
-from lightning_hetero import failures, quiet, report
+from lightning_hetero import checkpoint, elastic, failures, liveness, quiet, report
 from lightning_hetero.arguments import check_loss_reduction, check_stage
 from lightning_hetero.configure import (
     check_user_config,
@@ -43,6 +44,7 @@ from lightning_hetero.configure import (
     rank_config,
 )
 from lightning_hetero.data import (
+    STATE_SAMPLES_CONSUMED,
     HeteroDataLoader,
     describe_order,
     describe_unsupported_loader,
@@ -113,6 +115,10 @@ class HeteroStrategy(DeepSpeedStrategy):
         rebalance_window: training steps between two exchanges of the ranks' measurements (default 20): the
             re-plan decisions, the run report's and the HeteroMonitor's updates happen at that rhythm.
         rebalance_threshold: the predicted gain a new split needs over the current one (default 0.05: 5 % faster).
+        peer_timeout: seconds without a heartbeat from a rank after which the others stop, naming it, with exit code
+            75 (default 30; see :mod:`lightning_hetero.liveness`). A rank that is busy (a long checkpoint write,
+            profiling) keeps beating; only a process that is gone or frozen stops. None: wait as long as the
+            process group's timeout.
         config: a DeepSpeed config dict or JSON path, as for :class:`DeepSpeedStrategy`. It must not set the
             micro-batch, the train batch or ``gradient_accumulation_steps``; the strategy owns them.
         **kwargs: any other :class:`DeepSpeedStrategy` argument. Those that only build the default DeepSpeed config
@@ -137,6 +143,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         rebalance: Optional[bool] = None,
         rebalance_window: int = DEFAULT_WINDOW,
         rebalance_threshold: float = DEFAULT_THRESHOLD,
+        peer_timeout: Optional[float] = liveness.DEFAULT_PEER_TIMEOUT,
         **kwargs: Any,
     ) -> None:
         schedule = speed_schedule(emulate_speeds) if emulate_speeds is not None else speeds_from_environment()
@@ -145,6 +152,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         check_loss_reduction(loss_reduction)
         check_split_arguments(global_batch_size, batch_sizes, weights)
         check_rebalance_arguments(rebalance, rebalance_window, rebalance_threshold)
+        liveness.check_peer_timeout(peer_timeout)
         quiet.install_lasting_filters()
         with quiet.third_party_noise_silenced():  # the parent imports DeepSpeed, which prints its accelerator guess
             super().__init__(stage=DEFAULT_STAGE if stage is None else stage, config=config, **kwargs)
@@ -155,6 +163,10 @@ class HeteroStrategy(DeepSpeedStrategy):
         self.rebalance = rebalance
         self.rebalance_window = int(rebalance_window)
         self.rebalance_threshold = float(rebalance_threshold)
+        self.peer_timeout = None if peer_timeout is None else float(peer_timeout)
+        self._watchdog: Optional[liveness.PeerWatchdog] = None
+        self._stop_on_sigterm: Optional[StopOnSigterm] = None
+        self._trainer_calls = 0
         self._follower: Optional[SplitFollower] = None
         self._speed_schedule = schedule
         self._emulator: Optional[SlowdownEmulator] = None
@@ -257,6 +269,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         # Without this a gloo job can abort at exit after a successful fit (exit code -6; see shutdown.py). Lightning
         # destroys the process group at exit for NCCL only, and only on its own init path, which DeepSpeed bypasses.
         register_exit_cleanup()
+        self._start_watchdog()
         if self._speed_schedule is not None:
             self._emulator = SlowdownEmulator(self._speed_schedule.at(0)[self.global_rank], self.root_device)
         emulator = self._emulator
@@ -266,6 +279,22 @@ class HeteroStrategy(DeepSpeedStrategy):
             # Before Lightning registers its signal handlers for this run (after the strategy's setup).
             self._stop_on_sigterm = StopOnSigterm(all_reduce_max, self.root_device)
             self._stop_on_sigterm.install(self.lightning_module.trainer)
+
+    def _start_watchdog(self) -> None:
+        """From here to teardown, a rank whose process is gone stops the others (:mod:`lightning_hetero.liveness`)."""
+        self._trainer_calls += 1  # every rank makes the same trainer calls: the same keys for one call
+        if self.world_size == 1 or self.peer_timeout is None:
+            return
+        rank, world_size = self.global_rank, self.world_size
+        self._watchdog = liveness.PeerWatchdog(
+            liveness.store_connector(),
+            rank,
+            world_size,
+            self.peer_timeout,
+            liveness.run_id(self._trainer_calls),
+            read_failures=lambda: failures.read_failures(world_size, exclude=rank)[0],
+        )
+        self._watchdog.start()
 
     def _take_over_distributed_sampling(self) -> None:
         """Keep Lightning from replacing the user's sampler with a shuffling DistributedSampler (we shard)."""
@@ -293,6 +322,10 @@ class HeteroStrategy(DeepSpeedStrategy):
 
     @override
     def _init_deepspeed_distributed(self) -> None:
+        assert self.cluster_environment is not None
+        elastic.init_process_group_for_this_attempt(
+            self._get_process_group_backend(), self.global_rank, self.world_size, self._timeout or default_pg_timeout
+        )
         with quiet.prints_dropped():
             super()._init_deepspeed_distributed()
 
@@ -354,6 +387,7 @@ class HeteroStrategy(DeepSpeedStrategy):
                 "emulate_speeds": self._speed_schedule.to_json() if self._speed_schedule else None,
                 "loss_reduction": self.loss_reduction,
                 "rebalance": [self.rebalance, self.rebalance_window, self.rebalance_threshold],
+                "peer_timeout": self.peer_timeout,
             }
             facts = collect_device_facts(self.root_device).to_dict()
             return None, {"arguments": arguments, "seed": _local_seed(), "facts": facts, "profile": profile}
@@ -791,6 +825,8 @@ class HeteroStrategy(DeepSpeedStrategy):
         """Say on every rank which rank failed and how (see :mod:`lightning_hetero.failures`); no collective here."""
         super().on_exception(exception)
         exit_code_for(exception)
+        if self._stop_on_sigterm is not None and self._stop_on_sigterm.stopped_every_rank(exception):
+            self._save_before_exit()
         if not isinstance(exception, Exception) or self.world_size == 1:
             return
         if failures.is_lost_peer_error(exception):
@@ -801,16 +837,74 @@ class HeteroStrategy(DeepSpeedStrategy):
         else:
             failures.publish_failure(self.global_rank, exception)
 
+    # ------------------------------------------------------------------ checkpoints
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
+        """Complete or ignored: staged, listed in a manifest, published atomically (see :mod:`~.checkpoint`)."""
+        target = Path(self.broadcast(str(filepath)))
+
+        def write(directory: Path) -> None:
+            super(HeteroStrategy, self).save_checkpoint(checkpoint, directory, storage_options)
+
+        elastic.save_atomically(
+            target, write, lambda: self._manifest_facts(checkpoint), self.is_global_zero, self.barrier
+        )
+
+    def _manifest_facts(self, saved: dict[str, Any]) -> dict[str, Any]:
+        loader = self._follower.loader if self._follower is not None else None
+        engine = self.deepspeed_engine
+        return {
+            "world_size": self.world_size,
+            "global_step": saved.get("global_step"),
+            "epoch": saved.get("epoch"),
+            # Position in the epoch, in global samples (rank-independent: resumable on any number of ranks).
+            "global_samples": loader.state_dict()[STATE_SAMPLES_CONSUMED] if loader is not None else None,
+            "batch_sizes": list(self.plan.batch_sizes) if self.plan is not None else None,
+            "zero_stage": self.config["zero_optimization"]["stage"],
+            "optimizer": type(getattr(engine, "basic_optimizer", None) or engine.optimizer).__name__,
+            "devices": [facts.describe() for facts in self.device_facts],
+        }
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero:
+            elastic.prune_unless_only(Path(filepath), super().remove_checkpoint)
+
+    def _save_before_exit(self) -> None:
+        """A SIGTERM stopped every rank before the same step: save where `fit(ckpt_path="last")` finds it."""
+        assert self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        path = elastic.interrupt_checkpoint_path(trainer)
+        if path is None:
+            rank_zero_warn(
+                "HeteroStrategy: stopped by SIGTERM without saving: the Trainer has no ModelCheckpoint"
+                " (`enable_checkpointing=False`). Add one to resume with `fit(ckpt_path=\"last\")`."
+            )
+            return
+        trainer.save_checkpoint(path)
+        rank_zero_info(f"HeteroStrategy: stopped by SIGTERM at step {trainer.global_step}; saved {path}.")
+
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        # Every rank reads the same files, so every rank chooses the same checkpoint or raises the same error.
+        chosen, warning = checkpoint.choose_checkpoint(Path(checkpoint_path))
+        if warning:
+            rank_zero_warn(warning)
         # DeepSpeed restores the checkpoint after the strategy's setup, where the training loader was requested:
         # the model or datamodule state it restores may change what `train_dataloader()` returns, so the fit loop
         # asks again, as under DDP.
         self._forget_served_loader()
-        return super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        return super().load_checkpoint(str(chosen), *args, **kwargs)
 
     @override
     def teardown(self) -> None:
+        if self._watchdog is not None:
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+            self._watchdog.stop(finished=trainer is not None and trainer.state.status != TrainerStatus.INTERRUPTED)
+            self._watchdog = None
         # A fit that failed before its loop asked for the training loader must not hand it to the next fit.
         self._forget_served_loader()
         super().teardown()

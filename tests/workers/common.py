@@ -52,8 +52,10 @@ class RegressionModule(LightningModule):
         depth: int = 1,
         manual_accumulation: int = 1,
         reduction: str = "mean",
+        optimizer: str = "sgd",
     ) -> None:
         super().__init__()
+        self.optimizer_name = optimizer
         self.network = make_network(hidden=hidden, dropout=dropout, depth=depth)
         self.lr, self.momentum = lr, momentum
         self.automatic_optimization = not manual
@@ -93,6 +95,8 @@ class RegressionModule(LightningModule):
         self.log("test_loss", batch_loss(self.network, x, y), sync_dist=True)
 
     def configure_optimizers(self):
+        if self.optimizer_name == "adam":  # what DeepSpeed's universal checkpoint conversion handles at ZeRO 1/2
+            return torch.optim.Adam(self.parameters(), lr=self.lr / 5)
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
 
 
@@ -104,6 +108,7 @@ def reference_training(
     accumulate: int = 1,
     batches_per_epoch: int = 0,
     sum_over_ranks: int = 0,
+    optimizer_name: str = "sgd",
 ):
     """One process, whole global batches: what every HeteroStrategy run must reproduce.
 
@@ -113,7 +118,10 @@ def reference_training(
     gradient of the global batch's sum divided by W.
     """
     network = make_network()
-    optimizer = torch.optim.SGD(network.parameters(), lr=lr, momentum=momentum)
+    if optimizer_name == "adam":
+        optimizer = torch.optim.Adam(network.parameters(), lr=lr / 5)
+    else:
+        optimizer = torch.optim.SGD(network.parameters(), lr=lr, momentum=momentum)
     epoch_length = batches_per_epoch or len(steps)
     windows = [
         steps[begin : min(begin + accumulate, epoch_begin + epoch_length)]
@@ -131,3 +139,11 @@ def reference_training(
             (loss / accumulate).backward()
         optimizer.step()
     return {name: p.detach().clone() for name, p in network.named_parameters()}
+
+
+def max_param_difference(result: dict, reference: dict[str, torch.Tensor]) -> float:
+    """Largest absolute difference between a worker's final parameters (result.json) and a reference's."""
+    return max(
+        (torch.tensor(result["params"][f"network.{name}"], dtype=torch.float64) - value.double()).abs().max().item()
+        for name, value in reference.items()
+    )

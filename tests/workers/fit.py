@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -72,6 +73,54 @@ class WritePidWhenTraining(Callback):
             (self.out / f"pid_rank{trainer.global_rank}").write_text(str(os.getpid()))
 
 
+class FaultInjection(Callback):
+    """Rank ``rank`` SIGKILLs itself at global step ``step`` (first attempt only, under torchrun): after the step, or
+    while saving that step's checkpoint (after writing its own part, before the checkpoint is published)."""
+
+    def __init__(self, rank: int, step: int, where: str) -> None:
+        self.rank, self.step, self.where = rank, step, where
+
+    def applies(self, trainer) -> bool:
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        return first_attempt and trainer.global_rank == self.rank and trainer.global_step == self.step
+
+    def kill(self) -> None:
+        print(f"fault injection: rank {self.rank} SIGKILLs itself at step {self.step} ({self.where})", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.where == "step" and self.applies(trainer):
+            self.kill()
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if self.where != "checkpoint":
+            return
+        engine = trainer.strategy.deepspeed_engine
+        save = engine.save_checkpoint
+
+        def save_then_die(*args, **kwargs):
+            result = save(*args, **kwargs)
+            if self.applies(trainer):
+                self.kill()
+            return result
+
+        engine.save_checkpoint = save_then_die
+
+
+class RecordSteps(Callback):
+    """Every rank appends (attempt, step, its sample indices) to `steps.jsonl`: what a killed attempt trained."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        record = {"attempt": attempt, "rank": trainer.global_rank, "step": trainer.global_step,
+                  "epoch": trainer.current_epoch, "indices": batch[2].tolist()}  # fmt: skip
+        with open(self.out / "steps.jsonl", "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+
 class RecordEmulatedDelay(Callback):
     """The emulator's delay paid so far, after every training step (to see a drift schedule take effect)."""
 
@@ -119,6 +168,10 @@ class WriteResult(Callback):
 
 
 def main() -> None:
+    if os.environ.get("FIT_DUMP_STACKS_AFTER"):  # debugging a hang: every thread's stack after that many seconds
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["FIT_DUMP_STACKS_AFTER"]))
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--devices", type=int, default=2)
@@ -140,6 +193,10 @@ def main() -> None:
     parser.add_argument("--test-samples", type=int, default=0, help="run trainer.test after fit on this many")
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--ckpt-path")
+    parser.add_argument("--save-last", action="store_true", help="ModelCheckpoint(save_last=True)")
+    parser.add_argument("--kill", help="RANK:STEP:WHERE (step|checkpoint): that rank SIGKILLs itself there")
+    parser.add_argument("--record-steps", action="store_true", help="append every rank's step indices to steps.jsonl")
+    parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
     parser.add_argument("--hidden", type=int, default=8)
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--depth", type=int, default=1)
@@ -192,8 +249,14 @@ def main() -> None:
         callbacks.append(HeteroMonitor())
     if args.checkpoint_every:
         callbacks.append(
-            ModelCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=args.checkpoint_every, save_top_k=-1)
+            ModelCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=args.checkpoint_every, save_top_k=-1,
+                            save_last=args.save_last)  # fmt: skip
         )
+    if args.kill:
+        kill_rank, kill_step, where = args.kill.split(":")
+        callbacks.append(FaultInjection(int(kill_rank), int(kill_step), where))
+    if args.record_steps:
+        callbacks.append(RecordSteps(args.out))
     trainer = Trainer(
         accelerator="cpu",
         devices=args.devices,
@@ -221,6 +284,7 @@ def main() -> None:
         depth=args.depth,
         manual_accumulation=args.accumulate if args.manual else 1,
         reduction=args.model_reduction or args.loss_reduction or "mean",
+        optimizer=args.optimizer,
     )
     if args.fail_on_rank is not None and rank == args.fail_on_rank:
         if args.fail_in == "training_step":
