@@ -6,6 +6,8 @@
   ``fit(ckpt_path="last")`` finds it: ``last.ckpt`` in the first ``ModelCheckpoint``'s directory.
 * :func:`prune_unless_only`: ``ModelCheckpoint``'s pruning never deletes the only complete checkpoint.
 * :func:`init_process_group_for_this_attempt`: a job that torchrun restarted connects its ranks afresh.
+* :func:`convert_to_universal`: a checkpoint saved by another number of ranks becomes DeepSpeed's universal
+  checkpoint (cached inside it), which loads at any world size with the optimizer state.
 
 The strategy keeps the lifecycle (which hook calls what); these functions keep the file handling out of it.
 """
@@ -13,6 +15,10 @@ The strategy keeps the lifecycle (which hook calls what); these functions keep t
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
+import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -90,3 +96,57 @@ def init_process_group_for_this_attempt(backend: str, rank: int, world_size: int
     store = torch.distributed.PrefixStore(f"lightning_hetero/attempt_{attempt}/", agent_store)
     torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     return True
+
+
+# Optimizers whose state DeepSpeed's converter can read: it takes Adam's `exp_avg` and `exp_avg_sq` by name.
+_CONVERTIBLE_OPTIMIZER_HINT = "Adam"
+UNIVERSAL_MARKER = "latest_universal"
+
+
+def needs_universal(manifest: dict[str, Any], world_size: int) -> bool:
+    """Whether a checkpoint must be converted to load on ``world_size`` ranks (ZeRO 1-3 shard by world size)."""
+    return manifest.get("world_size") != world_size and manifest.get("zero_stage", 0) > 0
+
+
+def check_convertible(path: Path, manifest: dict[str, Any], world_size: int) -> None:
+    """Fail at once, on every rank, where DeepSpeed's converter would fail after a while on one."""
+    optimizer = str(manifest.get("optimizer"))
+    if _CONVERTIBLE_OPTIMIZER_HINT.lower() not in optimizer.lower():
+        raise ValueError(
+            f"Checkpoint {path} was saved by {manifest.get('world_size')} ranks with ZeRO-{manifest.get('zero_stage')}"
+            f" and the {optimizer} optimizer; this job has {world_size}. Resuming on another number of ranks goes"
+            " through DeepSpeed's universal checkpoint converter, which reads only Adam-family optimizer states"
+            f" (exp_avg, exp_avg_sq). Resume on {manifest.get('world_size')} ranks, or train with Adam/AdamW where"
+            " the world size may change."
+        )
+
+
+def convert_to_universal(path: Path) -> tuple[Path, Optional[float]]:
+    """Convert checkpoint ``path`` to DeepSpeed's universal format in ``path/universal`` (rank 0 only).
+
+    Returns the directory to load from and the seconds the conversion took (None when the cached one was used). The
+    conversion runs in its own process (DeepSpeed's ``ds_to_universal``, one worker) and is published with a rename,
+    so a conversion that was killed is redone, never half-used.
+    """
+    converted = path / checkpoint.DERIVED_DIRNAME
+    if (converted / UNIVERSAL_MARKER).exists():
+        return converted, None
+    staging = path / f".{checkpoint.DERIVED_DIRNAME}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    tag = (path / "latest").read_text().strip()
+    command = [
+        sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(path / tag),
+        "--output_folder", str(staging / tag), "--inject_missing_state",
+        "--num_extract_workers", "1", "--num_merge_workers", "1",
+    ]  # fmt: skip
+    started = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        output = (result.stdout + result.stderr).strip().splitlines()
+        raise RuntimeError(
+            f"DeepSpeed's universal checkpoint converter failed on {path} (exit code {result.returncode}); its last"
+            " lines:\n" + "\n".join(output[-8:])
+        )
+    os.rename(staging, converted)
+    return converted, time.perf_counter() - started

@@ -897,7 +897,54 @@ class HeteroStrategy(DeepSpeedStrategy):
         # the model or datamodule state it restores may change what `train_dataloader()` returns, so the fit loop
         # asks again, as under DDP.
         self._forget_served_loader()
-        return super().load_checkpoint(str(chosen), *args, **kwargs)
+        manifest = checkpoint.read_manifest(chosen) or {}
+        if manifest.get("world_size", self.world_size) == self.world_size:
+            return super().load_checkpoint(str(chosen), *args, **kwargs)
+        self._keep_the_checkpoints_global_batch(chosen, manifest)
+        if not elastic.needs_universal(manifest, self.world_size):  # ZeRO-0 keeps whole states on every rank
+            return super().load_checkpoint(str(chosen), *args, **kwargs)
+        elastic.check_convertible(chosen, manifest, self.world_size)
+        converted, _ = self._gather_or_raise(
+            "converting the checkpoint",
+            lambda: (elastic.convert_to_universal(chosen) if self.is_global_zero else None, None),
+        )
+        directory, seconds = self.broadcast(converted)
+        rank_zero_info(
+            f"HeteroStrategy: {chosen} was saved by {manifest['world_size']} ranks; this job has {self.world_size}."
+            + (f" Converted to DeepSpeed's universal format in {seconds:.1f} s" if seconds is not None else " Using the")
+            + f" universal copy in {directory}."
+        )
+        engine_config = self.deepspeed_engine._config
+        engine_config.load_universal_checkpoint = True  # read at load time only; a plain checkpoint needs it off
+        try:
+            return super().load_checkpoint(str(directory), *args, **kwargs)
+        finally:
+            engine_config.load_universal_checkpoint = False
+
+    def _keep_the_checkpoints_global_batch(self, path: Path, manifest: dict[str, Any]) -> None:
+        """A resume on another number of ranks continues the same optimisation: the checkpoint's global batch.
+
+        The default global batch (the loader's batch size times the ranks) follows the world size, so it is replaced
+        by the checkpoint's and the split is planned again for it; one the user fixed must agree.
+        """
+        assert self.plan is not None
+        saved = sum(manifest.get("batch_sizes") or []) or None
+        if saved is None or saved == self.plan.global_batch_size:
+            return
+        if self.global_batch_size is not None or self.batch_sizes is not None:
+            raise ValueError(
+                f"Checkpoint {path} was trained with a global batch of {saved} samples; this job's is"
+                f" {self.plan.global_batch_size}. Pass `global_batch_size={saved}` to continue the same optimisation"
+                " (the split over this job's ranks is planned for it)."
+            )
+        plan, self.prediction = self._decide_split(saved)
+        self._use_split(plan.batch_sizes)
+        self.plan = plan
+        self._follower = SplitFollower(self._watch, self._all_gather_tensor, self._make_rebalancer(), self._use_split)
+        rank_zero_info(
+            f"HeteroStrategy: keeping the checkpoint's global batch of {saved} on {self.world_size} ranks:"
+            f" micro-batches {list(plan.batch_sizes)}."
+        )
 
     @override
     def teardown(self) -> None:

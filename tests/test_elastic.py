@@ -14,7 +14,7 @@ import time
 
 import psutil
 import pytest
-from conftest import REPO, WORKERS, run_bounded
+from conftest import REPO, WORKERS, run_bounded, run_fit
 
 sys.path.insert(0, str(WORKERS))
 from common import IndexedRegression, max_param_difference, reference_training  # noqa: E402
@@ -24,6 +24,10 @@ from lightning_hetero.liveness import EXIT_CODE_PEER_LOST  # noqa: E402
 from lightning_hetero.stopping import EXIT_CODE_INTERRUPTED  # noqa: E402
 
 TOLERANCE = 1e-5
+
+
+def contiguous_steps(num_samples, global_batch):
+    return [list(range(k, k + global_batch)) for k in range(0, num_samples, global_batch)]
 
 
 def start_fit(out, *args, env=None):
@@ -154,3 +158,37 @@ def test_sigterm_saves_a_complete_checkpoint_at_the_next_step_and_the_resume_los
     assert min(r["step"] for r in resumed) == trained  # no step trained twice, none skipped
     used = sorted(i for r in records + resumed for i in r["indices"])
     assert used == list(range(160))  # epoch 0: each sample once across the interruption
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_checkpoint_of_2_ranks_resumes_on_1_and_on_3_ranks_as_the_uninterrupted_run(stage, tmp_path):
+    """Adam, global batch 16. The 2-rank checkpoint of step 4 is converted to DeepSpeed's universal format (once,
+    cached inside it) and resumed on 1 rank (whose default global batch, 8, gives way to the checkpoint's 16) and on
+    3 ranks (micro-batches 6/5/5): both finish the epoch with the parameters of the uninterrupted 2-rank run."""
+    common = ["--samples", "160", "--stage", str(stage), "--optimizer", "adam"]
+    first = run_fit(tmp_path / "two", *common, "--batch-sizes", "8", "8", "--checkpoint-every", "4")
+    assert first.returncode == 0, first.output[-3000:]
+    reference = reference_training(IndexedRegression(160), contiguous_steps(160, 16), optimizer_name="adam")
+    assert max_param_difference(first.result, reference) <= TOLERANCE
+    saved = tmp_path / "two" / "ckpt" / "epoch=0-step=4.ckpt"
+    for devices, split in [(1, []), (3, ["--batch-sizes", "6", "5", "5"])]:
+        resumed = run_fit(tmp_path / f"on{devices}", *common, "--devices", str(devices), *split,
+                          "--ckpt-path", str(saved))  # fmt: skip
+        assert resumed.returncode == 0, resumed.output[-3000:]
+        assert f"was saved by 2 ranks; this job has {devices}" in resumed.output
+        assert resumed.result["global_step"] == 10
+        assert sorted(sum(resumed.result["seen"], [])) == list(range(64, 160))  # the rest of the epoch, once
+        difference = max_param_difference(resumed.result, reference)
+        print(f"ZeRO-{stage}, 2 -> {devices} ranks: largest parameter difference {difference:.1e}")
+        assert difference <= TOLERANCE, difference
+    assert (saved / checkpoint.DERIVED_DIRNAME / "latest_universal").exists()  # converted once, reused
+    assert checkpoint.incompleteness(saved) is None
+
+
+def test_an_sgd_checkpoint_on_another_number_of_ranks_fails_at_once_saying_what_to_do(tmp_path):
+    first = run_fit(tmp_path / "two", "--samples", "64", "--batch-sizes", "8", "8", "--checkpoint-every", "2")
+    assert first.returncode == 0, first.output[-3000:]
+    saved = tmp_path / "two" / "ckpt" / "epoch=0-step=2.ckpt"
+    resumed = run_fit(tmp_path / "one", "--samples", "64", "--devices", "1", "--ckpt-path", str(saved), timeout=120)
+    assert resumed.returncode != 0
+    assert "reads only Adam-family optimizer states" in resumed.output and "Resume on 2 ranks" in resumed.output
