@@ -9,7 +9,9 @@ handlers, so it is the handler from the first moment of the run). Once per train
 rank 0's flag, the ranks all-reduce their flags with MAX instead (the same one-element collective, so no extra one):
 a signal to any rank stops all of them before the same step, each raising ``SIGTERMException(EXIT_CODE_INTERRUPTED)``
 with ``trainer.received_sigterm`` set. A single process has no such collective; there the flag is Lightning's own,
-which its loop checks after each step. Lightning's ``on_exception`` callbacks run as before (``OnExceptionCheckpoint``
+which its loop checks after each step. The strategy then saves ``last.ckpt`` on every rank together (see
+:meth:`StopOnSigterm.stopped_every_rank`), so the restarted job loses no step. Lightning's ``on_exception`` callbacks
+run as before (``OnExceptionCheckpoint``
 sees the same exception type), and the process exits with 143 = 128 + SIGTERM, the code a shell gives a process ended
 by SIGTERM, which torchrun and Slurm read as "not finished". A SIGTERM during validation is acted on at the next
 training step; one after the last training step lets the fit finish.

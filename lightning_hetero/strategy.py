@@ -2,7 +2,10 @@
 
 Thin orchestration: the split comes from :mod:`lightning_hetero.plan`, each rank's DeepSpeed config from
 :mod:`lightning_hetero.configure`, the data order from :mod:`lightning_hetero.data`, the measurements and re-plans
-during training from :mod:`lightning_hetero.watch` and :mod:`lightning_hetero.rebalance`. What this class adds to the
+during training from :mod:`lightning_hetero.watch` and :mod:`lightning_hetero.rebalance`, recovery from
+:mod:`lightning_hetero.checkpoint` (complete-or-ignored checkpoints), :mod:`lightning_hetero.elastic` (saving,
+pruning, resuming on another number of ranks) and :mod:`lightning_hetero.liveness` (a lost rank stops the others).
+What this class adds to the
 parent is where those are called, the collectives that check the ranks agree, and three corrections that unequal
 batches need: the loss weight, the sample-weighted ``sync_dist`` mean, and sampling that respects the user's order.
 """
@@ -909,10 +912,10 @@ class HeteroStrategy(DeepSpeedStrategy):
             lambda: (elastic.convert_to_universal(chosen) if self.is_global_zero else None, None),
         )
         directory, seconds = self.broadcast(converted)
+        how = f"converted to DeepSpeed's universal format in {seconds:.1f} s" if seconds is not None else "using the"
         rank_zero_info(
-            f"HeteroStrategy: {chosen} was saved by {manifest['world_size']} ranks; this job has {self.world_size}."
-            + (f" Converted to DeepSpeed's universal format in {seconds:.1f} s" if seconds is not None else " Using the")
-            + f" universal copy in {directory}."
+            f"HeteroStrategy: {chosen} was saved by {manifest['world_size']} ranks; this job has {self.world_size}:"
+            f" {how} universal copy in {directory}."
         )
         engine_config = self.deepspeed_engine._config
         engine_config.load_universal_checkpoint = True  # read at load time only; a plain checkpoint needs it off

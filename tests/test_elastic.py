@@ -96,7 +96,7 @@ def test_torchrun_restarts_after_a_sigkill_and_the_run_equals_an_uninterrupted_o
     torchrun restarts both workers, `fit(ckpt_path="last")` resumes from the last complete checkpoint (step 4 when the
     save of step 8 was killed), and the job finishes with every sample of each epoch used once (the steps after
     that checkpoint counted once) and the parameters of an uninterrupted run."""
-    step = random.Random().randrange(1, 19) if where == "step" else 8
+    step = random.Random().randrange(1, 12) if where == "step" else 8  # 12 steps in all
     print(f"fault injection: rank 1 at step {step} ({where})")  # to reproduce a failure
     returncode, output = torchrun(
         tmp_path, "--batch-sizes", "10", "6", "--samples", "96", "--max-epochs", "2", "--checkpoint-every", "4",
@@ -149,15 +149,15 @@ def test_sigterm_saves_a_complete_checkpoint_at_the_next_step_and_the_resume_los
     records = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
     trained = max(r["step"] for r in records) + 1
     assert checkpoint.read_manifest(last)["global_step"] == trained  # every step trained is in it
-    assert trained < 10, trained  # signalled in epoch 0 (step 3), so the resume finishes that epoch
+    epoch = trained // 10  # 10 steps per epoch: the epoch the signal interrupted (steps are fast: not always 0)
     resume = tmp_path / "resume"
-    returncode, output = run_bounded([sys.executable, str(WORKERS / "fit.py"), "--out", str(resume), *common,
-                                      "--max-epochs", "1", "--ckpt-path", str(last)], timeout=240)  # fmt: skip
+    command = [sys.executable, str(WORKERS / "fit.py"), "--out", str(resume), *common]
+    returncode, output = run_bounded([*command, "--max-epochs", str(epoch + 1), "--ckpt-path", str(last)], timeout=240)
     assert returncode == 0, output[-3000:]
     resumed = [json.loads(line) for line in (resume / "steps.jsonl").read_text().splitlines()]
     assert min(r["step"] for r in resumed) == trained  # no step trained twice, none skipped
-    used = sorted(i for r in records + resumed for i in r["indices"])
-    assert used == list(range(160))  # epoch 0: each sample once across the interruption
+    used = sorted(i for r in records + resumed if r["epoch"] == epoch for i in r["indices"])
+    assert used == list(range(160))  # that epoch: each sample once across the interruption
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -175,7 +175,7 @@ def test_a_checkpoint_of_2_ranks_resumes_on_1_and_on_3_ranks_as_the_uninterrupte
         resumed = run_fit(tmp_path / f"on{devices}", *common, "--devices", str(devices), *split,
                           "--ckpt-path", str(saved))  # fmt: skip
         assert resumed.returncode == 0, resumed.output[-3000:]
-        assert f"was saved by 2 ranks; this job has {devices}" in resumed.output
+        assert f"was saved by 2 ranks; this job has {devices}:" in resumed.output
         assert resumed.result["global_step"] == 10
         assert sorted(sum(resumed.result["seen"], [])) == list(range(64, 160))  # the rest of the epoch, once
         difference = max_param_difference(resumed.result, reference)
