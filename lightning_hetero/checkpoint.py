@@ -147,7 +147,10 @@ def choose_checkpoint(path: Path) -> tuple[Path, Optional[str]]:
 def is_only_complete_checkpoint(path: Path) -> bool:
     """Whether ``path`` is complete and no other checkpoint in its directory is (pruning it would leave none)."""
     path = Path(path)
-    return incompleteness(path) is None and complete_checkpoints(path.parent) == [path]
+    if incompleteness(path) is not None:
+        return False
+    others = (p for p in path.parent.iterdir() if p != path and not p.name.startswith("."))
+    return not any(incompleteness(other) is None for other in others)  # stops at the first complete one
 
 
 def remove_stale_staging(target: Path) -> None:

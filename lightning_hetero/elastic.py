@@ -24,7 +24,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from lightning_hetero import checkpoint
+from lightning_hetero import checkpoint, liveness
 
 
 def save_atomically(
@@ -90,9 +90,7 @@ def init_process_group_for_this_attempt(backend: str, rank: int, world_size: int
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True) or torch.distributed.is_initialized():
         return False
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    agent_store = torch.distributed.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
-    )
+    agent_store = liveness.store_connector(timeout.total_seconds())()
     store = torch.distributed.PrefixStore(f"lightning_hetero/attempt_{attempt}/", agent_store)
     torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     return True

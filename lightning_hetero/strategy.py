@@ -907,11 +907,12 @@ class HeteroStrategy(DeepSpeedStrategy):
         if not elastic.needs_universal(manifest, self.world_size):  # ZeRO-0 keeps whole states on every rank
             return super().load_checkpoint(str(chosen), *args, **kwargs)
         elastic.check_convertible(chosen, manifest, self.world_size)
-        converted, _ = self._gather_or_raise(
+        # Rank 0 converts; its result (or its error) reaches every rank in the one gather.
+        _, results = self._gather_or_raise(
             "converting the checkpoint",
-            lambda: (elastic.convert_to_universal(chosen) if self.is_global_zero else None, None),
+            lambda: (None, elastic.convert_to_universal(chosen) if self.is_global_zero else None),
         )
-        directory, seconds = self.broadcast(converted)
+        directory, seconds = results[0]
         how = f"converted to DeepSpeed's universal format in {seconds:.1f} s" if seconds is not None else "using the"
         rank_zero_info(
             f"HeteroStrategy: {chosen} was saved by {manifest['world_size']} ranks; this job has {self.world_size}:"
