@@ -180,6 +180,7 @@ def profile_training_step(
     emulator: Optional[SlowdownEmulator] = None,
     free_bytes: Optional[float] = None,
     time_batch_assembly: bool = False,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> RankProfile:
     """Time forward + backward of ``module.training_step`` at each size (fastest of ``repeats`` after ``warmup``).
 
@@ -192,6 +193,9 @@ def profile_training_step(
     the training thread and grows with the micro-batch like compute does. Activation memory per sample is the
     growth of what autograd saves for backward between sizes; with ``free_bytes`` it gives the memory ceiling. A
     CUDA out-of-memory at a size caps the ceiling below it and stops the probing there.
+
+    ``autocast`` is the rank's precision context (see :mod:`lightning_hetero.precision`): the step is timed, and
+    its saved activations counted, in the precision the rank will train in.
     """
     started = time.perf_counter()
     slowed = emulator.slowed if emulator is not None else contextlib.nullcontext
@@ -218,7 +222,8 @@ def profile_training_step(
         if time_batch_assembly or size not in batches:
             batches[size] = make_batch(size)  # not slowed: loading runs on the host, whatever the device
         with slowed(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            loss = _loss_of(module.training_step(batches[size], 0))
+            with autocast():
+                loss = _loss_of(module.training_step(batches[size], 0))
             if automatic and loss is not None and loss.requires_grad:
                 loss.backward()
         synchronize()

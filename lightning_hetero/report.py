@@ -18,7 +18,12 @@ At the end of fit rank 0 writes into the run's ``hetero/`` directory:
         {"step": k, "batch_sizes": [...], "predicted_gain": g}, ...],
       "summary": {"steps": n, "samples_per_second": x, "balance_efficiency_start": a,
                   "balance_efficiency_end": b, "replans": r,
-                  "measurement_share": m}  # rank 0's time exchanging records and deciding re-plans / step time
+                  "measurement_share": m},  # rank 0's time exchanging records and deciding re-plans / step time
+      "precision": {                  # only with HeteroStrategy(device_precision=...)
+        "precisions": [p_0, ...],     # each rank's: "bf16-mixed", "16-mixed" or "32-true"
+        "loss_scale": s,              # the job's loss scale at the end (null without an fp16 rank)
+        "skipped_steps": [            # optimizer steps skipped because an fp16 rank overflowed
+          {"step": k, "ranks": [r, ...], "scale_before": s0, "scale": s1}, ...]}
     }
 
 ``report.png``: each rank's compute time per step and its share of the global batch, re-plans marked.
@@ -47,15 +52,19 @@ def build_report(
     replans: list[dict[str, Any]],
     world_size: int,
     exchange_seconds: Optional[float] = None,
+    precision: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """The run report; ``exchange_seconds`` (rank 0's time exchanging records) gives the measuring cost."""
-    return {
+    built = {
         "format_version": FORMAT_VERSION,
         "world_size": world_size,
         "steps": steps,
         "replans": replans,
         "summary": summarize(steps, replans, exchange_seconds),
     }
+    if precision is not None:
+        built["precision"] = precision
+    return built
 
 
 def summarize(
@@ -87,6 +96,17 @@ def summary_text(report: dict[str, Any]) -> str:
         f" {summary['balance_efficiency_end']:.2f} at the end (1.00 = every rank computes as long as the slowest),"
         f" {summary['replans']} re-plan{'' if summary['replans'] == 1 else 's'}"
         + (f"; measuring cost {cost:.2%} of the step time" if cost is not None else "")
+        + _precision_text(report.get("precision"))
+    )
+
+
+def _precision_text(precision: Optional[dict[str, Any]]) -> str:
+    if precision is None or precision.get("loss_scale") is None:
+        return ""
+    skipped = precision["skipped_steps"]
+    return (
+        f"; fp16 loss scale {precision['loss_scale']:g}, {len(skipped)} step{'' if len(skipped) == 1 else 's'}"
+        " skipped on every rank for an fp16 overflow"
     )
 
 

@@ -37,7 +37,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, SequentialSampler
 from typing_extensions import override
 
-from lightning_hetero import checkpoint, elastic, failures, liveness, quiet, report
+from lightning_hetero import checkpoint, elastic, failures, liveness, precision, quiet, report
 from lightning_hetero.arguments import check_loss_reduction, check_stage
 from lightning_hetero.configure import (
     check_user_config,
@@ -67,6 +67,7 @@ from lightning_hetero.plan import (
     resolve_split,
     split_by_weights,
 )
+from lightning_hetero.precision_plugin import AutocastInside, HeteroPrecision, autocast_for
 from lightning_hetero.profiler import RankProfile, probe_sizes, profile_training_step
 from lightning_hetero.rebalance import SplitFollower
 from lightning_hetero.replan import DEFAULT_THRESHOLD, DEFAULT_WINDOW, Rebalancer, check_rebalance_arguments
@@ -122,6 +123,12 @@ class HeteroStrategy(DeepSpeedStrategy):
             75 (default 30; see :mod:`lightning_hetero.liveness`). A rank that is busy (a long checkpoint write,
             profiling) keeps beating; only a process that is gone or frozen stops. None: wait as long as the
             process group's timeout.
+        device_precision: each rank's own precision (see :mod:`lightning_hetero.precision`). None (default): the
+            Trainer's ``precision`` on every rank. ``"auto"``: bf16 autocast where the device computes in bf16 (CUDA
+            compute capability >= 8.0, CPUs with AMX or AVX512-BF16), fp16 autocast on other CUDA devices, fp32
+            otherwise. Or one of ``"bf16-mixed"``, ``"16-mixed"``, ``"32-true"`` per rank. DeepSpeed and the
+            collectives stay fp32; fp16 ranks share one dynamic loss scale, and an overflow on any rank skips that
+            step on every rank. Needs the Trainer's default ``precision="32-true"``.
         config: a DeepSpeed config dict or JSON path, as for :class:`DeepSpeedStrategy`. It must not set the
             micro-batch, the train batch or ``gradient_accumulation_steps``; the strategy owns them.
         **kwargs: any other :class:`DeepSpeedStrategy` argument. Those that only build the default DeepSpeed config
@@ -147,6 +154,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         rebalance_window: int = DEFAULT_WINDOW,
         rebalance_threshold: float = DEFAULT_THRESHOLD,
         peer_timeout: Optional[float] = liveness.DEFAULT_PEER_TIMEOUT,
+        device_precision: Optional[Union[str, Sequence[str]]] = None,
         **kwargs: Any,
     ) -> None:
         schedule = speed_schedule(emulate_speeds) if emulate_speeds is not None else speeds_from_environment()
@@ -156,6 +164,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         check_split_arguments(global_batch_size, batch_sizes, weights)
         check_rebalance_arguments(rebalance, rebalance_window, rebalance_threshold)
         liveness.check_peer_timeout(peer_timeout)
+        self.device_precision = precision.check_device_precision(device_precision)
         quiet.install_lasting_filters()
         with quiet.third_party_noise_silenced():  # the parent imports DeepSpeed, which prints its accelerator guess
             super().__init__(stage=DEFAULT_STAGE if stage is None else stage, config=config, **kwargs)
@@ -175,6 +184,8 @@ class HeteroStrategy(DeepSpeedStrategy):
         self._emulator: Optional[SlowdownEmulator] = None
         if config is not None or self.DEEPSPEED_ENV_VAR in os.environ:
             self._reconcile_user_config(stage, kwargs)
+            precision.check_config_precision(self.device_precision, self.config)
+        self.precisions: list[str] = []  # every rank's, once set up
 
         # Formatting adds keys (gradient_accumulation_steps...) that the parent refuses to see twice; each
         # trainer call (validate, then fit) formats a fresh copy of what the user gave.
@@ -189,6 +200,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         self._sync_weight: Optional[int] = None
         self._data_seed: Optional[int] = None  # rank 0's seed_everything seed: the data order of every rank
         self._said_order_is_kept = False
+        self._plain_redirection = self._forward_redirection
 
     def _reconcile_user_config(self, stage: Optional[int], kwargs: dict[str, Any]) -> None:
         assert self.config is not None
@@ -255,6 +267,11 @@ class HeteroStrategy(DeepSpeedStrategy):
         # (`world_size` comes from the cluster environment, which is only filled in by setup_distributed.)
         world_size = self.num_nodes * self.num_processes
         resolve_split(world_size, known_global_batch or world_size, self.batch_sizes, self.weights)
+        precision.check_rank_count(self.device_precision, world_size)
+        if not isinstance(self.precision_plugin, HeteroPrecision):  # (ours from an earlier trainer call is fine)
+            precision.check_trainer_precision(
+                self.device_precision, str(self.precision_plugin.precision), type(self.precision_plugin).__name__
+            )
         if self._speed_schedule is not None and self._speed_schedule.world_size != world_size:
             raise ValueError(
                 f"`emulate_speeds={self._speed_schedule.to_json()}` (or {EMULATE_ENV_VAR}) has"
@@ -354,6 +371,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         _raise_if_arguments_differ([entry["arguments"] for entry in gathered])
         self._data_seed = _agreed_seed([entry["seed"] for entry in gathered])
         self.device_facts = [DeviceFacts.from_dict(entry["facts"]) for entry in gathered]
+        self._use_device_precisions([entry["precision"] for entry in gathered])
         if fitting:
             global_batch_size = gathered[self.global_rank]["arguments"]["global_batch_size"]
             profiled = gathered[self.global_rank]["profile"] is not None
@@ -380,9 +398,12 @@ class HeteroStrategy(DeepSpeedStrategy):
         def measure() -> tuple[None, dict[str, Any]]:
             loader = self._training_loader(trainer) if fitting else None
             global_batch_size = self._global_batch_size(loader) if fitting else None
+            facts = collect_device_facts(self.root_device)
+            rank_precision = self._rank_precision(facts)  # may refuse this rank's device: raised on every rank
             profile = None
             if fitting and self.batch_sizes is None and self.weights is None:
-                profile = self._profile(loader, global_batch_size)  # type: ignore[arg-type]
+                autocast = autocast_for(rank_precision, self.root_device.type)  # measured as it will train
+                profile = self._profile(loader, global_batch_size, autocast)  # type: ignore[arg-type]
             arguments = {
                 "global_batch_size": global_batch_size,
                 "batch_sizes": self.batch_sizes,
@@ -391,11 +412,37 @@ class HeteroStrategy(DeepSpeedStrategy):
                 "loss_reduction": self.loss_reduction,
                 "rebalance": [self.rebalance, self.rebalance_window, self.rebalance_threshold],
                 "peer_timeout": self.peer_timeout,
+                "device_precision": self.device_precision,
             }
-            facts = collect_device_facts(self.root_device).to_dict()
-            return None, {"arguments": arguments, "seed": _local_seed(), "facts": facts, "profile": profile}
+            shared = {"arguments": arguments, "seed": _local_seed(), "facts": facts.to_dict(), "profile": profile}
+            return None, {**shared, "precision": rank_precision}
 
         return self._gather_or_raise("setup", measure)[1]
+
+    def _rank_precision(self, facts: DeviceFacts) -> str:
+        if self.device_precision is None:
+            plugin = self.precision_plugin
+            return plugin.rank_precision if isinstance(plugin, HeteroPrecision) else str(plugin.precision)
+        return precision.rank_precision(self.device_precision, self.global_rank, facts)
+
+    def _use_device_precisions(self, precisions: list[str]) -> None:
+        """Every rank's precision is known: with ``device_precision``, this rank's plugin replaces the Trainer's."""
+        self.precisions = precisions
+        if self.device_precision is None:
+            return
+        for rank, (chosen, facts) in enumerate(zip(precisions, self.device_facts)):
+            slow = precision.slow_precision(chosen, facts)
+            if slow:
+                rank_zero_warn(f"HeteroStrategy: rank {rank} trains in {chosen!r}, but {slow}.")
+        previous = self.precision_plugin
+        self.precision_plugin = HeteroPrecision(
+            precisions[self.global_rank],
+            self.root_device.type,
+            tuple(precisions),
+            self._all_gather_tensor,
+            # One Trainer's later fit continues with the scale it reached (a checkpoint restores its own).
+            loss_scale=previous.loss_scale if isinstance(previous, HeteroPrecision) else None,
+        )
 
     def _gather_or_raise(self, what: str, compute: Callable[[], tuple[T, Any]]) -> tuple[T, list[Any]]:
         """Run ``compute`` (local result, shared part) and gather the shared parts; a failure anywhere stops every rank.
@@ -421,6 +468,9 @@ class HeteroStrategy(DeepSpeedStrategy):
     @override
     def init_deepspeed(self) -> None:
         super().init_deepspeed()
+        if isinstance(self.precision_plugin, HeteroPrecision):
+            self.precision_plugin.attach(self.deepspeed_engine, self.root_device)
+            self._forward_redirection = AutocastInside(self._plain_redirection, self.precision_plugin.autocast)
         if self._emulator is not None:
             # DeepSpeed's gradient bookkeeping runs on the host at host speed, whatever the emulated device, and
             # the emulated delay is paid before each gradient exchange, where a slower device would hold peers back:
@@ -441,7 +491,8 @@ class HeteroStrategy(DeepSpeedStrategy):
         costs = [profile.cost_model() for profile in self.profiles]
         # Same-model devices are presumed equally fast unless the profile says otherwise by a wide margin; emulated
         # speeds declare them different (the profiler still has to measure by how much).
-        identical = self._speed_schedule is None and same_model(self.device_facts)
+        # Ranks computing in different precisions are different devices, whatever the hardware.
+        identical = self._speed_schedule is None and same_model(self.device_facts) and len(set(self.precisions)) == 1
         decision = plan_automatic_split(costs, global_batch_size, min_gain=required_gain(identical))
         planned = decision.planned
         source = "auto"
@@ -522,7 +573,7 @@ class HeteroStrategy(DeepSpeedStrategy):
             )
         return batch_size * self.world_size
 
-    def _profile(self, loader: Any, global_batch_size: int) -> dict[str, Any]:
+    def _profile(self, loader: Any, global_batch_size: int, autocast: Callable[[], Any]) -> dict[str, Any]:
         """Benchmark this rank's training step (local compute only) for the automatic split."""
         if not isinstance(loader, DataLoader):
             raise ValueError(
@@ -550,6 +601,7 @@ class HeteroStrategy(DeepSpeedStrategy):
             emulator=self._emulator,
             free_bytes=free_bytes,
             time_batch_assembly=loader.num_workers == 0,
+            autocast=autocast,
         )
         return profile.to_dict()
 
@@ -577,7 +629,8 @@ class HeteroStrategy(DeepSpeedStrategy):
         assert self.plan is not None and self.config is not None
         rows = []
         for rank, (facts, size, share) in enumerate(zip(self.device_facts, self.plan.batch_sizes, self.plan.shares())):
-            row = {"rank": rank, "device": facts.describe(), "micro_batch": size, "share": f"{share:.1%}"}
+            row = {"rank": rank, "device": facts.describe(), "precision": self.precisions[rank]}
+            row.update({"micro_batch": size, "share": f"{share:.1%}"})
             if self.profiles is not None and self.prediction is not None:
                 row["throughput"] = f"{self.profiles[rank].throughput(size):.0f}"
                 row["step"] = f"{self.prediction['rank_step_seconds'][rank] * 1e3:.1f}"
@@ -590,10 +643,12 @@ class HeteroStrategy(DeepSpeedStrategy):
             "batch_sizes": list(self.plan.batch_sizes),
             "prediction": self.prediction,
             "emulate_speeds": self._speed_schedule.to_json() if self._speed_schedule else None,
+            "precisions": self.precisions,
         }
         record = {
             "rank": self.global_rank,
             "device": self.device_facts[self.global_rank].to_dict(),
+            "precision": self.precisions[self.global_rank],
             "plan": plan,
             "loss_weight": self.plan.loss_weight(self.global_rank, self.loss_reduction),
             "loss_reduction": self.loss_reduction,
@@ -609,7 +664,8 @@ class HeteroStrategy(DeepSpeedStrategy):
             "profiles": [profile.to_dict() for profile in self.profiles] if self.profiles else None,
         }
         (log_dir / "plan.json").write_text(json.dumps(everything, indent=2, default=str))
-        columns = [("rank", "rank"), ("device", "device"), ("micro_batch", "micro-batch"), ("share", "share")]
+        columns = [("rank", "rank"), ("device", "device"), ("precision", "precision")]
+        columns += [("micro_batch", "micro-batch"), ("share", "share")]
         summary = ""
         if self.profiles is not None and self.prediction is not None:
             columns += [("throughput", "samples/s"), ("step", "compute ms")]
@@ -738,7 +794,14 @@ class HeteroStrategy(DeepSpeedStrategy):
         if not self.is_global_zero:
             return
         measuring = self._watch.exchange_seconds + (self._follower.decision_seconds if self._follower else 0.0)
-        run_report = report.build_report(steps, self.replans, self.world_size, exchange_seconds=measuring)
+        plugin = self.precision_plugin
+        run_report = report.build_report(
+            steps,
+            self.replans,
+            self.world_size,
+            exchange_seconds=measuring,
+            precision=plugin.summary() if isinstance(plugin, HeteroPrecision) else None,
+        )
         json_path, png_path = report.write_report(run_report, directory)
         rank_zero_info(f"{report.summary_text(run_report)}\nwritten to {json_path} and {png_path.name}")
 
@@ -952,6 +1015,9 @@ class HeteroStrategy(DeepSpeedStrategy):
 
     @override
     def teardown(self) -> None:
+        if isinstance(self.precision_plugin, HeteroPrecision):
+            self.precision_plugin.detach()
+        self._forward_redirection = self._plain_redirection
         if self._watchdog is not None:
             trainer = self.lightning_module.trainer if self.lightning_module is not None else None
             self._watchdog.stop(finished=trainer is not None and trainer.state.status != TrainerStatus.INTERRUPTED)

@@ -43,6 +43,23 @@ CONSTRUCTOR = [
     ({"rebalance": "auto"}, "`rebalance='auto'` must be True, False or None"),
     ({"rebalance_window": 0}, "`rebalance_window=0` must be a positive integer"),
     ({"rebalance_threshold": -0.05}, "`rebalance_threshold=-0.05` must be a finite number >= 0"),
+    ({"device_precision": "bf16-mixed"}, "`device_precision='bf16-mixed'` is neither 'auto' nor a list"),
+    ({"device_precision": ["bf16-true", "32-true"]}, "`device_precision[0]='bf16-true'` is not a per-rank precision"),
+    ({"device_precision": ["bf16-mixed", "fp8"]}, "`device_precision[1]='fp8'` is not a per-rank precision: use one"),
+    ({"device_precision": []}, "`device_precision=[]` is empty"),
+    ({"device_precision": {0: "bf16-mixed"}}, "`device_precision={0: 'bf16-mixed'}` is a mapping"),
+    (
+        {"device_precision": "auto", "config": {"bf16": {"enabled": True}}},
+        "The DeepSpeed config enables `bf16` and `HeteroStrategy(device_precision='auto')` is given: drop one",
+    ),
+    (
+        {"device_precision": ["16-mixed", "32-true"], "config": {"fp16": {"enabled": True}}},
+        "The DeepSpeed config enables `fp16`",
+    ),
+    (
+        {"device_precision": "auto", "config": {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}},
+        "The DeepSpeed config enables `torch_autocast`",
+    ),
 ]
 
 DEEPSPEED_CONFIG = [
@@ -116,6 +133,16 @@ SETUP = [
     (["--emulate-speeds", "1", "0.5", "0.5"], "has 3 entries but the job has 2 ranks. Give one speed per rank"),
     (["--global-batch-size", "1"], "`global_batch_size=1` is smaller than the world size 2"),
     (["--rank-1-strategy-args", '{"loss_reduction": "sum"}'], "loss_reduction (rank 0: mean, rank 1: sum)"),
+    (
+        ["--precision", "bf16-mixed", "--strategy-args", '{"device_precision": "auto"}'],
+        "`Trainer(precision='bf16-mixed')` sets one precision for every rank, and"
+        " `HeteroStrategy(device_precision='auto')` sets one per rank: drop one.",
+    ),
+    (
+        ["--strategy-args", '{"device_precision": ["bf16-mixed", "32-true", "32-true"]}'],
+        "has 3 entries but the job has 2 ranks. Give one precision per rank",
+    ),
+    (["--rank-1-strategy-args", '{"device_precision": "auto"}'], "device_precision (rank 0: None, rank 1: auto)"),
 ]
 
 

@@ -147,3 +147,42 @@ def max_param_difference(result: dict, reference: dict[str, torch.Tensor]) -> fl
         (torch.tensor(result["params"][f"network.{name}"], dtype=torch.float64) - value.double()).abs().max().item()
         for name, value in reference.items()
     )
+
+
+def mixed_precision_reference(
+    dataset: IndexedRegression,
+    steps: list[list[list[int]]],
+    precisions: list[str],
+    accumulate: int = 1,
+) -> list[torch.Tensor]:
+    """One process computing what ranks in different precisions compute, without a process group.
+
+    ``steps[n][r]`` are rank r's sample indices in global batch n; rank r's mean loss runs under its own autocast
+    (``"bf16-mixed"`` or ``"32-true"``) and is weighted by its share of the global batch, as HeteroStrategy weights
+    it; an optimizer step follows every ``accumulate`` batches. Returns the flat parameters after every batch.
+    """
+    dtypes = {"bf16-mixed": torch.bfloat16, "32-true": None}
+    network = make_network()
+    optimizer = torch.optim.SGD(network.parameters(), lr=0.05, momentum=0.9)
+    flat_after_batch = []
+    for n, parts in enumerate(steps):
+        if n % accumulate == 0:
+            optimizer.zero_grad()
+        total = sum(len(part) for part in parts)
+        for part, precision in zip(parts, precisions):
+            dtype = dtypes[precision]
+            with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                loss = batch_loss(network, dataset.x[part], dataset.y[part])
+            (loss * len(part) / total / accumulate).backward()
+        if (n + 1) % accumulate == 0:
+            optimizer.step()
+        flat_after_batch.append(torch.cat([p.detach().reshape(-1) for p in network.parameters()]).double())
+    return flat_after_batch
+
+
+def full_data_loss(dataset: IndexedRegression, flat_parameters: torch.Tensor) -> float:
+    """The mean loss over the whole dataset of the network with these (flat) parameters."""
+    network = make_network()
+    torch.nn.utils.vector_to_parameters(flat_parameters.float(), network.parameters())
+    with torch.no_grad():
+        return batch_loss(network, dataset.x, dataset.y).item()

@@ -129,6 +129,48 @@ class RecordEmulatedDelay(Callback):
         pl_module.emulated_delay.append(emulator.added_seconds if emulator is not None else None)
 
 
+class RecordEveryStep(Callback):
+    """After every training step rank 0 appends to `per_step.jsonl`: the largest difference between any rank's
+    parameters and its own (gathered under ZeRO-3), its parameters, and the loss scale of per-device precision."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        import deepspeed
+
+        parts = []
+        for p in pl_module.parameters():
+            with deepspeed.zero.GatheredParameters([p], enabled=hasattr(p, "ds_id")):
+                parts.append(p.detach().double().reshape(-1).clone())
+        flat = torch.cat(parts)
+        gathered = [torch.empty_like(flat) for _ in range(trainer.world_size)]
+        torch.distributed.all_gather(gathered, flat)
+        if trainer.is_global_zero:
+            plugin = trainer.strategy.precision_plugin
+            scale = getattr(plugin, "loss_scale", None)
+            record = {
+                "step": trainer.global_step,
+                "spread": max((other - flat).abs().max().item() for other in gathered),
+                "params": flat.tolist(),
+                "loss_scale": scale.scale if scale is not None else None,
+                "skipped_steps": trainer.strategy.deepspeed_engine.skipped_steps,
+            }
+            with open(self.out / "per_step.jsonl", "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+
+
+def overflowing(model, step: int):
+    """``model.training_step`` with its loss multiplied by inf at global step ``step`` (an fp16 overflow)."""
+    training_step = model.training_step
+
+    def step_that_overflows(batch, batch_idx):
+        loss = training_step(batch, batch_idx)
+        return loss * float("inf") if model.trainer.global_step == step else loss
+
+    return step_that_overflows
+
+
 class WriteResult(Callback):
     def __init__(self, out: Path) -> None:
         self.out = out
@@ -212,6 +254,8 @@ def main() -> None:
     parser.add_argument("--seed-per-rank", action="store_true", help="seed_everything(7 + rank)")
     parser.add_argument("--strategy-args", help="JSON: more HeteroStrategy arguments (every rank)")
     parser.add_argument("--rank-1-strategy-args", help="JSON: strategy arguments that rank 1 alone is given")
+    parser.add_argument("--record-every-step", action="store_true", help="per_step.jsonl: params on every rank")
+    parser.add_argument("--overflow", help="RANK:STEP: that rank's loss is inf at that global step (step >= 1)")
     parser.add_argument("--config-by-rank", help="JSON list: rank r's DeepSpeed config (to provoke a mismatch)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -257,6 +301,8 @@ def main() -> None:
         callbacks.append(FaultInjection(int(kill_rank), int(kill_step), where))
     if args.record_steps:
         callbacks.append(RecordSteps(args.out))
+    if args.record_every_step:
+        callbacks.append(RecordEveryStep(args.out))
     trainer = Trainer(
         accelerator="cpu",
         devices=args.devices,
@@ -291,6 +337,10 @@ def main() -> None:
             model.training_step = failing_step
         else:
             train.collate_fn = failing_collate(train.collate_fn)
+    if args.overflow:
+        overflow_rank, overflow_step = map(int, args.overflow.split(":"))
+        if rank == overflow_rank:
+            model.training_step = overflowing(model, overflow_step)
     trainer.fit(model, None if args.loader_in_hook else train, val, ckpt_path=args.ckpt_path)
     if args.test_samples:
         trainer.test(model, DataLoader(IndexedRegression(args.test_samples, seed=5), batch_size=4), verbose=False)

@@ -1,0 +1,202 @@
+"""Per-device precision, the decisions and the single-process parts (no process group)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from lightning.pytorch.strategies.strategy import _ForwardRedirection
+
+from lightning_hetero.devices import DeviceFacts
+from lightning_hetero.precision import (
+    BF16,
+    FP16,
+    FP32,
+    DynamicLossScale,
+    best_precision,
+    check_config_precision,
+    check_device_precision,
+    check_rank_count,
+    check_trainer_precision,
+    needs_loss_scale,
+    rank_precision,
+    slow_precision,
+)
+from lightning_hetero.precision_plugin import AutocastInside, HeteroPrecision, UnscaledGradients, skip_agreed_overflows
+from lightning_hetero.report import build_report, summary_text
+
+
+def cuda(capability: tuple[int, int]) -> DeviceFacts:
+    return DeviceFacts(
+        kind="cuda", name="gpu", hostname="h", compute_capability=capability, supports_bf16=capability >= (8, 0),
+        bf16_native=capability >= (8, 0), supports_fp16=capability >= (5, 3),
+    )  # fmt: skip
+
+
+def cpu(bf16_native: bool) -> DeviceFacts:
+    return DeviceFacts(kind="cpu", name="cpu", hostname="h", supports_bf16=True, bf16_native=bf16_native,
+                       supports_fp16=True)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------------- arguments
+
+
+def test_device_precision_accepts_none_auto_and_one_precision_per_rank_with_lightnings_short_forms():
+    assert check_device_precision(None) is None
+    assert check_device_precision("auto") == "auto"
+    assert check_device_precision(["bf16-mixed", "16-mixed", "32-true"]) == (BF16, FP16, FP32)
+    assert check_device_precision(("bf16", 16, "32")) == (BF16, FP16, FP32)
+
+
+def test_rank_count_and_trainer_and_config_conflicts_name_what_to_drop():
+    check_rank_count("auto", 3)
+    check_rank_count((BF16, FP32), 2)
+    with pytest.raises(ValueError, match=r"has 3 entries but the job has 2 ranks"):
+        check_rank_count((BF16, FP32, FP32), 2)
+    check_trainer_precision(None, "bf16-mixed", "DeepSpeedPrecision")  # no device_precision: the Trainer's applies
+    check_trainer_precision("auto", "32-true", "DeepSpeedPrecision")
+    with pytest.raises(ValueError, match=r"`Trainer\(precision='16-mixed'\)` sets one precision .* drop one"):
+        check_trainer_precision("auto", "16-mixed", "DeepSpeedPrecision")
+    with pytest.raises(ValueError, match=r"given `MyPrecision`: drop that plugin"):
+        check_trainer_precision((BF16,), "32-true", "MyPrecision")
+    check_config_precision("auto", {"fp16": {"enabled": False}, "zero_optimization": {"stage": 2}})
+    check_config_precision(None, {"bf16": {"enabled": True}})
+    with pytest.raises(ValueError, match=r"enables `bfloat16`"):
+        check_config_precision("auto", {"bfloat16": {"enabled": True}})
+
+
+# ------------------------------------------------------------------------------------------------------ decisions
+
+
+@pytest.mark.parametrize(
+    ("facts", "expected"),
+    [
+        (cuda((9, 0)), BF16),  # H100
+        (cuda((8, 0)), BF16),  # A100
+        (cuda((7, 0)), FP16),  # V100
+        (cuda((7, 5)), FP16),  # T4
+        (cuda((5, 0)), FP32),  # no fp16 arithmetic
+        (cpu(bf16_native=True), BF16),  # AMX or AVX512-BF16
+        (cpu(bf16_native=False), FP32),  # fp16 on a CPU is slow, bf16 emulated too
+    ],
+)
+def test_auto_gives_each_device_the_precision_it_computes_fastest(facts, expected):
+    assert best_precision(facts) == expected
+    assert rank_precision("auto", 0, facts) == expected
+
+
+def test_a_precision_the_device_cannot_run_is_refused_naming_the_rank_and_what_it_can_run():
+    refusal = r"`device_precision\[1\]='bf16-mixed'` cannot run on rank 1.*capability.* Give that rank '16-mixed'"
+    with pytest.raises(ValueError, match=refusal):
+        rank_precision((BF16, BF16), 1, cuda((7, 0)))
+    assert rank_precision((FP32, FP16), 1, cuda((7, 0))) == FP16
+    assert slow_precision(FP16, cpu(True)) and slow_precision(BF16, cpu(False))
+    assert slow_precision(BF16, cpu(True)) is None and slow_precision(FP16, cuda((7, 0))) is None
+
+
+def test_only_jobs_with_an_fp16_rank_pay_for_the_agreed_loss_scale():
+    for precisions in itertools.product((BF16, FP16, FP32), repeat=3):
+        assert needs_loss_scale(precisions) == (FP16 in precisions)
+
+
+def test_the_loss_scale_halves_on_overflow_grows_after_a_quiet_interval_and_gives_up_at_its_minimum():
+    scale = DynamicLossScale(scale=8.0, growth_interval=3, min_scale=2.0)
+    assert [scale.update(overflow) for overflow in (False, True, False, False, False)] == [False, True] + [False] * 3
+    assert scale.scale == 8.0  # 8 -> 4 on the overflow -> 8 after three quiet steps
+    assert scale.good_steps == 0 and scale.skipped_steps == 1
+    assert scale.update(True) and scale.update(True) and scale.scale == 2.0
+    with pytest.raises(FloatingPointError, match="minimum loss scale 2"):
+        scale.update(True)
+    restored = DynamicLossScale()
+    restored.load_state_dict(scale.state_dict())
+    assert restored == scale
+
+
+# ---------------------------------------------------------------------------------------------- running parts
+
+
+def test_unscaled_gradients_equal_the_unscaled_backward_and_count_non_finite_ones():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 3)
+    x = torch.randn(5, 4)
+    layer(x).sum().backward()
+    expected = [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    gradients = UnscaledGradients(layer.parameters(), torch.device("cpu"))
+    gradients.inverse_scale = 1 / 1024.0
+    (layer(x).sum() * 1024.0).backward()
+    assert all(torch.allclose(p.grad, e) for p, e in zip(layer.parameters(), expected))
+    assert gradients.take_found_inf().item() == 0
+    (layer(x).sum() * math.inf).backward()
+    assert gradients.take_found_inf().item() == 2  # weight and bias
+    assert gradients.take_found_inf().item() == 0  # taken: reset
+    gradients.remove()
+    layer.zero_grad()
+    (layer(x).sum() * 2.0).backward()
+    assert torch.allclose(layer.bias.grad, 2 * expected[1])  # the hooks are gone
+
+
+def test_a_skipped_zero0_step_leaves_parameters_and_optimizer_state_untouched():
+    layer = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.Adam(layer.parameters())
+    skip = [True]
+    undo = skip_agreed_overflows(optimizer, lambda: skip[0])
+    before = [p.detach().clone() for p in layer.parameters()]
+    layer(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    assert optimizer.overflow and not optimizer.state
+    assert all(torch.equal(p, b) for p, b in zip(layer.parameters(), before))
+    skip[0] = False
+    optimizer.step()
+    assert not optimizer.overflow and optimizer.state
+    undo()
+    assert "step" not in optimizer.__dict__ and not hasattr(optimizer, "overflow")
+
+
+class _Module(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.layer(x)
+
+    def training_step(self, x):
+        return self(x).dtype, torch.is_autocast_enabled("cpu")
+
+
+class _Wrapper(torch.nn.Module):  # resets CPU autocast on entry, as DeepSpeed's engine does CUDA's
+    def __init__(self, module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args):
+        with torch.autocast("cpu", enabled=False):
+            return self.module(*args)
+
+
+def test_autocast_reaches_the_step_inside_a_wrapper_that_resets_it_and_the_method_is_restored():
+    module = _Module()
+    wrapper = _Wrapper(module)
+    redirect = AutocastInside(_ForwardRedirection(), lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # what an autocast outside the engine would achieve: nothing
+        assert _ForwardRedirection()(wrapper, module, "training_step", torch.ones(1, 2)) == (torch.float32, False)
+    assert redirect(wrapper, module, "training_step", torch.ones(1, 2)) == (torch.bfloat16, True)
+    assert "training_step" not in module.__dict__
+
+
+def test_the_loss_scale_is_saved_and_restored_with_the_plugin_and_the_report_says_what_was_skipped():
+    plugin = HeteroPrecision(FP16, "cpu", (FP16, FP32), gather_flags=lambda t: [t])
+    plugin.loss_scale.update(True)
+    state = plugin.state_dict()
+    fresh = HeteroPrecision(FP32, "cpu", (FP16, FP32), gather_flags=lambda t: [t])
+    fresh.load_state_dict(state)
+    assert fresh.loss_scale == plugin.loss_scale and fresh.loss_scale.scale == 2.0**15
+    assert HeteroPrecision(BF16, "cpu", (BF16, FP32), gather_flags=lambda t: [t]).state_dict() == {}
+    summary = {"precisions": [FP16, FP32], "loss_scale": 2.0**15, "skipped_steps": [{"step": 3, "ranks": [0]}]}
+    steps = [{"step": 0, "batch_sizes": [8, 8], "compute_seconds": [1.0, 1.0], "wait_seconds": [0, 0],
+              "step_seconds": 1.0}]  # fmt: skip
+    text = summary_text(build_report(steps, [], 2, precision=summary))
+    assert "fp16 loss scale 32768, 1 step skipped on every rank" in text
