@@ -4,6 +4,7 @@
     python examples/train_spirals.py --no-baseline            # only the automatic split (half the time)
     python examples/train_spirals.py --emulate-speeds 1 1     # identical ranks: the automatic split stays equal
     python examples/train_spirals.py --weights 1 0.4          # a split from given weights instead of profiling
+    python examples/train_spirals.py --device-precision bf16-mixed 32-true   # real difference, no emulation
 
 Rank 0 prints the plan table (rank, device, micro-batch, share, measured samples/s, predicted compute per step and
 the predicted speedup over an equal split). Then, unless ``--no-baseline``, the same training runs again with the
@@ -14,6 +15,7 @@ validation loss and accuracy of both runs and before training.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -69,7 +71,7 @@ def train(args: argparse.Namespace, strategy: HeteroStrategy, root: str) -> dict
     model = SpiralClassifier()
     timer = StepTimer()
     trainer = Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=args.devices,
         strategy=strategy,
         max_epochs=args.epochs,
@@ -84,11 +86,19 @@ def train(args: argparse.Namespace, strategy: HeteroStrategy, root: str) -> dict
     trainer.fit(model, datamodule=data)
     after = trainer.validate(model, datamodule=data, verbose=False)[0]
     step = timer.median_step()
+    # The slowest rank's compute per step, as every rank measured it during training (the run report): what the split
+    # balances, apart from the gradient exchange and optimizer time that any split pays alike.
+    compute = None
+    report_file = Path(trainer.log_dir) / "hetero" / "report.json"
+    if trainer.is_global_zero and report_file.exists():
+        steps = json.loads(report_file.read_text())["steps"]
+        compute = statistics.median(max(record["compute_seconds"]) for record in steps)
     return {
         "is_global_zero": trainer.is_global_zero,
         "split": "/".join(map(str, strategy.plan.batch_sizes)),
         "samples_per_second": strategy.plan.global_batch_size / step,
         "step": step,
+        "compute": compute,
         "before": before,
         "after": after,
         "profiling": max(p.wall_seconds for p in strategy.profiles) if strategy.profiles else None,
@@ -98,6 +108,7 @@ def train(args: argparse.Namespace, strategy: HeteroStrategy, root: str) -> dict
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--stage", type=int, default=2, help="ZeRO stage 0-3")
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=128, help="loader batch size; global batch = this x devices")
@@ -108,38 +119,50 @@ def main() -> None:
         "--emulate-speeds", type=float, nargs="+", default=None,
         help="speed in (0, 1] per rank (default: 1.0 0.4 with 2 devices, none otherwise)",
     )  # fmt: skip
+    parser.add_argument(
+        "--device-precision", nargs="+", default=None,
+        help="'auto' or one of bf16-mixed, 16-mixed, 32-true per rank: each rank trains in its own precision, a real"
+        " difference in speed on a CPU with AVX512-BF16 or AMX (no speed emulation unless --emulate-speeds is given)",
+    )  # fmt: skip
     parser.add_argument("--no-baseline", action="store_true", help="skip the second run with the equal split")
     parser.add_argument("--root", default="runs/spirals", help="log directory (plan and per-rank configs go here)")
     args = parser.parse_args()
-    if args.emulate_speeds is None and args.devices == 2:
+    device_precision = args.device_precision
+    if device_precision == ["auto"]:
+        device_precision = "auto"
+    if args.emulate_speeds is None and args.devices == 2 and device_precision is None:
         args.emulate_speeds = [1.0, 0.4]
+    same_hardware = {"stage": args.stage, "emulate_speeds": args.emulate_speeds, "device_precision": device_precision}
 
-    strategy = HeteroStrategy(
-        stage=args.stage, weights=args.weights, batch_sizes=args.batch_sizes, emulate_speeds=args.emulate_speeds
-    )
+    strategy = HeteroStrategy(weights=args.weights, batch_sizes=args.batch_sizes, **same_hardware)
     runs = {"hetero": train(args, strategy, args.root)}
     if not args.no_baseline:
         # What DDP (or Lightning's DeepSpeedStrategy) does: every rank the loader's batch size.
         equal = [args.batch_size] * args.devices
-        strategy = HeteroStrategy(stage=args.stage, batch_sizes=equal, emulate_speeds=args.emulate_speeds)
+        strategy = HeteroStrategy(batch_sizes=equal, **same_hardware)
         runs["equal (DDP)"] = train(args, strategy, str(Path(args.root) / "equal-split"))
 
     first = runs["hetero"]
     if not first["is_global_zero"]:
         return
-    print(f"\n{'run':12s}  micro-batches  samples/s  median step  val loss  val acc")
+    print(f"\n{'run':12s}  micro-batches  samples/s  median step  slowest compute  val loss  val acc")
     before, after = first["before"], first["after"]
-    print(f"{'before':12s}  {'':37s}  {before['val_loss']:8.3f}  {before['val_acc']:7.1%}")
+    print(f"{'before':12s}  {'':54s}  {before['val_loss']:8.3f}  {before['val_acc']:7.1%}")
     for name, run in runs.items():
+        compute = f"{run['compute'] * 1e3:12.1f} ms" if run["compute"] is not None else f"{'':15s}"
         print(
             f"{name:12s}  {run['split']:13s}  {run['samples_per_second']:9.0f}  {run['step'] * 1e3:8.1f} ms"
-            f"  {run['after']['val_loss']:8.3f}  {run['after']['val_acc']:7.1%}"
+            f"  {compute}  {run['after']['val_loss']:8.3f}  {run['after']['val_acc']:7.1%}"
         )
     print(f"validation loss     {before['val_loss']:.3f} -> {after['val_loss']:.3f}")
     print(f"validation accuracy {before['val_acc']:.1%} -> {after['val_acc']:.1%}")
     if "equal (DDP)" in runs:
         speedup = first["samples_per_second"] / runs["equal (DDP)"]["samples_per_second"]
-        print(f"measured speedup over the equal split: {speedup:.2f}x")
+        print(f"measured speedup over the equal split: {speedup:.2f}x", end="")
+        if first["compute"] and runs["equal (DDP)"]["compute"]:
+            balance = runs["equal (DDP)"]["compute"] / first["compute"]
+            print(f" (the slowest rank's compute per step: {balance:.2f}x less)", end="")
+        print()
     if first["profiling"] is not None:
         share = first["profiling"] / (REFERENCE_STEPS * first["step"])
         print(

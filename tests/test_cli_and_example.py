@@ -12,8 +12,9 @@ from conftest import REPO, run_bounded
 
 
 def plan_rows(output: str) -> list[tuple[int, int]]:
-    """(rank, micro-batch) rows of the plan table printed by rank 0."""
-    return [(int(rank), int(micro)) for rank, micro in re.findall(r"^(\d+)\s+cpu: [^\n]*?\)\s+(\d+)\s", output, re.M)]
+    """(rank, micro-batch) rows of the plan table printed by rank 0 (rank, device, precision, micro-batch, ...)."""
+    rows = re.findall(r"^(\d+)\s+cpu: [^\n]*?\)\s+[\w-]+\s+(\d+)\s", output, re.M)
+    return [(int(rank), int(micro)) for rank, micro in rows]
 
 
 @pytest.mark.parametrize(
@@ -81,8 +82,30 @@ def test_example_learns_and_compares_with_the_equal_split(tmp_path):
     assert full_batches[-1] == final  # (an epoch's last global batch is short, split in the same proportion)
     rows = dict(re.findall(r"^(hetero|equal \(DDP\)) +(\d+/\d+) ", output, re.M))
     assert rows == {"hetero": "/".join(map(str, final)), "equal (DDP)": "128/128"}, output[-2000:]
-    assert re.search(r"^measured speedup over the equal split: [\d.]+x$", output, re.M)
+    speedup = r"^measured speedup over the equal split: [\d.]+x \(the slowest rank's compute per step: [\d.]+x less\)$"
+    assert re.search(speedup, output, re.M), output[-2000:]
     assert re.search(r"^profiling cost: [\d.]+ s once per fit = [\d.]+% of a 500-step run", output, re.M)
     before, after = map(float, re.search(r"validation accuracy ([\d.]+)% -> ([\d.]+)%", output).groups())
     loss_before, loss_after = map(float, re.search(r"validation loss +([\d.]+) -> ([\d.]+)", output).groups())
     assert after > before + 15 and loss_after < loss_before / 2  # two epochs only: clearly learning
+
+
+def test_example_splits_by_measured_precision_without_emulation(tmp_path):
+    """bf16 beside fp32 on one CPU: real heterogeneity, found by the profiler (no speed emulation)."""
+    from lightning_hetero.devices import collect_device_facts
+
+    returncode, output = run_bounded(
+        [sys.executable, "examples/train_spirals.py", "--epochs", "1", "--no-baseline", "--device-precision",
+         "bf16-mixed", "32-true", "--root", str(tmp_path)],
+        timeout=300,
+        cwd=REPO,
+    )  # fmt: skip
+    assert returncode == 0, output[-4000:]
+    rows = re.findall(r"^(\d)\s+cpu: [^\n]*?\)\s+(bf16-mixed|32-true)\s+(\d+)\s", output, re.M)
+    assert [(rank, precision) for rank, precision, _ in rows] == [("0", "bf16-mixed"), ("1", "32-true")]
+    bf16_batch, fp32_batch = (int(batch) for _, _, batch in rows)
+    assert bf16_batch + fp32_batch == 256
+    if collect_device_facts("cpu").bf16_native:  # AVX512-BF16 or AMX: bf16 computes faster than fp32
+        assert bf16_batch > fp32_batch, output[-3000:]
+    plan = json.loads((tmp_path / "lightning_logs" / "version_0" / "hetero" / "plan.json").read_text())
+    assert plan["emulate_speeds"] is None and plan["precisions"] == ["bf16-mixed", "32-true"]

@@ -160,6 +160,21 @@ class RecordEveryStep(Callback):
                 handle.write(json.dumps(record) + "\n")
 
 
+def recording_autocast(model, out: Path, device_type: str):
+    """``model.training_step`` that writes, once per rank, whether autocast was on inside it and with which dtype."""
+    training_step = model.training_step
+
+    def step_that_records(batch, batch_idx):
+        path = out / f"autocast_rank{model.global_rank}.json"
+        if not model.trainer.sanity_checking and not path.exists() and model.trainer.global_step >= 1:
+            dtype = str(torch.get_autocast_dtype(device_type))
+            state = {"enabled": torch.is_autocast_enabled(device_type), "dtype": dtype}
+            path.write_text(json.dumps(state))
+        return training_step(batch, batch_idx)
+
+    return step_that_records
+
+
 def overflowing(model, step: int):
     """``model.training_step`` with its loss multiplied by inf at global step ``step`` (an fp16 overflow)."""
     training_step = model.training_step
@@ -217,6 +232,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--record-autocast", action="store_true", help="autocast.json: what training_step ran under")
     parser.add_argument("--stage", type=int, default=2)
     parser.add_argument("--batch-sizes", type=int, nargs="*")
     parser.add_argument("--global-batch-size", type=int)
@@ -304,7 +321,7 @@ def main() -> None:
     if args.record_every_step:
         callbacks.append(RecordEveryStep(args.out))
     trainer = Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=args.devices,
         strategy=HeteroStrategy(**strategy_kwargs),
         precision=args.precision,
@@ -337,6 +354,8 @@ def main() -> None:
             model.training_step = failing_step
         else:
             train.collate_fn = failing_collate(train.collate_fn)
+    if args.record_autocast:
+        model.training_step = recording_autocast(model, args.out, args.accelerator)
     if args.overflow:
         overflow_rank, overflow_step = map(int, args.overflow.split(":"))
         if rank == overflow_rank:

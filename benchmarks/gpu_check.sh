@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The CUDA checks, on a machine with a GPU: every test marked `cuda` (device facts through NVML, profiling with
+# out-of-memory probing, fp16/bf16 autocast inside DeepSpeed's engine) and the example on accelerator="cuda".
+# Prints a summary and writes it to benchmarks/results/gpu_check.txt. Exit status: 0 when everything passed.
+#
+#   bash benchmarks/gpu_check.sh
+set -u
+cd "$(dirname "$0")/.."
+mkdir -p benchmarks/results
+summary=benchmarks/results/gpu_check.txt
+log=$(mktemp -d)
+
+python -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU visible to torch'; \
+print('GPU:', torch.cuda.get_device_name(0), 'capability', torch.cuda.get_device_capability(0), 'torch', torch.__version__)" \
+  > "$log/gpu.txt" 2>&1
+gpu_status=$?
+
+python -m pytest -m cuda -v -rs tests/test_cuda.py > "$log/tests.txt" 2>&1
+tests_status=$?
+
+python examples/train_spirals.py --accelerator cuda --devices 1 --epochs 2 --no-baseline --device-precision auto \
+  --root "$log/example" > "$log/example.txt" 2>&1
+example_status=$?
+
+{
+  echo "lightning_hetero GPU check, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  cat "$log/gpu.txt"
+  echo
+  echo "== tests marked cuda (exit $tests_status)"
+  grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$log/tests.txt" | tail -20
+  echo
+  echo "== example on accelerator=cuda, device_precision=auto (exit $example_status)"
+  grep -E "^HeteroStrategy plan|^rank|^0 |epoch|validation|run report" "$log/example.txt" | tail -12
+  if [ $tests_status -ne 0 ] || [ $example_status -ne 0 ] || [ $gpu_status -ne 0 ]; then
+    echo
+    echo "== failures: last lines of each failing part"
+    [ $gpu_status -ne 0 ] && cat "$log/gpu.txt"
+    [ $tests_status -ne 0 ] && tail -60 "$log/tests.txt"
+    [ $example_status -ne 0 ] && tail -40 "$log/example.txt"
+  fi
+  echo
+  if [ $gpu_status -eq 0 ] && [ $tests_status -eq 0 ] && [ $example_status -eq 0 ]; then echo "RESULT: all CUDA checks passed"; else echo "RESULT: FAILED"; fi
+} | tee "$summary"
+
+[ $gpu_status -eq 0 ] && [ $tests_status -eq 0 ] && [ $example_status -eq 0 ]

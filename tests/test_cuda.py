@@ -1,0 +1,106 @@
+"""The CUDA paths: device facts through NVML, profiling with out-of-memory probing, fp16/bf16 autocast inside
+DeepSpeed's engine (which resets CUDA autocast on entry), and the example on ``accelerator="cuda"``.
+
+Marked ``cuda`` and skipped without a GPU; ``benchmarks/gpu_check.sh`` runs them all on a GPU machine. One GPU is
+enough: the fits use one rank (NCCL refuses two ranks on one device).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import pytest
+import torch
+from conftest import REPO, run_bounded, run_fit
+
+from lightning_hetero.devices import collect_device_facts
+from lightning_hetero.precision import best_precision
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run benchmarks/gpu_check.sh there)"),
+]
+
+
+def test_device_facts_read_nvml_and_agree_with_torch():
+    facts = collect_device_facts("cuda:0")
+    properties = torch.cuda.get_device_properties(0)
+    assert facts.kind == "cuda" and facts.index == 0
+    assert "nvml" in facts.sources, facts.notes  # nvidia-ml-py is a dependency: NVML must be read
+    assert facts.compute_capability == (properties.major, properties.minor)
+    assert facts.total_memory_bytes and abs(facts.total_memory_bytes - properties.total_memory) < 2**30
+    assert facts.sm_count == properties.multi_processor_count
+    assert facts.supports_bf16 == torch.cuda.is_bf16_supported(including_emulation=False)
+    assert facts.max_sm_clock_mhz and facts.max_sm_clock_mhz > 0
+    expected = "bf16-mixed" if facts.compute_capability >= (8, 0) else "16-mixed"
+    assert best_precision(facts) == expected
+    assert facts.describe().startswith(facts.name) and f"{properties.multi_processor_count} SMs" in facts.describe()
+
+
+def test_profiling_on_cuda_finds_the_memory_ceiling_by_running_out_of_memory():
+    """A memory cap makes the largest probe run out of memory: the profile stops there and caps the ceiling below."""
+    from lightning.pytorch import LightningModule
+
+    from lightning_hetero.profiler import profile_training_step
+
+    class Wide(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(4)])
+
+        def training_step(self, batch, batch_idx):
+            return self.layers(batch).square().mean()
+
+    device = torch.device("cuda", 0)
+    module = Wide().to(device)
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    parameters = sum(p.numel() * p.element_size() for p in module.parameters())
+    # Room for the weights, their gradients and about 600 samples of activations (4 layers x 16 KiB each).
+    cap = (3 * parameters + 600 * 4 * 4096 * 4 * 2) / total
+    torch.cuda.set_per_process_memory_fraction(min(cap, 1.0), 0)
+    try:
+        profile = profile_training_step(
+            module, lambda n: torch.randn(n, 4096, device=device), [64, 256, 4096], device,
+            free_bytes=float(torch.cuda.mem_get_info(device)[0]),
+        )  # fmt: skip
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+        torch.cuda.empty_cache()
+    assert profile.batch_sizes == (64, 256)  # 4096 samples ran out of memory and were dropped
+    assert profile.max_batch is not None and 256 <= profile.max_batch < 4096
+    assert profile.seconds_per_sample > 0
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_each_precision_reaches_the_step_inside_deepspeeds_engine_on_cuda(precision, tmp_path):
+    if precision == "bf16-mixed" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        pytest.skip("this GPU has no bf16")
+    strategy = {"device_precision": [precision], "batch_sizes": [16]}
+    run = run_fit(
+        tmp_path, "--accelerator", "cuda", "--devices", "1", "--stage", "2", "--max-steps", "6",
+        "--strategy-args", json.dumps(strategy), "--record-autocast", "--record-every-step",
+    )  # fmt: skip
+    assert run.returncode == 0, run.output[-4000:]
+    seen = json.loads((tmp_path / "autocast_rank0.json").read_text())
+    dtype = {"bf16-mixed": "torch.bfloat16", "16-mixed": "torch.float16"}[precision]
+    assert seen == {"enabled": True, "dtype": dtype}
+    records = [json.loads(line) for line in (tmp_path / "per_step.jsonl").read_text().splitlines()]
+    assert records[-1]["params"] != records[0]["params"]  # it trained
+    if precision == "16-mixed":
+        assert records[-1]["loss_scale"] is not None
+
+
+def test_the_example_trains_on_cuda_with_automatic_precision(tmp_path):
+    returncode, output = run_bounded(
+        [sys.executable, "examples/train_spirals.py", "--accelerator", "cuda", "--devices", "1", "--epochs", "1",
+         "--no-baseline", "--device-precision", "auto", "--root", str(tmp_path)],
+        timeout=300,
+        cwd=REPO,
+    )  # fmt: skip
+    assert returncode == 0, output[-4000:]
+    expected = best_precision(collect_device_facts("cuda:0"))
+    assert re.search(rf"^0\s+[^\n]*\bSMs\b[^\n]*\)\s+{expected}\s+128\s", output, re.M), output[-3000:]
+    assert re.search(r"validation accuracy [\d.]+% -> [\d.]+%", output)
