@@ -165,6 +165,17 @@ def needs_loss_scale(precisions: Sequence[str]) -> bool:
     return FP16 in precisions
 
 
+def gradient_order_may_differ(precisions: Sequence[str], device_types: Sequence[str]) -> bool:
+    """Whether ranks may produce their gradients in different orders: their autocasts differ.
+
+    Autocast inserts casts into the autograd graph, which changes the order in which backward reaches the parameters.
+    Ranks under the same autocast (the same precision on the same device type) build the same graph; fp32 ranks
+    build the plain graph on any device; the same precision on another device type casts other operations.
+    """
+    autocasts = {(precision, "any" if precision == FP32 else kind) for precision, kind in zip(precisions, device_types)}
+    return len(autocasts) > 1
+
+
 @dataclass
 class DynamicLossScale:
     """The job's loss scale, identical on every rank because every rank updates it with the same agreed overflow.

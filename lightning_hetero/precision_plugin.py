@@ -26,7 +26,14 @@ from lightning.pytorch.strategies.strategy import _ForwardRedirection
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_hetero.precision import BF16, FP16, FP32, DynamicLossScale, needs_loss_scale
+from lightning_hetero.precision import (
+    BF16,
+    FP16,
+    FP32,
+    DynamicLossScale,
+    gradient_order_may_differ,
+    needs_loss_scale,
+)
 
 _AUTOCAST_DTYPES = {BF16: torch.bfloat16, FP16: torch.float16}
 
@@ -223,6 +230,8 @@ class HeteroPrecision(DeepSpeedPrecision):
         device_type: ``"cpu"`` or ``"cuda"``, for ``torch.autocast``.
         precisions: every rank's precision, in rank order (the decision to scale is the job's).
         gather_flags: all-gathers a one-element tensor from every rank, in rank order.
+        device_types: every rank's device type; ranks whose autocast differs (another precision, or the same one on
+            another device type, whose autocast casts other operations) produce gradients in another order.
     """
 
     def __init__(
@@ -232,10 +241,12 @@ class HeteroPrecision(DeepSpeedPrecision):
         precisions: tuple[str, ...],
         gather_flags: Callable[[Tensor], list[Tensor]],
         loss_scale: Optional[DynamicLossScale] = None,
+        device_types: Optional[tuple[str, ...]] = None,
     ) -> None:
         super().__init__(FP32)  # the engine, its master weights and the collectives: fp32 on every rank
         self.rank_precision = rank_precision
         self.precisions = precisions
+        self.device_types = device_types or (device_type,) * len(precisions)
         self.autocast = autocast_for(rank_precision, device_type)
         self.loss_scale = (loss_scale or DynamicLossScale()) if needs_loss_scale(precisions) else None
         self._gather_flags = gather_flags
@@ -256,7 +267,7 @@ class HeteroPrecision(DeepSpeedPrecision):
         the agreed skipping (every rank of a job with an fp16 rank)."""
         if engine.optimizer is None:  # not training
             return
-        if len(set(self.precisions)) > 1 and engine.zero_optimization_stage() >= 2:
+        if gradient_order_may_differ(self.precisions, self.device_types) and engine.zero_optimization_stage() >= 2:
             self._in_order = ParameterOrderReduction(engine)
         if self.loss_scale is None:
             return

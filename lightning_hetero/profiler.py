@@ -19,7 +19,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
+import psutil
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import nn
 
 from lightning_hetero.emulate import SlowdownEmulator, compute_clock
@@ -273,4 +275,42 @@ def profile_training_step(
         max_batch=ceiling,
         bytes_per_sample=bytes_per_sample,
         wall_seconds=time.perf_counter() - started,
+    )
+
+
+def profile_from_loader(
+    module: nn.Module,
+    loader: Any,
+    batch_sizes: Sequence[int],
+    device: torch.device,
+    emulator: Optional[SlowdownEmulator] = None,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> RankProfile:
+    """:func:`profile_training_step` on samples of the training ``loader`` (read from its dataset directly), with the
+    device's free memory for the ceiling. The loader must be a map-style ``DataLoader``."""
+    from torch.utils.data import DataLoader
+
+    if not isinstance(loader, DataLoader):
+        raise ValueError(
+            f"The automatic split profiles the model on samples of the training DataLoader, got"
+            f" {type(loader).__name__}. Pass `batch_sizes=[...]` or `weights=[...]`."
+        )
+    dataset, collate = loader.dataset, loader.collate_fn
+
+    def make_batch(size: int) -> Any:
+        return move_data_to_device(collate([dataset[i % len(dataset)] for i in range(size)]), device)
+
+    if device.type == "cuda":
+        free_bytes = float(torch.cuda.mem_get_info(device)[0])
+    else:
+        free_bytes = float(psutil.virtual_memory().available)
+    return profile_training_step(
+        module,
+        make_batch,
+        batch_sizes,
+        device,
+        emulator=emulator,
+        free_bytes=free_bytes,
+        time_batch_assembly=loader.num_workers == 0,
+        autocast=autocast,
     )

@@ -40,11 +40,52 @@ import statistics
 from pathlib import Path
 from typing import Any, Optional
 
+from lightning_hetero.configure import format_plan_table
 from lightning_hetero.watch import balance_efficiency
 
 FORMAT_VERSION = 1
 # The start and the end of a run, for the summary: this share of its steps (at least one step each).
 _EDGE_SHARE = 0.1
+
+
+def plan_text(
+    plan: Any,
+    stage: int,
+    devices: list[str],
+    precisions: list[str],
+    profiles: Optional[list[Any]] = None,
+    prediction: Optional[dict[str, Any]] = None,
+) -> str:
+    """The plan as rank 0 prints it at fit start: a row per rank, and the predicted gain when it was profiled.
+
+    ``plan`` is a :class:`~lightning_hetero.plan.SplitPlan`, ``profiles`` the ranks'
+    :class:`~lightning_hetero.profiler.RankProfile` (automatic split only).
+    """
+    rows = []
+    for rank, (device, size, share) in enumerate(zip(devices, plan.batch_sizes, plan.shares())):
+        row = {"rank": rank, "device": device, "precision": precisions[rank], "micro_batch": size,
+               "share": f"{share:.1%}"}  # fmt: skip
+        if profiles is not None and prediction is not None:
+            row["throughput"] = f"{profiles[rank].throughput(size):.0f}"
+            row["step"] = f"{prediction['rank_step_seconds'][rank] * 1e3:.1f}"
+        rows.append(row)
+    columns = [("rank", "rank"), ("device", "device"), ("precision", "precision")]
+    columns += [("micro_batch", "micro-batch"), ("share", "share")]
+    summary = ""
+    if profiles is not None and prediction is not None:
+        columns += [("throughput", "samples/s"), ("step", "compute ms")]
+        # The profile times each rank's own forward + backward: the prediction is the slowest rank's local compute
+        # per step; the gradient exchange, the optimizer step and the loop add about the same time to any split.
+        summary = (
+            f"\npredicted compute per step: {prediction['step_seconds'] * 1e3:.1f} ms with this split,"
+            f" {prediction['equal_split_step_seconds'] * 1e3:.1f} ms with an equal split"
+            f" (speedup {prediction['speedup']:.2f}x; communication and optimizer time come on top);"
+            f" profiling took {max(p.wall_seconds for p in profiles):.2f} s"
+        )
+    return (
+        f"HeteroStrategy plan ({plan.source}): global batch {plan.global_batch_size}, ZeRO stage {stage}\n"
+        f"{format_plan_table(rows, columns)}{summary}"
+    )
 
 
 def build_report(

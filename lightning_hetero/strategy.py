@@ -20,11 +20,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar, Union
 
-import psutil
 import torch
 import torch.distributed
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy
@@ -43,7 +41,6 @@ from lightning_hetero.configure import (
     check_user_config,
     config_disagreements,
     disagreement_message,
-    format_plan_table,
     rank_config,
 )
 from lightning_hetero.data import (
@@ -68,7 +65,7 @@ from lightning_hetero.plan import (
     split_by_weights,
 )
 from lightning_hetero.precision_plugin import AutocastInside, HeteroPrecision, autocast_for
-from lightning_hetero.profiler import RankProfile, probe_sizes, profile_training_step
+from lightning_hetero.profiler import RankProfile, probe_sizes, profile_from_loader
 from lightning_hetero.rebalance import SplitFollower
 from lightning_hetero.replan import DEFAULT_THRESHOLD, DEFAULT_WINDOW, Rebalancer, check_rebalance_arguments
 from lightning_hetero.shutdown import register_exit_cleanup
@@ -403,7 +400,12 @@ class HeteroStrategy(DeepSpeedStrategy):
             profile = None
             if fitting and self.batch_sizes is None and self.weights is None:
                 autocast = autocast_for(rank_precision, self.root_device.type)  # measured as it will train
-                profile = self._profile(loader, global_batch_size, autocast)  # type: ignore[arg-type]
+                module = self.lightning_module
+                assert module is not None
+                module.to(self.root_device)  # DeepSpeed would move it there next anyway
+                sizes = probe_sizes(global_batch_size, self.world_size)  # type: ignore[arg-type]
+                measured = profile_from_loader(module, loader, sizes, self.root_device, self._emulator, autocast)
+                profile = measured.to_dict()
             arguments = {
                 "global_batch_size": global_batch_size,
                 "batch_sizes": self.batch_sizes,
@@ -442,6 +444,7 @@ class HeteroStrategy(DeepSpeedStrategy):
             self._all_gather_tensor,
             # One Trainer's later fit continues with the scale it reached (a checkpoint restores its own).
             loss_scale=previous.loss_scale if isinstance(previous, HeteroPrecision) else None,
+            device_types=tuple(facts.kind for facts in self.device_facts),
         )
 
     def _gather_or_raise(self, what: str, compute: Callable[[], tuple[T, Any]]) -> tuple[T, list[Any]]:
@@ -573,38 +576,6 @@ class HeteroStrategy(DeepSpeedStrategy):
             )
         return batch_size * self.world_size
 
-    def _profile(self, loader: Any, global_batch_size: int, autocast: Callable[[], Any]) -> dict[str, Any]:
-        """Benchmark this rank's training step (local compute only) for the automatic split."""
-        if not isinstance(loader, DataLoader):
-            raise ValueError(
-                f"The automatic split profiles the model on samples of the training DataLoader, got"
-                f" {type(loader).__name__}. Pass `batch_sizes=[...]` or `weights=[...]`."
-            )
-        module = self.lightning_module
-        assert module is not None
-        module.to(self.root_device)  # DeepSpeed would move it there next anyway
-        dataset, collate = loader.dataset, loader.collate_fn
-
-        def make_batch(size: int) -> Any:
-            batch = collate([dataset[i % len(dataset)] for i in range(size)])
-            return move_data_to_device(batch, self.root_device)
-
-        if self.root_device.type == "cuda":
-            free_bytes: Optional[float] = float(torch.cuda.mem_get_info(self.root_device)[0])
-        else:
-            free_bytes = float(psutil.virtual_memory().available)
-        profile = profile_training_step(
-            module,
-            make_batch,
-            probe_sizes(global_batch_size, self.world_size),
-            self.root_device,
-            emulator=self._emulator,
-            free_bytes=free_bytes,
-            time_batch_assembly=loader.num_workers == 0,
-            autocast=autocast,
-        )
-        return profile.to_dict()
-
     def _all_gather_tensor(self, tensor: Tensor) -> list[Tensor]:
         """Every rank's ``tensor`` (the same shape and dtype on every rank), in rank order, on the CPU.
 
@@ -627,14 +598,6 @@ class HeteroStrategy(DeepSpeedStrategy):
     def _report_plan(self, trainer: Any) -> None:
         """Rank 0 prints the plan table; every rank writes its config (and rank 0 the whole plan) as JSON."""
         assert self.plan is not None and self.config is not None
-        rows = []
-        for rank, (facts, size, share) in enumerate(zip(self.device_facts, self.plan.batch_sizes, self.plan.shares())):
-            row = {"rank": rank, "device": facts.describe(), "precision": self.precisions[rank]}
-            row.update({"micro_batch": size, "share": f"{share:.1%}"})
-            if self.profiles is not None and self.prediction is not None:
-                row["throughput"] = f"{self.profiles[rank].throughput(size):.0f}"
-                row["step"] = f"{self.prediction['rank_step_seconds'][rank] * 1e3:.1f}"
-            rows.append(row)
         log_dir = Path(trainer.log_dir or trainer.default_root_dir) / PLAN_DIRNAME  # log_dir broadcasts: all ranks
         log_dir.mkdir(parents=True, exist_ok=True)
         plan = {
@@ -664,26 +627,10 @@ class HeteroStrategy(DeepSpeedStrategy):
             "profiles": [profile.to_dict() for profile in self.profiles] if self.profiles else None,
         }
         (log_dir / "plan.json").write_text(json.dumps(everything, indent=2, default=str))
-        columns = [("rank", "rank"), ("device", "device"), ("precision", "precision")]
-        columns += [("micro_batch", "micro-batch"), ("share", "share")]
-        summary = ""
-        if self.profiles is not None and self.prediction is not None:
-            columns += [("throughput", "samples/s"), ("step", "compute ms")]
-            # The profile times each rank's own forward + backward: the prediction is the slowest rank's local
-            # compute per step; the gradient exchange, the optimizer step and the loop add about the same time to
-            # any split.
-            summary = (
-                f"\npredicted compute per step: {self.prediction['step_seconds'] * 1e3:.1f} ms with this split,"
-                f" {self.prediction['equal_split_step_seconds'] * 1e3:.1f} ms with an equal split"
-                f" (speedup {self.prediction['speedup']:.2f}x; communication and optimizer time come on top);"
-                f" profiling took {max(p.wall_seconds for p in self.profiles):.2f} s"
-            )
         stage = self.config.get("zero_optimization", {}).get("stage", 0)
-        rank_zero_info(
-            f"HeteroStrategy plan ({self.plan.source}): global batch {self.plan.global_batch_size},"
-            f" ZeRO stage {stage}\n"
-            f"{format_plan_table(rows, columns)}{summary}\nwritten to {log_dir}"
-        )
+        devices = [facts.describe() for facts in self.device_facts]
+        table = report.plan_text(self.plan, stage, devices, self.precisions, self.profiles, self.prediction)
+        rank_zero_info(f"{table}\nwritten to {log_dir}")
 
     # ------------------------------------------------------------------ data
 

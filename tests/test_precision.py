@@ -20,6 +20,7 @@ from lightning_hetero.precision import (
     check_device_precision,
     check_rank_count,
     check_trainer_precision,
+    gradient_order_may_differ,
     needs_loss_scale,
     rank_precision,
     slow_precision,
@@ -94,6 +95,14 @@ def test_a_precision_the_device_cannot_run_is_refused_naming_the_rank_and_what_i
     assert rank_precision((FP32, FP16), 1, cuda((7, 0))) == FP16
     assert slow_precision(FP16, cpu(True)) and slow_precision(BF16, cpu(False))
     assert slow_precision(BF16, cpu(True)) is None and slow_precision(FP16, cuda((7, 0))) is None
+
+
+def test_gradient_order_is_forced_only_where_the_ranks_autocasts_differ():
+    assert gradient_order_may_differ((BF16, FP32), ("cpu", "cpu"))
+    assert gradient_order_may_differ((BF16, FP16), ("cuda", "cuda"))
+    assert gradient_order_may_differ((BF16, BF16), ("cpu", "cuda"))  # CPU and CUDA autocast cast other operations
+    assert not gradient_order_may_differ((BF16, BF16, BF16), ("cuda",) * 3)
+    assert not gradient_order_may_differ((FP32, FP32), ("cpu", "cuda"))
 
 
 def test_only_jobs_with_an_fp16_rank_pay_for_the_agreed_loss_scale():
