@@ -157,6 +157,8 @@ def slow_precision(precision: str, facts: DeviceFacts) -> Optional[str]:
         return "CPUs have no fast fp16 kernels: fp16 autocast on a CPU is much slower than fp32"
     if precision == BF16 and facts.kind == "cpu" and not facts.bf16_native:
         return "this CPU has neither AMX nor AVX512-BF16, so bf16 is emulated and slower than fp32"
+    if precision == BF16 and facts.kind == "cuda" and facts.bf16_native is False:
+        return "this GPU computes bf16 by emulation (compute capability below 8.0); '16-mixed' is its fast precision"
     return None
 
 

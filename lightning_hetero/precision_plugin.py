@@ -165,25 +165,39 @@ class ParameterOrderReduction:
     """ZeRO-2/3 reduce gradients in the order autograd produces them; make them reduce in parameter order instead.
 
     ZeRO-2/3 copy each gradient into a bucket as it arrives during backward and reduce the bucket across ranks by
-    position, which assumes every rank produces its gradients in the same order. Ranks in different precisions do not:
-    autocast adds cast nodes to the graph and autograd visits the parameters in another order (measured: a bf16 rank
+    position, which assumes every rank produces its gradients in the same order. Ranks under different autocasts do
+    not: the casts change the graph and autograd visits the parameters in another order (measured: a bf16 rank
     produced `W2, b2, W1, b1` while an fp32 rank produced `b2, W2, b1, W1`), and the reduction then adds unrelated
     gradients together, silently (first-step parameters off by 0.1 in the test model). DeepSpeed's
-    ``coalesce_grad_reduction`` has the cure: the hooks leave each gradient on its parameter during the optimizer
-    step's backward passes, and a flush reduces them all in parameter order before the step.
+    ``coalesce_grad_reduction`` has the cure: with its flag set the hooks leave each gradient on its parameter during
+    the optimizer step's backward passes, and its flush reduces them all in parameter order before the step.
+
+    The flag and the flush are driven directly rather than through the engine's context manager: that context
+    flushes (collectives) whenever it is left, also when a failure on one rank abandons the step, which would send
+    that rank into reductions its peers never join. Here leaving without the flush is :meth:`undo`.
 
     * ZeRO-3 (DeepSpeed's managed accumulation, see :func:`~lightning_hetero.configure.lightning_owns_accumulation`):
-      the engine's public context, entered before the first backward of an optimizer step and left before the step.
-    * ZeRO-2 (unmanaged accumulation, which that context refuses): the same flag and flush, driven directly; the
-      epilogue that ends every backward is held back until the flush, which runs it.
-    * ZeRO-0/1 reduce in parameter order at the step already: nothing to do.
+      what the engine's context does on entry (no boundary work in backward) and on a normal exit (the flush).
+    * ZeRO-2 (unmanaged accumulation): the flag, and the end-of-backward epilogue held back until the flush runs it.
+    * ZeRO-0/1 reduce in parameter order at the step already: not used there.
+
+    The cost: until the step every rank holds the full gradient of every parameter (ZeRO-2/3 otherwise keep only
+    their partition), and reduction no longer overlaps backward.
     """
 
     def __init__(self, engine: Any) -> None:
+        missing = [name for name in _COALESCE_API if not hasattr(engine, name)]
+        if missing or not hasattr(engine.optimizer, "_coalesce_grad_reduction"):
+            raise RuntimeError(
+                "HeteroStrategy(device_precision=...) with ranks in different precisions needs DeepSpeed's"
+                f" coalesce_grad_reduction (0.19.8 has it; this DeepSpeed lacks {missing or ['its optimizer flag']})."
+                " Upgrade DeepSpeed, or use ZeRO stage 0 or 1, or give every rank the same precision."
+            )
         self.engine = engine
         self.optimizer = engine.optimizer
         self.stage = engine.zero_optimization_stage()
-        self._window: Optional[contextlib.ExitStack] = None
+        self._open = False  # ZeRO-3: a step's backward passes are under way, their gradients not yet reduced
+        self._saved_boundary: Optional[bool] = None  # ... and the engine's boundary flag (None until its first step)
         if self.stage == 2:
             optimizer = self.optimizer
             epilogue = optimizer.overlapping_partition_gradients_reduce_epilogue
@@ -196,30 +210,44 @@ class ParameterOrderReduction:
             optimizer._coalesce_grad_reduction = True
 
     def before_backward(self) -> None:
-        if self.stage == 3 and self._window is None:
-            self._window = contextlib.ExitStack()
-            self._window.enter_context(self.engine.coalesce_grad_reduction())
+        if self.stage == 3 and not self._open:
+            self._open = True
+            self._saved_boundary = self.engine._is_gradient_accumulation_boundary
+            self.engine.inside_no_sync_ctxt = True
+            self.optimizer._coalesce_grad_reduction = True
 
     def before_step(self) -> None:
-        if self.stage == 3 and self._window is not None:
-            window, self._window = self._window, None
-            window.close()  # the flush: every gradient reduced, in parameter order
+        engine, optimizer = self.engine, self.optimizer
+        if self.stage == 3 and self._open:
+            saved, self._open = self._saved_boundary, False
+            optimizer._coalesce_grad_reduction = False
+            engine.inside_no_sync_ctxt = False
+            engine._is_gradient_accumulation_boundary = True
+            optimizer.set_gradient_accumulation_boundary(True)
+            try:
+                engine._flush_coalesced_reduction_zero3(optimizer)  # every gradient reduced, in parameter order
+            finally:
+                engine._is_gradient_accumulation_boundary = saved
         elif self.stage == 2:
-            optimizer = self.optimizer
             optimizer._coalesce_grad_reduction = False  # the flush drives the very hooks the flag silences
             try:
-                self.engine._flush_coalesced_reduction_zero12(optimizer)
+                engine._flush_coalesced_reduction_zero12(optimizer)
             finally:
                 optimizer._coalesce_grad_reduction = True
 
     def undo(self) -> None:
-        if self._window is not None:
-            self.optimizer._coalesce_grad_reduction = False  # leave without a flush: the step is abandoned
+        """Back to DeepSpeed's own behaviour, without reducing what an abandoned step left (no collective here)."""
+        self.optimizer._coalesce_grad_reduction = False
+        if self.stage == 3 and self._open:
             self.engine.inside_no_sync_ctxt = False
-            self._window = None
+            self.engine._is_gradient_accumulation_boundary = self._saved_boundary
+            self._open = False
         if self.stage == 2:
-            self.optimizer._coalesce_grad_reduction = False
             self.optimizer.__dict__.pop("overlapping_partition_gradients_reduce_epilogue", None)
+
+
+# What ParameterOrderReduction uses of DeepSpeed's engine (added with coalesce_grad_reduction, present in 0.19.8).
+_COALESCE_API = ("_flush_coalesced_reduction_zero12", "_flush_coalesced_reduction_zero3", "inside_no_sync_ctxt")
 
 
 class HeteroPrecision(DeepSpeedPrecision):
@@ -254,9 +282,8 @@ class HeteroPrecision(DeepSpeedPrecision):
         self._undo_skipping: Optional[Callable[[], None]] = None
         self._in_order: Optional[ParameterOrderReduction] = None
         self._skip = False
-        # (optimizer step index within this fit, ranks that overflowed, scale after): what the run report shows.
+        # (the trainer's global step, ranks that overflowed, scale before and after): what the run report shows.
         self.overflows: list[dict[str, Any]] = []
-        self._steps = 0
 
     @property
     def scaling(self) -> bool:
@@ -305,12 +332,13 @@ class HeteroPrecision(DeepSpeedPrecision):
             if self._in_order is not None:
                 self._in_order.before_step()
             if self.loss_scale is not None:
-                self._agree_on_overflow()
+                trainer = getattr(model, "_trainer", None)
+                self._agree_on_overflow(trainer.global_step if trainer is not None else None)
             return result
 
         return super().optimizer_step(optimizer, model, closure_then_reduce, **kwargs)
 
-    def _agree_on_overflow(self) -> None:
+    def _agree_on_overflow(self, step: Optional[int]) -> None:
         """One all-gather of every rank's overflow count; every rank then takes the same decision."""
         assert self.loss_scale is not None
         local = self._gradients.take_found_inf() if self._gradients is not None else torch.zeros(())
@@ -326,11 +354,10 @@ class HeteroPrecision(DeepSpeedPrecision):
             ) from None
         if self._skip:
             self.overflows.append(
-                {"step": self._steps, "ranks": overflowed, "scale_before": scale_before, "scale": self.loss_scale.scale}
+                {"step": step, "ranks": overflowed, "scale_before": scale_before, "scale": self.loss_scale.scale}
             )
         if self._gradients is not None:
             self._gradients.inverse_scale = 1.0 / self.loss_scale.scale
-        self._steps += 1
 
     def summary(self) -> dict[str, Any]:
         """What the run report shows about precision: each rank's, the loss scale and the skipped steps."""

@@ -25,13 +25,20 @@ from lightning_hetero.precision import (
     rank_precision,
     slow_precision,
 )
-from lightning_hetero.precision_plugin import AutocastInside, HeteroPrecision, UnscaledGradients, skip_agreed_overflows
+from lightning_hetero.precision_plugin import (
+    AutocastInside,
+    HeteroPrecision,
+    ParameterOrderReduction,
+    UnscaledGradients,
+    skip_agreed_overflows,
+)
 from lightning_hetero.report import build_report, summary_text
 
 
-def cuda(capability: tuple[int, int]) -> DeviceFacts:
+def cuda(capability: tuple[int, int], bf16_runs: bool = True) -> DeviceFacts:
+    """As devices.cuda_facts reports a GPU: bf16 runs (emulated below 8.0) unless a bf16 tensor op failed there."""
     return DeviceFacts(
-        kind="cuda", name="gpu", hostname="h", compute_capability=capability, supports_bf16=capability >= (8, 0),
+        kind="cuda", name="gpu", hostname="h", compute_capability=capability, supports_bf16=bf16_runs,
         bf16_native=capability >= (8, 0), supports_fp16=capability >= (5, 3),
     )  # fmt: skip
 
@@ -91,10 +98,14 @@ def test_auto_gives_each_device_the_precision_it_computes_fastest(facts, expecte
 def test_a_precision_the_device_cannot_run_is_refused_naming_the_rank_and_what_it_can_run():
     refusal = r"`device_precision\[1\]='bf16-mixed'` cannot run on rank 1.*capability.* Give that rank '16-mixed'"
     with pytest.raises(ValueError, match=refusal):
-        rank_precision((BF16, BF16), 1, cuda((7, 0)))
+        rank_precision((BF16, BF16), 1, cuda((7, 0), bf16_runs=False))
     assert rank_precision((FP32, FP16), 1, cuda((7, 0))) == FP16
+    # A V100 runs bf16 by emulation: accepted when asked for, with a warning; never chosen by "auto".
+    assert rank_precision((BF16,), 0, cuda((7, 0))) == BF16 and rank_precision("auto", 0, cuda((7, 0))) == FP16
+    assert "16-mixed' is its fast precision" in slow_precision(BF16, cuda((7, 0)))
     assert slow_precision(FP16, cpu(True)) and slow_precision(BF16, cpu(False))
     assert slow_precision(BF16, cpu(True)) is None and slow_precision(FP16, cuda((7, 0))) is None
+    assert slow_precision(BF16, cuda((8, 0))) is None
 
 
 def test_gradient_order_is_forced_only_where_the_ranks_autocasts_differ():
@@ -209,3 +220,38 @@ def test_the_loss_scale_is_saved_and_restored_with_the_plugin_and_the_report_say
               "step_seconds": 1.0}]  # fmt: skip
     text = summary_text(build_report(steps, [], 2, precision=summary))
     assert "fp16 loss scale 32768, 1 step skipped on every rank" in text
+
+
+class _FakeZero3Engine:
+    """What ParameterOrderReduction touches of a ZeRO-3 engine; a flush records itself (it would communicate)."""
+
+    def __init__(self) -> None:
+        self.optimizer = type("Optimizer", (), {"_coalesce_grad_reduction": False})()
+        self.optimizer.set_gradient_accumulation_boundary = lambda value: None
+        self.inside_no_sync_ctxt = False
+        self._is_gradient_accumulation_boundary = None
+        self.flushes: list[str] = []
+
+    def zero_optimization_stage(self) -> int:
+        return 3
+
+    def _flush_coalesced_reduction_zero3(self, optimizer) -> None:
+        self.flushes.append("zero3")
+
+    def _flush_coalesced_reduction_zero12(self, optimizer) -> None:
+        self.flushes.append("zero12")
+
+
+def test_parameter_order_reduction_flushes_once_per_step_and_never_when_a_step_is_abandoned():
+    engine = _FakeZero3Engine()
+    order = ParameterOrderReduction(engine)
+    order.before_backward()
+    order.before_backward()  # gradient accumulation: the same step
+    assert engine.optimizer._coalesce_grad_reduction and engine.inside_no_sync_ctxt
+    order.before_step()
+    assert engine.flushes == ["zero3"] and not engine.optimizer._coalesce_grad_reduction
+    assert engine._is_gradient_accumulation_boundary is None  # restored after the flush
+    order.before_backward()
+    order.undo()  # a failure between two backward passes: back to DeepSpeed's state with no collective
+    assert engine.flushes == ["zero3"]
+    assert not engine.optimizer._coalesce_grad_reduction and not engine.inside_no_sync_ctxt

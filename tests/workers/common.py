@@ -158,25 +158,44 @@ def mixed_precision_reference(
     """One process computing what ranks in different precisions compute, without a process group.
 
     ``steps[n][r]`` are rank r's sample indices in global batch n; rank r's mean loss runs under its own autocast
-    (``"bf16-mixed"`` or ``"32-true"``) and is weighted by its share of the global batch, as HeteroStrategy weights
-    it; an optimizer step follows every ``accumulate`` batches. Returns the flat parameters after every batch.
+    (``"bf16-mixed"``, ``"16-mixed"`` or ``"32-true"``) and is weighted by its share of the global batch, as
+    HeteroStrategy weights it; an optimizer step follows every ``accumulate`` batches. With an fp16 part, the job's
+    loss scale (2**16 at first) multiplies that part's loss and divides its gradients; a non-finite one skips the
+    optimizer step and halves the scale, as the strategy's agreed loss scale does. Returns the flat parameters after
+    every batch.
     """
-    dtypes = {"bf16-mixed": torch.bfloat16, "32-true": None}
+    dtypes = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "32-true": None}
     network = make_network()
-    optimizer = torch.optim.SGD(network.parameters(), lr=0.05, momentum=0.9)
+    parameters = list(network.parameters())
+    optimizer = torch.optim.SGD(parameters, lr=0.05, momentum=0.9)
+    scale, overflow = 2.0**16, False
     flat_after_batch = []
     for n, parts in enumerate(steps):
         if n % accumulate == 0:
             optimizer.zero_grad()
+            overflow = False
         total = sum(len(part) for part in parts)
         for part, precision in zip(parts, precisions):
             dtype = dtypes[precision]
             with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
                 loss = batch_loss(network, dataset.x[part], dataset.y[part])
-            (loss * len(part) / total / accumulate).backward()
+            # The strategy's loss weight b_r * W / B, applied to Lightning's loss / k; DeepSpeed then averages the W
+            # ranks' gradients (here: divides by W after this rank's backward, as the reduction does).
+            weighted = loss / accumulate * (len(part) * len(parts) / total)
+            if precision != "16-mixed":
+                (weighted / len(parts)).backward()
+                continue
+            gradients = torch.autograd.grad(weighted * scale, parameters)
+            for parameter, gradient in zip(parameters, gradients):
+                unscaled = gradient * (1.0 / scale) / len(parts)
+                overflow = overflow or not bool(torch.isfinite(unscaled).all())
+                parameter.grad = unscaled if parameter.grad is None else parameter.grad + unscaled
         if (n + 1) % accumulate == 0:
-            optimizer.step()
-        flat_after_batch.append(torch.cat([p.detach().reshape(-1) for p in network.parameters()]).double())
+            if overflow:
+                scale /= 2
+            else:
+                optimizer.step()
+        flat_after_batch.append(torch.cat([p.detach().reshape(-1) for p in parameters]).double())
     return flat_after_batch
 
 
