@@ -16,7 +16,7 @@ import itertools
 import math
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Optional
 
 import psutil
@@ -43,9 +43,18 @@ class RankProfile:
     max_batch: Optional[int]  # memory ceiling; None = no limit found
     bytes_per_sample: Optional[float]
     wall_seconds: float  # what profiling cost on this rank
+    free_bytes: Optional[float] = None  # the device's free memory when profiled (what the ceiling was taken from)
 
     def cost_model(self) -> CostModel:
         return CostModel(fixed=self.fixed_seconds, per_sample=self.seconds_per_sample, max_batch=self.max_batch)
+
+    def reserving(self, reserved_bytes: float) -> RankProfile:
+        """This profile with ``reserved_bytes`` of the free memory taken by something else during training."""
+        if self.free_bytes is None or not self.bytes_per_sample:
+            return self
+        ceiling = memory_ceiling(self.bytes_per_sample, max(0.0, self.free_bytes - reserved_bytes))
+        assert ceiling is not None
+        return replace(self, max_batch=ceiling if self.max_batch is None else min(self.max_batch, ceiling))
 
     def throughput(self, batch_size: int) -> float:
         """Predicted samples per second of local compute at ``batch_size``."""
@@ -275,6 +284,7 @@ def profile_training_step(
         max_batch=ceiling,
         bytes_per_sample=bytes_per_sample,
         wall_seconds=time.perf_counter() - started,
+        free_bytes=free_bytes,
     )
 
 

@@ -64,6 +64,7 @@ from lightning_hetero.plan import (
     resolve_split,
     split_by_weights,
 )
+from lightning_hetero.precision import gradient_order_may_differ
 from lightning_hetero.precision_plugin import AutocastInside, HeteroPrecision, autocast_for
 from lightning_hetero.profiler import RankProfile, probe_sizes, profile_from_loader
 from lightning_hetero.rebalance import SplitFollower
@@ -491,7 +492,8 @@ class HeteroStrategy(DeepSpeedStrategy):
         if self.profiles is None:
             return resolve_split(self.world_size, global_batch_size, self.batch_sizes, self.weights), None
         resolve_split(self.world_size, global_batch_size)  # the global batch must give every rank a sample
-        costs = [profile.cost_model() for profile in self.profiles]
+        held = self._gradient_bytes_held_until_step()
+        costs = [profile.reserving(held).cost_model() for profile in self.profiles]
         # Same-model devices are presumed equally fast unless the profile says otherwise by a wide margin; emulated
         # speeds declare them different (the profiler still has to measure by how much).
         # Ranks computing in different precisions are different devices, whatever the hardware.
@@ -510,6 +512,16 @@ class HeteroStrategy(DeepSpeedStrategy):
         }
         return SplitPlan(planned.batch_sizes, source=source), prediction
 
+    def _gradient_bytes_held_until_step(self) -> float:
+        """Memory the profile did not see: ranks under different autocasts at ZeRO-2/3 hold every parameter's fp32
+        gradient until the step (see :class:`~lightning_hetero.precision_plugin.ParameterOrderReduction`)."""
+        stage = (self.config or {}).get("zero_optimization", {}).get("stage", 0)
+        kinds = [facts.kind for facts in self.device_facts]
+        if self.device_precision is None or stage < 2 or not gradient_order_may_differ(self.precisions, kinds):
+            return 0.0
+        assert self.lightning_module is not None
+        return 4.0 * sum(p.numel() for p in self.lightning_module.parameters() if p.requires_grad)
+
     def _make_rebalancer(self) -> Optional[Rebalancer]:
         """What re-plans the split during this fit; None when re-planning is off (or there is one rank)."""
         assert self.plan is not None
@@ -517,7 +529,8 @@ class HeteroStrategy(DeepSpeedStrategy):
         if not rebalancing or self.world_size == 1:
             return None
         if self.profiles is not None:
-            base_costs = [profile.cost_model() for profile in self.profiles]
+            held = self._gradient_bytes_held_until_step()
+            base_costs = [profile.reserving(held).cost_model() for profile in self.profiles]
         else:
             # A split the user fixed, no profile: time proportional to the batch, and no memory ceiling known.
             base_costs = [CostModel(fixed=0.0, per_sample=1.0)] * self.world_size

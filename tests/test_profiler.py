@@ -423,3 +423,16 @@ def test_cost_model_rejects_a_ceiling_below_one_sample():
     profile = RankProfile((4, 8), (0.2, 0.3), 0.1, 0.025, 0, 10.0, 1.0)
     with pytest.raises(ValueError, match="cannot hold even one sample"):
         profile.cost_model()
+
+
+def test_memory_reserved_during_training_lowers_the_ceiling_and_never_raises_it():
+    # 1000 bytes free, 10 bytes per sample: 80 samples fit in the 80 % headroom.
+    profile = RankProfile((4, 8), (0.2, 0.3), 0.1, 0.025, 80, 10.0, 1.0, free_bytes=1000.0)
+    assert profile.reserving(0.0).max_batch == 80
+    assert profile.reserving(500.0).max_batch == 40  # full gradients held until the step take half the memory
+    assert profile.reserving(5000.0).max_batch == 0
+    capped = RankProfile((4, 8), (0.2, 0.3), 0.1, 0.025, 30, 10.0, 1.0, free_bytes=1000.0)  # an out-of-memory probe
+    assert capped.reserving(500.0).max_batch == 30
+    unknown = RankProfile((4, 8), (0.2, 0.3), 0.1, 0.025, None, None, 1.0)
+    assert unknown.reserving(500.0) == unknown
+    assert RankProfile.from_dict(profile.to_dict()) == profile
