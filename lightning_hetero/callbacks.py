@@ -6,7 +6,8 @@ rank now holds into metrics. Loggers write on rank 0 only, and rank 0 has every 
 metrics appear under its own name: ``hetero/rank_<r>/micro_batch``, ``share``, ``compute_ms``, ``wait_ms``,
 ``samples_per_second``, and for the job ``hetero/samples_per_second`` and ``hetero/balance_efficiency``. Each
 re-plan is logged at the step it takes effect as ``hetero/replan_predicted_gain`` (the new micro-batches show in
-``micro_batch`` from that step on).
+``micro_batch`` from that step on). With fp16 ranks (``device_precision``), ``hetero/loss_scale`` is the job's loss
+scale after each optimizer step (the same on every rank; a halving marks a step skipped for an overflow).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class HeteroMonitor(Callback):
         self.prefix = prefix
         self._logged = 0
         self._replans_logged = 0
+        self._scale_logged_at = -1
 
     @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -43,10 +45,21 @@ class HeteroMonitor(Callback):
             )
         self._logged = 0
         self._replans_logged = 0
+        self._scale_logged_at = -1
 
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._log_new_steps(trainer)
+        self._log_loss_scale(trainer)
+
+    def _log_loss_scale(self, trainer: Any) -> None:
+        scale = getattr(trainer.strategy.precision_plugin, "loss_scale", None)
+        step = trainer.global_step - 1  # the optimizer step that just ended (none yet while accumulating)
+        if scale is None or step <= self._scale_logged_at or not trainer.is_global_zero:
+            return
+        self._scale_logged_at = step
+        for logger in trainer.loggers:
+            logger.log_metrics({f"{self.prefix}/loss_scale": scale.scale}, step=step)
 
     @override
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:

@@ -8,6 +8,7 @@ a checkpoint keeps that scale.
 
 from __future__ import annotations
 
+import csv
 import json
 import sys
 from pathlib import Path
@@ -79,7 +80,7 @@ def overflow_run(out: Path, stage: int, *extra: str):
     strategy = {"device_precision": ["16-mixed", "32-true"], "batch_sizes": [8, 8]}
     return run_fit(
         out, "--stage", str(stage), "--samples", str(SAMPLES), "--max-epochs", "2", "--overflow", "0:5",
-        "--strategy-args", json.dumps(strategy), "--record-every-step", *extra,
+        "--strategy-args", json.dumps(strategy), "--record-every-step", "--monitor", *extra,
     )  # fmt: skip
 
 
@@ -99,10 +100,16 @@ def assert_overflows_skip_on_every_rank(out: Path) -> list[dict]:
     injected = records[5]
     assert injected["skipped_steps"] == records[4]["skipped_steps"] + 1
     assert records[-1]["params"] != injected["params"]  # training went on
-    report = json.loads((out / "hetero" / "report.json").read_text())
+    log_dir = out / "csv" / "version_0"  # the CSVLogger's (--monitor): the run report is written beside it
+    report = json.loads((log_dir / "hetero" / "report.json").read_text())
     skipped = [{"step": entry["step"], "ranks": entry["ranks"]} for entry in report["precision"]["skipped_steps"]]
     assert {"step": 5, "ranks": [0]} in skipped
     assert report["precision"]["loss_scale"] == records[-1]["loss_scale"]
+    # HeteroMonitor logs the scale after every optimizer step to the user's logger.
+    with open(log_dir / "metrics.csv") as file:
+        logged = {int(row["step"]): float(row["hetero/loss_scale"]) for row in csv.DictReader(file)
+                  if row.get("hetero/loss_scale")}  # fmt: skip
+    assert logged == {index: record["loss_scale"] for index, record in enumerate(records)}
     return records
 
 
