@@ -178,6 +178,15 @@ def gradient_order_may_differ(precisions: Sequence[str], device_types: Sequence[
     return len(autocasts) > 1
 
 
+def reduces_in_parameter_order(precisions: Sequence[str], device_types: Sequence[str], zero_stage: int) -> bool:
+    """Whether the job must make ZeRO reduce in parameter order (and so hold every full gradient until the step).
+
+    ZeRO-2/3 reduce in the order gradients arrive, which differs between ranks whose autocasts differ; ZeRO-0/1
+    reduce in parameter order at the step anyway (see ``precision_plugin.ParameterOrderReduction``).
+    """
+    return zero_stage >= 2 and gradient_order_may_differ(precisions, device_types)
+
+
 @dataclass
 class DynamicLossScale:
     """The job's loss scale, identical on every rank because every rank updates it with the same agreed overflow.

@@ -31,8 +31,8 @@ from lightning_hetero.precision import (
     FP16,
     FP32,
     DynamicLossScale,
-    gradient_order_may_differ,
     needs_loss_scale,
+    reduces_in_parameter_order,
 )
 
 _AUTOCAST_DTYPES = {BF16: torch.bfloat16, FP16: torch.float16}
@@ -86,13 +86,15 @@ class UnscaledGradients:
     quantity an fp32 or bf16 rank contributes.
     """
 
-    def __init__(self, parameters: Iterable[torch.nn.Parameter], device: torch.device) -> None:
-        self.inverse_scale = 1.0
+    def __init__(
+        self, parameters: Iterable[torch.nn.Parameter], device: torch.device, loss_scale: DynamicLossScale
+    ) -> None:
+        self.loss_scale = loss_scale  # read at every gradient: the scale of the backward that produced it
         self.found_inf = torch.zeros((), device=device)
         self._handles = [p.register_hook(self._unscale) for p in parameters if p.requires_grad]
 
     def _unscale(self, grad: Tensor) -> Tensor:
-        unscaled = grad * self.inverse_scale  # a new tensor: a hook must not change the one autograd passes it
+        unscaled = grad * (1.0 / self.loss_scale.scale)  # a new tensor: a hook must not change the one it is passed
         self.found_inf += torch.isfinite(unscaled).all().logical_not()
         return unscaled
 
@@ -285,22 +287,17 @@ class HeteroPrecision(DeepSpeedPrecision):
         # (the trainer's global step, ranks that overflowed, scale before and after): what the run report shows.
         self.overflows: list[dict[str, Any]] = []
 
-    @property
-    def scaling(self) -> bool:
-        return self.loss_scale is not None
-
     def attach(self, engine: Any, device: torch.device) -> None:
         """After DeepSpeed built the engine: the reduction order (mixed ranks), the gradient hooks (fp16 ranks) and
         the agreed skipping (every rank of a job with an fp16 rank)."""
         if engine.optimizer is None:  # not training
             return
-        if gradient_order_may_differ(self.precisions, self.device_types) and engine.zero_optimization_stage() >= 2:
+        if reduces_in_parameter_order(self.precisions, self.device_types, engine.zero_optimization_stage()):
             self._in_order = ParameterOrderReduction(engine)
         if self.loss_scale is None:
             return
         if self.rank_precision == FP16:
-            self._gradients = UnscaledGradients(engine.module.parameters(), device)
-            self._gradients.inverse_scale = 1.0 / self.loss_scale.scale
+            self._gradients = UnscaledGradients(engine.module.parameters(), device, self.loss_scale)
         self._undo_skipping = skip_agreed_overflows(engine.optimizer, lambda: self._skip)
 
     def detach(self) -> None:
@@ -356,8 +353,6 @@ class HeteroPrecision(DeepSpeedPrecision):
             self.overflows.append(
                 {"step": step, "ranks": overflowed, "scale_before": scale_before, "scale": self.loss_scale.scale}
             )
-        if self._gradients is not None:
-            self._gradients.inverse_scale = 1.0 / self.loss_scale.scale
 
     def summary(self) -> dict[str, Any]:
         """What the run report shows about precision: each rank's, the loss scale and the skipped steps."""
@@ -375,5 +370,3 @@ class HeteroPrecision(DeepSpeedPrecision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.loss_scale is not None and "loss_scale" in state_dict:
             self.loss_scale.load_state_dict(state_dict["loss_scale"])
-            if self._gradients is not None:
-                self._gradients.inverse_scale = 1.0 / self.loss_scale.scale

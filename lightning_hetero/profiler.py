@@ -23,6 +23,7 @@ import psutil
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import nn
+from torch.utils.data import DataLoader
 
 from lightning_hetero.emulate import SlowdownEmulator, compute_clock
 from lightning_hetero.plan import CostModel
@@ -298,8 +299,6 @@ def profile_from_loader(
 ) -> RankProfile:
     """:func:`profile_training_step` on samples of the training ``loader`` (read from its dataset directly), with the
     device's free memory for the ceiling. The loader must be a map-style ``DataLoader``."""
-    from torch.utils.data import DataLoader
-
     if not isinstance(loader, DataLoader):
         raise ValueError(
             f"The automatic split profiles the model on samples of the training DataLoader, got"

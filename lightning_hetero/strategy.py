@@ -64,7 +64,7 @@ from lightning_hetero.plan import (
     resolve_split,
     split_by_weights,
 )
-from lightning_hetero.precision import gradient_order_may_differ
+from lightning_hetero.precision import reduces_in_parameter_order
 from lightning_hetero.precision_plugin import AutocastInside, HeteroPrecision, autocast_for
 from lightning_hetero.profiler import RankProfile, probe_sizes, profile_from_loader
 from lightning_hetero.rebalance import SplitFollower
@@ -423,9 +423,8 @@ class HeteroStrategy(DeepSpeedStrategy):
         return self._gather_or_raise("setup", measure)[1]
 
     def _rank_precision(self, facts: DeviceFacts) -> str:
-        if self.device_precision is None:
-            plugin = self.precision_plugin
-            return plugin.rank_precision if isinstance(plugin, HeteroPrecision) else str(plugin.precision)
+        if self.device_precision is None:  # the Trainer's, on every rank (its plugin is never replaced then)
+            return str(self.precision_plugin.precision)
         return precision.rank_precision(self.device_precision, self.global_rank, facts)
 
     def _use_device_precisions(self, precisions: list[str]) -> None:
@@ -517,7 +516,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         gradient until the step (see :class:`~lightning_hetero.precision_plugin.ParameterOrderReduction`)."""
         stage = (self.config or {}).get("zero_optimization", {}).get("stage", 0)
         kinds = [facts.kind for facts in self.device_facts]
-        if self.device_precision is None or stage < 2 or not gradient_order_may_differ(self.precisions, kinds):
+        if self.device_precision is None or not reduces_in_parameter_order(self.precisions, kinds, stage):
             return 0.0
         assert self.lightning_module is not None
         return 4.0 * sum(p.numel() for p in self.lightning_module.parameters() if p.requires_grad)

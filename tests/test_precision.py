@@ -23,6 +23,7 @@ from lightning_hetero.precision import (
     gradient_order_may_differ,
     needs_loss_scale,
     rank_precision,
+    reduces_in_parameter_order,
     slow_precision,
 )
 from lightning_hetero.precision_plugin import (
@@ -114,6 +115,10 @@ def test_gradient_order_is_forced_only_where_the_ranks_autocasts_differ():
     assert gradient_order_may_differ((BF16, BF16), ("cpu", "cuda"))  # CPU and CUDA autocast cast other operations
     assert not gradient_order_may_differ((BF16, BF16, BF16), ("cuda",) * 3)
     assert not gradient_order_may_differ((FP32, FP32), ("cpu", "cuda"))
+    assert reduces_in_parameter_order((BF16, FP32), ("cpu", "cpu"), 2)
+    assert reduces_in_parameter_order((BF16, FP32), ("cpu", "cpu"), 3)
+    assert not reduces_in_parameter_order((BF16, FP32), ("cpu", "cpu"), 1)  # ZeRO-0/1 reduce in order at the step
+    assert not reduces_in_parameter_order((BF16, BF16), ("cuda", "cuda"), 3)
 
 
 def test_only_jobs_with_an_fp16_rank_pay_for_the_agreed_loss_scale():
@@ -144,8 +149,7 @@ def test_unscaled_gradients_equal_the_unscaled_backward_and_count_non_finite_one
     layer(x).sum().backward()
     expected = [p.grad.clone() for p in layer.parameters()]
     layer.zero_grad()
-    gradients = UnscaledGradients(layer.parameters(), torch.device("cpu"))
-    gradients.inverse_scale = 1 / 1024.0
+    gradients = UnscaledGradients(layer.parameters(), torch.device("cpu"), DynamicLossScale(scale=1024.0))
     (layer(x).sum() * 1024.0).backward()
     assert all(torch.allclose(p.grad, e) for p, e in zip(layer.parameters(), expected))
     assert gradients.take_found_inf().item() == 0
