@@ -287,6 +287,11 @@ class HeteroPrecision(DeepSpeedPrecision):
         # (the trainer's global step, ranks that overflowed, scale before and after): what the run report shows.
         self.overflows: list[dict[str, Any]] = []
 
+    @property
+    def skips_this_step(self) -> bool:
+        """Every rank agreed to skip the optimizer step under way (an fp16 overflow somewhere)."""
+        return self._skip
+
     def attach(self, engine: Any, device: torch.device) -> None:
         """After DeepSpeed built the engine: the reduction order (mixed ranks), the gradient hooks (fp16 ranks) and
         the agreed skipping (every rank of a job with an fp16 rank)."""

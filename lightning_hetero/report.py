@@ -94,6 +94,7 @@ def build_report(
     world_size: int,
     exchange_seconds: Optional[float] = None,
     precision: Optional[dict[str, Any]] = None,
+    communication: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """The run report; ``exchange_seconds`` (rank 0's time exchanging records) gives the measuring cost."""
     built = {
@@ -105,7 +106,25 @@ def build_report(
     }
     if precision is not None:
         built["precision"] = precision
+    if communication is not None:
+        built["communication"] = {**communication, **wire_summary(steps)}
     return built
+
+
+def wire_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean bytes on the wire per training step: each rank's, and the job's between nodes."""
+    if not steps or "inter_node_bytes" not in steps[0]:
+        return {}
+    ranks = range(len(steps[0]["inter_node_bytes"]))
+    per_rank = {
+        kind: [statistics.fmean(step[kind][rank] for step in steps) for rank in ranks]
+        for kind in ("intra_node_bytes", "inter_node_bytes")
+    }
+    return {
+        "bytes_per_step": per_rank,
+        "inter_node_bytes_per_step": sum(per_rank["inter_node_bytes"]),
+        "intra_node_bytes_per_step": sum(per_rank["intra_node_bytes"]),
+    }
 
 
 def summarize(
@@ -138,7 +157,35 @@ def summary_text(report: dict[str, Any]) -> str:
         f" {summary['replans']} re-plan{'' if summary['replans'] == 1 else 's'}"
         + (f"; measuring cost {cost:.2%} of the step time" if cost is not None else "")
         + _precision_text(report.get("precision"))
+        + _communication_text(report.get("communication"))
     )
+
+
+def add_rank_wire(path: Path, steps: list[dict[str, Any]], rank: int) -> None:
+    """Add this rank's bytes on the wire per step to its ``rank_<r>.json`` (written with the plan)."""
+    if not path.is_file() or not steps or "inter_node_bytes" not in steps[0]:
+        return
+    record = json.loads(path.read_text())
+    record["wire_bytes_per_step"] = {
+        kind: [step[kind][rank] for step in steps] for kind in ("intra_node_bytes", "inter_node_bytes")
+    }
+    path.write_text(json.dumps(record, indent=2, default=str))
+
+
+def _communication_text(communication: Optional[dict[str, Any]]) -> str:
+    if not communication or "inter_node_bytes_per_step" not in communication:
+        return ""
+    between = communication["inter_node_bytes_per_step"]
+    inside = communication["intra_node_bytes_per_step"]
+    hierarchical = "on" if communication["hierarchical"] else "off"
+    return (
+        f"; on the wire per step: {_megabytes(between)} between nodes, {_megabytes(inside)} inside nodes"
+        f" ({communication['compression'] or 'uncompressed'}, hierarchical {hierarchical})"
+    )
+
+
+def _megabytes(value: float) -> str:
+    return f"{value / 1e6:.3g} MB"
 
 
 def _precision_text(precision: Optional[dict[str, Any]]) -> str:

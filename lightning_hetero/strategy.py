@@ -35,7 +35,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader, SequentialSampler
 from typing_extensions import override
 
-from lightning_hetero import checkpoint, elastic, failures, liveness, precision, quiet, report
+from lightning_hetero import checkpoint, elastic, failures, liveness, precision, quiet, report, topology
+from lightning_hetero import compression as compress
 from lightning_hetero.arguments import check_loss_reduction, check_stage
 from lightning_hetero.configure import (
     check_user_config,
@@ -54,6 +55,7 @@ from lightning_hetero.data import (
 from lightning_hetero.devices import DeviceFacts, collect_device_facts, same_model
 from lightning_hetero.emulate import ENV_VAR as EMULATE_ENV_VAR
 from lightning_hetero.emulate import SlowdownEmulator, compute_clock, speed_schedule, speeds_from_environment
+from lightning_hetero.exchange import Communication
 from lightning_hetero.plan import (
     CostModel,
     SplitPlan,
@@ -127,6 +129,17 @@ class HeteroStrategy(DeepSpeedStrategy):
             otherwise. Or one of ``"bf16-mixed"``, ``"16-mixed"``, ``"32-true"`` per rank. DeepSpeed and the
             collectives stay fp32; fp16 ranks share one dynamic loss scale, and an overflow on any rank skips that
             step on every rank. Needs the Trainer's default ``precision="32-true"``.
+        compression: how gradients travel (see :mod:`lightning_hetero.compression`): None (default) uncompressed;
+            ``"fp16"`` / ``"bf16"`` in half precision (every stage); ``"powersgd"`` (torch's PowerSGD, error feedback)
+            or ``"topk"`` (the largest entries, error feedback); or a DDP comm hook ``hook(state, bucket)`` /
+            ``(hook, state)``. Hooks need ``stage=0``: ZeRO-1/2/3 reduce inside DeepSpeed's optimizer.
+        compression_options: the mode's settings: ``PowerSGDState``'s arguments for ``"powersgd"`` (default
+            ``{"matrix_approximation_rank": 1, "start_powerSGD_iter": 10}``), ``{"ratio": 0.01}`` for ``"topk"``.
+        hierarchical: reduce inside each node first, send one payload per node between nodes, broadcast back
+            (see :mod:`lightning_hetero.exchange`). ``"auto"`` (default): at ZeRO-0 when there are several nodes, some
+            with several ranks. True needs ``stage=0``. Nodes are the ranks' hosts, or
+            ``LIGHTNING_HETERO_EMULATE_NODES=2`` (a test aid, with ``LIGHTNING_HETERO_EMULATE_LINK``; see
+            :mod:`lightning_hetero.topology`).
         config: a DeepSpeed config dict or JSON path, as for :class:`DeepSpeedStrategy`. It must not set the
             micro-batch, the train batch or ``gradient_accumulation_steps``; the strategy owns them.
         **kwargs: any other :class:`DeepSpeedStrategy` argument. Those that only build the default DeepSpeed config
@@ -153,6 +166,9 @@ class HeteroStrategy(DeepSpeedStrategy):
         rebalance_threshold: float = DEFAULT_THRESHOLD,
         peer_timeout: Optional[float] = liveness.DEFAULT_PEER_TIMEOUT,
         device_precision: Optional[Union[str, Sequence[str]]] = None,
+        compression: Optional[Union[str, Callable[..., Any], tuple[Callable[..., Any], Any]]] = None,
+        compression_options: Optional[dict[str, Any]] = None,
+        hierarchical: Union[str, bool] = "auto",
         **kwargs: Any,
     ) -> None:
         schedule = speed_schedule(emulate_speeds) if emulate_speeds is not None else speeds_from_environment()
@@ -163,6 +179,8 @@ class HeteroStrategy(DeepSpeedStrategy):
         check_rebalance_arguments(rebalance, rebalance_window, rebalance_threshold)
         liveness.check_peer_timeout(peer_timeout)
         self.device_precision = precision.check_device_precision(device_precision)
+        choice = compress.check_compression(compression, compression_options)
+        hierarchical = topology.check_hierarchical(hierarchical)
         quiet.install_lasting_filters()
         with quiet.third_party_noise_silenced():  # the parent imports DeepSpeed, which prints its accelerator guess
             super().__init__(stage=DEFAULT_STAGE if stage is None else stage, config=config, **kwargs)
@@ -183,6 +201,9 @@ class HeteroStrategy(DeepSpeedStrategy):
         if config is not None or self.DEEPSPEED_ENV_VAR in os.environ:
             self._reconcile_user_config(stage, kwargs)
             precision.check_config_precision(self.device_precision, self.config)
+            compress.check_config_compression(choice, self.config)
+        compress.check_exchange(choice, hierarchical, self.config["zero_optimization"]["stage"])
+        self.communication = Communication(choice, hierarchical)
         self.precisions: list[str] = []  # every rank's, once set up
 
         # Formatting adds keys (gradient_accumulation_steps...) that the parent refuses to see twice; each
@@ -266,6 +287,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         world_size = self.num_nodes * self.num_processes
         resolve_split(world_size, known_global_batch or world_size, self.batch_sizes, self.weights)
         precision.check_rank_count(self.device_precision, world_size)
+        compress.check_zero_plus_plus(self.config, self.root_device.type)
         if not isinstance(self.precision_plugin, HeteroPrecision):  # (ours from an earlier trainer call is fine)
             precision.check_trainer_precision(
                 self.device_precision, str(self.precision_plugin.precision), type(self.precision_plugin).__name__
@@ -291,7 +313,11 @@ class HeteroStrategy(DeepSpeedStrategy):
         if self._speed_schedule is not None:
             self._emulator = SlowdownEmulator(self._speed_schedule.at(0)[self.global_rank], self.root_device)
         emulator = self._emulator
-        meter = StepMeter(compute_clock(self.root_device), lambda: emulator.added_seconds if emulator else 0.0)
+        meter = StepMeter(
+            compute_clock(self.root_device),
+            lambda: emulator.added_seconds if emulator else 0.0,
+            wire_bytes=self.communication.reading,
+        )
         self._watch = RunWatch(meter, window=self.rebalance_window)
         if self.lightning_module is not None:
             # Before Lightning registers its signal handlers for this run (after the strategy's setup).
@@ -370,6 +396,12 @@ class HeteroStrategy(DeepSpeedStrategy):
         self._data_seed = _agreed_seed([entry["seed"] for entry in gathered])
         self.device_facts = [DeviceFacts.from_dict(entry["facts"]) for entry in gathered]
         self._use_device_precisions([entry["precision"] for entry in gathered])
+        nodes = topology.topology_from_hosts(
+            [facts.hostname for facts in self.device_facts], topology.emulated_nodes_from_environment()
+        )
+        stage = self.config["zero_optimization"]["stage"]
+        self.communication.setup(nodes, topology.slow_link_from_environment(), stage, self.global_rank)
+        self.config.update(self.communication.deepspeed_entries())
         if fitting:
             global_batch_size = gathered[self.global_rank]["arguments"]["global_batch_size"]
             profiled = gathered[self.global_rank]["profile"] is not None
@@ -416,6 +448,9 @@ class HeteroStrategy(DeepSpeedStrategy):
                 "rebalance": [self.rebalance, self.rebalance_window, self.rebalance_threshold],
                 "peer_timeout": self.peer_timeout,
                 "device_precision": self.device_precision,
+                **self.communication.arguments(),
+                "emulate_nodes": topology.emulated_nodes_from_environment(),
+                "emulate_link": os.environ.get(topology.LINK_ENV_VAR),
             }
             shared = {"arguments": arguments, "seed": _local_seed(), "facts": facts.to_dict(), "profile": profile}
             return None, {**shared, "precision": rank_precision}
@@ -474,6 +509,9 @@ class HeteroStrategy(DeepSpeedStrategy):
         if isinstance(self.precision_plugin, HeteroPrecision):
             self.precision_plugin.attach(self.deepspeed_engine, self.root_device)
             self._forward_redirection = AutocastInside(self._plain_redirection, self.precision_plugin.autocast)
+        plugin = self.precision_plugin
+        skipping = (lambda: plugin.skips_this_step) if isinstance(plugin, HeteroPrecision) else (lambda: False)
+        self.communication.attach(self.deepspeed_engine, self.global_rank, skipping)
         if self._emulator is not None:
             # DeepSpeed's gradient bookkeeping runs on the host at host speed, whatever the emulated device, and
             # the emulated delay is paid before each gradient exchange, where a slower device would hold peers back:
@@ -619,6 +657,7 @@ class HeteroStrategy(DeepSpeedStrategy):
             "prediction": self.prediction,
             "emulate_speeds": self._speed_schedule.to_json() if self._speed_schedule else None,
             "precisions": self.precisions,
+            "communication": self.communication.summary(),
         }
         record = {
             "rank": self.global_rank,
@@ -642,7 +681,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         stage = self.config.get("zero_optimization", {}).get("stage", 0)
         devices = [facts.describe() for facts in self.device_facts]
         table = report.plan_text(self.plan, stage, devices, self.precisions, self.profiles, self.prediction)
-        rank_zero_info(f"{table}\nwritten to {log_dir}")
+        rank_zero_info(f"{table}\n{self.communication.plan_line()}\nwritten to {log_dir}")
 
     # ------------------------------------------------------------------ data
 
@@ -731,14 +770,15 @@ class HeteroStrategy(DeepSpeedStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         # DeepSpeed averages ranks equally; weighting the loss makes that average the full-batch mean.
-        with self._emulated():
+        with self._emulated(), self.communication.counting():
             super().backward(closure_loss * self.current_loss_weight(), optimizer, *args, **kwargs)
         self._watch.meter.backward_ended()
         return closure_loss
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
-        result = super().optimizer_step(*args, **kwargs)
+        with self.communication.counting():  # (the closure, training_step and backward, runs inside)
+            result = super().optimizer_step(*args, **kwargs)
         self._watch.meter.optimizer_step_ended()
         return result
 
@@ -750,6 +790,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         assert self.lightning_module is not None
         trainer = self.lightning_module.trainer
         directory = Path(trainer.log_dir or trainer.default_root_dir) / PLAN_DIRNAME  # log_dir broadcasts: all ranks
+        report.add_rank_wire(directory / f"rank_{self.global_rank}.json", steps, self.global_rank)
         if not self.is_global_zero:
             return
         measuring = self._watch.exchange_seconds + (self._follower.decision_seconds if self._follower else 0.0)
@@ -760,6 +801,7 @@ class HeteroStrategy(DeepSpeedStrategy):
             self.world_size,
             exchange_seconds=measuring,
             precision=plugin.summary() if isinstance(plugin, HeteroPrecision) else None,
+            communication=self.communication.summary(),
         )
         json_path, png_path = report.write_report(run_report, directory)
         rank_zero_info(f"{report.summary_text(run_report)}\nwritten to {json_path} and {png_path.name}")
@@ -781,7 +823,7 @@ class HeteroStrategy(DeepSpeedStrategy):
             # A drift schedule: the emulated device's speed from this optimizer step on.
             assert self.lightning_module is not None
             self._emulator.speed = self._speed_schedule.at(self.lightning_module.trainer.global_step)[self.global_rank]
-        with self._weighted_sync(), self._emulated():
+        with self._weighted_sync(), self._emulated(), self.communication.counting():
             return super().training_step(*args, **kwargs)
 
     @override
@@ -873,6 +915,7 @@ class HeteroStrategy(DeepSpeedStrategy):
 
         def write(directory: Path) -> None:
             super(HeteroStrategy, self).save_checkpoint(checkpoint, directory, storage_options)
+            self.communication.save(directory, self.global_rank)  # per-rank error feedback, listed in the manifest
 
         elastic.save_atomically(
             target, write, lambda: self._manifest_facts(checkpoint), self.is_global_zero, self.barrier
@@ -923,7 +966,9 @@ class HeteroStrategy(DeepSpeedStrategy):
         # asks again, as under DDP.
         self._forget_served_loader()
         manifest = checkpoint.read_manifest(chosen) or {}
-        if manifest.get("world_size", self.world_size) == self.world_size:
+        same_world_size = manifest.get("world_size", self.world_size) == self.world_size
+        self.communication.load(chosen, self.global_rank, same_world_size)
+        if same_world_size:
             return super().load_checkpoint(str(chosen), *args, **kwargs)
         self._keep_the_checkpoints_global_batch(chosen, manifest)
         if not elastic.needs_universal(manifest, self.world_size):  # ZeRO-0 keeps whole states on every rank
@@ -976,6 +1021,7 @@ class HeteroStrategy(DeepSpeedStrategy):
     def teardown(self) -> None:
         if isinstance(self.precision_plugin, HeteroPrecision):
             self.precision_plugin.detach()
+        self.communication.detach()
         self._forward_redirection = self._plain_redirection
         if self._watchdog is not None:
             trainer = self.lightning_module.trainer if self.lightning_module is not None else None

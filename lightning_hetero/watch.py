@@ -31,6 +31,8 @@ class StepRecord:
     batch_size: int  # this rank's micro-batch
     compute_seconds: float
     step_seconds: float
+    intra_node_bytes: float = 0.0  # what this rank put on the wire in the step, inside its node (see wire.py)
+    inter_node_bytes: float = 0.0  # ... and to groups spanning nodes
 
     @property
     def wait_seconds(self) -> float:
@@ -41,7 +43,8 @@ class StepMeter:
     """Per-step compute and wall time of one rank, from calls at the loop's points (no Lightning in here).
 
     ``compute_clock`` is the rank's compute clock; ``emulated_seconds`` the emulated delay paid so far (it advances
-    the wall clock, not the compute clock, and counts as compute of the emulated device).
+    the wall clock, not the compute clock, and counts as compute of the emulated device); ``wire_bytes`` the bytes
+    this rank has put on the wire so far (inside its node, between nodes).
     """
 
     def __init__(
@@ -49,10 +52,13 @@ class StepMeter:
         compute_clock: Callable[[], float],
         emulated_seconds: Callable[[], float] = lambda: 0.0,
         wall_clock: Callable[[], float] = time.perf_counter,
+        wire_bytes: Callable[[], tuple[float, float]] = lambda: (0.0, 0.0),
     ) -> None:
         self._compute_clock = compute_clock
         self._emulated_seconds = emulated_seconds
         self._wall_clock = wall_clock
+        self._wire_bytes = wire_bytes
+        self._wire_at_fetch = (0.0, 0.0)
         # The open step: wall, compute clock and emulated delay at its fetch; its compute so far; its last activity.
         self._open: Optional[list[float]] = None
         self._batch_size = 0
@@ -63,6 +69,7 @@ class StepMeter:
         """The loader starts producing the next batch: the previous step (if any) is complete."""
         self._close()
         self._open = [self._wall_clock(), self._compute_clock(), self._emulated_seconds(), 0.0, 0.0]
+        self._wire_at_fetch = self._wire_bytes()
 
     def batch_ready(self, batch_size: int) -> None:
         self._batch_size = batch_size
@@ -91,7 +98,10 @@ class StepMeter:
         self._open = None
         # Every batch gets a record (compute 0 if no backward ran), so every rank holds as many as the others.
         step_seconds = max(compute, wall_end - wall_start) if wall_end else compute
-        self.pending.append(StepRecord(self._steps, self._batch_size, compute, step_seconds))
+        (intra_start, inter_start), (intra, inter) = self._wire_at_fetch, self._wire_bytes()
+        self.pending.append(
+            StepRecord(self._steps, self._batch_size, compute, step_seconds, intra - intra_start, inter - inter_start)
+        )
         self._steps += 1
 
 
@@ -139,14 +149,21 @@ class RunWatch:
         self.exchange_seconds += time.perf_counter() - start
 
 
+_FIELDS = 6
+
+
 def pack_records(records: Sequence[StepRecord]) -> Tensor:
-    """Records as one ``[n, 4]`` float64 tensor (step, batch size, compute, step seconds) for a tensor gather."""
-    rows = [[record.step, record.batch_size, record.compute_seconds, record.step_seconds] for record in records]
-    return torch.tensor(rows, dtype=torch.float64).reshape(len(records), 4)
+    """Records as one ``[n, 6]`` float64 tensor (step, batch size, compute, step seconds, intra- and inter-node
+    bytes) for a tensor gather."""
+    rows = [
+        [r.step, r.batch_size, r.compute_seconds, r.step_seconds, r.intra_node_bytes, r.inter_node_bytes]
+        for r in records
+    ]
+    return torch.tensor(rows, dtype=torch.float64).reshape(len(records), _FIELDS)
 
 
 def unpack_records(packed: Tensor) -> list[StepRecord]:
-    return [StepRecord(int(step), int(size), compute, seconds) for step, size, compute, seconds in packed.tolist()]
+    return [StepRecord(int(row[0]), int(row[1]), *row[2:]) for row in packed.tolist()]
 
 
 def balance_efficiency(compute_seconds: Sequence[float]) -> float:
@@ -167,6 +184,8 @@ def job_steps(records_by_rank: Sequence[Sequence[StepRecord]]) -> list[dict[str,
             "compute_seconds": [record.compute_seconds for record in same_step],
             "wait_seconds": [record.wait_seconds for record in same_step],
             "step_seconds": max(record.step_seconds for record in same_step),
+            "intra_node_bytes": [record.intra_node_bytes for record in same_step],
+            "inter_node_bytes": [record.inter_node_bytes for record in same_step],
         }
         for same_step in zip(*records_by_rank)
     ]
@@ -178,6 +197,7 @@ def step_metrics(step: dict[str, Any], prefix: str = "hetero") -> dict[str, floa
     metrics = {
         f"{prefix}/samples_per_second": global_batch / step["step_seconds"] if step["step_seconds"] > 0 else 0.0,
         f"{prefix}/balance_efficiency": balance_efficiency(step["compute_seconds"]),
+        f"{prefix}/inter_node_bytes": float(sum(step.get("inter_node_bytes", ()))),
     }
     for rank, (size, compute, wait) in enumerate(
         zip(step["batch_sizes"], step["compute_seconds"], step["wait_seconds"])
@@ -187,4 +207,7 @@ def step_metrics(step: dict[str, Any], prefix: str = "hetero") -> dict[str, floa
         metrics[f"{prefix}/rank_{rank}/compute_ms"] = compute * 1e3
         metrics[f"{prefix}/rank_{rank}/wait_ms"] = wait * 1e3
         metrics[f"{prefix}/rank_{rank}/samples_per_second"] = size / compute if compute > 0 else 0.0
+    for kind in ("intra_node_bytes", "inter_node_bytes"):
+        for rank, sent in enumerate(step.get(kind, ())):
+            metrics[f"{prefix}/rank_{rank}/{kind}"] = float(sent)
     return metrics

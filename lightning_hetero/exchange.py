@@ -1,0 +1,297 @@
+"""Exchange: the job's gradient exchange, DeepSpeed's own or one that runs DDP comm hooks, flat or hierarchical.
+
+DeepSpeed has no ``register_comm_hook``. At ZeRO-0, with Lightning owning accumulation, the engine reduces every
+gradient once per optimizer step, at its step, through ``engine.allreduce_gradients()``
+(``buffered_allreduce_fallback``). An instance attribute of that name shadows the method: :class:`HookedExchange`
+puts the gradients into buckets shaped like DDP's (``buffer()``, ``gradients()`` as views into it, ``index()``,
+``is_last()``, ``parameters()``), which is all torch's hooks use, and runs the hook on each. ZeRO-1/2/3 reduce inside
+their optimizer; :func:`lightning_hetero.compression.check_exchange` refuses a hook there.
+
+Hierarchical (:class:`NodeGroups`): each node sums its ranks' buckets onto its leader (one reduce inside the node),
+the leaders run the hook among themselves (compression applies only on this slow hop), and each leader broadcasts
+the result inside its node. Leaders scale their node's sum by ``nodes / world size`` first, so the hook's average over
+leaders is the average over all ranks, as in the flat exchange.
+
+:class:`Communication` is what the strategy holds: the checked arguments, the decisions taken at setup (topology,
+hierarchical or not), the wire meter, the hooked exchange and its state in checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_hetero import compression as compress
+from lightning_hetero.topology import SlowLink, Topology, decide_hierarchical
+from lightning_hetero.wire import WireMeter
+
+BUCKET_CAP_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
+STATE_DIRNAME = "compression"  # per-rank hook state inside a checkpoint directory
+
+
+class GradientBucket:
+    """A bucket of gradients with the interface of ``torch.distributed.GradBucket`` that torch's hooks use."""
+
+    def __init__(self, index: int, parameters: Sequence[torch.nn.Parameter], is_last: bool) -> None:
+        self._index = index
+        self._parameters = list(parameters)
+        self._is_last = is_last
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._parameters]
+        self._buffer = torch.cat([grad.detach().reshape(-1) for grad in grads])
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return self._is_last
+
+    def buffer(self) -> Tensor:
+        return self._buffer
+
+    def set_buffer(self, buffer: Tensor) -> None:
+        self._buffer.copy_(buffer)
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return self._parameters
+
+    def gradients(self) -> list[Tensor]:
+        """Views into the buffer, shaped like each gradient (hooks write their result through them)."""
+        views, offset = [], 0
+        for parameter in self._parameters:
+            views.append(self._buffer[offset : offset + parameter.numel()].view_as(parameter))
+            offset += parameter.numel()
+        return views
+
+    def write_back(self) -> None:
+        for parameter, view in zip(self._parameters, self.gradients()):
+            if parameter.grad is None:
+                parameter.grad = view.clone()
+            else:
+                parameter.grad.copy_(view)
+
+
+def bucket_parameters(parameters: Sequence[torch.nn.Parameter], cap_bytes: int = BUCKET_CAP_BYTES) -> list[list[Any]]:
+    """Consecutive parameters with the same dtype and device, up to ``cap_bytes`` a bucket (one at least)."""
+    buckets: list[list[Any]] = []
+    size = 0
+    for parameter in parameters:
+        nbytes = parameter.numel() * parameter.element_size()
+        last = buckets[-1] if buckets else None
+        same_kind = last is not None and (last[0].dtype, last[0].device) == (parameter.dtype, parameter.device)
+        if last is not None and same_kind and size + nbytes <= cap_bytes:
+            last.append(parameter)
+            size += nbytes
+        else:
+            buckets.append([parameter])
+            size = nbytes
+    return buckets
+
+
+class NodeGroups:
+    """The process groups of a hierarchical reduction; every rank creates all of them, in the same order."""
+
+    def __init__(self, topology: Topology, rank: int) -> None:
+        self.world_size = len(topology.nodes)
+        self.num_nodes = topology.num_nodes
+        node_groups = topology.node_groups
+        created = [dist.new_group(list(ranks)) for ranks in node_groups]
+        mine = topology.nodes[rank]
+        self.node_ranks = node_groups[mine]
+        self.node_group = created[mine]
+        self.leader = self.node_ranks[0]
+        self.is_leader = rank == self.leader
+        self.leaders_group = dist.new_group(list(topology.leaders))
+
+
+class HookedExchange:
+    """Replaces ``engine.allreduce_gradients``: every gradient averaged over the ranks through ``hook``.
+
+    DeepSpeed calls it after every backward too; like its own method it exchanges only at the accumulation boundary
+    (``is_boundary()``: while the engine's step runs, as Lightning owns accumulation), once per optimizer step, so a
+    compressing hook sees each step's gradients once. ``should_skip()`` is true for a step every rank has agreed to
+    skip (an fp16 overflow): nothing is exchanged, so no inf reaches the hook's error feedback.
+    """
+
+    def __init__(
+        self,
+        parameters: Sequence[torch.nn.Parameter],
+        hook: compress.Hook,
+        state: Any,
+        nodes: Optional[NodeGroups] = None,
+        is_boundary: Callable[[], bool] = lambda: True,
+        should_skip: Callable[[], bool] = lambda: False,
+        cap_bytes: int = BUCKET_CAP_BYTES,
+    ) -> None:
+        self.hook = hook
+        self.state = state
+        self.nodes = nodes
+        self.is_boundary = is_boundary
+        self.should_skip = should_skip
+        self.buckets = bucket_parameters([p for p in parameters if p.requires_grad], cap_bytes)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:  # DeepSpeed passes bucket_size; our buckets are DDP's
+        if not self.is_boundary() or self.should_skip():
+            return
+        for index, parameters in enumerate(self.buckets):
+            bucket = GradientBucket(index, parameters, is_last=index == len(self.buckets) - 1)
+            self._reduce(bucket)
+            bucket.write_back()
+
+    def _reduce(self, bucket: GradientBucket) -> None:
+        buffer = bucket.buffer()
+        nodes = self.nodes
+        if nodes is None:
+            self._run_hook(bucket)
+            return
+        alone = len(nodes.node_ranks) == 1
+        if not alone:
+            dist.reduce(buffer, dst=nodes.leader, group=nodes.node_group)
+        if nodes.is_leader:
+            buffer.mul_(nodes.num_nodes / nodes.world_size)
+            self._run_hook(bucket)
+        if not alone:
+            dist.broadcast(buffer, src=nodes.leader, group=nodes.node_group)
+
+    def _run_hook(self, bucket: GradientBucket) -> None:
+        result = self.hook(self.state, bucket).wait()
+        if isinstance(result, (list, tuple)):
+            result = result[0]
+        if result is not bucket.buffer():
+            bucket.set_buffer(result)
+
+
+class Communication:
+    """The job's communication: compression, hierarchical reduction, bytes on the wire, emulated slow link."""
+
+    def __init__(self, choice: compress.CompressionChoice, hierarchical: Union[str, bool]) -> None:
+        self.choice = choice
+        self.requested_hierarchical = hierarchical
+        self.hierarchical = False
+        self.hierarchical_reason = "not decided yet"
+        self.topology: Optional[Topology] = None
+        self.link: Optional[SlowLink] = None
+        self.meter: Optional[WireMeter] = None
+        self.exchange: Optional[HookedExchange] = None
+        self._undo: Optional[Callable[[], None]] = None
+
+    def arguments(self) -> dict[str, Any]:
+        """What must agree between ranks."""
+        return {"compression": self.choice.describe(), "hierarchical": self.requested_hierarchical}
+
+    def setup(self, topology: Topology, link: Optional[SlowLink], stage: int, rank: int) -> None:
+        self.topology, self.link = topology, link
+        if stage in compress.HOOK_STAGES:
+            self.hierarchical, self.hierarchical_reason = decide_hierarchical(self.requested_hierarchical, topology)
+        else:  # (True was refused in the constructor)
+            self.hierarchical = False
+            self.hierarchical_reason = f"off: ZeRO-{stage} reduces inside DeepSpeed's optimizer (stage 0 only)"
+        self.meter = WireMeter(rank, topology, link)
+
+    @property
+    def hooked(self) -> Optional[str]:
+        return compress.hooked_exchange_reason(self.choice, self.hierarchical)
+
+    def deepspeed_entries(self) -> dict[str, Any]:
+        return compress.deepspeed_entries(self.choice, self.hooked is not None)
+
+    def reading(self) -> tuple[float, float]:
+        """Bytes on the wire so far (inside the node, between nodes)."""
+        return self.meter.reading() if self.meter is not None else (0.0, 0.0)
+
+    def counting(self) -> contextlib.AbstractContextManager:
+        return self.meter.counting() if self.meter is not None else contextlib.nullcontext()
+
+    def attach(self, engine: Any, rank: int, should_skip: Callable[[], bool]) -> None:
+        """After DeepSpeed's init, on every rank: the hooked exchange replaces DeepSpeed's (creates process groups)."""
+        if self.hooked is None:
+            return
+        if hasattr(engine.optimizer, "get_grads_for_reduction"):
+            raise ValueError(
+                f"{self.hooked} replaces DeepSpeed's gradient exchange, but DeepSpeed's bf16 optimizer reduces its own"
+                " fp32 gradient copies. Use `device_precision='bf16-mixed'` (DeepSpeed stays fp32) instead of the"
+                " Trainer's bf16 precision or the config's `bf16` section."
+            )
+        assert self.topology is not None
+        nodes = NodeGroups(self.topology, rank) if self.hierarchical else None
+        hook, state = compress.builtin_hook(self.choice, nodes.leaders_group if nodes is not None else None)
+        self.exchange = HookedExchange(
+            engine.module.parameters(), hook, state, nodes, engine.is_gradient_accumulation_boundary, should_skip
+        )
+        engine.allreduce_gradients = self.exchange
+        self._undo = lambda: engine.__dict__.pop("allreduce_gradients", None)
+
+    def detach(self) -> None:
+        if self._undo is not None:
+            self._undo()
+        self._undo = None
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> Optional[dict[str, Any]]:
+        if self.exchange is None:
+            return None
+        saved = compress.hook_state_dict(self.exchange.state)
+        return None if saved is None else {"compression": self.choice.describe(), "state": saved}
+
+    def save(self, directory: Path, rank: int) -> None:
+        """This rank's hook state (error feedback differs by rank) into the checkpoint directory being staged."""
+        state = self.state_dict()
+        if state is not None:
+            (directory / STATE_DIRNAME).mkdir(parents=True, exist_ok=True)
+            torch.save(state, directory / STATE_DIRNAME / f"rank_{rank}.pt")
+
+    def load(self, directory: Path, rank: int, same_world_size: bool) -> None:
+        """Restore this rank's hook state; at another world size (or from a checkpoint without it) it starts afresh."""
+        if self.exchange is None:
+            return
+        path = Path(directory) / STATE_DIRNAME / f"rank_{rank}.pt"
+        fresh = None
+        if not same_world_size:
+            fresh = "the checkpoint was saved by another number of ranks, whose error feedback does not map to these"
+        elif not path.is_file():
+            fresh = "the checkpoint has none"
+        if fresh is not None:
+            if rank == 0:
+                warnings.warn(f"HeteroStrategy: the {self.choice.describe()} state starts afresh: {fresh}.")
+            return
+        # Our own file in the user's checkpoint, as DeepSpeed loads its own (PowerSGD keeps a numpy random state).
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+        state = self.exchange.state
+        compress.load_hook_state_dict(state, _to_device(saved["state"], _state_device(self.exchange)))
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "compression": self.choice.describe(),
+            "exchange": self.hooked or "DeepSpeed's",
+            "hierarchical": self.hierarchical,
+            "hierarchical_reason": self.hierarchical_reason,
+            "topology": self.topology.describe() if self.topology is not None else None,
+            "nodes": list(self.topology.nodes) if self.topology is not None else None,
+            "emulated_link": None if self.link is None else vars(self.link),
+        }
+
+    def plan_line(self) -> str:
+        link = f"; emulated link {self.link.gbit_per_second:g} Gbit/s, {self.link.latency_ms:g} ms" if self.link else ""
+        return (
+            f"communication: {self.choice.describe() or 'uncompressed'}, {'hooked' if self.hooked else 'DeepSpeed'}"
+            f" exchange; hierarchical {self.hierarchical_reason}{link}"
+        )
+
+
+def _state_device(exchange: HookedExchange) -> torch.device:
+    return exchange.buckets[0][0].device if exchange.buckets else torch.device("cpu")
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {key: _to_device(item, device) for key, item in value.items()}
+    return value
