@@ -55,6 +55,13 @@ class CompressionChoice:
         """Whether the gradient exchange itself must be replaced (only ZeRO-0's can be)."""
         return self.mode in HOOK_MODES or self.mode == "custom"
 
+    @property
+    def name(self) -> Optional[str]:
+        """The mode as the user gave it, or the custom hook's name."""
+        if self.mode == "custom":
+            return getattr(self.hook, "__qualname__", repr(self.hook))
+        return self.mode
+
     def describe(self) -> Optional[str]:
         """A description that is the same on every rank for the same argument (callables compare by identity)."""
         if self.mode == "custom":
@@ -142,7 +149,7 @@ def check_exchange(choice: CompressionChoice, hierarchical: Union[str, bool], st
     )
     if choice.needs_hook:
         raise ValueError(
-            f"`compression={choice.describe()!r}` needs `stage=0`: {reason}. Use stage=0, or compression='fp16' or"
+            f"`compression={choice.name!r}` needs `stage=0`: {reason}. Use stage=0, or compression='fp16' or"
             " 'bf16', which work at every stage."
         )
     if hierarchical is True:
@@ -169,7 +176,7 @@ def check_config_compression(choice: CompressionChoice, config: Mapping[str, Any
     """A DeepSpeed config that also sets the wire's dtype would make two answers to one question."""
     if choice.mode is not None and "communication_data_type" in config:
         raise ValueError(
-            f"Both `compression={choice.describe()!r}` and the DeepSpeed config's `communication_data_type="
+            f"Both `compression={choice.name!r}` and the DeepSpeed config's `communication_data_type="
             f"{config['communication_data_type']!r}` say how gradients travel. Keep one: compression='fp16'/'bf16'"
             " sets communication_data_type itself."
         )
@@ -233,8 +240,9 @@ def topk_hook(state: TopKState, bucket: Any) -> torch.futures.Future[Tensor]:
     index_dtype = torch.int32 if corrected.numel() < 2**31 else torch.int64
     all_values = values.new_empty(world_size * count)
     all_indices = torch.empty(world_size * count, dtype=index_dtype, device=values.device)
-    dist.all_gather_into_tensor(all_values, values, group=group)
-    dist.all_gather_into_tensor(all_indices, indices.to(index_dtype), group=group)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (the new name in torch 2.13)
+    gather(all_values, values, group=group)
+    gather(all_indices, indices.to(index_dtype), group=group)
     dense = torch.zeros_like(corrected).index_add_(0, all_indices.long(), all_values).div_(world_size)
     buffer.copy_(dense)
     future: torch.futures.Future[Tensor] = torch.futures.Future()

@@ -449,8 +449,9 @@ class HeteroStrategy(DeepSpeedStrategy):
                 "peer_timeout": self.peer_timeout,
                 "device_precision": self.device_precision,
                 **self.communication.arguments(),
+                # (read here, so that a bad value is raised on every rank, and one rank's differing value is said)
                 "emulate_nodes": topology.emulated_nodes_from_environment(),
-                "emulate_link": os.environ.get(topology.LINK_ENV_VAR),
+                "emulate_link": str(topology.slow_link_from_environment()),
             }
             shared = {"arguments": arguments, "seed": _local_seed(), "facts": facts.to_dict(), "profile": profile}
             return None, {**shared, "precision": rank_precision}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Callable, Optional
@@ -30,7 +31,9 @@ _COLLECTIVES = (
     ("broadcast", "tensor", "src"),
     ("all_gather", "tensor", "all"),
     ("all_gather_into_tensor", "input_tensor", "all"),
+    ("all_gather_single", "input_tensor", "all"),
     ("reduce_scatter_tensor", "input", "all"),
+    ("reduce_scatter_single", "input", "all"),
     ("reduce_scatter", "input_list", "all"),
     ("all_to_all_single", "input", "all"),
 )
@@ -74,6 +77,9 @@ class WireMeter:
         self.link_seconds = 0.0
         self._depth = 0
         self._group_ranks: dict[Any, tuple[int, ...]] = {}
+        # A collective that delegates to another (torch 2.13's all_gather_into_tensor calls all_gather_single) is
+        # counted once, at the outer call.
+        self._inside = threading.local()
 
     def reading(self) -> tuple[float, float]:
         return self.intra_node_bytes, self.inter_node_bytes
@@ -141,7 +147,13 @@ class WireMeter:
         signature = inspect.signature(original)
 
         def counted(*args: Any, **kwargs: Any) -> Any:
-            work = original(*args, **kwargs)
+            if getattr(self._inside, "active", False):
+                return original(*args, **kwargs)
+            self._inside.active = True
+            try:
+                work = original(*args, **kwargs)
+            finally:
+                self._inside.active = False
             try:
                 bound = signature.bind(*args, **kwargs).arguments
             except TypeError:  # let torch's own error stand; nothing was sent

@@ -51,11 +51,14 @@ def run_bounded(
     return process.returncode, output
 
 
-def run_fit(out: Path, *args: str, timeout: float = 240, warnings: bool = False) -> RunResult:
-    """`tests/workers/fit.py` with ``args``; its result.json (written by rank 0) when the run succeeded.
+def run_fit(
+    out: Path, *args: str, timeout: float = 240, warnings: bool = False, env: Optional[dict[str, str]] = None
+) -> RunResult:
+    """`tests/workers/fit.py` with ``args`` (and ``env`` added to the environment); its result.json (written by rank
+    0) when the run succeeded.
 
     Python warnings are hidden unless ``warnings`` (the test asserts one)."""
-    env = {"PYTHONWARNINGS": "default"} if warnings else None
+    env = {**(env or {}), **({"PYTHONWARNINGS": "default"} if warnings else {})}
     command = [sys.executable, str(WORKERS / "fit.py"), "--out", str(out), *args]
     returncode, output = run_bounded(command, timeout, env=env)
     result_file = out / "result.json"

@@ -60,6 +60,14 @@ CONSTRUCTOR = [
         {"device_precision": "auto", "config": {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}},
         "The DeepSpeed config enables `torch_autocast`",
     ),
+    ({"compression": "gzip"}, "`compression='gzip'` is not one of ['fp16', 'bf16', 'powersgd', 'topk']"),
+    # (the default stage is 2)
+    ({"compression": "powersgd"}, "`compression='powersgd'` needs `stage=0`: ZeRO-2 reduces gradients inside"),
+    ({"compression": "topk", "stage": 3}, "needs `stage=0`: ZeRO-3 reduces gradients"),
+    ({"compression": "topk", "compression_options": {"ratio": 2}}, "must be a fraction in (0, 1]"),
+    ({"hierarchical": "yes"}, "`hierarchical='yes'` is not one of"),
+    ({"hierarchical": True, "stage": 1}, "`hierarchical=True` needs `stage=0`"),
+    ({"compression": "fp16", "config": {"communication_data_type": "bf16"}}, "Keep one"),
 ]
 
 DEEPSPEED_CONFIG = [
@@ -143,6 +151,11 @@ SETUP = [
         "has 3 entries but the job has 2 ranks. Give one precision per rank",
     ),
     (["--rank-1-strategy-args", '{"device_precision": "auto"}'], "device_precision (rank 0: None, rank 1: auto)"),
+    (["--rank-1-strategy-args", '{"compression": "fp16"}'], "compression (rank 0: None, rank 1: fp16)"),
+    (
+        ["--strategy-args", '{"config": {"zero_optimization": {"stage": 3, "zero_quantized_weights": true}}}'],
+        "`zero_optimization.zero_quantized_weights=True`, which needs CUDA",
+    ),
 ]
 
 

@@ -1,0 +1,344 @@
+"""Compression, topology and the wire count as pure decisions and small pieces, in one process (no training).
+
+What the user relies on: every `compression` / `hierarchical` value is accepted or refused with a message naming it;
+a hook is refused where DeepSpeed's exchange cannot be hooked, naming the stage that can; top-k's error feedback
+never loses a gradient (what it does not send now, it sends later); a hooked exchange puts every gradient through the
+hook once per optimizer step and writes the result back; hook state round-trips through a checkpoint; the nodes and
+the emulated link are what the environment says; the bytes counted are each rank's payload, split by node.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+from lightning_hetero import compression as compress
+from lightning_hetero.exchange import GradientBucket, HookedExchange, bucket_parameters
+from lightning_hetero.topology import (
+    LINK_ENV_VAR,
+    NODES_ENV_VAR,
+    SlowLink,
+    Topology,
+    check_hierarchical,
+    decide_hierarchical,
+    emulated_nodes_from_environment,
+    link_crossing_bytes,
+    slow_link_from_environment,
+    topology_from_hosts,
+)
+from lightning_hetero.wire import WireMeter, senders
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A real gloo process group of one rank, so hooks can run their collectives in this process."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------- the argument
+
+
+@pytest.mark.parametrize(
+    ("value", "mode"), [(None, None), ("fp16", "fp16"), ("BF16", "bf16"), ("powersgd", "powersgd"), ("topk", "topk")]
+)
+def test_accepted_compression_values(value, mode):
+    choice = compress.check_compression(value)
+    assert choice.mode == mode
+    assert choice.needs_hook == (mode in ("powersgd", "topk"))
+
+
+def test_defaults_are_filled_in_and_options_override_them():
+    assert compress.check_compression("powersgd").options == compress.POWERSGD_DEFAULTS
+    options = compress.check_compression("powersgd", {"matrix_approximation_rank": 4}).options
+    assert options == {**compress.POWERSGD_DEFAULTS, "matrix_approximation_rank": 4}
+    assert compress.check_compression("topk", {"ratio": 0.1}).options == {"ratio": 0.1}
+
+
+def test_a_custom_hook_and_a_hook_with_its_state():
+    choice = compress.check_compression(default_hooks.allreduce_hook)
+    assert choice.mode == "custom" and choice.needs_hook and choice.hook is default_hooks.allreduce_hook
+    assert "allreduce_hook" in choice.describe()  # the same text on every rank (a callable is not)
+    state = object()
+    paired = compress.check_compression((default_hooks.allreduce_hook, state))
+    assert paired.hook_state is state
+
+
+@pytest.mark.parametrize(
+    ("value", "options", "message"),
+    [
+        ("gzip", None, "`compression='gzip'` is not one of ['fp16', 'bf16', 'powersgd', 'topk']"),
+        (16, None, "`compression=16` is not one of"),
+        (None, {"ratio": 0.1}, "was given without `compression`"),
+        ("fp16", {"ratio": 0.1}, "has nothing to set for compression='fp16'"),
+        ("powersgd", {"rank": 2}, "is not valid for compression='powersgd'"),
+        ("powersgd", {"start_powerSGD_iter": 1}, "Expect `start_powerSGD_iter` > 1"),  # torch's own check
+        ("powersgd", {"process_group": None}, "the strategy gives PowerSGD its group"),
+        ("topk", {"ratio": 0}, "must be a fraction in (0, 1]"),
+        ("topk", {"ratio": 1.5}, "must be a fraction in (0, 1]"),
+        ("topk", {"ratio": True}, "must be a fraction in (0, 1]"),
+        ("topk", {"k": 3}, "its only option is `ratio`"),
+        ("topk", [("ratio", 0.1)], "must be a dict"),
+    ],
+)
+def test_refused_compression_values_name_the_argument(value, options, message):
+    with pytest.raises(ValueError) as error:
+        compress.check_compression(value, options)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("value", ["powersgd", "topk", default_hooks.allreduce_hook])
+def test_hooks_are_refused_beyond_zero_0_naming_the_stage_that_works(value, stage):
+    with pytest.raises(ValueError) as error:
+        compress.check_exchange(compress.check_compression(value), "auto", stage)
+    assert "needs `stage=0`" in str(error.value) and f"ZeRO-{stage} reduces gradients inside" in str(error.value)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_half_precision_and_auto_hierarchical_work_at_every_stage(stage):
+    for value in ("fp16", "bf16", None):
+        compress.check_exchange(compress.check_compression(value), "auto", stage)
+        compress.check_exchange(compress.check_compression(value), False, stage)
+    if stage:
+        with pytest.raises(ValueError, match="`hierarchical=True` needs `stage=0`"):
+            compress.check_exchange(compress.check_compression(None), True, stage)
+
+
+def test_deepspeed_does_half_precision_unless_the_exchange_is_ours():
+    fp16, bf16 = compress.check_compression("fp16"), compress.check_compression("bf16")
+    assert compress.deepspeed_entries(fp16, hooked=False) == {"communication_data_type": "fp16"}
+    assert compress.deepspeed_entries(bf16, hooked=False) == {"communication_data_type": "bf16"}
+    assert compress.deepspeed_entries(fp16, hooked=True) == {}  # torch's fp16 hook compresses between the leaders
+    assert compress.deepspeed_entries(compress.check_compression("powersgd"), hooked=True) == {}
+    hook, _ = compress.builtin_hook(fp16, None)
+    assert hook is default_hooks.fp16_compress_hook
+    assert compress.hooked_exchange_reason(compress.CompressionChoice(), hierarchical=False) is None
+    assert compress.hooked_exchange_reason(compress.CompressionChoice(), hierarchical=True) == "hierarchical reduction"
+
+
+def test_a_config_that_also_sets_the_wire_dtype_is_refused():
+    with pytest.raises(ValueError, match="Keep one"):
+        compress.check_config_compression(compress.check_compression("fp16"), {"communication_data_type": "bf16"})
+    compress.check_config_compression(compress.CompressionChoice(), {"communication_data_type": "bf16"})
+
+
+@pytest.mark.parametrize("key", ["zero_quantized_weights", "zero_quantized_gradients"])
+def test_zero_plus_plus_quantization_is_refused_off_cuda(key):
+    config = {"zero_optimization": {"stage": 3, key: True, "zero_hpz_partition_size": 2}}
+    with pytest.raises(ValueError, match=f"`zero_optimization.{key}=True`, which needs CUDA"):
+        compress.check_zero_plus_plus(config, "cpu")
+    compress.check_zero_plus_plus(config, "cuda")
+    compress.check_zero_plus_plus({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}, "cpu")
+    with pytest.raises(ValueError, match="ZeRO-3 only"):
+        compress.check_zero_plus_plus({"zero_optimization": {"stage": 2, "zero_quantized_gradients": True}}, "cuda")
+
+
+# ---------------------------------------------------------------------------------------------- hooks and buckets
+
+
+def test_topk_error_feedback_sends_every_gradient_eventually(one_rank_group):
+    """Conservation: what was sent over the steps plus what is held back equals every gradient given."""
+    torch.manual_seed(0)
+    state = compress.TopKState(None, ratio=0.1)
+    given, sent = torch.zeros(50), torch.zeros(50)
+    for _ in range(6):
+        gradient = torch.randn(50)
+        given += gradient
+        bucket = FakeBucket(gradient.clone())
+        result = compress.topk_hook(state, bucket).wait()
+        assert int((result != 0).sum()) <= math.ceil(0.1 * 50)  # at most k entries travel
+        sent += result
+    assert torch.allclose(sent + state.error_dict[0], given, atol=1e-5)
+
+
+class FakeBucket:
+    def __init__(self, buffer: torch.Tensor, index: int = 0) -> None:
+        self._buffer = buffer
+        self._index = index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def index(self) -> int:
+        return self._index
+
+
+def test_buckets_follow_dtype_and_the_size_cap():
+    f32, f16 = torch.float32, torch.float16
+    shapes = [(10, f32), (10, f32), (30, f32), (5, f16), (5, f32)]
+    parameters = [torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for n, dtype in shapes]
+    buckets = bucket_parameters(parameters, cap_bytes=80)
+    assert [[p.numel() for p in bucket] for bucket in buckets] == [[10, 10], [30], [5], [5]]
+    assert len(bucket_parameters(parameters)) == 3  # by dtype only under DDP's 25 MB
+
+
+def test_a_bucket_is_views_into_one_buffer_and_writes_back():
+    first, second = torch.nn.Parameter(torch.zeros(2, 3)), torch.nn.Parameter(torch.zeros(4))
+    first.grad = torch.ones(2, 3)  # `second` has no gradient: it enters as zeros
+    bucket = GradientBucket(0, [first, second], is_last=True)
+    assert bucket.buffer().tolist() == [1.0] * 6 + [0.0] * 4
+    views = bucket.gradients()
+    assert [tuple(v.shape) for v in views] == [(2, 3), (4,)]
+    views[0].mul_(3)  # a hook writing through the views (as PowerSGD's decompression does)
+    views[1].fill_(2)
+    bucket.write_back()
+    assert first.grad.tolist() == [[3.0] * 3] * 2 and second.grad.tolist() == [2.0] * 4
+
+
+def test_the_hooked_exchange_runs_the_hook_once_per_step_and_not_on_skipped_steps(one_rank_group):
+    model = torch.nn.Linear(3, 2)
+    for parameter in model.parameters():
+        parameter.grad = torch.full_like(parameter, 4.0)
+    calls = []
+
+    def halving_hook(state, bucket):
+        calls.append(bucket.index())
+        future = torch.futures.Future()
+        future.set_result(bucket.buffer() / 2)
+        return future
+
+    boundary, skip = [False], [False]
+    exchange = HookedExchange(list(model.parameters()), halving_hook, None, None, lambda: boundary[0], lambda: skip[0])
+    exchange()  # DeepSpeed's post-backward call: not the boundary, nothing travels
+    assert calls == [] and model.weight.grad.unique().tolist() == [4.0]
+    boundary[0] = True
+    exchange()
+    assert calls == [0] and model.weight.grad.unique().tolist() == [2.0] and model.bias.grad.unique().tolist() == [2.0]
+    skip[0] = True  # an fp16 overflow every rank agreed on
+    exchange()
+    assert calls == [0]
+
+
+@pytest.mark.parametrize("mode", ["powersgd", "topk"])
+def test_hook_state_round_trips_through_a_checkpoint_dict(mode, one_rank_group, tmp_path):
+    torch.manual_seed(0)
+    choice = compress.check_compression(mode, {"start_powerSGD_iter": 2} if mode == "powersgd" else None)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+    hook, state = compress.builtin_hook(choice, None)
+    exchange = HookedExchange(list(model.parameters()), hook, state)
+    for _ in range(4):
+        for parameter in model.parameters():
+            parameter.grad = torch.randn_like(parameter)
+        exchange()
+    saved = compress.hook_state_dict(state)
+    torch.save(saved, tmp_path / "state.pt")
+    _, fresh = compress.builtin_hook(choice, None)
+    compress.load_hook_state_dict(fresh, torch.load(tmp_path / "state.pt", weights_only=False))
+    assert fresh.process_group is None  # the group is the job's, never a saved one
+    assert set(fresh.error_dict) == set(state.error_dict) and fresh.error_dict
+    for index, error in state.error_dict.items():
+        assert torch.equal(fresh.error_dict[index], error)
+    if mode == "powersgd":
+        assert fresh.iter == state.iter == 4
+        assert isinstance(state, PowerSGDState) and set(fresh.q_memory_dict) == set(state.q_memory_dict)
+        assert fresh.rng.randint(1 << 30) == state.rng.randint(1 << 30)  # the random state continues the same
+
+
+# ---------------------------------------------------------------------------------------------- topology
+
+
+def test_nodes_from_hosts_and_from_the_emulation():
+    assert topology_from_hosts(["b", "a", "b", "a"]).nodes == (0, 1, 0, 1)
+    assert topology_from_hosts(["h"] * 4, emulated_nodes=2).nodes == (0, 0, 1, 1)
+    assert topology_from_hosts(["h"] * 4, emulated_nodes=3).nodes == (0, 0, 1, 2)
+    two_by_two = Topology((0, 0, 1, 1))
+    assert two_by_two.leaders == (0, 2) and two_by_two.node_groups == ((0, 1), (2, 3))
+    assert two_by_two.spans_nodes([1, 2]) and not two_by_two.spans_nodes([2, 3])
+    with pytest.raises(ValueError, match="asks for more nodes than the job's 2 ranks"):
+        topology_from_hosts(["h", "h"], emulated_nodes=3)
+
+
+@pytest.mark.parametrize(
+    ("requested", "nodes", "on", "reason"),
+    [
+        ("auto", (0, 0, 1, 1), True, "on (auto): 2 nodes"),
+        (True, (0, 0, 1, 1), True, "on (hierarchical=True)"),
+        (False, (0, 0, 1, 1), False, "off (hierarchical=False)"),
+        ("auto", (0, 0, 0, 0), False, "all ranks are on one node"),
+        (True, (0, 0), False, "all ranks are on one node"),
+        ("auto", (0, 1, 2), False, "every node has one rank"),
+        ("auto", (0, 0, 1), True, "on (auto)"),  # uneven nodes: the pair still sends one payload
+    ],
+)
+def test_when_hierarchical_reduction_is_on(requested, nodes, on, reason):
+    decided, why = decide_hierarchical(requested, Topology(nodes))
+    assert decided is on and reason in why
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None, "true"])
+def test_bad_hierarchical_values(value):
+    with pytest.raises(ValueError, match=f"`hierarchical={value!r}` is not one of"):
+        check_hierarchical(value)
+    assert check_hierarchical("AUTO") == "auto" and check_hierarchical(True) is True
+
+
+def test_emulation_environment(monkeypatch):
+    monkeypatch.setenv(NODES_ENV_VAR, "2")
+    monkeypatch.setenv(LINK_ENV_VAR, "1,0.5")
+    assert emulated_nodes_from_environment() == 2
+    assert slow_link_from_environment() == SlowLink(1.0, 0.5)
+    monkeypatch.setenv(LINK_ENV_VAR, "10")
+    assert slow_link_from_environment() == SlowLink(10.0, 0.0)
+    for bad in ("0", "x", "-1"):
+        monkeypatch.setenv(NODES_ENV_VAR, bad)
+        with pytest.raises(ValueError, match=f"`{NODES_ENV_VAR}='{bad}'` is not a whole number"):
+            emulated_nodes_from_environment()
+    for bad in ("0", "fast", "1,-1", "1,2,3"):
+        monkeypatch.setenv(LINK_ENV_VAR, bad)
+        with pytest.raises(ValueError, match=f"`{LINK_ENV_VAR}='{bad}'` is not a bandwidth"):
+            slow_link_from_environment()
+
+
+def test_link_time_follows_the_busiest_node():
+    assert SlowLink(1.0, 2.0).seconds(125_000_000) == pytest.approx(1.002)  # 1 Gbit in 1 s, plus 2 ms
+    two_by_two = Topology((0, 0, 1, 1))
+    every_rank = dict.fromkeys(range(4), 100.0)
+    assert link_crossing_bytes(two_by_two, range(4), every_rank) == 200.0  # flat: two payloads leave each node
+    assert link_crossing_bytes(two_by_two, (0, 2), {0: 100.0, 2: 100.0}) == 100.0  # leaders only
+    assert link_crossing_bytes(two_by_two, (0, 1), {0: 100.0, 1: 100.0}) == 0.0  # inside a node
+
+
+# ---------------------------------------------------------------------------------------------- the wire count
+
+
+def test_who_sends_in_each_collective():
+    assert senders("all", (0, 1, 2), None) == (0, 1, 2)
+    assert senders("not_dst", (0, 1, 2), 1) == (0, 2)
+    assert senders("src", (0, 1, 2), 2) == (2,)
+
+
+def test_bytes_are_split_into_inside_and_between_nodes():
+    meter = WireMeter(1, Topology((0, 0, 1, 1)))
+    meter.record((0, 1), (0, 1), 40.0)  # the node's own reduce
+    meter.record((0, 1, 2, 3), (0, 1, 2, 3), 100.0)
+    meter.record((0, 2), (0, 2), 100.0)  # the leaders' exchange: rank 1 sends nothing
+    assert meter.reading() == (40.0, 100.0)
+
+
+def test_counting_sees_torch_and_restores_it_and_charges_the_link(one_rank_group):
+    """One real rank that the meter believes shares the world with a rank on another node: the all-reduce spans
+    the link, so it is charged; the collectives are restored afterwards."""
+    slept = []
+    meter = WireMeter(0, Topology((0, 1)), SlowLink(1.0, 1.0), sleep=slept.append)
+    original = dist.all_reduce
+    with meter.counting():
+        assert dist.all_reduce is not original
+        with meter.counting():  # re-entrant
+            dist.all_reduce(torch.zeros(1000))  # 4000 bytes, every rank's: 4000 cross the link from each node
+        dist.broadcast(torch.zeros(10), src=0)
+        dist.all_gather_into_tensor(torch.zeros(3), torch.zeros(3))  # delegates to all_gather_single: counted once
+    assert dist.all_reduce is original
+    dist.all_reduce(torch.zeros(5))  # not counted outside
+    assert meter.inter_node_bytes == 4052.0 and meter.intra_node_bytes == 0.0
+    assert slept == [
+        pytest.approx(1e-3 + 4000 * 8 / 1e9),
+        pytest.approx(1e-3 + 40 * 8 / 1e9),
+        pytest.approx(1e-3 + 12 * 8 / 1e9),
+    ]
