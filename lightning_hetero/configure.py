@@ -251,3 +251,12 @@ def _flatten(mapping: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[name] = value
     return flat
+
+
+def raise_if_arguments_differ(arguments: list[dict[str, Any]]) -> None:
+    lines = config_disagreements(arguments)
+    if lines:
+        raise ValueError(
+            f"HeteroStrategy was built with different arguments on different ranks: {'; '.join(lines)}. Every rank"
+            " must run the same script with the same arguments (and the same training loader batch size)."
+        )

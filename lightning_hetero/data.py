@@ -13,11 +13,13 @@ from __future__ import annotations
 import copy
 import hashlib
 import itertools
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -390,3 +392,24 @@ def describe_order(loader: HeteroDataLoader) -> dict[str, Any]:
         "steps_per_epoch": len(batch_sampler),
         "order_fingerprint": hashlib.sha256(repr(first).encode()).hexdigest()[:16],
     }
+
+
+def local_seed() -> int:
+    """This rank's `seed_everything` seed (Lightning keeps it in PL_GLOBAL_SEED), 0 when none was set."""
+    return int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+
+def agreed_seed(seeds: list[int]) -> int:
+    """Rank 0's seed, for the data order of every rank; different seeds on other ranks are said, not used.
+
+    A per-rank seed (``seed_everything(seed + rank)``, for different augmentations) is legitimate, but the epoch order
+    must be the same on every rank or samples are used twice and others never.
+    """
+    if any(seed != seeds[0] for seed in seeds):
+        per_rank = ", ".join(f"rank {rank}: {seed}" for rank, seed in enumerate(seeds))
+        rank_zero_warn(
+            f"HeteroStrategy: `seed_everything` gave the ranks different seeds ({per_rank}). The data order uses rank"
+            f" 0's seed {seeds[0]} on every rank, so that each sample is used once per epoch; the other random"
+            " numbers (dropout, augmentations) keep each rank's own seed."
+        )
+    return seeds[0]

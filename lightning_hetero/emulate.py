@@ -35,6 +35,8 @@ import torch
 from lightning_hetero.arguments import is_int, per_rank_list
 
 ENV_VAR = "LIGHTNING_HETERO_EMULATE_SPEEDS"
+# DeepSpeed's methods that reduce a bucket of gradients when it fills up during backward (ZeRO-2, ZeRO-3).
+_DEEPSPEED_BUCKET_REDUCES = ("reduce_ipg_grads", "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads")
 
 
 def parse_speeds(text: str, source: str = ENV_VAR) -> tuple[float, ...]:
@@ -262,3 +264,16 @@ class SlowdownEmulator:
 
         setattr(owner, name, wrapper)
         return True
+
+    def around_deepspeed_exchanges(self, engine: Any) -> None:
+        """DeepSpeed's gradient bookkeeping runs on the host at host speed, whatever the emulated device, and the
+        emulated delay is paid before each gradient exchange, where a slower device would hold peers back: the
+        post-backward (or, at ZeRO-0, the step's) reduction and, in ZeRO-1/2/3, a bucket reduced when it fills up
+        during backward. The per-parameter hooks only fill buckets, so nothing is paid there. (Call after any
+        replacement of ``engine.allreduce_gradients``, so that it is the one wrapped.)"""
+        self.at_host_speed(engine, "allreduce_gradients")
+        optimizer = engine.optimizer
+        if optimizer is not None:
+            self.at_host_speed(optimizer, "reduce_ready_partitions_and_remove_grads", pay_first=False)
+            for bucket_reduce in _DEEPSPEED_BUCKET_REDUCES:
+                self.at_host_speed(optimizer, bucket_reduce)

@@ -42,14 +42,17 @@ from lightning_hetero.configure import (
     check_user_config,
     config_disagreements,
     disagreement_message,
+    raise_if_arguments_differ,
     rank_config,
 )
 from lightning_hetero.data import (
     STATE_SAMPLES_CONSUMED,
     HeteroDataLoader,
+    agreed_seed,
     describe_order,
     describe_unsupported_loader,
     loader_batch_size,
+    local_seed,
     rebuild_loader,
 )
 from lightning_hetero.devices import DeviceFacts, collect_device_facts, same_model
@@ -92,9 +95,6 @@ PLAN_DIRNAME = "hetero"
 T = TypeVar("T")
 # The methods of DeepSpeed's ZeRO optimizers that reduce a full gradient bucket during backward (ZeRO-1/2, ZeRO-3;
 # the second is private, hence mangled).
-_DEEPSPEED_BUCKET_REDUCES = ("reduce_ipg_grads", "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads")
-
-
 class HeteroStrategy(DeepSpeedStrategy):
     """DeepSpeed ZeRO data parallelism where every rank has its own micro-batch.
 
@@ -392,8 +392,8 @@ class HeteroStrategy(DeepSpeedStrategy):
         trainer = self.lightning_module.trainer
         fitting = trainer.state.fn == TrainerFn.FITTING
         gathered = self._gather_local_measurements(trainer, fitting)
-        _raise_if_arguments_differ([entry["arguments"] for entry in gathered])
-        self._data_seed = _agreed_seed([entry["seed"] for entry in gathered])
+        raise_if_arguments_differ([entry["arguments"] for entry in gathered])
+        self._data_seed = agreed_seed([entry["seed"] for entry in gathered])
         self.device_facts = [DeviceFacts.from_dict(entry["facts"]) for entry in gathered]
         self._use_device_precisions([entry["precision"] for entry in gathered])
         nodes = topology.topology_from_hosts(
@@ -453,7 +453,7 @@ class HeteroStrategy(DeepSpeedStrategy):
                 "emulate_nodes": topology.emulated_nodes_from_environment(),
                 "emulate_link": str(topology.slow_link_from_environment()),
             }
-            shared = {"arguments": arguments, "seed": _local_seed(), "facts": facts.to_dict(), "profile": profile}
+            shared = {"arguments": arguments, "seed": local_seed(), "facts": facts.to_dict(), "profile": profile}
             return None, {**shared, "precision": rank_precision}
 
         return self._gather_or_raise("setup", measure)[1]
@@ -514,17 +514,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         skipping = (lambda: plugin.skips_this_step) if isinstance(plugin, HeteroPrecision) else (lambda: False)
         self.communication.attach(self.deepspeed_engine, self.global_rank, skipping)
         if self._emulator is not None:
-            # DeepSpeed's gradient bookkeeping runs on the host at host speed, whatever the emulated device, and
-            # the emulated delay is paid before each gradient exchange, where a slower device would hold peers back:
-            # the post-backward reduction (every stage) and, in ZeRO-1/2/3, a bucket reduced when it fills up
-            # during backward. The per-parameter hooks only fill buckets, so nothing is paid there.
-            engine = self.deepspeed_engine
-            self._emulator.at_host_speed(engine, "allreduce_gradients")
-            optimizer = engine.optimizer
-            if optimizer is not None:
-                self._emulator.at_host_speed(optimizer, "reduce_ready_partitions_and_remove_grads", pay_first=False)
-                for bucket_reduce in _DEEPSPEED_BUCKET_REDUCES:
-                    self._emulator.at_host_speed(optimizer, bucket_reduce)
+            self._emulator.around_deepspeed_exchanges(self.deepspeed_engine)
 
     def _decide_split(self, global_batch_size: int) -> tuple[SplitPlan, Optional[dict[str, Any]]]:
         if self.profiles is None:
@@ -709,7 +699,7 @@ class HeteroStrategy(DeepSpeedStrategy):
                 # Evaluation: the DDP-sized global batch, split in the training proportions so steps take as long.
                 global_batch = (loader_batch_size(dataloader) or 1) * self.world_size
                 batch_sizes = split_by_weights(global_batch, self._split_weights())
-            seed = self._data_seed if self._data_seed is not None else _local_seed()
+            seed = self._data_seed if self._data_seed is not None else local_seed()
             loader = rebuild_loader(
                 dataloader,
                 batch_sizes,
@@ -1051,33 +1041,3 @@ def _serve_once(source: Any, loader: Any) -> None:
         return loader
 
     source.dataloader = dataloader
-
-
-def _local_seed() -> int:
-    """This rank's `seed_everything` seed (Lightning keeps it in PL_GLOBAL_SEED), 0 when none was set."""
-    return int(os.environ.get("PL_GLOBAL_SEED", 0))
-
-
-def _agreed_seed(seeds: list[int]) -> int:
-    """Rank 0's seed, for the data order of every rank; different seeds on other ranks are said, not used.
-
-    A per-rank seed (``seed_everything(seed + rank)``, for different augmentations) is legitimate, but the epoch order
-    must be the same on every rank or samples are used twice and others never.
-    """
-    if any(seed != seeds[0] for seed in seeds):
-        per_rank = ", ".join(f"rank {rank}: {seed}" for rank, seed in enumerate(seeds))
-        rank_zero_warn(
-            f"HeteroStrategy: `seed_everything` gave the ranks different seeds ({per_rank}). The data order uses rank"
-            f" 0's seed {seeds[0]} on every rank, so that each sample is used once per epoch; the other random"
-            " numbers (dropout, augmentations) keep each rank's own seed."
-        )
-    return seeds[0]
-
-
-def _raise_if_arguments_differ(arguments: list[dict[str, Any]]) -> None:
-    lines = config_disagreements(arguments)
-    if lines:
-        raise ValueError(
-            f"HeteroStrategy was built with different arguments on different ranks: {'; '.join(lines)}. Every rank"
-            " must run the same script with the same arguments (and the same training loader batch size)."
-        )
