@@ -139,8 +139,14 @@ def _topk_options(given: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
-def check_exchange(choice: CompressionChoice, hierarchical: Union[str, bool], stage: int) -> None:
-    """Refuse what ZeRO ``stage`` cannot do: a hooked exchange (a hook mode, or ``hierarchical=True``) beyond ZeRO-0."""
+def check_exchange(
+    choice: CompressionChoice, hierarchical: Union[str, bool], stage: int, config: Optional[Mapping[str, Any]] = None
+) -> None:
+    """Refuse what ZeRO ``stage`` cannot do: a hooked exchange (a hook mode, or ``hierarchical=True``) beyond ZeRO-0;
+    and ``hierarchical=True`` where it cannot apply (:func:`hierarchical_blocker`)."""
+    blocker = hierarchical_blocker(choice, config or {})
+    if hierarchical is True and blocker:
+        raise ValueError(f"`hierarchical=True` cannot apply: {blocker}. Use hierarchical='auto' or False.")
     if stage in HOOK_STAGES:
         return
     reason = (
@@ -154,6 +160,67 @@ def check_exchange(choice: CompressionChoice, hierarchical: Union[str, bool], st
         )
     if hierarchical is True:
         raise ValueError(f"`hierarchical=True` needs `stage=0`: {reason}. Use stage=0, or hierarchical='auto'/False.")
+
+
+def hierarchical_blocker(choice: CompressionChoice, config: Mapping[str, Any]) -> Optional[str]:
+    """Why a hierarchical reduction cannot run for this job (``"auto"`` then stays flat), or None."""
+    if choice.mode == "custom" and choice.hook_state is not None:
+        # Only the leaders run the hook in a hierarchical reduction; a state the user built names its own group
+        # (usually every rank), which the other ranks would never join.
+        return "a custom hook given with its own state runs on the process group that state names"
+    if choice.mode is None and "communication_data_type" in config:
+        return (
+            f"the DeepSpeed config's `communication_data_type={config['communication_data_type']!r}` is applied by"
+            " DeepSpeed's own exchange (use compression='fp16'/'bf16' to compress between nodes)"
+        )
+    return None
+
+
+def check_hookable(
+    what: str, deepspeed_fp16: bool, deepspeed_bf16: bool, torch_autocast: bool, moe: bool, averages: bool
+) -> None:
+    """Refuse DeepSpeed modes whose gradients a hooked exchange would handle wrongly. Raised at the same point on
+    every rank (after DeepSpeed's init), from the same config."""
+    reasons = []
+    if deepspeed_fp16 or deepspeed_bf16 or torch_autocast:
+        # DeepSpeed's fp16 reduces loss-scaled gradients (an overflow would put inf into the error feedback, and the
+        # feedback would be kept in scaled units); its bf16 optimizer reduces its own fp32 copies, not .grad.
+        reasons.append(
+            "DeepSpeed's own mixed precision is on (the Trainer's `precision` or the config's fp16 / bf16 /"
+            " torch_autocast); use `device_precision=...` instead, which keeps DeepSpeed and the exchange in fp32"
+        )
+    if moe:
+        reasons.append("the model has MoE layers, whose expert gradients DeepSpeed reduces over expert groups")
+    if not averages:
+        reasons.append("the config sets `gradient_allreduce_op` to sum; hooks average")
+    if reasons:
+        raise ValueError(f"{what} replaces DeepSpeed's gradient exchange, but {'; '.join(reasons)}.")
+
+
+def restore_blocker(
+    saved: Optional[Mapping[str, Any]], current: Mapping[str, Any], same_world_size: bool
+) -> Optional[str]:
+    """Why a checkpoint's hook state cannot continue in this job (it then starts afresh), or None.
+
+    Decided from the checkpoint's manifest, which every rank reads, so every rank decides the same. The state belongs
+    to one compression, one set of ranks and one role per rank (leader or not): any difference starts afresh.
+    """
+    if not same_world_size:
+        return "the checkpoint was saved by another number of ranks, whose error feedback does not map to these"
+    if saved is None:
+        return "the checkpoint has none"
+    for key, label in (("compression", "compression"), ("hierarchical", "hierarchical"), ("nodes", "nodes")):
+        if saved.get(key) != current.get(key):
+            return f"it was saved with {label} {saved.get(key)!r}, this job has {current.get(key)!r}"
+    return None
+
+
+# The parts of a hook state that are progress, not settings: restored from a checkpoint (settings come from the
+# job's arguments, which must describe the same compression).
+PROGRESS_SLOTS = frozenset(
+    {"error_dict", "p_memory_dict", "q_memory_dict", "iter", "rng", "total_numel_before_compression",
+     "total_numel_after_compression", "next_stats_report"}
+)  # fmt: skip
 
 
 def hooked_exchange_reason(choice: CompressionChoice, hierarchical: bool) -> Optional[str]:
@@ -272,8 +339,8 @@ def builtin_hook(choice: CompressionChoice, hooked_group: Optional[Any]) -> tupl
 def hook_state_dict(state: Any) -> Optional[dict[str, Any]]:
     """What of a hook's state survives a checkpoint: PowerSGD's and top-k's slots (error feedback, warm start, step
     count, random state), or a custom state's own ``state_dict()``; None when there is nothing to keep."""
-    if hasattr(state, "__slots__") and hasattr(state, "__getstate__") and not isinstance(state, dist.ProcessGroup):
-        return {slot: getattr(state, slot) for slot in state.__slots__ if slot != "process_group"}
+    if hasattr(state, "__slots__") and not isinstance(state, dist.ProcessGroup):
+        return {slot: getattr(state, slot) for slot in state.__slots__ if slot in PROGRESS_SLOTS}
     if callable(getattr(state, "state_dict", None)):
         return state.state_dict()
     return None
@@ -283,6 +350,7 @@ def load_hook_state_dict(state: Any, saved: dict[str, Any]) -> None:
     """Restore :func:`hook_state_dict`'s result into ``state``, keeping its process group."""
     if hasattr(state, "__slots__") and not isinstance(state, dist.ProcessGroup):
         for slot, value in saved.items():
-            setattr(state, slot, value)
+            if slot in PROGRESS_SLOTS and slot in state.__slots__:
+                setattr(state, slot, value)
     elif callable(getattr(state, "load_state_dict", None)):
         state.load_state_dict(saved)

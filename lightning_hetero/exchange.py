@@ -56,7 +56,8 @@ class GradientBucket:
         return self._buffer
 
     def set_buffer(self, buffer: Tensor) -> None:
-        self._buffer.copy_(buffer)
+        """Replace the buffer, as DDP's does (torch's ``fp16_compress_wrapper`` hands the inner hook an fp16 one)."""
+        self._buffer = buffer
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return self._parameters
@@ -65,16 +66,24 @@ class GradientBucket:
         """Views into the buffer, shaped like each gradient (hooks write their result through them)."""
         views, offset = [], 0
         for parameter in self._parameters:
-            views.append(self._buffer[offset : offset + parameter.numel()].view_as(parameter))
+            shape = parameter.shape if parameter.dim() else (1,)  # (DDP's buckets hold 0-dim gradients as (1,))
+            views.append(self._buffer[offset : offset + parameter.numel()].view(shape))
             offset += parameter.numel()
         return views
 
     def write_back(self) -> None:
         for parameter, view in zip(self._parameters, self.gradients()):
             if parameter.grad is None:
-                parameter.grad = view.clone()
+                parameter.grad = view.reshape(parameter.shape).to(parameter.dtype)
             else:
-                parameter.grad.copy_(view)
+                parameter.grad.copy_(view.reshape(parameter.shape))
+
+
+def forget_bucket_state(state: Any) -> None:
+    """Drop per-bucket state (error feedback, PowerSGD's P and Q) when the buckets change."""
+    for slot in ("error_dict", "p_memory_dict", "q_memory_dict"):
+        if isinstance(getattr(state, slot, None), dict):
+            getattr(state, slot).clear()
 
 
 def bucket_parameters(parameters: Sequence[torch.nn.Parameter], cap_bytes: int = BUCKET_CAP_BYTES) -> list[list[Any]]:
@@ -134,37 +143,49 @@ class HookedExchange:
         self.nodes = nodes
         self.is_boundary = is_boundary
         self.should_skip = should_skip
-        self.buckets = bucket_parameters([p for p in parameters if p.requires_grad], cap_bytes)
+        self.parameters = list(parameters)
+        self.cap_bytes = cap_bytes
+        self.buckets = self._current_buckets()
+
+    def _current_buckets(self) -> list[list[Any]]:
+        # As DeepSpeed, every step: a parameter frozen or unfrozen during training (fine-tuning schedules) leaves or
+        # joins the exchange; empty ones carry nothing.
+        trained = [p for p in self.parameters if p.requires_grad and p.numel() > 0]
+        return bucket_parameters(trained, self.cap_bytes)
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:  # DeepSpeed passes bucket_size; our buckets are DDP's
         if not self.is_boundary() or self.should_skip():
             return
+        buckets = self._current_buckets()
+        if [[id(p) for p in b] for b in buckets] != [[id(p) for p in b] for b in self.buckets]:
+            # The same on every rank (same model, same freezing). Per-bucket state no longer fits the buckets.
+            forget_bucket_state(self.state)
+            self.buckets = buckets
         for index, parameters in enumerate(self.buckets):
             bucket = GradientBucket(index, parameters, is_last=index == len(self.buckets) - 1)
             self._reduce(bucket)
             bucket.write_back()
 
     def _reduce(self, bucket: GradientBucket) -> None:
-        buffer = bucket.buffer()
         nodes = self.nodes
         if nodes is None:
             self._run_hook(bucket)
             return
         alone = len(nodes.node_ranks) == 1
         if not alone:
-            dist.reduce(buffer, dst=nodes.leader, group=nodes.node_group)
+            dist.reduce(bucket.buffer(), dst=nodes.leader, group=nodes.node_group)
         if nodes.is_leader:
-            buffer.mul_(nodes.num_nodes / nodes.world_size)
+            bucket.buffer().mul_(nodes.num_nodes / nodes.world_size)  # so the leaders' mean is the mean of all ranks
             self._run_hook(bucket)
         if not alone:
-            dist.broadcast(buffer, src=nodes.leader, group=nodes.node_group)
+            dist.broadcast(bucket.buffer(), src=nodes.leader, group=nodes.node_group)
 
     def _run_hook(self, bucket: GradientBucket) -> None:
         result = self.hook(self.state, bucket).wait()
         if isinstance(result, (list, tuple)):
             result = result[0]
         if result is not bucket.buffer():
-            bucket.set_buffer(result)
+            bucket.set_buffer(result.to(bucket.parameters()[0].dtype))
 
 
 class Communication:
@@ -185,9 +206,14 @@ class Communication:
         """What must agree between ranks."""
         return {"compression": self.choice.describe(), "hierarchical": self.requested_hierarchical}
 
-    def setup(self, topology: Topology, link: Optional[SlowLink], stage: int, rank: int) -> None:
+    def setup(
+        self, topology: Topology, link: Optional[SlowLink], config: dict[str, Any], stage: int, rank: int
+    ) -> None:
         self.topology, self.link = topology, link
-        if stage in compress.HOOK_STAGES:
+        blocker = compress.hierarchical_blocker(self.choice, config)
+        if blocker and self.requested_hierarchical == "auto":  # (True was refused in the constructor)
+            self.hierarchical, self.hierarchical_reason = False, f"off: {blocker}"
+        elif stage in compress.HOOK_STAGES:
             self.hierarchical, self.hierarchical_reason = decide_hierarchical(self.requested_hierarchical, topology)
         else:  # (True was refused in the constructor)
             self.hierarchical = False
@@ -212,12 +238,14 @@ class Communication:
         """After DeepSpeed's init, on every rank: the hooked exchange replaces DeepSpeed's (creates process groups)."""
         if self.hooked is None:
             return
-        if hasattr(engine.optimizer, "get_grads_for_reduction"):
-            raise ValueError(
-                f"{self.hooked} replaces DeepSpeed's gradient exchange, but DeepSpeed's bf16 optimizer reduces its own"
-                " fp32 gradient copies. Use `device_precision='bf16-mixed'` (DeepSpeed stays fp32) instead of the"
-                " Trainer's bf16 precision or the config's `bf16` section."
-            )
+        compress.check_hookable(
+            self.hooked,
+            deepspeed_fp16=engine.fp16_enabled(),
+            deepspeed_bf16=engine.bfloat16_enabled() or hasattr(engine.optimizer, "get_grads_for_reduction"),
+            torch_autocast=engine.torch_autocast_enabled(),
+            moe=bool(getattr(engine, "has_moe_layers", False)),
+            averages=bool(getattr(engine, "gradient_average", True)),
+        )
         assert self.topology is not None
         nodes = NodeGroups(self.topology, rank) if self.hierarchical else None
         hook, state = compress.builtin_hook(self.choice, nodes.leaders_group if nodes is not None else None)
@@ -234,37 +262,37 @@ class Communication:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def state_dict(self) -> Optional[dict[str, Any]]:
-        if self.exchange is None:
-            return None
-        saved = compress.hook_state_dict(self.exchange.state)
-        return None if saved is None else {"compression": self.choice.describe(), "state": saved}
+    def checkpoint_facts(self) -> dict[str, Any]:
+        """What the manifest records, so that a resume can tell whether the saved hook state fits this job."""
+        return {
+            "compression": self.choice.describe(),
+            "hierarchical": self.hierarchical,
+            "nodes": list(self.topology.nodes) if self.topology is not None else None,
+            "hook_state": self.exchange is not None and compress.hook_state_dict(self.exchange.state) is not None,
+        }
 
     def save(self, directory: Path, rank: int) -> None:
         """This rank's hook state (error feedback differs by rank) into the checkpoint directory being staged."""
-        state = self.state_dict()
-        if state is not None:
+        saved = compress.hook_state_dict(self.exchange.state) if self.exchange is not None else None
+        if saved is not None:
             (directory / STATE_DIRNAME).mkdir(parents=True, exist_ok=True)
-            torch.save(state, directory / STATE_DIRNAME / f"rank_{rank}.pt")
+            torch.save(saved, directory / STATE_DIRNAME / f"rank_{rank}.pt")
 
-    def load(self, directory: Path, rank: int, same_world_size: bool) -> None:
-        """Restore this rank's hook state; at another world size (or from a checkpoint without it) it starts afresh."""
+    def load(self, directory: Path, rank: int, manifest: dict[str, Any], same_world_size: bool) -> None:
+        """Restore this rank's hook state when the checkpoint's fits this job; otherwise it starts afresh."""
         if self.exchange is None:
             return
-        path = Path(directory) / STATE_DIRNAME / f"rank_{rank}.pt"
-        fresh = None
-        if not same_world_size:
-            fresh = "the checkpoint was saved by another number of ranks, whose error feedback does not map to these"
-        elif not path.is_file():
-            fresh = "the checkpoint has none"
+        saved = manifest.get("communication")
+        if saved is not None and not saved.get("hook_state"):
+            saved = None
+        fresh = compress.restore_blocker(saved, self.checkpoint_facts(), same_world_size)
         if fresh is not None:
             if rank == 0:
                 warnings.warn(f"HeteroStrategy: the {self.choice.describe()} state starts afresh: {fresh}.")
             return
         # Our own file in the user's checkpoint, as DeepSpeed loads its own (PowerSGD keeps a numpy random state).
-        saved = torch.load(path, map_location="cpu", weights_only=False)
-        state = self.exchange.state
-        compress.load_hook_state_dict(state, _to_device(saved["state"], _state_device(self.exchange)))
+        state = torch.load(Path(directory) / STATE_DIRNAME / f"rank_{rank}.pt", map_location="cpu", weights_only=False)
+        compress.load_hook_state_dict(self.exchange.state, _to_device(state, _state_device(self.exchange)))
 
     def summary(self) -> dict[str, Any]:
         return {

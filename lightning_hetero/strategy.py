@@ -93,8 +93,6 @@ _DEFAULT_CONFIG_ARGUMENTS = frozenset(
 DEFAULT_STAGE = 2
 PLAN_DIRNAME = "hetero"
 T = TypeVar("T")
-# The methods of DeepSpeed's ZeRO optimizers that reduce a full gradient bucket during backward (ZeRO-1/2, ZeRO-3;
-# the second is private, hence mangled).
 class HeteroStrategy(DeepSpeedStrategy):
     """DeepSpeed ZeRO data parallelism where every rank has its own micro-batch.
 
@@ -202,7 +200,7 @@ class HeteroStrategy(DeepSpeedStrategy):
             self._reconcile_user_config(stage, kwargs)
             precision.check_config_precision(self.device_precision, self.config)
             compress.check_config_compression(choice, self.config)
-        compress.check_exchange(choice, hierarchical, self.config["zero_optimization"]["stage"])
+        compress.check_exchange(choice, hierarchical, self.config["zero_optimization"]["stage"], self.config)
         self.communication = Communication(choice, hierarchical)
         self.precisions: list[str] = []  # every rank's, once set up
 
@@ -400,7 +398,8 @@ class HeteroStrategy(DeepSpeedStrategy):
             [facts.hostname for facts in self.device_facts], topology.emulated_nodes_from_environment()
         )
         stage = self.config["zero_optimization"]["stage"]
-        self.communication.setup(nodes, topology.slow_link_from_environment(), stage, self.global_rank)
+        link = topology.slow_link_from_environment()
+        self.communication.setup(nodes, link, self.config, stage, self.global_rank)
         self.config.update(self.communication.deepspeed_entries())
         if fitting:
             global_batch_size = gathered[self.global_rank]["arguments"]["global_batch_size"]
@@ -925,6 +924,7 @@ class HeteroStrategy(DeepSpeedStrategy):
             "zero_stage": self.config["zero_optimization"]["stage"],
             "optimizer": type(getattr(engine, "basic_optimizer", None) or engine.optimizer).__name__,
             "devices": [facts.describe() for facts in self.device_facts],
+            "communication": self.communication.checkpoint_facts(),
         }
 
     @override
@@ -958,7 +958,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         self._forget_served_loader()
         manifest = checkpoint.read_manifest(chosen) or {}
         same_world_size = manifest.get("world_size", self.world_size) == self.world_size
-        self.communication.load(chosen, self.global_rank, same_world_size)
+        self.communication.load(chosen, self.global_rank, manifest, same_world_size)
         if same_world_size:
             return super().load_checkpoint(str(chosen), *args, **kwargs)
         self._keep_the_checkpoints_global_batch(chosen, manifest)

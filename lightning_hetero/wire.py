@@ -120,27 +120,31 @@ class WireMeter:
         import torch.distributed.distributed_c10d as c10d
 
         patched: list[tuple[Any, str, Any]] = []
-        wrappers: dict[str, Any] = {}
-        for name, argument, who in _COLLECTIVES:
-            original = getattr(c10d, name, None)
-            if original is None:
-                continue
-            wrappers[name] = self._wrap(original, argument, who)
-            for owner in (dist, c10d):
-                if getattr(owner, name, None) is original:
-                    patched.append((owner, name, original))
-                    setattr(owner, name, wrappers[name])
-        originals = {name: original for _, name, original in patched}
-        backend = _deepspeed_backend()
-        for attribute, name in _DEEPSPEED_BOUND.items():
-            if backend is not None and name in originals and getattr(backend, attribute, None) is originals[name]:
-                patched.append((backend, attribute, originals[name]))
-                setattr(backend, attribute, wrappers[name])
 
         def restore() -> None:
             for owner, name, original in reversed(patched):
                 setattr(owner, name, original)
 
+        try:
+            wrappers: dict[str, Any] = {}
+            for name, argument, who in _COLLECTIVES:
+                original = getattr(c10d, name, None)
+                if original is None:
+                    continue
+                wrappers[name] = self._wrap(original, argument, who)
+                for owner in (dist, c10d):
+                    if getattr(owner, name, None) is original:
+                        patched.append((owner, name, original))
+                        setattr(owner, name, wrappers[name])
+            originals = {name: original for _, name, original in patched}
+            backend = _deepspeed_backend()
+            for attribute, name in _DEEPSPEED_BOUND.items():
+                if backend is not None and name in originals and getattr(backend, attribute, None) is originals[name]:
+                    patched.append((backend, attribute, originals[name]))
+                    setattr(backend, attribute, wrappers[name])
+        except BaseException:
+            restore()  # never leave torch half-patched
+            raise
         return restore
 
     def _wrap(self, original: Callable[..., Any], argument: str, who: str) -> Callable[..., Any]:

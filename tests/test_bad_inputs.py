@@ -67,6 +67,7 @@ CONSTRUCTOR = [
     ({"compression": "topk", "compression_options": {"ratio": 2}}, "must be a fraction in (0, 1]"),
     ({"hierarchical": "yes"}, "`hierarchical='yes'` is not one of"),
     ({"hierarchical": True, "stage": 1}, "`hierarchical=True` needs `stage=0`"),
+    ({"hierarchical": True, "stage": 0, "compression": (print, object())}, "a custom hook given with its own state"),
     ({"compression": "fp16", "config": {"communication_data_type": "bf16"}}, "Keep one"),
 ]
 

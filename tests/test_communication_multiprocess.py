@@ -136,3 +136,21 @@ def test_hierarchical_reduction_equals_flat_with_half_the_bytes_between_nodes(tm
     name = "hetero/rank_0/inter_node_bytes"
     logged = [float(row[name]) for row in rows if row.get(name)]
     assert logged == [gradient_bytes + 16.0] * len(report["steps"])
+
+
+def test_hierarchical_reduction_equals_flat_on_uneven_nodes(tmp_path):
+    """3 ranks as nodes {0, 1} and {2}: the leaders scale their node's sum by nodes / ranks, which only an uneven
+    topology tells apart from dividing by the node's size."""
+    records = {}
+    for hierarchical in (False, True):
+        out = tmp_path / str(hierarchical)
+        run = run_fit(
+            out, "--devices", "3", "--stage", "0", "--samples", "48", "--batch-sizes", "5", "3", "4",
+            "--record-every-step", "--strategy-args", json.dumps({"hierarchical": hierarchical}), env=TWO_NODES,
+        )  # fmt: skip
+        assert run.returncode == 0, run.output[-3000:]
+        records[hierarchical] = per_step(out)
+    assert "hierarchical on (hierarchical=True): 2 nodes" in run.output
+    assert max(record["spread"] for record in records[True]) == 0.0
+    pairs = zip(records[True], records[False])
+    assert max((params(a) - params(b)).abs().max().item() for a, b in pairs) < 1e-6

@@ -229,9 +229,9 @@ def test_hook_state_round_trips_through_a_checkpoint_dict(mode, one_rank_group, 
         exchange()
     saved = compress.hook_state_dict(state)
     torch.save(saved, tmp_path / "state.pt")
+    assert not set(saved) - compress.PROGRESS_SLOTS  # progress only: settings come from the job's arguments
     _, fresh = compress.builtin_hook(choice, None)
     compress.load_hook_state_dict(fresh, torch.load(tmp_path / "state.pt", weights_only=False))
-    assert fresh.process_group is None  # the group is the job's, never a saved one
     assert set(fresh.error_dict) == set(state.error_dict) and fresh.error_dict
     for index, error in state.error_dict.items():
         assert torch.equal(fresh.error_dict[index], error)
@@ -342,3 +342,81 @@ def test_counting_sees_torch_and_restores_it_and_charges_the_link(one_rank_group
         pytest.approx(1e-3 + 40 * 8 / 1e9),
         pytest.approx(1e-3 + 12 * 8 / 1e9),
     ]
+
+
+def test_a_resume_restores_the_hook_state_only_into_the_same_compression_ranks_and_roles():
+    facts = {"compression": "topk {'ratio': 0.1}", "hierarchical": True, "nodes": [0, 0, 1, 1]}
+    assert compress.restore_blocker(facts, dict(facts), same_world_size=True) is None
+    assert "another number of ranks" in compress.restore_blocker(facts, facts, same_world_size=False)
+    assert "has none" in compress.restore_blocker(None, facts, same_world_size=True)
+    for key, other in (("compression", "powersgd"), ("hierarchical", False), ("nodes", [0, 1, 0, 1])):
+        reason = compress.restore_blocker(facts, {**facts, key: other}, same_world_size=True)
+        assert reason is not None and key in reason
+
+
+def test_where_hierarchical_cannot_apply():
+    own_state = compress.check_compression((default_hooks.allreduce_hook, object()))
+    assert "its own state" in compress.hierarchical_blocker(own_state, {})
+    assert compress.hierarchical_blocker(compress.check_compression(default_hooks.allreduce_hook), {}) is None
+    wire_dtype = {"communication_data_type": "fp16"}
+    assert "communication_data_type" in compress.hierarchical_blocker(compress.CompressionChoice(), wire_dtype)
+    with pytest.raises(ValueError, match="`hierarchical=True` cannot apply: a custom hook given with its own state"):
+        compress.check_exchange(own_state, True, 0)
+    compress.check_exchange(own_state, "auto", 0)  # "auto" stays flat instead (decided at setup)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"deepspeed_fp16": True}, "DeepSpeed's own mixed precision is on"),
+        ({"deepspeed_bf16": True}, "DeepSpeed's own mixed precision is on"),
+        ({"torch_autocast": True}, "DeepSpeed's own mixed precision is on"),
+        ({"moe": True}, "MoE layers"),
+        ({"averages": False}, "`gradient_allreduce_op` to sum"),
+    ],
+)
+def test_deepspeed_modes_a_hooked_exchange_would_get_wrong_are_refused(flags, message):
+    plain = {"deepspeed_fp16": False, "deepspeed_bf16": False, "torch_autocast": False, "moe": False, "averages": True}
+    compress.check_hookable("compression powersgd", **plain)
+    with pytest.raises(ValueError, match="compression powersgd replaces DeepSpeed's gradient exchange, but"):
+        compress.check_hookable("compression powersgd", **{**plain, **flags})
+    with pytest.raises(ValueError, match=message):
+        compress.check_hookable("compression powersgd", **{**plain, **flags})
+
+
+def test_scalar_and_empty_parameters_and_a_freeze_during_training(one_rank_group):
+    """0-dim parameters travel as (1,) (PowerSGD reads shape[0]); empty ones not at all; a parameter frozen between
+    steps leaves the exchange and the per-bucket state is dropped, on every rank alike."""
+    scale, empty, weight = (torch.nn.Parameter(torch.tensor(2.0)), torch.nn.Parameter(torch.zeros(0)),
+                            torch.nn.Parameter(torch.zeros(8, 8)))  # fmt: skip
+    choice = compress.check_compression("powersgd", {"start_powerSGD_iter": 2})
+    hook, state = compress.builtin_hook(choice, None)
+    exchange = HookedExchange([scale, empty, weight], hook, state, cap_bytes=4)  # one bucket per parameter
+    for _ in range(3):
+        scale.grad, weight.grad = torch.tensor(0.5), torch.randn(8, 8)
+        exchange()
+    assert [[p.numel() for p in bucket] for bucket in exchange.buckets] == [[1], [64]]
+    assert scale.grad.shape == () and state.error_dict  # compressed (step 3), with error feedback
+    weight.requires_grad_(False)
+    exchange()
+    assert [[p.numel() for p in bucket] for bucket in exchange.buckets] == [[1]]
+    assert {index: error.numel() for index, error in state.error_dict.items()} == {0: 1}  # the old buckets' are gone
+
+
+def test_a_hook_may_replace_the_buffer_as_with_ddp(one_rank_group):
+    """torch's fp16_compress_wrapper hands the inner hook an fp16 buffer through set_buffer."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_wrapper
+
+    model = torch.nn.Linear(4, 3)
+    for parameter in model.parameters():
+        parameter.grad = torch.full_like(parameter, 1 / 3)
+    seen = []
+
+    def recording_hook(state, bucket):
+        seen.append(bucket.buffer().dtype)
+        return default_hooks.allreduce_hook(state, bucket)
+
+    HookedExchange(list(model.parameters()), fp16_compress_wrapper(recording_hook), None)()
+    assert seen == [torch.float16]
+    assert model.weight.grad.dtype == torch.float32
+    assert torch.allclose(model.weight.grad, torch.full_like(model.weight, 1 / 3), atol=1e-3)

@@ -106,11 +106,11 @@ def test_run_watch_exchanges_every_window_and_at_the_end():
 
 
 def test_records_travel_as_one_float64_tensor_exactly():
-    records = [StepRecord(0, 7, 0.0123456789, 0.02), StepRecord(1, 300, 1e-6, 2.5)]
+    records = [StepRecord(0, 7, 0.0123456789, 0.02, 5e6, 123.0), StepRecord(1, 300, 1e-6, 2.5)]
     packed = pack_records(records)
-    assert packed.dtype == torch.float64 and packed.shape == (2, 4)
+    assert packed.dtype == torch.float64 and packed.shape == (2, 6)  # with the bytes on the wire
     assert unpack_records(packed) == records
-    assert pack_records([]).shape == (0, 4) and unpack_records(pack_records([])) == []
+    assert pack_records([]).shape == (0, 6) and unpack_records(pack_records([])) == []
 
 
 def test_job_steps_refuses_ranks_with_different_step_counts():
