@@ -93,6 +93,8 @@ _DEFAULT_CONFIG_ARGUMENTS = frozenset(
 DEFAULT_STAGE = 2
 PLAN_DIRNAME = "hetero"
 T = TypeVar("T")
+
+
 class HeteroStrategy(DeepSpeedStrategy):
     """DeepSpeed ZeRO data parallelism where every rank has its own micro-batch.
 
