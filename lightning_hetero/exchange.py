@@ -280,8 +280,8 @@ class Communication:
 
     def load(self, directory: Path, rank: int, manifest: dict[str, Any], same_world_size: bool) -> None:
         """Restore this rank's hook state when the checkpoint's fits this job; otherwise it starts afresh."""
-        if self.exchange is None:
-            return
+        if self.exchange is None or compress.hook_state_dict(self.exchange.state) is None:
+            return  # nothing to restore (a plain or half-precision exchange, a custom hook without state_dict)
         saved = manifest.get("communication")
         if saved is not None and not saved.get("hook_state"):
             saved = None
