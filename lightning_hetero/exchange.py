@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor
 
 from lightning_hetero import compression as compress
@@ -292,7 +293,8 @@ class Communication:
             return
         # Our own file in the user's checkpoint, as DeepSpeed loads its own (PowerSGD keeps a numpy random state).
         state = torch.load(Path(directory) / STATE_DIRNAME / f"rank_{rank}.pt", map_location="cpu", weights_only=False)
-        compress.load_hook_state_dict(self.exchange.state, _to_device(state, _state_device(self.exchange)))
+        device = self.exchange.parameters[0].device if self.exchange.parameters else torch.device("cpu")
+        compress.load_hook_state_dict(self.exchange.state, move_data_to_device(state, device))
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -311,15 +313,3 @@ class Communication:
             f"communication: {self.choice.describe() or 'uncompressed'}, {'hooked' if self.hooked else 'DeepSpeed'}"
             f" exchange; hierarchical {self.hierarchical_reason}{link}"
         )
-
-
-def _state_device(exchange: HookedExchange) -> torch.device:
-    return exchange.buckets[0][0].device if exchange.buckets else torch.device("cpu")
-
-
-def _to_device(value: Any, device: torch.device) -> Any:
-    if isinstance(value, Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {key: _to_device(item, device) for key, item in value.items()}
-    return value

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning_hetero.configure import format_plan_table
-from lightning_hetero.watch import balance_efficiency
+from lightning_hetero.watch import WIRE_KINDS, balance_efficiency
 
 FORMAT_VERSION = 1
 # The start and the end of a run, for the summary: this share of its steps (at least one step each).
@@ -118,7 +118,7 @@ def wire_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
     ranks = range(len(steps[0]["inter_node_bytes"]))
     per_rank = {
         kind: [statistics.fmean(step[kind][rank] for step in steps) for rank in ranks]
-        for kind in ("intra_node_bytes", "inter_node_bytes")
+        for kind in WIRE_KINDS
     }
     return {
         "bytes_per_step": per_rank,
@@ -167,7 +167,7 @@ def add_rank_wire(path: Path, steps: list[dict[str, Any]], rank: int) -> None:
         return
     record = json.loads(path.read_text())
     record["wire_bytes_per_step"] = {
-        kind: [step[kind][rank] for step in steps] for kind in ("intra_node_bytes", "inter_node_bytes")
+        kind: [step[kind][rank] for step in steps] for kind in WIRE_KINDS
     }
     path.write_text(json.dumps(record, indent=2, default=str))
 

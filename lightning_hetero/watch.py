@@ -21,6 +21,8 @@ from torch import Tensor
 
 # Steps between two exchanges of the ranks' records (one small gather each).
 WINDOW = 20
+# A step's bytes on the wire, per rank: inside its node, and to groups that span nodes (see wire.py).
+WIRE_KINDS = ("intra_node_bytes", "inter_node_bytes")
 # A gatherer of one float64 tensor per rank (the same shape on every rank), e.g. torch.distributed.all_gather.
 TensorGather = Callable[[Tensor], list[Tensor]]
 
@@ -207,7 +209,7 @@ def step_metrics(step: dict[str, Any], prefix: str = "hetero") -> dict[str, floa
         metrics[f"{prefix}/rank_{rank}/compute_ms"] = compute * 1e3
         metrics[f"{prefix}/rank_{rank}/wait_ms"] = wait * 1e3
         metrics[f"{prefix}/rank_{rank}/samples_per_second"] = size / compute if compute > 0 else 0.0
-    for kind in ("intra_node_bytes", "inter_node_bytes"):
+    for kind in WIRE_KINDS:
         for rank, sent in enumerate(step.get(kind, ())):
             metrics[f"{prefix}/rank_{rank}/{kind}"] = float(sent)
     return metrics

@@ -80,6 +80,7 @@ class WireMeter:
         # A collective that delegates to another (torch 2.13's all_gather_into_tensor calls all_gather_single) is
         # counted once, at the outer call.
         self._inside = threading.local()
+        self._wrappers: dict[str, tuple[Any, Callable[..., Any]]] = {}  # name -> (torch's function, its wrapper)
 
     def reading(self) -> tuple[float, float]:
         return self.intra_node_bytes, self.inter_node_bytes
@@ -131,7 +132,10 @@ class WireMeter:
                 original = getattr(c10d, name, None)
                 if original is None:
                     continue
-                wrappers[name] = self._wrap(original, argument, who)
+                # Built once per collective (inspecting its signature each step would be work in the hot path).
+                if name not in self._wrappers or self._wrappers[name][0] is not original:
+                    self._wrappers[name] = (original, self._wrap(original, argument, who))
+                wrappers[name] = self._wrappers[name][1]
                 for owner in (dist, c10d):
                     if getattr(owner, name, None) is original:
                         patched.append((owner, name, original))
