@@ -1,12 +1,12 @@
 """Output a person can read: third-party messages that a user of this strategy cannot act on, silenced at their source.
 
-Every rank of a run used to print DeepSpeed's accelerator guess and op-build message, its warning about an "untested"
+Every rank of a run used to print DeepSpeed's accelerator guess and its warning about an "untested"
 optimizer (any optimizer but Adam), torch's deprecation of a function DeepSpeed calls, a deprecation inside Lightning,
 and Lightning's advertising tips. None of these tells the user anything to do. Each is matched by its source (logger
 name, or warning category and the module that issues it) and the start of its text; everything else, the user's
 warnings and the actionable ones of Lightning and DeepSpeed included, passes unchanged.
 
-- Log messages and DeepSpeed's print are dropped only while the strategy's own code runs: its constructor (DeepSpeed
+- Log messages are dropped only while the strategy's own code runs: its constructor (DeepSpeed
   is imported there) and the trainer calls it launches (:class:`QuietLauncher`).
 - Lightning's tips (printed while the Trainer is built, between our calls) and the two deprecation warnings (raised
   deep inside a fit) are filtered from the first HeteroStrategy on, by exact source: a ``warnings.catch_warnings``
@@ -16,9 +16,7 @@ warnings and the actionable ones of Lightning and DeepSpeed included, passes unc
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
-import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any, Callable
@@ -42,8 +40,6 @@ _WARNING_NOISE = (
     # Lightning's loop builds a LeafSpec; torch warns.
     (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated", r"lightning\.pytorch\.utilities\._pytree"),
 )
-# Lines DeepSpeed writes with print() while it initialises communication.
-_PRINT_NOISE = ("deepspeed_shm_comm_op built successfully",)
 
 
 class _DropMessages(logging.Filter):
@@ -87,38 +83,6 @@ def third_party_noise_silenced() -> Iterator[None]:
     finally:
         for logger, dropping in added:
             logger.removeFilter(dropping)
-
-
-@contextlib.contextmanager
-def prints_dropped() -> Iterator[None]:
-    """Drop DeepSpeed's known print() lines from stdout for the duration of the block; other lines pass."""
-    target = sys.stdout
-    with contextlib.redirect_stdout(_LineFilter(target, _PRINT_NOISE)) as stream:
-        try:
-            yield
-        finally:
-            stream.flush()
-
-
-class _LineFilter(io.TextIOBase):
-    def __init__(self, target: Any, drop: tuple[str, ...]) -> None:
-        self.target = target
-        self.drop = drop
-        self._pending = ""
-
-    def write(self, text: str) -> int:
-        self._pending += text
-        *lines, self._pending = self._pending.split("\n")
-        for line in lines:
-            if not any(noise in line for noise in self.drop):
-                self.target.write(line + "\n")
-        return len(text)
-
-    def flush(self) -> None:
-        if self._pending and not any(noise in self._pending for noise in self.drop):
-            self.target.write(self._pending)
-        self._pending = ""
-        self.target.flush()
 
 
 class QuietLauncher(_SubprocessScriptLauncher):

@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, SequentialSampler
 from typing_extensions import override
 
-from lightning_hetero import checkpoint, elastic, failures, liveness, precision, quiet, report, topology
+from lightning_hetero import checkpoint, elastic, failures, liveness, precision, quiet, report, startup, topology
 from lightning_hetero import compression as compress
 from lightning_hetero.arguments import check_loss_reduction, check_stage
 from lightning_hetero.configure import (
@@ -370,7 +370,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         elastic.init_process_group_for_this_attempt(
             self._get_process_group_backend(), self.global_rank, self.world_size, self._timeout or default_pg_timeout
         )
-        with quiet.prints_dropped():
+        with startup.without_shared_memory_comm_op():
             super()._init_deepspeed_distributed()
 
     @override

@@ -1,0 +1,57 @@
+"""Private names of Lightning, DeepSpeed and torch that the package patches, reads or calls, in one list.
+
+Each one is a bet on the versions this package pins: ``tests/test_internals.py`` checks that every name still
+resolves, so an upgrade that removes one fails there, with this list, instead of somewhere inside a run.
+(Started with issue 17's additions; the names the older modules use are listed as they are moved.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Internal:
+    module: str  # where the name lives
+    name: str  # attribute path inside the module ("Class.method")
+    use: str  # "patched" (replaced for a while), "read" or "called"
+    by: str  # the package module that uses it
+    why: str
+    undone: str = ""  # where a patch is put back
+
+
+SHM_OP_BUILDER = Internal(
+    "deepspeed.comm.torch", "build_shm_op", "patched", "startup.py",
+    "DeepSpeed's CPU backend JIT-builds a shared-memory op (a compiler, ~30 s, a lock that waits for ever) on every"
+    " init (TorchBackend.__init__ looks the function up in its module); training never uses the op",
+    "at the end of the strategy's process-group init",
+)  # fmt: skip
+
+INTERNALS = (SHM_OP_BUILDER,)
+
+
+def resolve(internal: Internal) -> Any:
+    """The object ``internal`` names; AttributeError or ImportError when this version no longer has it."""
+    target: Any = importlib.import_module(internal.module)
+    for part in internal.name.split("."):
+        target = getattr(target, part)
+    return target
+
+
+@contextlib.contextmanager
+def patched(internal: Internal, replacement: Any) -> Iterator[None]:
+    """``internal`` (a module-level name or a class attribute) replaced by ``replacement`` inside the block."""
+    owner: Any = importlib.import_module(internal.module)
+    *path, name = internal.name.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+    setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
