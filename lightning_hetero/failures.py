@@ -18,10 +18,13 @@ from typing import Any, Optional
 
 import torch.distributed
 
+from lightning_hetero import internals
+from lightning_hetero.liveness import EXIT_CODE_PEER_LOST, call_with_deadline, store_host
+
 KEY_PREFIX = "lightning_hetero/failure/"
-# How long a rank whose collective broke looks for its peers' errors: the failing rank wrote before leaving, so this
-# only covers a store that answers slowly.
-READ_SECONDS = 3.0
+# How long a rank whose collective broke looks for its peers' errors: the failing rank wrote before leaving (before its
+# sockets closed), so this only covers a store that answers slowly; a killed rank wrote nothing and costs the wait.
+READ_SECONDS = 1.0
 _POLL_SECONDS = 0.05
 # What torch's gloo backend (and NCCL, where it raises instead of aborting the process) says when a peer process is
 # gone (lower case). Phrases a rank's own failure can produce too (timeouts) are left out: that rank must publish.
@@ -59,38 +62,54 @@ def lost_peer_explanation(rank: int, failures: dict[int, str], store_reachable: 
         )
     if not store_reachable:
         return (
-            f"HeteroStrategy: rank {rank} lost its connection to the other ranks, and rank 0 (which hosts the"
-            " rendezvous store) no longer answers: rank 0 failed or was killed. Its own output has the cause."
+            f"HeteroStrategy: rank {rank} lost its connection to the other ranks, and {store_host()}, which hosts the"
+            " rendezvous store, no longer answers: it failed, was killed or is frozen. Its own output has the cause."
+            f" Rank {rank} exits with code {EXIT_CODE_PEER_LOST}."
         )
     return (
         f"HeteroStrategy: rank {rank} lost its connection to another rank, which recorded no error: it was probably"
         " killed (out of memory, SIGKILL, a lost node). Its own output, or the system log, has the cause."
+        f" Rank {rank} exits with code {EXIT_CODE_PEER_LOST}."
     )
 
 
 def publish_failure(rank: int, exception: BaseException) -> None:
-    """Record this rank's error in the rendezvous store; best effort (a dead store is no reason to hide the error)."""
+    """Record this rank's error in the rendezvous store; best effort (a dead store is no reason to hide the error),
+    and bounded: a store call to a frozen host would wait until it runs again."""
     store = _default_store()
     if store is None:
         return
     try:
-        store.set(f"{KEY_PREFIX}{rank}", describe(exception)[:2000])
+        call_with_deadline(lambda: store.set(f"{KEY_PREFIX}{rank}", describe(exception)[:2000]), READ_SECONDS)
     except Exception:  # noqa: S110 - the rank is failing already; its own error is what it raises
         pass
 
 
+def recorded_in(store: Any, world_size: int, exclude: int) -> dict[int, str]:
+    """The errors ranks other than ``exclude`` recorded in ``store`` so far (one look, no waiting)."""
+    keys = {rank: f"{KEY_PREFIX}{rank}" for rank in range(world_size) if rank != exclude}
+    return {rank: store.get(key).decode() for rank, key in keys.items() if store.check([key])}
+
+
 def read_failures(world_size: int, exclude: int, wait: float = READ_SECONDS) -> tuple[dict[int, str], bool]:
-    """The errors other ranks recorded, and whether the store answered at all. Waits at most ``wait`` seconds."""
+    """The errors other ranks recorded, and whether the store answered at all. Returns within about ``wait`` seconds,
+    also when the store's host is frozen (a store call then blocks whatever the store's timeout)."""
+    try:
+        return call_with_deadline(lambda: _poll_failures(world_size, exclude, wait), wait + _POLL_SECONDS + 1.0)
+    except TimeoutError:
+        return {}, False
+
+
+def _poll_failures(world_size: int, exclude: int, wait: float) -> tuple[dict[int, str], bool]:
     store = _default_store()
     if store is None:
         return {}, False
-    keys = {rank: f"{KEY_PREFIX}{rank}" for rank in range(world_size) if rank != exclude}
     deadline = time.monotonic() + wait
     timeout_before = getattr(store, "timeout", None)
     try:
         store.set_timeout(timedelta(seconds=wait))
         while True:
-            found = {rank: store.get(key).decode() for rank, key in keys.items() if store.check([key])}
+            found = recorded_in(store, world_size, exclude)
             if found or time.monotonic() >= deadline:
                 return found, True
             time.sleep(_POLL_SECONDS)
@@ -108,6 +127,6 @@ def _default_store() -> Optional[Any]:
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return None
     try:
-        return torch.distributed.distributed_c10d._get_default_store()
+        return internals.resolve(internals.DEFAULT_STORE)()
     except (RuntimeError, ValueError):
         return None

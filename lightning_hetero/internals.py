@@ -31,7 +31,12 @@ SHM_OP_BUILDER = Internal(
     "at the end of the strategy's process-group init",
 )  # fmt: skip
 
-INTERNALS = (SHM_OP_BUILDER,)
+DEFAULT_STORE = Internal(
+    "torch.distributed.distributed_c10d", "_get_default_store", "called", "failures.py",
+    "the rendezvous store of the default process group, where a failing rank records its error for the others",
+)  # fmt: skip
+
+INTERNALS = (SHM_OP_BUILDER, DEFAULT_STORE)
 
 
 def resolve(internal: Internal) -> Any:

@@ -17,8 +17,11 @@ release to finish gets the CPU and the GIL and finishes it while the interpreter
 from __future__ import annotations
 
 import atexit
+import logging
 import os
+import sys
 import time
+from typing import Any, Optional
 
 import torch.distributed
 
@@ -32,16 +35,50 @@ _QUIET_CHECKS = 2
 _MAX_WAIT_SECONDS = 2.0
 
 
+_EXIT_CODE_ATTRIBUTE = "_lightning_hetero_exit_code"
+# The exit code an uncaught exception asked for (see exit_with_if_uncaught); None: Python's own (1).
+_exit_code: Optional[int] = None
+
+
 def register_exit_cleanup() -> None:
     """Destroy the process groups and let gloo's workers settle when the interpreter exits (once per process)."""
     atexit.unregister(_clean_up_at_exit)
     atexit.register(_clean_up_at_exit)
+    if getattr(sys.excepthook, "__wrapped__", None) is None:
+        sys.excepthook = _note_exit_code(sys.excepthook)
+
+
+def exit_with_if_uncaught(exception: BaseException, code: int) -> None:
+    """Make the process exit with ``code`` (instead of Python's 1) if ``exception`` ends it uncaught.
+
+    A rank whose collective broke because a peer is gone exits as the watchdog does (75: "lost a peer; retry"), so a
+    scheduler or torchrun reads the same code whichever noticed first. A script that catches the exception is
+    untouched. The traceback is printed as usual, and the exit cleanup runs before the code is applied.
+    """
+    setattr(exception, _EXIT_CODE_ATTRIBUTE, code)
+
+
+def _note_exit_code(hook: Any) -> Any:
+    def excepthook(kind: type, value: BaseException, traceback: Any) -> None:
+        global _exit_code
+        hook(kind, value, traceback)
+        _exit_code = getattr(value, _EXIT_CODE_ATTRIBUTE, None)
+
+    excepthook.__wrapped__ = hook  # type: ignore[attr-defined]
+    return excepthook
 
 
 def _clean_up_at_exit() -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     wait_for_gloo_workers_to_settle()
+    if _exit_code is not None:
+        # atexit cannot change the code of an exit by exception; leaving here skips the handlers registered before
+        # this one, so the two that matter are run first.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_exit_code)
 
 
 def wait_for_gloo_workers_to_settle(max_wait: float = _MAX_WAIT_SECONDS) -> bool:

@@ -74,7 +74,7 @@ from lightning_hetero.precision_plugin import AutocastInside, HeteroPrecision, a
 from lightning_hetero.profiler import RankProfile, probe_sizes, profile_from_loader
 from lightning_hetero.rebalance import SplitFollower
 from lightning_hetero.replan import DEFAULT_THRESHOLD, DEFAULT_WINDOW, Rebalancer, check_rebalance_arguments
-from lightning_hetero.shutdown import register_exit_cleanup
+from lightning_hetero.shutdown import exit_with_if_uncaught, register_exit_cleanup
 from lightning_hetero.stopping import StopOnSigterm, all_reduce_max, exit_code_for
 from lightning_hetero.watch import RunWatch, StepMeter
 
@@ -336,7 +336,7 @@ class HeteroStrategy(DeepSpeedStrategy):
             world_size,
             self.peer_timeout,
             liveness.run_id(self._trainer_calls),
-            read_failures=lambda: failures.read_failures(world_size, exclude=rank)[0],
+            read_failures=lambda store: failures.recorded_in(store, world_size, exclude=rank),
         )
         self._watchdog.start()
 
@@ -889,10 +889,16 @@ class HeteroStrategy(DeepSpeedStrategy):
         if not isinstance(exception, Exception) or self.world_size == 1:
             return
         if failures.is_lost_peer_error(exception):
-            found, reachable = failures.read_failures(self.world_size, exclude=self.global_rank)
+            watchdog = self._watchdog
+            if watchdog is not None and watchdog.store_silent_for() > 2 * liveness.HEARTBEAT_SECONDS:
+                found, reachable = {}, False  # the heartbeat already waits on the store: do not wait on it here too
+            else:
+                found, reachable = failures.read_failures(self.world_size, exclude=self.global_rank)
             explanation = failures.lost_peer_explanation(self.global_rank, found, reachable)
             first = exception.args[0] if exception.args else ""
             exception.args = (f"{explanation}\n{first}", *exception.args[1:])
+            if not found:  # a peer (or the store's host) is gone without an error of its own: as the watchdog says
+                exit_with_if_uncaught(exception, liveness.EXIT_CODE_PEER_LOST)
         else:
             failures.publish_failure(self.global_rank, exception)
 

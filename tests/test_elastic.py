@@ -57,10 +57,14 @@ def alive(pids):
     return running
 
 
-@pytest.mark.parametrize(("victim", "how"), [(0, signal.SIGKILL), (1, signal.SIGKILL), (1, signal.SIGSTOP)])
+@pytest.mark.parametrize(
+    ("victim", "how"), [(0, signal.SIGKILL), (1, signal.SIGKILL), (1, signal.SIGSTOP), (0, signal.SIGSTOP)]
+)
 def test_a_lost_rank_never_leaves_the_others_waiting(victim, how, tmp_path):
     """SIGKILL of rank 0 or 1 (nothing published, maybe nothing broken), or rank 1 frozen (SIGSTOP: its sockets stay
-    open, so no collective ever breaks): every other process is gone within 60 s; peer_timeout=5 here."""
+    open, so no collective ever breaks), or rank 0 frozen, which hosts the rendezvous store under Lightning's
+    launcher (a store call to it blocks until it runs again): every other process is gone within 60 s, having said
+    why; peer_timeout=5 here (benchmarks/faults.py measures how soon)."""
     process = start_fit(tmp_path, "--batch-sizes", "8", "8", "--max-epochs", "100000", "--signal-test",
                         "--strategy-args", '{"peer_timeout": 5}')  # fmt: skip
     try:
@@ -78,9 +82,43 @@ def test_a_lost_rank_never_leaves_the_others_waiting(victim, how, tmp_path):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
     output = process.communicate()[0]
-    if how == signal.SIGSTOP:  # only the heartbeat can notice a frozen peer
+    if how == signal.SIGSTOP and victim == 1:  # only the heartbeat can notice a frozen peer
         assert "rank 1 has been lost: no heartbeat came for 5 s" in output, output[-3000:]
         assert process.returncode == EXIT_CODE_PEER_LOST, output[-3000:]
+    elif how == signal.SIGSTOP:  # rank 1 said so before exiting; rank 0, still frozen, was killed by the test
+        assert "rank 0 has been lost: the rendezvous store stopped answering (rank 0 hosts it) for 5 s" in output
+    elif victim == 0:  # rank 1 noticed (the watchdog or a broken collective), named what was lost, and exited 75
+        assert "exits with code 75" in output, output[-3000:]
+    else:  # rank 0, Lightning's launcher, saw its child die and ended the job itself (before anything of ours)
+        assert "terminated with code -9" in output or "exits with code 75" in output, output[-3000:]
+
+
+@pytest.mark.fault
+def test_a_frozen_torchrun_agent_stops_both_workers_naming_the_store(tmp_path):
+    """The agent hosts the store under torchrun: frozen (SIGSTOP), every store call to it blocks until it runs again,
+    whatever the store's timeout. Both workers notice within the peer timeout all the same and exit naming it."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0",
+               str(WORKERS / "fit.py"), "--out", str(tmp_path), "--batch-sizes", "8", "8", "--max-epochs", "100000",
+               "--signal-test", "--strategy-args", '{"peer_timeout": 5}']  # fmt: skip
+    agent = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})  # fmt: skip
+    workers = []
+    try:
+        workers = wait_for_pids(tmp_path, agent, [0, 1])
+        frozen_at = time.monotonic()
+        os.kill(agent.pid, signal.SIGSTOP)
+        while alive(workers) and time.monotonic() - frozen_at < 60:
+            time.sleep(0.1)
+        print(f"the workers were gone {time.monotonic() - frozen_at:.1f} s after the agent froze")
+        assert not alive(workers), "a worker waited for the frozen agent"
+    finally:
+        for pid in [agent.pid, *workers]:  # torchrun gives each worker a session of its own
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+    output = agent.communicate()[0]
+    for rank, peer in ((0, 1), (1, 0)):
+        expected = f"rank {peer} has been lost: the rendezvous store stopped answering (the torchrun agent hosts it)"
+        assert expected in output and f"Rank {rank} exits with code 75" in output, output[-3000:]
 
 
 def torchrun(out, *args, restarts=1, timeout=300):

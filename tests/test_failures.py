@@ -30,11 +30,34 @@ def test_the_explanation_names_the_first_failed_rank_and_the_others():
     assert "Rank 0 stopped" in text
 
 
-def test_the_explanation_without_records_says_what_is_known():
-    assert "rank 0 (which hosts the rendezvous store) no longer answers" in failures.lost_peer_explanation(
-        1, {}, store_reachable=False
-    )
-    assert "recorded no error: it was probably killed" in failures.lost_peer_explanation(0, {}, store_reachable=True)
+def test_the_explanation_without_records_says_what_is_known(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    gone = failures.lost_peer_explanation(1, {}, store_reachable=False)
+    assert "rank 0, which hosts the rendezvous store, no longer answers" in gone and "exits with code 75" in gone
+    killed = failures.lost_peer_explanation(0, {}, store_reachable=True)
+    assert "recorded no error: it was probably killed" in killed and "Rank 0 exits with code 75" in killed
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    assert "the torchrun agent, which hosts" in failures.lost_peer_explanation(1, {}, store_reachable=False)
+
+
+def test_reading_failures_from_a_frozen_store_returns_within_its_wait(monkeypatch):
+    """A store call to a frozen host blocks whatever the store's timeout: the read gives up after its wait."""
+    import threading
+    import time
+
+    thawed = threading.Event()
+
+    class Frozen:
+        timeout = None
+
+        def set_timeout(self, timeout):
+            thawed.wait()
+
+    monkeypatch.setattr(failures, "_default_store", lambda: Frozen())
+    started = time.monotonic()
+    assert failures.read_failures(world_size=2, exclude=0, wait=0.2) == ({}, False)
+    assert time.monotonic() - started < 3
+    thawed.set()
 
 
 def test_publish_then_read_through_a_store(monkeypatch):

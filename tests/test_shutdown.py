@@ -70,3 +70,31 @@ def test_a_runnable_worker_is_counted_and_waited_for_up_to_the_bound():
         assert not wait_for_gloo_workers_to_settle(max_wait=0.3)
         assert 0.3 <= time.monotonic() - started < 2.0
     assert wait_for_gloo_workers_to_settle(max_wait=2.0)
+
+
+SCRIPT = """
+import sys
+from lightning_hetero import shutdown
+shutdown.register_exit_cleanup()
+error = RuntimeError("Connection reset by peer")
+if sys.argv[1] in ("uncaught", "caught"):
+    shutdown.exit_with_if_uncaught(error, 75)
+if sys.argv[1] == "caught":
+    try:
+        raise error
+    except RuntimeError:
+        print("caught")
+    sys.exit(0)
+raise error
+"""
+
+
+@pytest.mark.parametrize(("how", "code"), [("uncaught", 75), ("caught", 0), ("unmarked", 1)])
+def test_an_exception_marked_for_an_exit_code_exits_with_it_only_when_uncaught(how, code, tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", SCRIPT, how], capture_output=True, text=True, timeout=120)
+    assert result.returncode == code, result.stderr[-2000:]
+    if how != "caught":
+        assert "RuntimeError: Connection reset by peer" in result.stderr  # the traceback is printed as usual
