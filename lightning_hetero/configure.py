@@ -10,10 +10,11 @@ from __future__ import annotations
 import copy
 import difflib
 import json
+import os
 from collections.abc import KeysView, Mapping, Sequence
 from typing import Any, Optional
 
-from lightning_hetero.arguments import check_stage
+from lightning_hetero.arguments import check_stage, is_int, is_real
 
 # Keys that legitimately differ by rank: the micro-batch and what DeepSpeed derives from it.
 PER_RANK_KEYS = frozenset({"train_micro_batch_size_per_gpu", "train_batch_size"})
@@ -21,6 +22,19 @@ PER_RANK_KEYS = frozenset({"train_micro_batch_size_per_gpu", "train_batch_size"}
 ACCUMULATION_KEYS = ("gradient_accumulation_steps", "managed_gradient_accumulation")
 # Keys whose disagreement DeepSpeed does not catch and that corrupt the result without an error.
 _PRECISION_KEYS = ("fp16", "bf16", "torch_autocast", "communication_data_type")
+
+
+def check_config_argument(config: Any) -> Any:
+    """The ``config`` argument as the parent strategy takes it: None, a JSON file's path, or a copy of a dict (the
+    strategy fills in and formats its config, and must not change the caller's)."""
+    if config is None or isinstance(config, (str, os.PathLike)):
+        return config
+    if isinstance(config, Mapping):
+        return copy.deepcopy(dict(config))
+    raise ValueError(
+        f"`config={config!r}` is a {type(config).__name__}; give a DeepSpeed config as a dict (e.g."
+        ' `{"zero_optimization": {"stage": 2}}`) or the path of a JSON file, or leave it out.'
+    )
 
 
 def check_user_config(config: Mapping[str, Any]) -> None:
@@ -63,8 +77,10 @@ def check_deepspeed_keys(config: Mapping[str, Any]) -> None:
     ZeRO-2), while its sections are pydantic models that forbid extra keys. So this parses the config the way
     DeepSpeed does (``DeepSpeedConfig._initialize_params``, which needs no process group) through a dict that records
     which top-level keys DeepSpeed looks up: any other key is unknown. Section errors are rewritten to name the key
-    path. Without that private method (another DeepSpeed version) the check is skipped, and DeepSpeed's own
-    validation still runs at setup, on every rank alike.
+    path. The same recording gives the default DeepSpeed reads each top-level scalar with (``get(key, default)``,
+    no type check of its own): a value of another type (``gradient_clipping: "1.0"``) is refused naming the key.
+    Without that private method (another DeepSpeed version) the check is skipped, and DeepSpeed's own validation
+    still runs at setup, on every rank alike.
     """
     try:
         import pydantic
@@ -79,12 +95,23 @@ def check_deepspeed_keys(config: Mapping[str, Any]) -> None:
     except DeepSpeedConfigError as error:
         raise ValueError(f"The DeepSpeed config is invalid: {error}") from None
     recorded = _RecordingDict(copy.deepcopy(dict(config)))
+    parsed = True
     try:
         parse(object.__new__(DeepSpeedConfig), recorded)
     except pydantic.ValidationError as error:
         raise ValueError(_section_error_message(recorded.last_key, error)) from None
     except (DeepSpeedConfigError, AssertionError, ValueError, TypeError, KeyError):
-        return  # DeepSpeed raises it again at setup with its own message; only unknown keys are ours to find
+        parsed = False  # DeepSpeed raises it again at setup, unless a value of the wrong type (below) explains it
+    wrong = [line for key, default in recorded.defaults.items() if key in config
+             for line in [_wrong_scalar_type(key, config[key], default)] if line]  # fmt: skip
+    if wrong:
+        raise ValueError(
+            f"The DeepSpeed config has values of the wrong type: {'; '.join(wrong)}. DeepSpeed does not check these"
+            " and would fail later (at the first step) or compare a string as if it were a number. Fix the values"
+            " (in YAML or JSON, a number without quotes)."
+        )
+    if not parsed:
+        return  # only unknown keys are ours to find, and the keys after the failure were not looked up
     known = recorded.looked_up | _KEYS_READ_ELSEWHERE
     unknown = [key for key in config if key not in known]
     if unknown:
@@ -95,6 +122,29 @@ def check_deepspeed_keys(config: Mapping[str, Any]) -> None:
         )
 
 
+def _wrong_scalar_type(key: str, value: Any, default: Any) -> Optional[str]:
+    """Why ``value`` cannot stand where DeepSpeed's default for ``key`` is ``default``; None when it can.
+
+    DeepSpeed reads its top-level scalar settings with ``param_dict.get(name, default)`` and no type check, so the
+    default's type is the expected one (a default of None says nothing).
+    """
+    if default is None or value is None:
+        return None
+    if isinstance(default, bool):
+        expected, fits = "true or false", isinstance(value, bool)
+    elif isinstance(default, int):
+        expected, fits = "an integer", is_int(value)
+    elif isinstance(default, float):
+        expected, fits = "a number", is_real(value)
+    elif isinstance(default, str):
+        expected, fits = "a string", isinstance(value, str)
+    else:
+        return None
+    if fits:
+        return None
+    return f"`{key}={value!r}` ({type(value).__name__}) must be {expected} (DeepSpeed's default is {default!r})"
+
+
 class _RecordingDict(dict):
     """A dict that remembers which keys were looked up (and the last one: the section being parsed)."""
 
@@ -102,6 +152,7 @@ class _RecordingDict(dict):
         super().__init__(*args, **kwargs)
         self.looked_up: set[str] = set()
         self.last_key: Optional[str] = None
+        self.defaults: dict[str, Any] = {}  # key -> the default DeepSpeed reads it with (`get(key, default)`)
 
     def _saw(self, key: Any) -> None:
         self.looked_up.add(key)
@@ -113,6 +164,7 @@ class _RecordingDict(dict):
 
     def get(self, key: Any, default: Any = None) -> Any:
         self._saw(key)
+        self.defaults.setdefault(key, default)
         return super().get(key, default)
 
     def __contains__(self, key: object) -> bool:

@@ -340,6 +340,28 @@ def describe_unsupported_loader(dataloader: DataLoader, name: str) -> Optional[s
     return None
 
 
+def describe_empty_epoch(dataloader: DataLoader, global_batch: int, world_size: int, name: str) -> Optional[str]:
+    """Why an epoch of this (map-style, batching) loader holds no step in which every rank gets a sample; None when
+    it holds one. Without the check such a fit trains 0 steps and ends as if it had succeeded."""
+    sampler = dataloader.batch_sampler.sampler  # type: ignore[union-attr]  (checked by describe_unsupported_loader)
+    samples = len(sampler)  # type: ignore[arg-type]
+    drop_last = dataloader.batch_sampler.drop_last  # type: ignore[union-attr]
+    if epoch_steps(samples, split_by_weights(global_batch, [1] * world_size), drop_last):
+        return None
+    if samples == 0:
+        why = "its dataset (or sampler) is empty"
+    elif drop_last:
+        why = f"it has {_samples(samples)}, fewer than the global batch of {global_batch}, and `drop_last=True` drops"
+        why += " them"
+    else:
+        why = f"it has {_samples(samples)}, fewer than the {world_size} ranks, so no step can give every rank one"
+    return f"The {name} gives no training step: {why}. Give it more samples (or fewer ranks, or a smaller batch)."
+
+
+def _samples(count: int) -> str:
+    return f"{count} sample{'' if count == 1 else 's'}"
+
+
 def loader_batch_size(dataloader: DataLoader) -> Optional[int]:
     batch_sampler = dataloader.batch_sampler
     return getattr(batch_sampler, "batch_size", None) if batch_sampler is not None else None

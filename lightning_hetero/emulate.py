@@ -78,6 +78,21 @@ def speeds_from_environment() -> Optional[SpeedSchedule]:
     return parse_schedule(text) if text else None
 
 
+def emulated_speeds(argument: Any) -> tuple[Optional[SpeedSchedule], Optional[str]]:
+    """The speed schedule from the ``emulate_speeds`` argument or, without one, the environment variable; and a
+    warning when both are given (the argument wins)."""
+    if argument is None:
+        return speeds_from_environment(), None
+    schedule = speed_schedule(argument)
+    text = os.environ.get(ENV_VAR, "").strip()
+    if not text:
+        return schedule, None
+    return schedule, (
+        f"HeteroStrategy: `emulate_speeds={schedule.to_json()}` is given and {ENV_VAR}={text!r} is set; the argument"
+        " wins and the environment variable is ignored. Unset one of them."
+    )
+
+
 @dataclass(frozen=True)
 class SpeedSchedule:
     """Emulated speeds that change at given global steps: ``changes[i] = (step, speeds per rank)``, from step 0.

@@ -39,6 +39,7 @@ from lightning_hetero import checkpoint, elastic, failures, liveness, precision,
 from lightning_hetero import compression as compress
 from lightning_hetero.arguments import check_loss_reduction, check_stage
 from lightning_hetero.configure import (
+    check_config_argument,
     check_user_config,
     config_disagreements,
     disagreement_message,
@@ -49,6 +50,7 @@ from lightning_hetero.data import (
     STATE_SAMPLES_CONSUMED,
     HeteroDataLoader,
     agreed_seed,
+    describe_empty_epoch,
     describe_order,
     describe_unsupported_loader,
     loader_batch_size,
@@ -57,7 +59,7 @@ from lightning_hetero.data import (
 )
 from lightning_hetero.devices import DeviceFacts, collect_device_facts, same_model
 from lightning_hetero.emulate import ENV_VAR as EMULATE_ENV_VAR
-from lightning_hetero.emulate import SlowdownEmulator, compute_clock, speed_schedule, speeds_from_environment
+from lightning_hetero.emulate import SlowdownEmulator, compute_clock, emulated_speeds
 from lightning_hetero.exchange import Communication
 from lightning_hetero.plan import (
     CostModel,
@@ -171,7 +173,9 @@ class HeteroStrategy(DeepSpeedStrategy):
         hierarchical: Union[str, bool] = "auto",
         **kwargs: Any,
     ) -> None:
-        schedule = speed_schedule(emulate_speeds) if emulate_speeds is not None else speeds_from_environment()
+        schedule, both_given = emulated_speeds(emulate_speeds)
+        if both_given:
+            rank_zero_warn(both_given)
         if stage is not None:
             check_stage(stage)
         check_loss_reduction(loss_reduction)
@@ -181,6 +185,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         self.device_precision = precision.check_device_precision(device_precision)
         choice = compress.check_compression(compression, compression_options)
         hierarchical = topology.check_hierarchical(hierarchical)
+        config = check_config_argument(config)
         quiet.install_lasting_filters()
         with quiet.third_party_noise_silenced():  # the parent imports DeepSpeed, which prints its accelerator guess
             super().__init__(stage=DEFAULT_STAGE if stage is None else stage, config=config, **kwargs)
@@ -429,6 +434,10 @@ class HeteroStrategy(DeepSpeedStrategy):
         def measure() -> tuple[None, dict[str, Any]]:
             loader = self._training_loader(trainer) if fitting else None
             global_batch_size = self._global_batch_size(loader) if fitting else None
+            if isinstance(loader, DataLoader):
+                empty = describe_empty_epoch(loader, global_batch_size, self.world_size, "training loader")
+                if empty:  # (before profiling, which needs samples)
+                    raise ValueError(empty)
             facts = collect_device_facts(self.root_device)
             rank_precision = self._rank_precision(facts)  # may refuse this rank's device: raised on every rank
             profile = None

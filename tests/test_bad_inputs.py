@@ -69,6 +69,9 @@ CONSTRUCTOR = [
     ({"hierarchical": True, "stage": 1}, "`hierarchical=True` needs `stage=0`"),
     ({"hierarchical": True, "stage": 0, "compression": (print, object())}, "a custom hook given with its own state"),
     ({"compression": "fp16", "config": {"communication_data_type": "bf16"}}, "Keep one"),
+    ({"peer_timeout": math.nan}, "`peer_timeout=nan` must be a finite number of seconds >= 5"),
+    ({"peer_timeout": math.inf}, "`peer_timeout=inf` must be a finite number of seconds >= 5"),
+    ({"config": [1, 2]}, "`config=[1, 2]` is a list; give a DeepSpeed config as a dict"),
 ]
 
 DEEPSPEED_CONFIG = [
@@ -82,6 +85,9 @@ DEEPSPEED_CONFIG = [
     ({"gradient_accumulation_steps": 2}, "`gradient_accumulation_steps=2`. Lightning's loop owns"),
     ({"train_micro_batch_size_per_gpu": 8}, "`train_micro_batch_size_per_gpu=8`, but HeteroStrategy gives"),
     ({"amp": {"enabled": True}}, "NVIDIA Apex AMP integration has been removed"),
+    ({"gradient_clipping": "1.0"}, "`gradient_clipping='1.0'` (str) must be a number"),
+    ({"wall_clock_breakdown": "yes"}, "`wall_clock_breakdown='yes'` (str) must be true or false"),
+    ({"prescale_gradients": 1}, "`prescale_gradients=1` (int) must be true or false"),
 ]
 
 ENVIRONMENT = [
@@ -97,6 +103,19 @@ def test_constructor_and_deepspeed_config_mistakes_fail_in_the_constructor(kwarg
     with pytest.raises(ValueError) as error:
         HeteroStrategy(**kwargs)
     assert message in str(error.value)
+
+
+def test_a_config_dict_is_not_changed_by_the_strategy():
+    config = {"gradient_clipping": 0.5}
+    HeteroStrategy(config=config, stage=3)
+    assert config == {"gradient_clipping": 0.5}
+
+
+def test_emulated_speeds_given_twice_say_which_wins(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "1.0,0.5")
+    with pytest.warns(UserWarning, match=r"`emulate_speeds=\[1.0, 0.4\]` is given and .* the argument wins"):
+        strategy = HeteroStrategy(emulate_speeds=[1.0, 0.4])
+    assert strategy._speed_schedule.at(0) == (1.0, 0.4)
 
 
 @pytest.mark.parametrize(("value", "message"), ENVIRONMENT)
@@ -157,6 +176,10 @@ SETUP = [
         ["--strategy-args", '{"config": {"zero_optimization": {"stage": 3, "zero_quantized_weights": true}}}'],
         "`zero_optimization.zero_quantized_weights=True`, which needs CUDA",
     ),
+    # (the automatic split: before profiling, which divided by the dataset's length)
+    (["--samples", "0"], "The training loader gives no training step: its dataset (or sampler) is empty"),
+    (["--samples", "1", "--batch-sizes", "4", "4"], "it has 1 sample, fewer than the 2 ranks, so no step"),
+    (["--samples", "7", "--drop-last"], "it has 7 samples, fewer than the global batch of 16, and `drop_last=True`"),
 ]
 
 
