@@ -43,6 +43,8 @@ from lightning_hetero.configure import (
     check_user_config,
     config_disagreements,
     disagreement_message,
+    model_disagreement,
+    model_signature,
     raise_if_arguments_differ,
     rank_config,
 )
@@ -398,6 +400,9 @@ class HeteroStrategy(DeepSpeedStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         gathered = self._gather_local_measurements(trainer, fitting)
         raise_if_arguments_differ([entry["arguments"] for entry in gathered])
+        different_models = model_disagreement([entry["model"] for entry in gathered])
+        if different_models:
+            raise ValueError(different_models)
         self._data_seed = agreed_seed([entry["seed"] for entry in gathered])
         self.device_facts = [DeviceFacts.from_dict(entry["facts"]) for entry in gathered]
         self._use_device_precisions([entry["precision"] for entry in gathered])
@@ -463,7 +468,9 @@ class HeteroStrategy(DeepSpeedStrategy):
                 "emulate_nodes": topology.emulated_nodes_from_environment(),
                 "emulate_link": str(topology.slow_link_from_environment()),
             }
-            shared = {"arguments": arguments, "seed": local_seed(), "facts": facts.to_dict(), "profile": profile}
+            model = model_signature(self.lightning_module)
+            shared = {"arguments": arguments, "seed": local_seed(), "facts": facts.to_dict(), "profile": profile,
+                      "model": model}  # fmt: skip
             return None, {**shared, "precision": rank_precision}
 
         return self._gather_or_raise("setup", measure)[1]

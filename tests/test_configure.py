@@ -6,6 +6,7 @@ import copy
 import json
 
 import pytest
+import torch
 
 from lightning_hetero.configure import (
     PER_RANK_KEYS,
@@ -214,3 +215,38 @@ def test_format_plan_table_missing_keys_and_no_rows():
     table = format_plan_table([{"a": 1}], [("a", "A"), ("b", "B")])
     assert table.split("\n") == ["A  B", "-  -", "1"]
     assert format_plan_table([], [("a", "alpha")]).split("\n") == ["alpha", "-----"]
+
+
+def test_model_signatures_name_the_first_difference_between_ranks():
+    from torch import nn
+
+    from lightning_hetero.configure import model_disagreement, model_signature
+
+    def model(width=8, frozen=False, dtype=None, extra=False):
+        network = nn.Sequential(nn.Linear(4, width), nn.BatchNorm1d(width), nn.Linear(width, 1))
+        if dtype is not None:
+            network[2].to(dtype)
+        network[0].bias.requires_grad_(not frozen)
+        if extra:
+            network.append(nn.Linear(1, 1))
+        return model_signature(network)
+
+    same = model()
+    assert model_disagreement([same, model(), model()]) is None
+    assert "parameter `0.weight` has shape (8, 4) on rank 0, (16, 4) on rank 2" in model_disagreement(
+        [same, same, model(width=16)]
+    )
+    assert "parameter `0.bias` has requires_grad True on rank 0, False on rank 1" in model_disagreement(
+        [same, model(frozen=True)]
+    )
+    assert "parameter `2.weight` has dtype 'torch.float32' on rank 0, 'torch.float64' on rank 1" in (
+        model_disagreement([same, model(dtype=torch.float64)])
+    )
+    assert "rank 1 has parameter `3.weight`, which rank 0 lacks" in model_disagreement([same, model(extra=True)])
+    assert "rank 0 has parameter `3.weight`, which rank 1 lacks" in model_disagreement([model(extra=True), same])
+    swapped = [same[1], same[0], *same[2:]]
+    assert "another order: position 0 is parameter `0.weight` on rank 0, parameter `0.bias` on rank 1" in (
+        model_disagreement([same, swapped])
+    )
+    # Buffers count too (the strategy keeps them in step across ranks).
+    assert model_signature(nn.BatchNorm1d(3))[-1] == ("buffer", "num_batches_tracked", (), "torch.int64", False)

@@ -257,6 +257,7 @@ def main() -> None:
     parser.add_argument("--record-steps", action="store_true", help="append every rank's step indices to steps.jsonl")
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
     parser.add_argument("--hidden", type=int, default=8)
+    parser.add_argument("--hidden-on-rank-1", type=int, help="a model whose width depends on the rank")
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--depth", type=int, default=1)
     parser.add_argument("--emulate-speeds", type=float, nargs="*")
@@ -342,7 +343,7 @@ def main() -> None:
     model = model_class(
         **model_kwargs,
         manual=args.manual,
-        hidden=args.hidden,
+        hidden=args.hidden_on_rank_1 if args.hidden_on_rank_1 and rank == 1 else args.hidden,
         dropout=args.dropout,
         depth=args.depth,
         manual_accumulation=args.accumulate if args.manual else 1,
