@@ -7,30 +7,46 @@ fails to load or, worse, loads a mix of two steps. So a save goes through three 
 1. every rank writes into a staging directory beside the target, ``.<name>.partial`` (a name Lightning's "last"
    search does not match);
 2. once all ranks have finished, rank 0 writes a small manifest into it, :data:`MANIFEST_NAME`: format version,
-   world size, global step, global samples consumed, the split, the device facts, and the size of every file;
+   world size, global step, global samples consumed, the split, the device facts, and the size and CRC-32 of every
+   file;
 3. rank 0 publishes it under the target name with one atomic rename (an atomic exchange with the previous checkpoint
    of that name, e.g. ``last.ckpt``, which is then deleted).
 
 A directory is complete when its manifest reads and every file it lists is there with the listed size (a truncated
-or missing file is "corrupt"); sizes, not checksums, so that checking a large checkpoint costs no reading. Only
-complete checkpoints are resumed from: :func:`choose_checkpoint` skips an incomplete "last" with a warning naming
-it, and refuses an incomplete checkpoint named explicitly.
+or missing file is "corrupt"), and, where the reader asks (:func:`choose_checkpoint`, at resume), with the listed
+checksum: a file damaged in place keeps its size. Only complete checkpoints are resumed from: :func:`choose_checkpoint`
+skips an incomplete or damaged "last" with a warning naming it, and refuses one named explicitly.
+
+One job writes into a directory at a time: rank 0 holds an exclusive lock (:class:`WriterLock`, ``flock`` on
+:data:`WRITER_LOCK_NAME`) while it saves there, and a second job's save is refused naming the holder, instead of
+deleting the other job's staging directory as leftovers. A failed write (a full disk, whose torch error says
+"unexpected pos") is explained (:func:`explain_write_failure`) and its staging directory removed.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import json
 import os
 import re
 import shutil
+import socket
 import sys
+import time
+import zlib
 from pathlib import Path
 from typing import Any, Optional
 
 MANIFEST_NAME = "hetero_manifest.json"
-FORMAT_VERSION = 1
+# 2: each file's size and CRC-32 ({"size": n, "crc32": "8 hex digits"}); 1: its size only (still read).
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+WRITER_LOCK_NAME = ".hetero_writer.lock"
+_CHUNK = 8 << 20
+# Below this much free space, a write that failed is taken to have filled the disk (torch's own error does not say).
+_DISK_FULL_BYTES = 1 << 20
 # Files under this name inside a checkpoint are derived from it (the universal-format conversion cached for a resume
 # at another world size) and are not part of what the manifest vouches for.
 DERIVED_DIRNAME = "universal"
@@ -55,9 +71,20 @@ def list_files(directory: Path) -> dict[str, int]:
     return files
 
 
+def file_crc32(path: Path) -> str:
+    """The CRC-32 of a file's contents as 8 hex digits (zlib's, about 2 GB/s here; it detects damage, not tampering)."""
+    checksum = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            checksum = zlib.crc32(chunk, checksum)
+    return f"{checksum:08x}"
+
+
 def write_manifest(directory: Path, facts: dict[str, Any]) -> dict[str, Any]:
     """Record ``facts`` and the files of the finished checkpoint in ``directory`` (written last, flushed to disk)."""
-    manifest = {"format_version": FORMAT_VERSION, **facts, "files": list_files(directory)}
+    listed = list_files(directory)
+    files = {name: {"size": size, "crc32": file_crc32(directory / name)} for name, size in listed.items()}
+    manifest = {"format_version": FORMAT_VERSION, **facts, "files": files}
     temporary = directory / f"{MANIFEST_NAME}.tmp"
     with open(temporary, "w") as handle:
         json.dump(manifest, handle, indent=1)
@@ -77,8 +104,19 @@ def read_manifest(path: Path) -> Optional[dict[str, Any]]:
     return manifest if isinstance(manifest, dict) else None
 
 
-def incompleteness(path: Path) -> Optional[str]:
-    """Why checkpoint ``path`` cannot be resumed from; None when it is complete."""
+def _listed(entry: Any) -> tuple[Optional[int], Optional[str]]:
+    """(size, crc32) of a manifest's file entry: ``{"size", "crc32"}`` (version 2) or a bare size (version 1)."""
+    if isinstance(entry, dict):
+        return entry.get("size"), entry.get("crc32")
+    return entry, None
+
+
+def incompleteness(path: Path, verify_checksums: bool = False) -> Optional[str]:
+    """Why checkpoint ``path`` cannot be resumed from; None when it is complete.
+
+    Sizes are always compared (no reading); ``verify_checksums`` also reads every file and compares its CRC-32 with
+    the manifest's, which finds a file damaged in place (its size unchanged).
+    """
     path = Path(path)
     if not path.exists():
         return "it does not exist"
@@ -89,15 +127,21 @@ def incompleteness(path: Path) -> Optional[str]:
     manifest = read_manifest(path)
     if manifest is None or not isinstance(manifest.get("files"), dict):
         return f"its {MANIFEST_NAME} does not read"
-    if manifest.get("format_version") != FORMAT_VERSION:
+    if manifest.get("format_version") not in READABLE_VERSIONS:
         version = manifest.get("format_version")
-        return f"its manifest has format version {version!r}, this package reads {FORMAT_VERSION}"
-    for name, size in manifest["files"].items():
+        return f"its manifest has format version {version!r}, this package reads {list(READABLE_VERSIONS)}"
+    for name, entry in manifest["files"].items():
         file = path / name
+        size, _ = _listed(entry)
         if not file.is_file():
             return f"{name} is missing"
         if file.stat().st_size != size:
             return f"{name} has {file.stat().st_size} bytes, the manifest says {size}"
+    if verify_checksums:
+        for name, entry in manifest["files"].items():
+            _, crc32 = _listed(entry)
+            if crc32 is not None and file_crc32(path / name) != crc32:
+                return f"{name} does not match its checksum (it changed after it was written: damaged)"
     return None
 
 
@@ -122,21 +166,27 @@ def is_last_name(path: Path) -> bool:
 def choose_checkpoint(path: Path) -> tuple[Path, Optional[str]]:
     """The checkpoint to resume from when Lightning chose ``path``, and a warning to show if it is another one.
 
-    A complete ``path`` is used as it is. An incomplete "last" checkpoint is skipped for the newest complete one in
-    its directory (a save that was killed must cost the steps since the previous checkpoint, not the run). An
-    incomplete checkpoint named explicitly is an error: loading another one silently would not be what was asked.
+    A complete ``path`` (checksums verified) is used as it is. An incomplete or damaged "last" checkpoint is skipped
+    for the newest complete one in its directory (a save that was killed, or a file damaged on disk, must cost the
+    steps since the previous checkpoint, not the run); each candidate is verified in turn. An incomplete checkpoint
+    named explicitly is an error: loading another one silently would not be what was asked.
     """
     path = Path(path)
-    reason = incompleteness(path)
+    reason = incompleteness(path, verify_checksums=True)
     if reason is None:
         return path, None
     others = [p for p in complete_checkpoints(path.parent) if p != path]
-    if is_last_name(path) and others:
-        chosen = others[-1]
-        return chosen, (
-            f"HeteroStrategy: skipping checkpoint {path}: {reason}. Resuming from {chosen}, the newest complete"
-            " checkpoint beside it."
-        )
+    if is_last_name(path):
+        skipped = [f"{path}: {reason}"]
+        for candidate in reversed(others):
+            damage = incompleteness(candidate, verify_checksums=True)
+            if damage is None:
+                return candidate, (
+                    f"HeteroStrategy: skipping checkpoint {'; and '.join(skipped)}. Resuming from {candidate}, the"
+                    " newest complete checkpoint beside it."
+                )
+            skipped.append(f"{candidate}: {damage}")
+        others = []
     nearby = f" Complete checkpoints beside it: {', '.join(p.name for p in others)}." if others else ""
     raise ValueError(
         f"`ckpt_path` resolves to {path}, which cannot be resumed from: {reason}.{nearby} Pass a complete"
@@ -154,10 +204,90 @@ def is_only_complete_checkpoint(path: Path) -> bool:
 
 
 def remove_stale_staging(target: Path) -> None:
-    """Delete what an interrupted save of ``target`` left behind."""
+    """Delete what an interrupted save of ``target`` left behind (call it holding the directory's writer lock: with
+    another job writing there, its staging directory would not be stale)."""
     for leftover in (staging_path(target), _replaced_path(target)):
         if leftover.exists():
             shutil.rmtree(leftover, ignore_errors=True)
+
+
+class WriterLock:
+    """This process's exclusive right to save checkpoints into one directory, held until :meth:`release`.
+
+    An advisory ``flock`` on :data:`WRITER_LOCK_NAME` in the directory: the kernel drops it when the process ends,
+    however it ends, so a killed job never leaves a stale lock. The file says who holds it, for the refusal.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+        self._handle: Optional[Any] = None
+
+    @property
+    def held(self) -> bool:
+        return self._handle is not None
+
+    def acquire(self) -> None:
+        """Take the lock (at once, or a ValueError naming the job that holds it); nothing when already held."""
+        if self._handle is not None:
+            return
+        path = self.directory / WRITER_LOCK_NAME
+        handle = open(path, "a+")
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            raise ValueError(
+                f"HeteroStrategy: another job is saving checkpoints into {self.directory} ({holder} holds"
+                f" {WRITER_LOCK_NAME}). Two jobs writing one directory would replace and prune each other's"
+                " checkpoints; give this one its own `ModelCheckpoint(dirpath=...)` (or `default_root_dir`), or wait"
+                " for the other to finish."
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"process {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
+        handle.flush()
+        self._handle = handle
+
+    def release(self) -> None:
+        if self._handle is not None:
+            self._handle.close()  # closing drops the flock
+            self._handle = None
+
+
+def is_disk_full(error: BaseException, path: Path) -> bool:
+    """Whether ``error``, raised writing under ``path``, came from a full file system (or quota).
+
+    An ``OSError`` says so with its errno; torch's zip writer does not (``RuntimeError: unexpected pos 5440 vs
+    5334``), so a write that failed with almost no space left where it wrote is taken to be one too.
+    """
+    seen: Optional[BaseException] = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return free_bytes(path) < _DISK_FULL_BYTES
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the file system of ``path`` (or of its nearest existing parent)."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def explain_write_failure(error: BaseException, target: Path) -> BaseException:
+    """The error to raise when writing checkpoint ``target`` failed: a full disk named as such, others unchanged."""
+    if not is_disk_full(error, staging_path(target)):
+        return error
+    return OSError(
+        errno.ENOSPC,
+        f"No space left on device (ENOSPC) while writing checkpoint {target} ({free_bytes(target.parent)} bytes free"
+        f" on its file system; the writer said: {type(error).__name__}: {error}). The partial checkpoint is removed"
+        " and the previous one is kept. Free some space, or save to a larger disk (`ModelCheckpoint(dirpath=...)`).",
+    )
 
 
 def publish(staging: Path, target: Path) -> None:

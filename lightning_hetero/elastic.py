@@ -32,25 +32,107 @@ def save_atomically(
     write: Callable[[Path], None],
     manifest_facts: Callable[[], dict[str, Any]],
     is_global_zero: bool,
-    barrier: Callable[[], None],
+    agree: Callable[[str, Callable[[], tuple[Any, Any]]], Any],
+    hold_writer_lock: Callable[[Path], None],
 ) -> None:
     """Every rank calls this; ``write(directory)`` is the DeepSpeed save of this rank's part into ``directory``.
 
-    The barriers order it: nobody writes into the staging directory before rank 0 has cleared what an interrupted
-    save left there, nobody has unfinished files when rank 0 lists them into the manifest, and nobody goes on (to
-    prune the previous checkpoint, or to save again) before the new one is published.
+    Three agreements order it (``agree(what, step)`` runs ``step`` on every rank and raises on every rank when it
+    failed on any, naming it): nobody writes into the staging directory before rank 0 holds the directory's writer
+    lock and has cleared what an interrupted save left there; nobody has unfinished files when rank 0 lists them
+    into the manifest; nobody goes on (to prune the previous checkpoint, or to save again) before the new one is
+    published. A failed write (a full disk on any rank) stops every rank with the reason, and rank 0 removes the
+    staging directory once all have stopped writing: the previous checkpoint stays the one to resume from.
     """
     staging = checkpoint.staging_path(target)
-    if is_global_zero:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        checkpoint.remove_stale_staging(target)
-    barrier()
-    write(staging)
-    barrier()
-    if is_global_zero:
-        checkpoint.write_manifest(staging, manifest_facts())
-        checkpoint.publish(staging, target)
-    barrier()
+
+    def prepare() -> tuple[None, None]:
+        if is_global_zero:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            hold_writer_lock(target.parent)
+            checkpoint.remove_stale_staging(target)
+        return None, None
+
+    def write_part() -> tuple[None, None]:
+        try:
+            write(staging)
+        except Exception as error:
+            raise checkpoint.explain_write_failure(error, target) from error
+        return None, None
+
+    def publish() -> tuple[None, None]:
+        if is_global_zero:
+            try:
+                checkpoint.write_manifest(staging, manifest_facts())
+            except Exception as error:
+                raise checkpoint.explain_write_failure(error, target) from error
+            checkpoint.publish(staging, target)
+        return None, None
+
+    agree("preparing the checkpoint", prepare)
+    try:
+        agree("writing the checkpoint", write_part)
+        agree("publishing the checkpoint", publish)
+    except BaseException:
+        if is_global_zero:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+class DeferredWriteErrors:
+    """Inside the block, a file write of DeepSpeed's save that fails is remembered instead of raised.
+
+    DeepSpeed's ``save_checkpoint`` ends with a barrier that every rank must reach: a rank whose write raised (a full
+    disk) would leave it, go on to the next collective, and the ranks would mismatch (abort) or wait. So each
+    ``checkpoint_engine.save`` failure is kept, DeepSpeed's remaining collectives run as usual, and
+    :meth:`raise_first` raises it after the save returned, where the strategy shares it with every rank. DeepSpeed's
+    own ``latest`` file (a plain ``open`` that cannot be deferred) is written by :meth:`write_latest` instead.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self.errors: list[BaseException] = []
+        self._latest: Optional[tuple[str, str]] = None  # (directory, tag) that DeepSpeed would have written
+
+    def __enter__(self) -> DeferredWriteErrors:
+        engine, files = self._engine, self._engine.checkpoint_engine
+        save_file, save_checkpoint = files.save, engine.save_checkpoint
+
+        def save_or_remember(*args: Any, **kwargs: Any) -> Any:  # (DeepSpeed passes state_dict=, path=)
+            try:
+                return save_file(*args, **kwargs)
+            except Exception as error:  # noqa: BLE001 - raised by raise_first, after DeepSpeed's barrier
+                self.errors.append(error)
+                return None
+
+        def save_without_latest(save_dir: Any, tag: Any = None, *args: Any, save_latest: bool = True, **kwargs: Any):
+            if save_latest:
+                self._latest = (str(save_dir), str(tag))
+            return save_checkpoint(save_dir, tag, *args, save_latest=False, **kwargs)
+
+        # Instance attributes shadow the methods until __exit__ (which puts back whatever the instances held).
+        self._shadowed = [(files, "save", files.__dict__.get("save")), (engine, "save_checkpoint",
+                                                                         engine.__dict__.get("save_checkpoint"))]
+        files.save = save_or_remember
+        engine.save_checkpoint = save_without_latest
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, name, before in self._shadowed:
+            if before is None:
+                owner.__dict__.pop(name, None)
+            else:
+                setattr(owner, name, before)
+
+    def raise_first(self) -> None:
+        if self.errors:
+            raise self.errors[0]
+
+    def write_latest(self, is_global_zero: bool) -> None:
+        """DeepSpeed's ``latest`` file (the tag a load reads), written by rank 0 as DeepSpeed would have."""
+        if is_global_zero and self._latest is not None:
+            directory, tag = self._latest
+            Path(directory, "latest").write_text(tag)
 
 
 def prune_unless_only(path: Path, remove: Callable[[Path], None]) -> bool:

@@ -36,7 +36,15 @@ DEFAULT_STORE = Internal(
     "the rendezvous store of the default process group, where a failing rank records its error for the others",
 )  # fmt: skip
 
-INTERNALS = (SHM_OP_BUILDER, DEFAULT_STORE)
+CHECKPOINT_FILE_SAVE = Internal(
+    "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine", "TorchCheckpointEngine.save", "patched",
+    "elastic.py",
+    "a failed file write of DeepSpeed's save is deferred past the barrier that ends the save (raised there, the"
+    " ranks' collectives would mismatch); patched on the engine's instance (`engine.checkpoint_engine.save`)",
+    "when DeepSpeed's save returns (DeferredWriteErrors.__exit__)",
+)  # fmt: skip
+
+INTERNALS = (SHM_OP_BUILDER, DEFAULT_STORE, CHECKPOINT_FILE_SAVE)
 
 
 def resolve(internal: Internal) -> Any:

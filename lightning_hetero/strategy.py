@@ -200,6 +200,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         self.rebalance_threshold = float(rebalance_threshold)
         self.peer_timeout = None if peer_timeout is None else float(peer_timeout)
         self._watchdog: Optional[liveness.PeerWatchdog] = None
+        self._writer_locks: dict[Path, checkpoint.WriterLock] = {}  # rank 0's, per checkpoint directory
         self._stop_on_sigterm: Optional[StopOnSigterm] = None
         self._trainer_calls = 0
         self._follower: Optional[SplitFollower] = None
@@ -928,12 +929,26 @@ class HeteroStrategy(DeepSpeedStrategy):
         target = Path(self.broadcast(str(filepath)))
 
         def write(directory: Path) -> None:
-            super(HeteroStrategy, self).save_checkpoint(checkpoint, directory, storage_options)
+            # A failed file write is raised after DeepSpeed's save has run its collectives to the end.
+            with elastic.DeferredWriteErrors(self.deepspeed_engine) as deferred:
+                super(HeteroStrategy, self).save_checkpoint(checkpoint, directory, storage_options)
+            deferred.raise_first()
+            deferred.write_latest(self.is_global_zero)
             self.communication.save(directory, self.global_rank)  # per-rank error feedback, listed in the manifest
 
         elastic.save_atomically(
-            target, write, lambda: self._manifest_facts(checkpoint), self.is_global_zero, self.barrier
+            target,
+            write,
+            lambda: self._manifest_facts(checkpoint),
+            self.is_global_zero,
+            self._gather_or_raise,
+            self._hold_writer_lock,
         )
+
+    def _hold_writer_lock(self, directory: Path) -> None:
+        """Rank 0 saves into ``directory`` for this trainer call only if no other job does (released at teardown)."""
+        lock = self._writer_locks.setdefault(directory.resolve(), checkpoint.WriterLock(directory))
+        lock.acquire()
 
     def _manifest_facts(self, saved: dict[str, Any]) -> dict[str, Any]:
         loader = self._follower.loader if self._follower is not None else None
@@ -972,8 +987,13 @@ class HeteroStrategy(DeepSpeedStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        # Every rank reads the same files, so every rank chooses the same checkpoint or raises the same error.
-        chosen, warning = checkpoint.choose_checkpoint(Path(checkpoint_path))
+        # Rank 0 verifies the checkpoint's files against their checksums (once, not on every rank) and the choice, or
+        # its error, reaches every rank in one gather.
+        _, choices = self._gather_or_raise(
+            "choosing the checkpoint to resume from",
+            lambda: (None, checkpoint.choose_checkpoint(Path(checkpoint_path)) if self.is_global_zero else None),
+        )
+        chosen, warning = Path(choices[0][0]), choices[0][1]
         if warning:
             rank_zero_warn(warning)
         # DeepSpeed restores the checkpoint after the strategy's setup, where the training loader was requested:
@@ -1038,6 +1058,9 @@ class HeteroStrategy(DeepSpeedStrategy):
             self.precision_plugin.detach()
         self.communication.detach()
         self._forward_redirection = self._plain_redirection
+        for lock in self._writer_locks.values():
+            lock.release()
+        self._writer_locks.clear()
         if self._watchdog is not None:
             trainer = self.lightning_module.trainer if self.lightning_module is not None else None
             self._watchdog.stop(finished=trainer is not None and trainer.state.status != TrainerStatus.INTERRUPTED)

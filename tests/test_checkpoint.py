@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import subprocess
+import sys
 import warnings
+import zlib
+from pathlib import Path
 
 import pytest
+from conftest import REPO
 
 from lightning_hetero import checkpoint, elastic
+
+
+def flip_a_byte(path, name="checkpoint/mp_rank_00_model_states.pt"):
+    """Damage a file in place without changing its size (bit rot, a bad copy)."""
+    content = bytearray((path / name).read_bytes())
+    content[len(content) // 2] ^= 0xFF
+    (path / name).write_bytes(bytes(content))
 
 
 def write_checkpoint(directory, step, files=None, manifest=True):
@@ -23,10 +36,13 @@ def write_checkpoint(directory, step, files=None, manifest=True):
     return directory
 
 
-def test_the_manifest_lists_every_file_with_its_size_and_the_facts(tmp_path):
+def test_the_manifest_lists_every_file_with_its_size_and_checksum_and_the_facts(tmp_path):
     path = write_checkpoint(tmp_path / "a.ckpt", 7)
     manifest = checkpoint.read_manifest(path)
-    assert manifest["files"] == {"checkpoint/mp_rank_00_model_states.pt": 100, "latest": 10}
+    assert manifest["files"] == {
+        "checkpoint/mp_rank_00_model_states.pt": {"size": 100, "crc32": f"{zlib.crc32(b'x' * 100):08x}"},
+        "latest": {"size": 10, "crc32": f"{zlib.crc32(b'checkpoint'):08x}"},
+    }
     assert manifest["global_step"] == 7 and manifest["format_version"] == checkpoint.FORMAT_VERSION
     assert checkpoint.incompleteness(path) is None
 
@@ -40,12 +56,30 @@ def test_the_manifest_lists_every_file_with_its_size_and_the_facts(tmp_path):
         (lambda p: (p / "checkpoint/mp_rank_00_model_states.pt").write_bytes(b"x" * 40), "has 40 bytes, the manifest"),
         (lambda p: (p / checkpoint.MANIFEST_NAME).write_text(json.dumps({"format_version": 99, "files": {}})),
          "format version 99"),
+        (flip_a_byte, "checkpoint/mp_rank_00_model_states.pt does not match its checksum"),
     ],  # fmt: skip
 )
 def test_a_damaged_checkpoint_is_incomplete_and_says_why(damage, reason, tmp_path):
     path = write_checkpoint(tmp_path / "a.ckpt", 1)
     damage(path)
-    assert reason in checkpoint.incompleteness(path)
+    assert reason in checkpoint.incompleteness(path, verify_checksums=True)
+
+
+def test_a_byte_damaged_in_place_is_found_only_by_reading_the_checksums(tmp_path):
+    path = write_checkpoint(tmp_path / "a.ckpt", 1)
+    flip_a_byte(path)
+    assert checkpoint.incompleteness(path) is None  # the sizes still match: pruning and listing stay cheap
+    assert "does not match its checksum" in checkpoint.incompleteness(path, verify_checksums=True)
+
+
+def test_a_manifest_of_format_1_with_sizes_only_still_reads(tmp_path):
+    path = write_checkpoint(tmp_path / "a.ckpt", 1)
+    manifest = checkpoint.read_manifest(path)
+    files = {name: entry["size"] for name, entry in manifest["files"].items()}
+    (path / checkpoint.MANIFEST_NAME).write_text(json.dumps({**manifest, "format_version": 1, "files": files}))
+    assert checkpoint.incompleteness(path, verify_checksums=True) is None
+    (path / "latest").write_bytes(b"x")
+    assert "latest has 1 bytes, the manifest says 10" in checkpoint.incompleteness(path)
 
 
 def test_a_file_or_a_missing_path_is_not_a_checkpoint(tmp_path):
@@ -96,6 +130,26 @@ def test_an_incomplete_last_falls_back_to_the_newest_complete_checkpoint_with_a_
     assert str(last) in warning and "has no hetero_manifest.json" in warning and str(newest) in warning
 
 
+def test_a_damaged_last_falls_back_past_damaged_ones_to_the_newest_sound_checkpoint(tmp_path):
+    """The same-size damage that sizes cannot see: every restart used to choose it again and fail the same way."""
+    sound = write_checkpoint(tmp_path / "epoch=0-step=4.ckpt", 4)
+    damaged = write_checkpoint(tmp_path / "epoch=0-step=8.ckpt", 8)
+    last = write_checkpoint(tmp_path / "last.ckpt", 8)
+    flip_a_byte(last)
+    flip_a_byte(damaged, "latest")
+    chosen, warning = checkpoint.choose_checkpoint(last)
+    assert chosen == sound
+    assert f"{last}: checkpoint/mp_rank_00_model_states.pt does not match its checksum" in warning
+    assert f"{damaged}: latest does not match its checksum" in warning and f"Resuming from {sound}" in warning
+
+
+def test_a_damaged_checkpoint_named_explicitly_is_an_error_naming_the_file(tmp_path):
+    path = write_checkpoint(tmp_path / "epoch=0-step=4.ckpt", 4)
+    flip_a_byte(path)
+    with pytest.raises(ValueError, match="mp_rank_00_model_states.pt does not match its checksum"):
+        checkpoint.choose_checkpoint(path)
+
+
 def test_an_incomplete_last_with_nothing_to_fall_back_on_is_an_error(tmp_path):
     last = write_checkpoint(tmp_path / "last.ckpt", 12, manifest=False)
     with pytest.raises(ValueError, match="cannot be resumed from: it has no hetero_manifest.json.*delete this one"):
@@ -131,6 +185,16 @@ def test_pruning_never_removes_the_only_complete_checkpoint(tmp_path):
     assert removed == [only]
 
 
+def agree_in_one_process(events):
+    """What the strategy's gather-or-raise does, for one rank: run the step, note it."""
+
+    def agree(what, step):
+        events.append(what)
+        return step()
+
+    return agree
+
+
 def test_save_atomically_orders_the_ranks_and_publishes_on_rank_0(tmp_path):
     target = tmp_path / "ckpt" / "last.ckpt"
     events = []
@@ -139,7 +203,116 @@ def test_save_atomically_orders_the_ranks_and_publishes_on_rank_0(tmp_path):
         events.append(("write", directory.name))
         write_checkpoint(directory, 5, manifest=False)
 
-    elastic.save_atomically(target, write, lambda: {"global_step": 5}, True, lambda: events.append("barrier"))
-    assert events == ["barrier", ("write", ".last.ckpt.partial"), "barrier", "barrier"]
+    locked = []
+    elastic.save_atomically(target, write, lambda: {"global_step": 5}, True, agree_in_one_process(events),
+                            locked.append)  # fmt: skip
+    assert events == [
+        "preparing the checkpoint", "writing the checkpoint", ("write", ".last.ckpt.partial"),
+        "publishing the checkpoint",
+    ]  # fmt: skip
+    assert locked == [target.parent]
     assert checkpoint.read_manifest(target)["global_step"] == 5 and checkpoint.incompleteness(target) is None
     assert os.listdir(target.parent) == ["last.ckpt"]
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        OSError(errno.ENOSPC, "No space left on device"),
+        RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"),
+    ],
+)
+def test_a_full_disk_while_writing_says_so_removes_the_partial_save_and_keeps_the_previous_one(
+    failure, tmp_path, monkeypatch
+):
+    target = write_checkpoint(tmp_path / "last.ckpt", 4)
+    if isinstance(failure, RuntimeError):  # torch's writer does not say why; the file system's free space does
+        monkeypatch.setattr(checkpoint, "free_bytes", lambda path: 1000)
+
+    def write(directory):
+        (directory / "checkpoint").mkdir(parents=True)
+        (directory / "checkpoint" / "part.pt").write_bytes(b"half")
+        raise failure
+
+    with pytest.raises(OSError) as error:
+        elastic.save_atomically(target, write, lambda: {}, True, agree_in_one_process([]), lambda d: None)
+    assert error.value.errno == errno.ENOSPC
+    assert f"No space left on device (ENOSPC) while writing checkpoint {target}" in str(error.value)
+    assert type(failure).__name__ in str(error.value) and "The partial checkpoint is removed" in str(error.value)
+    assert os.listdir(tmp_path) == ["last.ckpt"]  # no staging left behind
+    assert checkpoint.choose_checkpoint(target) == (target, None)  # the previous one, complete
+
+
+def test_another_write_failure_is_raised_as_it_is(tmp_path):
+    def write(directory):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    with pytest.raises(PermissionError):
+        elastic.save_atomically(tmp_path / "a.ckpt", write, lambda: {}, True, agree_in_one_process([]), lambda d: None)
+    assert os.listdir(tmp_path) == []
+
+
+def test_one_job_at_a_time_holds_a_directory_and_the_refusal_names_the_holder(tmp_path):
+    holder = checkpoint.WriterLock(tmp_path)
+    holder.acquire()
+    holder.acquire()  # again: already held, nothing happens
+    other = checkpoint.WriterLock(tmp_path)  # another open file: what a second job has
+    expected = rf"another job is saving checkpoints into {tmp_path} \(process {os.getpid()} on"
+    with pytest.raises(ValueError, match=expected):
+        other.acquire()
+    holder.release()
+    other.acquire()
+    other.release()
+
+
+def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
+    script = (
+        f"import sys, time, pathlib; sys.path.insert(0, {str(REPO)!r}); from lightning_hetero import checkpoint\n"
+        f"lock = checkpoint.WriterLock(pathlib.Path({str(tmp_path)!r}))\n"
+        "lock.acquire(); print('held', flush=True); time.sleep(60)"
+    )
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().strip() == "held"
+        with pytest.raises(ValueError, match="another job"):
+            checkpoint.WriterLock(tmp_path).acquire()
+    finally:
+        process.kill()
+        process.wait(30)
+    lock = checkpoint.WriterLock(tmp_path)
+    lock.acquire()  # the kernel dropped the dead process's lock
+    lock.release()
+
+
+class FakeEngine:
+    """DeepSpeed's engine as DeferredWriteErrors sees it: a save that writes files, then waits at a barrier."""
+
+    class Files:
+        def save(self, state_dict, path):
+            if Path(path).name.startswith("fail"):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            Path(path).write_bytes(b"ok")
+
+    def __init__(self):
+        self.checkpoint_engine = self.Files()
+        self.reached_barrier = False
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
+        for name in ("fail_1.pt", "model.pt", "fail_2.pt"):
+            self.checkpoint_engine.save(state_dict={}, path=Path(save_dir) / name)  # as DeepSpeed calls it
+        if save_latest:
+            (Path(save_dir) / "latest").write_text(tag)
+        self.reached_barrier = True  # DeepSpeed's closing barrier: every rank must get here
+
+
+def test_failed_writes_inside_deepspeeds_save_are_raised_after_its_collectives(tmp_path):
+    engine = FakeEngine()
+    with elastic.DeferredWriteErrors(engine) as deferred:
+        engine.save_checkpoint(tmp_path, tag="checkpoint")
+    assert engine.reached_barrier and [str(e) for e in deferred.errors] == ["[Errno 28] No space left on device"] * 2
+    assert not (tmp_path / "latest").exists()  # written by rank 0 afterwards, where a failure can be shared
+    deferred.write_latest(is_global_zero=True)
+    assert (tmp_path / "latest").read_text() == "checkpoint" and (tmp_path / "model.pt").exists()
+    with pytest.raises(OSError, match="No space left"):
+        deferred.raise_first()
+    assert "save" not in engine.checkpoint_engine.__dict__ and "save_checkpoint" not in engine.__dict__

@@ -230,3 +230,71 @@ def test_an_sgd_checkpoint_on_another_number_of_ranks_fails_at_once_saying_what_
     resumed = run_fit(tmp_path / "one", "--samples", "64", "--devices", "1", "--ckpt-path", str(saved), timeout=120)
     assert resumed.returncode != 0
     assert "reads only Adam-family optimizer states" in resumed.output and "Resume on 2 ranks" in resumed.output
+
+
+@pytest.mark.fault
+def test_a_second_job_saving_into_the_same_directory_is_refused_and_the_first_goes_on(tmp_path):
+    """Job A trains and saves into a directory; job B, started on the same directory, must not delete A's staging
+    directory as a leftover (A then died with FileNotFoundError): B's first save is refused on both of its ranks,
+    naming A, and A goes on to save a complete checkpoint."""
+    shared = tmp_path / "checkpoints"
+    first = start_fit(tmp_path / "a", "--batch-sizes", "8", "8", "--samples", "160", "--max-epochs", "100000",
+                      "--checkpoint-every", "5", "--checkpoint-dir", str(shared), "--signal-test")  # fmt: skip
+    try:
+        (rank0,) = wait_for_pids(tmp_path / "a", first, [0])
+        while not any(p.name.endswith(".ckpt") for p in shared.glob("*")):
+            assert first.poll() is None, first.communicate()[0][-3000:]
+            time.sleep(0.1)
+        second = run_fit(tmp_path / "b", "--batch-sizes", "8", "8", "--max-steps", "3", "--checkpoint-every", "1",
+                         "--checkpoint-dir", str(shared), timeout=180)  # fmt: skip
+        assert second.returncode != 0
+        refusal = f"another job is saving checkpoints into {shared} (process {rank0} on"
+        assert refusal in second.output and second.output.count("preparing the checkpoint") >= 1, second.output[-3000:]
+        assert first.poll() is None, "the first job stopped"
+        os.kill(rank0, signal.SIGTERM)  # the first job saves last.ckpt and exits 143
+        output, _ = first.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(first.pid, signal.SIGKILL)
+    assert first.returncode == EXIT_CODE_INTERRUPTED, output[-3000:]
+    assert checkpoint.incompleteness(shared / "last.ckpt", verify_checksums=True) is None
+    assert not [p.name for p in shared.iterdir() if p.name.endswith(".partial")]
+
+
+@pytest.mark.fault
+def test_a_full_disk_stops_every_rank_saying_so_and_keeps_the_previous_checkpoint(tmp_path):
+    """Rank 1's writes fail with ENOSPC from the save of step 4 on: both ranks stop with the reason and the path, the
+    partial save is removed, and last.ckpt is still the complete checkpoint of step 2."""
+    run = run_fit(tmp_path, "--batch-sizes", "8", "8", "--max-steps", "6", "--checkpoint-every", "2", "--save-last",
+                  "--disk-full-at", "4", timeout=180)  # fmt: skip
+    assert run.returncode != 0
+    message = "No space left on device (ENOSPC) while writing checkpoint"
+    assert run.output.count(message) >= 2, run.output[-4000:]  # rank 1 raises it, rank 0 names rank 1 and it
+    assert "writing the checkpoint failed on rank 1" in run.output
+    directory = tmp_path / "ckpt"
+    assert sorted(p.name for p in directory.iterdir() if not p.name.startswith(".hetero")) == [
+        "epoch=0-step=2.ckpt", "last.ckpt"
+    ]  # fmt: skip
+    assert checkpoint.read_manifest(directory / "last.ckpt")["global_step"] == 2
+    assert checkpoint.incompleteness(directory / "last.ckpt", verify_checksums=True) is None
+
+
+@pytest.mark.multiprocess
+def test_a_damaged_last_checkpoint_is_skipped_for_a_sound_one_of_the_same_step(tmp_path):
+    """A byte of last.ckpt damaged in place (same size): `ckpt_path="last"` used to choose it on every restart and
+    fail ('pop from empty list'); the resume names the damaged file and continues from the step's own checkpoint."""
+    first = run_fit(tmp_path / "a", "--batch-sizes", "8", "8", "--max-steps", "4", "--checkpoint-every", "4",
+                    "--save-last")  # fmt: skip
+    assert first.returncode == 0, first.output[-3000:]
+    directory = tmp_path / "a" / "ckpt"
+    damaged = directory / "last.ckpt" / "checkpoint" / "mp_rank_00_model_states.pt"
+    content = bytearray(damaged.read_bytes())
+    content[len(content) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(content))
+    resumed = run_fit(tmp_path / "b", "--batch-sizes", "8", "8", "--max-steps", "6", "--max-epochs", "2",
+                      "--checkpoint-every", "100",
+                      "--checkpoint-dir", str(directory), "--ckpt-path", "last", warnings=True)  # fmt: skip
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert "checkpoint/mp_rank_00_model_states.pt does not match its checksum" in resumed.output
+    assert f"Resuming from {directory / 'epoch=0-step=4.ckpt'}" in resumed.output
+    assert resumed.result["global_step"] == 6

@@ -6,6 +6,7 @@ Rank 0 writes `result.json` into --out: final parameters (gathered under ZeRO-3)
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import signal
@@ -105,6 +106,25 @@ class FaultInjection(Callback):
             return result
 
         engine.save_checkpoint = save_then_die
+
+
+class DiskFullFrom(Callback):
+    """From global step ``step`` on, this rank's torch.save writes half its bytes and fails as a full disk does."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        save = torch.save
+
+        def save_until_the_disk_is_full(obj, f, *args, **kwargs):
+            if trainer.global_step < self.step:
+                return save(obj, f, *args, **kwargs)
+            with open(f, "wb") as handle:
+                handle.write(b"\0" * 100)
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        torch.save = save_until_the_disk_is_full
 
 
 class RecordSteps(Callback):
@@ -253,6 +273,8 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--ckpt-path")
     parser.add_argument("--save-last", action="store_true", help="ModelCheckpoint(save_last=True)")
+    parser.add_argument("--checkpoint-dir", type=Path, help="ModelCheckpoint's dirpath (default: OUT/ckpt)")
+    parser.add_argument("--disk-full-at", type=int, help="rank 1's checkpoint writes fail (ENOSPC) from this step on")
     parser.add_argument("--kill", help="RANK:STEP:WHERE (step|checkpoint): that rank SIGKILLs itself there")
     parser.add_argument("--record-steps", action="store_true", help="append every rank's step indices to steps.jsonl")
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
@@ -311,14 +333,16 @@ def main() -> None:
         callbacks.append(HeteroMonitor())
     if args.checkpoint_every:
         callbacks.append(
-            ModelCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=args.checkpoint_every, save_top_k=-1,
-                            save_last=args.save_last)  # fmt: skip
+            ModelCheckpoint(dirpath=args.checkpoint_dir or args.out / "ckpt", every_n_train_steps=args.checkpoint_every,
+                            save_top_k=-1, save_last=args.save_last)  # fmt: skip
         )
     if args.kill:
         kill_rank, kill_step, where = args.kill.split(":")
         callbacks.append(FaultInjection(int(kill_rank), int(kill_step), where))
     if args.record_steps:
         callbacks.append(RecordSteps(args.out))
+    if args.disk_full_at is not None and rank == 1:
+        callbacks.append(DiskFullFrom(args.disk_full_at))
     if args.record_every_step:
         callbacks.append(RecordEveryStep(args.out))
     trainer = Trainer(

@@ -1,0 +1,97 @@
+"""What the per-file CRC-32 of the checkpoint manifest costs on a 1 GB checkpoint.
+
+    python benchmarks/checkpoint_checksums.py                 # 1 GB, 3 repeats
+    python benchmarks/checkpoint_checksums.py --gigabytes 4 --repeats 1
+
+A checkpoint directory shaped like a 2-rank ZeRO-2 DeepSpeed checkpoint (one model-states file, one optimizer-states
+file per rank, torch.save of fp32 tensors) is written, then timed, each ``--repeats`` times:
+
+    write        torch.save of the files (what DeepSpeed's save costs at least)
+    sizes        the manifest as format 1 had it: every file's size (no reading)
+    manifest     ``checkpoint.write_manifest``: sizes and CRC-32 of every file (rank 0, at every save)
+    verify       ``checkpoint.incompleteness(verify_checksums=True)``: what a resume reads (rank 0, once)
+    verify cold  the same after dropping the page cache (root only: /proc/sys/vm/drop_caches), as after a restart
+
+The manifest's extra cost is ``manifest - sizes``. Results are printed and written to
+``benchmarks/results/checkpoint_checksums.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from lightning_hetero import checkpoint  # noqa: E402
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "checkpoint_checksums.json"
+
+
+def write_files(directory: Path, total_bytes: int) -> None:
+    """A third of the bytes in the model states, the rest in two optimizer-state shards."""
+    parts = {"checkpoint/mp_rank_00_model_states.pt": total_bytes // 3}
+    for rank in (0, 1):
+        parts[f"checkpoint/zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"] = total_bytes // 3
+    for name, size in parts.items():
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"tensor": torch.randn(size // 4)}, directory / name)
+    (directory / "latest").write_text("checkpoint")
+
+
+def drop_page_cache() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def timed(function) -> float:
+    started = time.perf_counter()
+    function()
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gigabytes", type=float, default=1.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args()
+    figures: dict[str, list[float]] = {"write": [], "sizes": [], "manifest": [], "verify": [], "verify cold": []}
+    total = int(args.gigabytes * 1e9)
+    for _ in range(args.repeats):
+        with tempfile.TemporaryDirectory(dir=Path(__file__).resolve().parent) as name:
+            directory = Path(name)
+            figures["write"].append(timed(lambda: write_files(directory, total)))
+            size = sum(checkpoint.list_files(directory).values())
+            figures["sizes"].append(timed(lambda: checkpoint.list_files(directory)))
+            figures["manifest"].append(timed(lambda: checkpoint.write_manifest(directory, {"global_step": 1})))
+            figures["verify"].append(timed(lambda: checkpoint.incompleteness(directory, verify_checksums=True)))
+            if drop_page_cache():
+                figures["verify cold"].append(
+                    timed(lambda: checkpoint.incompleteness(directory, verify_checksums=True))
+                )
+    for what, seconds in figures.items():
+        if seconds:
+            runs = "  ".join(f"{s:6.3f} s" for s in seconds)
+            print(f"{what:12s} {runs}   median {statistics.median(seconds):.3f} s")
+    extra = [m - s for m, s in zip(figures["manifest"], figures["sizes"])]
+    print(f"checkpoint of {size / 1e9:.2f} GB: the checksums add {statistics.median(extra):.3f} s to a save"
+          f" ({statistics.median(extra) / statistics.median(figures['write']):.1%} of writing it)")  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"bytes": size, "seconds": figures, "manifest_extra_seconds": extra}, indent=1))
+    print(f"written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
