@@ -80,49 +80,57 @@ def save_atomically(
 
 
 class DeferredWriteErrors:
-    """Inside the block, a file write of DeepSpeed's save that fails is remembered instead of raised.
+    """Inside the block, a disk write of DeepSpeed's save that fails is remembered instead of raised.
 
     DeepSpeed's ``save_checkpoint`` ends with a barrier that every rank must reach: a rank whose write raised (a full
-    disk) would leave it, go on to the next collective, and the ranks would mismatch (abort) or wait. So each
-    ``checkpoint_engine.save`` failure is kept, DeepSpeed's remaining collectives run as usual, and
-    :meth:`raise_first` raises it after the save returned, where the strategy shares it with every rank. DeepSpeed's
-    own ``latest`` file (a plain ``open`` that cannot be deferred) is written by :meth:`write_latest` instead.
+    disk) would leave for the next collective while the others wait in that barrier (seen: a hang). So the save's
+    disk writes (each file, directory and the recovery script DeepSpeed copies in) keep their failure, DeepSpeed's
+    collectives run as usual, and :meth:`raise_first` raises it after the save returned, where the strategy shares
+    it with every rank. DeepSpeed's own ``latest`` file (a plain ``open``) is written by :meth:`write_latest` instead.
     """
 
     def __init__(self, engine: Any) -> None:
         self._engine = engine
         self.errors: list[BaseException] = []
         self._latest: Optional[tuple[str, str]] = None  # (directory, tag) that DeepSpeed would have written
+        self._shadowed: list[tuple[Any, str, Any]] = []
 
     def __enter__(self) -> DeferredWriteErrors:
         engine, files = self._engine, self._engine.checkpoint_engine
-        save_file, save_checkpoint = files.save, engine.save_checkpoint
-
-        def save_or_remember(*args: Any, **kwargs: Any) -> Any:  # (DeepSpeed passes state_dict=, path=)
-            try:
-                return save_file(*args, **kwargs)
-            except Exception as error:  # noqa: BLE001 - raised by raise_first, after DeepSpeed's barrier
-                self.errors.append(error)
-                return None
+        save_checkpoint = engine.save_checkpoint
 
         def save_without_latest(save_dir: Any, tag: Any = None, *args: Any, save_latest: bool = True, **kwargs: Any):
             if save_latest:
                 self._latest = (str(save_dir), str(tag))
             return save_checkpoint(save_dir, tag, *args, save_latest=False, **kwargs)
 
-        # Instance attributes shadow the methods until __exit__ (which puts back whatever the instances held).
-        self._shadowed = [(files, "save", files.__dict__.get("save")), (engine, "save_checkpoint",
-                                                                         engine.__dict__.get("save_checkpoint"))]
-        files.save = save_or_remember
-        engine.save_checkpoint = save_without_latest
+        for owner, name in ((files, "save"), (files, "makedirs"), (engine, "_copy_recovery_script")):
+            self._shadow(owner, name, self._remembering(getattr(owner, name)))
+        self._shadow(engine, "save_checkpoint", save_without_latest)
         return self
 
+    def _remembering(self, write: Callable[..., Any]) -> Callable[..., Any]:
+        def write_or_remember(*args: Any, **kwargs: Any) -> Any:  # (DeepSpeed passes state_dict=, path=)
+            try:
+                return write(*args, **kwargs)
+            except Exception as error:  # noqa: BLE001 - raised by raise_first, after DeepSpeed's barrier
+                self.errors.append(error)
+                return None
+
+        return write_or_remember
+
+    def _shadow(self, owner: Any, name: str, replacement: Any) -> None:
+        """An instance attribute shadows the method until __exit__, which puts back what the instance held."""
+        self._shadowed.append((owner, name, owner.__dict__.get(name)))
+        setattr(owner, name, replacement)
+
     def __exit__(self, *exc: object) -> None:
-        for owner, name, before in self._shadowed:
+        for owner, name, before in reversed(self._shadowed):
             if before is None:
                 owner.__dict__.pop(name, None)
             else:
                 setattr(owner, name, before)
+        self._shadowed = []
 
     def raise_first(self) -> None:
         if self.errors:

@@ -36,15 +36,21 @@ DEFAULT_STORE = Internal(
     "the rendezvous store of the default process group, where a failing rank records its error for the others",
 )  # fmt: skip
 
-CHECKPOINT_FILE_SAVE = Internal(
-    "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine", "TorchCheckpointEngine.save", "patched",
-    "elastic.py",
-    "a failed file write of DeepSpeed's save is deferred past the barrier that ends the save (raised there, the"
-    " ranks' collectives would mismatch); patched on the engine's instance (`engine.checkpoint_engine.save`)",
-    "when DeepSpeed's save returns (DeferredWriteErrors.__exit__)",
+_DEFERRED = (
+    "a failed disk write of DeepSpeed's save is deferred past the barrier that ends the save (raised there, one rank"
+    " left for the next collective while the others waited in the barrier); patched on the engine's instances"
+)
+_UNDONE = "when DeepSpeed's save returns (DeferredWriteErrors.__exit__)"
+CHECKPOINT_WRITES = (
+    Internal("deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine", "TorchCheckpointEngine.save", "patched",
+             "elastic.py", _DEFERRED, _UNDONE),
+    Internal("deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine", "TorchCheckpointEngine.makedirs",
+             "patched", "elastic.py", _DEFERRED, _UNDONE),
+    Internal("deepspeed.runtime.engine", "DeepSpeedEngine._copy_recovery_script", "patched", "elastic.py", _DEFERRED,
+             _UNDONE),
 )  # fmt: skip
 
-INTERNALS = (SHM_OP_BUILDER, DEFAULT_STORE, CHECKPOINT_FILE_SAVE)
+INTERNALS = (SHM_OP_BUILDER, DEFAULT_STORE, *CHECKPOINT_WRITES)
 
 
 def resolve(internal: Internal) -> Any:

@@ -293,13 +293,21 @@ class FakeEngine:
                 raise OSError(errno.ENOSPC, "No space left on device")
             Path(path).write_bytes(b"ok")
 
+        def makedirs(self, path, exist_ok=False):
+            Path(path).mkdir(parents=True, exist_ok=exist_ok)
+
     def __init__(self):
         self.checkpoint_engine = self.Files()
         self.reached_barrier = False
 
+    def _copy_recovery_script(self, save_path):
+        raise OSError(errno.ENOSPC, "No space left on device (copying zero_to_fp32.py)")
+
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
+        self.checkpoint_engine.makedirs(Path(save_dir) / "checkpoint", exist_ok=True)
         for name in ("fail_1.pt", "model.pt", "fail_2.pt"):
             self.checkpoint_engine.save(state_dict={}, path=Path(save_dir) / name)  # as DeepSpeed calls it
+        self._copy_recovery_script(save_dir)
         if save_latest:
             (Path(save_dir) / "latest").write_text(tag)
         self.reached_barrier = True  # DeepSpeed's closing barrier: every rank must get here
@@ -309,10 +317,13 @@ def test_failed_writes_inside_deepspeeds_save_are_raised_after_its_collectives(t
     engine = FakeEngine()
     with elastic.DeferredWriteErrors(engine) as deferred:
         engine.save_checkpoint(tmp_path, tag="checkpoint")
-    assert engine.reached_barrier and [str(e) for e in deferred.errors] == ["[Errno 28] No space left on device"] * 2
+    assert engine.reached_barrier and [str(e) for e in deferred.errors] == [
+        "[Errno 28] No space left on device", "[Errno 28] No space left on device",
+        "[Errno 28] No space left on device (copying zero_to_fp32.py)",
+    ]  # fmt: skip
     assert not (tmp_path / "latest").exists()  # written by rank 0 afterwards, where a failure can be shared
     deferred.write_latest(is_global_zero=True)
     assert (tmp_path / "latest").read_text() == "checkpoint" and (tmp_path / "model.pt").exists()
     with pytest.raises(OSError, match="No space left"):
         deferred.raise_first()
-    assert "save" not in engine.checkpoint_engine.__dict__ and "save_checkpoint" not in engine.__dict__
+    assert not engine.checkpoint_engine.__dict__ and set(engine.__dict__) == {"checkpoint_engine", "reached_barrier"}
