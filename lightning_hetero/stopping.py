@@ -14,12 +14,15 @@ which its loop checks after each step. The strategy then saves ``last.ckpt`` on 
 run as before (``OnExceptionCheckpoint``
 sees the same exception type), and the process exits with 143 = 128 + SIGTERM, the code a shell gives a process ended
 by SIGTERM, which torchrun and Slurm read as "not finished". A SIGTERM during validation is acted on at the next
-training step; one after the last training step lets the fit finish.
+training step; one after the last training step lets the fit finish. A second SIGTERM before the first was acted on
+(a rank stuck where no step boundary comes) ends the process at once, with the same code.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 from typing import Any, Callable
 
 import torch
@@ -54,6 +57,16 @@ class StopOnSigterm:
     def on_sigterm(self, signum: int, frame: Any) -> None:
         # A signal handler runs between two bytecodes of the main thread, possibly inside a collective's Python
         # frame: it must not communicate, only remember.
+        if self.requested:
+            # A second SIGTERM: the first was not acted on (this rank is stuck, e.g. in a collective whose peer is
+            # stuck too, so no step boundary comes): end the process now, as SIGTERM does without a handler.
+            print(
+                "HeteroStrategy: a second SIGTERM before the run could stop at a step boundary; exiting now with"
+                f" code {EXIT_CODE_INTERRUPTED} without saving.",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(EXIT_CODE_INTERRUPTED)
         self.requested = True
         if self._trainer is not None and self._trainer.world_size == 1:
             self._trainer._signal_connector.received_sigterm = True  # Lightning's loop stops after this step

@@ -98,3 +98,29 @@ def test_an_exception_marked_for_an_exit_code_exits_with_it_only_when_uncaught(h
     assert result.returncode == code, result.stderr[-2000:]
     if how != "caught":
         assert "RuntimeError: Connection reset by peer" in result.stderr  # the traceback is printed as usual
+
+
+SIGTERM_SCRIPT = """
+import os, signal, sys, time
+from lightning_hetero.stopping import StopOnSigterm
+stop = StopOnSigterm(lambda tensor: None, None)
+signal.signal(signal.SIGTERM, stop.on_sigterm)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.2)
+print("first SIGTERM noted:", stop.requested, flush=True)
+os.kill(os.getpid(), signal.SIGTERM)  # the run is stuck and never reaches a step boundary
+time.sleep(5)
+print("still running", flush=True)
+"""
+
+
+def test_a_second_sigterm_ends_a_stuck_process_at_once():
+    import subprocess
+    import sys
+
+    from lightning_hetero.stopping import EXIT_CODE_INTERRUPTED
+
+    result = subprocess.run([sys.executable, "-c", SIGTERM_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert result.returncode == EXIT_CODE_INTERRUPTED, result.stderr[-2000:]
+    assert "first SIGTERM noted: True" in result.stdout and "still running" not in result.stdout
+    assert "a second SIGTERM" in result.stderr
