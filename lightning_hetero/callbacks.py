@@ -8,6 +8,7 @@ metrics appear under its own name: ``hetero/rank_<r>/micro_batch``, ``share``, `
 re-plan is logged at the step it takes effect as ``hetero/replan_predicted_gain`` (the new micro-batches show in
 ``micro_batch`` from that step on). With fp16 ranks (``device_precision``), ``hetero/loss_scale`` is the job's loss
 scale after each optimizer step (the same on every rank; a halving marks a step skipped for an overflow).
+``hetero/skipped_steps`` counts the optimizer steps skipped so far for non-finite gradients, after each step.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class HeteroMonitor(Callback):
         self._logged = 0
         self._replans_logged = 0
         self._scale_logged_at = -1
+        self._skipped_logged_at = -1
 
     @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -46,11 +48,22 @@ class HeteroMonitor(Callback):
         self._logged = 0
         self._replans_logged = 0
         self._scale_logged_at = -1
+        self._skipped_logged_at = -1
 
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._log_new_steps(trainer)
         self._log_loss_scale(trainer)
+        self._log_skipped_steps(trainer)
+
+    def _log_skipped_steps(self, trainer: Any) -> None:
+        step = trainer.global_step - 1  # the optimizer step that just ended (none yet while accumulating)
+        if step <= self._skipped_logged_at or not trainer.is_global_zero:
+            return
+        self._skipped_logged_at = step
+        skipped = len(trainer.strategy.skipped_steps)
+        for logger in trainer.loggers:
+            logger.log_metrics({f"{self.prefix}/skipped_steps": skipped}, step=step)
 
     def _log_loss_scale(self, trainer: Any) -> None:
         scale = getattr(trainer.strategy.precision_plugin, "loss_scale", None)

@@ -95,8 +95,10 @@ def build_report(
     exchange_seconds: Optional[float] = None,
     precision: Optional[dict[str, Any]] = None,
     communication: Optional[dict[str, Any]] = None,
+    nonfinite: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
-    """The run report; ``exchange_seconds`` (rank 0's time exchanging records) gives the measuring cost."""
+    """The run report; ``exchange_seconds`` (rank 0's time exchanging records) gives the measuring cost;
+    ``nonfinite`` the optimizer steps skipped for non-finite gradients (see :mod:`lightning_hetero.nonfinite`)."""
     built = {
         "format_version": FORMAT_VERSION,
         "world_size": world_size,
@@ -104,6 +106,9 @@ def build_report(
         "replans": replans,
         "summary": summarize(steps, replans, exchange_seconds),
     }
+    if nonfinite is not None:
+        built["nonfinite"] = nonfinite
+        built["summary"]["skipped_steps"] = len(nonfinite["skipped_steps"])
     if precision is not None:
         built["precision"] = precision
     if communication is not None:
@@ -156,9 +161,19 @@ def summary_text(report: dict[str, Any]) -> str:
         f" {summary['balance_efficiency_end']:.2f} at the end (1.00 = every rank computes as long as the slowest),"
         f" {summary['replans']} re-plan{'' if summary['replans'] == 1 else 's'}"
         + (f"; measuring cost {cost:.2%} of the step time" if cost is not None else "")
+        + _skipped_text(report.get("nonfinite"))
         + _precision_text(report.get("precision"))
         + _communication_text(report.get("communication"))
     )
+
+
+def _skipped_text(nonfinite: Optional[dict[str, Any]]) -> str:
+    if not nonfinite or not nonfinite["skipped_steps"]:
+        return ""
+    skipped = nonfinite["skipped_steps"]
+    shown = ", ".join(map(str, skipped[:10])) + (", ..." if len(skipped) > 10 else "")
+    steps = f"{len(skipped)} optimizer step{'' if len(skipped) == 1 else 's'}"
+    return f"; {steps} skipped for non-finite gradients ({shown})"
 
 
 def add_rank_wire(path: Path, steps: list[dict[str, Any]], rank: int) -> None:

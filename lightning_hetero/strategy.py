@@ -63,6 +63,7 @@ from lightning_hetero.devices import DeviceFacts, collect_device_facts, same_mod
 from lightning_hetero.emulate import ENV_VAR as EMULATE_ENV_VAR
 from lightning_hetero.emulate import SlowdownEmulator, compute_clock, emulated_speeds
 from lightning_hetero.exchange import Communication
+from lightning_hetero.nonfinite import DEFAULT_MAX_NONFINITE_STEPS, NonFiniteGuard, check_max_nonfinite_steps
 from lightning_hetero.plan import (
     CostModel,
     SplitPlan,
@@ -144,6 +145,11 @@ class HeteroStrategy(DeepSpeedStrategy):
             with several ranks. True needs ``stage=0``. Nodes are the ranks' hosts, or
             ``LIGHTNING_HETERO_EMULATE_NODES=2`` (a test aid, with ``LIGHTNING_HETERO_EMULATE_LINK``; see
             :mod:`lightning_hetero.topology`).
+        max_nonfinite_steps: optimizer steps in a row skipped for non-finite gradients (a NaN or inf loss on any
+            rank) after which the run stops on every rank, naming the ranks whose loss was non-finite, when there is
+            no loss scale to lower (fp32, bf16; with fp16 a skip lowers the scale). Default 3; None: never stop.
+            Skipped steps are counted in the run report and by HeteroMonitor either way (see
+            :mod:`lightning_hetero.nonfinite`).
         config: a DeepSpeed config dict or JSON path, as for :class:`DeepSpeedStrategy`. It must not set the
             micro-batch, the train batch or ``gradient_accumulation_steps``; the strategy owns them.
         **kwargs: any other :class:`DeepSpeedStrategy` argument. Those that only build the default DeepSpeed config
@@ -173,6 +179,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         compression: Optional[Union[str, Callable[..., Any], tuple[Callable[..., Any], Any]]] = None,
         compression_options: Optional[dict[str, Any]] = None,
         hierarchical: Union[str, bool] = "auto",
+        max_nonfinite_steps: Optional[int] = DEFAULT_MAX_NONFINITE_STEPS,
         **kwargs: Any,
     ) -> None:
         schedule, both_given = emulated_speeds(emulate_speeds)
@@ -184,6 +191,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         check_split_arguments(global_batch_size, batch_sizes, weights)
         check_rebalance_arguments(rebalance, rebalance_window, rebalance_threshold)
         liveness.check_peer_timeout(peer_timeout)
+        check_max_nonfinite_steps(max_nonfinite_steps)
         self.device_precision = precision.check_device_precision(device_precision)
         choice = compress.check_compression(compression, compression_options)
         hierarchical = topology.check_hierarchical(hierarchical)
@@ -199,6 +207,8 @@ class HeteroStrategy(DeepSpeedStrategy):
         self.rebalance_window = int(rebalance_window)
         self.rebalance_threshold = float(rebalance_threshold)
         self.peer_timeout = None if peer_timeout is None else float(peer_timeout)
+        self.max_nonfinite_steps = max_nonfinite_steps
+        self._nonfinite = NonFiniteGuard(max_nonfinite_steps, self._all_gather_tensor)
         self._watchdog: Optional[liveness.PeerWatchdog] = None
         self._writer_locks: dict[Path, checkpoint.WriterLock] = {}  # rank 0's, per checkpoint directory
         self._stop_on_sigterm: Optional[StopOnSigterm] = None
@@ -463,6 +473,7 @@ class HeteroStrategy(DeepSpeedStrategy):
                 "loss_reduction": self.loss_reduction,
                 "rebalance": [self.rebalance, self.rebalance_window, self.rebalance_threshold],
                 "peer_timeout": self.peer_timeout,
+                "max_nonfinite_steps": self.max_nonfinite_steps,
                 "device_precision": self.device_precision,
                 **self.communication.arguments(),
                 # (read here, so that a bad value is raised on every rank, and one rank's differing value is said)
@@ -531,6 +542,10 @@ class HeteroStrategy(DeepSpeedStrategy):
         plugin = self.precision_plugin
         skipping = (lambda: plugin.skips_this_step) if isinstance(plugin, HeteroPrecision) else (lambda: False)
         self.communication.attach(self.deepspeed_engine, self.global_rank, skipping)
+        scaled = isinstance(plugin, HeteroPrecision) and plugin.loss_scale is not None
+        precisions = ", ".join(sorted(set(self.precisions))) or str(plugin.precision)
+        self._nonfinite.attach(self.deepspeed_engine, has_loss_scale=scaled, skipping_installed=scaled,
+                               precision=precisions)  # fmt: skip
         if self._emulator is not None:
             self._emulator.around_deepspeed_exchanges(self.deepspeed_engine)
 
@@ -779,6 +794,7 @@ class HeteroStrategy(DeepSpeedStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         # DeepSpeed averages ranks equally; weighting the loss makes that average the full-batch mean.
+        self._nonfinite.loss_computed(closure_loss)
         with self._emulated(), self.communication.counting():
             super().backward(closure_loss * self.current_loss_weight(), optimizer, *args, **kwargs)
         self._watch.meter.backward_ended()
@@ -789,7 +805,14 @@ class HeteroStrategy(DeepSpeedStrategy):
         with self.communication.counting():  # (the closure, training_step and backward, runs inside)
             result = super().optimizer_step(*args, **kwargs)
         self._watch.meter.optimizer_step_ended()
+        assert self.lightning_module is not None
+        self._nonfinite.step_ended(self.lightning_module.trainer.global_step)  # may stop every rank, together
         return result
+
+    @property
+    def skipped_steps(self) -> list[int]:
+        """The optimizer steps of this fit skipped for non-finite gradients (global steps)."""
+        return list(self._nonfinite.skipped)
 
     @override
     def on_train_end(self) -> None:
@@ -811,6 +834,7 @@ class HeteroStrategy(DeepSpeedStrategy):
             exchange_seconds=measuring,
             precision=plugin.summary() if isinstance(plugin, HeteroPrecision) else None,
             communication=self.communication.summary(),
+            nonfinite=self._nonfinite.summary(),
         )
         json_path, png_path = report.write_report(run_report, directory)
         rank_zero_info(f"{report.summary_text(run_report)}\nwritten to {json_path} and {png_path.name}")
@@ -1057,6 +1081,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         if isinstance(self.precision_plugin, HeteroPrecision):
             self.precision_plugin.detach()
         self.communication.detach()
+        self._nonfinite.detach()
         self._forward_redirection = self._plain_redirection
         for lock in self._writer_locks.values():
             lock.release()

@@ -72,6 +72,8 @@ CONSTRUCTOR = [
     ({"peer_timeout": math.nan}, "`peer_timeout=nan` must be a finite number of seconds >= 5"),
     ({"peer_timeout": math.inf}, "`peer_timeout=inf` must be a finite number of seconds >= 5"),
     ({"config": [1, 2]}, "`config=[1, 2]` is a list; give a DeepSpeed config as a dict"),
+    ({"max_nonfinite_steps": 0}, "`max_nonfinite_steps=0` must be a positive integer"),
+    ({"max_nonfinite_steps": 2.5}, "`max_nonfinite_steps=2.5` must be a positive integer"),
 ]
 
 DEEPSPEED_CONFIG = [

@@ -195,6 +195,18 @@ def recording_autocast(model, out: Path, device_type: str):
     return step_that_records
 
 
+def non_finite_from(model, step: int, until: int = 1 << 30):
+    """``model.training_step`` whose loss is NaN from global step ``step`` on, before ``until`` (a data or numerics bug
+    on one rank)."""
+    training_step = model.training_step
+
+    def step_that_goes_nan(batch, batch_idx):
+        loss = training_step(batch, batch_idx)
+        return loss * float("nan") if step <= model.trainer.global_step < until else loss
+
+    return step_that_goes_nan
+
+
 def overflowing(model, step: int):
     """``model.training_step`` with its loss multiplied by inf at global step ``step`` (an fp16 overflow)."""
     training_step = model.training_step
@@ -296,6 +308,8 @@ def main() -> None:
     parser.add_argument("--rank-1-strategy-args", help="JSON: strategy arguments that rank 1 alone is given")
     parser.add_argument("--record-every-step", action="store_true", help="per_step.jsonl: params on every rank")
     parser.add_argument("--overflow", help="RANK:STEP: that rank's loss is inf at that global step (step >= 1)")
+    parser.add_argument("--nan-from", help="RANK:STEP: that rank's loss is NaN from that global step on")
+    parser.add_argument("--nan-until", type=int, default=1 << 30, help="... and before this global step")
     parser.add_argument("--config-by-rank", help="JSON list: rank r's DeepSpeed config (to provoke a mismatch)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -385,6 +399,10 @@ def main() -> None:
         overflow_rank, overflow_step = map(int, args.overflow.split(":"))
         if rank == overflow_rank:
             model.training_step = overflowing(model, overflow_step)
+    if args.nan_from:
+        nan_rank, nan_step = map(int, args.nan_from.split(":"))
+        if rank == nan_rank:
+            model.training_step = non_finite_from(model, nan_step, args.nan_until)
     trainer.fit(model, None if args.loader_in_hook else train, val, ckpt_path=args.ckpt_path)
     if args.test_samples:
         trainer.test(model, DataLoader(IndexedRegression(args.test_samples, seed=5), batch_size=4), verbose=False)
