@@ -17,7 +17,7 @@ from typing import Any
 @dataclass(frozen=True)
 class Internal:
     module: str  # where the name lives
-    name: str  # attribute path inside the module ("Class.method")
+    name: str  # attribute path inside the module ("Class.method"; "Class().attribute" for an instance's attribute)
     use: str  # "patched" (replaced for a while), "read" or "called"
     by: str  # the package module that uses it
     why: str
@@ -50,14 +50,29 @@ CHECKPOINT_WRITES = (
              _UNDONE),
 )  # fmt: skip
 
-INTERNALS = (SHM_OP_BUILDER, DEFAULT_STORE, *CHECKPOINT_WRITES)
+LAYER_SYNC = Internal(
+    "lightning.pytorch.strategies.ddp", "DDPStrategy()._layer_sync", "read", "strategy.py",
+    "where the Trainer puts `sync_batchnorm=True` (TorchSyncBatchNorm); DeepSpeedStrategy never applies it, DDPStrategy"
+    " does in setup, so the strategy applies it at the same point (and refuses it off CUDA)",
+)  # fmt: skip
+SETUP_MODEL = Internal(
+    "lightning.pytorch.strategies.deepspeed", "DeepSpeedStrategy._setup_model", "patched", "strategy.py",
+    "overridden: the point of DeepSpeedStrategy.setup after the profile and before DeepSpeed wraps the module, where"
+    " the layer sync is applied",
+    "a subclass override, nothing to put back",
+)  # fmt: skip
+
+INTERNALS = (SHM_OP_BUILDER, DEFAULT_STORE, *CHECKPOINT_WRITES, LAYER_SYNC, SETUP_MODEL)
 
 
 def resolve(internal: Internal) -> Any:
     """The object ``internal`` names; AttributeError or ImportError when this version no longer has it."""
     target: Any = importlib.import_module(internal.module)
     for part in internal.name.split("."):
-        target = getattr(target, part)
+        if part.endswith("()"):  # an attribute that instances get in __init__: look at a new instance
+            target = getattr(target, part[:-2])()
+        else:
+            target = getattr(target, part)
     return target
 
 

@@ -38,6 +38,7 @@ from typing_extensions import override
 from lightning_hetero import checkpoint, elastic, failures, liveness, precision, quiet, report, startup, topology
 from lightning_hetero import compression as compress
 from lightning_hetero.arguments import check_loss_reduction, check_stage
+from lightning_hetero.buffers import BufferSync
 from lightning_hetero.configure import (
     check_config_argument,
     check_user_config,
@@ -209,6 +210,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         self.peer_timeout = None if peer_timeout is None else float(peer_timeout)
         self.max_nonfinite_steps = max_nonfinite_steps
         self._nonfinite = NonFiniteGuard(max_nonfinite_steps, self._all_gather_tensor)
+        self._buffer_sync: Optional[BufferSync] = None
         self._watchdog: Optional[liveness.PeerWatchdog] = None
         self._writer_locks: dict[Path, checkpoint.WriterLock] = {}  # rank 0's, per checkpoint directory
         self._stop_on_sigterm: Optional[StopOnSigterm] = None
@@ -315,6 +317,12 @@ class HeteroStrategy(DeepSpeedStrategy):
                 f"`emulate_speeds={self._speed_schedule.to_json()}` (or {EMULATE_ENV_VAR}) has"
                 f" {self._speed_schedule.world_size} entries but the job has {world_size} ranks. Give one speed per"
                 " rank."
+            )
+        if self._layer_sync is not None and self.root_device.type != "cuda":
+            raise ValueError(
+                f"`Trainer(sync_batchnorm=True)` needs CUDA: torch's SyncBatchNorm runs on GPUs only, and this job runs"
+                f" on {self.root_device.type}. Remove it; HeteroStrategy keeps every rank's BatchNorm statistics equal"
+                " anyway, as DDP does, by giving every rank rank 0's buffers before each training step."
             )
         if self.root_device.type == "cpu":
             # DeepSpeed takes `root_device.index` as its device rank and Lightning checks that the indices count
@@ -534,6 +542,16 @@ class HeteroStrategy(DeepSpeedStrategy):
         return local, [entry["shared"] for entry in gathered]  # type: ignore[return-value]
 
     @override
+    def _setup_model(self, model: Any) -> Any:
+        # After the profile (which must run the module's own BatchNorms: a SyncBatchNorm would communicate from each
+        # rank's probe, with different batch sizes) and before DeepSpeed wraps the module: where DDPStrategy.setup
+        # applies `Trainer(sync_batchnorm=True)` (DDPStrategy.teardown reverts it).
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self._layer_sync is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            model = self._layer_sync.apply(model)
+        return super()._setup_model(model)
+
+    @override
     def init_deepspeed(self) -> None:
         super().init_deepspeed()
         if isinstance(self.precision_plugin, HeteroPrecision):
@@ -548,6 +566,10 @@ class HeteroStrategy(DeepSpeedStrategy):
                                precision=precisions)  # fmt: skip
         if self._emulator is not None:
             self._emulator.around_deepspeed_exchanges(self.deepspeed_engine)
+        if self.world_size > 1 and self.deepspeed_engine.optimizer is not None:
+            self._buffer_sync = BufferSync(
+                self.deepspeed_engine.module.buffers(), lambda flat: torch.distributed.broadcast(flat, src=0)
+            )
 
     def _decide_split(self, global_batch_size: int) -> tuple[SplitPlan, Optional[dict[str, Any]]]:
         if self.profiles is None:
@@ -857,6 +879,9 @@ class HeteroStrategy(DeepSpeedStrategy):
             assert self.lightning_module is not None
             self._emulator.speed = self._speed_schedule.at(self.lightning_module.trainer.global_step)[self.global_rank]
         with self._weighted_sync(), self._emulated(), self.communication.counting():
+            if self._buffer_sync:  # rank 0's buffers on every rank before the forward, as DDP's broadcast_buffers
+                self._before_collective()
+                self._buffer_sync.sync()
             return super().training_step(*args, **kwargs)
 
     @override
@@ -1082,6 +1107,7 @@ class HeteroStrategy(DeepSpeedStrategy):
             self.precision_plugin.detach()
         self.communication.detach()
         self._nonfinite.detach()
+        self._buffer_sync = None
         self._forward_redirection = self._plain_redirection
         for lock in self._writer_locks.values():
             lock.release()

@@ -26,10 +26,14 @@ class IndexedRegression(Dataset):
         return self.x[index], self.y[index], index
 
 
-def make_network(seed: int = 0, hidden: int = 8, dropout: float = 0.0, depth: int = 1) -> nn.Module:
-    """``depth`` hidden layers of width ``hidden``; dropout after the first (to test RNG preservation)."""
+def make_network(
+    seed: int = 0, hidden: int = 8, dropout: float = 0.0, depth: int = 1, batchnorm: bool = False
+) -> nn.Module:
+    """``depth`` hidden layers of width ``hidden``; dropout after the first (to test RNG preservation); with
+    ``batchnorm`` a BatchNorm1d on the inputs first (its running statistics are buffers)."""
     torch.manual_seed(seed)
-    layers: list[nn.Module] = [nn.Linear(IN_FEATURES, hidden), nn.Tanh()] + ([nn.Dropout(dropout)] if dropout else [])
+    layers: list[nn.Module] = [nn.BatchNorm1d(IN_FEATURES)] if batchnorm else []
+    layers += [nn.Linear(IN_FEATURES, hidden), nn.Tanh()] + ([nn.Dropout(dropout)] if dropout else [])
     for _ in range(depth - 1):
         layers += [nn.Linear(hidden, hidden), nn.Tanh()]
     return nn.Sequential(*layers, nn.Linear(hidden, 1))
@@ -53,10 +57,16 @@ class RegressionModule(LightningModule):
         manual_accumulation: int = 1,
         reduction: str = "mean",
         optimizer: str = "sgd",
+        batchnorm: bool = False,
     ) -> None:
         super().__init__()
         self.optimizer_name = optimizer
-        self.network = make_network(hidden=hidden, dropout=dropout, depth=depth)
+        self.network = make_network(hidden=hidden, dropout=dropout, depth=depth, batchnorm=batchnorm)
+        # With batchnorm, a buffer the model keeps itself too (samples its forward passes saw), and what each step's
+        # forward started from.
+        if batchnorm:
+            self.register_buffer("samples_seen", torch.zeros((), dtype=torch.int64))
+        self.buffer_trace: list[dict] = []
         self.lr, self.momentum = lr, momentum
         self.automatic_optimization = not manual
         # Manual optimization with the accumulation Lightning documents: backward on loss / k, step every k batches.
@@ -73,6 +83,11 @@ class RegressionModule(LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y, index = batch
+        if hasattr(self, "samples_seen"):
+            if self.trainer.training and getattr(self, "_trace_buffers", False):  # (not while profiling)
+                running = self.network[0].running_mean
+                self.buffer_trace.append({"samples_seen": int(self.samples_seen), "running_mean": running.tolist()})
+            self.samples_seen += len(x)
         loss = batch_loss(self.network, x, y, self.reduction)
         self.log("train_loss", loss, sync_dist=True)
         if not self.automatic_optimization:

@@ -242,12 +242,15 @@ class WriteResult(Callback):
         torch.distributed.all_gather_object(eval_seen, pl_module.eval_seen)
         emulated_delay = [None] * trainer.world_size
         torch.distributed.all_gather_object(emulated_delay, pl_module.emulated_delay)
+        buffer_traces = [None] * trainer.world_size
+        torch.distributed.all_gather_object(buffer_traces, pl_module.buffer_trace)
         if trainer.is_global_zero:
             result = {
                 "params": params,
                 "seen": seen,
                 "eval_seen": eval_seen,
                 "emulated_delay": emulated_delay,
+                "buffer_traces": buffer_traces,
                 "global_step": trainer.global_step,
                 "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
                 "metric_dtypes": {k: str(v.dtype) for k, v in trainer.callback_metrics.items()},
@@ -291,6 +294,8 @@ def main() -> None:
     parser.add_argument("--record-steps", action="store_true", help="append every rank's step indices to steps.jsonl")
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
     parser.add_argument("--hidden", type=int, default=8)
+    parser.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d first; buffer traces in the result")
+    parser.add_argument("--sync-batchnorm", action="store_true", help="Trainer(sync_batchnorm=True)")
     parser.add_argument("--hidden-on-rank-1", type=int, help="a model whose width depends on the rank")
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--depth", type=int, default=1)
@@ -372,6 +377,7 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
+        sync_batchnorm=args.sync_batchnorm,
         default_root_dir=args.out,
     )
     model_class = RegressionModule
@@ -387,7 +393,9 @@ def main() -> None:
         manual_accumulation=args.accumulate if args.manual else 1,
         reduction=args.model_reduction or args.loss_reduction or "mean",
         optimizer=args.optimizer,
+        batchnorm=args.batchnorm,
     )
+    model._trace_buffers = args.batchnorm
     if args.fail_on_rank is not None and rank == args.fail_on_rank:
         if args.fail_in == "training_step":
             model.training_step = failing_step
