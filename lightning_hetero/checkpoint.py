@@ -215,11 +215,13 @@ class WriterLock:
     """This process's exclusive right to save checkpoints into one directory, held until :meth:`release`.
 
     An advisory ``flock`` on :data:`WRITER_LOCK_NAME` in the directory: the kernel drops it when the process ends,
-    however it ends, so a killed job never leaves a stale lock. The file says who holds it, for the refusal.
+    however it ends, so a killed job never leaves a stale lock. The file says who holds it, for the refusal, and is
+    removed on release (a killed holder leaves it behind, unlocked: the next job takes it over).
     """
 
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
+        self.path = self.directory / WRITER_LOCK_NAME
         self._handle: Optional[Any] = None
 
     @property
@@ -228,32 +230,44 @@ class WriterLock:
 
     def acquire(self) -> None:
         """Take the lock (at once, or a ValueError naming the job that holds it); nothing when already held."""
-        if self._handle is not None:
-            return
-        path = self.directory / WRITER_LOCK_NAME
-        handle = open(path, "a+")
-        try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        while self._handle is None:
+            handle = open(self.path, "a+")
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.seek(0)
+                holder = handle.read().strip() or "another process"
+                handle.close()
+                raise ValueError(
+                    f"HeteroStrategy: another job is saving checkpoints into {self.directory} ({holder} holds"
+                    f" {WRITER_LOCK_NAME}). Two jobs writing one directory would replace and prune each other's"
+                    " checkpoints; give this one its own `ModelCheckpoint(dirpath=...)` (or `default_root_dir`), or"
+                    " wait for the other to finish."
+                ) from None
+            if not _same_file(handle, self.path):  # released and removed by its holder meanwhile: take the new one
+                handle.close()
+                continue
             handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            handle.close()
-            raise ValueError(
-                f"HeteroStrategy: another job is saving checkpoints into {self.directory} ({holder} holds"
-                f" {WRITER_LOCK_NAME}). Two jobs writing one directory would replace and prune each other's"
-                " checkpoints; give this one its own `ModelCheckpoint(dirpath=...)` (or `default_root_dir`), or wait"
-                " for the other to finish."
-            ) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"process {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
-        handle.flush()
-        self._handle = handle
+            handle.truncate()
+            handle.write(f"process {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
+            handle.flush()
+            self._handle = handle
 
     def release(self) -> None:
         if self._handle is not None:
+            try:
+                self.path.unlink()  # while still locked, so no one locks the name it had meanwhile
+            except OSError:
+                pass
             self._handle.close()  # closing drops the flock
             self._handle = None
+
+
+def _same_file(handle: Any, path: Path) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino
+    except OSError:
+        return False
 
 
 def is_disk_full(error: BaseException, path: Path) -> bool:

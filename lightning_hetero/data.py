@@ -104,12 +104,14 @@ class GlobalOrder(Sampler[int]):
 
     A ``RandomSampler``, ``SubsetRandomSampler`` or ``WeightedRandomSampler`` draws from a generator seeded with
     ``seed + epoch`` (its other settings are kept); any other sampler is iterated as it is and must itself give every
-    rank the same order (``set_epoch`` is forwarded).
+    rank the same order (``set_epoch`` is forwarded). With ``pad_to`` the order is lengthened to a multiple of it by
+    repeating its first samples, as DDP's DistributedSampler pads (evaluation: every rank gets as many samples).
     """
 
-    def __init__(self, sampler: Sampler, seed: int = 0) -> None:
+    def __init__(self, sampler: Sampler, seed: int = 0, pad_to: int = 1) -> None:
         self.user_sampler = sampler
         self.seed = seed
+        self.pad_to = pad_to
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -128,10 +130,15 @@ class GlobalOrder(Sampler[int]):
             generator.manual_seed(self.seed + self.epoch)
             sampler = copy.copy(sampler)  # same settings, our generator; the user's sampler is left untouched
             sampler.generator = generator
-        return iter(sampler)
+        padding = len(self) - len(self.user_sampler)  # type: ignore[arg-type]
+        if not padding:
+            return iter(sampler)
+        order = list(sampler)
+        return iter(order + (order * (padding // len(order) + 1))[:padding])
 
     def __len__(self) -> int:
-        return len(self.user_sampler)  # type: ignore[arg-type]
+        samples = len(self.user_sampler)  # type: ignore[arg-type]
+        return -(-samples // self.pad_to) * self.pad_to if samples else 0
 
 
 class HeteroBatchSampler(Sampler[list[int]]):
@@ -374,12 +381,19 @@ def rebuild_loader(
     seed: int,
     on_batch: Optional[Callable[[int, int], None]] = None,
     on_fetch: Optional[Callable[[], None]] = None,
+    pad: bool = False,
 ) -> HeteroDataLoader:
-    """A :class:`HeteroDataLoader` with the user's settings, order and ``drop_last``, cut by ``batch_sizes``."""
+    """A :class:`HeteroDataLoader` with the user's settings, order and ``drop_last``, cut by ``batch_sizes``.
+
+    ``pad`` (evaluation, with equal ``batch_sizes``): unless the loader drops its last batch, the order is padded to a
+    multiple of the world size as DDP's DistributedSampler pads it, so every step gives every rank as many samples
+    (a user's ``self.all_gather`` needs equal shapes)."""
     user_batch_sampler = dataloader.batch_sampler
     assert isinstance(user_batch_sampler, BatchSampler)  # checked by describe_unsupported_loader
+    drop_last = user_batch_sampler.drop_last
+    pad_to = len(batch_sizes) if pad and not drop_last else 1
     batch_sampler = HeteroBatchSampler(
-        GlobalOrder(user_batch_sampler.sampler, seed), batch_sizes, rank, drop_last=user_batch_sampler.drop_last
+        GlobalOrder(user_batch_sampler.sampler, seed, pad_to), batch_sizes, rank, drop_last=drop_last
     )
     kwargs = {key: getattr(dataloader, key) for key in _KEPT_LOADER_SETTINGS if hasattr(dataloader, key)}
     if kwargs.get("num_workers", 0) == 0:

@@ -73,7 +73,6 @@ from lightning_hetero.plan import (
     plan_automatic_split,
     required_gain,
     resolve_split,
-    split_by_weights,
 )
 from lightning_hetero.precision import reduces_in_parameter_order
 from lightning_hetero.precision_plugin import AutocastInside, HeteroPrecision, autocast_for
@@ -751,9 +750,10 @@ class HeteroStrategy(DeepSpeedStrategy):
                 assert self.plan is not None
                 batch_sizes: Sequence[int] = self.plan.batch_sizes
             else:
-                # Evaluation: the DDP-sized global batch, split in the training proportions so steps take as long.
-                global_batch = (loader_batch_size(dataloader) or 1) * self.world_size
-                batch_sizes = split_by_weights(global_batch, self._split_weights())
+                # Evaluation is split as DDP splits it: the loader's batch on every rank, the samples padded to a
+                # multiple of the ranks, so that every step gives every rank the same number of samples (a user's
+                # `self.all_gather` of predictions needs equal shapes; uneven ones abort inside gloo).
+                batch_sizes = [loader_batch_size(dataloader) or 1] * self.world_size
             seed = self._data_seed if self._data_seed is not None else local_seed()
             loader = rebuild_loader(
                 dataloader,
@@ -762,6 +762,7 @@ class HeteroStrategy(DeepSpeedStrategy):
                 seed,
                 on_batch=self._on_training_batch if training else self._on_batch,
                 on_fetch=self._follower.before_fetch if training and self._follower is not None else None,
+                pad=not training,
             )
             return loader, describe_order(loader)
 
@@ -784,11 +785,6 @@ class HeteroStrategy(DeepSpeedStrategy):
                 " shuffle."
             )
         return loader
-
-    def _split_weights(self) -> Sequence[float]:
-        if self.plan is not None:
-            return self.plan.batch_sizes
-        return self.batch_sizes or self.weights or [1.0] * self.world_size
 
     @property
     def watch(self) -> RunWatch:

@@ -261,6 +261,7 @@ def test_one_job_at_a_time_holds_a_directory_and_the_refusal_names_the_holder(tm
     with pytest.raises(ValueError, match=expected):
         other.acquire()
     holder.release()
+    assert not (tmp_path / checkpoint.WRITER_LOCK_NAME).exists()  # nothing left in the user's directory
     other.acquire()
     other.release()
 

@@ -692,3 +692,23 @@ def test_use_split_refuses_another_world_size_or_global_batch():
             sampler.use_split(bad)
     sampler.use_split([4, 1])
     assert sampler.batch_sizes == (4, 1)
+
+
+def test_an_evaluation_order_is_padded_to_a_multiple_of_the_ranks_as_ddps_sampler_pads_it():
+    order = GlobalOrder(SequentialSampler(range(11)), seed=0, pad_to=3)
+    assert len(order) == 12 and list(order) == [*range(11), 0]
+    assert list(GlobalOrder(SequentialSampler(range(2)), pad_to=5)) == [0, 1, 0, 1, 0]  # fewer samples than ranks
+    assert len(GlobalOrder(SequentialSampler(range(0)), pad_to=3)) == 0
+    shuffled = GlobalOrder(RandomSampler(range(7)), seed=4, pad_to=4)
+    drawn = list(shuffled)
+    assert len(drawn) == 8 and drawn[7] == drawn[0] and sorted(drawn[:7]) == list(range(7))
+
+
+@pytest.mark.parametrize(("samples", "drop_last", "per_rank"), [(11, False, [[4, 4, 4]]), (10, False, [[4, 4], [1, 1]]),
+                                                                (10, True, [[4, 4]])])  # fmt: skip
+def test_evaluation_loaders_give_every_rank_the_same_number_of_samples_at_every_step(samples, drop_last, per_rank):
+    world_size = len(per_rank[0])
+    user = DataLoader(list(range(samples)), batch_size=4, drop_last=drop_last)
+    loaders = [rebuild_loader(user, [4] * world_size, rank, seed=0, pad=True) for rank in range(world_size)]
+    batches = [list(loader) for loader in loaders]
+    assert [[len(batches[rank][step]) for rank in range(world_size)] for step in range(len(batches[0]))] == per_rank

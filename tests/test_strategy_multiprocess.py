@@ -83,7 +83,8 @@ def test_uneven_batches_equal_one_process_and_resume_mid_epoch(stage, tmp_path):
     final = reference_training(dataset, steps)
     assert max_param_difference(resumed.result, final) <= TOLERANCE
 
-    # Validation: every sample once across ranks, and the synced metric is the mean over all samples.
+    # Validation (10 samples, batch 4 on each rank: 4+4, then 1+1): every sample once, and the synced metric is the
+    # mean over all samples.
     val = IndexedRegression(10, seed=99)
     assert sorted(sum(resumed.result["eval_seen"], [])) == list(range(10))
     network, before_last = make_network(), make_network()
@@ -118,15 +119,16 @@ def test_three_ranks_shuffled_two_epochs_with_partial_last_batch(tmp_path):
     assert steps[0] != list(range(16)) and steps[0] != steps[5]  # shuffled, and differently per epoch
     assert [len(s) for s in seen] == [2 * (4 * size) + 2 * last for size, last in zip(batch_sizes, [1, 2, 3])]
 
-    # trainer.test on 11 samples over 3 uneven ranks: each sample once, and the synced loss is the all-sample mean.
+    # trainer.test on 11 samples over 3 ranks, split as DDP splits it: 4 on every rank (batch size 4), the order
+    # padded to 12 by repeating its first sample; the synced loss is the mean over those 12 (DDP's too).
     tested = json.loads((tmp_path / "test_result.json").read_text())
-    assert sorted(sum(tested["test_seen"], [])) == list(range(11))
-    assert all(tested["test_seen"])  # every rank ran (and logged with sync_dist) without a hang
+    assert tested["test_seen"] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 0]]
     network = make_network()
     network.load_state_dict(reference_training(dataset, steps))
-    test_set = IndexedRegression(11, seed=5)
+    test_set, padded = IndexedRegression(11, seed=5), list(range(11)) + [0]
     with torch.no_grad():
-        assert tested["test_loss"] == pytest.approx(batch_loss(network, test_set.x, test_set.y).item(), rel=1e-5)
+        expected = batch_loss(network, test_set.x[padded], test_set.y[padded]).item()
+    assert tested["test_loss"] == pytest.approx(expected, rel=1e-5)
 
 
 def test_manual_optimization_and_drop_last(tmp_path):
@@ -368,3 +370,18 @@ def test_a_resplit_mid_epoch_equals_one_process_and_a_checkpoint_after_it_resume
     assert "resumes with the checkpoint's micro-batches" in resumed.output
     assert sorted(sum(resumed.result["seen"], [])) == sorted([*range(8 * 16, 160), *range(160)])
     assert max_param_difference(resumed.result, reference_training(dataset, steps)) <= TOLERANCE
+
+
+@pytest.mark.multiprocess
+def test_all_gather_of_predictions_works_in_validation_test_and_predict(tmp_path):
+    """A user's `self.all_gather` in validation_step/test_step/predict_step (e.g. to compute a metric over all
+    predictions) aborted inside gloo ("Received data size doesn't match") when evaluation batches were cut unevenly.
+    Evaluation is split as DDP splits it: 10 validation samples give steps of 4+4 and 1+1, 7 test samples are padded to
+    8 (4+4); prediction keeps Lightning's own sharding (12 samples: 3+3 twice). Training stays unequal (3/13)."""
+    run = run_fit(tmp_path, "--batch-sizes", "3", "13", "--val-samples", "10", "--test-samples", "7",
+                  "--predict-samples", "12", "--gather-in-eval")  # fmt: skip
+    assert run.returncode == 0, run.output[-3000:]
+    gathered = json.loads((tmp_path / "gathered_shapes.json").read_text())
+    assert gathered["validation"] == [[2, 4, 1], [2, 1, 1]]  # (ranks, samples, outputs) per validation step
+    assert gathered["test"] == [[2, 4, 1]]
+    assert gathered["predict"] == [[2, 3, 1], [2, 3, 1]]

@@ -67,6 +67,7 @@ class RegressionModule(LightningModule):
         if batchnorm:
             self.register_buffer("samples_seen", torch.zeros((), dtype=torch.int64))
         self.buffer_trace: list[dict] = []
+        self.gathered_shapes: dict[str, list] = {}
         self.lr, self.momentum = lr, momentum
         self.automatic_optimization = not manual
         # Manual optimization with the accumulation Lightning documents: backward on loss / k, step every k batches.
@@ -102,12 +103,24 @@ class RegressionModule(LightningModule):
     def validation_step(self, batch, batch_idx):
         x, y, index = batch
         self.eval_seen.extend(index.tolist())
+        self._gather_predictions("validation", x)
         self.log("val_loss", batch_loss(self.network, x, y), sync_dist=True)
 
     def test_step(self, batch, batch_idx):
         x, y, index = batch
         self.test_seen.extend(index.tolist())
+        self._gather_predictions("test", x)
         self.log("test_loss", batch_loss(self.network, x, y), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        x, y, index = batch
+        self._gather_predictions("predict", x)
+        return self.network(x)
+
+    def _gather_predictions(self, stage, x):
+        """With ``gather_in_eval``: every rank's predictions, as a user computing a metric over all of them would."""
+        if getattr(self, "gather_in_eval", False):
+            self.gathered_shapes.setdefault(stage, []).append(list(self.all_gather(self.network(x)).shape))
 
     def configure_optimizers(self):
         if self.optimizer_name == "adam":  # what DeepSpeed's universal checkpoint conversion handles at ZeRO 1/2

@@ -285,6 +285,8 @@ def main() -> None:
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--val-samples", type=int, default=0)
     parser.add_argument("--test-samples", type=int, default=0, help="run trainer.test after fit on this many")
+    parser.add_argument("--predict-samples", type=int, default=0, help="run trainer.predict after fit on this many")
+    parser.add_argument("--gather-in-eval", action="store_true", help="self.all_gather in the evaluation steps")
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--ckpt-path")
     parser.add_argument("--save-last", action="store_true", help="ModelCheckpoint(save_last=True)")
@@ -396,6 +398,7 @@ def main() -> None:
         batchnorm=args.batchnorm,
     )
     model._trace_buffers = args.batchnorm
+    model.gather_in_eval = args.gather_in_eval
     if args.fail_on_rank is not None and rank == args.fail_on_rank:
         if args.fail_in == "training_step":
             model.training_step = failing_step
@@ -414,6 +417,10 @@ def main() -> None:
     trainer.fit(model, None if args.loader_in_hook else train, val, ckpt_path=args.ckpt_path)
     if args.test_samples:
         trainer.test(model, DataLoader(IndexedRegression(args.test_samples, seed=5), batch_size=4), verbose=False)
+    if args.predict_samples:
+        trainer.predict(model, DataLoader(IndexedRegression(args.predict_samples, seed=6), batch_size=3))
+    if args.gather_in_eval and trainer.is_global_zero:
+        (args.out / "gathered_shapes.json").write_text(json.dumps(model.gathered_shapes))
 
 
 if __name__ == "__main__":
