@@ -45,6 +45,9 @@ class RankProfile:
     bytes_per_sample: Optional[float]
     wall_seconds: float  # what profiling cost on this rank
     free_bytes: Optional[float] = None  # the device's free memory when profiled (what the ceiling was taken from)
+    # The loss of a batch given twice (the same samples, concatenated) over the loss of the batch: 1 for a mean over
+    # the batch, 2 for a sum; None when it could not be measured (a loss that is not a positive number).
+    loss_ratio: Optional[float] = None
 
     def cost_model(self) -> CostModel:
         return CostModel(fixed=self.fixed_seconds, per_sample=self.seconds_per_sample, max_batch=self.max_batch)
@@ -97,6 +100,40 @@ def fit_linear_cost(batch_sizes: Sequence[int], seconds: Sequence[float]) -> tup
     if per_sample <= 0:  # flat in batch size: all cost is fixed; keep a tiny slope so more samples never look free
         fixed, per_sample = mean_t, smallest_positive
     return fixed, max(per_sample, smallest_positive)
+
+
+def doubled_loss_ratio(single: float, doubled: float) -> Optional[float]:
+    """``doubled / single`` (the loss of a batch given twice over the batch's own), when both are positive numbers."""
+    if not (math.isfinite(single) and math.isfinite(doubled)) or single <= 0 or doubled <= 0:
+        return None
+    return doubled / single
+
+
+# A summed loss doubles when the batch is given twice; a mean (over samples, or over tokens) stays the same.
+_SUM_RATIO, _MEAN_RATIO = 1.6, 1.25
+
+
+def loss_reduction_mismatch(ratios: Sequence[Optional[float]], loss_reduction: str) -> Optional[str]:
+    """A warning when every rank's profile says the loss is a sum and ``loss_reduction="mean"``, or the reverse."""
+    known = [ratio for ratio in ratios if ratio is not None]
+    if not known:
+        return None
+    shown = ", ".join(f"{ratio:.2f}" for ratio in known)
+    if loss_reduction == "mean" and min(known) > _SUM_RATIO:
+        return (
+            "HeteroStrategy: `training_step`'s loss doubles when its batch is given twice (the profile measured"
+            f" {shown}), as a sum over the batch does, but `loss_reduction='mean'`: with unequal micro-batches that"
+            " trains differently from DDP. Pass `HeteroStrategy(loss_reduction='sum')` if the loss is a sum (e.g."
+            " `reduction='sum'`)."
+        )
+    if loss_reduction == "sum" and max(known) < _MEAN_RATIO:
+        return (
+            "HeteroStrategy: `training_step`'s loss stays the same when its batch is given twice (the profile"
+            f" measured {shown}), as a mean over the batch does, but `loss_reduction='sum'`: with unequal"
+            " micro-batches that trains differently from DDP. Pass `loss_reduction='mean'` (the default) if the loss"
+            " is a mean."
+        )
+    return None
 
 
 def memory_ceiling(bytes_per_sample: Optional[float], free_bytes: Optional[float]) -> Optional[int]:
@@ -193,6 +230,7 @@ def profile_training_step(
     free_bytes: Optional[float] = None,
     time_batch_assembly: bool = False,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    make_doubled_batch: Optional[Callable[[int], Any]] = None,
 ) -> RankProfile:
     """Time forward + backward of ``module.training_step`` at each size (fastest of ``repeats`` after ``warmup``).
 
@@ -264,6 +302,10 @@ def profile_training_step(
                     break
                 if attempt >= warmup:
                     timings[size].append(seconds)
+        loss_ratio = None
+        if make_doubled_batch is not None and timed_sizes:
+            size = timed_sizes[len(timed_sizes) // 2]  # a middle size: dropout's noise averages out over its samples
+            loss_ratio = _doubled_loss_ratio(module, make_batch(size), make_doubled_batch(size), autocast)
     fastest = [min(timings[size]) for size in timed_sizes]
     if len(timed_sizes) < 2:
         raise RuntimeError(
@@ -286,7 +328,24 @@ def profile_training_step(
         bytes_per_sample=bytes_per_sample,
         wall_seconds=time.perf_counter() - started,
         free_bytes=free_bytes,
+        loss_ratio=loss_ratio,
     )
+
+
+def _doubled_loss_ratio(
+    module: nn.Module, batch: Any, doubled: Any, autocast: Callable[[], contextlib.AbstractContextManager]
+) -> Optional[float]:
+    """The training step's loss on ``doubled`` (``batch``'s samples twice) over its loss on ``batch``, no backward.
+
+    In eval mode (the caller puts the modes back), so that dropout draws no masks and BatchNorm uses its running
+    statistics: each sample's loss is then the same in both batches, and the ratio is exactly 1 (mean) or 2 (sum).
+    """
+    module.eval()
+    with torch.no_grad(), autocast():
+        single, twice = _loss_of(module.training_step(batch, 0)), _loss_of(module.training_step(doubled, 0))
+    if single is None or twice is None or single.numel() != 1 or twice.numel() != 1:
+        return None
+    return doubled_loss_ratio(float(single), float(twice))
 
 
 def profile_from_loader(
@@ -306,8 +365,8 @@ def profile_from_loader(
         )
     dataset, collate = loader.dataset, loader.collate_fn
 
-    def make_batch(size: int) -> Any:
-        return move_data_to_device(collate([dataset[i % len(dataset)] for i in range(size)]), device)
+    def make_batch(size: int, times: int = 1) -> Any:
+        return move_data_to_device(collate([dataset[i % len(dataset)] for i in range(size)] * times), device)
 
     if device.type == "cuda":
         free_bytes = float(torch.cuda.mem_get_info(device)[0])
@@ -322,4 +381,5 @@ def profile_from_loader(
         free_bytes=free_bytes,
         time_batch_assembly=loader.num_workers == 0,
         autocast=autocast,
+        make_doubled_batch=lambda size: make_batch(size, times=2),
     )

@@ -76,7 +76,7 @@ from lightning_hetero.plan import (
 )
 from lightning_hetero.precision import reduces_in_parameter_order
 from lightning_hetero.precision_plugin import AutocastInside, HeteroPrecision, autocast_for
-from lightning_hetero.profiler import RankProfile, probe_sizes, profile_from_loader
+from lightning_hetero.profiler import RankProfile, loss_reduction_mismatch, probe_sizes, profile_from_loader
 from lightning_hetero.rebalance import SplitFollower
 from lightning_hetero.replan import DEFAULT_THRESHOLD, DEFAULT_WINDOW, Rebalancer, check_rebalance_arguments
 from lightning_hetero.shutdown import exit_with_if_uncaught, register_exit_cleanup
@@ -574,6 +574,9 @@ class HeteroStrategy(DeepSpeedStrategy):
         if self.profiles is None:
             return resolve_split(self.world_size, global_batch_size, self.batch_sizes, self.weights), None
         resolve_split(self.world_size, global_batch_size)  # the global batch must give every rank a sample
+        mismatch = loss_reduction_mismatch([profile.loss_ratio for profile in self.profiles], self.loss_reduction)
+        if mismatch:
+            rank_zero_warn(mismatch)
         held = self._gradient_bytes_held_until_step()
         costs = [profile.reserving(held).cost_model() for profile in self.profiles]
         # Same-model devices are presumed equally fast unless the profile says otherwise by a wide margin; emulated

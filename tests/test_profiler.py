@@ -436,3 +436,38 @@ def test_memory_reserved_during_training_lowers_the_ceiling_and_never_raises_it(
     unknown = RankProfile((4, 8), (0.2, 0.3), 0.1, 0.025, None, None, 1.0)
     assert unknown.reserving(500.0) == unknown
     assert RankProfile.from_dict(profile.to_dict()) == profile
+
+
+def test_a_summed_loss_doubles_with_its_batch_given_twice_and_a_mean_does_not():
+    from lightning_hetero.profiler import doubled_loss_ratio, loss_reduction_mismatch
+
+    assert doubled_loss_ratio(3.0, 6.0) == 2.0 and doubled_loss_ratio(0.5, 0.5) == 1.0
+    assert doubled_loss_ratio(0.0, 0.0) is None and doubled_loss_ratio(1.0, math.nan) is None
+    summed = loss_reduction_mismatch([2.0, 1.98], "mean")
+    assert "doubles when its batch is given twice (the profile measured 2.00, 1.98)" in summed
+    assert "HeteroStrategy(loss_reduction='sum')" in summed
+    assert loss_reduction_mismatch([2.0, 1.98], "sum") is None
+    assert "stays the same when its batch is given twice" in loss_reduction_mismatch([1.0, 1.02], "sum")
+    assert loss_reduction_mismatch([1.0, 1.02], "mean") is None
+    assert loss_reduction_mismatch([2.0, 1.0], "mean") is None  # the ranks disagree: say nothing
+    assert loss_reduction_mismatch([None, None], "mean") is None
+
+
+class Regression(L.LightningModule):
+    def __init__(self, reduction: str) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.2), nn.Linear(8, 1))
+        self.reduction = reduction
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y, reduction=self.reduction)
+
+
+@pytest.mark.parametrize(("reduction", "ratio"), [("sum", 2.0), ("mean", 1.0)])
+def test_the_profile_measures_how_the_loss_grows_with_the_batch(reduction, ratio):
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 4, generator=generator), torch.randn(64, 1, generator=generator)
+    profile = profile_training_step(Regression(reduction), lambda n: (x[:n], y[:n]), [2, 8, 32], CPU, warmup=1,
+                                    repeats=1, make_doubled_batch=lambda n: (x[:n].repeat(2, 1), y[:n].repeat(2, 1)))
+    assert profile.loss_ratio == pytest.approx(ratio, rel=1e-5)
