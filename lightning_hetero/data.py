@@ -369,6 +369,37 @@ def _samples(count: int) -> str:
     return f"{count} sample{'' if count == 1 else 's'}"
 
 
+def only_loader(loaders: Any) -> Any:
+    """The one loader of ``train_dataloader()``'s result (a DataLoader, or one inside a dict, list or CombinedLoader);
+    the result itself when it holds several or none."""
+    if isinstance(loaders, DataLoader):
+        return loaders
+    from lightning.pytorch.utilities import CombinedLoader
+
+    flattened = loaders.flattened if isinstance(loaders, CombinedLoader) else CombinedLoader(loaders).flattened
+    return flattened[0] if len(flattened) == 1 else loaders
+
+
+def describe_several_training_loaders(loaders: Any) -> Optional[str]:
+    """Why ``train_dataloader()``'s result cannot be split (several loaders); None for a single one."""
+    if isinstance(loaders, DataLoader):
+        return None
+    from lightning.pytorch.utilities import CombinedLoader
+
+    flattened = loaders.flattened if isinstance(loaders, CombinedLoader) else CombinedLoader(loaders).flattened
+    if len(flattened) < 2:
+        return None
+    iterables = loaders.iterables if isinstance(loaders, CombinedLoader) else loaders
+    keys = list(iterables.keys()) if isinstance(iterables, dict) else None
+    which = f"a dict of {len(flattened)} loaders ({', '.join(map(str, keys))})" if keys else f"{len(flattened)} loaders"
+    return (
+        f"The training data is {which}. HeteroStrategy gives each rank its own share of one global batch and weights"
+        " its loss by that share; a loss combining batches of several loaders (each split in its own proportions) has"
+        " no weight that makes the update DDP's, so it would train differently without a word. Combine them into one"
+        " Dataset (one whose samples hold an item of each, or a ConcatDataset) and one DataLoader."
+    )
+
+
 def loader_batch_size(dataloader: DataLoader) -> Optional[int]:
     batch_sampler = dataloader.batch_sampler
     return getattr(batch_sampler, "batch_size", None) if batch_sampler is not None else None

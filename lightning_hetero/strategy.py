@@ -55,9 +55,11 @@ from lightning_hetero.data import (
     agreed_seed,
     describe_empty_epoch,
     describe_order,
+    describe_several_training_loaders,
     describe_unsupported_loader,
     loader_batch_size,
     local_seed,
+    only_loader,
     rebuild_loader,
 )
 from lightning_hetero.devices import DeviceFacts, collect_device_facts, same_model
@@ -654,6 +656,10 @@ class HeteroStrategy(DeepSpeedStrategy):
         # `train_dataloader()` runs once per fit, as under DDP (it may build a random dataset, as BoringModel's does).
         loader = _request_dataloader(source)
         _serve_once(source, loader)
+        several = describe_several_training_loaders(loader)
+        if several:
+            raise ValueError(several)
+        loader = only_loader(loader)  # (one loader in a dict or list: the one that is split and profiled)
         if isinstance(loader, DataLoader):
             problem = describe_unsupported_loader(loader, "training loader")
             if problem:

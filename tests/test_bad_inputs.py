@@ -182,6 +182,7 @@ SETUP = [
     (["--samples", "0"], "The training loader gives no training step: its dataset (or sampler) is empty"),
     (["--samples", "1", "--batch-sizes", "4", "4"], "it has 1 sample, fewer than the 2 ranks, so no step"),
     (["--samples", "7", "--drop-last"], "it has 7 samples, fewer than the global batch of 16, and `drop_last=True`"),
+    (["--two-loaders", "--batch-sizes", "8", "8"], "The training data is a dict of 2 loaders (first, second)."),
     (["--sync-batchnorm", "--batchnorm"], "`Trainer(sync_batchnorm=True)` needs CUDA: torch's SyncBatchNorm runs on"),
     (
         ["--hidden-on-rank-1", "16", "--batch-sizes", "8", "8"],

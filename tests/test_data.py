@@ -712,3 +712,18 @@ def test_evaluation_loaders_give_every_rank_the_same_number_of_samples_at_every_
     loaders = [rebuild_loader(user, [4] * world_size, rank, seed=0, pad=True) for rank in range(world_size)]
     batches = [list(loader) for loader in loaders]
     assert [[len(batches[rank][step]) for rank in range(world_size)] for step in range(len(batches[0]))] == per_rank
+
+
+def test_several_training_loaders_are_refused_and_one_inside_a_collection_is_used():
+    from lightning.pytorch.utilities import CombinedLoader
+
+    from lightning_hetero.data import describe_several_training_loaders, only_loader
+
+    first, second = DataLoader(list(range(8)), batch_size=2), DataLoader(list(range(8)), batch_size=4)
+    for single in (first, {"a": first}, [first], CombinedLoader({"a": first}, "max_size_cycle")):
+        assert describe_several_training_loaders(single) is None and only_loader(single) is first
+    assert "a dict of 2 loaders (a, b)" in describe_several_training_loaders({"a": first, "b": second})
+    assert "a dict of 2 loaders (a, b)" in describe_several_training_loaders(
+        CombinedLoader({"a": first, "b": second}, "max_size_cycle")
+    )
+    assert "is 2 loaders" in describe_several_training_loaders([first, second])

@@ -307,7 +307,8 @@ def main() -> None:
     parser.add_argument("--monitor", action="store_true", help="HeteroMonitor with a CSVLogger in --out")
     parser.add_argument("--signal-test", action="store_true", help="write PIDs at step 3 and every rank's exit code")
     parser.add_argument("--fail-in", choices=["training_step", "collate_fn"], default="training_step")
-    parser.add_argument("--iterable", action="store_true", help="train on an IterableDataset (must be refused)")
+    parser.add_argument("--iterable", action="store_true", help="train on an IterableDataset")
+    parser.add_argument("--two-loaders", action="store_true", help="a dict of two training loaders")
     parser.add_argument("--loader-in-hook", action="store_true", help="the model's train_dataloader() builds it")
     parser.add_argument("--samples-on-rank-1", type=int, help="a different training set length on rank 1")
     parser.add_argument("--seed-per-rank", action="store_true", help="seed_everything(7 + rank)")
@@ -414,6 +415,8 @@ def main() -> None:
         nan_rank, nan_step = map(int, args.nan_from.split(":"))
         if rank == nan_rank:
             model.training_step = non_finite_from(model, nan_step, args.nan_until)
+    if args.two_loaders:
+        train = {"first": train, "second": DataLoader(IndexedRegression(samples, seed=8), batch_size=4)}
     trainer.fit(model, None if args.loader_in_hook else train, val, ckpt_path=args.ckpt_path)
     if args.test_samples:
         trainer.test(model, DataLoader(IndexedRegression(args.test_samples, seed=5), batch_size=4), verbose=False)
