@@ -62,7 +62,14 @@ SETUP_MODEL = Internal(
     "a subclass override, nothing to put back",
 )  # fmt: skip
 
-INTERNALS = (SHM_OP_BUILDER, DEFAULT_STORE, *CHECKPOINT_WRITES, LAYER_SYNC, SETUP_MODEL)
+LIGHTNING_CHECKPOINT_LOAD = Internal(
+    "lightning.pytorch.core.saving", "pl_load", "patched", "export.py",
+    "the loader LightningModule.load_from_checkpoint calls: a HeteroStrategy checkpoint directory is read as the dict"
+    " of a Lightning .ckpt file (it raised IsADirectoryError); every other path goes to Lightning's loader",
+    "never: installed when the package is imported, and it only adds the directory case",
+)  # fmt: skip
+
+INTERNALS = (SHM_OP_BUILDER, DEFAULT_STORE, *CHECKPOINT_WRITES, LAYER_SYNC, SETUP_MODEL, LIGHTNING_CHECKPOINT_LOAD)
 
 
 def resolve(internal: Internal) -> Any:
@@ -74,6 +81,15 @@ def resolve(internal: Internal) -> Any:
         else:
             target = getattr(target, part)
     return target
+
+
+def replace(internal: Internal, replacement: Any) -> None:
+    """Put ``replacement`` where ``internal`` (a module-level name) was, for good."""
+    *path, name = internal.name.split(".")
+    owner: Any = importlib.import_module(internal.module)
+    for part in path:
+        owner = getattr(owner, part)
+    setattr(owner, name, replacement)
 
 
 @contextlib.contextmanager

@@ -82,6 +82,12 @@ def plan_text(
             f" (speedup {prediction['speedup']:.2f}x; communication and optimizer time come on top);"
             f" profiling took {max(p.wall_seconds for p in profiles):.2f} s"
         )
+    if len(set(plan.batch_sizes)) > 1:
+        summary += (
+            f"\nmetrics logged with `self.log(...)` without `sync_dist=True` are rank 0's: {plan.batch_sizes[0]} of"
+            f" the {plan.global_batch_size} samples of a step here; `sync_dist=True` averages over every rank, weighted"
+            " by its samples"
+        )
     return (
         f"HeteroStrategy plan ({plan.source}): global batch {plan.global_batch_size}, ZeRO stage {stage}\n"
         f"{format_plan_table(rows, columns)}{summary}"

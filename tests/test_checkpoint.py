@@ -328,3 +328,13 @@ def test_failed_writes_inside_deepspeeds_save_are_raised_after_its_collectives(t
     with pytest.raises(OSError, match="No space left"):
         deferred.raise_first()
     assert not engine.checkpoint_engine.__dict__ and set(engine.__dict__) == {"checkpoint_engine", "reached_barrier"}
+
+
+def test_a_damaged_checkpoint_directory_is_named_when_loaded_into_a_plain_model(tmp_path):
+    from lightning_hetero.export import is_hetero_checkpoint, lightning_checkpoint
+
+    path = write_checkpoint(tmp_path / "last.ckpt", 4)
+    flip_a_byte(path)
+    assert is_hetero_checkpoint(path) and not is_hetero_checkpoint(tmp_path) and not is_hetero_checkpoint(object())
+    with pytest.raises(ValueError, match="cannot be loaded: checkpoint/mp_rank_00_model_states.pt does not match"):
+        lightning_checkpoint(path)

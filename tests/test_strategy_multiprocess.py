@@ -22,9 +22,17 @@ from torch.utils.data import RandomSampler
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 
-from common import IndexedRegression, batch_loss, make_network, max_param_difference, reference_training  # noqa: E402
+from common import (  # noqa: E402
+    IndexedRegression,
+    RegressionModule,
+    batch_loss,
+    make_network,
+    max_param_difference,
+    reference_training,
+)
 from conftest import REPO, WORKERS, run_fit  # noqa: E402
 
+from lightning_hetero import save_as_lightning_checkpoint  # noqa: E402
 from lightning_hetero.stopping import EXIT_CODE_INTERRUPTED  # noqa: E402
 
 TOLERANCE = 1e-5
@@ -71,6 +79,14 @@ def test_uneven_batches_equal_one_process_and_resume_mid_epoch(stage, tmp_path):
     assert run_report["summary"]["steps"] == 2 and (tmp_path / "first" / "hetero" / "report.png").exists()
 
     (checkpoint,) = (tmp_path / "first" / "ckpt").iterdir()
+    # The checkpoint directory loads into a plain model (it raised IsADirectoryError) with the trained weights, and
+    # becomes one .ckpt file that any Lightning loads.
+    loaded = RegressionModule.load_from_checkpoint(checkpoint)
+    weights = {name.removeprefix("network."): value for name, value in loaded.named_parameters()}
+    assert max_param_difference(first.result, weights) == 0
+    as_file = save_as_lightning_checkpoint(checkpoint, tmp_path / "model.ckpt")
+    assert torch.load(as_file, weights_only=False)["global_step"] == 2
+    assert torch.equal(RegressionModule.load_from_checkpoint(as_file).network[0].weight, loaded.network[0].weight)
     resumed = run_fit(
         tmp_path / "resumed", *common, "--val-samples", "10", "--ckpt-path", str(checkpoint), "--loader-in-hook"
     )

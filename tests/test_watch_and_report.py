@@ -181,3 +181,12 @@ def test_the_monitor_refuses_another_strategy():
     trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
     with pytest.raises(ValueError, match="HeteroMonitor reads what HeteroStrategy measures.*SingleDeviceStrategy"):
         HeteroMonitor().on_train_start(trainer, None)
+
+
+def test_the_plan_says_whose_metrics_an_unsynced_log_shows_when_the_split_is_uneven():
+    from lightning_hetero.plan import SplitPlan
+    from lightning_hetero.report import plan_text
+
+    uneven = plan_text(SplitPlan((3, 13), "batch_sizes"), 2, ["cpu", "cpu"], ["32-true"] * 2)
+    assert "without `sync_dist=True` are rank 0's: 3 of the 16 samples of a step here" in uneven
+    assert "sync_dist" not in plan_text(SplitPlan((8, 8), "batch_sizes"), 2, ["cpu", "cpu"], ["32-true"] * 2)
