@@ -11,8 +11,11 @@ from collections.abc import Mapping, Sequence, Set
 from typing import Any
 
 ZERO_STAGES = (0, 1, 2, 3)
-# How each rank's loss relates to its micro-batch: "mean" over its samples (the usual `F.cross_entropy`), or "sum".
-LOSS_REDUCTIONS = ("mean", "sum")
+# How each rank's loss relates to its micro-batch: "mean" over its samples (the usual `F.cross_entropy`), "sum", or
+# "token_mean": a mean over a count the training step returns with it (tokens that are not padding).
+LOSS_REDUCTIONS = ("mean", "sum", "token_mean")
+# The key of training_step's output that holds that count, with loss_reduction="token_mean".
+TOKEN_COUNT_KEY = "num_tokens"
 
 
 def is_int(value: object) -> bool:
@@ -53,5 +56,27 @@ def check_loss_reduction(loss_reduction: Any) -> None:
         raise ValueError(
             f"`loss_reduction={loss_reduction!r}` is not one of {list(LOSS_REDUCTIONS)}: use \"mean\" when"
             ' `training_step` returns the mean over its batch (e.g. `F.cross_entropy(...)`), "sum" when it returns'
-            " the sum (e.g. `reduction=\"sum\"`)."
+            ' the sum (e.g. `reduction="sum"`), "token_mean" when it returns the mean over its tokens together with'
+            f' their count (`{{"loss": loss, "{TOKEN_COUNT_KEY}": n}}`).'
         )
+
+
+def token_count(output: Any) -> float:
+    """The token count a ``training_step`` returned under :data:`TOKEN_COUNT_KEY` (loss_reduction="token_mean")."""
+    count = output.get(TOKEN_COUNT_KEY) if isinstance(output, Mapping) else None
+    if hasattr(count, "item") and getattr(count, "numel", lambda: 1)() == 1:
+        count = count.item()
+    if not is_real(count) or count < 0 or count != count:
+        raise ValueError(
+            f"HeteroStrategy(loss_reduction='token_mean') needs `training_step` to return the number of tokens its"
+            f' loss is the mean over: `return {{"loss": loss, "{TOKEN_COUNT_KEY}": n}}` with n >= 0 (e.g. `(targets !='
+            f" ignore_index).sum()`); it returned {_describe_output(output)}."
+        )
+    return float(count)
+
+
+def _describe_output(output: Any) -> str:
+    if isinstance(output, Mapping):
+        shown = output.get(TOKEN_COUNT_KEY, "<missing>")
+        return f"a dict with keys {sorted(map(str, output))} and `{TOKEN_COUNT_KEY}={shown!r}`"
+    return f"a {type(output).__name__}"

@@ -51,11 +51,14 @@ def loss_weight(local_samples: int, global_samples: int, world_size: int, loss_r
     the mean over the rank's ``b_r`` samples (``loss_reduction="mean"``), DDP's update is the gradient of the mean over
     all ``B`` samples, so the rank counts ``b_r * W / B`` times its own mean. For a loss that is the sum over its
     samples (``"sum"``), DDP's update is the gradient of the global sum divided by ``W``: exactly DeepSpeed's
-    average of the ranks' sums, so the factor is 1.
+    average of the ranks' sums, so the factor is 1. For ``"token_mean"`` the counts are tokens, not samples: a rank
+    whose loss is the mean over its ``n_r`` tokens counts ``n_r * W / N`` times, so the update is the gradient of the
+    mean over all ``N`` tokens of the global batch (what one process computes on it; DDP's average of per-rank token
+    means is not that when the ranks' token counts differ). ``N`` is 0 when no rank has a token: the factor is then 0.
     """
     if loss_reduction == "sum":
         return 1.0
-    return local_samples * world_size / global_samples
+    return local_samples * world_size / global_samples if global_samples else 0.0
 
 
 def split_by_weights(total: int, weights: Sequence[float], minimum: int = 1) -> list[int]:

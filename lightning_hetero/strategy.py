@@ -37,7 +37,7 @@ from typing_extensions import override
 
 from lightning_hetero import checkpoint, elastic, failures, liveness, precision, quiet, report, startup, topology
 from lightning_hetero import compression as compress
-from lightning_hetero.arguments import check_loss_reduction, check_stage
+from lightning_hetero.arguments import check_loss_reduction, check_stage, token_count
 from lightning_hetero.buffers import BufferSync
 from lightning_hetero.configure import (
     check_config_argument,
@@ -212,6 +212,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         self.max_nonfinite_steps = max_nonfinite_steps
         self._nonfinite = NonFiniteGuard(max_nonfinite_steps, self._all_gather_tensor)
         self._buffer_sync: Optional[BufferSync] = None
+        self._step_tokens: Optional[float] = None  # loss_reduction="token_mean": this rank's count in this batch
         self._watchdog: Optional[liveness.PeerWatchdog] = None
         self._writer_locks: dict[Path, checkpoint.WriterLock] = {}  # rank 0's, per checkpoint directory
         self._stop_on_sigterm: Optional[StopOnSigterm] = None
@@ -463,6 +464,13 @@ class HeteroStrategy(DeepSpeedStrategy):
                 empty = describe_empty_epoch(loader, global_batch_size, self.world_size, "training loader")
                 if empty:  # (before profiling, which needs samples)
                     raise ValueError(empty)
+            if fitting and self.loss_reduction == "token_mean" and not self.lightning_module.automatic_optimization:
+                raise ValueError(
+                    "`HeteroStrategy(loss_reduction='token_mean')` weights each rank's loss by its tokens before"
+                    " backward, but with manual optimization `training_step` runs its own backward first. Weight the"
+                    " loss yourself (by this rank's tokens times the world size over all ranks' tokens) and use"
+                    " loss_reduction='sum', or use automatic optimization."
+                )
             facts = collect_device_facts(self.root_device)
             rank_precision = self._rank_precision(facts)  # may refuse this rank's device: raised on every rank
             profile = None
@@ -718,7 +726,10 @@ class HeteroStrategy(DeepSpeedStrategy):
             "device": self.device_facts[self.global_rank].to_dict(),
             "precision": self.precisions[self.global_rank],
             "plan": plan,
-            "loss_weight": self.plan.loss_weight(self.global_rank, self.loss_reduction),
+            # (a token mean's weight is taken from each batch's token counts)
+            "loss_weight": None if self.loss_reduction == "token_mean" else self.plan.loss_weight(
+                self.global_rank, self.loss_reduction
+            ),
             "loss_reduction": self.loss_reduction,
             "profile": self.profiles[self.global_rank].to_dict() if self.profiles else None,
             "deepspeed_config": self.config,
@@ -811,7 +822,16 @@ class HeteroStrategy(DeepSpeedStrategy):
 
     def current_loss_weight(self) -> float:
         """The loss weight of the batch being trained on (the last global batch may be shorter): ``b_r * W / B``
-        for a mean loss, 1 for a summed one."""
+        for a mean loss, 1 for a summed one, ``n_r * W / N`` in tokens for a token mean (one all-reduce of the
+        ranks' token counts per batch)."""
+        if self.loss_reduction == "token_mean":
+            if self._step_tokens is None:
+                raise RuntimeError("HeteroStrategy: the token count of this batch is unknown (no training_step ran).")
+            counts = torch.tensor([self._step_tokens], dtype=torch.float64, device=self.root_device)
+            if self.world_size > 1:
+                self._before_collective()
+                torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.SUM)
+            return loss_weight(self._step_tokens, float(counts.item()), self.world_size, self.loss_reduction)
         if self._batch_samples is not None:
             return loss_weight(*self._batch_samples, self.world_size, self.loss_reduction)
         if self.plan is not None:
@@ -883,11 +903,15 @@ class HeteroStrategy(DeepSpeedStrategy):
             # A drift schedule: the emulated device's speed from this optimizer step on.
             assert self.lightning_module is not None
             self._emulator.speed = self._speed_schedule.at(self.lightning_module.trainer.global_step)[self.global_rank]
+        self._step_tokens = None
         with self._weighted_sync(), self._emulated(), self.communication.counting():
             if self._buffer_sync:  # rank 0's buffers on every rank before the forward, as DDP's broadcast_buffers
                 self._before_collective()
                 self._buffer_sync.sync()
-            return super().training_step(*args, **kwargs)
+            output = super().training_step(*args, **kwargs)
+        if self.loss_reduction == "token_mean":
+            self._step_tokens = token_count(output)  # the weight needs it before backward
+        return output
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -39,7 +39,7 @@ CONSTRUCTOR = [
     ({"emulate_speeds": 0.4}, "`emulate_speeds=0.4` is not a list"),
     ({"emulate_speeds": [1.0, 1.5]}, "`emulate_speeds=[1.0, 1.5]` holds [1.5]"),
     ({"emulate_speeds": [1.0, 0]}, "`emulate_speeds=[1.0, 0]` holds [0]"),
-    ({"loss_reduction": "avg"}, "`loss_reduction='avg'` is not one of ['mean', 'sum']"),
+    ({"loss_reduction": "avg"}, "`loss_reduction='avg'` is not one of ['mean', 'sum', 'token_mean']"),
     ({"rebalance": "auto"}, "`rebalance='auto'` must be True, False or None"),
     ({"rebalance_window": 0}, "`rebalance_window=0` must be a positive integer"),
     ({"rebalance_threshold": -0.05}, "`rebalance_threshold=-0.05` must be a finite number >= 0"),
@@ -182,6 +182,14 @@ SETUP = [
     (["--samples", "0"], "The training loader gives no training step: its dataset (or sampler) is empty"),
     (["--samples", "1", "--batch-sizes", "4", "4"], "it has 1 sample, fewer than the 2 ranks, so no step"),
     (["--samples", "7", "--drop-last"], "it has 7 samples, fewer than the global batch of 16, and `drop_last=True`"),
+    (
+        ["--loss-reduction", "token_mean", "--model-reduction", "mean", "--batch-sizes", "8", "8"],
+        "needs `training_step` to return the number of tokens its loss is the mean over",
+    ),
+    (
+        ["--loss-reduction", "token_mean", "--model-reduction", "mean", "--manual"],
+        "with manual optimization `training_step` runs its own backward",
+    ),
     (["--two-loaders", "--batch-sizes", "8", "8"], "The training data is a dict of 2 loaders (first, second)."),
     (["--sync-batchnorm", "--batchnorm"], "`Trainer(sync_batchnorm=True)` needs CUDA: torch's SyncBatchNorm runs on"),
     (

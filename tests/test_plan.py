@@ -300,3 +300,17 @@ def test_numpy_integers_are_accepted_as_batch_sizes():
 def test_giving_both_batch_sizes_and_weights_is_reported_before_their_lengths():
     with pytest.raises(ValueError, match="both `batch_sizes"):
         resolve_split(3, 32, batch_sizes=[8, 24], weights=[1.0, 1.0])
+
+
+def test_a_token_mean_is_weighted_by_tokens_and_counted_outside_the_loss():
+    import torch
+
+    from lightning_hetero.arguments import token_count
+    from lightning_hetero.plan import loss_weight
+
+    assert loss_weight(30, 40, 2, "token_mean") == 1.5 and loss_weight(10, 40, 2, "token_mean") == 0.5
+    assert loss_weight(0, 0, 2, "token_mean") == 0.0  # no token anywhere: nothing to learn from this batch
+    assert token_count({"loss": 1.0, "num_tokens": torch.tensor(7)}) == 7.0 and token_count({"num_tokens": 0}) == 0
+    for bad in (torch.tensor(1.0), {"loss": 1.0}, {"num_tokens": -1}, {"num_tokens": torch.ones(2)}):
+        with pytest.raises(ValueError, match="needs `training_step` to return the number of tokens"):
+            token_count(bad)

@@ -412,3 +412,22 @@ def test_a_summed_loss_left_at_loss_reduction_mean_is_said_by_the_profile(tmp_pa
     assert run.returncode == 0, run.output[-3000:]
     assert "loss doubles when its batch is given twice (the profile measured 2.00, 2.00)" in run.output
     assert "Pass `HeteroStrategy(loss_reduction='sum')`" in run.output
+
+
+@pytest.mark.multiprocess
+def test_a_token_mean_loss_with_loss_reduction_token_mean_equals_one_process(tmp_path):
+    """Padded sequences with 1 to 6 tokens each, cross_entropy with ignore_index (a mean over tokens), micro-batches
+    3/5: with loss_reduction="token_mean" and the count returned beside the loss, every update is the gradient of the
+    mean over all tokens of the global batch, as one process computes it."""
+    from common import PaddedTokens, token_reference_training
+
+    run = run_fit(tmp_path, "--tokens", "--samples", "48", "--batch-sizes", "3", "5", "--loss-reduction", "token_mean")
+    assert run.returncode == 0, run.output[-3000:]
+    dataset, steps = PaddedTokens(48), contiguous_steps(48, 8, 6)
+    reference = token_reference_training(dataset, steps)
+    difference = max_param_difference(run.result, reference)
+    print(f"largest parameter difference from one process: {difference:.1e}")
+    assert difference <= TOLERANCE
+    # What weighting each rank's token mean by its samples would have trained (the test can tell them apart).
+    by_samples = token_reference_training(dataset, steps, weights_by_samples=[3, 5])
+    assert max((by_samples[name] - reference[name]).abs().max().item() for name in reference) > 100 * TOLERANCE

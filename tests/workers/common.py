@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from lightning.pytorch import LightningModule
 from torch import nn
@@ -233,3 +235,81 @@ def full_data_loss(dataset: IndexedRegression, flat_parameters: torch.Tensor) ->
     torch.nn.utils.vector_to_parameters(flat_parameters.float(), network.parameters())
     with torch.no_grad():
         return batch_loss(network, dataset.x, dataset.y).item()
+
+
+IGNORE = -100
+VOCABULARY, SEQUENCE = 11, 6
+
+
+class PaddedTokens(Dataset):
+    """Token sequences of different lengths, padded to SEQUENCE: targets past each length are IGNORE (as a collator
+    pads them), so samples carry from 1 to SEQUENCE tokens that count in the loss. Items carry their index."""
+
+    def __init__(self, num_samples: int = 48, seed: int = 3) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.inputs = torch.randint(0, VOCABULARY, (num_samples, SEQUENCE), generator=generator)
+        self.targets = torch.randint(0, VOCABULARY, (num_samples, SEQUENCE), generator=generator)
+        lengths = torch.randint(1, SEQUENCE + 1, (num_samples,), generator=generator)
+        self.targets[torch.arange(SEQUENCE)[None, :] >= lengths[:, None]] = IGNORE
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+    def __getitem__(self, index: int):
+        return self.inputs[index], self.targets[index], index
+
+
+def make_token_network(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Embedding(VOCABULARY, 8), nn.Tanh(), nn.Linear(8, VOCABULARY))
+
+
+def token_loss(network: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean over the tokens that are not padding (cross_entropy with ignore_index)."""
+    logits = network(inputs)
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCABULARY), targets.reshape(-1), ignore_index=IGNORE)
+
+
+class TokenModule(LightningModule):
+    """A token-level mean loss over padded sequences; returns its token count for loss_reduction="token_mean"."""
+
+    def __init__(self, lr: float = 0.5) -> None:
+        super().__init__()
+        self.network = make_token_network()
+        self.lr = lr
+        self.seen: list[int] = []
+        self.emulated_delay: list = []
+        self.eval_seen: list[int] = []
+        self.buffer_trace: list = []
+        self.gathered_shapes: dict = {}
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.seen.extend(batch[2].tolist())
+
+    def training_step(self, batch, batch_idx):
+        inputs, targets, index = batch
+        return {"loss": token_loss(self.network, inputs, targets), "num_tokens": (targets != IGNORE).sum()}
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def token_reference_training(
+    dataset: PaddedTokens, steps: list[list[int]], lr: float = 0.5, weights_by_samples: Optional[list[int]] = None
+):
+    """One process on whole global batches: SGD on the mean over all tokens of each global batch. With
+    ``weights_by_samples`` (the micro-batches), each rank's token mean weighted by its samples instead."""
+    network = make_token_network()
+    optimizer = torch.optim.SGD(network.parameters(), lr=lr)
+    for indices in steps:
+        optimizer.zero_grad()
+        if weights_by_samples is None:
+            token_loss(network, dataset.inputs[indices], dataset.targets[indices]).backward()
+        else:
+            begin = 0
+            for size in weights_by_samples:
+                part = indices[begin : begin + size]
+                begin += size
+                (token_loss(network, dataset.inputs[part], dataset.targets[part]) * size / len(indices)).backward()
+        optimizer.step()
+    return {name: p.detach().clone() for name, p in network.named_parameters()}

@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
-from common import IndexedRegression, RegressionModule  # noqa: E402
+from common import IndexedRegression, PaddedTokens, RegressionModule, TokenModule  # noqa: E402
 from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
@@ -280,7 +280,8 @@ def main() -> None:
     parser.add_argument("--drop-last", action="store_true")
     parser.add_argument("--manual", action="store_true")
     parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches (manual: done in the step)")
-    parser.add_argument("--loss-reduction", choices=["mean", "sum"], help="HeteroStrategy(loss_reduction=...)")
+    parser.add_argument("--loss-reduction", choices=["mean", "sum", "token_mean"],
+                        help="HeteroStrategy(loss_reduction=...)")
     parser.add_argument("--model-reduction", choices=["mean", "sum"], help="the model's loss (default: as above)")
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--val-samples", type=int, default=0)
@@ -309,6 +310,7 @@ def main() -> None:
     parser.add_argument("--fail-in", choices=["training_step", "collate_fn"], default="training_step")
     parser.add_argument("--iterable", action="store_true", help="train on an IterableDataset")
     parser.add_argument("--two-loaders", action="store_true", help="a dict of two training loaders")
+    parser.add_argument("--tokens", action="store_true", help="padded token sequences and a token-mean loss")
     parser.add_argument("--loader-in-hook", action="store_true", help="the model's train_dataloader() builds it")
     parser.add_argument("--samples-on-rank-1", type=int, help="a different training set length on rank 1")
     parser.add_argument("--seed-per-rank", action="store_true", help="seed_everything(7 + rank)")
@@ -325,7 +327,7 @@ def main() -> None:
     rank = int(os.environ.get("LOCAL_RANK", 0))
     seed_everything(7 + rank if args.seed_per_rank else 7)
     samples = args.samples_on_rank_1 if args.samples_on_rank_1 and rank == 1 else args.samples
-    dataset = IndexedRegression(samples)
+    dataset = PaddedTokens(samples) if args.tokens else IndexedRegression(samples)
     if args.iterable:
         dataset = IterableWrapper(dataset)
     train = DataLoader(dataset, batch_size=args.loader_batch_size, shuffle=args.shuffle, drop_last=args.drop_last)
@@ -398,6 +400,8 @@ def main() -> None:
         optimizer=args.optimizer,
         batchnorm=args.batchnorm,
     )
+    if args.tokens:
+        model = TokenModule()
     model._trace_buffers = args.batchnorm
     model.gather_in_eval = args.gather_in_eval
     if args.fail_on_rank is not None and rank == args.fail_on_rank:
