@@ -322,11 +322,13 @@ _KEPT_LOADER_SETTINGS = (
 def describe_unsupported_loader(dataloader: DataLoader, name: str) -> Optional[str]:
     """Why this loader cannot be split by HeteroStrategy, or None when it can."""
     if isinstance(dataloader.dataset, IterableDataset):
-        return (
-            f"The {name} uses an IterableDataset ({type(dataloader.dataset).__name__}). HeteroStrategy splits every"
-            " global batch by sample index, which needs a map-style dataset (`__getitem__` and `__len__`). Wrap the"
-            " data in a map-style Dataset, or use Lightning's DeepSpeedStrategy for streams."
-        )
+        if dataloader.batch_size is None:
+            return (
+                f"The {name} has an IterableDataset ({type(dataloader.dataset).__name__}) and `batch_size=None`:"
+                " HeteroStrategy forms each rank's micro-batch from the samples its stream yields. Give the loader a"
+                " `batch_size` (and a stream of single samples)."
+            )
+        return None  # each rank takes its micro-batch from its own stream (see lightning_hetero.streams)
     batch_sampler = dataloader.batch_sampler
     if batch_sampler is None:
         return (

@@ -23,7 +23,7 @@ import psutil
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_hetero.emulate import SlowdownEmulator, compute_clock
 from lightning_hetero.plan import CostModel
@@ -356,14 +356,23 @@ def profile_from_loader(
     emulator: Optional[SlowdownEmulator] = None,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> RankProfile:
-    """:func:`profile_training_step` on samples of the training ``loader`` (read from its dataset directly), with the
-    device's free memory for the ceiling. The loader must be a map-style ``DataLoader``."""
+    """:func:`profile_training_step` on samples of the training ``loader`` (read from its dataset directly, or the first
+    ones of a stream), with the device's free memory for the ceiling."""
     if not isinstance(loader, DataLoader):
         raise ValueError(
             f"The automatic split profiles the model on samples of the training DataLoader, got"
             f" {type(loader).__name__}. Pass `batch_sizes=[...]` or `weights=[...]`."
         )
     dataset, collate = loader.dataset, loader.collate_fn
+    if isinstance(dataset, IterableDataset):
+        # A stream has no indices: the first samples of a fresh iterator of it (each rank's own stream), repeated as
+        # needed; the training's iterators are made later and are not touched.
+        dataset = list(itertools.islice(iter(dataset), max(batch_sizes)))
+        if not dataset:
+            raise ValueError(
+                "The training loader's IterableDataset yielded no sample to profile the training step with. Give it"
+                " samples, or pass `batch_sizes=[...]` or `weights=[...]`."
+            )
 
     def make_batch(size: int, times: int = 1) -> Any:
         return move_data_to_device(collate([dataset[i % len(dataset)] for i in range(size)] * times), device)

@@ -10,11 +10,10 @@ checkpoint takes up the split the checkpoint recorded first, when re-planning is
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_hetero.data import HeteroDataLoader
 from lightning_hetero.replan import Rebalancer, Replan
 from lightning_hetero.watch import RunWatch, TensorGather
 
@@ -37,7 +36,7 @@ class SplitFollower:
         self.rebalancer = rebalancer
         self._all_gather = all_gather
         self._on_switch = on_switch
-        self.loader: Optional[HeteroDataLoader] = None
+        self.loader: Optional[Any] = None  # the training loader: a HeteroDataLoader or a HeteroStreamLoader
         self.decision_seconds = 0.0  # what deciding cost this rank (the run report counts it with the exchanges)
 
     @property

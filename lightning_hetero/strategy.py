@@ -83,6 +83,7 @@ from lightning_hetero.rebalance import SplitFollower
 from lightning_hetero.replan import DEFAULT_THRESHOLD, DEFAULT_WINDOW, Rebalancer, check_rebalance_arguments
 from lightning_hetero.shutdown import exit_with_if_uncaught, register_exit_cleanup
 from lightning_hetero.stopping import StopOnSigterm, all_reduce_max, exit_code_for
+from lightning_hetero.streams import HeteroStreamLoader, is_stream
 from lightning_hetero.watch import RunWatch, StepMeter
 
 # Arguments of DeepSpeedStrategy that only build its default DeepSpeed config: a user config replaces them all.
@@ -213,6 +214,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         self._nonfinite = NonFiniteGuard(max_nonfinite_steps, self._all_gather_tensor)
         self._buffer_sync: Optional[BufferSync] = None
         self._step_tokens: Optional[float] = None  # loss_reduction="token_mean": this rank's count in this batch
+        self._training_stream: Optional[HeteroStreamLoader] = None  # the training loader, when it reads a stream
         self._watchdog: Optional[liveness.PeerWatchdog] = None
         self._writer_locks: dict[Path, checkpoint.WriterLock] = {}  # rank 0's, per checkpoint directory
         self._stop_on_sigterm: Optional[StopOnSigterm] = None
@@ -238,6 +240,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         self._user_use_distributed_sampler: Optional[bool] = None
         # (local, global) sample counts of the batch the loop is working on, told by the HeteroDataLoader.
         self._batch_samples: Optional[tuple[int, int]] = None
+        self._eval_batch_samples: Optional[tuple[int, int]] = None  # (those of a map-style evaluation loader)
         self._sync_weight: Optional[int] = None
         self._data_seed: Optional[int] = None  # rank 0's seed_everything seed: the data order of every rank
         self._said_order_is_kept = False
@@ -460,7 +463,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         def measure() -> tuple[None, dict[str, Any]]:
             loader = self._training_loader(trainer) if fitting else None
             global_batch_size = self._global_batch_size(loader) if fitting else None
-            if isinstance(loader, DataLoader):
+            if isinstance(loader, DataLoader) and not is_stream(loader):
                 empty = describe_empty_epoch(loader, global_batch_size, self.world_size, "training loader")
                 if empty:  # (before profiling, which needs samples)
                     raise ValueError(empty)
@@ -700,6 +703,11 @@ class HeteroStrategy(DeepSpeedStrategy):
         torch.distributed.all_gather(gathered, local)
         return [part.cpu() for part in gathered]
 
+    def _gather_counts(self, count: int) -> list[int]:
+        """Every rank's sample count for this step of a stream (one small gather per step)."""
+        self._before_collective()
+        return [int(part.item()) for part in self._all_gather_tensor(torch.tensor([count], dtype=torch.int64))]
+
     def _all_gather(self, obj: Any) -> list[Any]:
         if self.world_size == 1:
             return [obj]
@@ -752,7 +760,7 @@ class HeteroStrategy(DeepSpeedStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        if not isinstance(dataloader, DataLoader) or isinstance(dataloader, HeteroDataLoader):
+        if not isinstance(dataloader, DataLoader) or isinstance(dataloader, (HeteroDataLoader, HeteroStreamLoader)):
             return dataloader
         assert self.lightning_module is not None
         trainer = self.lightning_module.trainer
@@ -762,7 +770,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         training = stage == RunningStage.TRAINING
         name = "training loader" if training else f"{stage.dataloader_prefix if stage else 'evaluation'} loader"
 
-        def rebuild() -> tuple[HeteroDataLoader, dict[str, Any]]:
+        def rebuild() -> tuple[Union[HeteroDataLoader, HeteroStreamLoader], dict[str, Any]]:
             problem = describe_unsupported_loader(dataloader, name)
             if problem:
                 raise ValueError(problem)
@@ -774,13 +782,20 @@ class HeteroStrategy(DeepSpeedStrategy):
                 # multiple of the ranks, so that every step gives every rank the same number of samples (a user's
                 # `self.all_gather` of predictions needs equal shapes; uneven ones abort inside gloo).
                 batch_sizes = [loader_batch_size(dataloader) or 1] * self.world_size
+            if is_stream(dataloader):  # each rank takes its micro-batch from its own stream
+                # (its counts are taken as each training step begins; see training_step)
+                stream = HeteroStreamLoader(
+                    dataloader, batch_sizes, self.global_rank, self._gather_counts, lambda: trainer.current_epoch,
+                    on_draw=None if training else self._forget_evaluation_counts,
+                )  # fmt: skip
+                return stream, {"stream_dataset": type(dataloader.dataset).__name__}
             seed = self._data_seed if self._data_seed is not None else local_seed()
             loader = rebuild_loader(
                 dataloader,
                 batch_sizes,
                 self.global_rank,
                 seed,
-                on_batch=self._on_training_batch if training else self._on_batch,
+                on_batch=self._on_training_batch if training else self._on_evaluation_batch,
                 on_fetch=self._follower.before_fetch if training and self._follower is not None else None,
                 pad=not training,
             )
@@ -789,6 +804,8 @@ class HeteroStrategy(DeepSpeedStrategy):
         loader, orders = self._gather_or_raise(f"preparing the {name}", rebuild)
         if training and self._follower is not None:
             self._follower.loader = loader
+        if training:
+            self._training_stream = loader if isinstance(loader, HeteroStreamLoader) else None
         lines = config_disagreements(orders)
         if lines:
             raise ValueError(
@@ -796,7 +813,7 @@ class HeteroStrategy(DeepSpeedStrategy):
                 " dataset with the same sampler: the strategy cuts one epoch order into per-rank slices, so different"
                 " data would use some samples twice and others never, or make the ranks run different numbers of steps."
             )
-        user_sampler = loader.hetero_batch_sampler.sampler.user_sampler
+        user_sampler = getattr(getattr(loader.hetero_batch_sampler, "sampler", None), "user_sampler", None)
         if training and isinstance(user_sampler, SequentialSampler) and not self._said_order_is_kept:
             self._said_order_is_kept = True
             rank_zero_info(
@@ -813,6 +830,12 @@ class HeteroStrategy(DeepSpeedStrategy):
 
     def _on_batch(self, local_samples: int, global_samples: int) -> None:
         self._batch_samples = (local_samples, global_samples)
+
+    def _on_evaluation_batch(self, local_samples: int, global_samples: int) -> None:
+        self._eval_batch_samples = (local_samples, global_samples)
+
+    def _forget_evaluation_counts(self) -> None:
+        self._eval_batch_samples = None
 
     def _on_training_batch(self, local_samples: int, global_samples: int) -> None:
         self._on_batch(local_samples, global_samples)
@@ -890,8 +913,11 @@ class HeteroStrategy(DeepSpeedStrategy):
         return self._emulator.slowed() if self._emulator is not None else contextlib.nullcontext()
 
     @contextlib.contextmanager
-    def _weighted_sync(self) -> Iterator[None]:
-        self._sync_weight = self._batch_samples[0] if self._batch_samples is not None else None
+    def _weighted_sync(self, evaluating: bool = False) -> Iterator[None]:
+        # An evaluation batch's counts come from its map-style loader as it is handed over; a stream's evaluation
+        # batches are read ahead and carry none: their metrics are a plain mean over ranks, as under DDP.
+        samples = self._eval_batch_samples if evaluating else self._batch_samples
+        self._sync_weight = samples[0] if samples is not None else None
         try:
             yield
         finally:
@@ -904,6 +930,11 @@ class HeteroStrategy(DeepSpeedStrategy):
             assert self.lightning_module is not None
             self._emulator.speed = self._speed_schedule.at(self.lightning_module.trainer.global_step)[self.global_rank]
         self._step_tokens = None
+        if self._training_stream is not None:
+            # Lightning drew this batch a step ahead: the step starts, and takes its counts, now.
+            if self._follower is not None:
+                self._follower.before_fetch()
+            self._on_training_batch(*self._training_stream.batch_trained())
         with self._weighted_sync(), self._emulated(), self.communication.counting():
             if self._buffer_sync:  # rank 0's buffers on every rank before the forward, as DDP's broadcast_buffers
                 self._before_collective()
@@ -915,12 +946,12 @@ class HeteroStrategy(DeepSpeedStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._weighted_sync():
+        with self._weighted_sync(evaluating=True):
             return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._weighted_sync():
+        with self._weighted_sync(evaluating=True):
             return super().test_step(*args, **kwargs)
 
     @override

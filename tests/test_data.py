@@ -593,8 +593,9 @@ def test_rebuild_loader_keeps_collate_and_drop_last_without_workers():
 
 
 def test_describe_unsupported_loader():
-    message = describe_unsupported_loader(DataLoader(Stream(), batch_size=2), "training loader")
-    assert "training loader" in message and "IterableDataset" in message and "Stream" in message
+    assert describe_unsupported_loader(DataLoader(Stream(), batch_size=2), "training loader") is None  # a stream
+    message = describe_unsupported_loader(DataLoader(Stream(), batch_size=None), "training loader")
+    assert "training loader" in message and "IterableDataset (Stream) and `batch_size=None`" in message
     message = describe_unsupported_loader(DataLoader(Indexed(8), batch_size=None), "val loader")
     assert "val loader" in message and "batch_size=None" in message
 

@@ -183,10 +183,28 @@ def test_a_failure_on_one_rank_during_profiling_stops_every_rank(tmp_path):
     assert "setup failed on rank 1 (RuntimeError: training_step failed on this rank only)" in run.output
 
 
-def test_iterable_dataset_is_refused_on_every_rank(tmp_path):
-    run = run_fit(tmp_path, "--iterable", timeout=120)
-    assert run.returncode != 0
-    assert run.output.count("uses an IterableDataset") >= 2, run.output[-4000:]
+@pytest.mark.multiprocess
+def test_an_iterable_dataset_takes_each_micro_batch_from_the_ranks_own_stream_and_resumes_exactly(tmp_path):
+    """Each rank's stream yields its half of 64 samples (index modulo 2). Micro-batches 3/13: three steps per epoch
+    (the third gives rank 1 its last 6), then rank 1's stream is empty and the epoch ends for both; rank 0's 3 samples
+    drawn for that step are not used, and that is said. Every step equals one process on the samples the ranks got
+    (weighted by the counts), across a checkpoint mid-epoch (each stream skips what it had given)."""
+    common = ["--iterable", "--samples", "64", "--batch-sizes", "3", "13"]
+    first = run_fit(tmp_path / "first", *common, "--max-steps", "2", "--checkpoint-every", "2", warnings=True)
+    assert first.returncode == 0, first.output[-3000:]
+    (checkpoint,) = (tmp_path / "first" / "ckpt").iterdir()
+    resumed = run_fit(tmp_path / "resumed", *common, "--max-epochs", "2", "--ckpt-path", str(checkpoint),
+                      warnings=True)  # fmt: skip
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    evens, odds = list(range(0, 64, 2)), list(range(1, 64, 2))
+    epoch = [evens[0:3] + odds[0:13], evens[3:6] + odds[13:26], evens[6:9] + odds[26:32]]
+    assert first.result["seen"] == [evens[0:6], odds[0:26]]
+    assert resumed.result["seen"] == [evens[6:9] + evens[0:9], odds[26:32] + odds[0:32]]
+    assert resumed.result["global_step"] == 6
+    assert "the 3 samples drawn for that step are not trained on" in first.output + resumed.output
+    difference = max_param_difference(resumed.result, reference_training(IndexedRegression(64), epoch * 2))
+    print(f"largest parameter difference from one process: {difference:.1e}")
+    assert difference <= TOLERANCE
 
 
 def test_automatic_split_finds_an_emulated_slow_rank_and_leaves_training_unchanged(tmp_path):

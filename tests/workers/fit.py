@@ -25,12 +25,15 @@ from torch.utils.data import DataLoader, IterableDataset  # noqa: E402
 from lightning_hetero import HeteroMonitor, HeteroStrategy  # noqa: E402
 
 
-class IterableWrapper(IterableDataset):
-    def __init__(self, dataset) -> None:
-        self.dataset = dataset
+class ShardedStream(IterableDataset):
+    """A stream that shards itself by rank, as an IterableDataset under DDP does: rank r yields the samples whose
+    index is r modulo the world size, in order."""
+
+    def __init__(self, dataset, rank: int, world_size: int) -> None:
+        self.dataset, self.rank, self.world_size = dataset, rank, world_size
 
     def __iter__(self):
-        return (self.dataset[i] for i in range(len(self.dataset)))
+        return (self.dataset[i] for i in range(self.rank, len(self.dataset), self.world_size))
 
 
 def failing_step(batch, batch_idx):
@@ -329,7 +332,7 @@ def main() -> None:
     samples = args.samples_on_rank_1 if args.samples_on_rank_1 and rank == 1 else args.samples
     dataset = PaddedTokens(samples) if args.tokens else IndexedRegression(samples)
     if args.iterable:
-        dataset = IterableWrapper(dataset)
+        dataset = ShardedStream(dataset, rank, args.devices)
     train = DataLoader(dataset, batch_size=args.loader_batch_size, shuffle=args.shuffle, drop_last=args.drop_last)
     val = DataLoader(IndexedRegression(args.val_samples, seed=99), batch_size=4) if args.val_samples else None
 
