@@ -35,7 +35,18 @@ from torch import Tensor
 from torch.utils.data import DataLoader, SequentialSampler
 from typing_extensions import override
 
-from lightning_hetero import checkpoint, elastic, failures, liveness, precision, quiet, report, startup, topology
+from lightning_hetero import (
+    checkpoint,
+    elastic,
+    failures,
+    liveness,
+    precision,
+    quiet,
+    report,
+    resume_lightning,
+    startup,
+    topology,
+)
 from lightning_hetero import compression as compress
 from lightning_hetero.arguments import check_loss_reduction, check_stage, token_count
 from lightning_hetero.buffers import BufferSync
@@ -51,6 +62,7 @@ from lightning_hetero.configure import (
 )
 from lightning_hetero.data import (
     STATE_SAMPLES_CONSUMED,
+    GlobalOrder,
     HeteroDataLoader,
     agreed_seed,
     describe_empty_epoch,
@@ -215,6 +227,8 @@ class HeteroStrategy(DeepSpeedStrategy):
         self._buffer_sync: Optional[BufferSync] = None
         self._step_tokens: Optional[float] = None  # loss_reduction="token_mean": this rank's count in this batch
         self._training_stream: Optional[HeteroStreamLoader] = None  # the training loader, when it reads a stream
+        self._optimizer_parameters: list[tuple[str, Any]] = []
+        self._requested_training_loader: Any = None  # the user's, as requested at setup (before it is rebuilt)
         self._watchdog: Optional[liveness.PeerWatchdog] = None
         self._writer_locks: dict[Path, checkpoint.WriterLock] = {}  # rank 0's, per checkpoint directory
         self._stop_on_sigterm: Optional[StopOnSigterm] = None
@@ -564,6 +578,15 @@ class HeteroStrategy(DeepSpeedStrategy):
         return super()._setup_model(model)
 
     @override
+    def _setup_model_and_optimizer(self, model: Any, optimizer: Any, lr_scheduler: Any = None) -> Any:
+        # The optimizer's parameters in its own order, before DeepSpeed replaces them with flat partitions: what a
+        # torch optimizer state saved by another strategy is indexed by (see resume_lightning).
+        names = {id(p): n for n, p in self.lightning_module.named_parameters()} if self.lightning_module else {}
+        groups = optimizer.param_groups if optimizer is not None else []
+        self._optimizer_parameters = [(names.get(id(p), ""), p) for g in groups for p in g["params"]]
+        return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
+
+    @override
     def init_deepspeed(self) -> None:
         super().init_deepspeed()
         if isinstance(self.precision_plugin, HeteroPrecision):
@@ -675,6 +698,7 @@ class HeteroStrategy(DeepSpeedStrategy):
             problem = describe_unsupported_loader(loader, "training loader")
             if problem:
                 raise ValueError(problem)
+        self._requested_training_loader = loader
         return loader
 
     def _global_batch_size(self, loader: Any) -> int:
@@ -1094,8 +1118,42 @@ class HeteroStrategy(DeepSpeedStrategy):
         trainer.save_checkpoint(path)
         rank_zero_info(f"HeteroStrategy: stopped by SIGTERM at step {trainer.global_step}; saved {path}.")
 
+    def _resume_from_lightning_file(self, path: Path) -> dict[str, Any]:
+        """Continue from a Lightning checkpoint file another strategy wrote (see :mod:`~.resume_lightning`)."""
+        saved = resume_lightning.read_lightning_checkpoint(path)  # every rank reads it: none waits for another
+        module, engine = self.lightning_module, self.deepspeed_engine
+        assert module is not None
+        resume_lightning.load_module_weights(module, saved["state_dict"], strict=module.strict_loading)
+        optimizer_states = saved.get("optimizer_states") or []
+        if optimizer_states and engine.optimizer is not None and self._optimizer_parameters:
+            resume_lightning.load_optimizer_state(
+                engine, self._optimizer_parameters, optimizer_states[0], saved["state_dict"]
+            )
+        elif engine.optimizer is not None:
+            rank_zero_warn(f"HeteroStrategy: {path} holds no optimizer state; the optimizer starts afresh.")
+        # The training loader is built after the restore: its state goes where Lightning hands it over then.
+        loader = self._requested_training_loader
+        if isinstance(loader, DataLoader) and not is_stream(loader) and self.plan is not None:
+            order = GlobalOrder(loader.batch_sampler.sampler, self._data_seed or 0)  # (what the loader will cut)
+            state = resume_lightning.loader_state_for(saved, self.plan.global_batch_size, len(order), order.seed)
+            if state is not None:
+                saved = resume_lightning.with_loader_state(saved, state)
+                if not order.shuffles:
+                    rank_zero_warn(
+                        f"HeteroStrategy: {path} stopped in the middle of an epoch. DDP shuffled that epoch"
+                        " (Lightning's DistributedSampler); this unshuffled loader keeps its own order, so the rest of"
+                        " the epoch is not exactly the samples DDP had not used (later epochs are whole). Give the"
+                        " loader `shuffle=True` to continue DDP's epoch exactly."
+                    )
+        rank_zero_info(f"HeteroStrategy: continuing from {path}, a Lightning checkpoint file (weights, optimizer"
+                       " state, loops and data position restored).")  # fmt: skip
+        self._forget_served_loader()
+        return saved
+
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        if Path(checkpoint_path).is_file():  # a .ckpt file another strategy (DDP...) wrote
+            return self._resume_from_lightning_file(Path(checkpoint_path))
         # Rank 0 verifies the checkpoint's files against their checksums (once, not on every rank) and the choice, or
         # its error, reaches every rank in one gather.
         _, choices = self._gather_or_raise(

@@ -338,3 +338,26 @@ def test_a_damaged_checkpoint_directory_is_named_when_loaded_into_a_plain_model(
     assert is_hetero_checkpoint(path) and not is_hetero_checkpoint(tmp_path) and not is_hetero_checkpoint(object())
     with pytest.raises(ValueError, match="cannot be loaded: checkpoint/mp_rank_00_model_states.pt does not match"):
         lightning_checkpoint(path)
+
+
+def test_a_lightning_checkpoint_files_place_in_its_epoch_becomes_the_loaders_state(tmp_path):
+    import torch
+
+    from lightning_hetero import resume_lightning
+
+    def saved(processed, epoch):
+        return {"state_dict": {}, "epoch": epoch, "loops": {"fit_loop": {
+            "epoch_loop.batch_progress": {"current": {"completed": processed - 1, "processed": processed}},
+            "epoch_progress": {"current": {"completed": epoch}},
+        }}}  # fmt: skip
+
+    state = resume_lightning.loader_state_for(saved(3, 1), global_batch=16, num_samples=96, seed=7)
+    assert state == {"epoch": 1, "global_samples_consumed": 48, "num_samples": 96, "seed": 7}
+    assert resume_lightning.loader_state_for(saved(0, 2), 16, 96, 7) is None  # at an epoch's end: the next one whole
+    placed = resume_lightning.with_loader_state(saved(3, 1), state)
+    assert placed["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [state]
+    (tmp_path / "weights.pt").write_bytes(b"")
+    torch.save({"model": 1}, tmp_path / "other.pt")
+    for name, message in [("weights.pt", "does not load as a Lightning checkpoint"), ("other.pt", "no `state_dict`")]:
+        with pytest.raises(ValueError, match=message):
+            resume_lightning.read_lightning_checkpoint(tmp_path / name)

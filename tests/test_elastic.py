@@ -14,10 +14,12 @@ import time
 
 import psutil
 import pytest
+import torch
 from conftest import REPO, WORKERS, run_bounded, run_fit
 
 sys.path.insert(0, str(WORKERS))
 from common import IndexedRegression, max_param_difference, reference_training  # noqa: E402
+from torch.utils.data import RandomSampler  # noqa: E402
 
 from lightning_hetero import checkpoint  # noqa: E402
 from lightning_hetero.liveness import EXIT_CODE_PEER_LOST  # noqa: E402
@@ -298,3 +300,30 @@ def test_a_damaged_last_checkpoint_is_skipped_for_a_sound_one_of_the_same_step(t
     assert "checkpoint/mp_rank_00_model_states.pt does not match its checksum" in resumed.output
     assert f"Resuming from {directory / 'epoch=0-step=4.ckpt'}" in resumed.output
     assert resumed.result["global_step"] == 6
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_ddp_checkpoint_file_continues_under_hetero_as_the_uninterrupted_run(stage, tmp_path):
+    """A user switching from strategy="ddp" mid-epoch: DDP trains 3 steps (Adam, shuffled, 2 ranks x 8) and saves a
+    .ckpt file; HeteroStrategy (micro-batches 5/11, the same global batch of 16) continues from it: the weights, Adam's
+    moments, the loops and the data position carry over, and two epochs end with the parameters one process reaches
+    on the same global batches (it raised "it is a file, not a DeepSpeed checkpoint directory")."""
+    common = ["--samples", "96", "--shuffle", "--optimizer", "adam", "--record-steps"]
+    ddp = run_fit(tmp_path / "ddp", *common, "--ddp", "--max-steps", "3", "--checkpoint-every", "3")
+    assert ddp.returncode == 0, ddp.output[-3000:]
+    (saved,) = (tmp_path / "ddp" / "ckpt").iterdir()
+    assert saved.is_file()
+    resumed = run_fit(tmp_path / "hetero", *common, "--stage", str(stage), "--batch-sizes", "5", "11",
+                      "--max-epochs", "2", "--ckpt-path", str(saved))  # fmt: skip
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert f"continuing from {saved}, a Lightning checkpoint file" in resumed.output
+    assert resumed.result["global_step"] == 12
+    dataset = IndexedRegression(96)
+    orders = [list(RandomSampler(dataset, generator=torch.Generator().manual_seed(7 + epoch))) for epoch in (0, 1)]
+    steps = [order[begin : begin + 16] for order in orders for begin in range(0, 96, 16)]
+    records = [json.loads(line) for line in (tmp_path / "hetero" / "steps.jsonl").read_text().splitlines()]
+    assert sorted(i for r in records if r["epoch"] == 0 for i in r["indices"]) == sorted(orders[0][48:])
+    difference = max_param_difference(resumed.result, reference_training(dataset, steps, optimizer_name="adam"))
+    print(f"ZeRO-{stage}: largest parameter difference from the uninterrupted run: {difference:.1e}")
+    assert difference <= TOLERANCE

@@ -148,7 +148,7 @@ class RecordEmulatedDelay(Callback):
     """The emulator's delay paid so far, after every training step (to see a drift schedule take effect)."""
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        emulator = trainer.strategy._emulator
+        emulator = getattr(trainer.strategy, "_emulator", None)  # (None under DDP)
         pl_module.emulated_delay.append(emulator.added_seconds if emulator is not None else None)
 
 
@@ -314,6 +314,7 @@ def main() -> None:
     parser.add_argument("--iterable", action="store_true", help="train on an IterableDataset")
     parser.add_argument("--two-loaders", action="store_true", help="a dict of two training loaders")
     parser.add_argument("--tokens", action="store_true", help="padded token sequences and a token-mean loss")
+    parser.add_argument("--ddp", action="store_true", help="train with Lightning's DDPStrategy instead (a reference)")
     parser.add_argument("--loader-in-hook", action="store_true", help="the model's train_dataloader() builds it")
     parser.add_argument("--samples-on-rank-1", type=int, help="a different training set length on rank 1")
     parser.add_argument("--seed-per-rank", action="store_true", help="seed_everything(7 + rank)")
@@ -372,10 +373,14 @@ def main() -> None:
         callbacks.append(DiskFullFrom(args.disk_full_at))
     if args.record_every_step:
         callbacks.append(RecordEveryStep(args.out))
+    if args.ddp:  # the gloo exit race (see lightning_hetero/shutdown.py) hits a DDP reference run as well
+        from lightning_hetero.shutdown import register_exit_cleanup
+
+        register_exit_cleanup()
     trainer = Trainer(
         accelerator=args.accelerator,
         devices=args.devices,
-        strategy=HeteroStrategy(**strategy_kwargs),
+        strategy="ddp" if args.ddp else HeteroStrategy(**strategy_kwargs),
         precision=args.precision,
         max_epochs=args.max_epochs,
         max_steps=args.max_steps,
