@@ -9,6 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_hetero import export
 from lightning_hetero.callbacks import HeteroMonitor
+from lightning_hetero.elastic import launched_layout
 from lightning_hetero.export import save_as_lightning_checkpoint
 from lightning_hetero.plan import SplitPlan, split_by_weights
 from lightning_hetero.strategy import HeteroStrategy
@@ -16,5 +17,12 @@ from lightning_hetero.strategy import HeteroStrategy
 HeteroStrategy.register_strategies(StrategyRegistry)
 export.install()
 
-__all__ = ["HeteroMonitor", "HeteroStrategy", "SplitPlan", "save_as_lightning_checkpoint", "split_by_weights"]
+__all__ = [
+    "HeteroMonitor",
+    "HeteroStrategy",
+    "SplitPlan",
+    "launched_layout",
+    "save_as_lightning_checkpoint",
+    "split_by_weights",
+]
 __version__ = "0.1.0"

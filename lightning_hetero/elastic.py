@@ -8,6 +8,7 @@
 * :func:`init_process_group_for_this_attempt`: a job that torchrun restarted connects its ranks afresh.
 * :func:`convert_to_universal`: a checkpoint saved by another number of ranks becomes DeepSpeed's universal
   checkpoint (cached inside it), which loads at any world size with the optimizer state.
+* :func:`launched_layout`: the ``devices`` and ``num_nodes`` of the launcher's job, for an elastic job's script.
 
 The strategy keeps the lifecycle (which hook calls what); these functions keep the file handling out of it.
 """
@@ -164,6 +165,27 @@ def interrupt_checkpoint_path(trainer: Any) -> Optional[Path]:
         if isinstance(callback, ModelCheckpoint) and callback.dirpath:
             return Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
     return None
+
+
+def launched_layout(default_devices: int) -> tuple[int, int]:
+    """``(devices, num_nodes)`` for ``Trainer`` from the launcher that started this process.
+
+    Under torchrun (``LOCAL_WORLD_SIZE``, ``WORLD_SIZE``) the ranks per node and the number of nodes: in an elastic
+    job (``--nnodes=1:4``) the number of nodes changes between restarts, so a script must not fix it (Lightning
+    refuses ``devices x num_nodes`` that differs from the world size). Otherwise ``(default_devices, 1)``: Lightning's
+    launcher starts that many ranks on this machine.
+    """
+    local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
+    if local is None or world is None:
+        return default_devices, 1
+    per_node, ranks = int(local), int(world)
+    if ranks % per_node:
+        raise ValueError(
+            f"torchrun started {ranks} ranks with LOCAL_WORLD_SIZE={per_node} on this node: Lightning needs the same"
+            " number of ranks on every node (`Trainer(devices=..., num_nodes=...)`). Give every agent the same"
+            " `--nproc-per-node`."
+        )
+    return per_node, ranks // per_node
 
 
 def init_process_group_for_this_attempt(backend: str, rank: int, world_size: int, timeout: timedelta) -> bool:

@@ -361,3 +361,15 @@ def test_a_lightning_checkpoint_files_place_in_its_epoch_becomes_the_loaders_sta
     for name, message in [("weights.pt", "does not load as a Lightning checkpoint"), ("other.pt", "no `state_dict`")]:
         with pytest.raises(ValueError, match=message):
             resume_lightning.read_lightning_checkpoint(tmp_path / name)
+
+
+def test_the_launchers_layout_gives_devices_and_nodes(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert elastic.launched_layout(3) == (3, 1)  # Lightning's launcher starts the ranks
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    assert elastic.launched_layout(3) == (2, 3)  # torchrun: 3 nodes of 2 (an elastic job's count changes)
+    monkeypatch.setenv("WORLD_SIZE", "5")
+    with pytest.raises(ValueError, match="Give every agent the same `--nproc-per-node`"):
+        elastic.launched_layout(3)

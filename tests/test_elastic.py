@@ -327,3 +327,54 @@ def test_a_ddp_checkpoint_file_continues_under_hetero_as_the_uninterrupted_run(s
     difference = max_param_difference(resumed.result, reference_training(dataset, steps, optimizer_name="adam"))
     print(f"ZeRO-{stage}: largest parameter difference from the uninterrupted run: {difference:.1e}")
     assert difference <= TOLERANCE
+
+
+@pytest.mark.fault
+def test_an_elastic_job_of_two_torchrun_agents_loses_one_and_finishes_on_the_other(tmp_path):
+    """The README's elastic command as written, on one machine: two torchrun agents (c10d rendezvous on 127.0.0.1, 2
+    ranks each, nodes 1:2) train examples/fault_tolerant.py on 4 ranks; once a checkpoint is published, the second
+    agent and its workers are killed (a node lost). The first agent's workers stop, it re-rendezvouses alone, and the
+    job resumes on 2 ranks from the 4-rank checkpoint (converted to DeepSpeed's universal format) and finishes. The
+    example used to fail at once: "You set devices=2 and num_nodes=1 ... does not match the world size (4)"."""
+    root = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=2",
+               "--max-restarts=3", "--monitor-interval=0.5", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=elastic-test",
+               "--rdzv-conf=last_call_timeout=5", str(REPO / "examples" / "fault_tolerant.py"), "--root", str(root),
+               "--train-samples", "1536", "--epochs", "4", "--every", "3"]  # fmt: skip
+    environment = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    agents = []
+    try:
+        for _ in range(2):  # the first hosts the rendezvous store; each agent is a node, in a session of its own
+            agents.append(subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                           text=True, start_new_session=True, env=environment))  # fmt: skip
+            time.sleep(1.0)
+        deadline = time.monotonic() + 240
+        while checkpoint.incompleteness(root / "checkpoints" / "last.ckpt") is not None:
+            assert all(agent.poll() is None for agent in agents), agents[0].communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "no checkpoint was published"
+            time.sleep(0.2)
+        assert checkpoint.read_manifest(root / "checkpoints" / "last.ckpt")["world_size"] == 4
+        # The node is lost: its agent and its workers (torchrun starts each worker in a session of its own).
+        for process in [*psutil.Process(agents[1].pid).children(recursive=True), psutil.Process(agents[1].pid)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        output, _ = agents[0].communicate(timeout=240)
+    finally:
+        for agent in agents:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                for process in [*psutil.Process(agent.pid).children(recursive=True), psutil.Process(agent.pid)]:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        process.kill()
+    assert agents[0].returncode == 0, output[-4000:]
+    assert "was saved by 4 ranks; this job has 2" in output, output[-4000:]
+    assert "finished at step 24" in output, output[-4000:]
+    assert checkpoint.read_manifest(root / "checkpoints" / "last.ckpt")["world_size"] == 2
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
