@@ -51,6 +51,7 @@ from lightning_hetero import compression as compress
 from lightning_hetero.arguments import check_loss_reduction, check_stage, token_count
 from lightning_hetero.buffers import BufferSync
 from lightning_hetero.configure import (
+    CPU_ZERO_SETTINGS,
     check_config_argument,
     check_user_config,
     config_disagreements,
@@ -59,6 +60,7 @@ from lightning_hetero.configure import (
     model_signature,
     raise_if_arguments_differ,
     rank_config,
+    with_cpu_zero_settings,
 )
 from lightning_hetero.data import (
     STATE_SAMPLES_CONSUMED,
@@ -236,7 +238,8 @@ class HeteroStrategy(DeepSpeedStrategy):
         self._follower: Optional[SplitFollower] = None
         self._speed_schedule = schedule
         self._emulator: Optional[SlowdownEmulator] = None
-        if config is not None or self.DEEPSPEED_ENV_VAR in os.environ:
+        user_config = config is not None or self.DEEPSPEED_ENV_VAR in os.environ
+        if user_config:
             self._reconcile_user_config(stage, kwargs)
             precision.check_config_precision(self.device_precision, self.config)
             compress.check_config_compression(choice, self.config)
@@ -247,6 +250,8 @@ class HeteroStrategy(DeepSpeedStrategy):
         # Formatting adds keys (gradient_accumulation_steps...) that the parent refuses to see twice; each
         # trainer call (validate, then fit) formats a fresh copy of what the user gave.
         self._base_config = copy.deepcopy(self.config)
+        # DeepSpeed's GPU-minded ZeRO defaults are replaced on CPU (setup_environment) unless the user chose them.
+        self._cpu_zero_defaults = not user_config and not (CPU_ZERO_SETTINGS.keys() & kwargs.keys())
         self.plan: Optional[SplitPlan] = None
         self.profiles: Optional[list[RankProfile]] = None
         self.prediction: Optional[dict[str, Any]] = None
@@ -343,6 +348,8 @@ class HeteroStrategy(DeepSpeedStrategy):
                 f" on {self.root_device.type}. Remove it; HeteroStrategy keeps every rank's BatchNorm statistics equal"
                 " anyway, as DDP does, by giving every rank rank 0's buffers before each training step."
             )
+        if self.root_device.type == "cpu" and self._cpu_zero_defaults:
+            self._base_config = with_cpu_zero_settings(self._base_config)
         if self.root_device.type == "cpu":
             # DeepSpeed takes `root_device.index` as its device rank and Lightning checks that the indices count
             # 0..n-1; CPU devices carry no index, so give them one (torch ignores it for tensors).

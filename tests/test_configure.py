@@ -250,3 +250,17 @@ def test_model_signatures_name_the_first_difference_between_ranks():
     )
     # Buffers count too (the strategy keeps them in step across ranks).
     assert model_signature(nn.BatchNorm1d(3))[-1] == ("buffer", "num_batches_tracked", (), "torch.int64", False)
+
+
+def test_deepspeeds_gpu_minded_zero_defaults_give_way_on_cpu_unless_the_user_chose_them():
+    from lightning_hetero import HeteroStrategy
+    from lightning_hetero.configure import with_cpu_zero_settings
+
+    config = {"zero_optimization": {"stage": 2, "contiguous_gradients": True, "overlap_comm": True}}
+    assert with_cpu_zero_settings(config)["zero_optimization"] == {
+        "stage": 2, "contiguous_gradients": False, "overlap_comm": False
+    }  # fmt: skip
+    assert config["zero_optimization"]["overlap_comm"] is True  # a copy
+    assert HeteroStrategy()._cpu_zero_defaults
+    assert not HeteroStrategy(contiguous_gradients=True)._cpu_zero_defaults
+    assert not HeteroStrategy(config={"zero_optimization": {"stage": 2}})._cpu_zero_defaults

@@ -69,6 +69,10 @@ def test_uneven_batches_equal_one_process_and_resume_mid_epoch(stage, tmp_path):
     assert first.result["global_step"] == 2
     # DeepSpeed's shared-memory inference op is never compiled (no compiler, no build lock, nothing cached).
     assert not extensions.exists(), sorted(p.name for p in extensions.rglob("*"))
+    # On CPU, ZeRO runs without DeepSpeed's GPU-minded contiguous gradient buffer and communication overlap.
+    rank_0 = json.loads((tmp_path / "first" / "hetero" / "rank_0.json").read_text())
+    zero = rank_0["deepspeed_config"]["zero_optimization"]
+    assert (zero["contiguous_gradients"], zero["overlap_comm"]) == (False, False)
     assert max_param_difference(first.result, reference_training(dataset, steps[:2])) <= TOLERANCE
     assert first.result["seen"] == rank_slices(steps[:2], BATCH_SIZES)
     # The run report: one entry per training step with every rank's micro-batch and measured times.

@@ -1,0 +1,169 @@
+"""What a DDP user pays for HeteroStrategy on identical devices: step time, start-up time and memory.
+
+    python benchmarks/overhead.py                       # 5 pairs (about 8 minutes on 2 cores)
+    python benchmarks/overhead.py --pairs 2 --steps 120
+    python benchmarks/overhead.py --out /tmp/overhead.json
+
+The same model (an MLP 256-1024-1024-10, 1.3 M parameters, Adam), global batch 512 and 2 identical CPU ranks (one
+thread each) train under three strategies, each a separate job started by Lightning's launcher:
+
+    ddp      Trainer(strategy="ddp"), what a user would pick instead
+    zero0    HeteroStrategy(stage=0, batch_sizes=[256, 256]), the equal split
+    zero2    HeteroStrategy(stage=2, batch_sizes=[256, 256])
+
+The three run back to back in each pair, their order rotating from pair to pair, so that the machine's slow changes
+hit them alike; every ratio is taken within a pair. Measured in each job, on rank 0 (rank 1's memory too):
+
+    step       the median wall time between the starts of two training steps, from step 20 on
+    start-up   from the process's start (the OS's record) to the start of the first training step
+    memory     each rank's peak resident memory (ru_maxrss)
+
+Targets: step ratio (hetero / ddp) <= 1.03; start-up within 3 s of DDP's. Results are printed and written to
+``benchmarks/results/overhead.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_OUT = HERE / "results" / "overhead.json"
+STRATEGIES = ("ddp", "zero0", "zero2")
+GLOBAL_BATCH = 512
+STEADY_FROM = 20
+FIT_TIMEOUT = 600
+
+
+def fit(strategy: str, steps: int, out: Path) -> None:
+    """One Trainer.fit on every rank (Lightning's launcher re-runs this command for rank 1)."""
+    import resource
+
+    import psutil
+    import torch
+    import torch.distributed
+    from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.set_num_threads(1)  # one core's worth per rank, as one device
+
+    class MLP(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                                     nn.Linear(1024, 10))  # fmt: skip
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    class Timing(Callback):
+        def __init__(self) -> None:
+            self.starts: list[float] = []
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            self.starts.append(time.time())
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0], dtype=torch.float64)
+            peaks = [torch.zeros_like(peak) for _ in range(trainer.world_size)]
+            torch.distributed.all_gather(peaks, peak)
+            if trainer.is_global_zero:
+                steps = [b - a for a, b in zip(self.starts, self.starts[1:])][STEADY_FROM:]
+                started = psutil.Process().create_time()
+                (out / "timing.json").write_text(json.dumps({
+                    "step_seconds": statistics.median(steps),
+                    "startup_seconds": self.starts[0] - started,
+                    "peak_bytes": [float(p.item()) for p in peaks],
+                }))  # fmt: skip
+
+    seed_everything(0)
+    data = TensorDataset(torch.randn(GLOBAL_BATCH * 8, 256), torch.randint(0, 10, (GLOBAL_BATCH * 8,)))
+    loader = DataLoader(data, batch_size=GLOBAL_BATCH // 2, shuffle=True)
+    if strategy == "ddp":
+        chosen: Any = "ddp"
+    else:
+        from lightning_hetero import HeteroStrategy
+
+        chosen = HeteroStrategy(stage=int(strategy[-1]), batch_sizes=[GLOBAL_BATCH // 2] * 2)
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=chosen, max_steps=steps, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[Timing()], default_root_dir=out)  # fmt: skip
+    trainer.fit(MLP(), loader)
+
+
+def run_fit(strategy: str, steps: int, out: Path) -> dict[str, Any]:
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, __file__, "--fit", strategy, "--steps", str(steps), "--fit-out", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=FIT_TIMEOUT,
+                            env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    if result.returncode != 0:
+        raise RuntimeError(f"{strategy} failed ({result.returncode}):\n{(result.stdout + result.stderr)[-3000:]}")
+    return json.loads((out / "timing.json").read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--fit", choices=STRATEGIES, help=argparse.SUPPRESS)
+    parser.add_argument("--fit-out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.fit:
+        fit(args.fit, args.steps, args.fit_out)
+        return
+    runs: list[dict[str, Any]] = []
+    work = args.out.parent / "overhead_runs"
+    for pair in range(args.pairs):
+        order = STRATEGIES[pair % 3:] + STRATEGIES[: pair % 3]  # rotate who goes first
+        figures = {name: run_fit(name, args.steps, work / f"pair{pair}_{name}") for name in order}
+        ddp = figures["ddp"]
+        row = {"pair": pair, "order": list(order), **{name: figures[name] for name in STRATEGIES}}
+        for name in ("zero0", "zero2"):
+            row[f"{name}_step_ratio"] = figures[name]["step_seconds"] / ddp["step_seconds"]
+            row[f"{name}_startup_extra_seconds"] = figures[name]["startup_seconds"] - ddp["startup_seconds"]
+        runs.append(row)
+        print(
+            f"pair {pair} ({', '.join(order)}): step ms " + ", ".join(
+                f"{name} {figures[name]['step_seconds'] * 1e3:.1f}" for name in STRATEGIES
+            ) + f"; ratio zero0 {row['zero0_step_ratio']:.3f}, zero2 {row['zero2_step_ratio']:.3f}; start-up s "
+            + ", ".join(f"{name} {figures[name]['startup_seconds']:.1f}" for name in STRATEGIES),
+            flush=True,
+        )  # fmt: skip
+    summary: dict[str, Any] = {}
+    for name in ("zero0", "zero2"):
+        summary[name] = {
+            "step_ratio_median": statistics.median(r[f"{name}_step_ratio"] for r in runs),
+            "step_ratios": [round(r[f"{name}_step_ratio"], 4) for r in runs],
+            "startup_extra_seconds_median": statistics.median(r[f"{name}_startup_extra_seconds"] for r in runs),
+            "startup_extra_seconds": [round(r[f"{name}_startup_extra_seconds"], 2) for r in runs],
+        }
+    for name in STRATEGIES:
+        summary.setdefault("peak_mib_per_rank", {})[name] = [
+            round(statistics.median(r[name]["peak_bytes"][rank] for r in runs) / 2**20) for rank in (0, 1)
+        ]
+        summary.setdefault("startup_seconds_median", {})[name] = round(
+            statistics.median(r[name]["startup_seconds"] for r in runs), 2
+        )
+        summary.setdefault("step_ms_median", {})[name] = round(
+            statistics.median(r[name]["step_seconds"] for r in runs) * 1e3, 2
+        )
+    print(json.dumps(summary, indent=1))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"runs": runs, "summary": summary}, indent=1))
+    print(f"written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
