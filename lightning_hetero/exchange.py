@@ -257,6 +257,8 @@ class Communication:
         self._undo = lambda: engine.__dict__.pop("allreduce_gradients", None)
 
     def detach(self) -> None:
+        if self.meter is not None:
+            self.meter.uninstall()  # (installed by the first counting(), kept for the fit)
         if self._undo is not None:
             self._undo()
         self._undo = None

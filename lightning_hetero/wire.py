@@ -81,6 +81,7 @@ class WireMeter:
         # counted once, at the outer call.
         self._inside = threading.local()
         self._wrappers: dict[str, tuple[Any, Callable[..., Any]]] = {}  # name -> (torch's function, its wrapper)
+        self._restore: Optional[Callable[[], None]] = None  # while installed
 
     def reading(self) -> tuple[float, float]:
         return self.intra_node_bytes, self.inter_node_bytes
@@ -101,21 +102,28 @@ class WireMeter:
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[None]:
-        """Count (and charge) every collective issued inside; re-entrant (training_step runs inside optimizer_step)."""
-        if self._depth:
-            self._depth += 1
-            try:
-                yield
-            finally:
-                self._depth -= 1
-            return
-        restore = self._install()
-        self._depth = 1
+        """Count (and charge) every collective issued inside; re-entrant (training_step runs inside optimizer_step).
+
+        Installs the counting wrappers the first time; they stay until :meth:`uninstall` (the hot path only flips a
+        depth counter: installing around each step cost a few hundred setattr calls per step)."""
+        if self._restore is None:
+            self.install()
+        self._depth += 1
         try:
             yield
         finally:
-            self._depth = 0
-            restore()
+            self._depth -= 1
+
+    def install(self) -> None:
+        """Wrap torch's collectives (and those DeepSpeed's backend bound) to count while :meth:`counting`."""
+        if self._restore is None:
+            self._restore = self._install()
+
+    def uninstall(self) -> None:
+        """Put torch's and DeepSpeed's collectives back as they were."""
+        if self._restore is not None:
+            self._restore()
+            self._restore = None
 
     def _install(self) -> Callable[[], None]:
         import torch.distributed.distributed_c10d as c10d
@@ -132,7 +140,6 @@ class WireMeter:
                 original = getattr(c10d, name, None)
                 if original is None:
                     continue
-                # Built once per collective (inspecting its signature each step would be work in the hot path).
                 if name not in self._wrappers or self._wrappers[name][0] is not original:
                     self._wrappers[name] = (original, self._wrap(original, argument, who))
                 wrappers[name] = self._wrappers[name][1]
@@ -155,7 +162,7 @@ class WireMeter:
         signature = inspect.signature(original)
 
         def counted(*args: Any, **kwargs: Any) -> Any:
-            if getattr(self._inside, "active", False):
+            if not self._depth or getattr(self._inside, "active", False):  # outside a step, or delegated to
                 return original(*args, **kwargs)
             self._inside.active = True
             try:

@@ -328,14 +328,17 @@ def test_counting_sees_torch_and_restores_it_and_charges_the_link(one_rank_group
     slept = []
     meter = WireMeter(0, Topology((0, 1)), SlowLink(1.0, 1.0), sleep=slept.append)
     original = dist.all_reduce
-    with meter.counting():
-        assert dist.all_reduce is not original
-        with meter.counting():  # re-entrant
-            dist.all_reduce(torch.zeros(1000))  # 4000 bytes, every rank's: 4000 cross the link from each node
-        dist.broadcast(torch.zeros(10), src=0)
-        dist.all_gather_into_tensor(torch.zeros(3), torch.zeros(3))  # delegates to all_gather_single: counted once
+    try:
+        with meter.counting():
+            assert dist.all_reduce is not original
+            with meter.counting():  # re-entrant
+                dist.all_reduce(torch.zeros(1000))  # 4000 bytes, every rank's: 4000 cross the link from each node
+            dist.broadcast(torch.zeros(10), src=0)
+            dist.all_gather_into_tensor(torch.zeros(3), torch.zeros(3))  # delegates to all_gather_single: once
+        dist.all_reduce(torch.zeros(5))  # not counted outside (the wrappers stay until uninstalled)
+    finally:
+        meter.uninstall()
     assert dist.all_reduce is original
-    dist.all_reduce(torch.zeros(5))  # not counted outside
     assert meter.inter_node_bytes == 4052.0 and meter.intra_node_bytes == 0.0
     assert slept == [
         pytest.approx(1e-3 + 4000 * 8 / 1e9),
