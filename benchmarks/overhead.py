@@ -18,8 +18,11 @@ hit them alike; every ratio is taken within a pair. Measured in each job, on ran
     start-up   from the process's start (the OS's record) to the start of the first training step
     memory     each rank's peak resident memory (ru_maxrss)
 
-Targets: step ratio (hetero / ddp) <= 1.03; start-up within 3 s of DDP's. Results are printed and written to
-``benchmarks/results/overhead.json``.
+Targets: step ratio (hetero / ddp) <= 1.03; start-up within 3 s of DDP's. With ``--plain``, each pair also times the
+same model in plain loops without Lightning or this package (``torch.distributed.run``, 2 ranks): torch's
+DistributedDataParallel, and DeepSpeed's engine at ZeRO 0 and 2 (``deepspeed.initialize``, contiguous gradients and
+overlap off): what DeepSpeed's ZeRO itself costs beside DDP, apart from the package. Results are printed and written
+to ``benchmarks/results/overhead.json``.
 """
 
 from __future__ import annotations
@@ -102,6 +105,65 @@ def fit(strategy: str, steps: int, out: Path) -> None:
     trainer.fit(MLP(), loader)
 
 
+def plain_loop(strategy: str, steps: int, out: Path) -> None:
+    """The same model and per-rank batch in a plain training loop, on each rank of ``torch.distributed.run``."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    network = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    x, y = torch.randn(GLOBAL_BATCH // 2, 256), torch.randint(0, 10, (GLOBAL_BATCH // 2,))
+    if strategy == "ddp":
+        dist.init_process_group("gloo")
+        model = nn.parallel.DistributedDataParallel(network)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+        def step() -> None:
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+
+    else:
+        import deepspeed
+
+        from lightning_hetero import startup
+
+        with startup.without_shared_memory_comm_op():
+            deepspeed.init_distributed("gloo")
+        config = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // 2, "zero_allow_untested_optimizer": True,
+                  "zero_optimization": {"stage": int(strategy[-1]), "contiguous_gradients": False,
+                                        "overlap_comm": False}}  # fmt: skip
+        engine, *_ = deepspeed.initialize(model=network, optimizer=torch.optim.Adam(network.parameters(), lr=1e-3),
+                                          config=config)  # fmt: skip
+
+        def step() -> None:
+            engine.backward(nn.functional.cross_entropy(engine(x), y))
+            engine.step()
+
+    starts = []
+    for _ in range(steps):
+        starts.append(time.time())
+        step()
+    if int(os.environ["RANK"]) == 0:
+        seconds = [b - a for a, b in zip(starts, starts[1:])][STEADY_FROM:]
+        (out / "timing.json").write_text(json.dumps({"step_seconds": statistics.median(seconds)}))
+
+
+def run_plain(strategy: str, steps: int, out: Path) -> float:
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
+               "--plain-fit", strategy, "--steps", str(steps), "--fit-out", str(out)]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=FIT_TIMEOUT,
+                            env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    if result.returncode != 0:
+        raise RuntimeError(f"plain {strategy} failed:\n{(result.stdout + result.stderr)[-3000:]}")
+    return json.loads((out / "timing.json").read_text())["step_seconds"]
+
+
 def run_fit(strategy: str, steps: int, out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, __file__, "--fit", strategy, "--steps", str(steps), "--fit-out", str(out)]
@@ -117,11 +179,16 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--plain", action="store_true", help="also time plain loops (DDP, DeepSpeed ZeRO 0 and 2)")
     parser.add_argument("--fit", choices=STRATEGIES, help=argparse.SUPPRESS)
+    parser.add_argument("--plain-fit", choices=STRATEGIES, help=argparse.SUPPRESS)
     parser.add_argument("--fit-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.fit:
         fit(args.fit, args.steps, args.fit_out)
+        return
+    if args.plain_fit:
+        plain_loop(args.plain_fit, args.steps, args.fit_out)
         return
     runs: list[dict[str, Any]] = []
     work = args.out.parent / "overhead_runs"
@@ -133,6 +200,14 @@ def main() -> None:
         for name in ("zero0", "zero2"):
             row[f"{name}_step_ratio"] = figures[name]["step_seconds"] / ddp["step_seconds"]
             row[f"{name}_startup_extra_seconds"] = figures[name]["startup_seconds"] - ddp["startup_seconds"]
+        if args.plain:
+            plain = {name: run_plain(name, args.steps, work / f"pair{pair}_plain_{name}") for name in order}
+            row["plain_step_seconds"] = plain
+            for name in ("zero0", "zero2"):
+                row[f"plain_{name}_step_ratio"] = plain[name] / plain["ddp"]
+            print(f"pair {pair} plain loops: step ms " + ", ".join(f"{n} {plain[n] * 1e3:.1f}" for n in STRATEGIES)
+                  + f"; ratio zero0 {row['plain_zero0_step_ratio']:.3f}, zero2 {row['plain_zero2_step_ratio']:.3f}",
+                  flush=True)  # fmt: skip
         runs.append(row)
         print(
             f"pair {pair} ({', '.join(order)}): step ms " + ", ".join(
@@ -149,6 +224,9 @@ def main() -> None:
             "startup_extra_seconds_median": statistics.median(r[f"{name}_startup_extra_seconds"] for r in runs),
             "startup_extra_seconds": [round(r[f"{name}_startup_extra_seconds"], 2) for r in runs],
         }
+        if args.plain:
+            summary[name]["plain_step_ratio_median"] = statistics.median(r[f"plain_{name}_step_ratio"] for r in runs)
+            summary[name]["plain_step_ratios"] = [round(r[f"plain_{name}_step_ratio"], 4) for r in runs]
     for name in STRATEGIES:
         summary.setdefault("peak_mib_per_rank", {})[name] = [
             round(statistics.median(r[name]["peak_bytes"][rank] for r in runs) / 2**20) for rank in (0, 1)
