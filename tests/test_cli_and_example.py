@@ -105,7 +105,12 @@ def test_example_splits_by_measured_precision_without_emulation(tmp_path):
     assert [(rank, precision) for rank, precision, _ in rows] == [("0", "bf16-mixed"), ("1", "32-true")]
     bf16_batch, fp32_batch = (int(batch) for _, _, batch in rows)
     assert bf16_batch + fp32_batch == 256
-    if collect_device_facts("cpu").bf16_native:  # AVX512-BF16 or AMX: bf16 computes faster than fp32
-        assert bf16_batch > fp32_batch, output[-3000:]
     plan = json.loads((tmp_path / "lightning_logs" / "version_0" / "hetero" / "plan.json").read_text())
     assert plan["emulate_speeds"] is None and plan["precisions"] == ["bf16-mixed", "32-true"]
+    # Each rank was profiled in its own precision, and the rank that computes the equal share faster gets more. (On
+    # AVX512-BF16 or AMX bf16 usually measures faster, but a small model on a shared machine can measure either way:
+    # seen once in a full suite run here, so the claim is the following, not the hardware's.)
+    bf16_cost, fp32_cost = (p["fixed_seconds"] + 128 * p["seconds_per_sample"] for p in plan["profiles"])
+    assert (bf16_batch > fp32_batch) == (bf16_cost < fp32_cost), output[-3000:]
+    print(f"equal-share compute: bf16 {bf16_cost * 1e3:.2f} ms, fp32 {fp32_cost * 1e3:.2f} ms"
+          f" (bf16 native: {collect_device_facts('cpu').bf16_native})")  # fmt: skip

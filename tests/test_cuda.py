@@ -111,3 +111,12 @@ def test_the_example_trains_on_cuda_with_automatic_precision(tmp_path):
     expected = best_precision(collect_device_facts("cuda:0"))
     assert re.search(rf"^0\s+[^\n]*\bSMs\b[^\n]*\)\s+{expected}\s+128\s", output, re.M), output[-3000:]
     assert re.search(r"validation accuracy [\d.]+% -> [\d.]+%", output)
+
+
+def test_sync_batchnorm_is_applied_on_cuda(tmp_path):
+    """DeepSpeedStrategy ignored `Trainer(sync_batchnorm=True)`; the strategy applies it where DDP does (on CPU it is
+    refused: tests/test_bad_inputs.py)."""
+    run = run_fit(tmp_path, "--accelerator", "cuda", "--devices", "1", "--batch-sizes", "8", "--max-steps", "2",
+                  "--batchnorm", "--sync-batchnorm", timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.output[-3000:]
+    assert run.result["batchnorm_types"] == ["SyncBatchNorm"]

@@ -254,6 +254,7 @@ class WriteResult(Callback):
                 "eval_seen": eval_seen,
                 "emulated_delay": emulated_delay,
                 "buffer_traces": buffer_traces,
+                "batchnorm_types": [type(m).__name__ for m in pl_module.modules() if "BatchNorm" in type(m).__name__],
                 "global_step": trainer.global_step,
                 "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
                 "metric_dtypes": {k: str(v.dtype) for k, v in trainer.callback_metrics.items()},
