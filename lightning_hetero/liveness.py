@@ -166,8 +166,10 @@ class PeerWatchdog:
         beat, watch = self._threads
         watch.join()  # it never blocks
         # Only a rank that finished has something left to say (that it finished); one that failed does not wait for
-        # a heartbeat stuck in a reconnect (about 10 s to a dead store) before it exits.
-        beat.join(timeout=_STORE_SECONDS + self._interval if finished else 0.0)
+        # a heartbeat stuck in a reconnect (about 10 s to a dead store) before it exits. It does let a round in
+        # flight (milliseconds) end: a store call that returns while the interpreter finalises aborts the process
+        # ("terminate called without an active exception", exit 134 instead of the run's own code).
+        beat.join(timeout=_STORE_SECONDS + self._interval if finished else self._interval)
         self._threads = []
 
     def store_silent_for(self) -> float:

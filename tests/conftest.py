@@ -7,6 +7,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -15,6 +17,24 @@ import pytest
 
 WORKERS = Path(__file__).parent / "workers"
 REPO = Path(__file__).parent.parent
+# The package's own threads (heartbeat, watchdog, deadline calls) are named so.
+PACKAGE_THREAD_PREFIX = "lightning_hetero-"
+
+
+@pytest.fixture(autouse=True)
+def no_package_thread_outlives_its_test():
+    """A test that leaves a heartbeat running fails: at the interpreter's exit a daemon thread whose store call
+    returns while Python finalises ends inside a noexcept C++ frame and aborts the whole process ("terminate called
+    without an active exception", exit 134 after every test passed)."""
+    before = set(threading.enumerate())  # a thread an earlier test left is that test's failure
+    yield
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline:
+        left = [t.name for t in set(threading.enumerate()) - before if t.name.startswith(PACKAGE_THREAD_PREFIX)]
+        if not left:
+            return
+        time.sleep(0.05)
+    pytest.fail(f"the test left the package's threads running: {left}; stop every watchdog it starts")
 
 
 @dataclass

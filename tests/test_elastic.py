@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import random
 import signal
 import subprocess
@@ -88,7 +89,12 @@ def test_a_lost_rank_never_leaves_the_others_waiting(victim, how, tmp_path):
         assert "rank 1 has been lost: no heartbeat came for 5 s" in output, output[-3000:]
         assert process.returncode == EXIT_CODE_PEER_LOST, output[-3000:]
     elif how == signal.SIGSTOP:  # rank 1 said so before exiting; rank 0, still frozen, was killed by the test
-        assert "rank 0 has been lost: the rendezvous store stopped answering (rank 0 hosts it) for 5 s" in output
+        # Either the store went silent first, or (rank 0's heartbeat thread starved just before the stop, seen under
+        # load) rank 0's counter did: both name rank 0 and the store it hosts.
+        said = re.search(r"rank 0 has been lost: (the rendezvous store stopped answering \(rank 0 hosts it\) for 5 s"
+                         r"|no heartbeat came for 5 s and the rendezvous store \(rank 0 hosts it\) has not answered)",
+                         output)  # fmt: skip
+        assert said, output[-3000:]
     elif victim == 0:  # rank 1 noticed (the watchdog or a broken collective), named what was lost, and exited 75
         assert "exits with code 75" in output, output[-3000:]
     else:  # rank 0, Lightning's launcher, saw its child die and ended the job itself (before anything of ours)

@@ -76,9 +76,12 @@ def test_the_thread_gives_up_on_a_silent_peer_and_not_on_one_that_finished():
     )  # fmt: skip
     store.add("lightning_hetero/finished/t/2", 1)  # rank 2 finished its trainer call; rank 1 never beats
     watchdog.start()
-    assert lost.wait(10)
-    assert watchdog.lost == [1] and "rank 1 has been lost" in messages[0]
-    assert store.add("lightning_hetero/heartbeat/t/0", 0) > 0  # it beat meanwhile
+    try:
+        assert lost.wait(10)
+        assert watchdog.lost == [1] and "rank 1 has been lost" in messages[0]
+        assert store.add("lightning_hetero/heartbeat/t/0", 0) > 0  # it beat meanwhile
+    finally:
+        watchdog.stop(finished=False)
 
 
 def test_the_thread_keeps_quiet_while_peers_beat_and_says_it_finished_when_stopped():
@@ -90,13 +93,15 @@ def test_the_thread_keeps_quiet_while_peers_beat_and_says_it_finished_when_stopp
         while not stopping.wait(0.05):
             store.add("lightning_hetero/heartbeat/u/0", 1)
 
-    threading.Thread(target=peer_beats, daemon=True).start()
+    peer = threading.Thread(target=peer_beats, daemon=True)
+    peer.start()
     watchdog = liveness.PeerWatchdog(connect, 1, 2, timeout=0.5, run_id="u", interval=0.02, check_every=0.01,
                                      on_lost=messages.append)  # fmt: skip
     watchdog.start()
     time.sleep(2.0)  # four timeouts
     watchdog.stop(finished=True)
     stopping.set()
+    peer.join(5)
     assert messages == []
     assert store.add("lightning_hetero/finished/u/1", 0) == 1
 
@@ -110,8 +115,11 @@ def test_an_unreachable_store_loses_the_peers():
     watchdog = liveness.PeerWatchdog(connect, 1, 2, timeout=0.5, run_id="v", interval=0.02, check_every=0.01,
                                      on_lost=messages.append)  # fmt: skip
     watchdog.start()
-    watchdog._threads[1].join(10)
-    assert watchdog.lost == [0] and "the rendezvous store stopped answering" in messages[0]
+    try:
+        watchdog._threads[1].join(10)
+        assert watchdog.lost == [0] and "the rendezvous store stopped answering" in messages[0]
+    finally:
+        watchdog.stop(finished=False)
 
 
 class FrozenStore:
@@ -167,7 +175,8 @@ def test_a_process_that_did_not_run_for_a_while_lets_the_heartbeat_catch_up_befo
             peer.add("lightning_hetero/heartbeat/x/0", 1)
             time.sleep(0.02)
 
-    threading.Thread(target=peer_beats, daemon=True).start()
+    peer = threading.Thread(target=peer_beats, daemon=True)
+    peer.start()
     watchdog = liveness.PeerWatchdog(connect, 1, 2, timeout=1.0, run_id="x", interval=0.05, check_every=0.02,
                                      clock=clock, on_lost=messages.append)  # fmt: skip
     watchdog.start()
@@ -179,6 +188,7 @@ def test_a_process_that_did_not_run_for_a_while_lets_the_heartbeat_catch_up_befo
     finally:
         beating.set()
         watchdog.stop(finished=True)
+        peer.join(5)
 
 
 def test_a_call_with_a_deadline_returns_its_result_raises_its_error_or_times_out():
