@@ -99,6 +99,17 @@ def epoch_steps(num_samples: int, batch_sizes: Sequence[int], drop_last: bool, s
     ]
 
 
+def checked_new_split(current: Sequence[int], new: Sequence[int]) -> tuple[int, ...]:
+    """``new`` as a tuple, if it can replace ``current``: the same ranks and global batch, every rank a sample."""
+    sizes = tuple(int(b) for b in new)
+    if len(sizes) != len(current) or sum(sizes) != sum(current) or min(sizes) < 1:
+        raise ValueError(
+            f"a new split {list(sizes)} must give each of the {len(current)} ranks at least one sample"
+            f" and sum to the global batch {sum(current)}"
+        )
+    return sizes
+
+
 class GlobalOrder(Sampler[int]):
     """The user's sampler made identical on every rank, with a new order per epoch where it shuffles.
 
@@ -163,13 +174,7 @@ class HeteroBatchSampler(Sampler[list[int]]):
         The loader notices before its next batch and cuts the rest of the epoch anew from its position; the global
         batches keep their positions, so every sample is still used once and the step count is unchanged.
         """
-        sizes = tuple(int(b) for b in batch_sizes)
-        if len(sizes) != len(self.batch_sizes) or sum(sizes) != sum(self.batch_sizes) or min(sizes) < 1:
-            raise ValueError(
-                f"a new split {list(sizes)} must give each of the {len(self.batch_sizes)} ranks at least one sample"
-                f" and sum to the global batch {sum(self.batch_sizes)}"
-            )
-        self.batch_sizes = sizes
+        self.batch_sizes = checked_new_split(self.batch_sizes, batch_sizes)
 
     def steps(self, start: int = 0) -> list[GlobalStep]:
         return epoch_steps(len(self.sampler), self.batch_sizes, self.drop_last, start)

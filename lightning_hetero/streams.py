@@ -34,6 +34,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data._utils.collate import default_collate
 
+from lightning_hetero.data import checked_new_split
+
 STATE_EPOCH = "epoch"
 STATE_TAKEN = "samples_taken_per_rank"  # rank-independent: every rank knows every rank's counts
 STATE_SAMPLES_CONSUMED = "global_samples_consumed"
@@ -57,13 +59,7 @@ class StreamSplit:
         self.rank = rank
 
     def use_split(self, batch_sizes: Sequence[int]) -> None:
-        sizes = tuple(int(b) for b in batch_sizes)
-        if len(sizes) != len(self.batch_sizes) or sum(sizes) != sum(self.batch_sizes) or min(sizes) < 1:
-            raise ValueError(
-                f"a new split {list(sizes)} must give each of the {len(self.batch_sizes)} ranks at least one sample"
-                f" and sum to the global batch {sum(self.batch_sizes)}"
-            )
-        self.batch_sizes = sizes
+        self.batch_sizes = checked_new_split(self.batch_sizes, batch_sizes)
 
 
 def _samples_as_they_come(samples: Any) -> Any:
