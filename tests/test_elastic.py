@@ -26,6 +26,8 @@ from lightning_hetero import checkpoint  # noqa: E402
 from lightning_hetero.liveness import EXIT_CODE_PEER_LOST  # noqa: E402
 from lightning_hetero.stopping import EXIT_CODE_INTERRUPTED  # noqa: E402
 
+pytestmark = pytest.mark.multiprocess
+
 TOLERANCE = 1e-5
 
 
@@ -60,6 +62,7 @@ def alive(pids):
     return running
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize(
     ("victim", "how"), [(0, signal.SIGKILL), (1, signal.SIGKILL), (1, signal.SIGSTOP), (0, signal.SIGSTOP)]
 )
@@ -125,8 +128,13 @@ def test_a_frozen_torchrun_agent_stops_both_workers_naming_the_store(tmp_path):
                 os.killpg(pid, signal.SIGKILL)
     output = agent.communicate()[0]
     for rank, peer in ((0, 1), (1, 0)):
-        expected = f"rank {peer} has been lost: the rendezvous store stopped answering (the torchrun agent hosts it)"
-        assert expected in output and f"Rank {rank} exits with code 75" in output, output[-3000:]
+        # Its watchdog saw the store go silent, or (when the other rank's watchdog fired first and its exit broke
+        # this rank's collective) the broken collective found the store gone: both name the agent and exit 75.
+        watchdog = f"rank {peer} has been lost: the rendezvous store stopped answering (the torchrun agent hosts it)"
+        collective = (f"rank {rank} lost its connection to the other ranks, and the torchrun agent, which hosts the"
+                      " rendezvous store, no longer answers")  # fmt: skip
+        assert watchdog in output or collective in output, output[-3000:]
+        assert f"Rank {rank} exits with code 75" in output, output[-3000:]
 
 
 def torchrun(out, *args, restarts=1, timeout=300):
@@ -136,6 +144,7 @@ def torchrun(out, *args, restarts=1, timeout=300):
     return run_bounded(command, timeout, env={"OMP_NUM_THREADS": "1"})
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize("where", ["step", "checkpoint"])
 def test_torchrun_restarts_after_a_sigkill_and_the_run_equals_an_uninterrupted_one(where, tmp_path):
     """Rank 1 SIGKILLs itself (after a step drawn at random, or while the checkpoint of step 8 is being written):
@@ -171,6 +180,7 @@ def test_torchrun_restarts_after_a_sigkill_and_the_run_equals_an_uninterrupted_o
     assert checkpoint.incompleteness(tmp_path / "ckpt" / "last.ckpt") is None
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize("signalled_rank", [0, 1])
 def test_sigterm_saves_a_complete_checkpoint_at_the_next_step_and_the_resume_loses_no_sample(signalled_rank, tmp_path):
     """SIGTERM (spot preemption, Slurm's warning) to one rank: every rank stops before the same step, saves
@@ -206,6 +216,7 @@ def test_sigterm_saves_a_complete_checkpoint_at_the_next_step_and_the_resume_los
     assert used == list(range(160))  # that epoch: each sample once across the interruption
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_a_checkpoint_of_2_ranks_resumes_on_1_and_on_3_ranks_as_the_uninterrupted_run(stage, tmp_path):
     """Adam, global batch 16. The 2-rank checkpoint of step 4 is converted to DeepSpeed's universal format (once,
@@ -231,6 +242,7 @@ def test_a_checkpoint_of_2_ranks_resumes_on_1_and_on_3_ranks_as_the_uninterrupte
     assert checkpoint.incompleteness(saved) is None
 
 
+@pytest.mark.fault
 def test_an_sgd_checkpoint_on_another_number_of_ranks_fails_at_once_saying_what_to_do(tmp_path):
     first = run_fit(tmp_path / "two", "--samples", "64", "--batch-sizes", "8", "8", "--checkpoint-every", "2")
     assert first.returncode == 0, first.output[-3000:]
@@ -287,7 +299,6 @@ def test_a_full_disk_stops_every_rank_saying_so_and_keeps_the_previous_checkpoin
     assert checkpoint.incompleteness(directory / "last.ckpt", verify_checksums=True) is None
 
 
-@pytest.mark.multiprocess
 def test_a_damaged_last_checkpoint_is_skipped_for_a_sound_one_of_the_same_step(tmp_path):
     """A byte of last.ckpt damaged in place (same size): `ckpt_path="last"` used to choose it on every restart and
     fail ('pop from empty list'); the resume names the damaged file and continues from the step's own checkpoint."""
@@ -308,7 +319,6 @@ def test_a_damaged_last_checkpoint_is_skipped_for_a_sound_one_of_the_same_step(t
     assert resumed.result["global_step"] == 6
 
 
-@pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_a_ddp_checkpoint_file_continues_under_hetero_as_the_uninterrupted_run(stage, tmp_path):
     """A user switching from strategy="ddp" mid-epoch: DDP trains 3 steps (Adam, shuffled, 2 ranks x 8) and saves a
