@@ -1,4 +1,8 @@
-"""Shared helpers: run a worker script as a bounded, killable process group."""
+"""Shared helpers: run a worker script as a bounded, killable process group; the guards every test runs under.
+
+Tiers: ``python -m pytest -q -m "not multiprocess and not fault"`` is the fast tier (no Python process is started);
+a test that starts one carries the ``multiprocess`` or ``fault`` marker, and the guard below fails one that does not.
+"""
 
 from __future__ import annotations
 
@@ -35,6 +39,34 @@ def no_package_thread_outlives_its_test():
             return
         time.sleep(0.05)
     pytest.fail(f"the test left the package's threads running: {left}; stop every watchdog it starts")
+
+
+PROCESS_TIERS = ("multiprocess", "fault")
+
+
+@pytest.fixture(autouse=True)
+def a_test_that_starts_a_process_is_marked_for_its_tier(request, monkeypatch):
+    """Keeps the fast tier free of processes: starting one from a test without a tier marker fails at once."""
+    if any(request.node.get_closest_marker(tier) for tier in PROCESS_TIERS):
+        yield
+        return
+    original = subprocess.Popen.__init__
+
+    def refuse_python(self, *args, **kwargs):
+        command = args[0] if args else kwargs.get("args")
+        program = Path(str(command[0] if isinstance(command, (list, tuple)) else command).split()[0]).name
+        # Python processes are what cost (seconds of imports each); a tool the standard library runs (uname,
+        # ldconfig) is not a job.
+        if program.startswith(("python", "torchrun")) or program == Path(sys.executable).name:
+            pytest.fail(
+                f"{request.node.nodeid} starts a Python process ({command!r}) but is marked neither"
+                f" {' nor '.join(PROCESS_TIERS)}: mark it for its tier (see tests/conftest.py), or the fast tier"
+                " starts processes"
+            )
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse_python)
+    yield
 
 
 @dataclass

@@ -199,6 +199,7 @@ SETUP = [
 ]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("args", "message"), SETUP)
 def test_setup_mistakes_on_two_ranks_stop_every_process_with_the_message(args, message, tmp_path):
     started = time.monotonic()

@@ -266,6 +266,7 @@ def test_one_job_at_a_time_holds_a_directory_and_the_refusal_names_the_holder(tm
     other.release()
 
 
+@pytest.mark.fault
 def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
     script = (
         f"import sys, time, pathlib; sys.path.insert(0, {str(REPO)!r}); from lightning_hetero import checkpoint\n"

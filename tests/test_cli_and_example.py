@@ -10,6 +10,8 @@ import sys
 import pytest
 from conftest import REPO, run_bounded
 
+pytestmark = pytest.mark.multiprocess
+
 
 def plan_rows(output: str) -> list[tuple[int, int]]:
     """(rank, micro-batch) rows of the plan table printed by rank 0 (rank, device, precision, micro-batch, ...)."""

@@ -24,6 +24,8 @@ from conftest import run_fit  # noqa: E402
 
 from lightning_hetero.checkpoint import MANIFEST_NAME  # noqa: E402
 
+pytestmark = pytest.mark.multiprocess
+
 SAMPLES = 64
 # Unequal micro-batches and accumulation: the loss weights apply before the exchange, compressed or not.
 COMMON = ["--samples", str(SAMPLES), "--batch-sizes", "10", "6", "--accumulate", "2", "--record-every-step"]

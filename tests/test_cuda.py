@@ -20,6 +20,7 @@ from lightning_hetero.precision import best_precision
 
 pytestmark = [
     pytest.mark.cuda,
+    pytest.mark.multiprocess,  # its tests start jobs
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run benchmarks/gpu_check.sh there)"),
 ]
 

@@ -21,6 +21,8 @@ sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from common import IndexedRegression, full_data_loss, mixed_precision_reference  # noqa: E402
 from conftest import run_fit  # noqa: E402
 
+pytestmark = pytest.mark.multiprocess
+
 SAMPLES = 64
 # Different precisions run different floating-point operations, so equality with the one-process simulation of the
 # same computation is up to the summation order of the reduction (fp32 rounding), not bit for bit.

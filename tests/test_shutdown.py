@@ -89,6 +89,7 @@ raise error
 """
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("how", "code"), [("uncaught", 75), ("caught", 0), ("unmarked", 1)])
 def test_an_exception_marked_for_an_exit_code_exits_with_it_only_when_uncaught(how, code, tmp_path):
     import subprocess
@@ -114,6 +115,7 @@ print("still running", flush=True)
 """
 
 
+@pytest.mark.fault
 def test_a_second_sigterm_ends_a_stuck_process_at_once():
     import subprocess
     import sys

@@ -35,6 +35,8 @@ from conftest import REPO, WORKERS, run_fit  # noqa: E402
 from lightning_hetero import save_as_lightning_checkpoint  # noqa: E402
 from lightning_hetero.stopping import EXIT_CODE_INTERRUPTED  # noqa: E402
 
+pytestmark = pytest.mark.multiprocess
+
 TOLERANCE = 1e-5
 BATCH_SIZES = [3, 13]  # global batch 16: rank 1 carries 13/16 of every step
 
@@ -187,7 +189,6 @@ def test_a_failure_on_one_rank_during_profiling_stops_every_rank(tmp_path):
     assert "setup failed on rank 1 (RuntimeError: training_step failed on this rank only)" in run.output
 
 
-@pytest.mark.multiprocess
 def test_an_iterable_dataset_takes_each_micro_batch_from_the_ranks_own_stream_and_resumes_exactly(tmp_path):
     """Each rank's stream yields its half of 64 samples (index modulo 2). Micro-batches 3/13: three steps per epoch
     (the third gives rank 1 its last 6), then rank 1's stream is empty and the epoch ends for both; rank 0's 3 samples
@@ -331,6 +332,7 @@ def test_a_failure_during_training_is_named_on_every_rank(rank, where, error, tm
 
 
 # Two ranks: tests/test_elastic.py (with the checkpoint saved before the exit and the resume).
+@pytest.mark.fault
 @pytest.mark.parametrize(("devices", "signalled_rank"), [(1, 0)])
 def test_sigterm_to_any_rank_stops_every_rank_with_a_non_zero_exit_code(devices, signalled_rank, tmp_path):
     """SIGTERM mid-training made both ranks exit 0 (to rank 0) although the fit had not finished."""
@@ -410,7 +412,6 @@ def test_a_resplit_mid_epoch_equals_one_process_and_a_checkpoint_after_it_resume
     assert max_param_difference(resumed.result, reference_training(dataset, steps)) <= TOLERANCE
 
 
-@pytest.mark.multiprocess
 def test_all_gather_of_predictions_works_in_validation_test_and_predict(tmp_path):
     """A user's `self.all_gather` in validation_step/test_step/predict_step (e.g. to compute a metric over all
     predictions) aborted inside gloo ("Received data size doesn't match") when evaluation batches were cut unevenly.
@@ -425,7 +426,6 @@ def test_all_gather_of_predictions_works_in_validation_test_and_predict(tmp_path
     assert gathered["predict"] == [[2, 3, 1], [2, 3, 1]]
 
 
-@pytest.mark.multiprocess
 def test_a_summed_loss_left_at_loss_reduction_mean_is_said_by_the_profile(tmp_path):
     """Lightning's DemoModel returns a summed loss; left at the default loss_reduction="mean", unequal micro-batches
     train differently from DDP (0.12 away), silently. The automatic split's profile finds the loss doubling with a
@@ -436,7 +436,6 @@ def test_a_summed_loss_left_at_loss_reduction_mean_is_said_by_the_profile(tmp_pa
     assert "Pass `HeteroStrategy(loss_reduction='sum')`" in run.output
 
 
-@pytest.mark.multiprocess
 def test_a_token_mean_loss_with_loss_reduction_token_mean_equals_one_process(tmp_path):
     """Padded sequences with 1 to 6 tokens each, cross_entropy with ignore_index (a mean over tokens), micro-batches
     3/5: with loss_reduction="token_mean" and the count returned beside the loss, every update is the gradient of the
