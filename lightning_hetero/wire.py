@@ -194,8 +194,12 @@ class WireMeter:
 
 
 def _deepspeed_backend() -> Optional[Any]:
+    """DeepSpeed's comm backend in use, or None before ``init_distributed``.
+
+    Read from ``deepspeed.comm.comm``, the module ``init_distributed`` assigns it in: ``deepspeed.comm.cdb`` is the
+    copy ``from .comm import *`` made at import, None for good."""
     try:
-        from deepspeed import comm as deepspeed_comm
+        import deepspeed.comm.comm as deepspeed_comm
     except ImportError:  # pragma: no cover
         return None
     return getattr(deepspeed_comm, "cdb", None)

@@ -347,6 +347,30 @@ def test_counting_sees_torch_and_restores_it_and_charges_the_link(one_rank_group
     ]
 
 
+def test_deepspeeds_bound_collectives_are_counted_and_put_back(one_rank_group, monkeypatch):
+    """DeepSpeed's backend keeps torch's all_gather_into_tensor and reduce_scatter_tensor as attributes bound at its
+    init; the meter must wrap those too (it looked for the backend where DeepSpeed never puts it, and missed them)."""
+    import deepspeed.comm.comm as deepspeed_comm
+
+    class Backend:  # what TorchBackend.__init__ keeps
+        def __init__(self):
+            self.all_gather_function = dist.all_gather_into_tensor
+            self.reduce_scatter_function = dist.reduce_scatter_tensor
+
+    backend = Backend()
+    gather, scatter = backend.all_gather_function, backend.reduce_scatter_function
+    monkeypatch.setattr(deepspeed_comm, "cdb", backend)
+    meter = WireMeter(0, Topology((0, 1)), SlowLink(1.0, 1.0), sleep=lambda seconds: None)
+    try:
+        with meter.counting():
+            assert backend.all_gather_function is not gather and backend.reduce_scatter_function is not scatter
+            backend.all_gather_function(torch.zeros(3), torch.zeros(3))
+    finally:
+        meter.uninstall()
+    assert backend.all_gather_function is gather and backend.reduce_scatter_function is scatter
+    assert meter.inter_node_bytes == 12.0
+
+
 def test_a_resume_restores_the_hook_state_only_into_the_same_compression_ranks_and_roles():
     facts = {"compression": "topk {'ratio': 0.1}", "hierarchical": True, "nodes": [0, 0, 1, 1]}
     assert compress.restore_blocker(facts, dict(facts), same_world_size=True) is None
