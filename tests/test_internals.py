@@ -35,3 +35,35 @@ def test_a_patch_is_put_back_even_when_the_block_fails():
         assert backend_module.build_shm_op() is None
         raise KeyError("inside")
     assert backend_module.build_shm_op is original
+
+
+def test_an_instance_attribute_is_found_in_the_code_that_sets_it_and_a_missing_one_is_refused():
+    from lightning_hetero.internals import Internal
+
+    def named(name):
+        return Internal("deepspeed.runtime.zero.stage_1_and_2", name, "read", "-", "-")
+
+    assert resolve(named("DeepSpeedZeroOptimizer#single_partition_of_fp32_groups")).__name__ == "DeepSpeedZeroOptimizer"
+    with pytest.raises(AttributeError, match="no longer sets `self.partition_that_never_was`"):
+        resolve(named("DeepSpeedZeroOptimizer#partition_that_never_was"))
+
+
+def test_every_private_name_the_package_imports_from_a_library_is_listed():
+    """An underscore name imported from Lightning, DeepSpeed or torch must be in the list (attribute accesses are
+    listed by hand; this catches the imports mechanically)."""
+    import ast
+    from pathlib import Path
+
+    import lightning_hetero
+    from lightning_hetero.internals import INTERNALS
+
+    listed = {(internal.module, internal.name) for internal in INTERNALS}
+    libraries = ("lightning", "deepspeed", "torch")
+    missing = []
+    for path in sorted(Path(lightning_hetero.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in libraries:
+                for alias in node.names:
+                    if alias.name.startswith("_") and (node.module, alias.name) not in listed:
+                        missing.append(f"{path.name}:{node.lineno} {node.module}.{alias.name}")
+    assert not missing, "private names imported but not in lightning_hetero/internals.py: " + ", ".join(missing)
