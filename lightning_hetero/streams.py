@@ -31,8 +31,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Callable, Optional
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.utils.data import DataLoader, IterableDataset
-from torch.utils.data import default_collate
+from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from lightning_hetero.data import checked_new_split
 
