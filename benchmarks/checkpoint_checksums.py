@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from lightning_hetero import checkpoint  # noqa: E402
+from lightning_hetero.recover import checkpoint  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "checkpoint_checksums.json"
 

@@ -6,7 +6,7 @@
 
 Setting: 4 ranks on this machine as 2 emulated nodes of 2 (``LIGHTNING_HETERO_EMULATE_NODES=2``) joined by an
 emulated 1 Gbit/s link with 0.1 ms latency (``LIGHTNING_HETERO_EMULATE_LINK=1,0.1``: every collective that spans the
-nodes sleeps ``latency + bytes the busiest node sends / bandwidth``; see ``lightning_hetero/topology.py``). ZeRO-0
+nodes sleeps ``latency + bytes the busiest node sends / bandwidth``; see ``lightning_hetero/comm/topology.py``). ZeRO-0
 (the stage whose exchange takes hooks), gloo, one thread per rank, an MLP 256 -> 1024 -> 1024 -> 10 (1.3 M
 parameters, 5.3 MB of fp32 gradients), Adam, a fixed unequal split 20/12/20/12 of a global batch of 64, 60 steps on a
 teacher-labelled classification task; every fit starts from the same weights and sees the same batches.

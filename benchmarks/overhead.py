@@ -130,7 +130,7 @@ def plain_loop(strategy: str, steps: int, out: Path) -> None:
     else:
         import deepspeed
 
-        from lightning_hetero import startup
+        from lightning_hetero.runtime import startup
 
         with startup.without_shared_memory_comm_op():
             deepspeed.init_distributed("gloo")

@@ -2,17 +2,33 @@
 
 Importing the package registers ``Trainer(strategy="hetero")`` in Lightning's StrategyRegistry, and lets
 ``LightningModule.load_from_checkpoint`` read the checkpoint directories HeteroStrategy writes (see
-:mod:`lightning_hetero.export`).
+:mod:`lightning_hetero.recover.export`).
+
+The layout follows a run's flow, one folder per stage, lowest first::
+
+    runtime/    argument checks, collectives, private-internals list, quiet output, start-up, clean exit
+    emulate/    slower devices emulated on identical hardware (a test and demo aid)
+    measure/    device facts and a profile of the user's step (a cost model per rank)
+    plan/       the split (arithmetic, exact planner), re-plan decisions, each rank's DeepSpeed config
+    precision/  each rank's precision: the choice, the Precision plugin, one loss scale, non-finite steps
+    comm/       compression, topology, the gradient exchange and the bytes on the wire
+    train/      the data order cut into per-rank slices, streams, buffers kept equal
+    watch/      per-step measurements, the split that follows them, the run report, the monitor callback
+    recover/    checkpoints, resumes, lost or signalled ranks, failures said on every rank
+
+A module imports only from its own folder and the folders listed above it; ``settings.py`` and ``strategy.py`` sit on
+top (the strategy calls each stage at Lightning's lifecycle points) and no stage imports them.
+``tests/test_layering.py`` keeps it so.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_hetero import export
-from lightning_hetero.callbacks import HeteroMonitor
-from lightning_hetero.elastic import launched_layout
-from lightning_hetero.export import save_as_lightning_checkpoint
-from lightning_hetero.plan import SplitPlan, split_by_weights
+from lightning_hetero.plan.split import SplitPlan, split_by_weights
+from lightning_hetero.recover import export
+from lightning_hetero.recover.elastic import launched_layout
+from lightning_hetero.recover.export import save_as_lightning_checkpoint
 from lightning_hetero.strategy import HeteroStrategy
+from lightning_hetero.watch.monitor import HeteroMonitor
 
 HeteroStrategy.register_strategies(StrategyRegistry)
 export.install()

@@ -11,7 +11,7 @@ import os
 import sys
 
 import lightning_hetero  # noqa: F401  (registers "hetero" in Lightning's StrategyRegistry)
-from lightning_hetero.quiet import third_party_noise_silenced
+from lightning_hetero.runtime.quiet import third_party_noise_silenced
 
 
 def main(args: list[str] | None = None) -> None:

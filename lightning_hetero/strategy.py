@@ -1,10 +1,10 @@
 """HeteroStrategy: Lightning's DeepSpeedStrategy with a per-rank micro-batch, on CPU and CUDA.
 
 Thin orchestration: the split comes from :mod:`lightning_hetero.plan`, each rank's DeepSpeed config from
-:mod:`lightning_hetero.configure`, the data order from :mod:`lightning_hetero.data`, the measurements and re-plans
-during training from :mod:`lightning_hetero.watch` and :mod:`lightning_hetero.rebalance`, recovery from
-:mod:`lightning_hetero.checkpoint` (complete-or-ignored checkpoints), :mod:`lightning_hetero.elastic` (saving,
-pruning, resuming on another number of ranks) and :mod:`lightning_hetero.liveness` (a lost rank stops the others).
+:mod:`lightning_hetero.plan.deepspeed_config`, the data order from :mod:`lightning_hetero.train`, the measurements and re-plans
+during training from :mod:`lightning_hetero.watch.meter` and :mod:`lightning_hetero.watch.follower`, recovery from
+:mod:`lightning_hetero.recover.checkpoint` (complete-or-ignored checkpoints), :mod:`lightning_hetero.recover.elastic` (saving,
+pruning, resuming on another number of ranks) and :mod:`lightning_hetero.recover.liveness` (a lost rank stops the others).
 What this class adds to the
 parent is where those are called, the collectives that check the ranks agree, and three corrections that unequal
 batches need: the loss weight, the sample-weighted ``sync_dist`` mean, and sampling that respects the user's order.
@@ -35,22 +35,16 @@ from torch import Tensor
 from torch.utils.data import DataLoader, SequentialSampler
 from typing_extensions import override
 
-from lightning_hetero import (
-    checkpoint,
-    elastic,
-    failures,
-    liveness,
-    precision,
-    quiet,
-    report,
-    resume_lightning,
-    startup,
-    topology,
-)
-from lightning_hetero import compression as compress
-from lightning_hetero.arguments import check_loss_reduction, check_stage, token_count
-from lightning_hetero.buffers import BufferSync
-from lightning_hetero.configure import (
+from lightning_hetero.comm import compression as compress
+from lightning_hetero.comm import topology
+from lightning_hetero.comm.communication import Communication
+from lightning_hetero.emulate.slowdown import ENV_VAR as EMULATE_ENV_VAR
+from lightning_hetero.emulate.slowdown import SlowdownEmulator, compute_clock, emulated_speeds
+from lightning_hetero.measure.cost import CostModel
+from lightning_hetero.measure.devices import collect_device_facts
+from lightning_hetero.measure.facts import DeviceFacts, same_model
+from lightning_hetero.measure.profiler import RankProfile, loss_reduction_mismatch, probe_sizes, profile_from_loader
+from lightning_hetero.plan.deepspeed_config import (
     CPU_ZERO_SETTINGS,
     check_config_argument,
     check_user_config,
@@ -62,43 +56,35 @@ from lightning_hetero.configure import (
     rank_config,
     with_cpu_zero_settings,
 )
-from lightning_hetero.data import (
-    STATE_SAMPLES_CONSUMED,
-    GlobalOrder,
+from lightning_hetero.plan.planner import plan_automatic_split, required_gain
+from lightning_hetero.plan.replan import DEFAULT_THRESHOLD, DEFAULT_WINDOW, Rebalancer, check_rebalance_arguments
+from lightning_hetero.plan.split import SplitPlan, check_split_arguments, loss_weight, resolve_split
+from lightning_hetero.precision import choice as precision
+from lightning_hetero.precision.choice import reduces_in_parameter_order
+from lightning_hetero.precision.nonfinite import DEFAULT_MAX_NONFINITE_STEPS, NonFiniteGuard, check_max_nonfinite_steps
+from lightning_hetero.precision.plugin import AutocastInside, HeteroPrecision, autocast_for
+from lightning_hetero.recover import checkpoint, elastic, failures, liveness
+from lightning_hetero.recover import from_lightning as resume_lightning
+from lightning_hetero.recover.stopping import StopOnSigterm, all_reduce_max, exit_code_for
+from lightning_hetero.runtime import quiet, startup
+from lightning_hetero.runtime.checks import check_loss_reduction, check_stage, token_count
+from lightning_hetero.runtime.shutdown import exit_with_if_uncaught, register_exit_cleanup
+from lightning_hetero.train.buffers import BufferSync
+from lightning_hetero.train.loaders import (
     HeteroDataLoader,
-    agreed_seed,
     describe_empty_epoch,
     describe_order,
     describe_several_training_loaders,
     describe_unsupported_loader,
     loader_batch_size,
-    local_seed,
     only_loader,
     rebuild_loader,
 )
-from lightning_hetero.devices import DeviceFacts, collect_device_facts, same_model
-from lightning_hetero.emulate import ENV_VAR as EMULATE_ENV_VAR
-from lightning_hetero.emulate import SlowdownEmulator, compute_clock, emulated_speeds
-from lightning_hetero.exchange import Communication
-from lightning_hetero.nonfinite import DEFAULT_MAX_NONFINITE_STEPS, NonFiniteGuard, check_max_nonfinite_steps
-from lightning_hetero.plan import (
-    CostModel,
-    SplitPlan,
-    check_split_arguments,
-    loss_weight,
-    plan_automatic_split,
-    required_gain,
-    resolve_split,
-)
-from lightning_hetero.precision import reduces_in_parameter_order
-from lightning_hetero.precision_plugin import AutocastInside, HeteroPrecision, autocast_for
-from lightning_hetero.profiler import RankProfile, loss_reduction_mismatch, probe_sizes, profile_from_loader
-from lightning_hetero.rebalance import SplitFollower
-from lightning_hetero.replan import DEFAULT_THRESHOLD, DEFAULT_WINDOW, Rebalancer, check_rebalance_arguments
-from lightning_hetero.shutdown import exit_with_if_uncaught, register_exit_cleanup
-from lightning_hetero.stopping import StopOnSigterm, all_reduce_max, exit_code_for
-from lightning_hetero.streams import HeteroStreamLoader, is_stream
-from lightning_hetero.watch import RunWatch, StepMeter
+from lightning_hetero.train.order import STATE_SAMPLES_CONSUMED, GlobalOrder, agreed_seed, local_seed
+from lightning_hetero.train.streams import HeteroStreamLoader, is_stream
+from lightning_hetero.watch import report
+from lightning_hetero.watch.follower import SplitFollower
+from lightning_hetero.watch.meter import RunWatch, StepMeter
 
 # Arguments of DeepSpeedStrategy that only build its default DeepSpeed config: a user config replaces them all.
 _DEFAULT_CONFIG_ARGUMENTS = frozenset(
@@ -129,44 +115,44 @@ class HeteroStrategy(DeepSpeedStrategy):
         weights: relative capability per rank; the global batch is split in proportion (each rank >= 1 sample).
         loss_reduction: ``"mean"`` (default) when ``training_step`` returns the mean loss over its batch, ``"sum"``
             when it returns the sum. Each rank's loss is weighted so that the update is DDP's whatever the split:
-            ``b_r * W / B`` for a mean, 1 for a sum (see :func:`lightning_hetero.plan.loss_weight`).
+            ``b_r * W / B`` for a mean, 1 for a sum (see :func:`lightning_hetero.plan.split.loss_weight`).
         emulate_speeds: a test and demo aid: one speed in (0, 1] per rank; a rank with speed ``f`` stretches its
-            local compute to ``1/f`` of its duration (see :mod:`lightning_hetero.emulate`). A drift is a schedule
+            local compute to ``1/f`` of its duration (see :mod:`lightning_hetero.emulate.slowdown`). A drift is a schedule
             ``{global step: speeds}`` starting at 0, e.g. ``{0: [1.0, 1.0], 200: [1.0, 0.4]}``. Also read from the
             environment variable ``LIGHTNING_HETERO_EMULATE_SPEEDS=1.0,0.4`` (a schedule:
             ``1.0,1.0;200:1.0,0.4``); the argument wins.
         rebalance: re-plan the split during training from what each rank measures (see
-            :mod:`lightning_hetero.replan`). Default None: on for the automatic split, off when ``batch_sizes`` or
+            :mod:`lightning_hetero.plan.replan`). Default None: on for the automatic split, off when ``batch_sizes`` or
             ``weights`` fix it (True then starts from the fixed split, assuming time proportional to the batch).
         rebalance_window: training steps between two exchanges of the ranks' measurements (default 20): the
             re-plan decisions, the run report's and the HeteroMonitor's updates happen at that rhythm.
         rebalance_threshold: the predicted gain a new split needs over the current one (default 0.05: 5 % faster).
         peer_timeout: seconds without a heartbeat from a rank after which the others stop, naming it, with exit code
-            75 (default 30; see :mod:`lightning_hetero.liveness`). A rank that is busy (a long checkpoint write,
+            75 (default 30; see :mod:`lightning_hetero.recover.liveness`). A rank that is busy (a long checkpoint write,
             profiling) keeps beating; only a process that is gone or frozen stops. None: wait as long as the
             process group's timeout.
-        device_precision: each rank's own precision (see :mod:`lightning_hetero.precision`). None (default): the
+        device_precision: each rank's own precision (see :mod:`lightning_hetero.precision.choice`). None (default): the
             Trainer's ``precision`` on every rank. ``"auto"``: bf16 autocast where the device computes in bf16 (CUDA
             compute capability >= 8.0, CPUs with AMX or AVX512-BF16), fp16 autocast on other CUDA devices, fp32
             otherwise. Or one of ``"bf16-mixed"``, ``"16-mixed"``, ``"32-true"`` per rank. DeepSpeed and the
             collectives stay fp32; fp16 ranks share one dynamic loss scale, and an overflow on any rank skips that
             step on every rank. Needs the Trainer's default ``precision="32-true"``.
-        compression: how gradients travel (see :mod:`lightning_hetero.compression`): None (default) uncompressed;
+        compression: how gradients travel (see :mod:`lightning_hetero.comm.compression`): None (default) uncompressed;
             ``"fp16"`` / ``"bf16"`` in half precision (every stage); ``"powersgd"`` (torch's PowerSGD, error feedback)
             or ``"topk"`` (the largest entries, error feedback); or a DDP comm hook ``hook(state, bucket)`` /
             ``(hook, state)``. Hooks need ``stage=0``: ZeRO-1/2/3 reduce inside DeepSpeed's optimizer.
         compression_options: the mode's settings: ``PowerSGDState``'s arguments for ``"powersgd"`` (default
             ``{"matrix_approximation_rank": 1, "start_powerSGD_iter": 10}``), ``{"ratio": 0.01}`` for ``"topk"``.
         hierarchical: reduce inside each node first, send one payload per node between nodes, broadcast back
-            (see :mod:`lightning_hetero.exchange`). ``"auto"`` (default): at ZeRO-0 when there are several nodes, some
+            (see :mod:`lightning_hetero.comm.communication`). ``"auto"`` (default): at ZeRO-0 when there are several nodes, some
             with several ranks. True needs ``stage=0``. Nodes are the ranks' hosts, or
             ``LIGHTNING_HETERO_EMULATE_NODES=2`` (a test aid, with ``LIGHTNING_HETERO_EMULATE_LINK``; see
-            :mod:`lightning_hetero.topology`).
+            :mod:`lightning_hetero.comm.topology`).
         max_nonfinite_steps: optimizer steps in a row skipped for non-finite gradients (a NaN or inf loss on any
             rank) after which the run stops on every rank, naming the ranks whose loss was non-finite, when there is
             no loss scale to lower (fp32, bf16; with fp16 a skip lowers the scale). Default 3; None: never stop.
             Skipped steps are counted in the run report and by HeteroMonitor either way (see
-            :mod:`lightning_hetero.nonfinite`).
+            :mod:`lightning_hetero.precision.nonfinite`).
         config: a DeepSpeed config dict or JSON path, as for :class:`DeepSpeedStrategy`. It must not set the
             micro-batch, the train batch or ``gradient_accumulation_steps``; the strategy owns them.
         **kwargs: any other :class:`DeepSpeedStrategy` argument. Those that only build the default DeepSpeed config
@@ -377,7 +363,7 @@ class HeteroStrategy(DeepSpeedStrategy):
             self._stop_on_sigterm.install(self.lightning_module.trainer)
 
     def _start_watchdog(self) -> None:
-        """From here to teardown, a rank whose process is gone stops the others (:mod:`lightning_hetero.liveness`)."""
+        """From here to teardown, a rank whose process is gone stops the others (:mod:`lightning_hetero.recover.liveness`)."""
         self._trainer_calls += 1  # every rank makes the same trainer calls: the same keys for one call
         if self.world_size == 1 or self.peer_timeout is None:
             return
@@ -642,7 +628,7 @@ class HeteroStrategy(DeepSpeedStrategy):
 
     def _gradient_bytes_held_until_step(self) -> float:
         """Memory the profile did not see: ranks under different autocasts at ZeRO-2/3 hold every parameter's fp32
-        gradient until the step (see :class:`~lightning_hetero.precision_plugin.ParameterOrderReduction`)."""
+        gradient until the step (see :class:`~lightning_hetero.precision.plugin.ParameterOrderReduction`)."""
         stage = (self.config or {}).get("zero_optimization", {}).get("stage", 0)
         kinds = [facts.kind for facts in self.device_facts]
         if self.device_precision is None or not reduces_in_parameter_order(self.precisions, kinds, stage):
@@ -856,7 +842,7 @@ class HeteroStrategy(DeepSpeedStrategy):
 
     @property
     def watch(self) -> RunWatch:
-        """What every rank did in each training step so far (see :mod:`lightning_hetero.watch`)."""
+        """What every rank did in each training step so far (see :mod:`lightning_hetero.watch.meter`)."""
         return self._watch
 
     def _on_batch(self, local_samples: int, global_samples: int) -> None:
@@ -1038,7 +1024,7 @@ class HeteroStrategy(DeepSpeedStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """Say on every rank which rank failed and how (see :mod:`lightning_hetero.failures`); no collective here."""
+        """Say on every rank which rank failed and how (see :mod:`lightning_hetero.recover.failures`); no collective here."""
         super().on_exception(exception)
         exit_code_for(exception)
         if self._stop_on_sigterm is not None and self._stop_on_sigterm.stopped_every_rank(exception):

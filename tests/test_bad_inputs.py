@@ -15,7 +15,7 @@ import pytest
 from conftest import REPO, run_fit
 
 from lightning_hetero import HeteroStrategy
-from lightning_hetero.emulate import ENV_VAR
+from lightning_hetero.emulate.slowdown import ENV_VAR
 
 CONSTRUCTOR = [
     ({"stage": 4}, "`stage=4` is not a ZeRO stage"),

@@ -10,7 +10,7 @@ import torch
 from conftest import run_fit
 from torch import nn
 
-from lightning_hetero.buffers import BufferSync
+from lightning_hetero.train.buffers import BufferSync
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from common import IndexedRegression  # noqa: E402

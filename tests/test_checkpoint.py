@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from lightning_hetero import checkpoint, elastic
+from lightning_hetero.recover import checkpoint, elastic
 
 
 def flip_a_byte(path, name="checkpoint/mp_rank_00_model_states.pt"):
@@ -332,7 +332,7 @@ def test_failed_writes_inside_deepspeeds_save_are_raised_after_its_collectives(t
 
 
 def test_a_damaged_checkpoint_directory_is_named_when_loaded_into_a_plain_model(tmp_path):
-    from lightning_hetero.export import is_hetero_checkpoint, lightning_checkpoint
+    from lightning_hetero.recover.export import is_hetero_checkpoint, lightning_checkpoint
 
     path = write_checkpoint(tmp_path / "last.ckpt", 4)
     flip_a_byte(path)
@@ -344,7 +344,7 @@ def test_a_damaged_checkpoint_directory_is_named_when_loaded_into_a_plain_model(
 def test_a_lightning_checkpoint_files_place_in_its_epoch_becomes_the_loaders_state(tmp_path):
     import torch
 
-    from lightning_hetero import resume_lightning
+    from lightning_hetero.recover import from_lightning as resume_lightning
 
     def saved(processed, epoch):
         return {"state_dict": {}, "epoch": epoch, "loops": {"fit_loop": {

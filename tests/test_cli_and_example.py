@@ -43,7 +43,7 @@ def test_cli_fits_with_string_and_class_path_strategy(config, expected_rows, tmp
     assert sorted(p.name for p in tmp_path.rglob("rank_*.json")) == ["rank_0.json", "rank_1.json"]
 
 
-# Third-party lines that each rank printed on every run and that no user can act on (see lightning_hetero/quiet.py).
+# Third-party lines that each rank printed on every run and that no user can act on (see lightning_hetero/runtime/quiet.py).
 NOISE = [
     "Setting accelerator to CPU",
     "deepspeed_shm_comm_op built successfully",
@@ -94,7 +94,7 @@ def test_example_learns_and_compares_with_the_equal_split(tmp_path):
 
 def test_example_splits_by_measured_precision_without_emulation(tmp_path):
     """bf16 beside fp32 on one CPU: real heterogeneity, found by the profiler (no speed emulation)."""
-    from lightning_hetero.devices import collect_device_facts
+    from lightning_hetero.measure.devices import collect_device_facts
 
     returncode, output = run_bounded(
         [sys.executable, "examples/train_spirals.py", "--epochs", "1", "--no-baseline", "--device-precision",

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from common import IndexedRegression, full_data_loss  # noqa: E402
 from conftest import run_fit  # noqa: E402
 
-from lightning_hetero.checkpoint import MANIFEST_NAME  # noqa: E402
+from lightning_hetero.recover.checkpoint import MANIFEST_NAME  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 

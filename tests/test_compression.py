@@ -17,9 +17,9 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
-from lightning_hetero import compression as compress
-from lightning_hetero.exchange import GradientBucket, HookedExchange, bucket_parameters
-from lightning_hetero.topology import (
+from lightning_hetero.comm import compression as compress
+from lightning_hetero.comm.communication import GradientBucket, HookedExchange, bucket_parameters
+from lightning_hetero.comm.topology import (
     LINK_ENV_VAR,
     NODES_ENV_VAR,
     SlowLink,
@@ -31,7 +31,7 @@ from lightning_hetero.topology import (
     slow_link_from_environment,
     topology_from_hosts,
 )
-from lightning_hetero.wire import WireMeter, senders
+from lightning_hetero.comm.wire import WireMeter, senders
 
 
 @pytest.fixture

@@ -15,8 +15,8 @@ import pytest
 import torch
 from conftest import REPO, run_bounded, run_fit
 
-from lightning_hetero.devices import collect_device_facts
-from lightning_hetero.precision import best_precision
+from lightning_hetero.measure.devices import collect_device_facts
+from lightning_hetero.precision.choice import best_precision
 
 pytestmark = [
     pytest.mark.cuda,
@@ -45,7 +45,7 @@ def test_profiling_on_cuda_finds_the_memory_ceiling_by_running_out_of_memory():
     """A memory cap makes the largest probe run out of memory: the profile stops there and caps the ceiling below."""
     from lightning.pytorch import LightningModule
 
-    from lightning_hetero.profiler import profile_training_step
+    from lightning_hetero.measure.profiler import profile_training_step
 
     class Wide(LightningModule):
         def __init__(self) -> None:

@@ -1,4 +1,4 @@
-"""Unit tests for lightning_hetero.data: global batches cut into per-rank slices, and resumable loaders.
+"""Unit tests for lightning_hetero.train: global batches cut into per-rank slices, and resumable loaders.
 
 Several ranks are simulated in one process by building one sampler or loader per rank; no process group is needed
 because every rank computes the same global order and the same list of steps.
@@ -27,7 +27,14 @@ from torch.utils.data import (
 )
 from torch.utils.data.distributed import DistributedSampler
 
-from lightning_hetero.data import (
+from lightning_hetero.plan.split import split_by_weights
+from lightning_hetero.train.loaders import (
+    HeteroDataLoader,
+    describe_unsupported_loader,
+    loader_batch_size,
+    rebuild_loader,
+)
+from lightning_hetero.train.order import (
     STATE_BATCH_SIZES,
     STATE_EPOCH,
     STATE_NUM_SAMPLES,
@@ -36,13 +43,8 @@ from lightning_hetero.data import (
     GlobalOrder,
     GlobalStep,
     HeteroBatchSampler,
-    HeteroDataLoader,
-    describe_unsupported_loader,
     epoch_steps,
-    loader_batch_size,
-    rebuild_loader,
 )
-from lightning_hetero.plan import split_by_weights
 
 batch_size_lists = st.lists(st.integers(min_value=1, max_value=6), min_size=1, max_size=4)
 
@@ -718,7 +720,7 @@ def test_evaluation_loaders_give_every_rank_the_same_number_of_samples_at_every_
 def test_several_training_loaders_are_refused_and_one_inside_a_collection_is_used():
     from lightning.pytorch.utilities import CombinedLoader
 
-    from lightning_hetero.data import describe_several_training_loaders, only_loader
+    from lightning_hetero.train.loaders import describe_several_training_loaders, only_loader
 
     first, second = DataLoader(list(range(8)), batch_size=2), DataLoader(list(range(8)), batch_size=4)
     for single in (first, {"a": first}, [first], CombinedLoader({"a": first}, "max_size_cycle")):

@@ -12,21 +12,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_hetero import devices
-from lightning_hetero.devices import (
-    DeviceFacts,
-    PeerLink,
-    bf16_native,
-    collect_device_facts,
-    cpu_facts,
-    cuda_facts,
-    isa_summary,
-    normalize_pci_bus_id,
-    parse_cpu_flags,
-    parse_cpu_model,
-    pcie_link_name,
-    same_model,
-)
+from lightning_hetero.measure import cpu as cpu_module
+from lightning_hetero.measure import cuda as cuda_module
+from lightning_hetero.measure import facts as facts_module
+from lightning_hetero.measure.cpu import bf16_native, cpu_facts, parse_cpu_flags, parse_cpu_model
+from lightning_hetero.measure.cuda import cuda_facts, normalize_pci_bus_id, pcie_link_name
+from lightning_hetero.measure.devices import collect_device_facts
+from lightning_hetero.measure.facts import DeviceFacts, PeerLink, isa_summary, same_model
 
 SPR_FLAGS = (
     "fpu sse4_2 avx avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni avx512_bf16 avx512_fp16"
@@ -129,7 +121,7 @@ def test_cpu_facts_on_this_machine_are_sane_and_round_trip_through_json():
     assert 0 < facts.free_memory_bytes <= facts.total_memory_bytes
     assert facts.supports_bf16 is True  # CPU autocast has run bf16 since torch 1.10
     assert facts.isa_features == tuple(sorted(facts.isa_features))
-    assert set(facts.isa_features) <= devices.ML_ISA_FEATURES
+    assert set(facts.isa_features) <= facts_module.ML_ISA_FEATURES
     assert "torch" in facts.sources
     assert re.match(r"cpu: \d+ threads?, ", facts.describe())
     assert "GiB free" in facts.describe()
@@ -184,7 +176,7 @@ def test_cpu_ranks_with_different_thread_counts_or_isa_are_different_models():
 
 
 def test_cpu_facts_without_procfs_or_psutil_notes_what_is_missing(monkeypatch):
-    monkeypatch.setattr(devices, "_read_text", lambda path: None)
+    monkeypatch.setattr(cpu_module, "read_text", lambda path: None)
     monkeypatch.setitem(sys.modules, "psutil", None)  # makes `import psutil` raise ImportError
 
     facts = cpu_facts()
@@ -387,7 +379,7 @@ def test_cuda_facts_with_neither_torch_nor_nvml_still_return(monkeypatch, broken
 def test_pre_ampere_gpu_runs_bf16_only_by_emulation(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: fake_cuda_properties(major=7, minor=0))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (30 * GIB, 32 * GIB))
-    monkeypatch.setattr(devices, "_bf16_tensor_works", lambda index: True)
+    monkeypatch.setattr(cuda_module, "_bf16_tensor_works", lambda index: True)
     monkeypatch.setitem(sys.modules, "pynvml", None)
 
     facts = cuda_facts(0)

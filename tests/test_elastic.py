@@ -6,8 +6,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -22,9 +22,9 @@ sys.path.insert(0, str(WORKERS))
 from common import IndexedRegression, max_param_difference, reference_training  # noqa: E402
 from torch.utils.data import RandomSampler  # noqa: E402
 
-from lightning_hetero import checkpoint  # noqa: E402
-from lightning_hetero.liveness import EXIT_CODE_PEER_LOST  # noqa: E402
-from lightning_hetero.stopping import EXIT_CODE_INTERRUPTED  # noqa: E402
+from lightning_hetero.recover import checkpoint  # noqa: E402
+from lightning_hetero.recover.liveness import EXIT_CODE_PEER_LOST  # noqa: E402
+from lightning_hetero.recover.stopping import EXIT_CODE_INTERRUPTED  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 

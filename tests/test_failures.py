@@ -1,11 +1,11 @@
-"""Unit tests for lightning_hetero.failures: which errors are a lost peer, what a survivor says, the store."""
+"""Unit tests for lightning_hetero.recover.failures: which errors are a lost peer, what a survivor says, the store."""
 
 from __future__ import annotations
 
 import pytest
 import torch.distributed
 
-from lightning_hetero import failures
+from lightning_hetero.recover import failures
 
 
 @pytest.mark.parametrize(

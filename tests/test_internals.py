@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from lightning_hetero.internals import INTERNALS, resolve
+from lightning_hetero.runtime.internals import INTERNALS, resolve
 
 
 @pytest.mark.parametrize("internal", INTERNALS, ids=lambda i: f"{i.module}.{i.name}")
@@ -16,9 +18,14 @@ def test_private_name_still_exists(internal):
 
 
 def test_every_entry_says_where_it_is_used_and_why():
+    import lightning_hetero
+
+    package = Path(lightning_hetero.__file__).parent
     for internal in INTERNALS:
         assert internal.use in ("patched", "read", "called")
         assert internal.by and internal.why
+        for module in internal.by.split(", "):
+            assert (package / module).is_file(), f"{internal.name}: `by` names no module of the package: {module}"
         if internal.use == "patched":
             assert internal.undone, f"{internal.name}: a patch must say where it is put back"
 
@@ -26,7 +33,7 @@ def test_every_entry_says_where_it_is_used_and_why():
 def test_a_patch_is_put_back_even_when_the_block_fails():
     import importlib
 
-    from lightning_hetero import startup
+    from lightning_hetero.runtime import startup
 
     # (`deepspeed.comm.torch` as an attribute is the torch package that deepspeed.comm imports, not the module)
     backend_module = importlib.import_module("deepspeed.comm.torch")
@@ -38,7 +45,7 @@ def test_a_patch_is_put_back_even_when_the_block_fails():
 
 
 def test_an_instance_attribute_is_found_in_the_code_that_sets_it_and_a_missing_one_is_refused():
-    from lightning_hetero.internals import Internal
+    from lightning_hetero.runtime.internals import Internal
 
     def named(name):
         return Internal("deepspeed.runtime.zero.stage_1_and_2", name, "read", "-", "-")
@@ -55,15 +62,17 @@ def test_every_private_name_the_package_imports_from_a_library_is_listed():
     from pathlib import Path
 
     import lightning_hetero
-    from lightning_hetero.internals import INTERNALS
+    from lightning_hetero.runtime.internals import INTERNALS
 
     listed = {(internal.module, internal.name) for internal in INTERNALS}
     libraries = ("lightning", "deepspeed", "torch")
     missing = []
-    for path in sorted(Path(lightning_hetero.__file__).parent.glob("*.py")):
+    for path in sorted(Path(lightning_hetero.__file__).parent.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in libraries:
                 for alias in node.names:
                     if alias.name.startswith("_") and (node.module, alias.name) not in listed:
-                        missing.append(f"{path.name}:{node.lineno} {node.module}.{alias.name}")
-    assert not missing, "private names imported but not in lightning_hetero/internals.py: " + ", ".join(missing)
+                        missing.append(
+                            f"{path.relative_to(Path(lightning_hetero.__file__).parent)}:{node.lineno} {node.module}.{alias.name}"
+                        )
+    assert not missing, "private names imported but not in lightning_hetero/runtime/internals.py: " + ", ".join(missing)

@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed
 
-from lightning_hetero import liveness
+from lightning_hetero.recover import liveness
 
 
 def test_a_peer_silent_for_the_timeout_is_lost_unless_it_finished():

@@ -11,7 +11,12 @@ import pytest
 import torch
 from conftest import run_fit
 
-from lightning_hetero.nonfinite import NonFiniteGuard, NonFiniteStepsError, gradients_are_finite, streak_message
+from lightning_hetero.precision.nonfinite import (
+    NonFiniteGuard,
+    NonFiniteStepsError,
+    gradients_are_finite,
+    streak_message,
+)
 
 
 class FakeEngine:

@@ -17,9 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_hetero.plan import (
+from lightning_hetero.measure.cost import CostModel
+from lightning_hetero.plan.planner import (
     MIN_PREDICTED_GAIN,
-    CostModel,
     PlannedSplit,
     equal_split_time,
     plan_automatic_split,
@@ -27,8 +27,8 @@ from lightning_hetero.plan import (
     predicted_step_time,
     predicted_times,
     required_gain,
-    split_by_weights,
 )
+from lightning_hetero.plan.split import split_by_weights
 
 # Values that collide often (dyadic, so sums are exact) next to ones that round (0.1, 0.3): ties between ranks
 # exercise the tie-break, rounding exercises the "compare only computed times" rule.

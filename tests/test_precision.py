@@ -9,8 +9,8 @@ import pytest
 import torch
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
 
-from lightning_hetero.devices import DeviceFacts
-from lightning_hetero.precision import (
+from lightning_hetero.measure.facts import DeviceFacts
+from lightning_hetero.precision.choice import (
     BF16,
     FP16,
     FP32,
@@ -26,14 +26,14 @@ from lightning_hetero.precision import (
     reduces_in_parameter_order,
     slow_precision,
 )
-from lightning_hetero.precision_plugin import (
+from lightning_hetero.precision.plugin import (
     AutocastInside,
     HeteroPrecision,
     ParameterOrderReduction,
     UnscaledGradients,
     skip_agreed_overflows,
 )
-from lightning_hetero.report import build_report, summary_text
+from lightning_hetero.watch.report import build_report, summary_text
 
 
 def cuda(capability: tuple[int, int], bf16_runs: bool = True) -> DeviceFacts:

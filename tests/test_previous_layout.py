@@ -11,7 +11,7 @@ from conftest import WORKERS, run_fit
 sys.path.insert(0, str(WORKERS))
 from common import IndexedRegression, max_param_difference, reference_training  # noqa: E402
 
-from lightning_hetero import checkpoint  # noqa: E402
+from lightning_hetero.recover import checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 

@@ -1,4 +1,4 @@
-"""Unit tests for lightning_hetero.profiler: the training-step benchmark (in process, no process group) and its pure
+"""Unit tests for lightning_hetero.measure.profiler: the training-step benchmark (in process, no process group) and its pure
 fitting and sizing functions."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from lightning_hetero.emulate import SlowdownEmulator
-from lightning_hetero.plan import CostModel
-from lightning_hetero.profiler import (
+from lightning_hetero.emulate.slowdown import SlowdownEmulator
+from lightning_hetero.measure.cost import CostModel
+from lightning_hetero.measure.profiler import (
     MEMORY_HEADROOM,
     RankProfile,
     fit_linear_cost,
@@ -439,7 +439,7 @@ def test_memory_reserved_during_training_lowers_the_ceiling_and_never_raises_it(
 
 
 def test_a_summed_loss_doubles_with_its_batch_given_twice_and_a_mean_does_not():
-    from lightning_hetero.profiler import doubled_loss_ratio, loss_reduction_mismatch
+    from lightning_hetero.measure.profiler import doubled_loss_ratio, loss_reduction_mismatch
 
     assert doubled_loss_ratio(3.0, 6.0) == 2.0 and doubled_loss_ratio(0.5, 0.5) == 1.0
     assert doubled_loss_ratio(0.0, 0.0) is None and doubled_loss_ratio(1.0, math.nan) is None

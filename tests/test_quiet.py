@@ -1,11 +1,11 @@
-"""Unit tests for lightning_hetero.quiet: known third-party noise is dropped inside the block, nothing else is."""
+"""Unit tests for lightning_hetero.runtime.quiet: known third-party noise is dropped inside the block, nothing else is."""
 
 from __future__ import annotations
 
 import logging
 import warnings
 
-from lightning_hetero import quiet
+from lightning_hetero.runtime import quiet
 
 
 class Recorder(logging.Handler):

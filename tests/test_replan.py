@@ -1,4 +1,4 @@
-"""The re-plan decision (lightning_hetero.replan): pure functions fed synthetic, noisy measurements.
+"""The re-plan decision (lightning_hetero.plan.replan): pure functions fed synthetic, noisy measurements.
 
 The simulator plays a job: each step every rank computes for its true cost at its micro-batch, times a random
 noise factor (and now and then a large outlier: a garbage collection, a page fault); every ``window`` steps the
@@ -12,8 +12,9 @@ import random
 
 import pytest
 
-from lightning_hetero.plan import CostModel, plan_min_max, predicted_step_time, split_by_weights
-from lightning_hetero.replan import (
+from lightning_hetero.measure.cost import CostModel
+from lightning_hetero.plan.planner import plan_min_max, predicted_step_time
+from lightning_hetero.plan.replan import (
     MIN_INTERVAL_WINDOWS,
     Rebalancer,
     check_rebalance_arguments,
@@ -22,6 +23,7 @@ from lightning_hetero.replan import (
     refit_cost_models,
     weighted_median,
 )
+from lightning_hetero.plan.split import split_by_weights
 
 WINDOW = 20
 

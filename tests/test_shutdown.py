@@ -1,4 +1,4 @@
-"""Unit tests for lightning_hetero.shutdown: the exit clean-up waits while a gloo worker thread is runnable.
+"""Unit tests for lightning_hetero.runtime.shutdown: the exit clean-up waits while a gloo worker thread is runnable.
 
 A stand-in thread takes gloo's worker name ("pt_gloo_runloop") through prctl and spins, which is what a worker that
 still has a release to finish looks like from /proc.
@@ -14,7 +14,11 @@ import time
 
 import pytest
 
-from lightning_hetero.shutdown import GLOO_WORKER_THREAD_NAME, runnable_gloo_workers, wait_for_gloo_workers_to_settle
+from lightning_hetero.runtime.shutdown import (
+    GLOO_WORKER_THREAD_NAME,
+    runnable_gloo_workers,
+    wait_for_gloo_workers_to_settle,
+)
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread states from /proc")
 PR_SET_NAME = 15
@@ -74,7 +78,7 @@ def test_a_runnable_worker_is_counted_and_waited_for_up_to_the_bound():
 
 SCRIPT = """
 import sys
-from lightning_hetero import shutdown
+from lightning_hetero.runtime import shutdown
 shutdown.register_exit_cleanup()
 error = RuntimeError("Connection reset by peer")
 if sys.argv[1] in ("uncaught", "caught"):
@@ -103,7 +107,7 @@ def test_an_exception_marked_for_an_exit_code_exits_with_it_only_when_uncaught(h
 
 SIGTERM_SCRIPT = """
 import os, signal, sys, time
-from lightning_hetero.stopping import StopOnSigterm
+from lightning_hetero.recover.stopping import StopOnSigterm
 stop = StopOnSigterm(lambda tensor: None, None)
 signal.signal(signal.SIGTERM, stop.on_sigterm)
 os.kill(os.getpid(), signal.SIGTERM)
@@ -120,7 +124,7 @@ def test_a_second_sigterm_ends_a_stuck_process_at_once():
     import subprocess
     import sys
 
-    from lightning_hetero.stopping import EXIT_CODE_INTERRUPTED
+    from lightning_hetero.recover.stopping import EXIT_CODE_INTERRUPTED
 
     result = subprocess.run([sys.executable, "-c", SIGTERM_SCRIPT], capture_output=True, text=True, timeout=120)
     assert result.returncode == EXIT_CODE_INTERRUPTED, result.stderr[-2000:]

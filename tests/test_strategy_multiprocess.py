@@ -33,7 +33,7 @@ from common import (  # noqa: E402
 from conftest import REPO, WORKERS, run_fit  # noqa: E402
 
 from lightning_hetero import save_as_lightning_checkpoint  # noqa: E402
-from lightning_hetero.stopping import EXIT_CODE_INTERRUPTED  # noqa: E402
+from lightning_hetero.recover.stopping import EXIT_CODE_INTERRUPTED  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_hetero.streams import HeteroStreamLoader
+from lightning_hetero.train.streams import HeteroStreamLoader
 
 
 class Stream(IterableDataset):

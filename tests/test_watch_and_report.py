@@ -1,4 +1,4 @@
-"""Unit tests for lightning_hetero.watch (per-step measurement, exchange) and lightning_hetero.report."""
+"""Unit tests for lightning_hetero.watch.meter (per-step measurement, exchange) and lightning_hetero.watch.report."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from lightning_hetero import report
-from lightning_hetero.watch import (
+from lightning_hetero.watch import report
+from lightning_hetero.watch.meter import (
     RunWatch,
     StepMeter,
     StepRecord,
@@ -184,8 +184,8 @@ def test_the_monitor_refuses_another_strategy():
 
 
 def test_the_plan_says_whose_metrics_an_unsynced_log_shows_when_the_split_is_uneven():
-    from lightning_hetero.plan import SplitPlan
-    from lightning_hetero.report import plan_text
+    from lightning_hetero.plan.split import SplitPlan
+    from lightning_hetero.watch.report import plan_text
 
     uneven = plan_text(SplitPlan((3, 13), "batch_sizes"), 2, ["cpu", "cpu"], ["32-true"] * 2)
     assert "without `sync_dist=True` are rank 0's: 3 of the 16 samples of a step here" in uneven

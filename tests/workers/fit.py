@@ -374,8 +374,8 @@ def main() -> None:
         callbacks.append(DiskFullFrom(args.disk_full_at))
     if args.record_every_step:
         callbacks.append(RecordEveryStep(args.out))
-    if args.ddp:  # the gloo exit race (see lightning_hetero/shutdown.py) hits a DDP reference run as well
-        from lightning_hetero.shutdown import register_exit_cleanup
+    if args.ddp:  # the gloo exit race (see lightning_hetero/runtime/shutdown.py) hits a DDP reference run as well
+        from lightning_hetero.runtime.shutdown import register_exit_cleanup
 
         register_exit_cleanup()
     trainer = Trainer(

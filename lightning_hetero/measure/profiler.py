@@ -1,0 +1,394 @@
+"""Measure: a short benchmark of the user's own training step on this rank, giving a cost model and a memory ceiling.
+
+Forward + backward of ``training_step`` on real samples at a few micro-batch sizes, after warm-up, on a plain local
+module (before DeepSpeed wraps it), so it measures local compute and never waits in a collective. Everything it
+touches is put back: parameters and buffers (BatchNorm statistics), gradients, and the random number generators
+(dropout, augmentations), so a profiled run trains exactly like an unprofiled one with the same split. It reads
+samples from the dataset directly, never through the sampler, so the data order is untouched.
+
+The fitting and sizing decisions are pure functions below; :func:`profile_training_step` is the measuring part.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Callable, Optional
+
+import psutil
+import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_hetero.emulate.slowdown import SlowdownEmulator, compute_clock
+from lightning_hetero.measure.cost import CostModel
+from lightning_hetero.runtime.randomness import preserved_random_state
+
+# Fraction of the free memory a plan may fill: activations are not the only allocations (fragmentation, workspace).
+MEMORY_HEADROOM = 0.8
+
+
+@dataclass(frozen=True)
+class RankProfile:
+    """What one rank measured: step time per probed micro-batch and the fitted cost model."""
+
+    batch_sizes: tuple[int, ...]
+    seconds: tuple[float, ...]  # fastest forward+backward time per probed size
+    fixed_seconds: float
+    seconds_per_sample: float
+    max_batch: Optional[int]  # memory ceiling; None = no limit found
+    bytes_per_sample: Optional[float]
+    wall_seconds: float  # what profiling cost on this rank
+    free_bytes: Optional[float] = None  # the device's free memory when profiled (what the ceiling was taken from)
+    # The loss of a batch given twice (the same samples, concatenated) over the loss of the batch: 1 for a mean over
+    # the batch, 2 for a sum; None when it could not be measured (a loss that is not a positive number).
+    loss_ratio: Optional[float] = None
+
+    def cost_model(self) -> CostModel:
+        return CostModel(fixed=self.fixed_seconds, per_sample=self.seconds_per_sample, max_batch=self.max_batch)
+
+    def reserving(self, reserved_bytes: float) -> RankProfile:
+        """This profile with ``reserved_bytes`` of the free memory taken by something else during training."""
+        if self.free_bytes is None or not self.bytes_per_sample:
+            return self
+        ceiling = memory_ceiling(self.bytes_per_sample, max(0.0, self.free_bytes - reserved_bytes))
+        assert ceiling is not None
+        return replace(self, max_batch=ceiling if self.max_batch is None else min(self.max_batch, ceiling))
+
+    def throughput(self, batch_size: int) -> float:
+        """Predicted samples per second of local compute at ``batch_size``."""
+        return batch_size / self.cost_model().time(batch_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RankProfile:
+        return cls(**{**data, "batch_sizes": tuple(data["batch_sizes"]), "seconds": tuple(data["seconds"])})
+
+
+def probe_sizes(global_batch_size: int, world_size: int) -> list[int]:
+    """Micro-batch sizes to time: from an eighth of the equal share to twice it, so that the fitted line holds for
+    the small batches a slow rank may be given as well as the large ones of a fast rank."""
+    share = max(1, global_batch_size // world_size)
+    return sorted({max(1, share // 8), max(1, share // 2), share, max(2, 2 * share)})
+
+
+def fit_linear_cost(batch_sizes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
+    """Least-squares ``seconds = fixed + per_sample * batch``, with ``fixed >= 0`` and ``per_sample > 0``.
+
+    Timing noise can make the unconstrained fit's intercept negative (or, at tiny sizes, the slope); then the
+    constrained optimum lies on that boundary and is refitted there.
+    """
+    if len(batch_sizes) != len(seconds) or len(set(batch_sizes)) < 2:
+        raise ValueError(f"need timings at two or more distinct batch sizes, got {list(batch_sizes)}")
+    n = len(batch_sizes)
+    mean_b = sum(batch_sizes) / n
+    mean_t = sum(seconds) / n
+    covariance = sum((b - mean_b) * (t - mean_t) for b, t in zip(batch_sizes, seconds))
+    variance = sum((b - mean_b) ** 2 for b in batch_sizes)
+    per_sample = covariance / variance
+    fixed = mean_t - per_sample * mean_b
+    if fixed < 0:  # through the origin
+        fixed, per_sample = 0.0, sum(b * t for b, t in zip(batch_sizes, seconds)) / sum(b * b for b in batch_sizes)
+    smallest_positive = max(mean_t, 1e-9) * 1e-6 / max(batch_sizes)
+    if per_sample <= 0:  # flat in batch size: all cost is fixed; keep a tiny slope so more samples never look free
+        fixed, per_sample = mean_t, smallest_positive
+    return fixed, max(per_sample, smallest_positive)
+
+
+def doubled_loss_ratio(single: float, doubled: float) -> Optional[float]:
+    """``doubled / single`` (the loss of a batch given twice over the batch's own), when both are positive numbers."""
+    if not (math.isfinite(single) and math.isfinite(doubled)) or single <= 0 or doubled <= 0:
+        return None
+    return doubled / single
+
+
+# A summed loss doubles when the batch is given twice; a mean (over samples, or over tokens) stays the same.
+_SUM_RATIO, _MEAN_RATIO = 1.6, 1.25
+
+
+def loss_reduction_mismatch(ratios: Sequence[Optional[float]], loss_reduction: str) -> Optional[str]:
+    """A warning when every rank's profile says the loss is a sum and ``loss_reduction="mean"``, or the reverse."""
+    known = [ratio for ratio in ratios if ratio is not None]
+    if not known:
+        return None
+    shown = ", ".join(f"{ratio:.2f}" for ratio in known)
+    if loss_reduction == "mean" and min(known) > _SUM_RATIO:
+        return (
+            "HeteroStrategy: `training_step`'s loss doubles when its batch is given twice (the profile measured"
+            f" {shown}), as a sum over the batch does, but `loss_reduction='mean'`: with unequal micro-batches that"
+            " trains differently from DDP. Pass `HeteroStrategy(loss_reduction='sum')` if the loss is a sum (e.g."
+            " `reduction='sum'`)."
+        )
+    if loss_reduction == "sum" and max(known) < _MEAN_RATIO:
+        return (
+            "HeteroStrategy: `training_step`'s loss stays the same when its batch is given twice (the profile"
+            f" measured {shown}), as a mean over the batch does, but `loss_reduction='sum'`: with unequal"
+            " micro-batches that trains differently from DDP. Pass `loss_reduction='mean'` (the default) if the loss"
+            " is a mean."
+        )
+    return None
+
+
+def memory_ceiling(bytes_per_sample: Optional[float], free_bytes: Optional[float]) -> Optional[int]:
+    """The largest micro-batch whose activations fit in ``MEMORY_HEADROOM`` of the free memory (None: unknown)."""
+    if not bytes_per_sample or bytes_per_sample <= 0 or free_bytes is None:
+        return None
+    return max(0, math.floor(free_bytes * MEMORY_HEADROOM / bytes_per_sample))
+
+
+class _NoOptimizer:
+    """Stands in for ``self.optimizers()`` while profiling a manual-optimization step: nothing may be updated."""
+
+    def zero_grad(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def step(self, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> None:
+        if closure is not None:
+            closure()
+
+
+class _NoScheduler:
+    """Stands in for ``self.lr_schedulers()`` while profiling: a manual step may call ``sch.step()``."""
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _training_step_in_isolation(module: nn.Module) -> Iterator[None]:
+    """Run ``training_step`` outside Lightning's loop: logging and optimizer calls become no-ops, backward is plain."""
+
+    def no_op(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    stubs = {
+        "log": no_op,
+        "log_dict": no_op,
+        "optimizers": lambda *args, **kwargs: _NoOptimizer(),
+        "lr_schedulers": lambda *args, **kwargs: _NoScheduler(),
+        "manual_backward": lambda loss, *args, **kwargs: loss.backward(*args, **kwargs),
+        "toggle_optimizer": no_op,
+        "untoggle_optimizer": no_op,
+    }
+    shadowed = {name: module.__dict__[name] for name in stubs if name in module.__dict__}
+    module.__dict__.update(stubs)  # instance attributes shadow the methods
+    try:
+        yield
+    finally:
+        for name in stubs:
+            module.__dict__.pop(name, None)
+        module.__dict__.update(shadowed)
+
+
+@contextlib.contextmanager
+def preserved_training_state(module: nn.Module, device: torch.device) -> Iterator[None]:
+    """Put parameters, buffers, gradients and every RNG back as they were."""
+    # Parameters and all buffers, non-persistent ones too (which state_dict leaves out).
+    tensors = itertools.chain(module.named_parameters(), module.named_buffers())
+    saved_tensors = {name: tensor.detach().clone() for name, tensor in tensors}
+    saved_grads = {
+        name: (p.grad.detach().clone() if p.grad is not None else None) for name, p in module.named_parameters()
+    }
+    # Every submodule's own mode: Lightning trains frozen submodules (e.g. a BatchNorm in eval) as the user left them.
+    modes = [(submodule, submodule.training) for submodule in module.modules()]
+    try:
+        with preserved_random_state(device):
+            yield
+    finally:
+        with torch.no_grad():
+            for name, tensor in itertools.chain(module.named_parameters(), module.named_buffers()):
+                tensor.copy_(saved_tensors[name])
+        for name, p in module.named_parameters():
+            p.grad = saved_grads[name]
+        for submodule, training in modes:
+            submodule.training = training
+
+
+def _loss_of(output: Any) -> Optional[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict):
+        return output.get("loss")
+    return None
+
+
+def profile_training_step(
+    module: nn.Module,
+    make_batch: Callable[[int], Any],
+    batch_sizes: Sequence[int],
+    device: torch.device,
+    warmup: int = 1,
+    repeats: int = 3,
+    emulator: Optional[SlowdownEmulator] = None,
+    free_bytes: Optional[float] = None,
+    time_batch_assembly: bool = False,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    make_doubled_batch: Optional[Callable[[int], Any]] = None,
+) -> RankProfile:
+    """Time forward + backward of ``module.training_step`` at each size (fastest of ``repeats`` after ``warmup``).
+
+    Time is this rank's compute clock (:func:`~lightning_hetero.emulate.slowdown.compute_clock`: the thread's CPU time on
+    CPU, synchronised wall time on CUDA) plus any emulated slowdown, so ranks that share CPU cores during the
+    probe do not mistake waiting for a core for a slow device.
+
+    ``make_batch(n)`` returns a batch of ``n`` samples already on ``device``. With ``time_batch_assembly`` it is
+    called, and timed, in every attempt: when the loader has no workers, reading and collating samples happens on
+    the training thread and grows with the micro-batch like compute does. Activation memory per sample is the
+    growth of what autograd saves for backward between sizes; with ``free_bytes`` it gives the memory ceiling. A
+    CUDA out-of-memory at a size caps the ceiling below it and stops the probing there.
+
+    ``autocast`` is the rank's precision context (see :mod:`lightning_hetero.precision.choice`): the step is timed, and
+    its saved activations counted, in the precision the rank will train in.
+    """
+    started = time.perf_counter()
+    slowed = emulator.slowed if emulator is not None else contextlib.nullcontext
+    clock = compute_clock(device)
+    synchronize = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    timed_sizes = sorted(set(batch_sizes))
+    timings: dict[int, list[float]] = {size: [] for size in timed_sizes}
+    saved_bytes: dict[int, float] = {}
+    batches: dict[int, Any] = {}
+    oom_at: Optional[int] = None
+    # Manual optimization: training_step does its own (stubbed) manual_backward; a second backward would fail.
+    automatic = getattr(module, "automatic_optimization", True)
+
+    def time_one_step(size: int) -> float:
+        bytes_saved = [0]
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            bytes_saved[0] += tensor.numel() * tensor.element_size()
+            return tensor
+
+        synchronize()
+        begin, compute_begin = time.perf_counter(), clock()
+        slept_before = emulator.added_seconds if emulator is not None else 0.0
+        if time_batch_assembly or size not in batches:
+            batches[size] = make_batch(size)  # not slowed: loading runs on the host, whatever the device
+        with slowed(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            with autocast():
+                loss = _loss_of(module.training_step(batches[size], 0))
+            if automatic and loss is not None and loss.requires_grad:
+                loss.backward()
+        synchronize()
+        wall, compute = time.perf_counter() - begin, clock() - compute_begin
+        slept = (emulator.added_seconds if emulator is not None else 0.0) - slept_before
+        module.zero_grad(set_to_none=True)
+        saved_bytes[size] = float(bytes_saved[0])
+        # This rank's own compute (never longer than the wall time) plus the emulated slowdown: time spent waiting
+        # for a CPU core that other processes hold is not this device's speed.
+        return min(compute, wall - slept) + slept
+
+    with preserved_training_state(module, device), _training_step_in_isolation(module):
+        module.train()
+        # Rounds over all sizes, so that a burst of interference from elsewhere hits every size alike; the
+        # fastest repeat is kept, since interference only ever adds time.
+        for attempt in range(warmup + repeats):
+            for size in list(timed_sizes):
+                try:
+                    seconds = time_one_step(size)
+                except torch.cuda.OutOfMemoryError:
+                    oom_at = size
+                    timed_sizes = [s for s in timed_sizes if s < size]
+                    module.zero_grad(set_to_none=True)
+                    batches.clear()
+                    torch.cuda.empty_cache()
+                    break
+                if attempt >= warmup:
+                    timings[size].append(seconds)
+        loss_ratio = None
+        if make_doubled_batch is not None and timed_sizes:
+            size = timed_sizes[len(timed_sizes) // 2]  # a middle size: dropout's noise averages out over its samples
+            loss_ratio = _doubled_loss_ratio(module, make_batch(size), make_doubled_batch(size), autocast)
+    fastest = [min(timings[size]) for size in timed_sizes]
+    if len(timed_sizes) < 2:
+        raise RuntimeError(
+            f"HeteroStrategy's profiler could time only micro-batch sizes {timed_sizes} on {device}"
+            f"{f' (out of memory at {oom_at})' if oom_at else ''}. Give `batch_sizes=[...]` or `weights=[...]`"
+            " instead of the automatic split, or a smaller global batch."
+        )
+    fixed, per_sample = fit_linear_cost(timed_sizes, fastest)
+    smallest, largest = timed_sizes[0], timed_sizes[-1]
+    bytes_per_sample = (saved_bytes[largest] - saved_bytes[smallest]) / (largest - smallest) or None
+    ceiling = memory_ceiling(bytes_per_sample, free_bytes)
+    if oom_at is not None:
+        ceiling = min(ceiling, oom_at - 1) if ceiling is not None else oom_at - 1
+    return RankProfile(
+        batch_sizes=tuple(timed_sizes),
+        seconds=tuple(fastest),
+        fixed_seconds=fixed,
+        seconds_per_sample=per_sample,
+        max_batch=ceiling,
+        bytes_per_sample=bytes_per_sample,
+        wall_seconds=time.perf_counter() - started,
+        free_bytes=free_bytes,
+        loss_ratio=loss_ratio,
+    )
+
+
+def _doubled_loss_ratio(
+    module: nn.Module, batch: Any, doubled: Any, autocast: Callable[[], contextlib.AbstractContextManager]
+) -> Optional[float]:
+    """The training step's loss on ``doubled`` (``batch``'s samples twice) over its loss on ``batch``, no backward.
+
+    In eval mode (the caller puts the modes back), so that dropout draws no masks and BatchNorm uses its running
+    statistics: each sample's loss is then the same in both batches, and the ratio is exactly 1 (mean) or 2 (sum).
+    """
+    module.eval()
+    with torch.no_grad(), autocast():
+        single, twice = _loss_of(module.training_step(batch, 0)), _loss_of(module.training_step(doubled, 0))
+    if single is None or twice is None or single.numel() != 1 or twice.numel() != 1:
+        return None
+    return doubled_loss_ratio(float(single), float(twice))
+
+
+def profile_from_loader(
+    module: nn.Module,
+    loader: Any,
+    batch_sizes: Sequence[int],
+    device: torch.device,
+    emulator: Optional[SlowdownEmulator] = None,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> RankProfile:
+    """:func:`profile_training_step` on samples of the training ``loader`` (read from its dataset directly, or the first
+    ones of a stream), with the device's free memory for the ceiling."""
+    if not isinstance(loader, DataLoader):
+        raise ValueError(
+            f"The automatic split profiles the model on samples of the training DataLoader, got"
+            f" {type(loader).__name__}. Pass `batch_sizes=[...]` or `weights=[...]`."
+        )
+    dataset, collate = loader.dataset, loader.collate_fn
+    if isinstance(dataset, IterableDataset):
+        # A stream has no indices: the first samples of a fresh iterator of it (each rank's own stream), repeated as
+        # needed; the training's iterators are made later and are not touched.
+        dataset = list(itertools.islice(iter(dataset), max(batch_sizes)))
+        if not dataset:
+            raise ValueError(
+                "The training loader's IterableDataset yielded no sample to profile the training step with. Give it"
+                " samples, or pass `batch_sizes=[...]` or `weights=[...]`."
+            )
+
+    def make_batch(size: int, times: int = 1) -> Any:
+        return move_data_to_device(collate([dataset[i % len(dataset)] for i in range(size)] * times), device)
+
+    if device.type == "cuda":
+        free_bytes = float(torch.cuda.mem_get_info(device)[0])
+    else:
+        free_bytes = float(psutil.virtual_memory().available)
+    return profile_training_step(
+        module,
+        make_batch,
+        batch_sizes,
+        device,
+        emulator=emulator,
+        free_bytes=free_bytes,
+        time_batch_assembly=loader.num_workers == 0,
+        autocast=autocast,
+        make_doubled_batch=lambda size: make_batch(size, times=2),
+    )

@@ -1,0 +1,205 @@
+"""Re-plan: when the devices do not do what the plan assumed, pick a better split from what they did.
+
+Every ``window`` training steps the ranks exchange their step records (:mod:`lightning_hetero.watch.meter`), so every rank
+holds the same numbers; :class:`Rebalancer` turns them into a decision with pure arithmetic and no rank argument, so
+every rank takes the same one and switches at the same step.
+
+How a decision is made:
+
+1. **Refit** each rank's cost model from its recent steps (:func:`refit_cost_models`). The starting model (the
+   profile's line, or a line through the origin when there was no profile) keeps its *shape*; its *level* is scaled
+   by the weighted median of ``measured compute / predicted compute`` over the steps since the split last changed.
+   The median ignores outliers (a garbage collection, a page fault, the step that restarts the loader's workers);
+   the weights halve every ``window`` steps. The spread of those ratios (their median absolute deviation) gives how
+   uncertain each rank's level is. When the newest window's level differs from the older steps' by more than that
+   uncertainty allows, the device changed (a drift): the older steps are dropped and the newest window alone
+   decides, so a drift is followed in one switch instead of being averaged with what came before.
+2. **Plan** the split that minimises the slowest rank's predicted compute with the exact planner
+   (:func:`lightning_hetero.plan.planner.plan_min_max`), within each device's memory ceiling.
+3. **Switch** only if the new split is predicted faster than the current one by at least ``threshold`` plus the
+   noise margin, judged by the same refitted models, and only once ``MIN_INTERVAL_WINDOWS`` windows have been
+   measured under the current split. The threshold is a dead band (a split within it of the best is kept); the
+   margin is ``NOISE_MARGIN_SIGMAS`` standard errors of the predicted gain, from the ranks' spreads: noisy
+   measurements need a larger predicted gain before they move the split, so timing noise alone does not make it
+   wander, while a real imbalance (a misread profile, a drift) clears it within a window or two.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from lightning_hetero.measure.cost import CostModel
+from lightning_hetero.plan.planner import plan_min_max, predicted_step_time
+from lightning_hetero.runtime.checks import is_int, is_real
+
+DEFAULT_THRESHOLD = 0.05
+# Windows of records a refit looks back at, at most (their weights halve every window, so older ones hardly count).
+# Steps between two exchanges of the ranks' records (one small gather each), which are also the re-plan points.
+DEFAULT_WINDOW = 20
+HISTORY_WINDOWS = 4
+# Windows between two switches: a decision rests on at least two windows measured under the split in use (never on
+# one noisy window), and a split runs long enough to repay what switching costs (the loader's read-ahead).
+MIN_INTERVAL_WINDOWS = 2
+# Standard errors of the predicted gain that a switch must clear on top of the threshold: with 3, noise alone moves
+# the split in about one decision in a thousand (one-sided normal tail), so hardly ever in a run.
+NOISE_MARGIN_SIGMAS = 3.0
+# A median's standard error is sqrt(pi / 2) times the mean's for normal data; MAD * 1.4826 estimates sigma.
+_MEDIAN_EFFICIENCY = 1.2533
+_MAD_TO_SIGMA = 1.4826
+
+
+def check_rebalance_arguments(rebalance: Any, window: Any, threshold: Any) -> None:
+    """Constructor checks of ``HeteroStrategy(rebalance=..., rebalance_window=..., rebalance_threshold=...)``."""
+    if rebalance is not None and not isinstance(rebalance, bool):
+        raise ValueError(
+            f"`rebalance={rebalance!r}` must be True, False or None (None: on for the automatic split, off when"
+            " `batch_sizes` or `weights` fix it)."
+        )
+    if not is_int(window) or window < 1:
+        raise ValueError(
+            f"`rebalance_window={window!r}` must be a positive integer: the training steps between two exchanges of"
+            f" the ranks' measurements (default {DEFAULT_WINDOW})."
+        )
+    if not is_real(threshold) or not math.isfinite(threshold) or threshold < 0:
+        raise ValueError(
+            f"`rebalance_threshold={threshold!r}` must be a finite number >= 0: the predicted gain a new split needs"
+            f" before the job switches to it (default {DEFAULT_THRESHOLD}, i.e. 5 % faster)."
+        )
+
+
+@dataclass(frozen=True)
+class Replan:
+    """A switch to ``batch_sizes`` from the training step ``step`` on, predicted ``predicted_gain`` faster."""
+
+    step: int
+    batch_sizes: tuple[int, ...]
+    predicted_gain: float  # predicted step time of the old split / the new one - 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "batch_sizes": list(self.batch_sizes), "predicted_gain": self.predicted_gain}
+
+
+def weighted_median(values: Sequence[float], weights: Sequence[float]) -> float:
+    """The value at which half the total weight lies on either side (the lower one on an exact tie)."""
+    if not values or len(values) != len(weights):
+        raise ValueError(f"weighted_median needs as many weights as values (>= 1), got {len(values)}, {len(weights)}")
+    pairs = sorted(zip(values, weights))
+    half = sum(weights) / 2
+    running = 0.0
+    for value, weight in pairs:
+        running += weight
+        if running >= half:
+            return value
+    return pairs[-1][0]
+
+
+@dataclass(frozen=True)
+class RankFit:
+    """A rank's refitted cost model and the relative standard error of its level."""
+
+    cost: CostModel
+    relative_error: float
+
+
+def refit_cost_models(
+    base: Sequence[CostModel], steps: Sequence[dict[str, Any]], window: int
+) -> Optional[list[RankFit]]:
+    """Each rank's ``base`` model scaled to the level its ``steps`` (report entries, oldest first) measured.
+
+    Weights halve every ``window`` steps; the newest ``window`` steps alone decide when they show a drift. None when
+    some rank has no step with a measured compute (nothing to fit it to).
+    """
+    refitted = []
+    for rank, model in enumerate(base):
+        ratios, weights, newest = [], [], 0
+        for age, step in enumerate(reversed(steps)):
+            compute = step["compute_seconds"][rank]
+            if compute > 0:
+                ratios.append(compute / model.time(step["batch_sizes"][rank]))
+                weights.append(0.5 ** (age / window))
+                newest += age < window
+        if not ratios:
+            return None
+        scale, error = _level(ratios, weights)
+        if 0 < newest < len(ratios):
+            new_scale, new_error = _level(ratios[:newest], weights[:newest])
+            old_scale, old_error = _level(ratios[newest:], weights[newest:])
+            if abs(new_scale / old_scale - 1) > NOISE_MARGIN_SIGMAS * math.hypot(new_error, old_error):
+                scale, error = new_scale, new_error
+        refitted.append(RankFit(CostModel(model.fixed * scale, model.per_sample * scale, model.max_batch), error))
+    return refitted
+
+
+def _level(ratios: Sequence[float], weights: Sequence[float]) -> tuple[float, float]:
+    """The weighted median of ``ratios`` and its relative standard error (from the median absolute deviation)."""
+    scale = weighted_median(ratios, weights)
+    spread = _MAD_TO_SIGMA * weighted_median([abs(ratio - scale) for ratio in ratios], weights)
+    effective_count = sum(weights) ** 2 / sum(weight * weight for weight in weights)
+    return scale, _MEDIAN_EFFICIENCY * spread / scale / math.sqrt(effective_count)
+
+
+def gain_uncertainty(fits: Sequence[RankFit]) -> float:
+    """The noise margin a predicted gain must clear: ``NOISE_MARGIN_SIGMAS`` standard errors of it.
+
+    A rank's time is predicted with its level's relative error; the gain is a ratio of two such predictions, whose
+    relative error is about the root sum of squares of the ranks' (an upper bound for the ranks that decide it).
+    """
+    return NOISE_MARGIN_SIGMAS * math.sqrt(sum(fit.relative_error**2 for fit in fits))
+
+
+def decide_split(
+    costs: Sequence[CostModel], current: Sequence[int], threshold: float, margin: float = 0.0
+) -> Optional[tuple[tuple[int, ...], float]]:
+    """The planner's split and its predicted gain over ``current``, or None when that gain is below
+    ``threshold + margin``.
+
+    A current split that breaks a memory ceiling is predicted infinitely slow: any split that fits is taken.
+    """
+    planned = plan_min_max(costs, sum(current))
+    if planned.batch_sizes == tuple(current):
+        return None
+    gain = predicted_step_time(costs, current) / planned.predicted_step_time - 1
+    if gain < threshold + margin:
+        return None
+    return planned.batch_sizes, gain
+
+
+@dataclass
+class Rebalancer:
+    """The split a job runs with, and when to change it (no collective and no clock: fed the exchanged steps).
+
+    ``base_costs`` are the starting cost models in rank order (the profile's, or ``CostModel(0, 1)`` per rank when
+    the split was fixed by the user, i.e. time proportional to the batch); ``split`` the split in use.
+    """
+
+    base_costs: Sequence[CostModel]
+    split: tuple[int, ...]
+    window: int = DEFAULT_WINDOW
+    threshold: float = DEFAULT_THRESHOLD
+    changed_at: int = 0  # the training step from which `split` is in use
+    replans: list[Replan] = field(default_factory=list)
+
+    def consider(self, steps: Sequence[dict[str, Any]], next_step: int) -> Optional[Replan]:
+        """Decide before training step ``next_step``, given every step so far (the same list on every rank)."""
+        if next_step - self.changed_at < MIN_INTERVAL_WINDOWS * self.window:
+            return None
+        since_change = [step for step in steps if step["step"] >= self.changed_at]
+        recent = since_change[-HISTORY_WINDOWS * self.window :]
+        fits = refit_cost_models(self.base_costs, recent, self.window)
+        if fits is None:
+            return None
+        decision = decide_split([fit.cost for fit in fits], self.split, self.threshold, gain_uncertainty(fits))
+        if decision is None:
+            return None
+        replan = Replan(next_step, *decision)
+        self.adopt(replan.batch_sizes, next_step)
+        self.replans.append(replan)
+        return replan
+
+    def adopt(self, split: Sequence[int], step: int) -> None:
+        """Run with ``split`` from ``step`` on (a re-plan, or the split a checkpoint recorded)."""
+        self.split = tuple(split)
+        self.changed_at = step

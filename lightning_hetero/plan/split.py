@@ -1,0 +1,170 @@
+"""Plan: how one global batch of ``B`` samples is split into per-rank micro-batches.
+
+Everything here is a pure function (values in, values out; no process group, no clock), so it is tested
+exhaustively and the strategy only calls it. Two groups of checks exist because the constructor does not know the
+world size yet: :func:`check_split_arguments` runs in ``HeteroStrategy.__init__``; :func:`resolve_split`
+runs at setup on every rank, before any collective, with the world size and the global batch known.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Optional
+
+from lightning_hetero.runtime.checks import is_int as _is_int
+from lightning_hetero.runtime.checks import is_real as _is_real
+from lightning_hetero.runtime.checks import per_rank_list
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """The per-rank micro-batch sizes of one global batch and where they came from."""
+
+    batch_sizes: tuple[int, ...]
+    source: str  # "batch_sizes", "weights" or "equal": which argument decided the split
+
+    @property
+    def global_batch_size(self) -> int:
+        return sum(self.batch_sizes)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.batch_sizes)
+
+    def shares(self) -> tuple[float, ...]:
+        total = self.global_batch_size
+        return tuple(b / total for b in self.batch_sizes)
+
+    def loss_weight(self, rank: int, loss_reduction: str = "mean") -> float:
+        """Factor on rank ``rank``'s loss that makes DeepSpeed's update the one DDP makes: see :func:`loss_weight`."""
+        return loss_weight(self.batch_sizes[rank], self.global_batch_size, self.world_size, loss_reduction)
+
+
+def loss_weight(local_samples: int, global_samples: int, world_size: int, loss_reduction: str = "mean") -> float:
+    """The factor on a rank's loss under which DeepSpeed's update is DDP's, whatever the split.
+
+    DeepSpeed divides the summed gradients by the world size ``W`` whatever each rank's batch was. For a loss that is
+    the mean over the rank's ``b_r`` samples (``loss_reduction="mean"``), DDP's update is the gradient of the mean over
+    all ``B`` samples, so the rank counts ``b_r * W / B`` times its own mean. For a loss that is the sum over its
+    samples (``"sum"``), DDP's update is the gradient of the global sum divided by ``W``: exactly DeepSpeed's
+    average of the ranks' sums, so the factor is 1. For ``"token_mean"`` the counts are tokens, not samples: a rank
+    whose loss is the mean over its ``n_r`` tokens counts ``n_r * W / N`` times, so the update is the gradient of the
+    mean over all ``N`` tokens of the global batch (what one process computes on it; DDP's average of per-rank token
+    means is not that when the ranks' token counts differ). ``N`` is 0 when no rank has a token: the factor is then 0.
+    """
+    if loss_reduction == "sum":
+        return 1.0
+    return local_samples * world_size / global_samples if global_samples else 0.0
+
+
+def split_by_weights(total: int, weights: Sequence[float], minimum: int = 1) -> list[int]:
+    """Integer parts of ``total`` proportional to ``weights``, each at least ``minimum``, summing to ``total``.
+
+    Largest-remainder (Hamilton) apportionment: every part is the floor or the ceiling of its exact quota
+    ``total * w / sum(w)`` unless the ``minimum`` lifts it. Ties go to the lower rank, so every rank computes the
+    same split. Requires ``total >= minimum * len(weights)``.
+    """
+    count = len(weights)
+    if count == 0:
+        raise ValueError("split_by_weights needs at least one weight")
+    if total < minimum * count:
+        raise ValueError(f"cannot split {total} into {count} parts of at least {minimum} each")
+    bad = [w for w in weights if not isinstance(w, numbers.Real) or not math.isfinite(w) or w <= 0]
+    if bad:
+        raise ValueError(f"split_by_weights needs finite weights > 0, got {list(weights)} (bad: {bad})")
+    # Exact rational quotas: no overflow for huge weights, no rounding that could move a part off its floor/ceil or
+    # turn a tie into a non-tie (every rank must compute the same split).
+    exact = [Fraction(int(w)) if isinstance(w, numbers.Integral) else Fraction(float(w)) for w in weights]
+    weight_sum = sum(exact)
+    quotas = [total * w / weight_sum for w in exact]
+    parts = [max(minimum, math.floor(q)) for q in quotas]
+    excess = sum(parts) - total
+    # Too many: take back from the parts furthest above their quota (never below the minimum); on a tie the higher
+    # rank gives one back, so the lower rank keeps the larger part as in the hand-out below.
+    while excess > 0:
+        candidates = [i for i in range(count) if parts[i] > minimum]
+        i = max(candidates, key=lambda i: (parts[i] - quotas[i], i))
+        parts[i] -= 1
+        excess -= 1
+    # Too few: hand out to the largest remainders.
+    order = sorted(range(count), key=lambda i: (-(quotas[i] - parts[i]), i))
+    for i in order[: -excess if excess < 0 else 0]:
+        parts[i] += 1
+    return parts
+
+
+def check_split_arguments(
+    global_batch_size: Optional[int],
+    batch_sizes: Optional[Sequence[int]],
+    weights: Optional[Sequence[float]],
+) -> None:
+    """Checks that need no world size: run them in the constructor so a mistake fails before any process starts."""
+    if batch_sizes is not None and weights is not None:
+        raise ValueError(
+            f"HeteroStrategy got both `batch_sizes={batch_sizes!r}` and `weights={weights!r}`."
+            " Pass one of them: `batch_sizes` fixes each rank's micro-batch, `weights` derives them."
+        )
+    if global_batch_size is not None and (not _is_int(global_batch_size) or global_batch_size < 1):
+        raise ValueError(
+            f"`global_batch_size={global_batch_size!r}` must be a positive integer (samples per optimizer step"
+            " across all ranks), or None to use the training loader's batch_size times the world size."
+        )
+    if batch_sizes is not None:
+        batch_sizes = per_rank_list("batch_sizes", batch_sizes, "[8, 24]")
+        if len(batch_sizes) == 0:
+            raise ValueError("`batch_sizes=[]` is empty: give one micro-batch size per rank, e.g. [8, 24].")
+        bad = [b for b in batch_sizes if not _is_int(b) or b < 1]
+        if bad:
+            raise ValueError(
+                f"`batch_sizes={list(batch_sizes)}` holds {bad}: every rank needs an integer micro-batch of at least"
+                " 1. Raise those entries, or leave the rank out of the job."
+            )
+        if global_batch_size is not None and sum(batch_sizes) != global_batch_size:
+            raise ValueError(
+                f"`batch_sizes={list(batch_sizes)}` sums to {sum(batch_sizes)} but `global_batch_size="
+                f"{global_batch_size}`. Make them agree, or drop `global_batch_size` (it is then the sum)."
+            )
+    if weights is not None:
+        weights = per_rank_list("weights", weights, "[1.0, 0.4]")
+        if len(weights) == 0:
+            raise ValueError("`weights=[]` is empty: give one relative capability per rank, e.g. [1.0, 0.4].")
+        bad_weights = [w for w in weights if not _is_real(w) or not math.isfinite(w) or w <= 0]
+        if bad_weights:
+            raise ValueError(
+                f"`weights={list(weights)}` holds {bad_weights}: each weight must be a finite number > 0"
+                " (a relative capability such as 1.0 for the fastest rank and 0.4 for a slower one)."
+            )
+
+
+def resolve_split(
+    world_size: int,
+    global_batch_size: int,
+    batch_sizes: Optional[Sequence[int]] = None,
+    weights: Optional[Sequence[float]] = None,
+) -> SplitPlan:
+    """The split for a job of ``world_size`` ranks: explicit sizes, sizes derived from weights, or an equal split."""
+    check_split_arguments(global_batch_size, batch_sizes, weights)
+    if batch_sizes is not None and len(batch_sizes) != world_size:
+        raise ValueError(
+            f"`batch_sizes={list(batch_sizes)}` has {len(batch_sizes)} entries but the job has {world_size}"
+            " ranks. Give exactly one micro-batch size per rank (in global rank order), or use `weights`."
+        )
+    if weights is not None and len(weights) != world_size:
+        raise ValueError(
+            f"`weights={list(weights)}` has {len(weights)} entries but the job has {world_size} ranks."
+            " Give exactly one weight per rank, in global rank order."
+        )
+    if global_batch_size < world_size:
+        raise ValueError(
+            f"`global_batch_size={global_batch_size}` is smaller than the world size {world_size}: every rank needs"
+            f" at least one sample per step. Use a global batch of at least {world_size}, or fewer devices."
+        )
+    if batch_sizes is not None:
+        return SplitPlan(tuple(int(b) for b in batch_sizes), source="batch_sizes")
+    if weights is not None:
+        return SplitPlan(tuple(split_by_weights(global_batch_size, weights)), source="weights")
+    return SplitPlan(tuple(split_by_weights(global_batch_size, [1.0] * world_size)), source="equal")

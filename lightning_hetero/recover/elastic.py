@@ -1,0 +1,262 @@
+"""Recover: what the strategy does at Lightning's checkpoint and exception points so that a job survives losing ranks.
+
+* :func:`save_atomically`: every checkpoint goes through :mod:`lightning_hetero.recover.checkpoint`'s staging, manifest
+  and atomic publish.
+* :func:`interrupt_checkpoint_path`: where a preempted (SIGTERM) job saves before it exits, so that
+  ``fit(ckpt_path="last")`` finds it: ``last.ckpt`` in the first ``ModelCheckpoint``'s directory.
+* :func:`prune_unless_only`: ``ModelCheckpoint``'s pruning never deletes the only complete checkpoint.
+* :func:`init_process_group_for_this_attempt`: a job that torchrun restarted connects its ranks afresh.
+* :func:`convert_to_universal`: a checkpoint saved by another number of ranks becomes DeepSpeed's universal
+  checkpoint (cached inside it), which loads at any world size with the optimizer state.
+* :func:`launched_layout`: the ``devices`` and ``num_nodes`` of the launcher's job, for an elastic job's script.
+
+The strategy keeps the lifecycle (which hook calls what); these functions keep the file handling out of it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from lightning_hetero.recover import checkpoint, liveness
+
+
+def save_atomically(
+    target: Path,
+    write: Callable[[Path], None],
+    manifest_facts: Callable[[], dict[str, Any]],
+    is_global_zero: bool,
+    agree: Callable[[str, Callable[[], tuple[Any, Any]]], Any],
+    hold_writer_lock: Callable[[Path], None],
+) -> None:
+    """Every rank calls this; ``write(directory)`` is the DeepSpeed save of this rank's part into ``directory``.
+
+    Three agreements order it (``agree(what, step)`` runs ``step`` on every rank and raises on every rank when it
+    failed on any, naming it): nobody writes into the staging directory before rank 0 holds the directory's writer
+    lock and has cleared what an interrupted save left there; nobody has unfinished files when rank 0 lists them
+    into the manifest; nobody goes on (to prune the previous checkpoint, or to save again) before the new one is
+    published. A failed write (a full disk on any rank) stops every rank with the reason, and rank 0 removes the
+    staging directory once all have stopped writing: the previous checkpoint stays the one to resume from.
+    """
+    staging = checkpoint.staging_path(target)
+
+    def prepare() -> tuple[None, None]:
+        if is_global_zero:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            hold_writer_lock(target.parent)
+            checkpoint.remove_stale_staging(target)
+        return None, None
+
+    def write_part() -> tuple[None, None]:
+        try:
+            write(staging)
+        except Exception as error:
+            raise checkpoint.explain_write_failure(error, target) from error
+        return None, None
+
+    def publish() -> tuple[None, None]:
+        if is_global_zero:
+            try:
+                checkpoint.write_manifest(staging, manifest_facts())
+            except Exception as error:
+                raise checkpoint.explain_write_failure(error, target) from error
+            checkpoint.publish(staging, target)
+        return None, None
+
+    agree("preparing the checkpoint", prepare)
+    try:
+        agree("writing the checkpoint", write_part)
+        agree("publishing the checkpoint", publish)
+    except BaseException:
+        if is_global_zero:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+class DeferredWriteErrors:
+    """Inside the block, a disk write of DeepSpeed's save that fails is remembered instead of raised.
+
+    DeepSpeed's ``save_checkpoint`` ends with a barrier that every rank must reach: a rank whose write raised (a full
+    disk) would leave for the next collective while the others wait in that barrier (seen: a hang). So the save's
+    disk writes (each file, directory and the recovery script DeepSpeed copies in) keep their failure, DeepSpeed's
+    collectives run as usual, and :meth:`raise_first` raises it after the save returned, where the strategy shares
+    it with every rank. DeepSpeed's own ``latest`` file (a plain ``open``) is written by :meth:`write_latest` instead.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self.errors: list[BaseException] = []
+        self._latest: Optional[tuple[str, str]] = None  # (directory, tag) that DeepSpeed would have written
+        self._shadowed: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self) -> DeferredWriteErrors:
+        engine, files = self._engine, self._engine.checkpoint_engine
+        save_checkpoint = engine.save_checkpoint
+
+        def save_without_latest(save_dir: Any, tag: Any = None, *args: Any, save_latest: bool = True, **kwargs: Any):
+            if save_latest:
+                self._latest = (str(save_dir), str(tag))
+            return save_checkpoint(save_dir, tag, *args, save_latest=False, **kwargs)
+
+        for owner, name in ((files, "save"), (files, "makedirs"), (engine, "_copy_recovery_script")):
+            self._shadow(owner, name, self._remembering(getattr(owner, name)))
+        self._shadow(engine, "save_checkpoint", save_without_latest)
+        return self
+
+    def _remembering(self, write: Callable[..., Any]) -> Callable[..., Any]:
+        def write_or_remember(*args: Any, **kwargs: Any) -> Any:  # (DeepSpeed passes state_dict=, path=)
+            try:
+                return write(*args, **kwargs)
+            except Exception as error:  # noqa: BLE001 - raised by raise_first, after DeepSpeed's barrier
+                self.errors.append(error)
+                return None
+
+        return write_or_remember
+
+    def _shadow(self, owner: Any, name: str, replacement: Any) -> None:
+        """An instance attribute shadows the method until __exit__, which puts back what the instance held."""
+        self._shadowed.append((owner, name, owner.__dict__.get(name)))
+        setattr(owner, name, replacement)
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, name, before in reversed(self._shadowed):
+            if before is None:
+                owner.__dict__.pop(name, None)
+            else:
+                setattr(owner, name, before)
+        self._shadowed = []
+
+    def raise_first(self) -> None:
+        if self.errors:
+            raise self.errors[0]
+
+    def write_latest(self, is_global_zero: bool) -> None:
+        """DeepSpeed's ``latest`` file (the tag a load reads), written by rank 0 as DeepSpeed would have."""
+        if is_global_zero and self._latest is not None:
+            directory, tag = self._latest
+            Path(directory, "latest").write_text(tag)
+
+
+def prune_unless_only(path: Path, remove: Callable[[Path], None]) -> bool:
+    """Remove checkpoint ``path`` unless it is the only complete one in its directory; False when it was kept."""
+    if checkpoint.is_only_complete_checkpoint(path):
+        warnings.warn(
+            f"HeteroStrategy kept checkpoint {path}: it is the only complete checkpoint in its directory, and a"
+            " resume needs one.",
+            stacklevel=2,
+        )
+        return False
+    remove(path)
+    return True
+
+
+def interrupt_checkpoint_path(trainer: Any) -> Optional[Path]:
+    """``last.ckpt`` in the directory of the trainer's first ``ModelCheckpoint``; None when it has none."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint) and callback.dirpath:
+            return Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
+    return None
+
+
+def launched_layout(default_devices: int) -> tuple[int, int]:
+    """``(devices, num_nodes)`` for ``Trainer`` from the launcher that started this process.
+
+    Under torchrun (``LOCAL_WORLD_SIZE``, ``WORLD_SIZE``) the ranks per node and the number of nodes: in an elastic
+    job (``--nnodes=1:4``) the number of nodes changes between restarts, so a script must not fix it (Lightning
+    refuses ``devices x num_nodes`` that differs from the world size). Otherwise ``(default_devices, 1)``: Lightning's
+    launcher starts that many ranks on this machine.
+    """
+    local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
+    if local is None or world is None:
+        return default_devices, 1
+    per_node, ranks = int(local), int(world)
+    if ranks % per_node:
+        raise ValueError(
+            f"torchrun started {ranks} ranks with LOCAL_WORLD_SIZE={per_node} on this node: Lightning needs the same"
+            " number of ranks on every node (`Trainer(devices=..., num_nodes=...)`). Give every agent the same"
+            " `--nproc-per-node`."
+        )
+    return per_node, ranks // per_node
+
+
+def init_process_group_for_this_attempt(backend: str, rank: int, world_size: int, timeout: timedelta) -> bool:
+    """Under torchrun, set up the default process group with keys of this restart attempt only; False elsewhere.
+
+    torchrun's c10d rendezvous gives every attempt the same store (``TORCHELASTIC_USE_AGENT_STORE``), and the
+    workers' process group writes its connection keys into it without a per-attempt prefix. After a restart, a rank
+    could read the address a rank of the killed attempt left there, and gloo failed with "connectFullMesh ...
+    Connection refused", or waited. A prefix per attempt keeps each attempt's keys apart. DeepSpeed and Lightning
+    then find the group initialised and use it.
+    """
+    import torch.distributed
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True) or torch.distributed.is_initialized():
+        return False
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent_store = liveness.store_connector(timeout.total_seconds())()
+    store = torch.distributed.PrefixStore(f"lightning_hetero/attempt_{attempt}/", agent_store)
+    torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    return True
+
+
+# Optimizers whose state DeepSpeed's converter can read: it takes Adam's `exp_avg` and `exp_avg_sq` by name.
+_CONVERTIBLE_OPTIMIZER_HINT = "Adam"
+UNIVERSAL_MARKER = "latest_universal"
+
+
+def needs_universal(manifest: dict[str, Any], world_size: int) -> bool:
+    """Whether a checkpoint must be converted to load on ``world_size`` ranks (ZeRO 1-3 shard by world size)."""
+    return manifest.get("world_size") != world_size and manifest.get("zero_stage", 0) > 0
+
+
+def check_convertible(path: Path, manifest: dict[str, Any], world_size: int) -> None:
+    """Fail at once, on every rank, where DeepSpeed's converter would fail after a while on one."""
+    optimizer = str(manifest.get("optimizer"))
+    if _CONVERTIBLE_OPTIMIZER_HINT.lower() not in optimizer.lower():
+        raise ValueError(
+            f"Checkpoint {path} was saved by {manifest.get('world_size')} ranks with ZeRO-{manifest.get('zero_stage')}"
+            f" and the {optimizer} optimizer; this job has {world_size}. Resuming on another number of ranks goes"
+            " through DeepSpeed's universal checkpoint converter, which reads only Adam-family optimizer states"
+            f" (exp_avg, exp_avg_sq). Resume on {manifest.get('world_size')} ranks, or train with Adam/AdamW where"
+            " the world size may change."
+        )
+
+
+def convert_to_universal(path: Path) -> tuple[Path, Optional[float]]:
+    """Convert checkpoint ``path`` to DeepSpeed's universal format in ``path/universal`` (rank 0 only).
+
+    Returns the directory to load from and the seconds the conversion took (None when the cached one was used). The
+    conversion runs in its own process (DeepSpeed's ``ds_to_universal``, one worker) and is published with a rename,
+    so a conversion that was killed is redone, never half-used.
+    """
+    converted = path / checkpoint.DERIVED_DIRNAME
+    if (converted / UNIVERSAL_MARKER).exists():
+        return converted, None
+    staging = path / f".{checkpoint.DERIVED_DIRNAME}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    tag = (path / "latest").read_text().strip()
+    command = [
+        sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(path / tag),
+        "--output_folder", str(staging / tag), "--inject_missing_state",
+        "--num_extract_workers", "1", "--num_merge_workers", "1",
+    ]  # fmt: skip
+    started = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        output = (result.stdout + result.stderr).strip().splitlines()
+        raise RuntimeError(
+            f"DeepSpeed's universal checkpoint converter failed on {path} (exit code {result.returncode}); its last"
+            " lines:\n" + "\n".join(output[-8:])
+        )
+    os.rename(staging, converted)
+    return converted, time.perf_counter() - started

@@ -1,0 +1,26 @@
+"""Runtime: what a rank does at start-up in place of DeepSpeed's slower or riskier defaults.
+
+DeepSpeed's CPU communication backend (``deepspeed.comm.torch.TorchBackend.__init__``) JIT-compiles a C++ op,
+``deepspeed_shm_comm``, into torch's extension cache (``TORCH_EXTENSIONS_DIR``) on every process-group init. Training
+never uses it: only ``inference_all_reduce`` (tensor-parallel inference) does, and that falls back to the process
+group's all-reduce when the op is absent. The build costs about 30 s at the first start in each environment (and again
+after every switch between two environments with DeepSpeed at different paths), needs a compiler, and runs under
+torch's ``FileBaton`` lock, which waits for ever on the lock file a rank killed mid-build leaves behind: every later
+DeepSpeed job on the machine then sat at 0 % CPU without a word. So the strategy's process-group init runs with the
+builder answering "no op", and nothing is compiled, locked or cached.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from lightning_hetero.runtime import internals
+
+
+def without_shared_memory_comm_op() -> contextlib.AbstractContextManager:
+    """DeepSpeed's communication backend starts without building its shared-memory inference op (put back after)."""
+    return internals.patched(internals.SHM_OP_BUILDER, _no_op)
+
+
+def _no_op() -> None:
+    return None  # what build_shm_op returns where the op is incompatible: the backend keeps shm_comm_op = None

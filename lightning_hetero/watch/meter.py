@@ -1,0 +1,215 @@
+"""Watch: what this rank did in every training step, measured in the loop without a collective.
+
+For each training step a rank records its local compute and the step's wall time. Compute is the profiler's clock
+(:func:`lightning_hetero.emulate.slowdown.compute_clock`: the thread's CPU time on CPU, synchronised wall time on CUDA) from
+the moment its loader starts fetching the batch to the end of backward, plus the delay an emulated slower device
+paid in between; the clock stands still while the thread waits in a gloo collective. The step's wall time runs from
+that fetch to the end of its last backward or optimizer step: what is not compute is waiting for the slowest rank in
+the gradient exchange and the host's own work (the optimizer update). Records are kept until the ranks exchange
+them, every ``window`` steps, in one small gather the strategy does; every rank then holds the same numbers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_hetero.plan.replan import DEFAULT_WINDOW
+
+# A step's bytes on the wire, per rank: inside its node, and to groups that span nodes (see wire.py).
+WIRE_KINDS = ("intra_node_bytes", "inter_node_bytes")
+# A gatherer of one float64 tensor per rank (the same shape on every rank), e.g. torch.distributed.all_gather.
+TensorGather = Callable[[Tensor], list[Tensor]]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int  # index of the training step in this fit (0, 1, ...)
+    batch_size: int  # this rank's micro-batch
+    compute_seconds: float
+    step_seconds: float
+    intra_node_bytes: float = 0.0  # what this rank put on the wire in the step, inside its node (see wire.py)
+    inter_node_bytes: float = 0.0  # ... and to groups spanning nodes
+
+    @property
+    def wait_seconds(self) -> float:
+        return max(0.0, self.step_seconds - self.compute_seconds)
+
+
+class StepMeter:
+    """Per-step compute and wall time of one rank, from calls at the loop's points (no Lightning in here).
+
+    ``compute_clock`` is the rank's compute clock; ``emulated_seconds`` the emulated delay paid so far (it advances
+    the wall clock, not the compute clock, and counts as compute of the emulated device); ``wire_bytes`` the bytes
+    this rank has put on the wire so far (inside its node, between nodes).
+    """
+
+    def __init__(
+        self,
+        compute_clock: Callable[[], float],
+        emulated_seconds: Callable[[], float] = lambda: 0.0,
+        wall_clock: Callable[[], float] = time.perf_counter,
+        wire_bytes: Callable[[], tuple[float, float]] = lambda: (0.0, 0.0),
+    ) -> None:
+        self._compute_clock = compute_clock
+        self._emulated_seconds = emulated_seconds
+        self._wall_clock = wall_clock
+        self._wire_bytes = wire_bytes
+        self._wire_at_fetch = (0.0, 0.0)
+        # The open step: wall, compute clock and emulated delay at its fetch; its compute so far; its last activity.
+        self._open: Optional[list[float]] = None
+        self._batch_size = 0
+        self._steps = 0
+        self.pending: list[StepRecord] = []
+
+    def fetch_started(self) -> None:
+        """The loader starts producing the next batch: the previous step (if any) is complete."""
+        self._close()
+        self._open = [self._wall_clock(), self._compute_clock(), self._emulated_seconds(), 0.0, 0.0]
+        self._wire_at_fetch = self._wire_bytes()
+
+    def batch_ready(self, batch_size: int) -> None:
+        self._batch_size = batch_size
+
+    def backward_ended(self) -> None:
+        if self._open is not None:
+            compute = self._compute_clock() - self._open[1] + self._emulated_seconds() - self._open[2]
+            self._open[3] = max(self._open[3], compute)  # manual optimization: several backward passes per step
+            self._open[4] = self._wall_clock()
+
+    def optimizer_step_ended(self) -> None:
+        if self._open is not None:
+            self._open[4] = self._wall_clock()
+
+    def training_ended(self) -> None:
+        self._close()
+
+    def take(self) -> list[StepRecord]:
+        records, self.pending = self.pending, []
+        return records
+
+    def _close(self) -> None:
+        if self._open is None:
+            return
+        wall_start, _, _, compute, wall_end = self._open
+        self._open = None
+        # Every batch gets a record (compute 0 if no backward ran), so every rank holds as many as the others.
+        step_seconds = max(compute, wall_end - wall_start) if wall_end else compute
+        (intra_start, inter_start), (intra, inter) = self._wire_at_fetch, self._wire_bytes()
+        self.pending.append(
+            StepRecord(self._steps, self._batch_size, compute, step_seconds, intra - intra_start, inter - inter_start)
+        )
+        self._steps += 1
+
+
+class RunWatch:
+    """This rank's meter, and every rank's steps of the fit gathered so far (the same list on every rank).
+
+    The training loader calls :meth:`before_fetch` before it fetches each batch, on every rank; every ``window``
+    batches the ranks exchange their pending records there in one gather (every rank fetches the same number of
+    batches, so they all reach it). ``exchange_seconds`` is what the exchanges cost this rank.
+    """
+
+    def __init__(self, meter: StepMeter, window: int = DEFAULT_WINDOW) -> None:
+        self.meter = meter
+        self.window = window
+        self.steps: list[dict[str, Any]] = []
+        self.exchange_seconds = 0.0
+        self.fetched = 0  # training batches fetched so far in this fit: the index of the step about to start
+
+    def before_fetch(self, all_gather: TensorGather, after_exchange: Optional[Callable[[], None]] = None) -> bool:
+        """Close the previous step, exchange every ``window`` steps (then call ``after_exchange``), open the next.
+
+        True when an exchange ran. Both happen between two steps' measurements: their cost is counted apart.
+        """
+        self.meter.training_ended()
+        exchanged = self.fetched > 0 and self.fetched % self.window == 0
+        if exchanged:
+            self._exchange(all_gather)
+            if after_exchange is not None:
+                after_exchange()
+        self.meter.fetch_started()
+        self.fetched += 1
+        return exchanged
+
+    def finish(self, all_gather: TensorGather) -> list[dict[str, Any]]:
+        self.meter.training_ended()
+        self._exchange(all_gather)
+        return self.steps
+
+    def _exchange(self, all_gather: TensorGather) -> None:
+        # One tensor collective: every rank holds as many records as the others (one per fetched batch), so the
+        # shapes agree; no pickling, as an object gather would need.
+        start = time.perf_counter()
+        gathered = all_gather(pack_records(self.meter.take()))
+        self.steps.extend(job_steps([unpack_records(packed) for packed in gathered]))
+        self.exchange_seconds += time.perf_counter() - start
+
+
+_FIELDS = 6
+
+
+def pack_records(records: Sequence[StepRecord]) -> Tensor:
+    """Records as one ``[n, 6]`` float64 tensor (step, batch size, compute, step seconds, intra- and inter-node
+    bytes) for a tensor gather."""
+    rows = [
+        [r.step, r.batch_size, r.compute_seconds, r.step_seconds, r.intra_node_bytes, r.inter_node_bytes]
+        for r in records
+    ]
+    return torch.tensor(rows, dtype=torch.float64).reshape(len(records), _FIELDS)
+
+
+def unpack_records(packed: Tensor) -> list[StepRecord]:
+    return [StepRecord(int(row[0]), int(row[1]), *row[2:]) for row in packed.tolist()]
+
+
+def balance_efficiency(compute_seconds: Sequence[float]) -> float:
+    """``sum(compute) / (W * max(compute))`` over the ranks of a step: 1.0 when all compute as long as the slowest."""
+    slowest = max(compute_seconds)
+    return sum(compute_seconds) / (len(compute_seconds) * slowest) if slowest > 0 else 1.0
+
+
+def job_steps(records_by_rank: Sequence[Sequence[StepRecord]]) -> list[dict[str, Any]]:
+    """Every rank's records of the same steps, as one entry per step (the ``steps`` of the run report)."""
+    counts = {len(records) for records in records_by_rank}
+    if len(counts) != 1:
+        raise ValueError(f"the ranks recorded different numbers of steps: {[len(r) for r in records_by_rank]}")
+    return [
+        {
+            "step": same_step[0].step,
+            "batch_sizes": [record.batch_size for record in same_step],
+            "compute_seconds": [record.compute_seconds for record in same_step],
+            "wait_seconds": [record.wait_seconds for record in same_step],
+            "step_seconds": max(record.step_seconds for record in same_step),
+            "intra_node_bytes": [record.intra_node_bytes for record in same_step],
+            "inter_node_bytes": [record.inter_node_bytes for record in same_step],
+        }
+        for same_step in zip(*records_by_rank)
+    ]
+
+
+def step_metrics(step: dict[str, Any], prefix: str = "hetero") -> dict[str, float]:
+    """One step of the run report as flat metrics: each rank's and the job's (see callbacks.HeteroMonitor)."""
+    global_batch = sum(step["batch_sizes"])
+    metrics = {
+        f"{prefix}/samples_per_second": global_batch / step["step_seconds"] if step["step_seconds"] > 0 else 0.0,
+        f"{prefix}/balance_efficiency": balance_efficiency(step["compute_seconds"]),
+        f"{prefix}/inter_node_bytes": float(sum(step.get("inter_node_bytes", ()))),
+    }
+    for rank, (size, compute, wait) in enumerate(
+        zip(step["batch_sizes"], step["compute_seconds"], step["wait_seconds"])
+    ):
+        metrics[f"{prefix}/rank_{rank}/micro_batch"] = float(size)
+        metrics[f"{prefix}/rank_{rank}/share"] = size / global_batch
+        metrics[f"{prefix}/rank_{rank}/compute_ms"] = compute * 1e3
+        metrics[f"{prefix}/rank_{rank}/wait_ms"] = wait * 1e3
+        metrics[f"{prefix}/rank_{rank}/samples_per_second"] = size / compute if compute > 0 else 0.0
+    for kind in WIRE_KINDS:
+        for rank, sent in enumerate(step.get(kind, ())):
+            metrics[f"{prefix}/rank_{rank}/{kind}"] = float(sent)
+    return metrics

@@ -1,0 +1,95 @@
+"""Callbacks: what the strategy measures, logged through the Trainer's own loggers (CSV, TensorBoard, W&B, MLflow...).
+
+:class:`HeteroMonitor` is a thin adapter, as Lightning's ThroughputMonitor is over its meter: the measuring is the
+strategy's (:mod:`lightning_hetero.watch.meter`, every rank, exchanged every few steps), this only turns the steps every
+rank now holds into metrics. Loggers write on rank 0 only, and rank 0 has every rank's numbers, so each rank's
+metrics appear under its own name: ``hetero/rank_<r>/micro_batch``, ``share``, ``compute_ms``, ``wait_ms``,
+``samples_per_second``, and for the job ``hetero/samples_per_second`` and ``hetero/balance_efficiency``. Each
+re-plan is logged at the step it takes effect as ``hetero/replan_predicted_gain`` (the new micro-batches show in
+``micro_batch`` from that step on). With fp16 ranks (``device_precision``), ``hetero/loss_scale`` is the job's loss
+scale after each optimizer step (the same on every rank; a halving marks a step skipped for an overflow).
+``hetero/skipped_steps`` counts the optimizer steps skipped so far for non-finite gradients, after each step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch import Callback
+from typing_extensions import override
+
+from lightning_hetero.watch.meter import step_metrics
+
+
+class HeteroMonitor(Callback):
+    """Log every training step of every rank of a :class:`~lightning_hetero.HeteroStrategy` run to the loggers.
+
+    Args:
+        prefix: the metrics' name prefix.
+
+    Steps are logged as the ranks exchange them (every 20 steps, and the rest at the end of fit), each at its own
+    step index, so the curves are complete but appear in batches.
+    """
+
+    def __init__(self, prefix: str = "hetero") -> None:
+        self.prefix = prefix
+        self._logged = 0
+        self._replans_logged = 0
+        self._scale_logged_at = -1
+        self._skipped_logged_at = -1
+
+    @override
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if not hasattr(trainer.strategy, "watch"):
+            raise ValueError(
+                f"HeteroMonitor reads what HeteroStrategy measures, but the Trainer's strategy is"
+                f" {type(trainer.strategy).__name__}. Use `Trainer(strategy='hetero')` or remove the callback."
+            )
+        self._logged = 0
+        self._replans_logged = 0
+        self._scale_logged_at = -1
+        self._skipped_logged_at = -1
+
+    @override
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._log_new_steps(trainer)
+        self._log_loss_scale(trainer)
+        self._log_skipped_steps(trainer)
+
+    def _log_skipped_steps(self, trainer: Any) -> None:
+        step = trainer.global_step - 1  # the optimizer step that just ended (none yet while accumulating)
+        if step <= self._skipped_logged_at or not trainer.is_global_zero:
+            return
+        self._skipped_logged_at = step
+        skipped = len(trainer.strategy.skipped_steps)
+        for logger in trainer.loggers:
+            logger.log_metrics({f"{self.prefix}/skipped_steps": skipped}, step=step)
+
+    def _log_loss_scale(self, trainer: Any) -> None:
+        scale = getattr(trainer.strategy.precision_plugin, "loss_scale", None)
+        step = trainer.global_step - 1  # the optimizer step that just ended (none yet while accumulating)
+        if scale is None or step <= self._scale_logged_at or not trainer.is_global_zero:
+            return
+        self._scale_logged_at = step
+        for logger in trainer.loggers:
+            logger.log_metrics({f"{self.prefix}/loss_scale": scale.scale}, step=step)
+
+    @override
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        self._log_new_steps(trainer)  # the last steps, exchanged when training ended
+
+    def _log_new_steps(self, trainer: Any) -> None:
+        steps = trainer.strategy.watch.steps[self._logged :]
+        self._logged += len(steps)
+        replans = trainer.strategy.replans[self._replans_logged :]
+        self._replans_logged += len(replans)
+        if not trainer.is_global_zero:
+            return
+        for step in steps:
+            metrics = step_metrics(step, self.prefix)
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step["step"])
+        for replan in replans:
+            gain = {f"{self.prefix}/replan_predicted_gain": replan["predicted_gain"]}
+            for logger in trainer.loggers:
+                logger.log_metrics(gain, step=replan["step"])

@@ -1,0 +1,284 @@
+"""Report: what a fit did on every rank, for a person (a printed summary, a plot) and for tools (``report.json``).
+
+At the end of fit rank 0 writes into the run's ``hetero/`` directory:
+
+``report.json`` (format version 1, a user-facing contract)::
+
+    {
+      "format_version": 1,
+      "world_size": W,
+      "steps": [                      # one entry per training step, in order
+        {"step": 0,                   # index of the training step in this fit
+         "batch_sizes": [b_0, ...],   # each rank's micro-batch
+         "compute_seconds": [...],    # each rank's local compute (see lightning_hetero.watch.meter)
+         "wait_seconds": [...],       # each rank's step time that was not compute (waiting, host work)
+         "step_seconds": s},          # the step's wall time: the slowest rank's
+        ...],
+      "replans": [                    # each change of split during the fit (empty while the split is fixed)
+        {"step": k, "batch_sizes": [...], "predicted_gain": g}, ...],
+      "summary": {"steps": n, "samples_per_second": x, "balance_efficiency_start": a,
+                  "balance_efficiency_end": b, "replans": r,
+                  "measurement_share": m},  # rank 0's time exchanging records and deciding re-plans / step time
+      "precision": {                  # only with HeteroStrategy(device_precision=...)
+        "precisions": [p_0, ...],     # each rank's: "bf16-mixed", "16-mixed" or "32-true"
+        "loss_scale": s,              # the job's loss scale at the end (null without an fp16 rank)
+        "skipped_steps": [            # optimizer steps skipped because an fp16 rank overflowed
+          {"step": k, "ranks": [r, ...], "scale_before": s0, "scale": s1}, ...]}
+    }
+
+``report.png``: each rank's compute time per step and its share of the global batch, re-plans marked.
+
+Balance efficiency is ``sum(compute) / (W * max(compute))`` over the ranks of a step: 1.0 when every rank computes
+for as long as the slowest, ``1/W`` when one rank does all the work. The pure functions build and describe the
+report; only :func:`write_report` touches files (and imports matplotlib, with its non-interactive backend).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any, Optional
+
+from lightning_hetero.plan.deepspeed_config import format_plan_table
+from lightning_hetero.watch.meter import WIRE_KINDS, balance_efficiency
+
+FORMAT_VERSION = 1
+# The start and the end of a run, for the summary: this share of its steps (at least one step each).
+_EDGE_SHARE = 0.1
+
+
+def plan_text(
+    plan: Any,
+    stage: int,
+    devices: list[str],
+    precisions: list[str],
+    profiles: Optional[list[Any]] = None,
+    prediction: Optional[dict[str, Any]] = None,
+) -> str:
+    """The plan as rank 0 prints it at fit start: a row per rank, and the predicted gain when it was profiled.
+
+    ``plan`` is a :class:`~lightning_hetero.plan.split.SplitPlan`, ``profiles`` the ranks'
+    :class:`~lightning_hetero.measure.profiler.RankProfile` (automatic split only).
+    """
+    rows = []
+    for rank, (device, size, share) in enumerate(zip(devices, plan.batch_sizes, plan.shares())):
+        row = {"rank": rank, "device": device, "precision": precisions[rank], "micro_batch": size,
+               "share": f"{share:.1%}"}  # fmt: skip
+        if profiles is not None and prediction is not None:
+            row["throughput"] = f"{profiles[rank].throughput(size):.0f}"
+            row["step"] = f"{prediction['rank_step_seconds'][rank] * 1e3:.1f}"
+        rows.append(row)
+    columns = [("rank", "rank"), ("device", "device"), ("precision", "precision")]
+    columns += [("micro_batch", "micro-batch"), ("share", "share")]
+    summary = ""
+    if profiles is not None and prediction is not None:
+        columns += [("throughput", "samples/s"), ("step", "compute ms")]
+        # The profile times each rank's own forward + backward: the prediction is the slowest rank's local compute
+        # per step; the gradient exchange, the optimizer step and the loop add about the same time to any split.
+        summary = (
+            f"\npredicted compute per step: {prediction['step_seconds'] * 1e3:.1f} ms with this split,"
+            f" {prediction['equal_split_step_seconds'] * 1e3:.1f} ms with an equal split"
+            f" (speedup {prediction['speedup']:.2f}x; communication and optimizer time come on top);"
+            f" profiling took {max(p.wall_seconds for p in profiles):.2f} s"
+        )
+    if len(set(plan.batch_sizes)) > 1:
+        summary += (
+            f"\nmetrics logged with `self.log(...)` without `sync_dist=True` are rank 0's: {plan.batch_sizes[0]} of"
+            f" the {plan.global_batch_size} samples of a step here; `sync_dist=True` averages over every rank, weighted"
+            " by its samples"
+        )
+    return (
+        f"HeteroStrategy plan ({plan.source}): global batch {plan.global_batch_size}, ZeRO stage {stage}\n"
+        f"{format_plan_table(rows, columns)}{summary}"
+    )
+
+
+def build_report(
+    steps: list[dict[str, Any]],
+    replans: list[dict[str, Any]],
+    world_size: int,
+    exchange_seconds: Optional[float] = None,
+    precision: Optional[dict[str, Any]] = None,
+    communication: Optional[dict[str, Any]] = None,
+    nonfinite: Optional[dict[str, Any]] = None,
+) -> dict[str, Any]:
+    """The run report; ``exchange_seconds`` (rank 0's time exchanging records) gives the measuring cost;
+    ``nonfinite`` the optimizer steps skipped for non-finite gradients (see :mod:`lightning_hetero.precision.nonfinite`)."""
+    built = {
+        "format_version": FORMAT_VERSION,
+        "world_size": world_size,
+        "steps": steps,
+        "replans": replans,
+        "summary": summarize(steps, replans, exchange_seconds),
+    }
+    if nonfinite is not None:
+        built["nonfinite"] = nonfinite
+        built["summary"]["skipped_steps"] = len(nonfinite["skipped_steps"])
+    if precision is not None:
+        built["precision"] = precision
+    if communication is not None:
+        built["communication"] = {**communication, **wire_summary(steps)}
+    return built
+
+
+def wire_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean bytes on the wire per training step: each rank's, and the job's between nodes."""
+    if not steps or "inter_node_bytes" not in steps[0]:
+        return {}
+    ranks = range(len(steps[0]["inter_node_bytes"]))
+    per_rank = {
+        kind: [statistics.fmean(step[kind][rank] for step in steps) for rank in ranks]
+        for kind in WIRE_KINDS
+    }
+    return {
+        "bytes_per_step": per_rank,
+        "inter_node_bytes_per_step": sum(per_rank["inter_node_bytes"]),
+        "intra_node_bytes_per_step": sum(per_rank["intra_node_bytes"]),
+    }
+
+
+def summarize(
+    steps: list[dict[str, Any]], replans: list[dict[str, Any]], exchange_seconds: Optional[float] = None
+) -> dict[str, Any]:
+    edge = max(1, round(len(steps) * _EDGE_SHARE))
+    efficiencies = [balance_efficiency(step["compute_seconds"]) for step in steps]
+    seconds = sum(step["step_seconds"] for step in steps)
+    summary = {
+        "steps": len(steps),
+        "samples_per_second": sum(sum(step["batch_sizes"]) for step in steps) / seconds if seconds > 0 else None,
+        "balance_efficiency_start": statistics.median(efficiencies[:edge]) if steps else None,
+        "balance_efficiency_end": statistics.median(efficiencies[-edge:]) if steps else None,
+        "replans": len(replans),
+    }
+    if exchange_seconds is not None and seconds > 0:
+        summary["measurement_share"] = exchange_seconds / seconds
+    return summary
+
+
+def summary_text(report: dict[str, Any]) -> str:
+    summary = report["summary"]
+    if not summary["steps"]:
+        return "HeteroStrategy run report: no training step was recorded."
+    cost = summary.get("measurement_share")
+    return (
+        f"HeteroStrategy run report: {summary['steps']} steps, {summary['samples_per_second']:.0f} samples/s,"
+        f" balance efficiency {summary['balance_efficiency_start']:.2f} at the start ->"
+        f" {summary['balance_efficiency_end']:.2f} at the end (1.00 = every rank computes as long as the slowest),"
+        f" {summary['replans']} re-plan{'' if summary['replans'] == 1 else 's'}"
+        + (f"; measuring cost {cost:.2%} of the step time" if cost is not None else "")
+        + _skipped_text(report.get("nonfinite"))
+        + _precision_text(report.get("precision"))
+        + _communication_text(report.get("communication"))
+    )
+
+
+def _skipped_text(nonfinite: Optional[dict[str, Any]]) -> str:
+    if not nonfinite or not nonfinite["skipped_steps"]:
+        return ""
+    skipped = nonfinite["skipped_steps"]
+    shown = ", ".join(map(str, skipped[:10])) + (", ..." if len(skipped) > 10 else "")
+    steps = f"{len(skipped)} optimizer step{'' if len(skipped) == 1 else 's'}"
+    return f"; {steps} skipped for non-finite gradients ({shown})"
+
+
+def add_rank_wire(path: Path, steps: list[dict[str, Any]], rank: int) -> None:
+    """Add this rank's bytes on the wire per step to its ``rank_<r>.json`` (written with the plan)."""
+    if not path.is_file() or not steps or "inter_node_bytes" not in steps[0]:
+        return
+    record = json.loads(path.read_text())
+    record["wire_bytes_per_step"] = {
+        kind: [step[kind][rank] for step in steps] for kind in WIRE_KINDS
+    }
+    path.write_text(json.dumps(record, indent=2, default=str))
+
+
+def _communication_text(communication: Optional[dict[str, Any]]) -> str:
+    if not communication or "inter_node_bytes_per_step" not in communication:
+        return ""
+    between = communication["inter_node_bytes_per_step"]
+    inside = communication["intra_node_bytes_per_step"]
+    hierarchical = "on" if communication["hierarchical"] else "off"
+    return (
+        f"; on the wire per step: {_megabytes(between)} between nodes, {_megabytes(inside)} inside nodes"
+        f" ({communication['compression'] or 'uncompressed'}, hierarchical {hierarchical})"
+    )
+
+
+def _megabytes(value: float) -> str:
+    return f"{value / 1e6:.3g} MB"
+
+
+def _precision_text(precision: Optional[dict[str, Any]]) -> str:
+    if precision is None or precision.get("loss_scale") is None:
+        return ""
+    skipped = precision["skipped_steps"]
+    return (
+        f"; fp16 loss scale {precision['loss_scale']:g}, {len(skipped)} step{'' if len(skipped) == 1 else 's'}"
+        " skipped on every rank for an fp16 overflow"
+    )
+
+
+def write_report(report: dict[str, Any], directory: Path) -> tuple[Path, Path]:
+    """``report.json`` and ``report.png`` in ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = directory / "report.json", directory / "report.png"
+    json_path.write_text(json.dumps(report, indent=1))
+    _plot(report, png_path)
+    return json_path, png_path
+
+
+def _axis_top(values: list[float]) -> Optional[float]:
+    """A y-axis limit that shows the bulk of ``values``; None when no value lies far above it."""
+    if len(values) < 20:
+        return None
+    ordered = sorted(values)
+    top = 1.5 * ordered[int(0.98 * (len(ordered) - 1))]
+    return top if ordered[-1] > top > 0 else None
+
+
+def _plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display, no GUI toolkit
+    import matplotlib.pyplot as plt
+
+    steps = report["steps"]
+    world_size = report["world_size"]
+    x = [step["step"] for step in steps]
+    figure, (compute_axis, share_axis) = plt.subplots(2, 1, sharex=True, figsize=(9, 6), constrained_layout=True)
+    compute_ms = [[step["compute_seconds"][rank] * 1e3 for step in steps] for rank in range(world_size)]
+    for rank in range(world_size):
+        compute_axis.plot(x, compute_ms[rank], label=f"rank {rank}", lw=1)
+    compute_axis.set_ylabel("compute per step (ms)")
+    compute_axis.set_title("Each rank's compute per training step: balanced when the lines meet")
+    top = _axis_top([value for values in compute_ms for value in values])
+    if top is not None:
+        # One outlier step (a garbage collection, a page fault) would flatten every line: leave it off the axis.
+        above = sum(value > top for values in compute_ms for value in values)
+        compute_axis.set_ylim(0, top)
+        label = f"{above} outlier{'' if above == 1 else 's'} above the axis"
+        compute_axis.annotate(label, (0.01, 0.97), xycoords="axes fraction", va="top", fontsize="small")
+    bottom = [0.0] * len(steps)
+    for rank in range(world_size):  # stacked shares, constant within a step (a re-plan is a step change)
+        share = [step["batch_sizes"][rank] / sum(step["batch_sizes"]) for step in steps]
+        top_edge = [low + part for low, part in zip(bottom, share)]
+        share_axis.fill_between(x, bottom, top_edge, step="post", alpha=0.8, label=f"rank {rank}")
+        bottom = top_edge
+    share_axis.set_ylim(0, 1)
+    share_axis.set_ylabel("share of the global batch")
+    share_axis.set_xlabel("training step")
+    for replan in report["replans"]:
+        for axis in (compute_axis, share_axis):
+            axis.axvline(replan["step"], color="black", ls="--", lw=1)
+        compute_axis.annotate("re-plan", (replan["step"], 1), xycoords=("data", "axes fraction"), va="top")
+    compute_axis.legend(loc="upper right", fontsize="small")
+    summary = report["summary"]
+    if summary["steps"]:
+        figure.suptitle(
+            f"{summary['steps']} steps, {summary['samples_per_second']:.0f} samples/s, balance efficiency"
+            f" {summary['balance_efficiency_start']:.2f} -> {summary['balance_efficiency_end']:.2f},"
+            f" {summary['replans']} re-plan{'' if summary['replans'] == 1 else 's'}"
+        )
+    figure.savefig(path, dpi=100)
+    plt.close(figure)

@@ -1,0 +1,80 @@
+"""The package's layout says its flow: every import points down the stage order in the package docstring."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import lightning_hetero
+
+PACKAGE = Path(lightning_hetero.__file__).parent
+# Lowest first, as in the package docstring; the modules at the top level sit above every stage.
+STAGES = ("runtime", "emulate", "measure", "plan", "precision", "comm", "train", "watch", "recover")
+
+
+def package_imports(path: Path) -> list[tuple[int, str]]:
+    """The package modules ``path`` imports anywhere in its code (top-level or inside functions), by dotted name."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lightning_hetero"):
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+            found.append((node.lineno, node.module))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names if alias.name.startswith("lightning_hetero")]
+    return found
+
+
+def level(dotted: str) -> int:
+    """A module's place in the stage order; the top-level modules (strategy, settings, cli) come after every stage."""
+    parts = dotted.split(".")
+    if len(parts) == 1:
+        return -1  # the package itself: only its public names, checked below
+    return STAGES.index(parts[1]) if parts[1] in STAGES else len(STAGES)
+
+
+def test_every_stage_folder_is_in_the_documented_order_and_nothing_else_is_a_folder():
+    folders = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and not p.name.startswith("__"))
+    assert folders == sorted(STAGES)
+    for stage in STAGES:
+        assert f"    {stage}/" in lightning_hetero.__doc__
+
+
+def test_imports_point_down_the_stage_order_and_no_stage_imports_the_strategy():
+    upward = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE)
+        if len(relative.parts) == 1:
+            continue  # strategy.py, settings.py, cli.py, __init__.py: the top may import every stage
+        own = ".".join(("lightning_hetero", *relative.with_suffix("").parts))
+        for line, target in package_imports(path):
+            if target == "lightning_hetero" or level(target) > level(own):
+                upward.append(f"{relative}:{line} imports {target}")
+    assert not upward, "imports pointing up the stage order:\n" + "\n".join(upward)
+
+
+def test_no_import_cycle_between_modules():
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(("lightning_hetero", *path.relative_to(PACKAGE).with_suffix("").parts))
+        modules[name.removesuffix(".__init__")] = path
+    graph = {
+        name: {t for _, t in package_imports(path) if t in modules and t != name and not name.startswith(t + ".")}
+        for name, path in modules.items()
+    }
+    visiting, done, cycles = [], set(), []
+
+    def visit(name):
+        if name in done:
+            return
+        if name in visiting:
+            cycles.append(visiting[visiting.index(name) :] + [name])
+            return
+        visiting.append(name)
+        for target in sorted(graph[name]):
+            visit(target)
+        visiting.pop()
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name)
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(cycle) for cycle in cycles)
