@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent / "workers"))
+from conftest import WORKERS, run_fit
+sys.path.insert(0, str(WORKERS))
 
 from common import IndexedRegression, full_data_loss, mixed_precision_reference  # noqa: E402
-from conftest import run_fit  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 

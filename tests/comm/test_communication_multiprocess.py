@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent / "workers"))
+from conftest import WORKERS, run_fit
+sys.path.insert(0, str(WORKERS))
 
 from common import IndexedRegression, full_data_loss  # noqa: E402
-from conftest import run_fit  # noqa: E402
 
 from lightning_hetero.recover.checkpoint import MANIFEST_NAME  # noqa: E402
 

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_fit
+from conftest import WORKERS, run_fit
 from torch import nn
 
 from lightning_hetero.train.buffers import BufferSync
 
-sys.path.insert(0, str(Path(__file__).parent / "workers"))
+sys.path.insert(0, str(WORKERS))
 from common import IndexedRegression  # noqa: E402
 
 
