@@ -1,6 +1,6 @@
 """Private names of Lightning, DeepSpeed and torch that the package patches, reads or calls, in one list.
 
-Each one is a bet on the versions this package pins: ``tests/test_internals.py`` checks that every name still
+Each one is a bet on the versions this package pins: ``tests/runtime/test_internals.py`` checks that every name still
 resolves, so an upgrade that removes one fails there, with this list, instead of somewhere inside a run.
 Not listed: public functions the package wraps (torch.distributed's collectives in ``wire.py``, a LightningModule's
 methods while profiling, ``DeepSpeedEngine.save_checkpoint``), and the CUDA device properties ``pci_*`` that
