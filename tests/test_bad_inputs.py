@@ -117,7 +117,7 @@ def test_emulated_speeds_given_twice_say_which_wins(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "1.0,0.5")
     with pytest.warns(UserWarning, match=r"`emulate_speeds=\[1.0, 0.4\]` is given and .* the argument wins"):
         strategy = HeteroStrategy(emulate_speeds=[1.0, 0.4])
-    assert strategy._speed_schedule.at(0) == (1.0, 0.4)
+    assert strategy.settings.speed_schedule.at(0) == (1.0, 0.4)
 
 
 @pytest.mark.parametrize(("value", "message"), ENVIRONMENT)

@@ -92,11 +92,11 @@ def test_no_way_to_infer_the_global_batch_is_a_clear_error():
 
     strategy = HeteroStrategy()
     with pytest.raises(ValueError, match=r"cannot infer the global batch.*got list.*global_batch_size="):
-        strategy._global_batch_size([[1, 2], [3, 4]])  # a plain iterable, not a DataLoader
+        strategy.settings.global_batch_size_for([[1, 2], [3, 4]], world_size=2)  # a plain iterable, not a DataLoader
     with pytest.raises(ValueError, match=r"cannot infer the global batch.*got DataLoader"):
-        strategy._global_batch_size(DataLoader(list(range(8)), batch_size=None))
-    assert HeteroStrategy(global_batch_size=48)._global_batch_size(None) == 48
-    assert HeteroStrategy(batch_sizes=[3, 13])._global_batch_size(None) == 16
+        strategy.settings.global_batch_size_for(DataLoader(list(range(8)), batch_size=None), world_size=2)
+    assert HeteroStrategy(global_batch_size=48).settings.global_batch_size_for(None, world_size=2) == 48
+    assert HeteroStrategy(batch_sizes=[3, 13]).settings.global_batch_size_for(None, world_size=2) == 16
 
 
 def test_an_emulated_slow_rank_pays_its_delay_before_every_collective():
@@ -109,7 +109,7 @@ def test_an_emulated_slow_rank_pays_its_delay_before_every_collective():
             events.append("catch_up")
 
     strategy = HeteroStrategy()
-    strategy._emulator = RecordingEmulator()
+    strategy.emulation = RecordingEmulator()
     value = torch.tensor([2.0])
     # Without a process group each collective returns its input; what matters is the delay paid before it.
     assert torch.equal(strategy.reduce(value), value)

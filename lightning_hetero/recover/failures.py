@@ -20,6 +20,7 @@ import torch.distributed
 
 from lightning_hetero.recover.liveness import EXIT_CODE_PEER_LOST, call_with_deadline, store_host
 from lightning_hetero.runtime import internals
+from lightning_hetero.runtime.collectives import describe_failure
 
 KEY_PREFIX = "lightning_hetero/failure/"
 # How long a rank whose collective broke looks for its peers' errors: the failing rank wrote before leaving (before its
@@ -45,10 +46,6 @@ def is_lost_peer_error(exception: BaseException) -> bool:
         return False
     text = str(exception).lower()
     return any(phrase in text for phrase in _LOST_PEER_PHRASES)
-
-
-def describe(exception: BaseException) -> str:
-    return f"{type(exception).__name__}: {exception}"
 
 
 def lost_peer_explanation(rank: int, failures: dict[int, str], store_reachable: bool) -> str:
@@ -80,7 +77,7 @@ def publish_failure(rank: int, exception: BaseException) -> None:
     if store is None:
         return
     try:
-        call_with_deadline(lambda: store.set(f"{KEY_PREFIX}{rank}", describe(exception)[:2000]), READ_SECONDS)
+        call_with_deadline(lambda: store.set(f"{KEY_PREFIX}{rank}", describe_failure(exception)[:2000]), READ_SECONDS)
     except Exception:  # noqa: S110 - the rank is failing already; its own error is what it raises
         pass
 

@@ -19,6 +19,7 @@ from lightning.pytorch import Callback
 from typing_extensions import override
 
 from lightning_hetero.watch.meter import step_metrics
+from lightning_hetero.watch.watcher import Watcher
 
 
 class HeteroMonitor(Callback):
@@ -40,7 +41,7 @@ class HeteroMonitor(Callback):
 
     @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        if not hasattr(trainer.strategy, "watch"):
+        if not isinstance(getattr(trainer.strategy, "watcher", None), Watcher):
             raise ValueError(
                 f"HeteroMonitor reads what HeteroStrategy measures, but the Trainer's strategy is"
                 f" {type(trainer.strategy).__name__}. Use `Trainer(strategy='hetero')` or remove the callback."
@@ -61,27 +62,28 @@ class HeteroMonitor(Callback):
         if step <= self._skipped_logged_at or not trainer.is_global_zero:
             return
         self._skipped_logged_at = step
-        skipped = len(trainer.strategy.skipped_steps)
+        skipped = len(trainer.strategy.watcher.skipped_steps())
         for logger in trainer.loggers:
             logger.log_metrics({f"{self.prefix}/skipped_steps": skipped}, step=step)
 
     def _log_loss_scale(self, trainer: Any) -> None:
-        scale = getattr(trainer.strategy.precision_plugin, "loss_scale", None)
+        scale = trainer.strategy.watcher.loss_scale()
         step = trainer.global_step - 1  # the optimizer step that just ended (none yet while accumulating)
         if scale is None or step <= self._scale_logged_at or not trainer.is_global_zero:
             return
         self._scale_logged_at = step
         for logger in trainer.loggers:
-            logger.log_metrics({f"{self.prefix}/loss_scale": scale.scale}, step=step)
+            logger.log_metrics({f"{self.prefix}/loss_scale": scale}, step=step)
 
     @override
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         self._log_new_steps(trainer)  # the last steps, exchanged when training ended
 
     def _log_new_steps(self, trainer: Any) -> None:
-        steps = trainer.strategy.watch.steps[self._logged :]
+        watcher = trainer.strategy.watcher
+        steps = watcher.steps[self._logged :]
         self._logged += len(steps)
-        replans = trainer.strategy.replans[self._replans_logged :]
+        replans = watcher.replans[self._replans_logged :]
         self._replans_logged += len(replans)
         if not trainer.is_global_zero:
             return

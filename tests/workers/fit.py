@@ -148,7 +148,7 @@ class RecordEmulatedDelay(Callback):
     """The emulator's delay paid so far, after every training step (to see a drift schedule take effect)."""
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        emulator = getattr(trainer.strategy, "_emulator", None)  # (None under DDP)
+        emulator = getattr(getattr(trainer.strategy, "emulation", None), "emulator", None)  # (None under DDP)
         pl_module.emulated_delay.append(emulator.added_seconds if emulator is not None else None)
 
 

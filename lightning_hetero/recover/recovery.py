@@ -1,0 +1,224 @@
+"""Recover: the strategy's one handle on surviving a lost, failed or signalled rank and on resuming.
+
+:class:`Recovery` is called at Lightning's points: setup (watch the peers, stop every rank together on SIGTERM),
+``save_checkpoint`` / ``remove_checkpoint`` / ``load_checkpoint`` (complete-or-ignored checkpoints, resuming on
+another number of ranks or from another strategy's file), ``on_exception`` (say which rank failed and how) and
+teardown. DeepSpeed forces checkpoints through the strategy rather than a Lightning ``CheckpointIO`` plugin: its
+engine writes and reads the per-rank shards itself, so each method wraps the parent's (passed in) instead.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_hetero.recover import checkpoint, elastic, failures, liveness
+from lightning_hetero.recover import from_lightning as resume_lightning
+from lightning_hetero.recover.stopping import StopOnSigterm, all_reduce_max, exit_code_for
+from lightning_hetero.runtime.collectives import Collectives
+from lightning_hetero.runtime.shutdown import exit_with_if_uncaught
+
+Load = Callable[..., dict[str, Any]]
+
+
+class Recovery:
+    """One strategy's recovery across its trainer calls (writer locks are held until teardown)."""
+
+    def __init__(self, peer_timeout: Optional[float]) -> None:
+        self.peer_timeout = peer_timeout
+        self.rank, self.world_size = 0, 1
+        self.collectives = Collectives(1, torch.device("cpu"))
+        self._trainer_calls = 0
+        self._watchdog: Optional[liveness.PeerWatchdog] = None
+        self._stop_on_sigterm: Optional[StopOnSigterm] = None
+        self._writer_locks: dict[Path, checkpoint.WriterLock] = {}  # rank 0's, per checkpoint directory
+
+    def join(self, collectives: Collectives, rank: int) -> None:
+        self.collectives, self.rank, self.world_size = collectives, rank, collectives.world_size
+
+    # ------------------------------------------------------------------ a rank lost, failed or signalled
+
+    def watch_peers(self) -> None:
+        """From here to teardown, a rank whose process is gone stops the others (:mod:`.liveness`)."""
+        self._trainer_calls += 1  # every rank makes the same trainer calls: the same keys for one call
+        if self.world_size == 1 or self.peer_timeout is None:
+            return
+        rank, world_size = self.rank, self.world_size
+        self._watchdog = liveness.PeerWatchdog(
+            liveness.store_connector(),
+            rank,
+            world_size,
+            self.peer_timeout,
+            liveness.run_id(self._trainer_calls),
+            read_failures=lambda store: failures.recorded_in(store, world_size, exclude=rank),
+        )
+        self._watchdog.start()
+
+    def stop_together_on_sigterm(self, trainer: Any, device: torch.device) -> None:
+        """Before Lightning registers its signal handlers for this run (after the strategy's setup)."""
+        self._stop_on_sigterm = StopOnSigterm(all_reduce_max, device)
+        self._stop_on_sigterm.install(trainer)
+
+    def on_exception(self, exception: BaseException, trainer: Any) -> None:
+        """Say on every rank which rank failed and how (see :mod:`.failures`); no collective here."""
+        exit_code_for(exception)
+        if self._stop_on_sigterm is not None and self._stop_on_sigterm.stopped_every_rank(exception):
+            self._save_before_exit(trainer)
+        if not isinstance(exception, Exception) or self.world_size == 1:
+            return
+        if not failures.is_lost_peer_error(exception):
+            failures.publish_failure(self.rank, exception)
+            return
+        watchdog = self._watchdog
+        if watchdog is not None and watchdog.store_silent_for() > 2 * liveness.HEARTBEAT_SECONDS:
+            found, reachable = {}, False  # the heartbeat already waits on the store: do not wait on it here too
+        else:
+            found, reachable = failures.read_failures(self.world_size, exclude=self.rank)
+        explanation = failures.lost_peer_explanation(self.rank, found, reachable)
+        first = exception.args[0] if exception.args else ""
+        exception.args = (f"{explanation}\n{first}", *exception.args[1:])
+        if not found:  # a peer (or the store's host) is gone without an error of its own: as the watchdog says
+            exit_with_if_uncaught(exception, liveness.EXIT_CODE_PEER_LOST)
+
+    def _save_before_exit(self, trainer: Any) -> None:
+        """A SIGTERM stopped every rank before the same step: save where `fit(ckpt_path="last")` finds it."""
+        path = elastic.interrupt_checkpoint_path(trainer)
+        if path is None:
+            rank_zero_warn(
+                "HeteroStrategy: stopped by SIGTERM without saving: the Trainer has no ModelCheckpoint"
+                " (`enable_checkpointing=False`). Add one to resume with `fit(ckpt_path=\"last\")`."
+            )
+            return
+        trainer.save_checkpoint(path)
+        rank_zero_info(f"HeteroStrategy: stopped by SIGTERM at step {trainer.global_step}; saved {path}.")
+
+    def teardown(self, finished: bool) -> None:
+        """``finished``: the trainer call ended normally (not interrupted), so a peer's exit is no loss."""
+        for lock in self._writer_locks.values():
+            lock.release()
+        self._writer_locks.clear()
+        if self._watchdog is not None:
+            self._watchdog.stop(finished=finished)
+            self._watchdog = None
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self, target: Path, write: Callable[[Path], None], facts: Callable[[], dict[str, Any]]) -> None:
+        """Complete or ignored: staged, listed in a manifest, published atomically (see :mod:`.checkpoint`).
+        ``write(directory)`` is DeepSpeed's save of this rank's part; ``facts()`` what the manifest records."""
+        elastic.save_atomically(
+            target, write, facts, self.rank == 0, self.collectives.gather_or_raise, self._hold_writer_lock
+        )
+
+    @staticmethod
+    def write_with_deferred_errors(engine: Any, write: Callable[[], None], is_global_zero: bool) -> None:
+        """A failed file write is raised after DeepSpeed's save has run its collectives to the end."""
+        with elastic.DeferredWriteErrors(engine) as deferred:
+            write()
+        deferred.raise_first()
+        deferred.write_latest(is_global_zero)
+
+    def _hold_writer_lock(self, directory: Path) -> None:
+        """Rank 0 saves into ``directory`` for this trainer call only if no other job does (released at teardown)."""
+        lock = self._writer_locks.setdefault(directory.resolve(), checkpoint.WriterLock(directory))
+        lock.acquire()
+
+    def remove(self, path: Path, remove: Callable[[Path], None]) -> None:
+        if self.rank == 0:
+            elastic.prune_unless_only(path, remove)
+
+    def choose(self, path: Path) -> tuple[Path, dict[str, Any]]:
+        """The checkpoint to resume from: rank 0 verifies the files against their checksums (once, not on every
+        rank) and the choice, or its error, reaches every rank in one gather; with its manifest."""
+        _, choices = self.collectives.gather_or_raise(
+            "choosing the checkpoint to resume from",
+            lambda: (None, checkpoint.choose_checkpoint(path) if self.rank == 0 else None),
+        )
+        chosen, warning = Path(choices[0][0]), choices[0][1]
+        if warning:
+            rank_zero_warn(warning)
+        return chosen, checkpoint.read_manifest(chosen) or {}
+
+    def load_on_another_world_size(self, chosen: Path, manifest: dict[str, Any], engine: Any, load: Load) -> Any:
+        """A checkpoint of another number of ranks: ZeRO-0 keeps whole states on every rank; ZeRO-1/2/3 go through
+        DeepSpeed's universal format (rank 0 converts, once; its result or error reaches every rank)."""
+        if not elastic.needs_universal(manifest, self.world_size):
+            return load(str(chosen))
+        elastic.check_convertible(chosen, manifest, self.world_size)
+        _, results = self.collectives.gather_or_raise(
+            "converting the checkpoint",
+            lambda: (None, elastic.convert_to_universal(chosen) if self.rank == 0 else None),
+        )
+        directory, seconds = results[0]
+        how = f"converted to DeepSpeed's universal format in {seconds:.1f} s" if seconds is not None else "using the"
+        rank_zero_info(
+            f"HeteroStrategy: {chosen} was saved by {manifest['world_size']} ranks; this job has {self.world_size}:"
+            f" {how} universal copy in {directory}."
+        )
+        engine_config = engine._config
+        engine_config.load_universal_checkpoint = True  # read at load time only; a plain checkpoint needs it off
+        try:
+            return load(str(directory))
+        finally:
+            engine_config.load_universal_checkpoint = False
+
+    @staticmethod
+    def resume_from_lightning_file(
+        path: Path,
+        module: Any,
+        engine: Any,
+        optimizer_parameters: list[tuple[str, Any]],
+        order: Optional[Any],
+        global_batch_size: Optional[int],
+    ) -> dict[str, Any]:
+        """Continue from a Lightning checkpoint file another strategy wrote (see :mod:`.from_lightning`).
+        ``order``: the training loader's global order (None for a stream or no loader), to place the epoch."""
+        saved = resume_lightning.read_lightning_checkpoint(path)  # every rank reads it: none waits for another
+        resume_lightning.load_module_weights(module, saved["state_dict"], strict=module.strict_loading)
+        optimizer_states = saved.get("optimizer_states") or []
+        if optimizer_states and engine.optimizer is not None and optimizer_parameters:
+            resume_lightning.load_optimizer_state(engine, optimizer_parameters, optimizer_states[0], saved["state_dict"])
+        elif engine.optimizer is not None:
+            rank_zero_warn(f"HeteroStrategy: {path} holds no optimizer state; the optimizer starts afresh.")
+        if order is not None and global_batch_size is not None:
+            state = resume_lightning.loader_state_for(saved, global_batch_size, len(order), order.seed)
+            if state is not None:
+                saved = resume_lightning.with_loader_state(saved, state)
+                if not order.shuffles:
+                    rank_zero_warn(
+                        f"HeteroStrategy: {path} stopped in the middle of an epoch. DDP shuffled that epoch"
+                        " (Lightning's DistributedSampler); this unshuffled loader keeps its own order, so the rest of"
+                        " the epoch is not exactly the samples DDP had not used (later epochs are whole). Give the"
+                        " loader `shuffle=True` to continue DDP's epoch exactly."
+                    )
+        rank_zero_info(f"HeteroStrategy: continuing from {path}, a Lightning checkpoint file (weights, optimizer"
+                       " state, loops and data position restored).")  # fmt: skip
+        return saved
+
+
+def manifest_facts(
+    saved: dict[str, Any],
+    world_size: int,
+    batch_sizes: Optional[tuple[int, ...]],
+    global_samples: Optional[int],
+    zero_stage: int,
+    engine: Any,
+    devices: list[str],
+    communication: dict[str, Any],
+) -> dict[str, Any]:
+    """What a checkpoint's manifest records besides its files (see :func:`.checkpoint.write_manifest`)."""
+    return {
+        "world_size": world_size,
+        "global_step": saved.get("global_step"),
+        "epoch": saved.get("epoch"),
+        # Position in the epoch, in global samples (rank-independent: resumable on any number of ranks).
+        "global_samples": global_samples,
+        "batch_sizes": list(batch_sizes) if batch_sizes is not None else None,
+        "zero_stage": zero_stage,
+        "optimizer": type(getattr(engine, "basic_optimizer", None) or engine.optimizer).__name__,
+        "devices": devices,
+        "communication": communication,
+    }

@@ -1,0 +1,223 @@
+"""Settings: every argument and environment variable of a run, checked once, and the check that the ranks agree.
+
+:meth:`HeteroSettings.from_arguments` runs in ``HeteroStrategy.__init__`` (no world size, no process group yet: a
+mistake fails in the constructor); :meth:`HeteroSettings.check_job` runs at setup on every rank before any
+collective, once the world size and the devices are known; :meth:`HeteroSettings.agreement` is what the ranks
+gather and compare (:func:`check_ranks_agree`) before anything depends on them. Each check is a pure function of the
+stage it belongs to; this module only says when each runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.utils.data import DataLoader
+
+from lightning_hetero.comm import compression, topology
+from lightning_hetero.comm.compression import CompressionChoice
+from lightning_hetero.emulate.slowdown import ENV_VAR as EMULATE_ENV_VAR
+from lightning_hetero.emulate.slowdown import SpeedSchedule, emulated_speeds
+from lightning_hetero.plan.deepspeed_config import check_user_config, model_disagreement, raise_if_arguments_differ
+from lightning_hetero.plan.replan import check_rebalance_arguments
+from lightning_hetero.plan.split import check_split_arguments, resolve_split
+from lightning_hetero.precision import choice as precision
+from lightning_hetero.precision.nonfinite import check_max_nonfinite_steps
+from lightning_hetero.recover import liveness
+from lightning_hetero.runtime.checks import check_loss_reduction, check_stage
+from lightning_hetero.train.loaders import loader_batch_size
+
+DEFAULT_STAGE = 2
+# Arguments of DeepSpeedStrategy that only build its default DeepSpeed config: a user config replaces them all.
+DEFAULT_CONFIG_ARGUMENTS = frozenset(
+    {
+        "zero_optimization", "offload_optimizer", "offload_parameters", "offload_params_device", "nvme_path",
+        "params_buffer_count", "params_buffer_size", "max_in_cpu", "offload_optimizer_device",
+        "optimizer_buffer_count", "block_size", "queue_depth", "single_submit", "overlap_events", "thread_count",
+        "pin_memory", "sub_group_size", "contiguous_gradients", "overlap_comm", "allgather_partitions",
+        "reduce_scatter", "allgather_bucket_size", "reduce_bucket_size", "zero_allow_untested_optimizer",
+        "partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+        "synchronize_checkpoint_boundary",
+    }
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class HeteroSettings:
+    """The strategy's arguments, checked (see ``HeteroStrategy``'s docstring for what each means)."""
+
+    stage: Optional[int]
+    global_batch_size: Optional[int]
+    batch_sizes: Optional[tuple[int, ...]]
+    weights: Optional[tuple[float, ...]]
+    loss_reduction: str
+    rebalance: Optional[bool]
+    rebalance_window: int
+    rebalance_threshold: float
+    peer_timeout: Optional[float]
+    device_precision: precision.DevicePrecision
+    compression: CompressionChoice
+    hierarchical: Union[str, bool]
+    max_nonfinite_steps: Optional[int]
+    speed_schedule: Optional[SpeedSchedule]  # emulated speeds (the argument, else the environment variable)
+
+    @classmethod
+    def from_arguments(
+        cls,
+        stage: Optional[int],
+        global_batch_size: Optional[int],
+        batch_sizes: Optional[Sequence[int]],
+        weights: Optional[Sequence[float]],
+        emulate_speeds: Any,
+        loss_reduction: str,
+        rebalance: Optional[bool],
+        rebalance_window: int,
+        rebalance_threshold: float,
+        peer_timeout: Optional[float],
+        device_precision: Any,
+        compression_mode: Any,
+        compression_options: Any,
+        hierarchical: Any,
+        max_nonfinite_steps: Optional[int],
+    ) -> HeteroSettings:
+        """Every argument checked, each error naming the argument, its value and the fix."""
+        schedule, both_given = emulated_speeds(emulate_speeds)
+        if both_given:
+            rank_zero_warn(both_given)
+        if stage is not None:
+            check_stage(stage)
+        check_loss_reduction(loss_reduction)
+        check_split_arguments(global_batch_size, batch_sizes, weights)
+        check_rebalance_arguments(rebalance, rebalance_window, rebalance_threshold)
+        liveness.check_peer_timeout(peer_timeout)
+        check_max_nonfinite_steps(max_nonfinite_steps)
+        return cls(
+            stage=stage,
+            global_batch_size=global_batch_size,
+            batch_sizes=tuple(batch_sizes) if batch_sizes is not None else None,
+            weights=tuple(weights) if weights is not None else None,
+            loss_reduction=loss_reduction,
+            rebalance=rebalance,
+            rebalance_window=int(rebalance_window),
+            rebalance_threshold=float(rebalance_threshold),
+            peer_timeout=None if peer_timeout is None else float(peer_timeout),
+            device_precision=precision.check_device_precision(device_precision),
+            compression=compression.check_compression(compression_mode, compression_options),
+            hierarchical=topology.check_hierarchical(hierarchical),
+            max_nonfinite_steps=max_nonfinite_steps,
+            speed_schedule=schedule,
+        )
+
+    @property
+    def split_is_automatic(self) -> bool:
+        """Neither ``batch_sizes`` nor ``weights``: every rank profiles its step and the planner splits."""
+        return self.batch_sizes is None and self.weights is None
+
+    def rebalancing(self, profiled: bool, world_size: int) -> bool:
+        """Re-plan during the fit: on for the automatic split unless turned off, off for a fixed one unless on."""
+        wanted = self.rebalance if self.rebalance is not None else profiled
+        return wanted and world_size > 1
+
+    def reconcile_user_config(self, config: dict[str, Any], deepspeed_arguments: dict[str, Any]) -> None:
+        """A user's DeepSpeed config: checked, its stage settled, and the arguments it replaces said."""
+        check_user_config(config)
+        zero = config.setdefault("zero_optimization", {})
+        config_stage = zero.get("stage")
+        if config_stage is None:
+            zero["stage"] = DEFAULT_STAGE if self.stage is None else self.stage
+        elif self.stage is not None and self.stage != config_stage:
+            rank_zero_warn(
+                f"HeteroStrategy: the DeepSpeed config's `zero_optimization.stage={config_stage}` wins over"
+                f" `stage={self.stage}`."
+            )
+        if zero["stage"] in (0, 1) and zero.get("overlap_comm"):
+            rank_zero_warn(
+                f"HeteroStrategy: the DeepSpeed config's `zero_optimization.overlap_comm=True` is switched off for"
+                f" ZeRO-{zero['stage']}: Lightning's loop owns gradient accumulation, and DeepSpeed allows overlap_comm"
+                " there only with ZeRO-2 and 3 (ZeRO-0/1 reduce once per optimizer step either way)."
+            )
+        ignored = sorted(DEFAULT_CONFIG_ARGUMENTS & deepspeed_arguments.keys())
+        if deepspeed_arguments.get("logging_batch_size_per_gpu", "auto") != "auto":
+            ignored.append("logging_batch_size_per_gpu")
+        if ignored:
+            rank_zero_warn(
+                f"HeteroStrategy: a DeepSpeed `config` was given, so these arguments are ignored: {ignored}."
+                " Put those settings into the config instead."
+            )
+        precision.check_config_precision(self.device_precision, config)
+        compression.check_config_compression(self.compression, config)
+
+    def check_job(
+        self,
+        world_size: int,
+        device_type: str,
+        config: dict[str, Any],
+        sync_batchnorm: bool,
+        trainer_precision: Optional[tuple[str, str]],
+    ) -> None:
+        """What needs the world size and the device, before the process group exists: every rank raises the same
+        error and none waits in a collective for another. ``trainer_precision``: the Trainer's precision and its
+        plugin's class name (None when the plugin is already the strategy's own, from an earlier trainer call)."""
+        known_global_batch = self.global_batch_size
+        if known_global_batch is None and self.batch_sizes is not None:
+            known_global_batch = sum(self.batch_sizes)
+        resolve_split(world_size, known_global_batch or world_size, self.batch_sizes, self.weights)
+        precision.check_rank_count(self.device_precision, world_size)
+        compression.check_zero_plus_plus(config, device_type)
+        if trainer_precision is not None:
+            precision.check_trainer_precision(self.device_precision, *trainer_precision)
+        if self.speed_schedule is not None and self.speed_schedule.world_size != world_size:
+            raise ValueError(
+                f"`emulate_speeds={self.speed_schedule.to_json()}` (or {EMULATE_ENV_VAR}) has"
+                f" {self.speed_schedule.world_size} entries but the job has {world_size} ranks. Give one speed per"
+                " rank."
+            )
+        if sync_batchnorm and device_type != "cuda":
+            raise ValueError(
+                f"`Trainer(sync_batchnorm=True)` needs CUDA: torch's SyncBatchNorm runs on GPUs only, and this job runs"
+                f" on {device_type}. Remove it; HeteroStrategy keeps every rank's BatchNorm statistics equal"
+                " anyway, as DDP does, by giving every rank rank 0's buffers before each training step."
+            )
+
+    def global_batch_size_for(self, loader: Any, world_size: int) -> int:
+        """The argument, else the sum of ``batch_sizes``, else what DDP would use: the loader's batch per rank."""
+        if self.global_batch_size is not None:
+            return self.global_batch_size
+        if self.batch_sizes is not None:
+            return sum(self.batch_sizes)
+        batch_size = loader_batch_size(loader) if isinstance(loader, DataLoader) else None
+        if batch_size is None:
+            raise ValueError(
+                "HeteroStrategy cannot infer the global batch: the training loader is not a DataLoader with a"
+                f" `batch_size` (got {type(loader).__name__}). Pass `HeteroStrategy(global_batch_size=...)` or"
+                " `batch_sizes=[...]`."
+            )
+        return batch_size * world_size
+
+    def agreement(self, global_batch_size: Optional[int], communication_arguments: dict[str, Any]) -> dict[str, Any]:
+        """What every rank must have been given alike, as JSON; the environment is read here, so that a bad value
+        is raised on every rank and one rank's different value is named."""
+        return {
+            "global_batch_size": global_batch_size,
+            "batch_sizes": list(self.batch_sizes) if self.batch_sizes is not None else None,
+            "weights": list(self.weights) if self.weights is not None else None,
+            "emulate_speeds": self.speed_schedule.to_json() if self.speed_schedule else None,
+            "loss_reduction": self.loss_reduction,
+            "rebalance": [self.rebalance, self.rebalance_window, self.rebalance_threshold],
+            "peer_timeout": self.peer_timeout,
+            "max_nonfinite_steps": self.max_nonfinite_steps,
+            "device_precision": self.device_precision,
+            **communication_arguments,
+            "emulate_nodes": topology.emulated_nodes_from_environment(),
+            "emulate_link": str(topology.slow_link_from_environment()),
+        }
+
+
+def check_ranks_agree(agreements: list[dict[str, Any]], models: list[Any]) -> None:
+    """Every rank was given the same arguments and builds the same model; else every rank raises, naming who differs."""
+    raise_if_arguments_differ(agreements)
+    different_models = model_disagreement(models)
+    if different_models:
+        raise ValueError(different_models)
