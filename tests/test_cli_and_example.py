@@ -43,7 +43,7 @@ def test_cli_fits_with_string_and_class_path_strategy(config, expected_rows, tmp
     assert sorted(p.name for p in tmp_path.rglob("rank_*.json")) == ["rank_0.json", "rank_1.json"]
 
 
-# Third-party lines that each rank printed on every run and that no user can act on (see lightning_hetero/runtime/quiet.py).
+# Third-party lines that each rank printed on every run and that no user can act on (see runtime/quiet.py).
 NOISE = [
     "Setting accelerator to CPU",
     "deepspeed_shm_comm_op built successfully",

@@ -109,7 +109,7 @@ def test_an_emulated_slow_rank_pays_its_delay_before_every_collective():
             events.append("catch_up")
 
     strategy = HeteroStrategy()
-    strategy.emulation = RecordingEmulator()
+    strategy.job.emulation = RecordingEmulator()
     value = torch.tensor([2.0])
     # Without a process group each collective returns its input; what matters is the delay paid before it.
     assert torch.equal(strategy.reduce(value), value)

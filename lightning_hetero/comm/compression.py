@@ -15,7 +15,7 @@
 
 Hooks see a bucket of gradients that are already weighted by each rank's share of the global batch (the strategy
 weights the loss), so an unequal split stays exact in meaning: a hook averages, and the average is the full-batch
-gradient. They run in DeepSpeed's gradient exchange (:mod:`lightning_hetero.comm.communication`), which only ZeRO-0 leaves
+gradient. They run in DeepSpeed's gradient exchange (:mod:`~.comm.communication`), which only ZeRO-0 leaves
 reachable: ZeRO-1/2/3 reduce inside DeepSpeed's optimizer (``average_tensor``, ``allreduce_bucket``), with no hook.
 """
 

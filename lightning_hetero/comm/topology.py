@@ -2,7 +2,7 @@
 
 Pure decisions over the gathered device facts (each rank's host name): ranks on one host form a node, numbered in
 the order their first rank appears; a node's leader is its lowest rank. A hierarchical reduction (see
-:mod:`lightning_hetero.comm.compression`) sums inside each node first, exchanges between the leaders only, and broadcasts
+:mod:`~.comm.compression`) sums inside each node first, exchanges between the leaders only, and broadcasts
 back inside the node, so only one rank per node puts its gradients on the slow link between nodes.
 
 Two test and demo aids, read from the environment like the speed emulation (:mod:`lightning_hetero.emulate.slowdown`):
@@ -12,7 +12,7 @@ Two test and demo aids, read from the environment like the speed emulation (:mod
 * ``LIGHTNING_HETERO_EMULATE_LINK=1,0.5``: the link between nodes carries 1 Gbit/s with 0.5 ms latency. Every
   collective whose group spans nodes then costs, on every rank in it, the latency plus the bytes that the busiest node
   sends across the link divided by the bandwidth (:func:`link_seconds`), slept after the collective is issued. The
-  bytes are those of :mod:`lightning_hetero.comm.wire`'s count: each rank's payload, so a flat all-reduce over 2 nodes of
+  bytes are those of :mod:`~.comm.wire`'s count: each rank's payload, so a flat all-reduce over 2 nodes of
   2 ranks puts 2 payloads through each node's link, a hierarchical one 1.
 """
 

@@ -234,7 +234,7 @@ def profile_training_step(
 ) -> RankProfile:
     """Time forward + backward of ``module.training_step`` at each size (fastest of ``repeats`` after ``warmup``).
 
-    Time is this rank's compute clock (:func:`~lightning_hetero.emulate.slowdown.compute_clock`: the thread's CPU time on
+    Time is this rank's compute clock (:func:`~.emulate.slowdown.compute_clock`: the thread's CPU time on
     CPU, synchronised wall time on CUDA) plus any emulated slowdown, so ranks that share CPU cores during the
     probe do not mistake waiting for a core for a slow device.
 

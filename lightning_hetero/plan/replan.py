@@ -1,6 +1,6 @@
 """Re-plan: when the devices do not do what the plan assumed, pick a better split from what they did.
 
-Every ``window`` training steps the ranks exchange their step records (:mod:`lightning_hetero.watch.meter`), so every rank
+Every ``window`` training steps the ranks exchange their step records (:mod:`~.watch.meter`), so every rank
 holds the same numbers; :class:`Rebalancer` turns them into a decision with pure arithmetic and no rank argument, so
 every rank takes the same one and switches at the same step.
 

@@ -20,16 +20,6 @@ from lightning_hetero.precision import choice
 from lightning_hetero.precision.plugin import AutocastInside, HeteroPrecision
 
 
-def this_rank_precision(
-    setting: choice.DevicePrecision, rank: int, facts: DeviceFacts, trainer_precision: str
-) -> str:
-    """The Trainer's precision on every rank without ``device_precision``; else this rank's choice (which may
-    refuse this rank's device: raised on every rank through the setup gather)."""
-    if setting is None:
-        return trainer_precision
-    return choice.rank_precision(setting, rank, facts)
-
-
 def job_plugin(
     setting: choice.DevicePrecision,
     precisions: Sequence[str],

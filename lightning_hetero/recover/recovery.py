@@ -89,7 +89,7 @@ class Recovery:
         if path is None:
             rank_zero_warn(
                 "HeteroStrategy: stopped by SIGTERM without saving: the Trainer has no ModelCheckpoint"
-                " (`enable_checkpointing=False`). Add one to resume with `fit(ckpt_path=\"last\")`."
+                ' (`enable_checkpointing=False`). Add one to resume with `fit(ckpt_path="last")`.'
             )
             return
         trainer.save_checkpoint(path)
@@ -180,7 +180,9 @@ class Recovery:
         resume_lightning.load_module_weights(module, saved["state_dict"], strict=module.strict_loading)
         optimizer_states = saved.get("optimizer_states") or []
         if optimizer_states and engine.optimizer is not None and optimizer_parameters:
-            resume_lightning.load_optimizer_state(engine, optimizer_parameters, optimizer_states[0], saved["state_dict"])
+            resume_lightning.load_optimizer_state(
+                engine, optimizer_parameters, optimizer_states[0], saved["state_dict"]
+            )
         elif engine.optimizer is not None:
             rank_zero_warn(f"HeteroStrategy: {path} holds no optimizer state; the optimizer starts afresh.")
         if order is not None and global_batch_size is not None:

@@ -13,7 +13,6 @@ import torch
 import torch.distributed
 from torch import Tensor
 
-
 T = TypeVar("T")
 
 

@@ -1,4 +1,4 @@
-"""Runtime: small file reads that may fail (``/proc`` on another OS, a thread that ended): ``None`` instead of raising."""
+"""Runtime: file reads that may fail (``/proc`` on another OS, a thread that ended): ``None`` instead of raising."""
 
 from __future__ import annotations
 

@@ -53,7 +53,8 @@ CHECKPOINT_WRITES = (
              "recover/elastic.py", _DEFERRED, _UNDONE),
     Internal("deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine", "TorchCheckpointEngine.makedirs",
              "patched", "recover/elastic.py", _DEFERRED, _UNDONE),
-    Internal("deepspeed.runtime.engine", "DeepSpeedEngine._copy_recovery_script", "patched", "recover/elastic.py", _DEFERRED,
+    Internal("deepspeed.runtime.engine", "DeepSpeedEngine._copy_recovery_script", "patched", "recover/elastic.py",
+             _DEFERRED,
              _UNDONE),
 )  # fmt: skip
 
@@ -99,7 +100,8 @@ _OVERRIDE = "a subclass override, nothing to put back"
 _PL_DS = "lightning.pytorch.strategies.deepspeed"
 _PL_DDP = "lightning.pytorch.strategies.ddp"
 STRATEGY_HOOKS = (
-    Internal("lightning.pytorch.strategies.launchers", "_SubprocessScriptLauncher", "read", "strategy.py, runtime/quiet.py",
+    Internal("lightning.pytorch.strategies.launchers", "_SubprocessScriptLauncher", "read",
+             "strategy.py, runtime/quiet.py",
              "the launcher the parent configures, swapped for QuietLauncher (its subclass) so that each trainer call"
              " runs with third-party noise silenced"),
     Internal(_PL_DDP, "DDPStrategy._configure_launcher", "patched", "strategy.py", "overridden to put QuietLauncher"
@@ -127,18 +129,20 @@ STRATEGY_HOOKS = (
 
 _PL_DATA = "lightning.pytorch.trainer.connectors.data_connector"
 TRAINER_STATE = (
-    Internal("lightning.pytorch.trainer.trainer", "Trainer#_accelerator_connector", "read", "strategy.py",
+    Internal("lightning.pytorch.trainer.trainer", "Trainer#_accelerator_connector", "read", "train/sharding.py",
              "where Trainer(use_distributed_sampler=...) is kept"),
     Internal("lightning.pytorch.trainer.connectors.accelerator_connector", "_AcceleratorConnector#"
-             "use_distributed_sampler", "patched", "strategy.py", "forced off while the strategy shards the training"
+             "use_distributed_sampler", "patched", "train/sharding.py",
+             "forced off while the strategy shards the training"
              " data itself (Lightning would put in a DistributedSampler); the user's value is kept for predict",
              "at teardown"),
-    Internal("lightning.pytorch.loops.fit_loop", "_FitLoop#_data_source", "read", "strategy.py",
+    Internal("lightning.pytorch.loops.fit_loop", "_FitLoop#_data_source", "read", "train/sharding.py",
              "the training loader is requested from it at setup (to profile and plan) and handed back to the loop"),
-    Internal(_PL_DATA, "_request_dataloader", "called", "strategy.py", "requests train_dataloader() as Lightning"
+    Internal(_PL_DATA, "_request_dataloader", "called", "train/sharding.py", "requests train_dataloader() as Lightning"
              " does, inside _format_config, before the loop asks"),
-    Internal(_PL_DATA, "_DataLoaderSource.is_defined", "called", "strategy.py", "no training loader: no profile"),
-    Internal(_PL_DATA, "_DataLoaderSource.dataloader", "patched", "strategy.py", "shadowed on the instance so that"
+    Internal(_PL_DATA, "_DataLoaderSource.is_defined", "called", "train/sharding.py", "no training loader: no profile"),
+    Internal(_PL_DATA, "_DataLoaderSource.dataloader", "patched", "train/sharding.py",
+             "shadowed on the instance so that"
              " the loader requested at setup is served once (the user's hook runs once per fit)",
              "deleted from the instance once served"),
     Internal("lightning.pytorch.core.module", "LightningModule#_trainer", "read", "strategy.py, precision/plugin.py",
@@ -153,13 +157,17 @@ TRAINER_STATE = (
              "recover/stopping.py", "set once the ranks agreed to stop, so that callbacks see trainer.received_sigterm",
              "never: it is Lightning's own flag"),
     Internal("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop._broadcast_sigterm_tensor",
-             "patched", "recover/stopping.py", "shadowed on the trainer's epoch loop by an all-reduce MAX of every rank's"
+             "patched", "recover/stopping.py",
+             "shadowed on the trainer's epoch loop by an all-reduce MAX of every rank's"
              " flag (Lightning broadcasts rank 0's and exits 0)", "never: the instance lives for one Trainer"),
-    Internal("lightning.pytorch.utilities._pytree", "_tree_flatten", "read", "runtime/quiet.py", "its module's name is the"
+    Internal("lightning.pytorch.utilities._pytree", "_tree_flatten", "read", "runtime/quiet.py",
+             "its module's name is the"
              " module= of a warnings filter for the LeafSpec deprecation it raises; a rename stops the filter"),
-    Internal("lightning.fabric.utilities.data", "_set_sampler_epoch", "read", "train/order.py", "finds GlobalOrder through"
+    Internal("lightning.fabric.utilities.data", "_set_sampler_epoch", "read", "train/order.py",
+             "finds GlobalOrder through"
              " batch_sampler.sampler and calls its set_epoch: HeteroBatchSampler keeps that attribute name"),
-    Internal("lightning.fabric.utilities.types", "_Stateful", "read", "train/loaders.py, train/streams.py", "the protocol by which"
+    Internal("lightning.fabric.utilities.types", "_Stateful", "read", "train/loaders.py, train/streams.py",
+             "the protocol by which"
              " CombinedLoader saves and restores the loaders' data position (state_dict/load_state_dict)"),
     Internal("lightning.pytorch.loops.fit_loop", "_FitLoop.on_load_checkpoint", "read", "recover/from_lightning.py",
              "the fit loop's checkpoint layout (combined_loader state, batch and epoch progress) that a DDP .ckpt"
@@ -181,11 +189,11 @@ _EMULATION = "an emulated slow device pays its delay before a reduction, not ins
 _NEVER = "never: the instance lives for one fit"
 _POPPED = "popped from the instance's __dict__ when the fit ends"
 ENGINE_STATE = (
-    Internal(_DS_ENGINE, "DeepSpeedEngine#_config", "read", "strategy.py", "the config whose"
+    Internal(_DS_ENGINE, "DeepSpeedEngine#_config", "read", "recover/recovery.py", "the config whose"
              " load_universal_checkpoint is switched around a load on another number of ranks"),
-    Internal("deepspeed.runtime.config", "DeepSpeedConfig#load_universal_checkpoint", "patched", "strategy.py",
+    Internal("deepspeed.runtime.config", "DeepSpeedConfig#load_universal_checkpoint", "patched", "recover/recovery.py",
              "on while the converted universal checkpoint loads", "off after the load"),
-    Internal(_DS_ENGINE, "DeepSpeedEngine#basic_optimizer", "read", "strategy.py",
+    Internal(_DS_ENGINE, "DeepSpeedEngine#basic_optimizer", "read", "recover/recovery.py",
              "the user's optimizer class, written to the manifest (the universal conversion needs Adam's state)"),
     Internal(_DS_ENGINE, "DeepSpeedEngine#checkpoint_engine", "read", "recover/elastic.py",
              "whose save and makedirs DeferredWriteErrors defers"),
@@ -200,11 +208,13 @@ ENGINE_STATE = (
              _PARAMETER_ORDER),
     Internal(_DS_ENGINE, "DeepSpeedEngine._flush_coalesced_reduction_zero12", "called", "precision/plugin.py",
              _PARAMETER_ORDER),
-    Internal(_DS_ENGINE, "DeepSpeedEngine#skipped_steps", "read", "precision/nonfinite.py", "a step skipped for non-finite"
+    Internal(_DS_ENGINE, "DeepSpeedEngine#skipped_steps", "read", "precision/nonfinite.py",
+             "a step skipped for non-finite"
              " gradients is counted, and a streak stops the run"),
     Internal(_DS_ENGINE, "DeepSpeedEngine._take_model_step", "read", "precision/plugin.py, precision/nonfinite.py",
              "at ZeRO-0 it reads optimizer.overflow on the user's optimizer, which the agreed skip sets"),
-    Internal(_DS_ENGINE, "DeepSpeedEngine#has_moe_layers", "read", "comm/communication.py", "a hooked exchange refuses MoE"),
+    Internal(_DS_ENGINE, "DeepSpeedEngine#has_moe_layers", "read", "comm/communication.py",
+             "a hooked exchange refuses MoE"),
     Internal(_DS_ENGINE, "DeepSpeedEngine#gradient_average", "read", "comm/communication.py",
              "a hooked exchange (which averages) refuses a summing gradient_allreduce_op"),
     Internal(_DS_Z3, "DeepSpeedZeroOptimizer_Stage3._overflow_check_and_loss_scale_update", "patched",
@@ -236,7 +246,8 @@ ENGINE_STATE = (
              "precision/plugin.py", "the end-of-backward epilogue runs only at the flush; " + _PARAMETER_ORDER,
              _POPPED),
     Internal(_DS_Z12, "DeepSpeedZeroOptimizer.reduce_ipg_grads", "patched", "emulate/slowdown.py", _EMULATION, _NEVER),
-    Internal(_DS_Z12, "DeepSpeedZeroOptimizer.reduce_ready_partitions_and_remove_grads", "patched", "emulate/slowdown.py",
+    Internal(_DS_Z12, "DeepSpeedZeroOptimizer.reduce_ready_partitions_and_remove_grads", "patched",
+             "emulate/slowdown.py",
              _EMULATION, _NEVER),
     Internal(_DS_Z12, "DeepSpeedZeroOptimizer#single_partition_of_fp32_groups", "read", "recover/from_lightning.py",
              _FOREIGN_RESUME),
@@ -244,7 +255,8 @@ ENGINE_STATE = (
              "reset so that the optimizer state created for a foreign resume is linked again; " + _FOREIGN_RESUME,
              "DeepSpeed sets it again when it links"),
     Internal(_DS_Z12, "DeepSpeedZeroOptimizer#optimizer", "read", "recover/from_lightning.py", _FOREIGN_RESUME),
-    Internal("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer.get_grads_for_reduction", "read", "comm/communication.py",
+    Internal("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer.get_grads_for_reduction", "read",
+             "comm/communication.py",
              "probes for DeepSpeed's bf16 optimizer, which reduces its own copies (a hooked exchange is refused)"),
     Internal("deepspeed.comm.comm", "cdb", "read", "comm/wire.py", "DeepSpeed's comm backend, whose bound collectives"
              " the wire meter wraps"),
@@ -261,7 +273,8 @@ ENGINE_STATE = (
     Internal("deepspeed.runtime.config_utils", "DeepSpeedConfigModel", "read", "plan/deepspeed_config.py",
              "its subclasses' fields suggest the closest name for a misspelt section key"),
     Internal("deepspeed.runtime.zero.partition_parameters", "Init._convert_to_deepspeed_param", "read",
-             "plan/deepspeed_config.py, recover/from_lightning.py", "sets ds_shape (a ZeRO-3 parameter's full shape, in the model"
+             "plan/deepspeed_config.py, recover/from_lightning.py",
+             "sets ds_shape (a ZeRO-3 parameter's full shape, in the model"
              " signature) and ds_id (partitioned: read through GatheredParameters)"),
     Internal("deepspeed.utils.zero_to_fp32", "get_model_state_file", "called", "recover/export.py",
              "the model-states file of a checkpoint tag"),
@@ -272,7 +285,8 @@ _POWER_SGD_STATE = "PowerSGD's state, cleared when the buckets change and saved 
 TORCH_STATE = (
     Internal("torch.amp.autocast_mode", "autocast#_enabled", "read", "measure/cpu.py",
              "whether CPU autocast accepted a dtype (it disables itself with a warning otherwise)"),
-    *(Internal(_POWER_SGD, f"PowerSGDState#{name}", "patched", "comm/communication.py, comm/compression.py", _POWER_SGD_STATE,
+    *(Internal(_POWER_SGD, f"PowerSGDState#{name}", "patched", "comm/communication.py, comm/compression.py",
+    _POWER_SGD_STATE,
                "restored from the checkpoint")
       for name in ("error_dict", "p_memory_dict", "q_memory_dict", "iter", "rng", "total_numel_before_compression",
                    "total_numel_after_compression", "next_stats_report")),

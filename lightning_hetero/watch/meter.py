@@ -1,7 +1,7 @@
 """Watch: what this rank did in every training step, measured in the loop without a collective.
 
 For each training step a rank records its local compute and the step's wall time. Compute is the profiler's clock
-(:func:`lightning_hetero.emulate.slowdown.compute_clock`: the thread's CPU time on CPU, synchronised wall time on CUDA) from
+(:func:`~.emulate.slowdown.compute_clock`: the thread's CPU time on CPU, synchronised wall time on CUDA) from
 the moment its loader starts fetching the batch to the end of backward, plus the delay an emulated slower device
 paid in between; the clock stands still while the thread waits in a gloo collective. The step's wall time runs from
 that fetch to the end of its last backward or optimizer step: what is not compute is waiting for the slowest rank in

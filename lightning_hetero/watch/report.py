@@ -104,7 +104,7 @@ def build_report(
     nonfinite: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """The run report; ``exchange_seconds`` (rank 0's time exchanging records) gives the measuring cost;
-    ``nonfinite`` the optimizer steps skipped for non-finite gradients (see :mod:`lightning_hetero.precision.nonfinite`)."""
+    ``nonfinite`` the optimizer steps skipped for non-finite gradients (see :mod:`~.precision.nonfinite`)."""
     built = {
         "format_version": FORMAT_VERSION,
         "world_size": world_size,

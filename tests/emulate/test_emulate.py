@@ -1,4 +1,4 @@
-"""Unit tests for lightning_hetero.emulate.slowdown: speed parsing and checking, and the slowdown emulator's clock (local
+"""Unit tests for emulate/slowdown.py: speed parsing and checking, and the slowdown emulator's clock (local
 compute is stretched to ``1/speed``; blocking waits, like a collective's, are not)."""
 
 from __future__ import annotations

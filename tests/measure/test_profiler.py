@@ -1,4 +1,4 @@
-"""Unit tests for lightning_hetero.measure.profiler: the training-step benchmark (in process, no process group) and its pure
+"""Unit tests for measure/profiler.py: the training-step benchmark (in process, no process group) and its pure
 fitting and sizing functions."""
 
 from __future__ import annotations

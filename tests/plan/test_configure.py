@@ -1,4 +1,4 @@
-"""Unit tests for lightning_hetero.plan.deepspeed_config: per-rank DeepSpeed configs and the check that shared settings agree."""
+"""Unit tests for plan/deepspeed_config.py: per-rank DeepSpeed configs and the check that shared settings agree."""
 
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import WORKERS, run_fit
+
 sys.path.insert(0, str(WORKERS))
 
 from common import IndexedRegression, full_data_loss, mixed_precision_reference  # noqa: E402

@@ -269,7 +269,8 @@ def test_one_job_at_a_time_holds_a_directory_and_the_refusal_names_the_holder(tm
 @pytest.mark.fault
 def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
     script = (
-        f"import sys, time, pathlib; sys.path.insert(0, {str(REPO)!r}); from lightning_hetero import checkpoint\n"
+        f"import sys, time, pathlib; sys.path.insert(0, {str(REPO)!r})\n"
+        "from lightning_hetero.recover import checkpoint\n"
         f"lock = checkpoint.WriterLock(pathlib.Path({str(tmp_path)!r}))\n"
         "lock.acquire(); print('held', flush=True); time.sleep(60)"
     )

@@ -67,12 +67,13 @@ def test_every_private_name_the_package_imports_from_a_library_is_listed():
     listed = {(internal.module, internal.name) for internal in INTERNALS}
     libraries = ("lightning", "deepspeed", "torch")
     missing = []
-    for path in sorted(Path(lightning_hetero.__file__).parent.rglob("*.py")):
+    package = Path(lightning_hetero.__file__).parent
+    for path in sorted(package.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in libraries:
                 for alias in node.names:
                     if alias.name.startswith("_") and (node.module, alias.name) not in listed:
                         missing.append(
-                            f"{path.relative_to(Path(lightning_hetero.__file__).parent)}:{node.lineno} {node.module}.{alias.name}"
+                            f"{path.relative_to(package)}:{node.lineno} {node.module}.{alias.name}"
                         )
     assert not missing, "private names imported but not in lightning_hetero/runtime/internals.py: " + ", ".join(missing)

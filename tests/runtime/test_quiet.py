@@ -1,4 +1,4 @@
-"""Unit tests for lightning_hetero.runtime.quiet: known third-party noise is dropped inside the block, nothing else is."""
+"""Unit tests for runtime/quiet.py: known third-party noise is dropped inside the block, nothing else is."""
 
 from __future__ import annotations
 

@@ -148,7 +148,8 @@ class RecordEmulatedDelay(Callback):
     """The emulator's delay paid so far, after every training step (to see a drift schedule take effect)."""
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        emulator = getattr(getattr(trainer.strategy, "emulation", None), "emulator", None)  # (None under DDP)
+        job = getattr(trainer.strategy, "job", None)  # (None under DDP)
+        emulator = job.emulation.emulator if job is not None else None
         pl_module.emulated_delay.append(emulator.added_seconds if emulator is not None else None)
 
 

@@ -1,0 +1,248 @@
+"""The job: one owner of a run's state, and the wiring between the stages' objects.
+
+:class:`HeteroJob` holds, for one strategy across its trainer calls, what the ranks established at setup (device
+facts, precisions, profiles, the data seed), the split in force, and one object per capability (collectives,
+emulation, data sharding, loss weights, watch, recovery, non-finite steps, communication). The strategy calls it at
+Lightning's lifecycle points and keeps only Lightning's hook order and the DeepSpeed overrides; nothing here knows
+Lightning's or DeepSpeed's strategy classes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.utils.data import DataLoader
+
+from lightning_hetero.comm import topology
+from lightning_hetero.comm.communication import Communication
+from lightning_hetero.emulate.emulation import Emulation, NoEmulation, emulation_for
+from lightning_hetero.measure.devices import collect_device_facts
+from lightning_hetero.measure.facts import DeviceFacts
+from lightning_hetero.measure.profiler import RankProfile
+from lightning_hetero.measure.survey import JobSurvey, RankSurvey, profile_rank
+from lightning_hetero.plan.deepspeed_config import model_signature
+from lightning_hetero.plan.initial import initial_plan, rebalancer_for
+from lightning_hetero.precision.choice import rank_precision
+from lightning_hetero.precision.job import gradient_bytes_held_until_step, job_plugin, loss_scale_value
+from lightning_hetero.precision.nonfinite import NonFiniteGuard
+from lightning_hetero.precision.plugin import HeteroPrecision, autocast_for
+from lightning_hetero.recover.recovery import Recovery, manifest_facts
+from lightning_hetero.runtime.collectives import Collectives
+from lightning_hetero.settings import HeteroSettings, check_ranks_agree
+from lightning_hetero.train.order import GlobalOrder, agreed_seed, local_seed
+from lightning_hetero.train.sharding import BatchListeners, DataSharding, check_trainable
+from lightning_hetero.train.split_in_force import SplitInForce
+from lightning_hetero.train.streams import is_stream
+from lightning_hetero.train.weights import LossWeights
+from lightning_hetero.watch.watcher import PLAN_DIRNAME, JobFacts, Watcher
+
+
+class HeteroJob:
+    """This rank's view of the job. Objects that need the job (ranks, device) are set up in :meth:`join`."""
+
+    def __init__(self, settings: HeteroSettings) -> None:
+        self.settings = settings
+        self.communication = Communication(settings.compression, settings.hierarchical)
+        self.rank, self.world_size = 0, 1
+        self.emulation: Union[Emulation, NoEmulation] = NoEmulation()
+        self.collectives = Collectives(1, torch.device("cpu"), lambda: self.emulation.catch_up())
+        self.split = SplitInForce(rank=0)
+        self.sharding = DataSharding()
+        self.loss_weights = LossWeights(settings.loss_reduction)
+        self.recovery = Recovery(settings.peer_timeout)
+        self.nonfinite = NonFiniteGuard(settings.max_nonfinite_steps, lambda t: self.collectives.gather_tensor(t))
+        self.watcher: Optional[Watcher] = None
+        # What the ranks told each other at setup (every rank holds the same).
+        self.device_facts: list[DeviceFacts] = []
+        self.precisions: list[str] = []
+        self.profiles: Optional[list[RankProfile]] = None
+        self._identical_devices = True
+
+    def join(self, rank: int, world_size: int, device: torch.device, trainer: Optional[Any], plugin: Any) -> None:
+        """The process group exists: each capability learns its rank, the world size and the device.
+        ``plugin``: a callable returning the strategy's precision plugin (it is replaced at setup)."""
+        self.rank, self.world_size = rank, world_size
+        self.emulation = emulation_for(self.settings.speed_schedule, rank, device)
+        self.collectives = Collectives(world_size, device, lambda: self.emulation.catch_up())
+        self.recovery.join(self.collectives, rank)
+        self.recovery.watch_peers()
+        self.split.rank = rank
+        self.loss_weights.join(rank, world_size, self.collectives.sum)
+        self.watcher = Watcher(device, self.settings.rebalance_window, lambda: self.emulation.added_seconds,
+                               self.communication.reading, self.collectives.gather_tensor)  # fmt: skip
+        self.watcher.skipped_steps = lambda: list(self.nonfinite.skipped)
+        self.watcher.loss_scale = lambda: loss_scale_value(plugin())
+        if trainer is not None:
+            self.recovery.stop_together_on_sigterm(trainer, device)
+
+    # ------------------------------------------------------------------ measure, plan, configure
+
+    def survey(self, trainer: Any, fitting: bool, module: Any, device: torch.device, trainer_precision: str) -> int:
+        """The setup gather: every rank's arguments, data-order seed, model, device facts, precision and (automatic
+        split) profile, checked to agree. Returns the global batch (0 outside fit)."""
+        settings = self.settings
+
+        def survey_this_rank() -> tuple[None, dict[str, Any]]:
+            loader = self.sharding.request_training_loader(trainer) if fitting else None
+            global_batch_size = settings.global_batch_size_for(loader, self.world_size) if fitting else None
+            if fitting:
+                check_trainable(loader, global_batch_size, self.world_size, settings.loss_reduction,  # type: ignore[arg-type]
+                                module.automatic_optimization)  # fmt: skip
+            facts = collect_device_facts(device)
+            precision = trainer_precision
+            if settings.device_precision is not None:  # may refuse this rank's device: raised on every rank
+                precision = rank_precision(settings.device_precision, self.rank, facts)
+            profile = None
+            if fitting and settings.split_is_automatic:
+                autocast = autocast_for(precision, device.type)  # measured as it will train
+                profile = profile_rank(module, loader, global_batch_size, self.world_size, device,  # type: ignore[arg-type]
+                                       self.emulation.emulator, autocast)  # fmt: skip
+            agreement = settings.agreement(global_batch_size, self.communication.arguments())
+            return None, RankSurvey(
+                agreement, local_seed(), model_signature(module), facts, precision, profile
+            ).to_dict()
+
+        gathered = self.collectives.gather_or_raise("setup", survey_this_rank)[1]
+        job = JobSurvey([RankSurvey.from_dict(entry) for entry in gathered])
+        check_ranks_agree([rank.agreement for rank in job.ranks], [rank.model for rank in job.ranks])
+        self.sharding.data_seed = agreed_seed([rank.seed for rank in job.ranks])
+        self.device_facts, self.precisions = job.device_facts, job.precisions
+        if fitting:
+            self.profiles = job.profiles
+            self._identical_devices = job.identical_devices(emulated=settings.speed_schedule is not None)
+        return job.ranks[self.rank].agreement["global_batch_size"] or 0
+
+    def plugin_for_this_rank(self, current: Any) -> Optional[HeteroPrecision]:
+        """This rank's plugin when ranks have their own precisions (``device_precision``); None: keep ``current``."""
+        return job_plugin(self.settings.device_precision, self.precisions, self.rank, self.device_facts,
+                          self.collectives.gather_tensor, current)  # fmt: skip
+
+    def configure_communication(self, config: dict[str, Any]) -> None:
+        """Nodes from the ranks' hosts (or the emulated ones), and the exchange's settings in the DeepSpeed config."""
+        hosts = [facts.hostname for facts in self.device_facts]
+        nodes = topology.topology_from_hosts(hosts, topology.emulated_nodes_from_environment())
+        stage = config["zero_optimization"]["stage"]
+        self.communication.setup(nodes, topology.slow_link_from_environment(), config, stage, self.rank)
+        config.update(self.communication.deepspeed_entries())
+
+    def start_the_split(self, global_batch_size: int, zero_stage: int, module: torch.nn.Module) -> None:
+        """The split this fit starts with and the re-planner that follows it (both planned again when a resume on
+        another number of ranks keeps the checkpoint's global batch)."""
+        settings = self.settings
+        held = gradient_bytes_held_until_step(settings.device_precision, self.precisions, self.device_facts,
+                                              zero_stage, module)  # fmt: skip
+        start = initial_plan(self.world_size, global_batch_size, settings.batch_sizes, settings.weights,
+                             self.profiles, settings.loss_reduction, self._identical_devices, held)  # fmt: skip
+        if start.warning:
+            rank_zero_warn(start.warning)
+        self.split.start(start.plan, start.prediction)
+        rebalancer = None
+        if settings.rebalancing(profiled=self.profiles is not None, world_size=self.world_size):
+            window, threshold = settings.rebalance_window, settings.rebalance_threshold
+            rebalancer = rebalancer_for(start.plan, self.profiles, held, window, threshold)
+        assert self.watcher is not None
+        self.watcher.follow(self.split, rebalancer)
+
+    def keep_the_checkpoints_global_batch(
+        self, path: Path, manifest: dict[str, Any], zero_stage: int, module: torch.nn.Module
+    ) -> None:
+        """A resume on another number of ranks continues the same optimisation: the checkpoint's global batch.
+
+        The default global batch (the loader's batch size times the ranks) follows the world size, so it is replaced
+        by the checkpoint's and the split is planned again for it; one the user fixed must agree.
+        """
+        assert self.split.plan is not None
+        saved, current = sum(manifest.get("batch_sizes") or []) or None, self.split.plan.global_batch_size
+        if saved is None or saved == current:
+            return
+        if self.settings.global_batch_size is not None or self.settings.batch_sizes is not None:
+            raise ValueError(
+                f"Checkpoint {path} was trained with a global batch of {saved} samples; this job's is {current}."
+                f" Pass `global_batch_size={saved}` to continue the same optimisation (the split over this job's"
+                " ranks is planned for it)."
+            )
+        self.start_the_split(saved, zero_stage, module)
+        rank_zero_info(
+            f"HeteroStrategy: keeping the checkpoint's global batch of {saved} on {self.world_size} ranks:"
+            f" micro-batches {list(self.split.batch_sizes)}."
+        )
+
+    # ------------------------------------------------------------------ data
+
+    def shard(self, dataloader: DataLoader, trainer: Any) -> Any:
+        """A loader rebuilt for this rank: the training loader by the split in force, evaluation loaders equally."""
+        assert self.watcher is not None
+        training = trainer.state.stage == RunningStage.TRAINING
+        listeners = BatchListeners(self.training_batch, self.loss_weights.evaluation_batch,
+                                   self.loss_weights.forget_evaluation_batch, self.watcher.before_fetch)  # fmt: skip
+        split = self.split.batch_sizes if training else None
+        loader = self.sharding.shard(dataloader, trainer, split, self.collectives, self.rank, listeners)
+        if training:
+            self.split.cut_by(loader)
+        return loader
+
+    def training_batch(self, local_samples: int, global_samples: int) -> None:
+        self.loss_weights.training_batch(local_samples, global_samples)
+        assert self.watcher is not None
+        self.watcher.meter.batch_ready(local_samples)
+
+    def training_step_starts(self, global_step: int) -> None:
+        self.emulation.at_step(global_step)  # a drift schedule: the emulated speed from this step on
+        self.loss_weights.step_started()
+        stream = self.sharding.training_stream
+        if stream is not None:
+            # Lightning drew this batch a step ahead: the step starts, and takes its counts, now.
+            assert self.watcher is not None
+            self.watcher.before_fetch()
+            self.training_batch(*stream.batch_trained())
+
+    def training_order(self) -> Optional[GlobalOrder]:
+        """The global order the training loader will cut (a map-style loader's), to place a restored epoch."""
+        loader = self.sharding.requested_training_loader
+        if isinstance(loader, DataLoader) and not is_stream(loader):
+            return GlobalOrder(loader.batch_sampler.sampler, self.sharding.data_seed or 0)
+        return None
+
+    # ------------------------------------------------------------------ records
+
+    def write_plan(self, trainer: Any, config: dict[str, Any]) -> None:
+        """Rank 0 prints the plan table; every rank writes its config (and rank 0 the whole plan) as JSON."""
+        assert self.split.plan is not None and self.watcher is not None
+        schedule = self.settings.speed_schedule
+        job = JobFacts(self.device_facts, self.precisions, self.profiles, schedule.to_json() if schedule else None,
+                       self.communication.summary(), self.communication.plan_line())  # fmt: skip
+        reduction = self.settings.loss_reduction
+        # (a token mean's weight is taken from each batch's token counts)
+        weight = None if reduction == "token_mean" else self.split.plan.loss_weight(self.rank, reduction)
+        record = {"loss_weight": weight, "loss_reduction": reduction, "deepspeed_config": config}
+        self.watcher.write_plan(report_directory(trainer), self.split, job, record)
+
+    def write_report(self, trainer: Any, plugin: Any) -> None:
+        """Every rank hands in its last records; rank 0 writes the run report and prints its summary."""
+        assert self.watcher is not None
+        self.watcher.write_report(
+            report_directory(trainer),
+            self.rank,
+            self.world_size,
+            precision=plugin.summary() if isinstance(plugin, HeteroPrecision) else None,
+            communication=self.communication.summary(),
+            nonfinite=self.nonfinite.summary(),
+        )
+
+    def manifest_facts(self, saved: dict[str, Any], zero_stage: int, engine: Any) -> dict[str, Any]:
+        plan = self.split.plan
+        return manifest_facts(
+            saved, self.world_size, plan.batch_sizes if plan is not None else None,
+            self.split.global_samples_consumed(), zero_stage, engine,
+            [facts.describe() for facts in self.device_facts], self.communication.checkpoint_facts(),
+        )  # fmt: skip
+
+
+def report_directory(trainer: Any) -> Path:
+    """Where the plan records and the run report go: ``hetero/`` in the run's log directory (the same on every
+    rank: Lightning's ``log_dir`` broadcasts rank 0's)."""
+    return Path(trainer.log_dir or trainer.default_root_dir) / PLAN_DIRNAME

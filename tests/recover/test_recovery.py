@@ -1,0 +1,66 @@
+"""Recovery's own decisions, against fake collectives: who chooses the checkpoint, who prunes, what a manifest says."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_hetero.recover import checkpoint
+from lightning_hetero.recover.recovery import Recovery, manifest_facts
+from lightning_hetero.runtime.collectives import Collectives
+
+
+def recovery(rank, world_size=2, rank_0_answer=None):
+    """A Recovery whose gathers hand every rank rank 0's shared part (``rank_0_answer`` on ranks other than 0)."""
+    collectives = Collectives(world_size, torch.device("cpu"))
+
+    def gather(mine):
+        first = mine if rank == 0 else {"shared": rank_0_answer, "failure": None}
+        return [first] + [mine] * (world_size - 1)
+
+    collectives.gather_objects = gather
+    result = Recovery(peer_timeout=None)
+    result.join(collectives, rank)
+    return result
+
+
+def test_only_rank_0_prunes_and_never_the_only_complete_checkpoint(tmp_path):
+    removed = []
+    recovery(1).remove(tmp_path / "a.ckpt", removed.append)
+    assert removed == []
+    recovery(0).remove(tmp_path / "a.ckpt", removed.append)  # not a complete checkpoint: nothing to protect
+    assert removed == [tmp_path / "a.ckpt"]
+
+
+def test_rank_0_chooses_the_checkpoint_and_every_rank_resumes_from_its_choice(tmp_path):
+    with pytest.raises(ValueError):
+        recovery(0).choose(tmp_path / "missing.ckpt")
+    chosen, manifest = recovery(1, rank_0_answer=(str(tmp_path / "x.ckpt"), None)).choose(tmp_path / "last.ckpt")
+    assert chosen == Path(tmp_path / "x.ckpt") and manifest == {}  # (rank 1 never looked at the files itself)
+    assert checkpoint.read_manifest(tmp_path / "x.ckpt") is None
+
+
+def test_the_manifest_records_the_split_the_position_and_the_optimizer():
+    class Engine:
+        basic_optimizer = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])
+
+    facts = manifest_facts({"global_step": 4, "epoch": 0}, 2, (10, 6), 64, 2, Engine(), ["cpu", "cpu"], {"hook": 0})
+    assert facts == {
+        "world_size": 2, "global_step": 4, "epoch": 0, "global_samples": 64, "batch_sizes": [10, 6],
+        "zero_stage": 2, "optimizer": "Adam", "devices": ["cpu", "cpu"], "communication": {"hook": 0},
+    }  # fmt: skip
+
+
+def test_one_rank_or_no_peer_timeout_starts_no_watchdog_and_teardown_releases_the_locks(tmp_path):
+    single = Recovery(peer_timeout=30.0)
+    single.watch_peers()
+    assert single._watchdog is None
+    lonely = recovery(0)
+    lonely.watch_peers()  # peer_timeout=None
+    assert lonely._watchdog is None
+    lonely._hold_writer_lock(tmp_path)
+    assert lonely._writer_locks
+    lonely.teardown(finished=True)
+    assert not lonely._writer_locks

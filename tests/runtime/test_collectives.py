@@ -1,0 +1,51 @@
+"""The strategy's own collectives: identities on one rank, and a failure on any rank stops every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_hetero.runtime.collectives import Collectives, describe_failure
+
+
+def test_one_rank_needs_no_process_group_and_pays_the_emulated_delay_before_each_collective():
+    paid = []
+    collectives = Collectives(1, torch.device("cpu"), lambda: paid.append(1))
+    assert collectives.gather_objects({"a": 1}) == [{"a": 1}]
+    tensor = torch.tensor([1.0, 2.0])
+    assert collectives.gather_tensor(tensor)[0] is tensor
+    assert collectives.gather_counts(7) == [7]
+    assert collectives.sum(2.5) == 2.5
+    assert not torch.distributed.is_initialized()
+    assert paid == [1]  # gather_counts pays; sum on one rank makes no collective
+
+
+def gathering(entries):
+    """Collectives whose gather returns ``entries`` as the other ranks' parts (this rank's part first)."""
+    collectives = Collectives(len(entries) + 1, torch.device("cpu"))
+    collectives.gather_objects = lambda mine: [mine, *entries]
+    return collectives
+
+
+def test_gather_or_raise_returns_this_ranks_result_and_every_ranks_shared_part():
+    collectives = gathering([{"shared": "b", "failure": None}])
+    assert collectives.gather_or_raise("setup", lambda: ("local", "a")) == ("local", ["a", "b"])
+
+
+def test_a_failure_on_this_rank_is_raised_as_it_is_after_the_gather():
+    sent = []
+    collectives = gathering([{"shared": "b", "failure": None}])
+    collectives.gather_objects = lambda mine: sent.append(mine) or [mine, {"shared": "b", "failure": None}]
+
+    def fail():
+        raise ValueError("bad loader")
+
+    with pytest.raises(ValueError, match="bad loader"):
+        collectives.gather_or_raise("setup", fail)
+    assert sent == [{"shared": None, "failure": "ValueError: bad loader"}]  # the others learn it in the gather
+
+
+def test_a_failure_on_another_rank_stops_this_one_naming_the_rank_and_the_error():
+    collectives = gathering([{"shared": None, "failure": describe_failure(KeyError("x"))}])
+    with pytest.raises(RuntimeError, match=r"preparing the training loader failed on rank 1 \(KeyError: 'x'\)"):
+        collectives.gather_or_raise("preparing the training loader", lambda: (None, "a"))
