@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
-from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.trainer.states import RunningStage, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
@@ -170,6 +170,26 @@ class HeteroJob:
             f"HeteroStrategy: keeping the checkpoint's global batch of {saved} on {self.world_size} ranks:"
             f" micro-batches {list(self.split.batch_sizes)}."
         )
+
+    def attach(self, engine: Any, plugin: Any) -> None:
+        """DeepSpeed's engine exists: the capabilities that act inside it attach (undone by :meth:`detach`)."""
+        own_precision = isinstance(plugin, HeteroPrecision)
+        skipping = (lambda: plugin.skips_this_step) if own_precision else (lambda: False)
+        self.communication.attach(engine, self.rank, skipping)
+        scaled = own_precision and plugin.loss_scale is not None
+        precisions = ", ".join(sorted(set(self.precisions))) or str(plugin.precision)
+        self.nonfinite.attach(engine, has_loss_scale=scaled, skipping_installed=scaled, precision=precisions)
+        self.emulation.around_deepspeed_exchanges(engine)
+
+    def detach(self, plugin: Any, trainer: Optional[Any]) -> None:
+        """The trainer call ends: every patch is undone, the peers' watch stops, the served loader is forgotten."""
+        if isinstance(plugin, HeteroPrecision):
+            plugin.detach()
+        self.communication.detach()
+        self.nonfinite.detach()
+        self.recovery.teardown(finished=trainer is not None and trainer.state.status != TrainerStatus.INTERRUPTED)
+        # A fit that failed before its loop asked for the training loader must not hand it to the next fit.
+        self.sharding.forget_served_loader(trainer)
 
     # ------------------------------------------------------------------ data
 

@@ -23,7 +23,7 @@ from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
-from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.utils.data import DataLoader
 from typing_extensions import override
@@ -309,15 +309,9 @@ class HeteroStrategy(DeepSpeedStrategy):
     @override
     def init_deepspeed(self) -> None:
         super().init_deepspeed()
-        engine, plugin, job = self.deepspeed_engine, self.precision_plugin, self.job
+        engine, plugin = self.deepspeed_engine, self.precision_plugin
         self._forward_redirection = attach_to_engine(plugin, engine, self.root_device, self._plain_redirection)
-        own_precision = isinstance(plugin, HeteroPrecision)
-        job.communication.attach(engine, self.global_rank,
-                                 (lambda: plugin.skips_this_step) if own_precision else (lambda: False))  # fmt: skip
-        scaled = own_precision and plugin.loss_scale is not None
-        precisions = ", ".join(sorted(set(job.precisions))) or str(plugin.precision)
-        job.nonfinite.attach(engine, has_loss_scale=scaled, skipping_installed=scaled, precision=precisions)
-        job.emulation.around_deepspeed_exchanges(engine)
+        self.job.attach(engine, plugin)
         if self.world_size > 1 and engine.optimizer is not None:
             self._buffer_sync = BufferSync(
                 engine.module.buffers(), lambda flat: torch.distributed.broadcast(flat, src=0)
@@ -454,16 +448,9 @@ class HeteroStrategy(DeepSpeedStrategy):
 
     @override
     def teardown(self) -> None:
-        if isinstance(self.precision_plugin, HeteroPrecision):
-            self.precision_plugin.detach()
-        self.job.communication.detach()
-        self.job.nonfinite.detach()
+        self.job.detach(self.precision_plugin, self._trainer())
         self._buffer_sync = None
         self._forward_redirection = self._plain_redirection
-        trainer = self._trainer()
-        self.job.recovery.teardown(finished=trainer is not None and trainer.state.status != TrainerStatus.INTERRUPTED)
-        # A fit that failed before its loop asked for the training loader must not hand it to the next fit.
-        self.job.sharding.forget_served_loader(trainer)
         super().teardown()
 
     def _trainer(self) -> Any:
