@@ -61,6 +61,7 @@ class HeteroJob:
         self.precisions: list[str] = []
         self.profiles: Optional[list[RankProfile]] = None
         self._identical_devices = True
+        self._emulated_topology: tuple[Optional[int], Optional[topology.SlowLink]] = (None, None)
 
     def join(self, rank: int, world_size: int, device: torch.device, trainer: Optional[Any], plugin: Any) -> None:
         """The process group exists: each capability learns its rank, the world size and the device.
@@ -101,7 +102,8 @@ class HeteroJob:
                 autocast = autocast_for(precision, device.type)  # measured as it will train
                 profile = profile_rank(module, loader, global_batch_size, self.world_size, device,  # type: ignore[arg-type]
                                        self.emulation.emulator, autocast)  # fmt: skip
-            agreement = settings.agreement(global_batch_size, self.communication.arguments())
+            self._emulated_topology = settings.emulated_topology()
+            agreement = settings.agreement(global_batch_size, self.communication.arguments(), self._emulated_topology)
             return None, RankSurvey(
                 agreement, local_seed(), model_signature(module), facts, precision, profile
             ).to_dict()
@@ -124,9 +126,10 @@ class HeteroJob:
     def configure_communication(self, config: dict[str, Any]) -> None:
         """Nodes from the ranks' hosts (or the emulated ones), and the exchange's settings in the DeepSpeed config."""
         hosts = [facts.hostname for facts in self.device_facts]
-        nodes = topology.topology_from_hosts(hosts, topology.emulated_nodes_from_environment())
+        emulated_nodes, slow_link = self._emulated_topology
+        nodes = topology.topology_from_hosts(hosts, emulated_nodes)
         stage = config["zero_optimization"]["stage"]
-        self.communication.setup(nodes, topology.slow_link_from_environment(), config, stage, self.rank)
+        self.communication.setup(nodes, slow_link, config, stage, self.rank)
         config.update(self.communication.deepspeed_entries())
 
     def start_the_split(self, global_batch_size: int, zero_stage: int, module: torch.nn.Module) -> None:

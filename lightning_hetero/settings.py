@@ -196,9 +196,19 @@ class HeteroSettings:
             )
         return batch_size * world_size
 
-    def agreement(self, global_batch_size: Optional[int], communication_arguments: dict[str, Any]) -> dict[str, Any]:
-        """What every rank must have been given alike, as JSON; the environment is read here, so that a bad value
-        is raised on every rank and one rank's different value is named."""
+    @staticmethod
+    def emulated_topology() -> tuple[Optional[int], Optional[topology.SlowLink]]:
+        """The emulated nodes and slow link between them, read from the environment once per trainer call (in the
+        setup gather, so that a bad value is raised on every rank and one rank's different value is named)."""
+        return topology.emulated_nodes_from_environment(), topology.slow_link_from_environment()
+
+    def agreement(
+        self,
+        global_batch_size: Optional[int],
+        communication_arguments: dict[str, Any],
+        emulated_topology: tuple[Optional[int], Optional[topology.SlowLink]],
+    ) -> dict[str, Any]:
+        """What every rank must have been given alike, as JSON."""
         return {
             "global_batch_size": global_batch_size,
             "batch_sizes": list(self.batch_sizes) if self.batch_sizes is not None else None,
@@ -210,8 +220,8 @@ class HeteroSettings:
             "max_nonfinite_steps": self.max_nonfinite_steps,
             "device_precision": self.device_precision,
             **communication_arguments,
-            "emulate_nodes": topology.emulated_nodes_from_environment(),
-            "emulate_link": str(topology.slow_link_from_environment()),
+            "emulate_nodes": emulated_topology[0],
+            "emulate_link": str(emulated_topology[1]),
         }
 
 
