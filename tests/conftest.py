@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -103,16 +104,134 @@ def run_bounded(
     return process.returncode, output
 
 
+class WarmRanks:
+    """The client of tests/workers/warm_ranks.py: one server per pytest session, started at the first job that asks
+    for it and stopped (by PID) when the session ends."""
+
+    def __init__(self) -> None:
+        self.process: Optional[subprocess.Popen] = None
+        self.directory: Optional[Path] = None
+        self.jobs = 0
+
+    @property
+    def socket_path(self) -> Path:
+        assert self.directory is not None
+        return self.directory / "server.sock"
+
+    def start(self) -> None:
+        import tempfile
+
+        self.directory = Path(tempfile.mkdtemp(prefix="warm-ranks-"))
+        self.log = open(self.directory / "server.log", "w")
+        self.process = subprocess.Popen(
+            [sys.executable, str(WORKERS / "warm_ranks.py"), str(self.socket_path)],
+            cwd=REPO,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={key: value for key, value in os.environ.items() if key != "PYTHONWARNINGS"},
+        )
+        deadline = time.monotonic() + SERVER_START_SECONDS
+        while not self.socket_path.exists():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"warm_ranks.py did not start: {(self.directory / 'server.log').read_text()[-3000:]}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        """SIGTERM: the server kills the jobs that still run, then exits; SIGKILL if it has not within 10 s."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+        if self.directory is not None:
+            self.log.close()
+            shutil.rmtree(self.directory, ignore_errors=True)
+            self.directory = None
+
+    def job_files(self) -> tuple[Path, Path]:
+        """A new job's log and result files (beside the server's socket, not in the test's directory)."""
+        if self.process is None or self.process.poll() is not None:
+            self.start()
+        self.jobs += 1
+        return self.directory / f"job-{self.jobs}.log", self.directory / f"job-{self.jobs}.result.json"
+
+    def submit(self, request: dict) -> int:
+        """The job's pid (its process group)."""
+        import socket
+
+        if self.process is None or self.process.poll() is not None:
+            self.start()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+            connection.settimeout(30)
+            connection.connect(str(self.socket_path))
+            connection.sendall((json.dumps(request) + "\n").encode())
+            return int(connection.makefile().readline())
+
+
+SERVER_START_SECONDS = 120
+WARM_RANKS = WarmRanks()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    WARM_RANKS.stop()
+
+
+def devices_in(args: tuple[str, ...]) -> int:
+    return int(args[args.index("--devices") + 1]) if "--devices" in args else 2
+
+
+def run_warm_job(out: Path, args: tuple[str, ...], timeout: float, env: dict[str, str]) -> tuple[int, str]:
+    """`fit.py ARGS` on each rank, forked from the warm server (see tests/workers/warm_ranks.py); like run_bounded:
+    (the job's code, every rank's output), and the test fails when the job outlives ``timeout``."""
+    log, result = WARM_RANKS.job_files()
+    request = {
+        "argv": ["--out", str(out), *args],
+        "env": {**os.environ, "PYTHONWARNINGS": "ignore", **env},
+        "cwd": str(REPO),
+        "log": str(log),
+        "ranks": devices_in(args),
+        "result": str(result),
+    }
+    job = WARM_RANKS.submit(request)
+    deadline = time.monotonic() + timeout
+    while not result.exists():
+        if time.monotonic() > deadline:
+            try:
+                os.killpg(job, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            pytest.fail(f"fit.py {' '.join(args)} did not finish within {timeout} s (a hang?). Output:\n"
+                        f"{log.read_text()[-4000:]}")  # fmt: skip
+        time.sleep(0.05)
+    return json.loads(result.read_text())["returncode"], log.read_text()
+
+
 def run_fit(
-    out: Path, *args: str, timeout: float = 240, warnings: bool = False, env: Optional[dict[str, str]] = None
+    out: Path,
+    *args: str,
+    timeout: float = 240,
+    warnings: bool = False,
+    env: Optional[dict[str, str]] = None,
+    launcher: str = "warm",
 ) -> RunResult:
     """`tests/workers/fit.py` with ``args`` (and ``env`` added to the environment); its result.json (written by rank
     0) when the run succeeded.
 
-    Python warnings are hidden unless ``warnings`` (the test asserts one)."""
+    ``launcher``: "warm" forks the ranks from the warm server, all at once, as torchrun would start them (seconds
+    faster per job); "lightning" runs the script, whose rank 0 starts the others through Lightning's launcher, as a
+    user's `python train.py` does. Python warnings are hidden unless ``warnings`` (the test asserts one)."""
     env = {**(env or {}), **({"PYTHONWARNINGS": "default"} if warnings else {})}
-    command = [sys.executable, str(WORKERS / "fit.py"), "--out", str(out), *args]
-    returncode, output = run_bounded(command, timeout, env=env)
+    if launcher == "warm":
+        returncode, output = run_warm_job(out, args, timeout, env)
+    else:
+        assert launcher == "lightning", launcher
+        command = [sys.executable, str(WORKERS / "fit.py"), "--out", str(out), *args]
+        returncode, output = run_bounded(command, timeout, env=env)
     result_file = out / "result.json"
     result = json.loads(result_file.read_text()) if returncode == 0 and result_file.exists() else None
     return RunResult(returncode, output, result)

@@ -213,9 +213,8 @@ def test_sigterm_saves_a_complete_checkpoint_at_the_next_step_and_the_resume_los
     assert checkpoint.read_manifest(last)["global_step"] == trained  # every step trained is in it
     epoch = trained // 10  # 10 steps per epoch: the epoch the signal interrupted (steps are fast: not always 0)
     resume = tmp_path / "resume"
-    command = [sys.executable, str(WORKERS / "fit.py"), "--out", str(resume), *common]
-    returncode, output = run_bounded([*command, "--max-epochs", str(epoch + 1), "--ckpt-path", str(last)], timeout=240)
-    assert returncode == 0, output[-3000:]
+    resumed_run = run_fit(resume, *common, "--max-epochs", str(epoch + 1), "--ckpt-path", str(last))
+    assert resumed_run.returncode == 0, resumed_run.output[-3000:]
     resumed = [json.loads(line) for line in (resume / "steps.jsonl").read_text().splitlines()]
     assert min(r["step"] for r in resumed) == trained  # no step trained twice, none skipped
     used = sorted(i for r in records + resumed if r["epoch"] == epoch for i in r["indices"])

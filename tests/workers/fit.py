@@ -285,8 +285,9 @@ def main() -> None:
     parser.add_argument("--drop-last", action="store_true")
     parser.add_argument("--manual", action="store_true")
     parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches (manual: done in the step)")
-    parser.add_argument("--loss-reduction", choices=["mean", "sum", "token_mean"],
-                        help="HeteroStrategy(loss_reduction=...)")
+    parser.add_argument(
+        "--loss-reduction", choices=["mean", "sum", "token_mean"], help="HeteroStrategy(loss_reduction=...)"
+    )
     parser.add_argument("--model-reduction", choices=["mean", "sum"], help="the model's loss (default: as above)")
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--val-samples", type=int, default=0)
@@ -363,8 +364,12 @@ def main() -> None:
         callbacks.append(HeteroMonitor())
     if args.checkpoint_every:
         callbacks.append(
-            ModelCheckpoint(dirpath=args.checkpoint_dir or args.out / "ckpt", every_n_train_steps=args.checkpoint_every,
-                            save_top_k=-1, save_last=args.save_last)  # fmt: skip
+            ModelCheckpoint(
+                dirpath=args.checkpoint_dir or args.out / "ckpt",
+                every_n_train_steps=args.checkpoint_every,
+                save_top_k=-1,
+                save_last=args.save_last,
+            )  # fmt: skip
         )
     if args.kill:
         kill_rank, kill_step, where = args.kill.split(":")
@@ -440,7 +445,8 @@ def main() -> None:
         (args.out / "gathered_shapes.json").write_text(json.dumps(model.gathered_shapes))
 
 
-if __name__ == "__main__":
+def entry() -> None:
+    """What the script runs after its imports (also in a rank forked by warm_ranks.py)."""
     try:
         main()
     except SystemExit as stop:  # the code this rank exits with (Lightning's launcher ignores the other ranks' codes)
@@ -448,3 +454,7 @@ if __name__ == "__main__":
             out = Path(sys.argv[sys.argv.index("--out") + 1])
             (out / f"exit_rank{os.environ.get('LOCAL_RANK', 0)}").write_text(str(stop.code))
         raise
+
+
+if __name__ == "__main__":
+    entry()
