@@ -31,7 +31,13 @@ from lightning_hetero.measure.profiler import (
 FAST = settings(database=None, max_examples=100, deadline=None)
 CPU = torch.device("cpu")
 STUBBED = (
-    "log", "log_dict", "optimizers", "lr_schedulers", "manual_backward", "toggle_optimizer", "untoggle_optimizer"
+    "log",
+    "log_dict",
+    "optimizers",
+    "lr_schedulers",
+    "manual_backward",
+    "toggle_optimizer",
+    "untoggle_optimizer",
 )
 TIMING_ATTEMPTS = 3  # other processes share the cores: a timing property must hold in one of a few tries
 
@@ -282,6 +288,13 @@ def test_cost_grows_with_batch(one_thread):
     assert profile.seconds_per_sample > 0
 
 
+# A step stretched 4x measures more than 4x on a shared machine: the emulator's sleep gives the core away, and the
+# compute after it runs on a cold cache and behind whatever ran meanwhile (6.0-6.1 in 3 of 3 tries, once, under
+# load). The ceiling stays well below 16, the factor applied twice; a nested block stretched twice (7x) is caught
+# exactly, with a fake clock, by tests/emulate/test_emulate.py::test_nested_blocks_stretch_once.
+SLOWED_RATIO_CEILING = 8
+
+
 def test_emulated_slowdown_is_measured(one_thread):
     """At speed 0.25 the profiled step takes ~4x as long (the profiler is not told the factor)."""
     model = Heavy()
@@ -296,7 +309,7 @@ def test_emulated_slowdown_is_measured(one_thread):
             s / b for s, b in zip(plain.seconds, plain.batch_sizes)
         )
         ratios.append((ratio, per_sample_time))
-        if 2.5 <= ratio <= 6 and 2.5 <= per_sample_time <= 6 and emulator.added_seconds > 0:
+        if all(2.5 <= r <= SLOWED_RATIO_CEILING for r in (ratio, per_sample_time)) and emulator.added_seconds > 0:
             break
     else:
         pytest.fail(f"speed 0.25 should make the measured step ~4x slower; (total, per-sample) ratios: {ratios}")
@@ -468,6 +481,13 @@ class Regression(L.LightningModule):
 def test_the_profile_measures_how_the_loss_grows_with_the_batch(reduction, ratio):
     generator = torch.Generator().manual_seed(0)
     x, y = torch.randn(64, 4, generator=generator), torch.randn(64, 1, generator=generator)
-    profile = profile_training_step(Regression(reduction), lambda n: (x[:n], y[:n]), [2, 8, 32], CPU, warmup=1,
-                                    repeats=1, make_doubled_batch=lambda n: (x[:n].repeat(2, 1), y[:n].repeat(2, 1)))
+    profile = profile_training_step(
+        Regression(reduction),
+        lambda n: (x[:n], y[:n]),
+        [2, 8, 32],
+        CPU,
+        warmup=1,
+        repeats=1,
+        make_doubled_batch=lambda n: (x[:n].repeat(2, 1), y[:n].repeat(2, 1)),
+    )
     assert profile.loss_ratio == pytest.approx(ratio, rel=1e-5)
