@@ -15,6 +15,7 @@ The layout follows a run's flow, one folder per stage, lowest first::
     train/      the data order cut into per-rank slices, streams, buffers kept equal
     watch/      per-step measurements, the split that follows them, the run report, the monitor callback
     recover/    checkpoints, resumes, lost or signalled ranks, failures said on every rank
+    simulate/   the cluster planner: a mixed cluster described in YAML, planned and predicted before it is used
 
 A module imports only from its own folder and the folders listed above it; ``settings.py`` and ``strategy.py`` sit on
 top (the strategy calls each stage at Lightning's lifecycle points) and no stage imports them.

@@ -9,7 +9,7 @@ import lightning_hetero
 
 PACKAGE = Path(lightning_hetero.__file__).parent
 # Lowest first, as in the package docstring; the modules at the top level sit above every stage.
-STAGES = ("runtime", "emulate", "measure", "plan", "precision", "comm", "train", "watch", "recover")
+STAGES = ("runtime", "emulate", "measure", "plan", "precision", "comm", "train", "watch", "recover", "simulate")
 
 
 def package_imports(path: Path) -> list[tuple[int, str]]:

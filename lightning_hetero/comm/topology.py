@@ -42,8 +42,11 @@ class Topology:
 
     @property
     def node_groups(self) -> tuple[tuple[int, ...], ...]:
-        """Each node's ranks, node by node."""
-        return tuple(self.ranks_on(node) for node in range(self.num_nodes))
+        """Each node's ranks, node by node (one pass: the cluster planner builds topologies of 10,000 ranks)."""
+        groups: list[list[int]] = [[] for _ in range(self.num_nodes)]
+        for rank, node in enumerate(self.nodes):
+            groups[node].append(rank)
+        return tuple(tuple(group) for group in groups)
 
     @property
     def leaders(self) -> tuple[int, ...]:
@@ -133,7 +136,7 @@ def check_hierarchical(value: Any) -> Union[str, bool]:
     if isinstance(value, bool):
         return value
     raise ValueError(
-        f"`hierarchical={value!r}` is not one of \"auto\", True, False: True reduces inside each node first and sends"
+        f'`hierarchical={value!r}` is not one of "auto", True, False: True reduces inside each node first and sends'
         ' one payload per node between nodes; "auto" (default) does so when there are several nodes with several'
         " ranks each."
     )

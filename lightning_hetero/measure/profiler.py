@@ -162,7 +162,7 @@ class _NoScheduler:
 
 
 @contextlib.contextmanager
-def _training_step_in_isolation(module: nn.Module) -> Iterator[None]:
+def training_step_in_isolation(module: nn.Module) -> Iterator[None]:
     """Run ``training_step`` outside Lightning's loop: logging and optimizer calls become no-ops, backward is plain."""
 
     def no_op(*args: Any, **kwargs: Any) -> None:
@@ -211,7 +211,7 @@ def preserved_training_state(module: nn.Module, device: torch.device) -> Iterato
             submodule.training = training
 
 
-def _loss_of(output: Any) -> Optional[torch.Tensor]:
+def loss_of(output: Any) -> Optional[torch.Tensor]:
     if isinstance(output, torch.Tensor):
         return output
     if isinstance(output, dict):
@@ -273,7 +273,7 @@ def profile_training_step(
             batches[size] = make_batch(size)  # not slowed: loading runs on the host, whatever the device
         with slowed(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             with autocast():
-                loss = _loss_of(module.training_step(batches[size], 0))
+                loss = loss_of(module.training_step(batches[size], 0))
             if automatic and loss is not None and loss.requires_grad:
                 loss.backward()
         synchronize()
@@ -285,7 +285,7 @@ def profile_training_step(
         # for a CPU core that other processes hold is not this device's speed.
         return min(compute, wall - slept) + slept
 
-    with preserved_training_state(module, device), _training_step_in_isolation(module):
+    with preserved_training_state(module, device), training_step_in_isolation(module):
         module.train()
         # Rounds over all sizes, so that a burst of interference from elsewhere hits every size alike; the
         # fastest repeat is kept, since interference only ever adds time.
@@ -342,7 +342,7 @@ def _doubled_loss_ratio(
     """
     module.eval()
     with torch.no_grad(), autocast():
-        single, twice = _loss_of(module.training_step(batch, 0)), _loss_of(module.training_step(doubled, 0))
+        single, twice = loss_of(module.training_step(batch, 0)), loss_of(module.training_step(doubled, 0))
     if single is None or twice is None or single.numel() != 1 or twice.numel() != 1:
         return None
     return doubled_loss_ratio(float(single), float(twice))

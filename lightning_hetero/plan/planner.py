@@ -85,7 +85,7 @@ def plan_min_max(costs: Sequence[CostModel], global_batch_size: int) -> PlannedS
 
     Raises ValueError when the batch cannot be split: fewer samples than ranks, or more than the memory ceilings hold.
     """
-    world_size = _check_plannable(costs, global_batch_size)
+    world_size = check_plannable(costs, global_batch_size)
     optional_samples = global_batch_size - world_size  # beyond every rank's compulsory first one
     if optional_samples == 0:
         sizes = [1] * world_size
@@ -99,7 +99,7 @@ def plan_min_max(costs: Sequence[CostModel], global_batch_size: int) -> PlannedS
     return PlannedSplit(batch_sizes=tuple(sizes), predicted_step_time=max(times), predicted_times=times)
 
 
-def _check_plannable(costs: Sequence[CostModel], global_batch_size: int) -> int:
+def check_plannable(costs: Sequence[CostModel], global_batch_size: int) -> int:
     """The world size, once the inputs are known to admit a split; a ValueError saying what to change otherwise."""
     world_size = len(costs)
     if world_size == 0:
@@ -156,7 +156,7 @@ def _lowest_sufficient_level(costs: Sequence[CostModel], optional_samples: int, 
         return double.unpack(signed.pack(ordinal_value))[0]
 
     # Below the cheapest second sample nothing optional fits; at the dearest sample any rank may need, all of them do
-    # (`_check_plannable` made sure that is enough).
+    # (`check_plannable` made sure that is enough).
     reachable = [cost for cost in costs if cost.max_batch is None or cost.max_batch >= 2]
     too_low = ordinal(min(cost.time(2) for cost in reachable)) - 1
     high_enough = ordinal(max(cost.time(cap if cost.max_batch is None else min(cap, cost.max_batch)) for cost in costs))

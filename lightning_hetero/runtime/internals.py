@@ -285,6 +285,9 @@ _POWER_SGD_STATE = "PowerSGD's state, cleared when the buckets change and saved 
 TORCH_STATE = (
     Internal("torch.amp.autocast_mode", "autocast#_enabled", "read", "measure/cpu.py",
              "whether CPU autocast accepted a dtype (it disables itself with a warning otherwise)"),
+    Internal("torch.utils._python_dispatch", "TorchDispatchMode", "called", "simulate/workload.py",
+             "subclassed to count the aten operators of one forward + backward (kernel launches on a GPU);"
+             " FlopCounterMode, the public counter, is one such mode"),
     *(Internal(_POWER_SGD, f"PowerSGDState#{name}", "patched", "comm/communication.py, comm/compression.py",
     _POWER_SGD_STATE,
                "restored from the checkpoint")

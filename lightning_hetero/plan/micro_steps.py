@@ -1,0 +1,113 @@
+"""Plan: per-rank micro-steps for memory-bound ranks: rank r takes ``n_r`` samples per optimizer step in ``k_r``
+micro-batches, so a fast device with little memory still takes the share its speed deserves.
+
+``k_r = ceil(n_r / max_batch_r)``: as few micro-steps as the rank's memory allows (each pays the fixed cost again),
+and its micro-batches as equal as possible (sizes differ by at most one, so any ``n_r`` can be cut exactly; the loss
+weights make every sample count the same whatever its micro-batch). A rank's time is ``k_r * fixed_r +
+per_sample_r * n_r``. A pure function over cost models, like
+:func:`~lightning_hetero.plan.planner.plan_min_max`: it minimises the slowest rank's time for exactly the global batch.
+Without a binding memory ceiling every ``k_r = 1`` and the slowest rank's time is ``plan_min_max``'s.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_hetero.measure.cost import CostModel, last_true
+from lightning_hetero.plan.planner import check_plannable
+
+
+@dataclass(frozen=True)
+class MicroStepPlan:
+    samples: tuple[int, ...]  # n_r: samples per optimizer step
+    micro_steps: tuple[int, ...]  # k_r: micro-batches per optimizer step
+    predicted_times: tuple[float, ...]
+
+    @property
+    def batch_sizes(self) -> tuple[int, ...]:
+        """Each rank's largest micro-batch (what its memory must hold)."""
+        return tuple(-(-n // k) for n, k in zip(self.samples, self.micro_steps))
+
+    @property
+    def predicted_step_time(self) -> float:
+        return max(self.predicted_times)
+
+    @property
+    def global_batch_size(self) -> int:
+        return sum(self.samples)
+
+
+def micro_steps_for(cost: CostModel, samples: int) -> int:
+    return 1 if cost.max_batch is None or samples <= cost.max_batch else -(-samples // cost.max_batch)
+
+
+def rank_time(cost: CostModel, samples: int) -> float:
+    """Predicted seconds for ``samples`` samples in as few micro-batches as memory allows (``cost.time`` for one)."""
+    return micro_steps_for(cost, samples) * cost.fixed + cost.per_sample * samples
+
+
+def most_samples_within(cost: CostModel, level: float, cap: int) -> int:
+    """The most samples (at most ``cap``) the rank takes within ``level`` seconds; 0 if not even one."""
+    per_sample = cost.per_sample + (cost.fixed / cost.max_batch if cost.max_batch else 0.0)
+    quotient = (level - (0.0 if cost.max_batch else cost.fixed)) / per_sample
+    guess = cap if quotient >= cap else max(0, int(quotient))
+    return last_true(lambda n: rank_time(cost, n) <= level, guess, cap)
+
+
+def plan_micro_steps(costs: Sequence[CostModel], global_batch_size: int) -> MicroStepPlan:
+    """The samples and micro-steps per rank that minimise the slowest rank's time for exactly ``global_batch_size``.
+
+    Searches the one number that decides it, the lowest time level at which the ranks together can take the global
+    batch (bisection over floats down to adjacent values; a rank's time grows with its samples). Ranks with equal
+    cost models are evaluated once per model, so 10,000 devices of a few kinds cost a few evaluations per level.
+    """
+    check_plannable([CostModel(c.fixed, c.per_sample) for c in costs], global_batch_size)
+    groups = Counter(costs)
+    # Every rank takes at least one sample, so the level is at least the slowest rank's time for one.
+    low = high = max(rank_time(c, 1) for c in groups)
+    while _capacity(groups, high, global_batch_size) < global_batch_size:
+        low, high = high, high * 2 if high > 0 else 1.0
+    while True:
+        middle = (low + high) / 2
+        if middle in (low, high):
+            break
+        if _capacity(groups, middle, global_batch_size) >= global_batch_size:
+            high = middle
+        else:
+            low = middle
+    at_level = {cost: most_samples_within(cost, high, global_batch_size) for cost in groups}
+    below = {cost: most_samples_within(cost, math.nextafter(high, 0.0), global_batch_size) for cost in groups}
+    samples = _trim_to(costs, at_level, below, global_batch_size)
+    steps = tuple(micro_steps_for(c, n) for c, n in zip(costs, samples))
+    return MicroStepPlan(tuple(samples), steps, tuple(rank_time(c, n) for c, n in zip(costs, samples)))
+
+
+def _capacity(groups: Counter, level: float, cap: int) -> int:
+    total = 0
+    for cost, count in groups.items():
+        total += count * most_samples_within(cost, level, cap)
+        if total >= cap:
+            return total
+    return total
+
+
+def _trim_to(costs: Sequence[CostModel], at_level: dict, below: dict, global_batch_size: int) -> list[int]:
+    """Exactly ``global_batch_size`` samples: the level's samples less some of those that only the level itself allows
+    (one per rank in turn, so equal devices differ by at most one), then, if still too many, any above one each."""
+    samples = [at_level[cost] for cost in costs]
+    excess = sum(samples) - global_batch_size
+    for floor in ([max(1, below[cost]) for cost in costs], [1] * len(costs)):
+        while excess > 0:
+            removable = [rank for rank, n in enumerate(samples) if n > floor[rank]]
+            if not removable:
+                break
+            take = min(excess, len(removable))
+            # Round-robin over the ranks that still hold removable samples, the slowest first, one sample each.
+            removable.sort(key=lambda rank: -rank_time(costs[rank], samples[rank]))
+            for rank in removable[:take]:
+                samples[rank] -= 1
+            excess -= take
+    return samples

@@ -1,0 +1,234 @@
+"""`lightning-hetero plan`: plan a mixed cluster before using it.
+
+Reads a cluster file (:mod:`.cluster`), measures the user's training step here (:mod:`.workload`), and prints the plan
+the package would make there (:mod:`.predict`): each device's micro-batch, micro-steps, precision, memory and compute
+time, the step time and its parts, the speedup over the equal split and over the best homogeneous subset, the bytes
+on the wire, and what-ifs (``--drop``, ``--add``, ``--stage``, ``--compression``) against the cluster as described.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+from dataclasses import replace
+from typing import Any, Optional
+
+from lightning_hetero.simulate import catalog
+from lightning_hetero.simulate.cluster import Cluster, ClusterFileError, SimulatedDevice, load_cluster
+from lightning_hetero.simulate.predict import Options, Prediction, predict
+
+DEFAULT_STAGE = 2  # HeteroStrategy's default ZeRO stage
+JSON_DOC = """--json prints one object:
+  devices: one entry per device, in rank order: kind, node, samples (per optimizer step), micro_batch (the
+           largest of its micro-batches), micro_steps, precision, memory_bytes (predicted use at micro_batch),
+           memory_capacity_bytes, compute_ms (its compute per optimizer step)
+  step_ms: {total, compute, exchange, optimizer}
+  speedup_over_equal: the equal split's step time over this plan's
+  best_homogeneous: {kind, devices, step_ms, speedup} (the fastest single-kind subset; null if none can train)
+  wire: {bytes_per_step, inter_node_bytes_per_step, hierarchical, reason}
+  settings: {global_batch_size, zero_stage, compression, devices, nodes}
+  what_if: the same keys for the cluster with --drop/--add/--stage/--compression applied, when any is given"""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lightning-hetero plan",
+        description=__doc__.split("\n\n")[1],
+        epilog=JSON_DOC,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--cluster", required=True, help="the cluster file (YAML; see lightning_hetero/simulate/cluster.py)")
+    p.add_argument("--model", required=True, help="MODULE:CLASS of the LightningModule (built with no arguments)")
+    p.add_argument("--init-args", default="{}", help="JSON keyword arguments for the model's constructor")
+    p.add_argument("--data", help="MODULE:CLASS of a LightningDataModule giving the training samples")
+    p.add_argument("--global-batch-size", type=int, help="samples per optimizer step (default: loader batch x devices)")
+    p.add_argument("--profile", help="a run's directory with rank_<r>.json files: calibrates those GPU kinds")
+    p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help=f"ZeRO stage (default {DEFAULT_STAGE})")
+    p.add_argument("--compression", choices=("none", "fp16", "bf16", "powersgd", "topk"), help="gradient compression")
+    p.add_argument("--drop", action="append", default=[], metavar="KIND", help="what if the devices of KIND left")
+    p.add_argument("--add", action="append", default=[], metavar="KIND:N", help="what if N devices of KIND joined")
+    p.add_argument("--json", action="store_true", help="print the documented JSON object instead of tables")
+    return p
+
+
+def main(args: Optional[list[str]] = None) -> int:
+    options = parser().parse_args(args)
+    try:
+        cluster = load_cluster(options.cluster)
+        what_if_cluster = apply_what_ifs(cluster, options.drop, options.add)
+        workload, default_batch = _measure(options)
+    except (ClusterFileError, ValueError) as error:
+        print(f"lightning-hetero plan: {error}", file=sys.stderr)
+        return 2
+    base = Options(
+        global_batch_size=options.global_batch_size or default_batch * len(cluster.devices),
+        zero_stage=DEFAULT_STAGE,
+        calibrated_efficiency=calibrate(options.profile, workload) if options.profile else {},
+    )
+    changed = replace(
+        base,
+        zero_stage=DEFAULT_STAGE if options.stage is None else options.stage,
+        compression=None if options.compression in (None, "none") else options.compression,
+    )
+    try:
+        result = evaluate(cluster, workload, base)
+        if changed != base or what_if_cluster is not cluster:
+            result["what_if"] = evaluate(what_if_cluster, workload, changed)
+    except ValueError as error:
+        print(f"lightning-hetero plan: {error}", file=sys.stderr)
+        return 2
+    if options.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(render(result, workload))
+    return 0
+
+
+def _measure(options: argparse.Namespace):
+    from lightning_hetero.simulate.workload import load_object, measure_workload, training_loader
+
+    model = load_object(options.model, "--model")(**json.loads(options.init_args))
+    datamodule = load_object(options.data, "--data")() if options.data else None
+    loader = training_loader(model, datamodule)
+    return measure_workload(model, loader, options.model), loader.batch_size or 1
+
+
+def apply_what_ifs(cluster: Cluster, drop: list[str], add: list[str]) -> Cluster:
+    """``cluster`` without the devices of each dropped kind and with the added ones (on a new node each)."""
+    if not drop and not add:
+        return cluster
+    devices = list(cluster.devices)
+    for name in drop:
+        kept = [d for d in devices if catalog.folded_name(d.kind.name) != catalog.folded_name(name)]
+        if len(kept) == len(devices):
+            present = sorted({d.kind.name for d in devices})
+            raise ValueError(f"`--drop {name}`: the cluster has no device of that kind (it has {', '.join(present)})")
+        devices = kept
+    links, inter_node = list(cluster.node_links), cluster.inter_node
+    for entry in add:
+        name, _, count = entry.partition(":")
+        if not count.isdigit() or int(count) < 1:
+            raise ValueError(f"`--add {entry}` must be KIND:N with N >= 1, e.g. --add V100-32GB:4")
+        kind = next(
+            (d.kind for d in cluster.devices if catalog.folded_name(d.kind.name) == catalog.folded_name(name)), None
+        )
+        try:
+            kind = kind or catalog.lookup(name)
+        except KeyError as error:
+            raise ValueError(f"`--add {entry}`: {error.args[0]}") from None
+        links.append(links[0])
+        devices += [SimulatedDevice(kind, len(links) - 1)] * int(count)
+        inter_node = inter_node or cluster.node_links[0]
+    if not devices:
+        raise ValueError("the what-ifs leave no device in the cluster")
+    used = sorted({d.node for d in devices})
+    renumber = {node: index for index, node in enumerate(used)}
+    return Cluster(
+        tuple(SimulatedDevice(d.kind, renumber[d.node]) for d in devices),
+        tuple(links[node] for node in used),
+        inter_node if len(used) > 1 else None,
+    )
+
+
+def evaluate(cluster: Cluster, workload, options: Options) -> dict[str, Any]:
+    """The plan, the equal split and the best homogeneous subset of ``cluster``, as the JSON keys."""
+    planned = predict(cluster, workload, options)
+    equal = predict(cluster, workload, options, equal=True)
+    best = best_homogeneous(cluster, workload, options)
+    return {
+        "devices": [
+            {
+                "kind": d.kind,
+                "node": d.node,
+                "samples": d.samples,
+                "micro_batch": d.micro_batch,
+                "micro_steps": d.micro_steps,
+                "precision": d.precision,
+                "memory_bytes": d.memory_bytes,
+                "memory_capacity_bytes": d.memory_capacity_bytes,
+                "compute_ms": d.compute_seconds * 1e3,
+            }
+            for d in planned.devices
+        ],
+        "step_ms": _breakdown(planned),
+        "equal_split_step_ms": _breakdown(equal),
+        "speedup_over_equal": equal.step_seconds / planned.step_seconds,
+        "best_homogeneous": None
+        if best is None
+        else {
+            "kind": best[0],
+            "devices": best[1],
+            "step_ms": _breakdown(best[2]),
+            "speedup": best[2].step_seconds / planned.step_seconds,
+        },
+        "wire": {
+            "bytes_per_step": planned.exchange.wire_bytes,
+            "inter_node_bytes_per_step": planned.exchange.inter_node_bytes,
+            "hierarchical": planned.exchange.hierarchical,
+            "reason": planned.exchange.reason,
+        },
+        "settings": {
+            "global_batch_size": options.global_batch_size,
+            "zero_stage": options.zero_stage,
+            "compression": options.compression,
+            "devices": len(cluster.devices),
+            "nodes": cluster.num_nodes,
+        },
+    }
+
+
+def _breakdown(prediction: Prediction) -> dict[str, float]:
+    return {
+        "total": prediction.step_seconds * 1e3,
+        "compute": prediction.compute_seconds * 1e3,
+        "exchange": prediction.exchange.seconds * 1e3,
+        "optimizer": prediction.optimizer_seconds * 1e3,
+    }
+
+
+def best_homogeneous(cluster: Cluster, workload, options: Options) -> Optional[tuple[str, int, Prediction]]:
+    """The fastest subset of one kind of device (on the nodes they are on), or None if no kind can train alone."""
+    best = None
+    for name in sorted({d.kind.name for d in cluster.devices}):
+        devices = [d for d in cluster.devices if d.kind.name == name]
+        used = sorted({d.node for d in devices})
+        subset = Cluster(
+            tuple(SimulatedDevice(d.kind, used.index(d.node)) for d in devices),
+            tuple(cluster.node_links[node] for node in used),
+            cluster.inter_node if len(used) > 1 else None,
+        )
+        if options.global_batch_size < len(devices):
+            continue
+        try:
+            prediction = predict(subset, workload, options)
+        except ValueError:  # the kind cannot hold the model, or the batch cannot be cut for it
+            continue
+        if best is None or prediction.step_seconds < best[2].step_seconds:
+            best = (name, len(devices), prediction)
+    return best
+
+
+def calibrate(directory: str, workload) -> dict[str, float]:
+    """Efficiency per catalog GPU kind from a run's ``rank_<r>.json`` profiles of the same model."""
+    from lightning_hetero.simulate.predict import efficiency_from_profile
+
+    found: dict[str, list[float]] = {}
+    paths = sorted(glob.glob(os.path.join(directory, "rank_*.json")))
+    if not paths:
+        raise ValueError(f"`--profile {directory}` has no rank_<r>.json (a run's plan directory holds them)")
+    for path in paths:
+        with open(path) as handle:
+            rank = json.load(handle)
+        calibrated = efficiency_from_profile(rank, workload)
+        if calibrated is not None:
+            found.setdefault(calibrated[0], []).append(calibrated[1])
+    return {kind: sum(values) / len(values) for kind, values in found.items()}
+
+
+def render(result: dict[str, Any], workload) -> str:
+    from lightning_hetero.simulate.show import render_result
+
+    return render_result(result, workload)

@@ -1,0 +1,278 @@
+"""Simulate: the step model: each device's cost model and memory ceiling, the plan the package would make, the
+gradient exchange over the cluster's links, and the step time they add up to. Pure functions of the cluster, the
+workload and the options.
+
+A step is ``max_r(compute_r) + exchange + max_r(optimizer_r)``: the ranks wait for the slowest before the exchange
+and DeepSpeed steps the optimizer after it (no overlap is assumed). Compute is ``k_r * (fixed_r + per_sample_r *
+b_r)`` with ``per_sample_r = FLOPs per sample / (peak rate at the rank's precision * efficiency * speed)``; memory is
+the model's state for the ZeRO stage plus activations per sample, within ``MEMORY_HEADROOM`` of the device's memory.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+from lightning_hetero.comm.compression import check_compression, check_exchange
+from lightning_hetero.comm.topology import Topology, decide_hierarchical
+from lightning_hetero.measure.cost import CostModel
+from lightning_hetero.measure.profiler import MEMORY_HEADROOM
+from lightning_hetero.plan.micro_steps import MicroStepPlan, micro_steps_for, plan_micro_steps
+from lightning_hetero.plan.split import split_by_weights
+from lightning_hetero.precision.choice import FP32
+from lightning_hetero.simulate.catalog import DeviceKind, kind_of_device_name
+from lightning_hetero.simulate.cluster import Cluster, Link
+from lightning_hetero.simulate.workload import Workload
+
+# The fraction of peak a GPU's training step reaches when no run report calibrates the kind: data-parallel training
+# of transformer-sized models reports 35-55 % model FLOPs utilisation; small models reach much less (their fixed
+# cost is the kernel launches below). A CPU's fraction is measured here on the user's model instead.
+DEFAULT_GPU_EFFICIENCY = 0.4
+KERNEL_LAUNCH_SECONDS = 6e-6  # per operator on a GPU: the launch overhead that bounds small models
+# Autocast saves the 16-bit copies of matmul inputs for backward: about half the activation bytes of fp32.
+HALF_PRECISION_ACTIVATIONS = 0.5
+ADAM_STATE_BYTES = 8  # exp_avg and exp_avg_sq in fp32, per parameter
+# Adam's step reads the gradient (4 bytes), reads and writes the parameter (8) and both moments (16), per parameter.
+ADAM_STEP_BYTES = 28
+PARAMETER_BYTES = 4  # the engine stays fp32 (device_precision autocasts inside each rank)
+TOPK_BYTES_PER_ENTRY = 8  # an fp32 value and an int32 index
+
+
+@dataclass(frozen=True)
+class Options:
+    global_batch_size: int
+    zero_stage: int = 0
+    compression: Optional[str] = None
+    compression_options: dict = field(default_factory=dict)
+    hierarchical: object = "auto"
+    calibrated_efficiency: dict = field(default_factory=dict)  # kind name -> fraction of peak measured in a run
+
+
+@dataclass(frozen=True)
+class DevicePrediction:
+    kind: str
+    node: int
+    precision: str
+    samples: int  # per optimizer step
+    micro_batch: int  # the largest of its micro-batches
+    micro_steps: int
+    memory_bytes: float  # predicted use at this micro-batch
+    memory_capacity_bytes: float
+    compute_seconds: float
+    cost: CostModel
+
+
+@dataclass(frozen=True)
+class Exchange:
+    seconds: float
+    wire_bytes: float  # sent by all ranks together per step
+    inter_node_bytes: float  # of which crossing between nodes
+    hierarchical: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class Prediction:
+    devices: tuple[DevicePrediction, ...]
+    compute_seconds: float
+    exchange: Exchange
+    optimizer_seconds: float
+
+    @property
+    def step_seconds(self) -> float:
+        return self.compute_seconds + self.exchange.seconds + self.optimizer_seconds
+
+
+# ------------------------------------------------------------------------------------------------------ per device
+
+
+def efficiency_of(kind: DeviceKind, workload: Workload, options: Options) -> float:
+    if kind.efficiency is not None:
+        return kind.efficiency
+    if kind.name in options.calibrated_efficiency:
+        return options.calibrated_efficiency[kind.name]
+    return workload.here_efficiency if kind.type == "cpu" else DEFAULT_GPU_EFFICIENCY
+
+
+def efficiency_from_profile(rank_file: dict, workload: Workload) -> Optional[tuple[str, float]]:
+    """``(kind, fraction of peak)`` a run's ``rank_<r>.json`` shows for a catalog GPU on this workload, or None."""
+    device, profile = rank_file.get("device") or {}, rank_file.get("profile")
+    kind = kind_of_device_name(device.get("name", "")) if device.get("kind") == "cuda" else None
+    if kind is None or not profile or not profile.get("seconds_per_sample"):
+        return None
+    rate = workload.flops_per_sample / profile["seconds_per_sample"]
+    return kind.name, rate / kind.peak(rank_file.get("precision") or FP32)
+
+
+def model_state_bytes(parameters: int, zero_stage: int, world_size: int) -> float:
+    """Parameters, gradients and Adam's state on one rank for ZeRO ``zero_stage`` over ``world_size`` ranks."""
+    shards = max(1, world_size)
+    params = PARAMETER_BYTES * parameters / (shards if zero_stage >= 3 else 1)
+    grads = PARAMETER_BYTES * parameters / (shards if zero_stage >= 2 else 1)
+    states = ADAM_STATE_BYTES * parameters / (shards if zero_stage >= 1 else 1)
+    return params + grads + states
+
+
+def activation_bytes(workload: Workload, precision: str) -> float:
+    factor = 1.0 if precision == FP32 else HALF_PRECISION_ACTIVATIONS
+    return workload.activation_bytes_per_sample * factor
+
+
+def device_cost(kind: DeviceKind, workload: Workload, options: Options, world_size: int) -> CostModel:
+    """The cost model and memory ceiling of one device of ``kind`` for this workload."""
+    precision = kind.precision()
+    rate = kind.peak(precision) * efficiency_of(kind, workload, options) * kind.speed
+    per_sample = workload.flops_per_sample / rate
+    if kind.type == "cpu":
+        # The fixed part measured here (Python and operator overheads), scaled by how much slower this CPU is.
+        here_rate = workload.flops_per_sample / workload.here_seconds_per_sample
+        fixed = workload.here_fixed_seconds * here_rate / rate
+    else:
+        fixed = workload.operators_per_step * KERNEL_LAUNCH_SECONDS / kind.speed + workload.fixed_flops / rate
+    room = kind.memory_bytes * MEMORY_HEADROOM - model_state_bytes(workload.parameters, options.zero_stage, world_size)
+    per_sample_bytes = activation_bytes(workload, precision)
+    max_batch = None if per_sample_bytes <= 0 else math.floor(max(0.0, room) / per_sample_bytes)
+    if max_batch is not None and max_batch < 1:
+        raise ValueError(
+            f"a {kind.name} cannot hold this model at ZeRO-{options.zero_stage}: its state takes"
+            f" {model_state_bytes(workload.parameters, options.zero_stage, world_size) / 2**30:.1f} GiB of"
+            f" {kind.memory_bytes / 2**30:.1f} GiB. Use a higher `--stage`, or `--drop {kind.name}`."
+        )
+    return CostModel(fixed=fixed, per_sample=per_sample, max_batch=max_batch)
+
+
+def optimizer_seconds(kind: DeviceKind, parameters: int, zero_stage: int, world_size: int) -> float:
+    local = parameters / (world_size if zero_stage >= 1 else 1)
+    return ADAM_STEP_BYTES * local / kind.memory_bandwidth
+
+
+# -------------------------------------------------------------------------------------------------------- exchange
+
+
+def gradient_payload_bytes(workload: Workload, compression: Optional[str], options: dict) -> float:
+    """What one rank contributes to the gradient reduction per step."""
+    if compression in ("fp16", "bf16"):
+        return 2.0 * workload.parameters
+    if compression == "powersgd":
+        rank = options.get("matrix_approximation_rank", 1)
+        return PARAMETER_BYTES * sum(
+            rank * (rows + cols) if cols > 1 and rows > 1 else rows * cols for rows, cols in workload.matrix_shapes
+        )
+    return PARAMETER_BYTES * float(workload.parameters)
+
+
+def _ring_seconds(world: int, volume: float, link: Link) -> float:
+    """A ring all-reduce of ``volume`` bytes over ``world`` ranks whose slowest link is ``link``."""
+    if world <= 1:
+        return 0.0
+    return 2 * (world - 1) / world * volume / link.bandwidth + 2 * (world - 1) * link.latency
+
+
+def _slowest(links: Sequence[Link]) -> Link:
+    return Link(min(link.bandwidth for link in links), max(link.latency for link in links))
+
+
+def exchange(cluster: Cluster, workload: Workload, options: Options) -> Exchange:
+    """The gradient exchange of one step: seconds, bytes sent, and whether it is hierarchical (and why)."""
+    world = len(cluster.devices)
+    choice = check_compression(options.compression, options.compression_options or None)
+    check_exchange(choice, options.hierarchical, options.zero_stage)
+    payload = gradient_payload_bytes(workload, choice.mode, dict(choice.options))
+    topology = Topology(tuple(device.node for device in cluster.devices))
+    if options.zero_stage > 0:
+        hierarchical, reason = (
+            False,
+            f"off: ZeRO-{options.zero_stage} reduces inside DeepSpeed's optimizer (stage 0 only)",
+        )
+    else:
+        hierarchical, reason = decide_hierarchical(options.hierarchical, topology)
+        if hierarchical:  # the package's reason lists every rank of every node: too long for a cluster
+            reason = f"{reason.split(':')[0]}: {topology.num_nodes} nodes, one payload per node crosses between them"
+    ranks_per_node = Counter(device.node for device in cluster.devices)
+    nodes = sorted(ranks_per_node)
+    used_links = [cluster.node_links[node] for node in nodes if ranks_per_node[node] > 1]
+    if len(nodes) > 1:
+        used_links.append(cluster.inter_node)
+    if world <= 1:
+        return Exchange(0.0, 0.0, 0.0, False, "one rank: nothing to exchange")
+    if choice.mode == "topk":
+        entries = choice.options.get("ratio", 0.01) * workload.parameters
+        volume = (world - 1) * entries * TOPK_BYTES_PER_ENTRY  # an all-gather: every rank receives every other's
+        link = _slowest(used_links)
+        seconds = volume / link.bandwidth + 2 * (world - 1) * link.latency
+        wire = world * volume
+        return Exchange(seconds, wire, wire if len(nodes) > 1 else 0.0, False, reason)
+    # ZeRO-1/2 reduce-scatter the gradients and all-gather the updated parameters (fp32); ZeRO-3 also gathers the
+    # parameters for forward and backward: the same ring traffic as one all-reduce of the sum.
+    extra = {0: 0.0, 1: PARAMETER_BYTES * workload.parameters, 2: PARAMETER_BYTES * workload.parameters}.get(
+        options.zero_stage, 2 * PARAMETER_BYTES * workload.parameters
+    )
+    volume = payload if options.zero_stage == 0 else (payload + extra) / 2
+    if hierarchical:
+        seconds, wire, crossing = _hierarchical(cluster, ranks_per_node, volume)
+        return Exchange(seconds, wire, crossing, True, reason)
+    seconds = _ring_seconds(world, volume, _slowest(used_links))
+    wire = 2 * (world - 1) * volume
+    # The ring crosses between nodes once per node, each crossing carrying what every link of the ring carries.
+    crossing = len(nodes) * 2 * (world - 1) / world * volume if len(nodes) > 1 else 0.0
+    return Exchange(seconds, wire, crossing, False, reason)
+
+
+def _hierarchical(cluster: Cluster, ranks_per_node: Counter, volume: float) -> tuple[float, float, float]:
+    """Reduce inside each node to its leader, all-reduce between the leaders, broadcast back inside each node."""
+    inside = max(
+        (2 * volume / cluster.node_links[node].bandwidth + 2 * cluster.node_links[node].latency) if count > 1 else 0.0
+        for node, count in ranks_per_node.items()
+    )
+    between = _ring_seconds(len(ranks_per_node), volume, cluster.inter_node)
+    crossing = 2 * (len(ranks_per_node) - 1) * volume
+    wire = crossing + sum(2 * (count - 1) * volume for count in ranks_per_node.values())
+    return inside + between, wire, crossing
+
+
+# ---------------------------------------------------------------------------------------------------------- a plan
+
+
+def predict(cluster: Cluster, workload: Workload, options: Options, equal: bool = False) -> Prediction:
+    """The plan the package would make (or the equal split, with DDP's common accumulation) and its step time."""
+    world = len(cluster.devices)
+    # Devices of one entry share their kind object: one cost model each, so 10,000 devices cost a few entries.
+    kinds = {id(device.kind): device.kind for device in cluster.devices}
+    cost_of = {key: device_cost(kind, workload, options, world) for key, kind in kinds.items()}
+    costs = [cost_of[id(device.kind)] for device in cluster.devices]
+    plan = (
+        equal_split(costs, options.global_batch_size) if equal else plan_micro_steps(costs, options.global_batch_size)
+    )
+    precision_of = {key: kind.precision() for key, kind in kinds.items()}
+    state = model_state_bytes(workload.parameters, options.zero_stage, world)
+    devices = tuple(
+        DevicePrediction(
+            kind=device.kind.name,
+            node=device.node,
+            precision=precision_of[id(device.kind)],
+            samples=n,
+            micro_batch=b,
+            micro_steps=k,
+            memory_bytes=state + b * activation_bytes(workload, precision_of[id(device.kind)]),
+            memory_capacity_bytes=device.kind.memory_bytes,
+            compute_seconds=seconds,
+            cost=cost,
+        )
+        for device, cost, n, b, k, seconds in zip(
+            cluster.devices, costs, plan.samples, plan.batch_sizes, plan.micro_steps, plan.predicted_times
+        )
+    )
+    optimizer = max(optimizer_seconds(kind, workload.parameters, options.zero_stage, world) for kind in kinds.values())
+    return Prediction(devices, plan.predicted_step_time, exchange(cluster, workload, options), optimizer)
+
+
+def equal_split(costs: Sequence[CostModel], global_batch_size: int) -> MicroStepPlan:
+    """DDP's split: the same samples on every rank, in the same number of micro-batches everywhere when one rank's
+    memory needs more than one (``accumulate_grad_batches``)."""
+    samples = split_by_weights(global_batch_size, [1.0] * len(costs))
+    steps = max(micro_steps_for(c, n) for c, n in zip(costs, samples))
+    times = tuple(steps * c.fixed + c.per_sample * n for c, n in zip(costs, samples))
+    return MicroStepPlan(tuple(samples), (steps,) * len(costs), times)

@@ -1,0 +1,81 @@
+"""Simulate: the plan as a person reads it: a table with one row per group of identical devices, the step time and
+its parts, the speedups, the bytes on the wire, and the what-if beside the cluster as described."""
+
+from __future__ import annotations
+
+from itertools import groupby
+from typing import Any
+
+GIB = 1024**3
+
+
+def _rows(devices: list[dict[str, Any]]) -> list[str]:
+    header = f"{'devices':>8}  {'kind':<16} {'node':>4}  {'precision':<10} {'micro-batch':>11} {'micro-steps':>11}"
+    header += f"  {'memory GiB (use / has)':>22}  {'compute ms':>10}"
+    lines = [header, "-" * len(header)]
+    key = lambda d: (d["kind"], d["node"], d["precision"], d["micro_batch"], d["micro_steps"])  # noqa: E731
+    # (devices of one group may differ by one sample: micro-batches are cut as evenly as the global batch allows)
+    for (kind, node, precision, batch, steps), group in groupby(devices, key=key):
+        group = list(group)
+        first = group[0]
+        memory = f"{first['memory_bytes'] / GIB:.1f} / {first['memory_capacity_bytes'] / GIB:.0f}"
+        lines.append(
+            f"{len(group):>8}  {kind:<16} {node:>4}  {precision:<10} {batch:>11} {steps:>11}  {memory:>22}"
+            f"  {first['compute_ms']:>10.2f}"
+        )
+    return lines
+
+
+def _step(step: dict[str, float]) -> str:
+    return (
+        f"{step['total']:.2f} ms (compute {step['compute']:.2f} + exchange {step['exchange']:.2f} + optimizer"
+        f" {step['optimizer']:.2f})"
+    )
+
+
+def _section(result: dict[str, Any]) -> list[str]:
+    settings = result["settings"]
+    lines = [
+        f"{settings['devices']} devices on {settings['nodes']} node(s), global batch {settings['global_batch_size']},"
+        f" ZeRO-{settings['zero_stage']}, compression {settings['compression'] or 'none'}",
+        *_rows(result["devices"]),
+        f"step: {_step(result['step_ms'])}",
+        f"equal split (DDP): {_step(result['equal_split_step_ms'])}: this plan is"
+        f" {result['speedup_over_equal']:.2f}x faster",
+    ]
+    best = result["best_homogeneous"]
+    if best is None:
+        lines.append("no single kind of device can train this alone")
+    else:
+        lines.append(
+            f"best homogeneous subset: the {best['devices']} x {best['kind']} alone, {_step(best['step_ms'])}:"
+            f" the whole cluster is {best['speedup']:.2f}x {'faster' if best['speedup'] >= 1 else 'slower'}"
+        )
+    wire = result["wire"]
+    lines.append(
+        f"on the wire: {wire['bytes_per_step'] / 1e6:.2f} MB per step, {wire['inter_node_bytes_per_step'] / 1e6:.2f}"
+        f" MB between nodes; hierarchical reduction {wire['reason']}"
+    )
+    return lines
+
+
+def render_result(result: dict[str, Any], workload: Any) -> str:
+    lines = [
+        f"model {workload.name}: {workload.parameters:,} parameters, {workload.flops_per_sample / 1e6:.2f} MFLOP per"
+        f" sample (forward + backward), {workload.activation_bytes_per_sample / 1e3:.1f} kB of activations per sample;"
+        f" this CPU reached {workload.here_efficiency:.0%} of its fp32 peak ({workload.here_kind.source})",
+        "",
+        "the cluster as described:",
+        *_section(result),
+    ]
+    if "what_if" in result:
+        what_if = result["what_if"]
+        change = result["step_ms"]["total"] / what_if["step_ms"]["total"]
+        lines += [
+            "",
+            "what if:",
+            *_section(what_if),
+            f"the what-if's step is {change:.2f}x {'faster' if change >= 1 else 'slower'} than the cluster's as"
+            " described",
+        ]
+    return "\n".join(lines)

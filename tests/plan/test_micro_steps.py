@@ -1,0 +1,91 @@
+"""Tests of the per-rank micro-step planner (:mod:`lightning_hetero.plan.micro_steps`), against brute force."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Optional
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_hetero.measure.cost import CostModel
+from lightning_hetero.plan.micro_steps import most_samples_within, plan_micro_steps, rank_time
+from lightning_hetero.plan.planner import plan_min_max
+
+
+def brute_force(costs: list[CostModel], global_batch_size: int) -> Optional[float]:
+    """The lowest slowest-rank time over every composition of the batch into at least one sample per rank."""
+    best = None
+    for choice in itertools.product(range(1, global_batch_size + 1), repeat=len(costs)):
+        if sum(choice) == global_batch_size:
+            slowest = max(rank_time(c, n) for c, n in zip(costs, choice))
+            best = slowest if best is None else min(best, slowest)
+    return best
+
+
+costs_strategy = st.builds(
+    CostModel,
+    fixed=st.sampled_from([0.0, 0.5, 1.0, 3.0]),
+    per_sample=st.sampled_from([0.25, 1.0, 2.5]),
+    max_batch=st.one_of(st.none(), st.integers(1, 5)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(costs=st.lists(costs_strategy, min_size=1, max_size=3), global_batch_size=st.integers(1, 11))
+def test_the_plan_is_as_fast_as_brute_force_and_exact(costs, global_batch_size):
+    if global_batch_size < len(costs):
+        with pytest.raises(ValueError, match="smaller than the world size"):
+            plan_micro_steps(costs, global_batch_size)
+        return
+    optimum = brute_force(costs, global_batch_size)
+    plan = plan_micro_steps(costs, global_batch_size)
+    assert plan.global_batch_size == global_batch_size
+    assert all(n >= 1 for n in plan.samples)
+    assert plan.predicted_step_time == optimum
+    for cost, n, b, k, seconds in zip(costs, plan.samples, plan.batch_sizes, plan.micro_steps, plan.predicted_times):
+        assert cost.max_batch is None or b <= cost.max_batch  # every micro-batch fits
+        assert k == 1 or (k - 1) * cost.max_batch < n  # and no fewer micro-batches would
+        assert seconds == k * cost.fixed + cost.per_sample * n
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    costs=st.lists(st.builds(CostModel, fixed=st.floats(0, 2), per_sample=st.floats(1e-3, 1)), min_size=1, max_size=6),
+    global_batch_size=st.integers(6, 500),
+)
+def test_without_a_memory_ceiling_it_is_the_min_max_plan_with_one_micro_step(costs, global_batch_size):
+    plan = plan_micro_steps(costs, global_batch_size)
+    assert plan.micro_steps == (1,) * len(costs)
+    assert plan.global_batch_size == global_batch_size
+    assert plan.predicted_step_time == plan_min_max(costs, global_batch_size).predicted_step_time
+
+
+def test_a_memory_bound_fast_rank_takes_its_share_in_micro_steps():
+    fast = CostModel(fixed=0.01, per_sample=0.001, max_batch=25)  # 2.5x faster, room for a quarter of the batch
+    slow = CostModel(fixed=0.01, per_sample=0.0025)
+    capped = plan_min_max([fast, slow], 100)
+    plan = plan_micro_steps([fast, slow], 100)
+    assert capped.batch_sizes == (25, 75)
+    assert plan.micro_steps[0] > 1 and plan.micro_steps[1] == 1
+    assert plan.batch_sizes[0] <= 25 and plan.global_batch_size == 100
+    assert plan.predicted_step_time < 0.8 * capped.predicted_step_time
+
+
+def test_most_samples_within_pays_the_fixed_cost_per_micro_step():
+    cost = CostModel(fixed=1.0, per_sample=1.0, max_batch=4)
+    assert most_samples_within(cost, 3.0, 100) == 2  # one micro-batch: 1 + 2
+    assert most_samples_within(cost, 10.0, 100) == 8  # two micro-batches of 4: 2 + 8
+    assert most_samples_within(cost, 10.0, 5) == 5  # capped
+    assert most_samples_within(cost, 1.5, 100) == 0
+
+
+def test_ten_thousand_ranks_of_four_kinds_are_planned_with_equal_devices_within_one_sample():
+    kinds = [CostModel(0.01, 1e-3, 8), CostModel(0.01, 2e-3, 32), CostModel(0.02, 5e-3), CostModel(0.01, 1e-3)]
+    costs = [kinds[r % 4] for r in range(10_000)]
+    plan = plan_micro_steps(costs, 123_457)
+    assert plan.global_batch_size == 123_457
+    assert max(plan.batch_sizes[0::4]) <= 8
+    for kind in range(4):
+        assert max(plan.samples[kind::4]) - min(plan.samples[kind::4]) <= 1

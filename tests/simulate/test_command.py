@@ -1,0 +1,120 @@
+"""`lightning-hetero plan` end to end, in this process: the examples' model measured here, a cluster file, the
+documented JSON, the what-ifs, and bad input refused with exit code 2 and the message."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lightning_hetero import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = ["--model", "examples.spirals:SpiralClassifier", "--data", "examples.spirals:SpiralDataModule"]
+CLUSTER = """\
+nodes:
+  - {devices: [{kind: A100-80GB, count: 4}], link: 200Gbit}
+  - {devices: [{kind: V100-32GB, count: 4}], link: 200Gbit}
+  - {devices: [{kind: cpu, cores: 32, count: 1}]}
+inter_node: {bandwidth: 10Gbit, latency: 50us}
+"""
+
+
+@pytest.fixture
+def cluster_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)  # `examples.spirals` is found from the working directory, as `python -m` would
+    path = tmp_path / "cluster.yaml"
+    path.write_text(CLUSTER)
+    return str(path)
+
+
+def run(args, capsys) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["plan", *args])
+    captured = capsys.readouterr()
+    return exit_.value.code, captured.out, captured.err
+
+
+def test_json_has_the_documented_keys_and_one_entry_per_device_and_the_what_ifs(cluster_file, capsys):
+    code, out, _ = run(
+        [
+            "--cluster",
+            cluster_file,
+            *MODEL,
+            "--json",
+            "--drop",
+            "V100-32GB",
+            "--add",
+            "H100:2",
+            "--stage",
+            "0",
+            "--global-batch-size",
+            "600",
+        ],
+        capsys,
+    )
+    assert code == 0
+    result = json.loads(out)
+    assert len(result["devices"]) == 9
+    for device in result["devices"]:
+        assert {"kind", "node", "micro_batch", "micro_steps", "precision", "memory_bytes", "compute_ms"} <= set(device)
+    assert sum(d["samples"] for d in result["devices"]) == 600
+    assert {d["precision"] for d in result["devices"]} == {"bf16-mixed", "16-mixed", "32-true"}
+    assert set(result["step_ms"]) == {"total", "compute", "exchange", "optimizer"}
+    assert result["speedup_over_equal"] >= 1.0
+    assert result["settings"]["zero_stage"] == 2
+    what_if = result["what_if"]
+    assert [d["kind"] for d in what_if["devices"]] == ["A100-80GB"] * 4 + ["cpu-32c-avx512"] + ["H100"] * 2
+    assert [d["node"] for d in what_if["devices"]] == [0] * 4 + [1] + [2] * 2
+    assert what_if["settings"]["zero_stage"] == 0 and what_if["settings"]["nodes"] == 3
+
+
+def test_the_tables_show_the_plan_the_step_and_the_speedups(cluster_file, capsys):
+    code, out, _ = run(["--cluster", cluster_file, *MODEL], capsys)
+    assert code == 0
+    for expected in (
+        "A100-80GB",
+        "V100-32GB",
+        "micro-steps",
+        "step:",
+        "equal split (DDP)",
+        "best homogeneous subset",
+        "on the wire",
+    ):
+        assert expected in out
+    assert "what if" not in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--drop", "T4"], "`--drop T4`: the cluster has no device of that kind"),
+        (["--add", "H100"], "`--add H100` must be KIND:N"),
+        (["--add", "H10:2"], "unknown device kind 'H10'; the closest known kind is 'H100'"),
+        (["--compression", "topk"], "`compression='topk'` needs `stage=0`"),
+    ],
+)
+def test_bad_what_ifs_exit_2_with_the_fix(cluster_file, capsys, args, message):
+    code, out, err = run(["--cluster", cluster_file, *MODEL, *args], capsys)
+    assert code == 2 and message in err and not out
+
+
+def test_a_bad_cluster_file_exits_2_naming_the_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    path = tmp_path / "bad.yaml"
+    path.write_text("nodes:\n  - devices:\n      - {kind: A100-80gb, count: 2}\n      - {kind: V10-32GB}\n")
+    code, _, err = run(["--cluster", str(path), *MODEL], capsys)
+    assert code == 2 and f"{path}:4:" in err and "'V100-32GB'" in err
+
+
+def test_ten_thousand_devices_are_planned(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    kinds = ["H100", "A100-80GB", "V100-32GB", "RTX-4090"]
+    nodes = "\n".join(f"  - {{devices: [{{kind: {kinds[i % 4]}, count: 8}}]}}" for i in range(1250))
+    path = tmp_path / "big.yaml"
+    path.write_text(f"nodes:\n{nodes}\ninter_node: {{bandwidth: 100Gbit, latency: 5us}}\n")
+    code, out, _ = run(["--cluster", str(path), *MODEL, "--json", "--global-batch-size", "100000"], capsys)
+    result = json.loads(out)
+    assert code == 0 and len(result["devices"]) == 10_000
+    assert sum(d["samples"] for d in result["devices"]) == 100_000
