@@ -8,6 +8,8 @@ import shutil
 import sys
 
 import pytest
+
+from lightning_hetero.plan.planner import MIN_PREDICTED_GAIN
 from conftest import REPO, run_bounded
 
 pytestmark = pytest.mark.multiprocess
@@ -113,6 +115,12 @@ def test_example_splits_by_measured_precision_without_emulation(tmp_path):
     # AVX512-BF16 or AMX bf16 usually measures faster, but a small model on a shared machine can measure either way:
     # seen once in a full suite run here, so the claim is the following, not the hardware's.)
     bf16_cost, fp32_cost = (p["fixed_seconds"] + 128 * p["seconds_per_sample"] for p in plan["profiles"])
-    assert (bf16_batch > fp32_batch) == (bf16_cost < fp32_cost), output[-3000:]
+    if plan["source"].startswith("auto: equal"):
+        # A predicted gain below MIN_PREDICTED_GAIN keeps the equal split (seen once in a full suite: 9.5 against
+        # 10.1 ms of compute); the plan says so, and the prediction it kept is the equal split's.
+        assert bf16_batch == fp32_batch and f"< {MIN_PREDICTED_GAIN:.0%}" in plan["source"], output[-3000:]
+        assert plan["prediction"]["speedup"] == 1.0
+    else:
+        assert (bf16_batch > fp32_batch) == (bf16_cost < fp32_cost), output[-3000:]
     print(f"equal-share compute: bf16 {bf16_cost * 1e3:.2f} ms, fp32 {fp32_cost * 1e3:.2f} ms"
           f" (bf16 native: {collect_device_facts('cpu').bf16_native})")  # fmt: skip
