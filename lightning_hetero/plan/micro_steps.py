@@ -61,13 +61,15 @@ def plan_micro_steps(costs: Sequence[CostModel], global_batch_size: int) -> Micr
     """The samples and micro-steps per rank that minimise the slowest rank's time for exactly ``global_batch_size``.
 
     Searches the one number that decides it, the lowest time level at which the ranks together can take the global
-    batch (bisection over floats down to adjacent values; a rank's time grows with its samples). Ranks with equal
-    cost models are evaluated once per model, so 10,000 devices of a few kinds cost a few evaluations per level.
+    batch (bisection over floats down to adjacent values; a rank's time grows with its samples). A rank too slow for
+    even one sample within it still takes one: it then sets the step time, and the level balances the others. Ranks
+    with equal cost models are evaluated once per model, so 10,000 devices of a few kinds cost a few evaluations per
+    level.
     """
     check_plannable([CostModel(c.fixed, c.per_sample) for c in costs], global_batch_size)
     groups = Counter(costs)
-    # Every rank takes at least one sample, so the level is at least the slowest rank's time for one.
-    low = high = max(rank_time(c, 1) for c in groups)
+    # Every rank takes at least one sample, however long one takes it; the level balances the others below that.
+    low, high = 0.0, max(rank_time(c, 1) for c in groups)
     while _capacity(groups, high, global_batch_size) < global_batch_size:
         low, high = high, high * 2 if high > 0 else 1.0
     while True:
@@ -78,17 +80,18 @@ def plan_micro_steps(costs: Sequence[CostModel], global_batch_size: int) -> Micr
             high = middle
         else:
             low = middle
-    at_level = {cost: most_samples_within(cost, high, global_batch_size) for cost in groups}
-    below = {cost: most_samples_within(cost, math.nextafter(high, 0.0), global_batch_size) for cost in groups}
+    at_level = {cost: max(1, most_samples_within(cost, high, global_batch_size)) for cost in groups}
+    below = {cost: max(1, most_samples_within(cost, math.nextafter(high, 0.0), global_batch_size)) for cost in groups}
     samples = _trim_to(costs, at_level, below, global_batch_size)
     steps = tuple(micro_steps_for(c, n) for c, n in zip(costs, samples))
     return MicroStepPlan(tuple(samples), steps, tuple(rank_time(c, n) for c, n in zip(costs, samples)))
 
 
 def _capacity(groups: Counter, level: float, cap: int) -> int:
+    """Samples the ranks take within ``level``, each at least one."""
     total = 0
     for cost, count in groups.items():
-        total += count * most_samples_within(cost, level, cap)
+        total += count * max(1, most_samples_within(cost, level, cap))
         if total >= cap:
             return total
     return total
@@ -99,7 +102,7 @@ def _trim_to(costs: Sequence[CostModel], at_level: dict, below: dict, global_bat
     (one per rank in turn, so equal devices differ by at most one), then, if still too many, any above one each."""
     samples = [at_level[cost] for cost in costs]
     excess = sum(samples) - global_batch_size
-    for floor in ([max(1, below[cost]) for cost in costs], [1] * len(costs)):
+    for floor in ([below[cost] for cost in costs], [1] * len(costs)):
         while excess > 0:
             removable = [rank for rank, n in enumerate(samples) if n > floor[rank]]
             if not removable:

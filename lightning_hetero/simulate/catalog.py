@@ -37,6 +37,7 @@ class DeviceKind:
     efficiency: Optional[float] = None
     speed: float = 1.0  # an extra factor on the rate (emulated slowdowns, throttled parts)
     source: str = ""
+    cpu: Optional[tuple[int, str, float]] = None  # a CPU's cores, ISA and GHz
 
     def facts(self) -> DeviceFacts:
         """The facts :func:`best_precision` reads, so the simulator chooses precisions exactly as a run would."""
@@ -123,6 +124,7 @@ def cpu_kind(
         bf16_native=bf16_per_cycle is not None,
         supports_fp16=False,  # CPUs have no fast fp16 kernels: "auto" never picks fp16 for them
         source=f"{cores} cores x {ghz} GHz x {fp32_per_cycle:g} FP32 FLOPs/cycle ({isa})",
+        cpu=(cores, isa, ghz),
     )
 
 

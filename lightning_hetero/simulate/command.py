@@ -9,23 +9,23 @@ on the wire, and what-ifs (``--drop``, ``--add``, ``--stage``, ``--compression``
 from __future__ import annotations
 
 import argparse
-import glob
 import json
-import os
 import sys
 from dataclasses import replace
 from typing import Any, Optional
 
 from lightning_hetero.simulate import catalog
 from lightning_hetero.simulate.cluster import Cluster, ClusterFileError, SimulatedDevice, load_cluster
-from lightning_hetero.simulate.predict import Options, Prediction, predict
+from lightning_hetero.simulate.calibration import efficiency_by_kind, loop_from_run
+from lightning_hetero.simulate.predict import LoopCalibration, Options, Prediction, predict
 
 DEFAULT_STAGE = 2  # HeteroStrategy's default ZeRO stage
+NO_LOOP = LoopCalibration()
 JSON_DOC = """--json prints one object:
   devices: one entry per device, in rank order: kind, node, samples (per optimizer step), micro_batch (the
            largest of its micro-batches), micro_steps, precision, memory_bytes (predicted use at micro_batch),
            memory_capacity_bytes, compute_ms (its compute per optimizer step)
-  step_ms: {total, compute, exchange, optimizer}
+  step_ms: {total, compute, exchange, optimizer, overhead} (overhead: 0 unless --calibrate gives a run)
   speedup_over_equal: the equal split's step time over this plan's
   best_homogeneous: {kind, devices, step_ms, speedup} (the fastest single-kind subset; null if none can train)
   wire: {bytes_per_step, inter_node_bytes_per_step, hierarchical, reason}
@@ -46,8 +46,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--data", help="MODULE:CLASS of a LightningDataModule giving the training samples")
     p.add_argument("--global-batch-size", type=int, help="samples per optimizer step (default: loader batch x devices)")
     p.add_argument("--profile", help="a run's directory with rank_<r>.json files: calibrates those GPU kinds")
+    p.add_argument(
+        "--calibrate",
+        help="the plan directory of a finished CPU run of the same model on this machine: adds the training loop's"
+        " costs beyond the step measured here (unequal batch_sizes tell its fixed part from its factor)",
+    )
     p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help=f"ZeRO stage (default {DEFAULT_STAGE})")
     p.add_argument("--compression", choices=("none", "fp16", "bf16", "powersgd", "topk"), help="gradient compression")
+    p.add_argument(
+        "--precision",
+        choices=("auto", "32-true", "bf16-mixed", "16-mixed"),
+        default="auto",
+        help="every device's precision; auto (default): each device's own, as device_precision='auto' chooses",
+    )
     p.add_argument("--drop", action="append", default=[], metavar="KIND", help="what if the devices of KIND left")
     p.add_argument("--add", action="append", default=[], metavar="KIND:N", help="what if N devices of KIND joined")
     p.add_argument("--json", action="store_true", help="print the documented JSON object instead of tables")
@@ -59,15 +70,21 @@ def main(args: Optional[list[str]] = None) -> int:
     try:
         cluster = load_cluster(options.cluster)
         what_if_cluster = apply_what_ifs(cluster, options.drop, options.add)
-        workload, default_batch = _measure(options)
+        workload, global_batch = _measure(options, len(cluster.devices))
     except (ClusterFileError, ValueError) as error:
         print(f"lightning-hetero plan: {error}", file=sys.stderr)
         return 2
-    base = Options(
-        global_batch_size=options.global_batch_size or default_batch * len(cluster.devices),
-        zero_stage=DEFAULT_STAGE,
-        calibrated_efficiency=calibrate(options.profile, workload) if options.profile else {},
-    )
+    try:
+        base = Options(
+            global_batch_size=global_batch,
+            precision=None if options.precision == "auto" else options.precision,
+            zero_stage=DEFAULT_STAGE,
+            calibrated_efficiency=efficiency_by_kind(options.profile, workload) if options.profile else {},
+            loop=loop_from_run(options.calibrate, workload, cluster.node_links[0]) if options.calibrate else NO_LOOP,
+        )
+    except (OSError, KeyError, ValueError) as error:
+        print(f"lightning-hetero plan: {error}", file=sys.stderr)
+        return 2
     changed = replace(
         base,
         zero_stage=DEFAULT_STAGE if options.stage is None else options.stage,
@@ -87,13 +104,17 @@ def main(args: Optional[list[str]] = None) -> int:
     return 0
 
 
-def _measure(options: argparse.Namespace):
+def _measure(options: argparse.Namespace, world_size: int) -> tuple[Any, int]:
+    """The model's workload, measured here at the sizes a run of ``world_size`` ranks would profile, and the global
+    batch (``--global-batch-size``, or the loader's batch size on every device, as HeteroStrategy's default)."""
+    from lightning_hetero.measure.profiler import probe_sizes
     from lightning_hetero.simulate.workload import load_object, measure_workload, training_loader
 
     model = load_object(options.model, "--model")(**json.loads(options.init_args))
     datamodule = load_object(options.data, "--data")() if options.data else None
     loader = training_loader(model, datamodule)
-    return measure_workload(model, loader, options.model), loader.batch_size or 1
+    global_batch = options.global_batch_size or (loader.batch_size or 1) * world_size
+    return measure_workload(model, loader, options.model, probe_sizes(global_batch, world_size)), global_batch
 
 
 def apply_what_ifs(cluster: Cluster, drop: list[str], add: list[str]) -> Cluster:
@@ -186,6 +207,7 @@ def _breakdown(prediction: Prediction) -> dict[str, float]:
         "compute": prediction.compute_seconds * 1e3,
         "exchange": prediction.exchange.seconds * 1e3,
         "optimizer": prediction.optimizer_seconds * 1e3,
+        "overhead": prediction.overhead_seconds * 1e3,
     }
 
 
@@ -209,23 +231,6 @@ def best_homogeneous(cluster: Cluster, workload, options: Options) -> Optional[t
         if best is None or prediction.step_seconds < best[2].step_seconds:
             best = (name, len(devices), prediction)
     return best
-
-
-def calibrate(directory: str, workload) -> dict[str, float]:
-    """Efficiency per catalog GPU kind from a run's ``rank_<r>.json`` profiles of the same model."""
-    from lightning_hetero.simulate.predict import efficiency_from_profile
-
-    found: dict[str, list[float]] = {}
-    paths = sorted(glob.glob(os.path.join(directory, "rank_*.json")))
-    if not paths:
-        raise ValueError(f"`--profile {directory}` has no rank_<r>.json (a run's plan directory holds them)")
-    for path in paths:
-        with open(path) as handle:
-            rank = json.load(handle)
-        calibrated = efficiency_from_profile(rank, workload)
-        if calibrated is not None:
-            found.setdefault(calibrated[0], []).append(calibrated[1])
-    return {kind: sum(values) / len(values) for kind, values in found.items()}
 
 
 def render(result: dict[str, Any], workload) -> str:

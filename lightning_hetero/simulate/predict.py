@@ -11,6 +11,7 @@ the model's state for the ZeRO stage plus activations per sample, within ``MEMOR
 from __future__ import annotations
 
 import math
+import statistics
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from lightning_hetero.measure.cost import CostModel
 from lightning_hetero.measure.profiler import MEMORY_HEADROOM
 from lightning_hetero.plan.micro_steps import MicroStepPlan, micro_steps_for, plan_micro_steps
 from lightning_hetero.plan.split import split_by_weights
-from lightning_hetero.precision.choice import FP32
+from lightning_hetero.precision.choice import FP32, unsupported
 from lightning_hetero.simulate.catalog import DeviceKind, kind_of_device_name
 from lightning_hetero.simulate.cluster import Cluster, Link
 from lightning_hetero.simulate.workload import Workload
@@ -42,6 +43,63 @@ TOPK_BYTES_PER_ENTRY = 8  # an fp32 value and an int32 index
 
 
 @dataclass(frozen=True)
+class LoopCalibration:
+    """A CPU step in the training loop against the same step measured alone here, from a run (:func:`calibrate_loop`).
+
+    In the loop a CPU rank's compute is ``loop_compute_seconds + compute_factor * (what the step measured here
+    predicts)`` at speed 1 (Lightning's step wrapper, DeepSpeed's gradient hooks and the loss weighting add a fixed
+    part; data loading between steps and the other ranks on the machine cool the caches), stretched by a rank's
+    slowness like the rest of its compute; an emulated slow rank stretches it too. ``step_overhead_seconds``: wall
+    time per step beyond the slowest rank's compute, the exchange and the optimizer (Lightning's loop, DeepSpeed's
+    step bookkeeping, the package's watch), added to every step. Without a calibration run the prediction is the
+    step measured here, the exchange and the optimizer only.
+    """
+
+    loop_compute_seconds: float = 0.0
+    compute_factor: float = 1.0
+    step_overhead_seconds: float = 0.0
+
+
+SETTLED_STEPS = 20  # the last steps of a run, over which a calibration takes its medians
+
+
+def least_squares_slope(points: Sequence[tuple[int, float]]) -> float:
+    """The slope of compute seconds against micro-batch size; 0 when every point has the same size."""
+    mean_b, mean_c = statistics.fmean(b for b, _ in points), statistics.fmean(c for _, c in points)
+    spread = sum((b - mean_b) ** 2 for b, _ in points)
+    return sum((b - mean_b) * (c - mean_c) for b, c in points) / spread if spread else 0.0
+
+
+def calibrate_loop(
+    report: dict, rank_files: Sequence[dict], workload: Workload, exchange_and_optimizer_seconds: float
+) -> LoopCalibration:
+    """The :class:`LoopCalibration` a CPU run on this machine shows: ``report`` its report.json, ``rank_files`` its
+    rank_<r>.json, ``workload`` the same model measured here, ``exchange_and_optimizer_seconds`` what the step model
+    predicts for that run. Ranks at unequal micro-batches (``batch_sizes=[...]``) give both the fixed part and the
+    factor; at equal ones only the fixed part can be told (the factor stays 1)."""
+    steps = report["steps"][-SETTLED_STEPS:]
+    speeds = rank_files[0]["plan"].get("emulate_speeds") or [1.0] * len(rank_files)
+    # Each rank's median compute at its median micro-batch, at speed 1.
+    points = [
+        (
+            round(statistics.median(step["batch_sizes"][r] for step in steps)),
+            statistics.median(step["compute_seconds"][r] for step in steps) * speeds[r],
+        )
+        for r in range(len(rank_files))
+    ]
+    slope = least_squares_slope(points)
+    # Never faster than the step measured here; with the factor settled, the fixed part is what the points leave.
+    factor = max(1.0, slope / workload.here_seconds_per_sample)
+    intercept = statistics.fmean(c - factor * workload.here_seconds_per_sample * b for b, c in points)
+    non_compute = [step["step_seconds"] - max(step["compute_seconds"]) for step in steps]
+    return LoopCalibration(
+        loop_compute_seconds=max(0.0, intercept - factor * workload.here_fixed_seconds),
+        compute_factor=factor,
+        step_overhead_seconds=max(0.0, statistics.median(non_compute) - exchange_and_optimizer_seconds),
+    )
+
+
+@dataclass(frozen=True)
 class Options:
     global_batch_size: int
     zero_stage: int = 0
@@ -49,6 +107,8 @@ class Options:
     compression_options: dict = field(default_factory=dict)
     hierarchical: object = "auto"
     calibrated_efficiency: dict = field(default_factory=dict)  # kind name -> fraction of peak measured in a run
+    loop: LoopCalibration = field(default_factory=LoopCalibration)
+    precision: Optional[str] = None  # every device's precision; None: what device_precision="auto" chooses
 
 
 @dataclass(frozen=True)
@@ -81,9 +141,11 @@ class Prediction:
     exchange: Exchange
     optimizer_seconds: float
 
+    overhead_seconds: float = 0.0  # the calibrated step overhead (LoopCalibration.step_overhead_seconds)
+
     @property
     def step_seconds(self) -> float:
-        return self.compute_seconds + self.exchange.seconds + self.optimizer_seconds
+        return self.compute_seconds + self.exchange.seconds + self.optimizer_seconds + self.overhead_seconds
 
 
 # ------------------------------------------------------------------------------------------------------ per device
@@ -121,15 +183,28 @@ def activation_bytes(workload: Workload, precision: str) -> float:
     return workload.activation_bytes_per_sample * factor
 
 
+def precision_of(kind: DeviceKind, options: Options) -> str:
+    """The precision a device of ``kind`` trains in: ``options.precision`` for all, else ``"auto"``'s choice."""
+    if options.precision is None:
+        return kind.precision()
+    problem = unsupported(options.precision, kind.facts())
+    if problem:
+        raise ValueError(f"`--precision {options.precision}` cannot run on a {kind.name}: {problem}")
+    return options.precision
+
+
 def device_cost(kind: DeviceKind, workload: Workload, options: Options, world_size: int) -> CostModel:
     """The cost model and memory ceiling of one device of ``kind`` for this workload."""
-    precision = kind.precision()
+    precision = precision_of(kind, options)
     rate = kind.peak(precision) * efficiency_of(kind, workload, options) * kind.speed
     per_sample = workload.flops_per_sample / rate
     if kind.type == "cpu":
-        # The fixed part measured here (Python and operator overheads), scaled by how much slower this CPU is.
+        # The fixed part measured here (Python and operator overheads), what the training loop makes of the step
+        # (LoopCalibration), scaled by how much slower this CPU is.
         here_rate = workload.flops_per_sample / workload.here_seconds_per_sample
-        fixed = workload.here_fixed_seconds * here_rate / rate
+        loop = options.loop
+        fixed = (loop.compute_factor * workload.here_fixed_seconds + loop.loop_compute_seconds) * here_rate / rate
+        per_sample *= loop.compute_factor
     else:
         fixed = workload.operators_per_step * KERNEL_LAUNCH_SECONDS / kind.speed + workload.fixed_flops / rate
     room = kind.memory_bytes * MEMORY_HEADROOM - model_state_bytes(workload.parameters, options.zero_stage, world_size)
@@ -246,17 +321,17 @@ def predict(cluster: Cluster, workload: Workload, options: Options, equal: bool 
     plan = (
         equal_split(costs, options.global_batch_size) if equal else plan_micro_steps(costs, options.global_batch_size)
     )
-    precision_of = {key: kind.precision() for key, kind in kinds.items()}
+    precisions = {key: precision_of(kind, options) for key, kind in kinds.items()}
     state = model_state_bytes(workload.parameters, options.zero_stage, world)
     devices = tuple(
         DevicePrediction(
             kind=device.kind.name,
             node=device.node,
-            precision=precision_of[id(device.kind)],
+            precision=precisions[id(device.kind)],
             samples=n,
             micro_batch=b,
             micro_steps=k,
-            memory_bytes=state + b * activation_bytes(workload, precision_of[id(device.kind)]),
+            memory_bytes=state + b * activation_bytes(workload, precisions[id(device.kind)]),
             memory_capacity_bytes=device.kind.memory_bytes,
             compute_seconds=seconds,
             cost=cost,
@@ -266,7 +341,10 @@ def predict(cluster: Cluster, workload: Workload, options: Options, equal: bool 
         )
     )
     optimizer = max(optimizer_seconds(kind, workload.parameters, options.zero_stage, world) for kind in kinds.values())
-    return Prediction(devices, plan.predicted_step_time, exchange(cluster, workload, options), optimizer)
+    return Prediction(
+        devices, plan.predicted_step_time, exchange(cluster, workload, options), optimizer,
+        options.loop.step_overhead_seconds,
+    )  # fmt: skip
 
 
 def equal_split(costs: Sequence[CostModel], global_batch_size: int) -> MicroStepPlan:

@@ -27,10 +27,10 @@ def _rows(devices: list[dict[str, Any]]) -> list[str]:
 
 
 def _step(step: dict[str, float]) -> str:
-    return (
-        f"{step['total']:.2f} ms (compute {step['compute']:.2f} + exchange {step['exchange']:.2f} + optimizer"
-        f" {step['optimizer']:.2f})"
-    )
+    parts = f"compute {step['compute']:.2f} + exchange {step['exchange']:.2f} + optimizer {step['optimizer']:.2f}"
+    if step["overhead"]:
+        parts += f" + loop overhead {step['overhead']:.2f}"
+    return f"{step['total']:.2f} ms ({parts})"
 
 
 def _section(result: dict[str, Any]) -> list[str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,10 +110,12 @@ def here_cpu_kind() -> DeviceKind:
     return cpu_kind(max(1, torch.get_num_threads()), isa, round(ghz, 2))
 
 
-def measure_workload(module: torch.nn.Module, loader: Any, name: str) -> Workload:
-    """The :class:`Workload` of ``module``'s training step on samples of ``loader`` (on this CPU)."""
+def measure_workload(module: torch.nn.Module, loader: Any, name: str, sizes: Sequence[int] = PROBE_SIZES) -> Workload:
+    """The :class:`Workload` of ``module``'s training step on samples of ``loader`` (on this CPU), profiled at the
+    micro-batch ``sizes`` (the package profiles at ``probe_sizes(global batch, world size)``: give those, so that
+    the line fitted here is the one a run fits)."""
     module = module.to("cpu")
-    profile = profile_from_loader(module, loader, PROBE_SIZES, torch.device("cpu"))
+    profile = profile_from_loader(module, loader, sizes, torch.device("cpu"))
     collate, dataset = loader.collate_fn, loader.dataset
 
     def batch_of(size: int) -> Any:

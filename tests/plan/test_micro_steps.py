@@ -89,3 +89,13 @@ def test_ten_thousand_ranks_of_four_kinds_are_planned_with_equal_devices_within_
     assert max(plan.batch_sizes[0::4]) <= 8
     for kind in range(4):
         assert max(plan.samples[kind::4]) - min(plan.samples[kind::4]) <= 1
+
+
+def test_a_rank_slow_for_even_one_sample_takes_one_and_the_others_stay_balanced():
+    slow = CostModel(fixed=8.0, per_sample=1.0)  # 9 s for its one sample: it sets the step time whatever the rest do
+    fast, medium = CostModel(fixed=1.0, per_sample=0.01), CostModel(fixed=1.0, per_sample=0.04)
+    plan = plan_micro_steps([fast, medium, slow], 501)
+    assert plan.samples[2] == 1 and plan.predicted_step_time == 9.0
+    # The other two are balanced with each other (not left at a sample each with the rest on one of them).
+    assert abs(plan.predicted_times[0] - plan.predicted_times[1]) <= 0.04
+    assert plan.samples[:2] == (400, 100)

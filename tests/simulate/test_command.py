@@ -61,7 +61,8 @@ def test_json_has_the_documented_keys_and_one_entry_per_device_and_the_what_ifs(
         assert {"kind", "node", "micro_batch", "micro_steps", "precision", "memory_bytes", "compute_ms"} <= set(device)
     assert sum(d["samples"] for d in result["devices"]) == 600
     assert {d["precision"] for d in result["devices"]} == {"bf16-mixed", "16-mixed", "32-true"}
-    assert set(result["step_ms"]) == {"total", "compute", "exchange", "optimizer"}
+    assert set(result["step_ms"]) == {"total", "compute", "exchange", "optimizer", "overhead"}
+    assert result["step_ms"]["overhead"] == 0.0  # no --calibrate
     assert result["speedup_over_equal"] >= 1.0
     assert result["settings"]["zero_stage"] == 2
     what_if = result["what_if"]
@@ -118,3 +119,47 @@ def test_ten_thousand_devices_are_planned(tmp_path, capsys, monkeypatch):
     result = json.loads(out)
     assert code == 0 and len(result["devices"]) == 10_000
     assert sum(d["samples"] for d in result["devices"]) == 100_000
+
+
+def _write_run(directory: Path, device: dict, profile: dict, compute: float, step: float) -> None:
+    directory.mkdir()
+    for rank in range(2):
+        rank_file = {
+            "device": device,
+            "precision": "32-true",
+            "plan": {"global_batch_size": 256, "emulate_speeds": None},
+            "profile": profile,
+            "deepspeed_config": {"zero_optimization": {"stage": 0}},
+        }
+        (directory / f"rank_{rank}.json").write_text(json.dumps(rank_file))
+    steps = [{"batch_sizes": [128, 128], "compute_seconds": [compute] * 2, "step_seconds": step}] * 25
+    report = {"steps": steps, "communication": {"nodes": [0, 0], "emulated_link": None, "compression": None}}
+    (directory / "report.json").write_text(json.dumps(report))
+
+
+def test_a_cpu_run_calibrates_the_loop_and_a_gpu_run_the_efficiency_of_its_kind(cluster_file, tmp_path, capsys):
+    cpu_run, gpu_run = tmp_path / "cpu_run", tmp_path / "gpu_run"
+    _write_run(
+        cpu_run, {"kind": "cpu", "name": "cpu"}, {"fixed_seconds": 1e-3, "seconds_per_sample": 5e-5}, 0.015, 0.03
+    )
+    a100 = {"kind": "cuda", "name": "NVIDIA A100-SXM4-80GB"}
+    _write_run(gpu_run, a100, {"fixed_seconds": 1e-4, "seconds_per_sample": 1e-7}, 0.001, 0.002)
+    code, out, _ = run(["--cluster", cluster_file, *MODEL, "--json"], capsys)
+    plain = json.loads(out)
+    code, out, _ = run(
+        ["--cluster", cluster_file, *MODEL, "--json", "--calibrate", str(cpu_run), "--profile", str(gpu_run)], capsys
+    )
+    assert code == 0
+    calibrated = json.loads(out)
+    assert calibrated["step_ms"]["overhead"] > 0 and plain["step_ms"]["overhead"] == 0
+    a100_plain = next(d for d in plain["devices"] if d["kind"] == "A100-80GB")
+    a100_calibrated = next(d for d in calibrated["devices"] if d["kind"] == "A100-80GB")
+    # The run's profile (fp32, 1e-7 s per sample) puts the A100 at another fraction of its peak than the default
+    # 40 %, so the plan gives it another share.
+    assert a100_calibrated["samples"] != a100_plain["samples"]
+
+
+@pytest.mark.parametrize("flag", ["--calibrate", "--profile"])
+def test_a_run_directory_without_rank_files_exits_2(cluster_file, tmp_path, capsys, flag):
+    code, _, err = run(["--cluster", cluster_file, *MODEL, flag, str(tmp_path)], capsys)
+    assert code == 2 and f"`{flag} {tmp_path}` has no rank_<r>.json" in err

@@ -3,15 +3,19 @@ links, each device's cost model, and the plan: pure functions checked against ha
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from lightning_hetero.plan.planner import plan_min_max
-from lightning_hetero.simulate.catalog import GIB, cpu_kind
+from lightning_hetero.simulate.catalog import GIB, cpu_kind, with_overrides
 from lightning_hetero.simulate.cluster import load_cluster_text
 from lightning_hetero.simulate.predict import (
     DEFAULT_GPU_EFFICIENCY,
     KERNEL_LAUNCH_SECONDS,
+    LoopCalibration,
     Options,
+    calibrate_loop,
     device_cost,
     efficiency_from_profile,
     exchange,
@@ -147,3 +151,73 @@ def test_a_run_s_rank_file_calibrates_its_kind():
     kind, efficiency = efficiency_from_profile(rank_file, WORKLOAD)
     assert kind == "A100-80GB" and efficiency == pytest.approx(100 / 312)
     assert efficiency_from_profile({"device": {"kind": "cpu", "name": "x"}, "profile": {}}, WORKLOAD) is None
+
+
+HERE = replace(WORKLOAD, here_fixed_seconds=0.001, here_seconds_per_sample=1e-4)
+
+
+def _run_files(compute: list[float], step: float, batch_sizes: list[int], speeds=None) -> tuple[dict, list[dict]]:
+    steps = [
+        {"step": i, "batch_sizes": batch_sizes, "compute_seconds": compute, "step_seconds": step} for i in range(30)
+    ]
+    report = {"steps": steps, "communication": {"nodes": [0, 0], "emulated_link": None, "compression": None}}
+    rank = {
+        "device": {"kind": "cpu", "name": "cpu"},
+        "precision": "32-true",
+        "plan": {"global_batch_size": sum(batch_sizes), "emulate_speeds": speeds},
+        "profile": None,
+        "deepspeed_config": {"zero_optimization": {"stage": 0}},
+    }
+    return report, [rank, dict(rank)]
+
+
+def test_unequal_micro_batches_calibrate_the_loop_s_fixed_part_its_factor_and_the_overhead():
+    # Here: 1 ms + 0.1 ms per sample. In the loop: 4 ms + 0.15 ms per sample = 2.5 ms + 1.5 x (here's line).
+    report, ranks = _run_files([0.004 + 0.00015 * 100, 0.004 + 0.00015 * 50], 0.030, [100, 50])
+    loop = calibrate_loop(report, ranks, HERE, exchange_and_optimizer_seconds=0.003)
+    assert loop.compute_factor == pytest.approx(1.5)
+    assert loop.loop_compute_seconds == pytest.approx(0.0025)
+    assert loop.step_overhead_seconds == pytest.approx(0.030 - 0.019 - 0.003)
+
+
+def test_an_emulated_slow_rank_s_compute_is_taken_at_speed_1():
+    report, ranks = _run_files([0.004 + 0.00015 * 100, 2 * (0.004 + 0.00015 * 50)], 0.030, [100, 50], [1.0, 0.5])
+    loop = calibrate_loop(report, ranks, HERE, exchange_and_optimizer_seconds=0.003)
+    assert loop.compute_factor == pytest.approx(1.5) and loop.loop_compute_seconds == pytest.approx(0.0025)
+
+
+def test_equal_micro_batches_calibrate_the_fixed_part_only():
+    report, ranks = _run_files([0.0165, 0.0165], 0.025, [100, 100])  # here's line gives 11 ms
+    loop = calibrate_loop(report, ranks, HERE, exchange_and_optimizer_seconds=0.003)
+    assert loop.compute_factor == 1.0 and loop.loop_compute_seconds == pytest.approx(0.0055)
+
+
+def test_a_calibration_never_makes_the_loop_faster_than_the_step_here_or_the_overhead_negative():
+    report, ranks = _run_files([0.005, 0.004], 0.005, [100, 50])  # below here's 11 and 6 ms
+    loop = calibrate_loop(report, ranks, HERE, exchange_and_optimizer_seconds=0.003)
+    assert loop.compute_factor == 1.0 and loop.loop_compute_seconds == 0.0 and loop.step_overhead_seconds == 0.0
+
+
+def test_the_calibration_applies_to_cpu_compute_and_to_every_step():
+    cluster = load_cluster_text("nodes:\n  - devices: [{kind: cpu, cores: 1, ghz: 2.5}, {kind: H100}]\n")
+    plain = Options(global_batch_size=64)
+    loop = LoopCalibration(loop_compute_seconds=0.003, compute_factor=1.5, step_overhead_seconds=0.004)
+    calibrated = Options(global_batch_size=64, loop=loop)
+    cpu, gpu = cluster.devices[0].kind, cluster.devices[1].kind
+    cost = device_cost(cpu, WORKLOAD, calibrated, 2)
+    assert (cost.fixed, cost.per_sample) == pytest.approx((1.5 * 0.002 + 0.003, 1.5 * 0.1))
+    slow = device_cost(with_overrides(cpu, speed=0.5), WORKLOAD, calibrated, 2)  # stretches the loop's part too
+    assert (slow.fixed, slow.per_sample) == pytest.approx((2 * (1.5 * 0.002 + 0.003), 2 * 1.5 * 0.1))
+    assert device_cost(gpu, WORKLOAD, calibrated, 2) == device_cost(gpu, WORKLOAD, plain, 2)
+    prediction = predict(cluster, WORKLOAD, calibrated)
+    assert prediction.step_seconds == pytest.approx(
+        prediction.compute_seconds + prediction.exchange.seconds + prediction.optimizer_seconds + 0.004
+    )
+
+
+def test_one_precision_for_every_device_is_refused_where_a_device_cannot_run_it():
+    cluster = load_cluster_text("nodes:\n  - devices: [{kind: V100-32GB}, {kind: A100-80GB}]\n")
+    fp32 = predict(cluster, WORKLOAD, Options(global_batch_size=64, precision="32-true"))
+    assert {d.precision for d in fp32.devices} == {"32-true"}
+    with pytest.raises(ValueError, match="`--precision bf16-mixed` cannot run on a V100-32GB: it has no bf16"):
+        predict(cluster, WORKLOAD, Options(global_batch_size=64, precision="bf16-mixed"))
