@@ -374,6 +374,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     calibration = {
         "loop_compute_seconds": loop.loop_compute_seconds,
+        "compute_factor": loop.compute_factor,
         "step_overhead_seconds": loop.step_overhead_seconds,
     }
     args.out.write_text(json.dumps({"link": link, "calibration": calibration, "rows": rows}, indent=1))

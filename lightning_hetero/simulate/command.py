@@ -9,6 +9,7 @@ on the wire, and what-ifs (``--drop``, ``--add``, ``--stage``, ``--compression``
 from __future__ import annotations
 
 import argparse
+import textwrap
 import json
 import sys
 from dataclasses import replace
@@ -21,6 +22,12 @@ from lightning_hetero.simulate.predict import LoopCalibration, Options, Predicti
 
 DEFAULT_STAGE = 2  # HeteroStrategy's default ZeRO stage
 NO_LOOP = LoopCalibration()
+DESCRIPTION = (
+    "Plan a mixed cluster before using it: reads a cluster file, measures your training step here, and prints the"
+    " plan HeteroStrategy would make there (each device's micro-batch, micro-steps, precision, memory and compute"
+    " time), the step time and its parts, the speedup over the equal split and over the best single-kind subset, the"
+    " bytes on the wire, and what-ifs (--drop, --add, --stage, --compression) against the cluster as described."
+)
 JSON_DOC = """--json prints one object:
   devices: one entry per device, in rank order: kind, node, samples (per optimizer step), micro_batch (the
            largest of its micro-batches), micro_steps, precision, memory_bytes (predicted use at micro_batch),
@@ -36,12 +43,12 @@ JSON_DOC = """--json prints one object:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lightning-hetero plan",
-        description=__doc__.split("\n\n")[1],
+        description=textwrap.fill(DESCRIPTION, 100),
         epilog=JSON_DOC,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--cluster", required=True, help="the cluster file (YAML; see lightning_hetero/simulate/cluster.py)")
-    p.add_argument("--model", required=True, help="MODULE:CLASS of the LightningModule (built with no arguments)")
+    p.add_argument("--model", required=True, help="MODULE:CLASS of the LightningModule (built with --init-args)")
     p.add_argument("--init-args", default="{}", help="JSON keyword arguments for the model's constructor")
     p.add_argument("--data", help="MODULE:CLASS of a LightningDataModule giving the training samples")
     p.add_argument("--global-batch-size", type=int, help="samples per optimizer step (default: loader batch x devices)")
