@@ -29,11 +29,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
+
+from jobs import run_job  # benchmarks/jobs.py (scripts run from this folder)
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results" / "communication.json"
@@ -155,17 +156,7 @@ def launch(mode: str, hierarchical: bool, out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, __file__, "--fit", mode, str(hierarchical), str(out)]
     environment = {**os.environ, "LIGHTNING_HETERO_EMULATE_NODES": "2", "LIGHTNING_HETERO_EMULATE_LINK": LINK}
-    with open(out / "log.txt", "w") as log:
-        process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=environment
-        )
-        try:
-            process.wait(timeout=FIT_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, 9)
-            raise RuntimeError(f"{mode} (hierarchical={hierarchical}) did not finish in {FIT_TIMEOUT} s; see {out}")
-    if process.returncode != 0:
-        raise RuntimeError(f"{mode} (hierarchical={hierarchical}) failed ({process.returncode}); see {out}/log.txt")
+    run_job(command, out / "log.txt", environment, FIT_TIMEOUT, f"{mode} (hierarchical={hierarchical})")
     report = json.loads((out / "hetero" / "report.json").read_text())
     return figures(report, json.loads((out / "result.json").read_text())["final_loss"])
 

@@ -36,11 +36,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
+
+from jobs import run_job  # benchmarks/jobs.py (scripts run from this folder)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -104,18 +105,7 @@ def launch(configuration: dict[str, Any], out: Path) -> dict[str, Any]:
         environment["LIGHTNING_HETERO_EMULATE_NODES"] = str(configuration["nodes"])
         environment["LIGHTNING_HETERO_EMULATE_LINK"] = f"{LINK[0]},{LINK[1]}"
     command = [sys.executable, __file__, "--fit", json.dumps(configuration), str(out)]
-    with open(out / "log.txt", "w") as log:
-        process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=environment
-        )
-        try:
-            process.wait(timeout=FIT_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, 9)
-            process.wait()
-            raise RuntimeError(f"{configuration['name']} did not finish in {FIT_TIMEOUT} s; see {out}/log.txt")
-    if process.returncode != 0:
-        raise RuntimeError(f"{configuration['name']} failed ({process.returncode}); see {out}/log.txt")
+    run_job(command, out / "log.txt", environment, FIT_TIMEOUT, configuration["name"])
     world = len(configuration["speeds"])
     report = json.loads((out / "hetero" / "report.json").read_text())
     profiles = [json.loads((out / "hetero" / f"rank_{r}.json").read_text())["profile"] for r in range(world)]

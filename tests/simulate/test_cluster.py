@@ -3,6 +3,8 @@ what it becomes, and every mistake named with its line and the fix."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from lightning_hetero.precision.choice import BF16, FP16, FP32
@@ -15,13 +17,8 @@ from lightning_hetero.simulate.cluster import (
     parse_memory,
 )
 
-ISSUE_EXAMPLE = """\
-nodes:
-  - {devices: [{kind: A100-80GB, count: 4}], link: 200Gbit}
-  - {devices: [{kind: V100-32GB, count: 4}], link: 200Gbit}
-  - {devices: [{kind: cpu, cores: 32, count: 1}]}
-inter_node: {bandwidth: 10Gbit, latency: 50us}
-"""
+# The issue's example, shipped as the README's (comments added).
+ISSUE_EXAMPLE = (Path(__file__).resolve().parents[2] / "configs" / "cluster_example.yaml").read_text()
 
 
 def test_the_issue_example_reads_into_nine_devices_on_three_nodes():

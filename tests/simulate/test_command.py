@@ -12,13 +12,7 @@ from lightning_hetero import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ["--model", "examples.spirals:SpiralClassifier", "--data", "examples.spirals:SpiralDataModule"]
-CLUSTER = """\
-nodes:
-  - {devices: [{kind: A100-80GB, count: 4}], link: 200Gbit}
-  - {devices: [{kind: V100-32GB, count: 4}], link: 200Gbit}
-  - {devices: [{kind: cpu, cores: 32, count: 1}]}
-inter_node: {bandwidth: 10Gbit, latency: 50us}
-"""
+CLUSTER = (ROOT / "configs" / "cluster_example.yaml").read_text()
 
 
 @pytest.fixture

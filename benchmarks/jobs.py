@@ -1,0 +1,25 @@
+"""A benchmark's job: one fit in a process session of its own, its output in a log file, and the whole session
+killed when it runs past its deadline (no benchmark waits for ever on a stuck job)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+
+def run_job(command: list[str], log: Path, environment: dict[str, str], timeout: float, name: str) -> None:
+    """Run ``command`` to the end; a ``RuntimeError`` naming ``name`` and the log if it fails or times out."""
+    with open(log, "w") as handle:
+        process = subprocess.Popen(
+            command, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True, env=environment
+        )
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            raise RuntimeError(f"{name} did not finish in {timeout} s; see {log}") from None
+    if process.returncode != 0:
+        raise RuntimeError(f"{name} failed ({process.returncode}); see {log}")
