@@ -2,10 +2,12 @@
 gradient exchange over the cluster's links, and the step time they add up to. Pure functions of the cluster, the
 workload and the options.
 
-A step is ``max_r(compute_r) + exchange + max_r(optimizer_r)``: the ranks wait for the slowest before the exchange
-and DeepSpeed steps the optimizer after it (no overlap is assumed). Compute is ``k_r * (fixed_r + per_sample_r *
-b_r)`` with ``per_sample_r = FLOPs per sample / (peak rate at the rank's precision * efficiency * speed)``; memory is
-the model's state for the ZeRO stage plus activations per sample, within ``MEMORY_HEADROOM`` of the device's memory.
+A step is ``max_r(compute_r) + exchange + max_r(optimizer_r) + loop overhead``: the ranks wait for the slowest
+before the exchange and DeepSpeed steps the optimizer after it (no overlap is assumed); the loop overhead is 0 unless
+a run calibrates it (:class:`LoopCalibration`). Compute is ``k_r * fixed_r + per_sample_r * n_r`` for ``n_r`` samples
+in ``k_r`` micro-batches (:mod:`~lightning_hetero.plan.micro_steps`), with ``per_sample_r = FLOPs per sample / (peak
+rate at the rank's precision * efficiency * speed)``; memory is the model's state for the ZeRO stage plus activations
+per sample, within ``MEMORY_HEADROOM`` of the device's memory.
 """
 
 from __future__ import annotations
@@ -140,7 +142,6 @@ class Prediction:
     compute_seconds: float
     exchange: Exchange
     optimizer_seconds: float
-
     overhead_seconds: float = 0.0  # the calibrated step overhead (LoopCalibration.step_overhead_seconds)
 
     @property
