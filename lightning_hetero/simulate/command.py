@@ -117,7 +117,19 @@ def _measure(options: argparse.Namespace, world_size: int) -> tuple[Any, int]:
     from lightning_hetero.measure.profiler import probe_sizes
     from lightning_hetero.simulate.workload import load_object, measure_workload, training_loader
 
-    model = load_object(options.model, "--model")(**json.loads(options.init_args))
+    try:
+        init_args = json.loads(options.init_args)
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"`--init-args {options.init_args}` is not JSON ({error}); e.g. '{{\"hidden\": 512}}'"
+        ) from None
+    if not isinstance(init_args, dict):
+        raise ValueError(f"`--init-args {options.init_args}` must be a JSON object of keyword arguments")
+    model_class = load_object(options.model, "--model")
+    try:
+        model = model_class(**init_args)
+    except TypeError as error:
+        raise ValueError(f"`--model {options.model}` with `--init-args {options.init_args}`: {error}") from None
     datamodule = load_object(options.data, "--data")() if options.data else None
     loader = training_loader(model, datamodule)
     global_batch = options.global_batch_size or (loader.batch_size or 1) * world_size

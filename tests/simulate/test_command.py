@@ -88,6 +88,10 @@ def test_the_tables_show_the_plan_the_step_and_the_speedups(cluster_file, capsys
         (["--add", "H100"], "`--add H100` must be KIND:N"),
         (["--add", "H10:2"], "unknown device kind 'H10'; the closest known kind is 'H100'"),
         (["--compression", "topk"], "`compression='topk'` needs `stage=0`"),
+        (["--init-args", "{hidden: 3}"], "`--init-args {hidden: 3}` is not JSON"),
+        (["--init-args", "[3]"], "`--init-args [3]` must be a JSON object"),
+        (["--init-args", '{"width": 3}'], 'with `--init-args {"width": 3}`: '),
+        (["--global-batch-size", "4"], "`global_batch_size=4` is smaller than the world size 9"),
     ],
 )
 def test_bad_what_ifs_exit_2_with_the_fix(cluster_file, capsys, args, message):
