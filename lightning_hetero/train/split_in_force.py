@@ -8,6 +8,7 @@ the next global batch, and this rank's micro-batch in the DeepSpeed config and e
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
@@ -22,8 +23,17 @@ class SplitInForce:
         self.rank = rank
         self.plan: Optional[SplitPlan] = None
         self.prediction: Optional[dict[str, Any]] = None  # the planner's, for the plan table and report
-        self.loader: Optional[Any] = None  # the training loader it cuts (a HeteroDataLoader or HeteroStreamLoader)
+        # The training loader it cuts (a HeteroDataLoader or HeteroStreamLoader), held weakly: the loader holds the
+        # job's listeners, which hold this, and a loader in a reference cycle is freed by the cyclic collector, which
+        # tears its worker queues down before the iterator's shutdown can tell the workers to stop: each worker then
+        # costs torch's 5 s join timeout (10 s for 2 workers, measured here).
+        self._loader: Optional[weakref.ref] = None
         self._followers: list[Callable[[int], None]] = []
+
+    @property
+    def loader(self) -> Optional[Any]:
+        """The training loader this split cuts, while the trainer keeps it; None before it is built and after."""
+        return self._loader() if self._loader is not None else None
 
     def follow(self, on_micro_batch: Callable[[int], None]) -> None:
         """``on_micro_batch(b)`` is called with this rank's micro-batch whenever the split is set or changes."""
@@ -37,13 +47,14 @@ class SplitInForce:
     def use(self, batch_sizes: Sequence[int], source: str = "re-plan") -> None:
         """From the next global batch on, every rank trains on ``batch_sizes``."""
         self.plan = SplitPlan(tuple(batch_sizes), source=source)
-        if self.loader is not None:
-            self.loader.hetero_batch_sampler.use_split(self.plan.batch_sizes)
+        loader = self.loader
+        if loader is not None:
+            loader.hetero_batch_sampler.use_split(self.plan.batch_sizes)
         self._tell_followers()
 
     def cut_by(self, loader: Any) -> None:
         """The training loader was built from this split: later changes reach its batch sampler."""
-        self.loader = loader
+        self._loader = weakref.ref(loader)
 
     @property
     def batch_sizes(self) -> tuple[int, ...]:
@@ -57,7 +68,8 @@ class SplitInForce:
 
     def global_samples_consumed(self) -> Optional[int]:
         """The position in the epoch in global samples (rank-independent: resumable on any number of ranks)."""
-        return self.loader.state_dict()[STATE_SAMPLES_CONSUMED] if self.loader is not None else None
+        loader = self.loader
+        return loader.state_dict()[STATE_SAMPLES_CONSUMED] if loader is not None else None
 
     def _tell_followers(self) -> None:
         for follower in self._followers:

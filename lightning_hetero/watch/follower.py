@@ -40,8 +40,9 @@ class SplitFollower:
         return self.rebalancer.replans if self.rebalancer is not None else []
 
     def before_fetch(self) -> None:
-        if self.split.loader is not None and self.rebalancer is not None:
-            restored = self.split.loader.take_checkpoint_split()
+        loader = self.split.loader
+        if loader is not None and self.rebalancer is not None:
+            restored = loader.take_checkpoint_split()
             if restored is not None:
                 self._resume_with(restored)
         self.watch.before_fetch(self._all_gather, after_exchange=self._decide)

@@ -65,3 +65,44 @@ def test_a_change_before_the_loader_is_built_is_what_the_loader_is_cut_from():
     loader = FakeLoader(split.batch_sizes)
     split.cut_by(loader)
     assert loader.hetero_batch_sampler.batch_sizes == (10, 6) and split.micro_batch == 6
+
+
+class JobListeners:
+    """What the job is to the training loader: its batch listeners, which own the split in force."""
+
+    def __init__(self, split):
+        self.split = split
+
+    def training_batch(self, local_samples, global_samples):
+        pass
+
+
+@pytest.mark.parametrize("persistent_workers", [False, True])
+def test_the_training_loader_is_freed_by_its_last_reference_not_by_the_cyclic_collector(persistent_workers):
+    """The loader holds the job's listeners and they hold the split in force, which cuts the loader. Held strongly,
+    that cycle left the loader to the cyclic collector, which tears its worker queues down before the iterator's
+    shutdown reaches the workers: each worker then waited out torch's 5 s join timeout (10 s with 2 workers)."""
+    import gc
+    import weakref
+
+    from torch.utils.data import DataLoader
+
+    from lightning_hetero.train.loaders import rebuild_loader
+
+    split = SplitInForce(rank=0)
+    split.start(SplitPlan((4, 4), source="fixed"), None)
+    listeners = JobListeners(split)
+    user = DataLoader(list(range(40)), batch_size=4, num_workers=2, persistent_workers=persistent_workers)
+    loader = rebuild_loader(user, [4, 4], 0, 0, on_batch=listeners.training_batch)
+    split.cut_by(loader)
+    split.use((5, 3))  # the split reaches the loader while it lives
+    assert loader.hetero_batch_sampler.batch_sizes == (5, 3)
+    assert len([batch for batch in loader]) == 5
+    freed = weakref.ref(loader)
+    gc.disable()
+    try:
+        del loader
+        assert freed() is None, "the training loader is kept alive by a reference cycle"
+    finally:
+        gc.enable()
+    assert split.loader is None and split.global_samples_consumed() is None
