@@ -9,7 +9,6 @@ bandwidth in GB/s (10^9 bytes). A cluster file can replace any figure of any dev
 from __future__ import annotations
 
 import difflib
-import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
@@ -100,15 +99,16 @@ CPU_ISAS: dict[str, tuple[float, Optional[float]]] = {
     "avx512_bf16": (64.0, 128.0),
     "amx": (64.0, 1024.0),
 }
+# What a cluster file's cpu entry gets when it does not say (cpu_kind's defaults too).
 CPU_DEFAULTS = {"isa": "avx512", "ghz": 2.5, "memory": 64 * GIB, "memory_bandwidth": 100 * GIGA}
 
 
 def cpu_kind(
     cores: int,
-    isa: str = "avx512",
-    ghz: float = 2.5,
-    memory_bytes: float = 64 * GIB,
-    memory_bandwidth: float = 100 * GIGA,
+    isa: str = CPU_DEFAULTS["isa"],
+    ghz: float = CPU_DEFAULTS["ghz"],
+    memory_bytes: float = CPU_DEFAULTS["memory"],
+    memory_bandwidth: float = CPU_DEFAULTS["memory_bandwidth"],
 ) -> DeviceKind:
     """A CPU of ``cores`` cores running torch's kernels for ``isa`` at ``ghz``."""
     fp32_per_cycle, bf16_per_cycle = CPU_ISAS[isa]
@@ -171,9 +171,3 @@ def with_overrides(kind: DeviceKind, **changes: Any) -> DeviceKind:
     if "peak_flops" in changes:
         changes["peak_flops"] = {**kind.peak_flops, **changes["peak_flops"]}
     return replace(kind, **changes)
-
-
-def check_fraction(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{what}={value!r} must be a number > 0")
-    return float(value)

@@ -16,11 +16,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_hetero.measure.cpu import cpu_facts
+from lightning_hetero.precision.choice import FP32
 from lightning_hetero.measure.profiler import (
     loss_of,
     preserved_training_state,
@@ -51,7 +53,7 @@ class Workload:
     @property
     def here_efficiency(self) -> float:
         """The fraction of this CPU's fp32 peak the step reached here."""
-        return self.flops_per_sample / self.here_seconds_per_sample / self.here_kind.peak_flops["32-true"]
+        return self.flops_per_sample / self.here_seconds_per_sample / self.here_kind.peak_flops[FP32]
 
 
 def load_object(spec: str, what: str) -> Any:
@@ -90,23 +92,19 @@ def _step_counts(module: torch.nn.Module, batch: Any) -> tuple[float, int]:
 
 def here_cpu_kind() -> DeviceKind:
     """This machine's CPU as the step model describes it: torch's threads as cores, its ISA and clock."""
-    facts = cpu_facts()
-    features = set(facts.isa_features)
-    isa = (
-        "amx"
-        if "amx_bf16" in features
-        else "avx512_bf16"
-        if "avx512_bf16" in features
-        else ("avx512" if "avx512f" in features else "avx2")
+    features = set(cpu_facts().isa_features)
+    # The fastest instruction set torch's kernels use on this CPU, by the feature flag that enables it.
+    isa = next(
+        (
+            isa
+            for flag, isa in (("amx_bf16", "amx"), ("avx512_bf16", "avx512_bf16"), ("avx512f", "avx512"))
+            if flag in features
+        ),
+        "avx2",
     )
-    import psutil
-
     frequency = psutil.cpu_freq()
-    ghz = (
-        frequency.max / 1e3
-        if frequency and frequency.max
-        else (frequency.current / 1e3 if frequency and frequency.current else CPU_DEFAULTS["ghz"])
-    )
+    clocks_mhz = (frequency.max, frequency.current) if frequency else ()
+    ghz = next((mhz / 1e3 for mhz in clocks_mhz if mhz), CPU_DEFAULTS["ghz"])
     return cpu_kind(max(1, torch.get_num_threads()), isa, round(ghz, 2))
 
 
