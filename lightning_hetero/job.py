@@ -25,7 +25,10 @@ from lightning_hetero.measure.facts import DeviceFacts
 from lightning_hetero.measure.profiler import RankProfile
 from lightning_hetero.measure.survey import JobSurvey, RankSurvey, profile_rank
 from lightning_hetero.plan.deepspeed_config import model_signature
-from lightning_hetero.plan.initial import initial_plan, rebalancer_for
+from lightning_hetero.emulate import memory
+from lightning_hetero.plan.initial import initial_plan, rebalancer_for, within_emulated_memory
+from lightning_hetero.plan.micro_steps import automatic_micro_steps_allowed, micro_steps_refusal
+from lightning_hetero.plan.split import micro_batch_sizes
 from lightning_hetero.precision.choice import rank_precision
 from lightning_hetero.precision.job import gradient_bytes_held_until_step, job_plugin, loss_scale_value
 from lightning_hetero.precision.nonfinite import NonFiniteGuard
@@ -33,6 +36,7 @@ from lightning_hetero.precision.plugin import HeteroPrecision, autocast_for
 from lightning_hetero.recover.recovery import Recovery, manifest_facts
 from lightning_hetero.runtime.collectives import Collectives
 from lightning_hetero.settings import HeteroSettings, check_ranks_agree
+from lightning_hetero.train.micro_batches import MicroBatchGuard, split_batch
 from lightning_hetero.train.order import GlobalOrder, agreed_seed, local_seed
 from lightning_hetero.train.sharding import BatchListeners, DataSharding, check_trainable
 from lightning_hetero.train.split_in_force import SplitInForce
@@ -53,6 +57,7 @@ class HeteroJob:
         self.split = SplitInForce(rank=0)
         self.sharding = DataSharding()
         self.loss_weights = LossWeights(settings.loss_reduction)
+        self.micro_batch_guard = MicroBatchGuard()
         self.recovery = Recovery(settings.peer_timeout)
         self.nonfinite = NonFiniteGuard(settings.max_nonfinite_steps, lambda t: self.collectives.gather_tensor(t))
         self.watcher: Optional[Watcher] = None
@@ -61,6 +66,7 @@ class HeteroJob:
         self.precisions: list[str] = []
         self.profiles: Optional[list[RankProfile]] = None
         self._identical_devices = True
+        self.memory_ceilings: Optional[list[Optional[int]]] = None  # emulated, per rank (emulate/memory.py)
         self._emulated_topology: tuple[Optional[int], Optional[topology.SlowLink]] = (None, None)
 
     def join(self, rank: int, world_size: int, device: torch.device, trainer: Optional[Any], plugin: Any) -> None:
@@ -82,7 +88,9 @@ class HeteroJob:
 
     # ------------------------------------------------------------------ measure, plan, configure
 
-    def survey(self, trainer: Any, fitting: bool, module: Any, device: torch.device, trainer_precision: str) -> int:
+    def survey(
+        self, trainer: Any, fitting: bool, module: Any, device: torch.device, trainer_precision: str, zero_stage: int
+    ) -> int:
         """The setup gather: every rank's arguments, data-order seed, model, device facts, precision and (automatic
         split) profile, checked to agree. Returns the global batch (0 outside fit)."""
         settings = self.settings
@@ -93,6 +101,10 @@ class HeteroJob:
             if fitting:
                 check_trainable(loader, global_batch_size, self.world_size, settings.loss_reduction,  # type: ignore[arg-type]
                                 module.automatic_optimization)  # fmt: skip
+                refusal = micro_steps_refusal(settings.micro_steps, zero_stage, settings.loss_reduction,
+                                              module.automatic_optimization)  # fmt: skip
+                if refusal:
+                    raise ValueError(refusal)
             facts = collect_device_facts(device)
             precision = trainer_precision
             if settings.device_precision is not None:  # may refuse this rank's device: raised on every rank
@@ -113,8 +125,9 @@ class HeteroJob:
         check_ranks_agree([rank.agreement for rank in job.ranks], [rank.model for rank in job.ranks])
         self.sharding.data_seed = agreed_seed([rank.seed for rank in job.ranks])
         self.device_facts, self.precisions = job.device_facts, job.precisions
+        self.memory_ceilings = job.ranks[self.rank].agreement["emulate_memory"]
         if fitting:
-            self.profiles = job.profiles
+            self.profiles = within_emulated_memory(job.profiles, self.memory_ceilings)
             self._identical_devices = job.identical_devices(emulated=settings.speed_schedule is not None)
         return job.ranks[self.rank].agreement["global_batch_size"] or 0
 
@@ -138,15 +151,24 @@ class HeteroJob:
         settings = self.settings
         held = gradient_bytes_held_until_step(settings.device_precision, self.precisions, self.device_facts,
                                               zero_stage, module)  # fmt: skip
+        unequal_steps = automatic_micro_steps_allowed(
+            zero_stage, settings.loss_reduction, module.automatic_optimization
+        )
         start = initial_plan(self.world_size, global_batch_size, settings.batch_sizes, settings.weights,
-                             self.profiles, settings.loss_reduction, self._identical_devices, held)  # fmt: skip
+                             self.profiles, settings.loss_reduction, self._identical_devices, held,
+                             settings.micro_steps, unequal_steps)  # fmt: skip
         if start.warning:
             rank_zero_warn(start.warning)
+        overflow = memory.describe_overflow(start.plan.batch_sizes, start.plan.micro_steps, self.memory_ceilings)
+        if overflow:  # (every rank holds the same plan and ceilings: every rank raises it)
+            raise ValueError(overflow)
         self.split.start(start.plan, start.prediction)
         rebalancer = None
         if settings.rebalancing(profiled=self.profiles is not None, world_size=self.world_size):
             window, threshold = settings.rebalance_window, settings.rebalance_threshold
-            rebalancer = rebalancer_for(start.plan, self.profiles, held, window, threshold)
+            rebalancer = rebalancer_for(start.plan, self.profiles, held, window, threshold,
+                                        fixed_micro_steps=settings.micro_steps is not None,
+                                        unequal_micro_steps=unequal_steps, ceilings=self.memory_ceilings)  # fmt: skip
         assert self.watcher is not None
         self.watcher.follow(self.split, rebalancer)
 
@@ -222,6 +244,14 @@ class HeteroJob:
             assert self.watcher is not None
             self.watcher.before_fetch()
             self.training_batch(*stream.batch_trained())
+
+    def micro_batches_of(self, batch: Any) -> list[tuple[Any, Optional[int]]]:
+        """The batch in hand as this rank's micro-batches and their sample counts: itself alone without micro-steps."""
+        samples, steps = self.loss_weights.batch_samples(), self.split.micro_steps
+        if steps == 1 or samples is None:
+            return [(batch, None)]
+        sizes = micro_batch_sizes(samples, steps)
+        return list(zip(split_batch(batch, sizes), sizes))
 
     def training_order(self) -> Optional[GlobalOrder]:
         """The global order the training loader will cut (a map-style loader's), to place a restored epoch."""

@@ -18,8 +18,10 @@ from torch.utils.data import DataLoader
 
 from lightning_hetero.comm import compression, topology
 from lightning_hetero.comm.compression import CompressionChoice
+from lightning_hetero.emulate import memory
 from lightning_hetero.emulate.slowdown import ENV_VAR as EMULATE_ENV_VAR
 from lightning_hetero.emulate.slowdown import SpeedSchedule, emulated_speeds
+from lightning_hetero.plan.micro_steps import micro_steps_refusal
 from lightning_hetero.plan.deepspeed_config import check_user_config, model_disagreement, raise_if_arguments_differ
 from lightning_hetero.plan.replan import check_rebalance_arguments
 from lightning_hetero.plan.split import check_split_arguments, resolve_split
@@ -52,6 +54,7 @@ class HeteroSettings:
     global_batch_size: Optional[int]
     batch_sizes: Optional[tuple[int, ...]]
     weights: Optional[tuple[float, ...]]
+    micro_steps: Optional[tuple[int, ...]]
     loss_reduction: str
     rebalance: Optional[bool]
     rebalance_window: int
@@ -70,6 +73,7 @@ class HeteroSettings:
         global_batch_size: Optional[int],
         batch_sizes: Optional[Sequence[int]],
         weights: Optional[Sequence[float]],
+        micro_steps: Optional[Sequence[int]],
         emulate_speeds: Any,
         loss_reduction: str,
         rebalance: Optional[bool],
@@ -89,7 +93,7 @@ class HeteroSettings:
         if stage is not None:
             check_stage(stage)
         check_loss_reduction(loss_reduction)
-        check_split_arguments(global_batch_size, batch_sizes, weights)
+        check_split_arguments(global_batch_size, batch_sizes, weights, micro_steps)
         check_rebalance_arguments(rebalance, rebalance_window, rebalance_threshold)
         liveness.check_peer_timeout(peer_timeout)
         check_max_nonfinite_steps(max_nonfinite_steps)
@@ -98,6 +102,7 @@ class HeteroSettings:
             global_batch_size=global_batch_size,
             batch_sizes=tuple(batch_sizes) if batch_sizes is not None else None,
             weights=tuple(weights) if weights is not None else None,
+            micro_steps=tuple(int(k) for k in micro_steps) if micro_steps is not None else None,
             loss_reduction=loss_reduction,
             rebalance=rebalance,
             rebalance_window=int(rebalance_window),
@@ -162,8 +167,17 @@ class HeteroSettings:
         plugin's class name (None when the plugin is already the strategy's own, from an earlier trainer call)."""
         known_global_batch = self.global_batch_size
         if known_global_batch is None and self.batch_sizes is not None:
-            known_global_batch = sum(self.batch_sizes)
-        resolve_split(world_size, known_global_batch or world_size, self.batch_sizes, self.weights)
+            known_global_batch = self.fixed_global_batch_size()
+        # With the global batch unknown until the loader is read, only the length of `micro_steps` is checked here.
+        steps = self.micro_steps if known_global_batch is not None else None
+        if steps is None and self.micro_steps is not None and len(self.micro_steps) != world_size:
+            steps = self.micro_steps
+        resolve_split(world_size, known_global_batch or world_size, self.batch_sizes, self.weights, steps)
+        refusal = micro_steps_refusal(self.micro_steps, config["zero_optimization"]["stage"], self.loss_reduction,
+                                      automatic_optimization=True)  # fmt: skip
+        if refusal:
+            raise ValueError(refusal)
+        memory.check_ceilings(memory.emulated_ceilings_from_environment(), world_size)
         precision.check_rank_count(self.device_precision, world_size)
         compression.check_zero_plus_plus(config, device_type)
         if trainer_precision is not None:
@@ -186,7 +200,7 @@ class HeteroSettings:
         if self.global_batch_size is not None:
             return self.global_batch_size
         if self.batch_sizes is not None:
-            return sum(self.batch_sizes)
+            return self.fixed_global_batch_size()
         batch_size = loader_batch_size(loader) if isinstance(loader, DataLoader) else None
         if batch_size is None:
             raise ValueError(
@@ -195,6 +209,12 @@ class HeteroSettings:
                 " `batch_sizes=[...]`."
             )
         return batch_size * world_size
+
+    def fixed_global_batch_size(self) -> int:
+        """The global batch ``batch_sizes`` (with ``micro_steps``) make: the sum of ``b_r * k_r``."""
+        assert self.batch_sizes is not None
+        steps = self.micro_steps or (1,) * len(self.batch_sizes)
+        return sum(b * k for b, k in zip(self.batch_sizes, steps))
 
     @staticmethod
     def emulated_topology() -> tuple[Optional[int], Optional[topology.SlowLink]]:
@@ -213,6 +233,8 @@ class HeteroSettings:
             "global_batch_size": global_batch_size,
             "batch_sizes": list(self.batch_sizes) if self.batch_sizes is not None else None,
             "weights": list(self.weights) if self.weights is not None else None,
+            "micro_steps": list(self.micro_steps) if self.micro_steps is not None else None,
+            "emulate_memory": memory.emulated_ceilings_from_environment(),
             "emulate_speeds": self.speed_schedule.to_json() if self.speed_schedule else None,
             "loss_reduction": self.loss_reduction,
             "rebalance": [self.rebalance, self.rebalance_window, self.rebalance_threshold],

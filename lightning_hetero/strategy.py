@@ -48,6 +48,7 @@ from lightning_hetero.runtime.shutdown import register_exit_cleanup
 from lightning_hetero.settings import DEFAULT_STAGE, HeteroSettings
 from lightning_hetero.train.buffers import BufferSync
 from lightning_hetero.train.loaders import HeteroDataLoader
+from lightning_hetero.train.micro_batches import reduction_held_back, step_loss, unreduced_parameters
 from lightning_hetero.train.streams import HeteroStreamLoader
 
 
@@ -61,6 +62,14 @@ class HeteroStrategy(DeepSpeedStrategy):
             the world size (what DDP would use), or the sum of ``batch_sizes``.
         batch_sizes: each rank's micro-batch, in global rank order; they sum to the global batch.
         weights: relative capability per rank; the global batch is split in proportion (each rank >= 1 sample).
+        micro_steps: forward/backward passes per optimizer step on each rank, e.g. ``[3, 1]``: rank ``r`` takes its
+            samples in ``k_r`` micro-batches and the optimizer steps once all are done, so a fast device with little
+            memory still takes the share its speed deserves. With ``batch_sizes`` those are the micro-batches (the
+            global batch is ``sum(b_r * k_r)``); otherwise each rank's share is cut into ``k_r`` micro-batches that
+            differ by at most one sample. The update is the full-batch one either way. Default None: 1 everywhere,
+            unless the automatic split finds a memory ceiling that binds (then the planner picks ``k_r``). Ranks may
+            differ at ZeRO 0-2 (they reduce once per step); ZeRO-3 needs the same count everywhere. Memory ceilings
+            can be emulated with ``LIGHTNING_HETERO_EMULATE_MEMORY=64,16`` (samples per micro-batch, per rank).
         loss_reduction: ``"mean"`` (default) when ``training_step`` returns the mean loss over its batch, ``"sum"``
             when it returns the sum. Each rank's loss is weighted so that the update is DDP's whatever the split:
             ``b_r * W / B`` for a mean, 1 for a sum (see :func:`lightning_hetero.plan.split.loss_weight`).
@@ -119,6 +128,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         global_batch_size: Optional[int] = None,
         batch_sizes: Optional[Sequence[int]] = None,
         weights: Optional[Sequence[float]] = None,
+        micro_steps: Optional[Sequence[int]] = None,
         config: Optional[Union[_PATH, dict[str, Any]]] = None,
         emulate_speeds: Optional[Union[Sequence[float], dict[int, Sequence[float]]]] = None,
         loss_reduction: str = "mean",
@@ -134,7 +144,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         **kwargs: Any,
     ) -> None:
         settings = HeteroSettings.from_arguments(
-            stage, global_batch_size, batch_sizes, weights, emulate_speeds, loss_reduction, rebalance,
+            stage, global_batch_size, batch_sizes, weights, micro_steps, emulate_speeds, loss_reduction, rebalance,
             rebalance_window, rebalance_threshold, peer_timeout, device_precision, compression, compression_options,
             hierarchical, max_nonfinite_steps,
         )  # fmt: skip
@@ -157,6 +167,8 @@ class HeteroStrategy(DeepSpeedStrategy):
         self._buffer_sync: Optional[BufferSync] = None
         self._optimizer_parameters: list[tuple[str, Any]] = []
         self._plain_redirection = self._forward_redirection
+        # This step's micro-batches after the first, with training_step's other arguments: run in `backward`.
+        self._later_micro_batches: tuple[list, tuple, dict] = ([], (), {})
 
     # What the run established, for users and the monitor (see HeteroJob).
     plan = property(lambda self: self.job.split.plan, doc="The split in force.")
@@ -262,7 +274,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         trainer = module.trainer
         fitting = trainer.state.fn == TrainerFn.FITTING
         global_batch_size = self.job.survey(trainer, fitting, module, self.root_device,
-                                            str(self.precision_plugin.precision))  # fmt: skip
+                                            str(self.precision_plugin.precision), self._zero_stage())  # fmt: skip
         own_plugin = self.job.plugin_for_this_rank(self.precision_plugin)
         if own_plugin is not None:  # ranks of their own precisions: it replaces the Trainer's (Lightning's plug point)
             self.precision_plugin = own_plugin
@@ -337,18 +349,62 @@ class HeteroStrategy(DeepSpeedStrategy):
             if self._buffer_sync:  # rank 0's buffers on every rank before the forward, as DDP's broadcast_buffers
                 job.collectives.before_each()
                 self._buffer_sync.sync()
-            output = super().training_step(*args, **kwargs)
+            # With micro-steps (train/micro_batches.py) the first micro-batch goes to Lightning's closure, and the
+            # others run in `backward`: Lightning zeroes the gradients between training_step and backward.
+            (first, samples), *later = job.micro_batches_of(args[0])
+            self._later_micro_batches = (later, args[1:], kwargs)
+            output = self._micro_batch_step(first, samples, not later, args[1:], kwargs)
         job.loss_weights.step_returned(output)
+        return output
+
+    def _micro_batch_step(self, batch: Any, samples: Optional[int], last: bool, rest: tuple, kwargs: dict) -> Any:
+        """The user's training_step on one micro-batch (``samples`` None: the whole batch, no micro-steps). Only the
+        rank's last one makes collectives (see train/micro_batches.py)."""
+        job = self.job
+        if samples is None:
+            return super().training_step(batch, *rest, **kwargs)
+        job.loss_weights.micro_batch(samples)
+        self._trainer()._results.batch_size = samples  # its metrics count its samples in the epoch mean
+        with contextlib.nullcontext() if last else job.micro_batch_guard.early_micro_batch():
+            output = super().training_step(batch, *rest, **kwargs)
+        if step_loss(output) is None:
+            raise RuntimeError(
+                "HeteroStrategy: `training_step` returned None (skip this batch) for one of this rank's micro-batches"
+                " (`micro_steps`). The other ranks would still run theirs and wait for this one's gradients. Skip"
+                " inside the step instead (e.g. return `loss * 0`), or train without micro-steps."
+            )
         return output
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        # DeepSpeed averages ranks equally; weighting the loss makes that average the full-batch mean.
-        self.job.nonfinite.loss_computed(closure_loss)
-        with self.job.emulation.slowed(), self.job.communication.counting():
-            super().backward(closure_loss * self.current_loss_weight(), optimizer, *args, **kwargs)
-        self.job.watcher.meter.backward_ended()  # type: ignore[union-attr]
+        later, rest, step_kwargs = self._later_micro_batches
+        self._later_micro_batches = ([], (), {})
+        self._weighted_backward(closure_loss, optimizer, not later, *args, **kwargs)
+        normalize = self._trainer().accumulate_grad_batches  # as Lightning's closure divides the first one
+        job = self.job
+        for index, (batch, samples) in enumerate(later):
+            last = index == len(later) - 1
+            with job.loss_weights.weighted_sync(), job.emulation.slowed(), job.communication.counting():
+                output = self._micro_batch_step(batch, samples, last, rest, step_kwargs)
+            self._weighted_backward(step_loss(output) / normalize, optimizer, last, *args, **kwargs)
+        if later and self._zero_stage() == 2:
+            unreduced = unreduced_parameters(self.lightning_module)
+            if unreduced:
+                raise RuntimeError(
+                    f"HeteroStrategy: parameters {unreduced[:5]} had gradients from an earlier micro-batch of this step"
+                    " but none from the last one, so ZeRO-2 never reduced them (`micro_steps`). Use ZeRO stage 0 or 1"
+                    " for a model whose parameters depend on the batch, or train without micro-steps."
+                )
         return closure_loss
+
+    def _weighted_backward(self, loss: Tensor, optimizer: Any, last: bool, *args: Any, **kwargs: Any) -> None:
+        # DeepSpeed averages ranks equally; weighting the loss makes that average the full-batch mean. A rank's
+        # micro-batches before its last keep their gradients local (train/micro_batches.py).
+        self.job.nonfinite.loss_computed(loss)
+        held_back = contextlib.nullcontext() if last else reduction_held_back(self.deepspeed_engine)
+        with self.job.emulation.slowed(), self.job.communication.counting(), held_back:
+            super().backward(loss * self.current_loss_weight(), optimizer, *args, **kwargs)
+        self.job.watcher.meter.backward_ended()  # type: ignore[union-attr]
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -378,22 +434,28 @@ class HeteroStrategy(DeepSpeedStrategy):
 
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-        """Inside a step a "mean" is weighted by each rank's samples (:class:`~.train.weights.LossWeights`)."""
+        """Inside a step a "mean" is weighted by each rank's samples (:class:`~.train.weights.LossWeights`). In a
+        micro-batch before the rank's last (``micro_steps``) nothing is reduced: the last one's value is logged."""
+        if self.job.micro_batch_guard.early:
+            return tensor
         self.job.collectives.before_each()
         return self.job.loss_weights.reduce(tensor, group, reduce_op, super().reduce)
 
     @override
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        self.job.micro_batch_guard.refuse_collective("all_gather")
         self.job.collectives.before_each()
         return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
+        self.job.micro_batch_guard.refuse_collective("broadcast")
         self.job.collectives.before_each()
         return super().broadcast(obj, src)
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
+        self.job.micro_batch_guard.refuse_collective("barrier")
         self.job.collectives.before_each()
         super().barrier(*args, **kwargs)
 

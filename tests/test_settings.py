@@ -8,7 +8,8 @@ from torch.utils.data import DataLoader
 from lightning_hetero.settings import HeteroSettings, check_ranks_agree
 
 DEFAULTS = dict(
-    stage=None, global_batch_size=None, batch_sizes=None, weights=None, emulate_speeds=None, loss_reduction="mean",
+    stage=None, global_batch_size=None, batch_sizes=None, weights=None, micro_steps=None, emulate_speeds=None,
+    loss_reduction="mean",
     rebalance=None, rebalance_window=20, rebalance_threshold=0.05, peer_timeout=30.0, device_precision=None,
     compression_mode=None, compression_options=None, hierarchical="auto", max_nonfinite_steps=3,
 )  # fmt: skip
@@ -31,6 +32,11 @@ def settings(**changes):
         ({"compression_mode": "zip"}, "compression"),
         ({"hierarchical": "sometimes"}, "hierarchical"),
         ({"emulate_speeds": [1.0, 2.0]}, "emulate_speeds"),
+        ({"micro_steps": [2, 0]}, r"`micro_steps=\[2, 0\]` holds \[0\]"),
+        ({"micro_steps": [2.5, 1]}, "micro_steps"),
+        ({"micro_steps": []}, "`micro_steps=\\[\\]` is empty"),
+        ({"micro_steps": [2, 1], "batch_sizes": [4, 4, 4]}, "different lengths"),
+        ({"micro_steps": [2, 1], "batch_sizes": [4, 4], "global_batch_size": 8}, r"makes \(sum of b \* k\) 12"),
     ],
 )
 def test_each_bad_argument_is_named_in_the_constructors_error(changes, message):

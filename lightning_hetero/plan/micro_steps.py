@@ -15,9 +15,22 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 from lightning_hetero.measure.cost import CostModel, last_true
-from lightning_hetero.plan.planner import check_plannable
+from lightning_hetero.plan.planner import (
+    AutomaticSplit,
+    PlannedSplit,
+    check_plannable,
+    plan_automatic_split,
+    plan_min_max,
+)
+from lightning_hetero.plan.split import split_by_weights
+
+# ZeRO stages whose ranks may run different numbers of forward/backward passes per optimizer step: 0-2 reduce once, in
+# the step (the strategy runs them with DeepSpeed's managed accumulation off); ZeRO-3 gathers parameters in every
+# forward and reduces in every backward, so each rank must run as many as the others.
+UNEQUAL_MICRO_STEP_STAGES = (0, 1, 2)
 
 
 @dataclass(frozen=True)
@@ -114,3 +127,71 @@ def _trim_to(costs: Sequence[CostModel], at_level: dict, below: dict, global_bat
                 samples[rank] -= 1
             excess -= take
     return samples
+
+
+def micro_steps_refusal(
+    micro_steps: Optional[Sequence[int]], stage: int, loss_reduction: str, automatic_optimization: bool
+) -> Optional[str]:
+    """Why the job cannot run the micro-steps the user fixed (None when it can): checked on every rank before any
+    collective, so every rank raises the same error."""
+    if micro_steps is None or all(k == 1 for k in micro_steps):
+        return None
+    if stage not in UNEQUAL_MICRO_STEP_STAGES and len(set(micro_steps)) > 1:
+        return (
+            f"`micro_steps={list(micro_steps)}` differ across ranks, which ZeRO stage {stage} cannot run: it gathers"
+            " the parameters in every forward and reduces in every backward, so every rank must make as many passes"
+            f" as the others. Use a stage in {list(UNEQUAL_MICRO_STEP_STAGES)}, or the same count on every rank."
+        )
+    if loss_reduction == "token_mean":
+        return (
+            f"`micro_steps={list(micro_steps)}` with `loss_reduction='token_mean'`: a token mean's weight needs the"
+            " whole global batch's token count before the first backward, which micro-batches taken one after the"
+            " other do not know. Use `loss_reduction='sum'` and divide by your own token count, or micro_steps=None."
+        )
+    if not automatic_optimization:
+        return (
+            f"`micro_steps={list(micro_steps)}` with manual optimization: the strategy cannot split a step that your"
+            " `training_step` drives itself. Accumulate inside your step instead, or use automatic optimization."
+        )
+    return None
+
+
+def automatic_micro_steps_allowed(stage: int, loss_reduction: str, automatic_optimization: bool) -> bool:
+    """Whether the automatic planner may give a memory-bound rank more micro-steps than another."""
+    probe = (2, 1)
+    return micro_steps_refusal(probe, stage, loss_reduction, automatic_optimization) is None
+
+
+def with_fixed_micro_steps(costs: Sequence[CostModel], micro_steps: Sequence[int]) -> list[CostModel]:
+    """Cost models over a rank's samples per step when it always takes them in ``k_r`` micro-batches: ``k_r`` fixed
+    costs, and room for ``k_r`` times its micro-batch ceiling (the planner's ``plan_min_max`` then applies as is)."""
+    return [
+        CostModel(k * cost.fixed, cost.per_sample, None if cost.max_batch is None else k * cost.max_batch)
+        for cost, k in zip(costs, micro_steps)
+    ]
+
+
+def plan_automatic_split_in_micro_steps(
+    costs: Sequence[CostModel], global_batch_size: int, min_gain: float
+) -> tuple[AutomaticSplit, tuple[int, ...]]:
+    """The automatic split when ranks may take more micro-steps than others, and each rank's micro-steps.
+
+    One micro-batch per rank (:func:`plan_automatic_split`, unchanged) unless a memory ceiling binds: then the split in
+    micro-steps is predicted faster (or the only one that fits), and it is compared with the equal split taken in as
+    few micro-steps as each rank's memory allows (what DDP with gradient accumulation would need).
+    """
+    planned = plan_micro_steps(costs, global_batch_size)
+    try:
+        single = plan_min_max(costs, global_batch_size)
+    except ValueError:  # the ceilings together hold less than the global batch
+        single = None
+    if single is not None and single.predicted_step_time <= planned.predicted_step_time:
+        return plan_automatic_split(costs, global_batch_size, min_gain), (1,) * len(costs)
+    equal = tuple(split_by_weights(global_batch_size, [1.0] * len(costs)))
+    equal_times = tuple(rank_time(cost, n) for cost, n in zip(costs, equal))
+    chosen = PlannedSplit(planned.samples, planned.predicted_step_time, planned.predicted_times)
+    if chosen.speedup_over(max(equal_times)) >= 1 + min_gain:
+        return AutomaticSplit(chosen, max(equal_times), kept_equal=False, min_gain=min_gain), planned.micro_steps
+    kept = PlannedSplit(equal, max(equal_times), equal_times)
+    steps = tuple(micro_steps_for(cost, n) for cost, n in zip(costs, equal))
+    return AutomaticSplit(kept, max(equal_times), kept_equal=True, min_gain=min_gain), steps

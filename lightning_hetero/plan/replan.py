@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lightning_hetero.measure.cost import CostModel
+from lightning_hetero.plan.micro_steps import micro_steps_for, plan_micro_steps, rank_time
 from lightning_hetero.plan.planner import plan_min_max, predicted_step_time
 from lightning_hetero.runtime.checks import is_int, is_real
 
@@ -77,9 +78,12 @@ class Replan:
     step: int
     batch_sizes: tuple[int, ...]
     predicted_gain: float  # predicted step time of the old split / the new one - 1
+    micro_steps: tuple[int, ...] = ()  # each rank's micro-steps under the new split (() : one each)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "batch_sizes": list(self.batch_sizes), "predicted_gain": self.predicted_gain}
+        steps = list(self.micro_steps) or [1] * len(self.batch_sizes)
+        return {"step": self.step, "batch_sizes": list(self.batch_sizes), "micro_steps": steps,
+                "predicted_gain": self.predicted_gain}  # fmt: skip
 
 
 def weighted_median(values: Sequence[float], weights: Sequence[float]) -> float:
@@ -105,20 +109,22 @@ class RankFit:
 
 
 def refit_cost_models(
-    base: Sequence[CostModel], steps: Sequence[dict[str, Any]], window: int
+    base: Sequence[CostModel], steps: Sequence[dict[str, Any]], window: int, micro_steps: bool = False
 ) -> Optional[list[RankFit]]:
     """Each rank's ``base`` model scaled to the level its ``steps`` (report entries, oldest first) measured.
 
     Weights halve every ``window`` steps; the newest ``window`` steps alone decide when they show a drift. None when
-    some rank has no step with a measured compute (nothing to fit it to).
+    some rank has no step with a measured compute (nothing to fit it to). ``micro_steps``: a rank's time is
+    :func:`~lightning_hetero.plan.micro_steps.rank_time` (its samples in as many micro-batches as memory needs).
     """
+    predict = rank_time if micro_steps else CostModel.time
     refitted = []
     for rank, model in enumerate(base):
         ratios, weights, newest = [], [], 0
         for age, step in enumerate(reversed(steps)):
             compute = step["compute_seconds"][rank]
             if compute > 0:
-                ratios.append(compute / model.time(step["batch_sizes"][rank]))
+                ratios.append(compute / predict(model, step["batch_sizes"][rank]))
                 weights.append(0.5 ** (age / window))
                 newest += age < window
         if not ratios:
@@ -151,20 +157,29 @@ def gain_uncertainty(fits: Sequence[RankFit]) -> float:
 
 
 def decide_split(
-    costs: Sequence[CostModel], current: Sequence[int], threshold: float, margin: float = 0.0
-) -> Optional[tuple[tuple[int, ...], float]]:
-    """The planner's split and its predicted gain over ``current``, or None when that gain is below
+    costs: Sequence[CostModel], current: Sequence[int], threshold: float, margin: float = 0.0, micro_steps: bool = False
+) -> Optional[tuple[tuple[int, ...], float, tuple[int, ...]]]:
+    """The planner's split, its predicted gain over ``current`` and its micro-steps, or None when that gain is below
     ``threshold + margin``.
 
-    A current split that breaks a memory ceiling is predicted infinitely slow: any split that fits is taken.
+    A current split that breaks a memory ceiling is predicted infinitely slow: any split that fits is taken. With
+    ``micro_steps`` a rank whose share exceeds its ceiling takes it in several micro-batches
+    (:func:`~lightning_hetero.plan.micro_steps.plan_micro_steps`) instead.
     """
-    planned = plan_min_max(costs, sum(current))
-    if planned.batch_sizes == tuple(current):
+    if micro_steps:
+        in_steps = plan_micro_steps(costs, sum(current))
+        planned_sizes, planned_time, steps = in_steps.samples, in_steps.predicted_step_time, in_steps.micro_steps
+        current_time = max(rank_time(cost, n) for cost, n in zip(costs, current))
+    else:
+        planned = plan_min_max(costs, sum(current))
+        planned_sizes, planned_time, steps = planned.batch_sizes, planned.predicted_step_time, ()
+        current_time = predicted_step_time(costs, current)
+    if planned_sizes == tuple(current):
         return None
-    gain = predicted_step_time(costs, current) / planned.predicted_step_time - 1
+    gain = current_time / planned_time - 1
     if gain < threshold + margin:
         return None
-    return planned.batch_sizes, gain
+    return planned_sizes, gain, steps
 
 
 @dataclass
@@ -179,6 +194,10 @@ class Rebalancer:
     split: tuple[int, ...]
     window: int = DEFAULT_WINDOW
     threshold: float = DEFAULT_THRESHOLD
+    # The planner may give a memory-bound rank more micro-steps (automatic micro-steps; with the user's fixed ones,
+    # `base_costs` already count each rank's k fixed costs and k times its ceiling, and every re-plan keeps them).
+    micro_steps: bool = False
+    fixed_micro_steps: tuple[int, ...] = ()
     changed_at: int = 0  # the training step from which `split` is in use
     replans: list[Replan] = field(default_factory=list)
 
@@ -188,16 +207,27 @@ class Rebalancer:
             return None
         since_change = [step for step in steps if step["step"] >= self.changed_at]
         recent = since_change[-HISTORY_WINDOWS * self.window :]
-        fits = refit_cost_models(self.base_costs, recent, self.window)
+        fits = refit_cost_models(self.base_costs, recent, self.window, self.micro_steps)
         if fits is None:
             return None
-        decision = decide_split([fit.cost for fit in fits], self.split, self.threshold, gain_uncertainty(fits))
+        costs, margin = [fit.cost for fit in fits], gain_uncertainty(fits)
+        decision = decide_split(costs, self.split, self.threshold, margin, self.micro_steps)
         if decision is None:
             return None
-        replan = Replan(next_step, *decision)
+        sizes, gain, steps = decision
+        replan = Replan(next_step, sizes, gain, steps or self.fixed_micro_steps)
         self.adopt(replan.batch_sizes, next_step)
         self.replans.append(replan)
         return replan
+
+    def micro_steps_of(self, split: Sequence[int]) -> tuple[int, ...]:
+        """Each rank's micro-steps under ``split`` (a checkpoint's, which records the samples only): the fixed ones,
+        or as few as each rank's memory ceiling allows."""
+        if self.fixed_micro_steps:
+            return self.fixed_micro_steps
+        if self.micro_steps:
+            return tuple(micro_steps_for(cost, n) for cost, n in zip(self.base_costs, split))
+        return (1,) * len(split)
 
     def adopt(self, split: Sequence[int], step: int) -> None:
         """Run with ``split`` from ``step`` on (a re-plan, or the split a checkpoint recorded)."""

@@ -22,10 +22,34 @@ from lightning_hetero.runtime.checks import per_rank_list
 
 @dataclass(frozen=True)
 class SplitPlan:
-    """The per-rank micro-batch sizes of one global batch and where they came from."""
+    """Each rank's samples of one global batch, in how many micro-batches it takes them, and where that came from.
+
+    ``batch_sizes[r]`` is every sample rank ``r`` takes per global batch (what its loader cuts and its loss weight
+    counts); with ``micro_steps[r] = k > 1`` it takes them in ``k`` forward/backward passes of
+    :func:`micro_batch_sizes` before the optimizer step (a memory ceiling below its share).
+    """
 
     batch_sizes: tuple[int, ...]
     source: str  # "batch_sizes", "weights" or "equal": which argument decided the split
+    micro_steps: tuple[int, ...] = ()  # k_r per rank; () means one per rank
+
+    def __post_init__(self) -> None:
+        steps = tuple(int(k) for k in self.micro_steps) or (1,) * len(self.batch_sizes)
+        if len(steps) != len(self.batch_sizes) or any(k < 1 or k > n for k, n in zip(steps, self.batch_sizes)):
+            raise ValueError(
+                f"micro_steps {list(steps)} do not fit the samples per rank {list(self.batch_sizes)}: one count per"
+                " rank, each between 1 and the rank's samples."
+            )
+        object.__setattr__(self, "micro_steps", steps)
+
+    @property
+    def has_micro_steps(self) -> bool:
+        return any(k > 1 for k in self.micro_steps)
+
+    @property
+    def micro_batches(self) -> tuple[int, ...]:
+        """Each rank's largest micro-batch: what its memory must hold."""
+        return tuple(-(-n // k) for n, k in zip(self.batch_sizes, self.micro_steps))
 
     @property
     def global_batch_size(self) -> int:
@@ -59,6 +83,14 @@ def loss_weight(local_samples: int, global_samples: int, world_size: int, loss_r
     if loss_reduction == "sum":
         return 1.0
     return local_samples * world_size / global_samples if global_samples else 0.0
+
+
+def micro_batch_sizes(samples: int, micro_steps: int) -> list[int]:
+    """``samples`` cut into ``min(micro_steps, samples)`` micro-batches as equal as possible (the larger first), none
+    empty: a short last global batch gives a rank fewer samples than its micro-steps."""
+    count = max(1, min(micro_steps, samples))
+    size, larger = divmod(samples, count)
+    return [size + 1] * larger + [size] * (count - larger)
 
 
 def split_by_weights(total: int, weights: Sequence[float], minimum: int = 1) -> list[int]:
@@ -101,8 +133,24 @@ def check_split_arguments(
     global_batch_size: Optional[int],
     batch_sizes: Optional[Sequence[int]],
     weights: Optional[Sequence[float]],
+    micro_steps: Optional[Sequence[int]] = None,
 ) -> None:
     """Checks that need no world size: run them in the constructor so a mistake fails before any process starts."""
+    if micro_steps is not None:
+        micro_steps = per_rank_list("micro_steps", micro_steps, "[3, 1]")
+        if len(micro_steps) == 0:
+            raise ValueError("`micro_steps=[]` is empty: give one count of micro-batches per rank, e.g. [3, 1].")
+        bad_steps = [k for k in micro_steps if not _is_int(k) or k < 1]
+        if bad_steps:
+            raise ValueError(
+                f"`micro_steps={list(micro_steps)}` holds {bad_steps}: each rank takes a whole number >= 1 of"
+                " micro-batches per optimizer step (1: its whole share in one forward/backward)."
+            )
+        if batch_sizes is not None and len(per_rank_list("batch_sizes", batch_sizes, "[8, 24]")) != len(micro_steps):
+            raise ValueError(
+                f"`batch_sizes={list(batch_sizes)}` and `micro_steps={list(micro_steps)}` have different lengths:"
+                " give one micro-batch size and one micro-step count per rank, in global rank order."
+            )
     if batch_sizes is not None and weights is not None:
         raise ValueError(
             f"HeteroStrategy got both `batch_sizes={batch_sizes!r}` and `weights={weights!r}`."
@@ -123,9 +171,12 @@ def check_split_arguments(
                 f"`batch_sizes={list(batch_sizes)}` holds {bad}: every rank needs an integer micro-batch of at least"
                 " 1. Raise those entries, or leave the rank out of the job."
             )
-        if global_batch_size is not None and sum(batch_sizes) != global_batch_size:
+        steps = list(micro_steps) if micro_steps is not None else [1] * len(batch_sizes)
+        total = sum(b * k for b, k in zip(batch_sizes, steps))
+        if global_batch_size is not None and total != global_batch_size:
+            described = "sums to" if micro_steps is None else f"with `micro_steps={steps}` makes (sum of b * k)"
             raise ValueError(
-                f"`batch_sizes={list(batch_sizes)}` sums to {sum(batch_sizes)} but `global_batch_size="
+                f"`batch_sizes={list(batch_sizes)}` {described} {total} but `global_batch_size="
                 f"{global_batch_size}`. Make them agree, or drop `global_batch_size` (it is then the sum)."
             )
     if weights is not None:
@@ -145,9 +196,20 @@ def resolve_split(
     global_batch_size: int,
     batch_sizes: Optional[Sequence[int]] = None,
     weights: Optional[Sequence[float]] = None,
+    micro_steps: Optional[Sequence[int]] = None,
 ) -> SplitPlan:
-    """The split for a job of ``world_size`` ranks: explicit sizes, sizes derived from weights, or an equal split."""
-    check_split_arguments(global_batch_size, batch_sizes, weights)
+    """The split for a job of ``world_size`` ranks: explicit sizes, sizes derived from weights, or an equal split.
+
+    With ``micro_steps``, ``batch_sizes`` are micro-batches (rank ``r`` takes ``b_r * k_r`` samples per step); a split
+    derived from weights or equal gives each rank its share in ``k_r`` micro-batches.
+    """
+    check_split_arguments(global_batch_size, batch_sizes, weights, micro_steps)
+    if micro_steps is not None and len(micro_steps) != world_size:
+        raise ValueError(
+            f"`micro_steps={list(micro_steps)}` has {len(micro_steps)} entries but the job has {world_size} ranks."
+            " Give exactly one micro-step count per rank, in global rank order."
+        )
+    steps = tuple(int(k) for k in micro_steps) if micro_steps is not None else (1,) * world_size
     if batch_sizes is not None and len(batch_sizes) != world_size:
         raise ValueError(
             f"`batch_sizes={list(batch_sizes)}` has {len(batch_sizes)} entries but the job has {world_size}"
@@ -164,7 +226,14 @@ def resolve_split(
             f" at least one sample per step. Use a global batch of at least {world_size}, or fewer devices."
         )
     if batch_sizes is not None:
-        return SplitPlan(tuple(int(b) for b in batch_sizes), source="batch_sizes")
-    if weights is not None:
-        return SplitPlan(tuple(split_by_weights(global_batch_size, weights)), source="weights")
-    return SplitPlan(tuple(split_by_weights(global_batch_size, [1.0] * world_size)), source="equal")
+        return SplitPlan(tuple(int(b) * k for b, k in zip(batch_sizes, steps)), "batch_sizes", steps)
+    source = "weights" if weights is not None else "equal"
+    samples = tuple(split_by_weights(global_batch_size, weights if weights is not None else [1.0] * world_size))
+    short = [rank for rank in range(world_size) if samples[rank] < steps[rank]]
+    if short:
+        raise ValueError(
+            f"`micro_steps={list(steps)}`: rank {short[0]} gets {samples[short[0]]} samples of the global batch of"
+            f" {global_batch_size} ({source} split {list(samples)}), fewer than its {steps[short[0]]} micro-steps."
+            " Lower its micro-steps, or raise the global batch."
+        )
+    return SplitPlan(samples, source, steps)

@@ -169,6 +169,18 @@ TRAINER_STATE = (
     Internal("lightning.fabric.utilities.types", "_Stateful", "read", "train/loaders.py, train/streams.py",
              "the protocol by which"
              " CombinedLoader saves and restores the loaders' data position (state_dict/load_state_dict)"),
+    Internal("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer#_coalesce_grad_reduction", "patched",
+             "train/micro_batches.py", "set during a rank's micro-batches before its last, so ZeRO-2 keeps their"
+             " gradients local and the last backward reduces the sum (the flag DeepSpeed's coalesce_grad_reduction"
+             " sets, which refuses the unmanaged accumulation the strategy runs)", "after each such backward"),
+    Internal("deepspeed.runtime.engine", "DeepSpeedEngine#inside_no_sync_ctxt", "patched", "train/micro_batches.py",
+             "set with the flag above: the engine's end-of-backward reduction (which also clears the gradients) is"
+             " skipped for those micro-batches", "after each such backward"),
+    Internal("lightning.pytorch.trainer.trainer", "Trainer._results", "read", "strategy.py",
+             "the logged results of the batch in hand, whose batch size micro-steps set to each micro-batch's"),
+    Internal("lightning.pytorch.trainer.connectors.logger_connector.result", "_ResultCollection#batch_size",
+             "patched", "strategy.py", "a metric logged in a micro-batch counts that micro-batch's samples in the"
+             " epoch mean (Lightning would take the whole batch's)", "by Lightning at the next batch's start"),
     Internal("lightning.pytorch.loops.fit_loop", "_FitLoop.on_load_checkpoint", "read", "recover/from_lightning.py",
              "the fit loop's checkpoint layout (combined_loader state, batch and epoch progress) that a DDP .ckpt"
              " resume reads and writes"),

@@ -44,9 +44,10 @@ class SplitInForce:
         self.plan, self.prediction = plan, prediction
         self._tell_followers()
 
-    def use(self, batch_sizes: Sequence[int], source: str = "re-plan") -> None:
-        """From the next global batch on, every rank trains on ``batch_sizes``."""
-        self.plan = SplitPlan(tuple(batch_sizes), source=source)
+    def use(self, batch_sizes: Sequence[int], source: str = "re-plan", micro_steps: Sequence[int] = ()) -> None:
+        """From the next global batch on, every rank trains on ``batch_sizes`` samples in ``micro_steps`` micro-batches
+        (() : one each)."""
+        self.plan = SplitPlan(tuple(batch_sizes), source, tuple(micro_steps))
         loader = self.loader
         if loader is not None:
             loader.hetero_batch_sampler.use_split(self.plan.batch_sizes)
@@ -63,8 +64,14 @@ class SplitInForce:
 
     @property
     def micro_batch(self) -> int:
-        """This rank's micro-batch; 1 outside fit (no plan: evaluation and prediction use their loaders' batch)."""
-        return self.plan.batch_sizes[self.rank] if self.plan is not None else 1
+        """This rank's largest micro-batch; 1 outside fit (no plan: evaluation and prediction use their loaders'
+        batch)."""
+        return self.plan.micro_batches[self.rank] if self.plan is not None else 1
+
+    @property
+    def micro_steps(self) -> int:
+        """This rank's micro-batches per global batch (1 outside fit)."""
+        return self.plan.micro_steps[self.rank] if self.plan is not None else 1
 
     def global_samples_consumed(self) -> Optional[int]:
         """The position in the epoch in global samples (rank-independent: resumable on any number of ranks)."""

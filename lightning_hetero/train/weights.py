@@ -31,6 +31,7 @@ class LossWeights:
         self._batch_samples: Optional[tuple[int, int]] = None
         self._eval_batch_samples: Optional[tuple[int, int]] = None  # (those of a map-style evaluation loader)
         self._step_tokens: Optional[float] = None  # loss_reduction="token_mean": this rank's count in this batch
+        self._micro_batch_samples: Optional[int] = None  # the micro-batch in hand, when the batch is taken in several
         self._sync_weight: Optional[int] = None
 
     def join(self, rank: int, world_size: int, sum_over_ranks: Callable[[float], float]) -> None:
@@ -48,6 +49,18 @@ class LossWeights:
 
     def step_started(self) -> None:
         self._step_tokens = None
+        self._micro_batch_samples = None
+
+    def micro_batch(self, samples: int) -> None:
+        """The rank takes its batch in micro-batches (``micro_steps``): the next loss is over ``samples`` of them, and
+        weighs ``samples * W / B`` (a mean), so the micro-batches' losses add up to the batch's weighted loss."""
+        self._micro_batch_samples = samples
+        if self._sync_weight is not None:
+            self._sync_weight = samples
+
+    def batch_samples(self) -> Optional[int]:
+        """This rank's samples in the batch in hand (None before the loader told)."""
+        return self._batch_samples[0] if self._batch_samples is not None else None
 
     def step_returned(self, output: Any) -> None:
         if self.loss_reduction == "token_mean":
@@ -62,7 +75,10 @@ class LossWeights:
             total = self._sum_over_ranks(self._step_tokens)
             return loss_weight(self._step_tokens, total, self.world_size, self.loss_reduction)
         if self._batch_samples is not None:
-            return loss_weight(*self._batch_samples, self.world_size, self.loss_reduction)
+            local, global_samples = self._batch_samples
+            if self._micro_batch_samples is not None:
+                local = self._micro_batch_samples
+            return loss_weight(local, global_samples, self.world_size, self.loss_reduction)
         if plan is not None:
             return plan.loss_weight(self.rank, self.loss_reduction)
         return 1.0

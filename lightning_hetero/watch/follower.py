@@ -54,11 +54,13 @@ class SplitFollower:
         started = time.perf_counter()
         replan = self.rebalancer.consider(self.watch.steps, self.watch.fetched)  # the step about to be fetched
         if replan is not None:
+            steps = replan.micro_steps or (1,) * len(replan.batch_sizes)
+            in_steps = f" in micro-steps {list(steps)}" if any(k > 1 for k in steps) else ""
             rank_zero_info(
-                f"HeteroStrategy re-plan before step {replan.step}: micro-batches {list(replan.batch_sizes)}"
+                f"HeteroStrategy re-plan before step {replan.step}: micro-batches {list(replan.batch_sizes)}{in_steps}"
                 f" (predicted {replan.predicted_gain:.0%} faster than {list(self.split.batch_sizes)})"
             )
-            self.split.use(replan.batch_sizes)
+            self.split.use(replan.batch_sizes, micro_steps=steps)
         self.decision_seconds += time.perf_counter() - started
 
     def _resume_with(self, split: tuple[int, ...]) -> None:
@@ -68,5 +70,5 @@ class SplitFollower:
         if split == current or len(split) != len(current) or sum(split) != sum(current):
             return
         self.rebalancer.adopt(split, self.watch.fetched)  # from the step about to be fetched
-        self.split.use(split)
+        self.split.use(split, micro_steps=self.rebalancer.micro_steps_of(split))
         rank_zero_info(f"HeteroStrategy resumes with the checkpoint's micro-batches {list(split)}")

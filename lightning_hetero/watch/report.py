@@ -64,12 +64,17 @@ def plan_text(
     rows = []
     for rank, (device, size, share) in enumerate(zip(devices, plan.batch_sizes, plan.shares())):
         row = {"rank": rank, "device": device, "precision": precisions[rank], "micro_batch": size,
-               "share": f"{share:.1%}"}  # fmt: skip
+               "share": f"{share:.1%}", "samples": size, "micro_steps": plan.micro_steps[rank]}  # fmt: skip
+        if plan.has_micro_steps:
+            row["micro_batch"] = plan.micro_batches[rank]
         if profiles is not None and prediction is not None:
-            row["throughput"] = f"{profiles[rank].throughput(size):.0f}"
+            # (the profile's throughput at the micro-batch the rank runs)
+            row["throughput"] = f"{profiles[rank].throughput(row['micro_batch']):.0f}"
             row["step"] = f"{prediction['rank_step_seconds'][rank] * 1e3:.1f}"
         rows.append(row)
     columns = [("rank", "rank"), ("device", "device"), ("precision", "precision")]
+    if plan.has_micro_steps:  # a rank takes its samples in several micro-batches: say both
+        columns += [("samples", "samples"), ("micro_steps", "micro-steps")]
     columns += [("micro_batch", "micro-batch"), ("share", "share")]
     summary = ""
     if profiles is not None and prediction is not None:
@@ -127,10 +132,7 @@ def wire_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
     if not steps or "inter_node_bytes" not in steps[0]:
         return {}
     ranks = range(len(steps[0]["inter_node_bytes"]))
-    per_rank = {
-        kind: [statistics.fmean(step[kind][rank] for step in steps) for rank in ranks]
-        for kind in WIRE_KINDS
-    }
+    per_rank = {kind: [statistics.fmean(step[kind][rank] for step in steps) for rank in ranks] for kind in WIRE_KINDS}
     return {
         "bytes_per_step": per_rank,
         "inter_node_bytes_per_step": sum(per_rank["inter_node_bytes"]),
@@ -187,9 +189,7 @@ def add_rank_wire(path: Path, steps: list[dict[str, Any]], rank: int) -> None:
     if not path.is_file() or not steps or "inter_node_bytes" not in steps[0]:
         return
     record = json.loads(path.read_text())
-    record["wire_bytes_per_step"] = {
-        kind: [step[kind][rank] for step in steps] for kind in WIRE_KINDS
-    }
+    record["wire_bytes_per_step"] = {kind: [step[kind][rank] for step in steps] for kind in WIRE_KINDS}
     path.write_text(json.dumps(record, indent=2, default=str))
 
 

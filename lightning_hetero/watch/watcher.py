@@ -87,6 +87,7 @@ class Watcher:
             "source": split.plan.source,
             "global_batch_size": split.plan.global_batch_size,
             "batch_sizes": list(split.plan.batch_sizes),
+            "micro_steps": list(split.plan.micro_steps),
             "prediction": split.prediction,
             "emulate_speeds": job.emulate_speeds,
             "precisions": list(job.precisions),

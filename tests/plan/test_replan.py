@@ -122,7 +122,7 @@ def test_decide_split_switches_only_for_a_gain_at_or_above_the_threshold():
     costs = [CostModel(0.0, 1.0), CostModel(0.0, 1.25)]
     # Equal split: 40 * 1.25 = 50; best [44, 36]: max(44, 45) = 45, a gain of 50 / 45 - 1 = 11.1 %.
     assert decide_split(costs, (40, 40), threshold=0.12) is None
-    split, gain = decide_split(costs, (40, 40), threshold=0.11)
+    split, gain, _ = decide_split(costs, (40, 40), threshold=0.11)
     assert split == (45, 35) and gain == pytest.approx(50 / 45 - 1)  # (44, 36) is as fast, its other rank slower
     assert decide_split(costs, (45, 35), threshold=0.0) is None  # already the best split
     assert decide_split(costs, (40, 40), threshold=0.05, margin=0.07) is None  # the noise margin comes on top
@@ -130,7 +130,7 @@ def test_decide_split_switches_only_for_a_gain_at_or_above_the_threshold():
 
 def test_a_split_over_a_memory_ceiling_is_always_left():
     costs = [CostModel(0.0, 1.0), CostModel(0.0, 1.0, max_batch=10)]
-    split, gain = decide_split(costs, (20, 20), threshold=1e9)
+    split, gain, _ = decide_split(costs, (20, 20), threshold=1e9)
     assert split == (30, 10) and gain == float("inf")
 
 
@@ -249,4 +249,6 @@ def test_adopting_a_checkpoints_split_restarts_the_interval():
     replan = rebalancer.consider(steps, 2 * WINDOW)
     # Rank 0 takes 1 s per sample, rank 1 5 s: (14, 2) takes max(14, 10) = 14 s instead of max(10, 30).
     assert replan is not None and replan.step == 2 * WINDOW and replan.batch_sizes == (14, 2)
-    assert replan.to_dict() == {"step": 40, "batch_sizes": [14, 2], "predicted_gain": pytest.approx(30 / 14 - 1)}
+    assert replan.to_dict() == {
+        "step": 40, "batch_sizes": [14, 2], "micro_steps": [1, 1], "predicted_gain": pytest.approx(30 / 14 - 1)
+    }
