@@ -10,8 +10,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_hetero.measure.cost import CostModel
-from lightning_hetero.plan.micro_steps import most_samples_within, plan_micro_steps, rank_time
-from lightning_hetero.plan.planner import plan_min_max
+from lightning_hetero.plan.micro_steps import (
+    automatic_micro_steps_allowed,
+    micro_steps_refusal,
+    most_samples_within,
+    plan_automatic_split_in_micro_steps,
+    plan_micro_steps,
+    rank_time,
+    with_fixed_micro_steps,
+)
+from lightning_hetero.plan.planner import plan_automatic_split, plan_min_max
+from lightning_hetero.plan.replan import Rebalancer
 
 
 def brute_force(costs: list[CostModel], global_batch_size: int) -> Optional[float]:
@@ -99,3 +108,84 @@ def test_a_rank_slow_for_even_one_sample_takes_one_and_the_others_stay_balanced(
     # The other two are balanced with each other (not left at a sample each with the rest on one of them).
     assert abs(plan.predicted_times[0] - plan.predicted_times[1]) <= 0.04
     assert plan.samples[:2] == (400, 100)
+
+
+# ---------------------------------------------------------------------------------------------------- the job's choices
+
+
+def test_the_automatic_split_keeps_one_micro_step_where_no_ceiling_binds():
+    costs = [CostModel(0.01, 0.001), CostModel(0.01, 0.0025)]
+    decision, steps = plan_automatic_split_in_micro_steps(costs, 100, min_gain=0.05)
+    assert steps == (1, 1)
+    assert decision.planned.batch_sizes == plan_automatic_split(costs, 100).planned.batch_sizes
+
+
+def test_the_automatic_split_takes_micro_steps_when_the_fast_ranks_ceiling_binds():
+    fast, slow = CostModel(0.01, 0.001, max_batch=25), CostModel(0.01, 0.0025)
+    decision, steps = plan_automatic_split_in_micro_steps([fast, slow], 100, min_gain=0.05)
+    planned = plan_micro_steps([fast, slow], 100)
+    assert (decision.planned.batch_sizes, steps) == (planned.samples, planned.micro_steps)
+    assert steps[0] > 1 and not decision.kept_equal
+    # The baseline is the equal split taken in as many micro-steps as memory needs (50 = 2 x 25 on the fast rank).
+    assert decision.equal_split_step_time == max(rank_time(fast, 50), rank_time(slow, 50))
+
+
+def test_the_automatic_split_in_micro_steps_runs_where_the_ceilings_hold_less_than_the_global_batch():
+    costs = [CostModel(0.01, 0.001, max_batch=10), CostModel(0.01, 0.001, max_batch=10)]
+    with pytest.raises(ValueError, match="does not fit"):
+        plan_automatic_split(costs, 64)
+    decision, steps = plan_automatic_split_in_micro_steps(costs, 64, min_gain=0.05)
+    assert decision.planned.batch_sizes == (32, 32) and steps == (4, 4)
+    assert decision.kept_equal  # equal devices: the equal split, in micro-steps
+
+
+def test_fixed_micro_steps_plan_with_k_fixed_costs_and_k_times_the_ceiling():
+    costs = with_fixed_micro_steps([CostModel(0.5, 0.1, max_batch=4), CostModel(0.5, 0.1)], [3, 1])
+    assert costs == [CostModel(1.5, 0.1, max_batch=12), CostModel(0.5, 0.1)]
+    plan = plan_min_max(costs, 20)
+    assert plan.batch_sizes[0] <= 12 and sum(plan.batch_sizes) == 20
+
+
+@pytest.mark.parametrize(
+    ("micro_steps", "stage", "reduction", "automatic", "refused"),
+    [
+        (None, 3, "token_mean", False, None),
+        ([1, 1], 3, "token_mean", False, None),
+        ([3, 1], 0, "mean", True, None),
+        ([3, 1], 2, "sum", True, None),
+        ([2, 2], 3, "mean", True, None),  # equal counts: every rank gathers and reduces as often
+        ([3, 1], 3, "mean", True, "ZeRO stage 3 cannot run"),
+        ([3, 1], 1, "token_mean", True, "token_mean"),
+        ([3, 1], 1, "mean", False, "manual optimization"),
+    ],
+)
+def test_what_micro_steps_are_refused(micro_steps, stage, reduction, automatic, refused):
+    message = micro_steps_refusal(micro_steps, stage, reduction, automatic)
+    if refused is None:
+        assert message is None
+    else:
+        assert refused in message and str(micro_steps) in message
+    assert automatic_micro_steps_allowed(stage, reduction, automatic) == (stage < 3 and reduction != "token_mean"
+                                                                           and automatic)  # fmt: skip
+
+
+def test_a_rebalancer_in_micro_steps_moves_samples_to_a_memory_bound_fast_rank():
+    fast, slow = CostModel(0.0, 1.0, max_batch=10), CostModel(0.0, 2.5)
+    rebalancer = Rebalancer([fast, slow], (10, 30), window=2, threshold=0.05, micro_steps=True)
+    # Measured as predicted: the fast rank 10 s, the slow one 75 s.
+    steps = [{"step": s, "batch_sizes": [10, 30], "compute_seconds": [10.0, 75.0]} for s in range(4)]
+    replan = rebalancer.consider(steps, 4)
+    assert replan is not None
+    expected = plan_micro_steps([fast, slow], 40)
+    assert (replan.batch_sizes, replan.micro_steps) == (expected.samples, expected.micro_steps)
+    assert replan.micro_steps[0] > 1
+    assert rebalancer.micro_steps_of((20, 20)) == (2, 1)  # a checkpoint's split: as few as memory allows
+
+
+def test_a_rebalancer_with_fixed_micro_steps_keeps_them():
+    base = with_fixed_micro_steps([CostModel(0.0, 1.0), CostModel(0.0, 1.0)], (2, 1))
+    rebalancer = Rebalancer(base, (20, 20), window=2, threshold=0.05, fixed_micro_steps=(2, 1))
+    steps = [{"step": s, "batch_sizes": [20, 20], "compute_seconds": [20.0, 60.0]} for s in range(4)]
+    replan = rebalancer.consider(steps, 4)
+    assert replan is not None and replan.micro_steps == (2, 1) and replan.batch_sizes[0] > 20
+    assert rebalancer.micro_steps_of((30, 10)) == (2, 1)

@@ -250,5 +250,8 @@ def test_adopting_a_checkpoints_split_restarts_the_interval():
     # Rank 0 takes 1 s per sample, rank 1 5 s: (14, 2) takes max(14, 10) = 14 s instead of max(10, 30).
     assert replan is not None and replan.step == 2 * WINDOW and replan.batch_sizes == (14, 2)
     assert replan.to_dict() == {
-        "step": 40, "batch_sizes": [14, 2], "micro_steps": [1, 1], "predicted_gain": pytest.approx(30 / 14 - 1)
+        "step": 40,
+        "batch_sizes": [14, 2],
+        "micro_steps": [1, 1],
+        "predicted_gain": pytest.approx(30 / 14 - 1),
     }

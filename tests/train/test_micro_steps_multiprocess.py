@@ -71,3 +71,32 @@ def test_unequal_micro_steps_are_refused_at_zero_3_on_every_rank(tmp_path):
     assert run.returncode != 0
     message = "differ across ranks, which ZeRO stage 3 cannot run"
     assert run.output.count(message) >= 2, run.output[-4000:]  # raised on both ranks, before any collective
+
+
+def test_the_automatic_split_takes_micro_steps_where_the_memory_holds_less_than_the_global_batch(tmp_path):
+    """Both ranks hold 4 samples per micro-batch and the global batch is 16: no split in one micro-batch each fits,
+    so the planner cuts each rank's share into micro-batches of at most 4 (rank 1 is 2.5x slower: it takes fewer
+    samples, unless this tiny model's fixed cost per micro-step outweighs that), and the update is still one
+    process's on the same global batches."""
+    run = run_fit(
+        tmp_path, "--stage", "2", "--emulate-speeds", "1.0", "0.4", "--max-steps", "3",
+        env={"LIGHTNING_HETERO_EMULATE_MEMORY": "4,4"},
+    )  # fmt: skip
+    assert run.returncode == 0, run.output[-4000:]
+    plan = json.loads((tmp_path / "hetero" / "plan.json").read_text())
+    samples, steps = plan["batch_sizes"], plan["micro_steps"]
+    assert sum(samples) == 16 and samples[0] >= samples[1], plan
+    assert steps == [-(-n // 4) for n in samples], plan  # as few micro-steps as the ceiling allows
+    assert "micro-steps" in run.output
+    reference = reference_training(IndexedRegression(64), contiguous_steps(64, 16, 3))
+    assert max_param_difference(run.result, reference) <= TOLERANCE
+    assert run.result["seen"] == rank_slices(contiguous_steps(64, 16, 3), samples)
+
+
+def test_a_fixed_split_over_the_emulated_memory_is_refused_on_every_rank(tmp_path):
+    run = run_fit(
+        tmp_path, "--batch-sizes", "12", "4", timeout=120, env={"LIGHTNING_HETERO_EMULATE_MEMORY": "4,-"}
+    )  # fmt: skip
+    assert run.returncode != 0
+    message = "Rank 0's micro-batch of 12 samples (12 in 1 micro-step) does not fit"
+    assert run.output.count(message) >= 2, run.output[-4000:]

@@ -1,0 +1,89 @@
+"""A rank's batch cut into micro-batches, their loss weights, and the collectives an early micro-batch may make."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import pytest
+import torch
+
+from lightning_hetero.plan.split import SplitPlan, loss_weight, micro_batch_sizes, resolve_split
+from lightning_hetero.train.micro_batches import MicroBatchGuard, split_batch, step_loss
+from lightning_hetero.train.weights import LossWeights
+
+Pair = namedtuple("Pair", ["x", "y"])
+
+
+@pytest.mark.parametrize(
+    ("samples", "steps", "sizes"),
+    [(12, 3, [4, 4, 4]), (13, 3, [5, 4, 4]), (14, 3, [5, 5, 4]), (2, 3, [1, 1]), (1, 1, [1]), (7, 1, [7])],
+)
+def test_micro_batches_differ_by_at_most_one_and_none_is_empty(samples, steps, sizes):
+    assert micro_batch_sizes(samples, steps) == sizes
+
+
+def test_every_kind_of_batch_is_cut_along_the_samples():
+    x, y = torch.arange(10.0).reshape(5, 2), torch.arange(5)
+    batch = {"pair": Pair(x, y), "names": ["a", "b", "c", "d", "e"], "scale": torch.tensor(2.0), "tag": "t",
+             "nested": [x, (y,)]}  # fmt: skip
+    pieces = split_batch(batch, [3, 2])
+    assert [type(p["pair"]) for p in pieces] == [Pair, Pair]
+    assert torch.equal(pieces[0]["pair"].x, x[:3]) and torch.equal(pieces[1]["pair"].y, y[3:])
+    assert pieces[0]["names"] == ["a", "b", "c"] and pieces[1]["names"] == ["d", "e"]
+    assert all(p["scale"] is batch["scale"] and p["tag"] == "t" for p in pieces)  # one per batch: every piece
+    assert torch.equal(pieces[1]["nested"][0], x[3:]) and torch.equal(pieces[1]["nested"][1][0], y[3:])
+    # Pieces put back together are the batch.
+    assert torch.equal(torch.cat([p["pair"].x for p in pieces]), x)
+    # One micro-batch: the batch itself, untouched.
+    assert split_batch(batch, [5])[0] is batch
+
+
+def test_a_tensor_that_is_not_per_sample_is_named_in_the_error():
+    batch = (torch.zeros(6, 2), {"table": torch.zeros(4, 3)})
+    with pytest.raises(ValueError, match=r"batch\[1\]\['table'\] is a tensor of shape \(4, 3\).*6 samples"):
+        split_batch(batch, [3, 3])
+
+
+def test_the_micro_batches_weights_add_up_to_the_ranks_weight():
+    weights = LossWeights("mean")
+    weights.join(rank=1, world_size=2, sum_over_ranks=lambda value: value)
+    weights.training_batch(13, 16)
+    whole = weights.current(None)
+    parts = []
+    for size in micro_batch_sizes(13, 3):
+        weights.micro_batch(size)
+        parts.append(weights.current(None))
+    assert parts == [loss_weight(size, 16, 2) for size in (5, 4, 4)]
+    assert sum(parts) == pytest.approx(whole)
+    weights.step_started()  # the next batch starts without micro-batch in hand
+    assert weights.current(None) == whole
+
+
+def test_split_plans_with_micro_steps():
+    plan = resolve_split(2, 16, batch_sizes=[4, 4], micro_steps=[1, 3])
+    assert (plan.batch_sizes, plan.micro_steps, plan.micro_batches) == ((4, 12), (1, 3), (4, 4))
+    assert plan.has_micro_steps and plan.global_batch_size == 16
+    equal = resolve_split(2, 15, micro_steps=[2, 1])
+    assert (equal.batch_sizes, equal.micro_steps, equal.micro_batches) == ((8, 7), (2, 1), (4, 7))
+    assert SplitPlan((3, 5), "equal").micro_steps == (1, 1) and not SplitPlan((3, 5), "equal").has_micro_steps
+    with pytest.raises(ValueError, match="rank 0 gets 2 samples .* fewer than its 3 micro-steps"):
+        resolve_split(2, 4, micro_steps=[3, 1])
+    with pytest.raises(ValueError, match=r"`micro_steps=\[1, 2, 3\]` has 3 entries but the job has 2 ranks"):
+        resolve_split(2, 16, micro_steps=[1, 2, 3])
+    with pytest.raises(ValueError, match="do not fit the samples per rank"):
+        SplitPlan((3, 5), "re-plan", (4, 1))
+
+
+def test_an_early_micro_batch_refuses_collectives_and_the_last_makes_them():
+    guard = MicroBatchGuard()
+    guard.refuse_collective("all_gather")  # not inside a micro-batch: nothing to refuse
+    with guard.early_micro_batch():
+        assert guard.early
+        with pytest.raises(RuntimeError, match="`all_gather` was called inside `training_step`.*micro_steps"):
+            guard.refuse_collective("all_gather")
+    assert not guard.early
+
+
+def test_step_loss_reads_what_training_step_returns():
+    loss = torch.tensor(1.5)
+    assert step_loss(loss) is loss and step_loss({"loss": loss, "other": 1}) is loss and step_loss(None) is None
