@@ -233,7 +233,7 @@ class HeteroJob:
     def training_batch(self, local_samples: int, global_samples: int) -> None:
         self.loss_weights.training_batch(local_samples, global_samples)
         assert self.watcher is not None
-        self.watcher.meter.batch_ready(local_samples)
+        self.watcher.meter.batch_ready(local_samples, self.split.micro_steps)
 
     def training_step_starts(self, global_step: int) -> None:
         self.emulation.at_step(global_step)  # a drift schedule: the emulated speed from this step on

@@ -35,6 +35,7 @@ class StepRecord:
     step_seconds: float
     intra_node_bytes: float = 0.0  # what this rank put on the wire in the step, inside its node (see wire.py)
     inter_node_bytes: float = 0.0  # ... and to groups spanning nodes
+    micro_steps: int = 1  # the micro-batches it took them in
 
     @property
     def wait_seconds(self) -> float:
@@ -64,6 +65,7 @@ class StepMeter:
         # The open step: wall, compute clock and emulated delay at its fetch; its compute so far; its last activity.
         self._open: Optional[list[float]] = None
         self._batch_size = 0
+        self._micro_steps = 1
         self._steps = 0
         self.pending: list[StepRecord] = []
 
@@ -73,8 +75,8 @@ class StepMeter:
         self._open = [self._wall_clock(), self._compute_clock(), self._emulated_seconds(), 0.0, 0.0]
         self._wire_at_fetch = self._wire_bytes()
 
-    def batch_ready(self, batch_size: int) -> None:
-        self._batch_size = batch_size
+    def batch_ready(self, batch_size: int, micro_steps: int = 1) -> None:
+        self._batch_size, self._micro_steps = batch_size, micro_steps
 
     def backward_ended(self) -> None:
         if self._open is not None:
@@ -102,7 +104,15 @@ class StepMeter:
         step_seconds = max(compute, wall_end - wall_start) if wall_end else compute
         (intra_start, inter_start), (intra, inter) = self._wire_at_fetch, self._wire_bytes()
         self.pending.append(
-            StepRecord(self._steps, self._batch_size, compute, step_seconds, intra - intra_start, inter - inter_start)
+            StepRecord(
+                self._steps,
+                self._batch_size,
+                compute,
+                step_seconds,
+                intra - intra_start,
+                inter - inter_start,
+                self._micro_steps,
+            )  # fmt: skip
         )
         self._steps += 1
 
@@ -151,21 +161,29 @@ class RunWatch:
         self.exchange_seconds += time.perf_counter() - start
 
 
-_FIELDS = 6
+_FIELDS = 7
 
 
 def pack_records(records: Sequence[StepRecord]) -> Tensor:
-    """Records as one ``[n, 6]`` float64 tensor (step, batch size, compute, step seconds, intra- and inter-node
-    bytes) for a tensor gather."""
+    """Records as one ``[n, 7]`` float64 tensor (step, batch size, compute, step seconds, intra- and inter-node
+    bytes, micro-steps) for a tensor gather."""
     rows = [
-        [r.step, r.batch_size, r.compute_seconds, r.step_seconds, r.intra_node_bytes, r.inter_node_bytes]
+        [
+            r.step,
+            r.batch_size,
+            r.compute_seconds,
+            r.step_seconds,
+            r.intra_node_bytes,
+            r.inter_node_bytes,
+            r.micro_steps,
+        ]  # fmt: skip
         for r in records
     ]
     return torch.tensor(rows, dtype=torch.float64).reshape(len(records), _FIELDS)
 
 
 def unpack_records(packed: Tensor) -> list[StepRecord]:
-    return [StepRecord(int(row[0]), int(row[1]), *row[2:]) for row in packed.tolist()]
+    return [StepRecord(int(row[0]), int(row[1]), *row[2:6], int(row[6])) for row in packed.tolist()]
 
 
 def balance_efficiency(compute_seconds: Sequence[float]) -> float:
@@ -183,6 +201,7 @@ def job_steps(records_by_rank: Sequence[Sequence[StepRecord]]) -> list[dict[str,
         {
             "step": same_step[0].step,
             "batch_sizes": [record.batch_size for record in same_step],
+            "micro_steps": [record.micro_steps for record in same_step],
             "compute_seconds": [record.compute_seconds for record in same_step],
             "wait_seconds": [record.wait_seconds for record in same_step],
             "step_seconds": max(record.step_seconds for record in same_step),
@@ -204,7 +223,9 @@ def step_metrics(step: dict[str, Any], prefix: str = "hetero") -> dict[str, floa
     for rank, (size, compute, wait) in enumerate(
         zip(step["batch_sizes"], step["compute_seconds"], step["wait_seconds"])
     ):
-        metrics[f"{prefix}/rank_{rank}/micro_batch"] = float(size)
+        steps = step["micro_steps"][rank] if "micro_steps" in step else 1
+        metrics[f"{prefix}/rank_{rank}/micro_batch"] = float(-(-size // steps))  # its largest
+        metrics[f"{prefix}/rank_{rank}/micro_steps"] = float(steps)
         metrics[f"{prefix}/rank_{rank}/share"] = size / global_batch
         metrics[f"{prefix}/rank_{rank}/compute_ms"] = compute * 1e3
         metrics[f"{prefix}/rank_{rank}/wait_ms"] = wait * 1e3

@@ -3,7 +3,8 @@
 :class:`HeteroMonitor` is a thin adapter, as Lightning's ThroughputMonitor is over its meter: the measuring is the
 strategy's (:mod:`lightning_hetero.watch.meter`, every rank, exchanged every few steps), this only turns the steps every
 rank now holds into metrics. Loggers write on rank 0 only, and rank 0 has every rank's numbers, so each rank's
-metrics appear under its own name: ``hetero/rank_<r>/micro_batch``, ``share``, ``compute_ms``, ``wait_ms``,
+metrics appear under its own name: ``hetero/rank_<r>/micro_batch`` (its largest), ``micro_steps``, ``share``,
+``compute_ms``, ``wait_ms``,
 ``samples_per_second``, and for the job ``hetero/samples_per_second`` and ``hetero/balance_efficiency``. Each
 re-plan is logged at the step it takes effect as ``hetero/replan_predicted_gain`` (the new micro-batches show in
 ``micro_batch`` from that step on). With fp16 ranks (``device_precision``), ``hetero/loss_scale`` is the job's loss

@@ -9,13 +9,14 @@ At the end of fit rank 0 writes into the run's ``hetero/`` directory:
       "world_size": W,
       "steps": [                      # one entry per training step, in order
         {"step": 0,                   # index of the training step in this fit
-         "batch_sizes": [b_0, ...],   # each rank's micro-batch
+         "batch_sizes": [b_0, ...],   # each rank's samples of the global batch
+         "micro_steps": [k_0, ...],   # ... taken in this many micro-batches (HeteroStrategy(micro_steps=...))
          "compute_seconds": [...],    # each rank's local compute (see lightning_hetero.watch.meter)
          "wait_seconds": [...],       # each rank's step time that was not compute (waiting, host work)
          "step_seconds": s},          # the step's wall time: the slowest rank's
         ...],
       "replans": [                    # each change of split during the fit (empty while the split is fixed)
-        {"step": k, "batch_sizes": [...], "predicted_gain": g}, ...],
+        {"step": k, "batch_sizes": [...], "micro_steps": [...], "predicted_gain": g}, ...],
       "summary": {"steps": n, "samples_per_second": x, "balance_efficiency_start": a,
                   "balance_efficiency_end": b, "replans": r,
                   "measurement_share": m},  # rank 0's time exchanging records and deciding re-plans / step time
@@ -169,10 +170,19 @@ def summary_text(report: dict[str, Any]) -> str:
         f" {summary['balance_efficiency_end']:.2f} at the end (1.00 = every rank computes as long as the slowest),"
         f" {summary['replans']} re-plan{'' if summary['replans'] == 1 else 's'}"
         + (f"; measuring cost {cost:.2%} of the step time" if cost is not None else "")
+        + _micro_steps_text(report["steps"])
         + _skipped_text(report.get("nonfinite"))
         + _precision_text(report.get("precision"))
         + _communication_text(report.get("communication"))
     )
+
+
+def _micro_steps_text(steps: list[dict[str, Any]]) -> str:
+    """The ranks that took their samples in several micro-batches, at the end of the fit."""
+    last = steps[-1].get("micro_steps") if steps else None
+    if not last or all(k == 1 for k in last):
+        return ""
+    return f"; micro-steps per rank at the end {last}"
 
 
 def _skipped_text(nonfinite: Optional[dict[str, Any]]) -> str:

@@ -43,6 +43,9 @@ def test_micro_steps_equal_one_process_and_resume_mid_epoch(stage, tmp_path):
     plan = json.loads((tmp_path / "first" / "hetero" / "plan.json").read_text())
     assert (plan["batch_sizes"], plan["micro_steps"]) == (SHARES, MICRO_STEPS)
     assert "micro-steps" in first.output  # the plan table has the column
+    run_report = json.loads((tmp_path / "first" / "hetero" / "report.json").read_text())
+    assert [step["micro_steps"] for step in run_report["steps"]] == [MICRO_STEPS, MICRO_STEPS]
+    assert f"micro-steps per rank at the end {MICRO_STEPS}" in first.output
 
     (checkpoint,) = (tmp_path / "first" / "ckpt").iterdir()
     resumed = run_fit(tmp_path / "resumed", *micro_step_args(stage), "--ckpt-path", str(checkpoint))

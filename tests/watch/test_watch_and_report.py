@@ -106,11 +106,17 @@ def test_run_watch_exchanges_every_window_and_at_the_end():
 
 
 def test_records_travel_as_one_float64_tensor_exactly():
-    records = [StepRecord(0, 7, 0.0123456789, 0.02, 5e6, 123.0), StepRecord(1, 300, 1e-6, 2.5)]
+    records = [StepRecord(0, 7, 0.0123456789, 0.02, 5e6, 123.0), StepRecord(1, 300, 1e-6, 2.5, micro_steps=3)]
     packed = pack_records(records)
-    assert packed.dtype == torch.float64 and packed.shape == (2, 6)  # with the bytes on the wire
+    assert packed.dtype == torch.float64 and packed.shape == (2, 7)  # with the bytes on the wire and micro-steps
     assert unpack_records(packed) == records
-    assert pack_records([]).shape == (0, 6) and unpack_records(pack_records([])) == []
+    assert pack_records([]).shape == (0, 7) and unpack_records(pack_records([])) == []
+    # The monitor's metrics say each rank's micro-steps and its largest micro-batch.
+    step = job_steps([[records[1]], [StepRecord(1, 10, 1e-3, 2.5)]])[0]
+    assert step["micro_steps"] == [3, 1]
+    metrics = step_metrics(step)
+    assert metrics["hetero/rank_0/micro_steps"] == 3.0 and metrics["hetero/rank_0/micro_batch"] == 100.0
+    assert metrics["hetero/rank_1/micro_steps"] == 1.0 and metrics["hetero/rank_0/share"] == 300 / 310
 
 
 def test_job_steps_refuses_ranks_with_different_step_counts():
