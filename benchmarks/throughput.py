@@ -10,6 +10,9 @@ Scenarios (ZeRO-2, gloo, one thread per rank, global batch 512):
     2-identical  2 ranks, no emulation                          equal fit and auto fit, adjacent in time
     2-drift      2 ranks, [1.0, 1.0] until step 100, then [1.0, 0.4]           auto fit only (240 steps)
     4-emulated   4 ranks on the 2 cores, [1.0, 1.0, 0.5, 0.25]  equal fit and auto fit
+    2-memory     2 ranks, [1.0, 0.4], the fast rank's memory emulated to hold 128 samples (a quarter of the batch):
+                 the automatic split in one micro-batch per rank (``micro_steps=[1, 1]``: capped at 128) and with
+                 micro-steps (the planner's choice), adjacent in time
 
 Every fit is a separate bounded job (this script re-run with ``--fit``; Lightning's launcher re-runs that command
 line for the other ranks), and everything is measured by the strategy itself: the figures come from the run report
@@ -54,6 +57,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "2-identical": {"devices": 2, "speeds": None, "splits": ["equal", "auto"]},
     "2-drift": {"devices": 2, "speeds": {0: [1.0, 1.0], DRIFT_AT: [1.0, 0.4]}, "splits": ["auto"]},
     "4-emulated": {"devices": 4, "speeds": [1.0, 1.0, 0.5, 0.25], "splits": ["equal", "auto"]},
+    "2-memory": {"devices": 2, "speeds": [1.0, 0.4], "memory": "128,-", "splits": ["capped", "micro"]},
 }
 FIT_TIMEOUT = 420
 
@@ -97,6 +101,10 @@ def fit(scenario: str, split: str, out: Path) -> None:
     kwargs: dict[str, Any] = {"global_batch_size": GLOBAL_BATCH}
     if split == "equal":
         kwargs["batch_sizes"] = [GLOBAL_BATCH // world] * world
+    if split == "capped":  # the automatic split, one micro-batch per rank: within the memory ceiling
+        kwargs["micro_steps"] = [1] * world
+    if "memory" in settings:  # (read by every rank: Lightning's launcher starts the others with this environment)
+        os.environ["LIGHTNING_HETERO_EMULATE_MEMORY"] = settings["memory"]
     if settings["speeds"] is not None:
         kwargs["emulate_speeds"] = settings["speeds"]
     trainer = Trainer(
@@ -157,6 +165,11 @@ def drift_figures(report: dict[str, Any], drift_at: int = DRIFT_AT, settled: int
 def analyse_run(scenario: str, reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
     if scenario == "2-drift":
         return {"auto": drift_figures(reports["auto"])}
+    if scenario == "2-memory":
+        figures = {split: steady_figures(report, STEADY_FROM) for split, report in reports.items()}
+        figures["micro_steps"] = reports["micro"]["steps"][-1].get("micro_steps")
+        figures["micro_over_capped"] = figures["micro"]["samples_per_second"] / figures["capped"]["samples_per_second"]
+        return figures
     figures = {split: steady_figures(report, STEADY_FROM) for split, report in reports.items()}
     figures["auto_over_equal"] = figures["auto"]["samples_per_second"] / figures["equal"]["samples_per_second"]
     return figures
@@ -196,6 +209,13 @@ def run_all(scenarios: list[str], runs: int, work: Path) -> dict[str, list[dict[
 
 
 def describe(name: str, figures: dict[str, Any]) -> str:
+    if name == "2-memory":
+        micro, capped = figures["micro"], figures["capped"]
+        return (
+            f"micro-steps {micro['samples_per_second']:.0f} samples/s, split {micro['final_split']} in micro-steps"
+            f" {figures['micro_steps']}; capped {capped['samples_per_second']:.0f} samples/s, split"
+            f" {capped['final_split']}; micro/capped {figures['micro_over_capped']:.3f}"
+        )
     auto = figures["auto"]
     text = f"auto {auto['samples_per_second']:.0f} samples/s, {auto['ideal_ratio']:.3f} of ideal"
     text += f", split {auto['final_split']}, {len(auto['replans'])} re-plans"
@@ -212,15 +232,32 @@ def table(results: dict[str, list[dict[str, Any]]]) -> str:
 
     lines = ["| scenario | measure | every run (median) | target |", "|---|---|---|---|"]
     for name, runs in results.items():
+        if name == "2-memory":
+            ratios = runs_of([run["micro_over_capped"] for run in runs])
+            lines.append(f"| {name} | micro-steps / capped (samples/s) | {ratios} | >= 1.3 |")
+            for split in ("micro", "capped"):
+                speeds = ", ".join("%.0f" % run[split]["samples_per_second"] for run in runs)
+                lines.append(f"| {name} | {split} samples/s | {speeds} | |")
+            splits = "; ".join(f"{run['micro']['final_split']} in {run['micro_steps']}" for run in runs)
+            lines.append(f"| {name} | micro-steps: final split in micro-steps | {splits} | |")
+            lines.append(
+                f"| {name} | capped: final split | {'; '.join(str(r['capped']['final_split']) for r in runs)} | |"
+            )
+            continue
         autos = [run["auto"] for run in runs]
         if name == "2-drift":
-            lines.append(f"| {name} | auto / ideal, {DRIFT_SETTLED}+ steps after the drift | "
-                         f"{runs_of([a['ideal_ratio'] for a in autos])} | >= 0.90 every run |")
+            lines.append(
+                f"| {name} | auto / ideal, {DRIFT_SETTLED}+ steps after the drift | "
+                f"{runs_of([a['ideal_ratio'] for a in autos])} | >= 0.90 every run |"
+            )
             settling = f"{DRIFT_AT + DRIFT_SETTLED}-{DRIFT_AT + 2 * DRIFT_SETTLED - 1}"
-            lines.append(f"| {name} | auto / ideal, steps {settling} | "
-                         f"{runs_of([a['ideal_ratio_settling'] for a in autos])} | |")
-            lines.append(f"| {name} | auto / ideal before the drift (steps {STEADY_FROM}-{DRIFT_AT - 1}) | "
-                         f"{runs_of([a['ideal_ratio_before_drift'] for a in autos])} | |")
+            lines.append(
+                f"| {name} | auto / ideal, steps {settling} | {runs_of([a['ideal_ratio_settling'] for a in autos])} | |"
+            )
+            lines.append(
+                f"| {name} | auto / ideal before the drift (steps {STEADY_FROM}-{DRIFT_AT - 1}) | "
+                f"{runs_of([a['ideal_ratio_before_drift'] for a in autos])} | |"
+            )
             before = ", ".join(str(a["replans_before_drift"]) for a in autos)
             lines.append(f"| {name} | re-plans before the drift (identical ranks until then) | {before} | |")
             steps = [a["steps_to_first_replan"] for a in autos]

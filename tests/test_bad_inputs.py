@@ -74,6 +74,12 @@ CONSTRUCTOR = [
     ({"config": [1, 2]}, "`config=[1, 2]` is a list; give a DeepSpeed config as a dict"),
     ({"max_nonfinite_steps": 0}, "`max_nonfinite_steps=0` must be a positive integer"),
     ({"max_nonfinite_steps": 2.5}, "`max_nonfinite_steps=2.5` must be a positive integer"),
+    ({"micro_steps": 3}, "`micro_steps=3` is not a list"),
+    ({"micro_steps": [3, 0]}, "`micro_steps=[3, 0]` holds [0]"),
+    ({"micro_steps": [1.5, 1]}, "`micro_steps=[1.5, 1]` holds [1.5]"),
+    ({"micro_steps": []}, "`micro_steps=[]` is empty"),
+    ({"micro_steps": [3, 1], "batch_sizes": [4, 4, 4]}, "`batch_sizes=[4, 4, 4]` and `micro_steps=[3, 1]` have"),
+    ({"micro_steps": [3, 1], "batch_sizes": [4, 4], "global_batch_size": 8}, "makes (sum of b * k) 16 but"),
 ]
 
 DEEPSPEED_CONFIG = [
@@ -135,6 +141,7 @@ CLI_YAML = [
     ("{emulate_speeds: [1.0, 2.0]}", "`emulate_speeds=[1.0, 2.0]` holds [2.0]"),
     ("{config: {zero_optimisation: {stage: 3}}}", "did you mean `zero_optimization`?"),
     ("{batch_sizes: 8}", 'Parser key "batch_sizes"'),  # jsonargparse checks the annotated type first
+    ("{micro_steps: [2, 0]}", "`micro_steps=[2, 0]` holds [0]"),
 ]
 
 
@@ -190,6 +197,20 @@ SETUP = [
         ["--loss-reduction", "token_mean", "--model-reduction", "mean", "--manual"],
         "with manual optimization `training_step` runs its own backward",
     ),
+    (["--strategy-args", '{"micro_steps": [3, 1, 1]}'], "`micro_steps=[3, 1, 1]` has 3 entries but the job has 2"),
+    (
+        ["--stage", "3", "--strategy-args", '{"micro_steps": [3, 1]}'],
+        "`micro_steps=[3, 1]` differ across ranks, which ZeRO stage 3 cannot run",
+    ),
+    (
+        ["--loss-reduction", "token_mean", "--tokens", "--strategy-args", '{"micro_steps": [2, 1]}'],
+        "`micro_steps=[2, 1]` with `loss_reduction='token_mean'`",
+    ),
+    (["--manual", "--strategy-args", '{"micro_steps": [2, 1]}'], "`micro_steps=[2, 1]` with manual optimization"),
+    (
+        ["--strategy-args", '{"micro_steps": [9, 1]}'],
+        "`micro_steps=[9, 1]`: rank 0 gets 8 samples of the global batch of 16 (equal split [8, 8]), fewer than",
+    ),
     (["--two-loaders", "--batch-sizes", "8", "8"], "The training data is a dict of 2 loaders (first, second)."),
     (["--sync-batchnorm", "--batchnorm"], "`Trainer(sync_batchnorm=True)` needs CUDA: torch's SyncBatchNorm runs on"),
     (
@@ -207,4 +228,3 @@ def test_setup_mistakes_on_two_ranks_stop_every_process_with_the_message(args, m
     assert run.returncode != 0
     assert run.output.count(message) == 2, run.output[-3000:]  # said by both ranks
     assert time.monotonic() - started < 90
-

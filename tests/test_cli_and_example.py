@@ -22,18 +22,23 @@ def plan_rows(output: str) -> list[tuple[int, int]]:
 
 
 @pytest.mark.parametrize(
-    ("config", "expected_rows"),
+    ("config", "expected_rows", "extra"),
     # The string form plans automatically: equal on identical ranks unless a profile predicts a 25 % gain, which
-    # timing noise on a shared machine can (rarely); the weighted form's split is exact.
-    [("configs/spirals.yaml", None), ("configs/spirals_weighted.yaml", [(0, 91), (1, 37)])],
+    # timing noise on a shared machine can (rarely); the weighted form's split is exact, also in micro-steps (the
+    # table's first number is then each rank's samples).
+    [
+        ("configs/spirals.yaml", None, []),
+        ("configs/spirals_weighted.yaml", [(0, 91), (1, 37)], []),
+        ("configs/spirals_weighted.yaml", [(0, 91), (1, 37)], ["--trainer.strategy.init_args.micro_steps=[2, 1]"]),
+    ],
 )
-def test_cli_fits_with_string_and_class_path_strategy(config, expected_rows, tmp_path):
+def test_cli_fits_with_string_and_class_path_strategy(config, expected_rows, extra, tmp_path):
     executable = shutil.which("lightning-hetero")
     assert executable, "the console script is missing: install the package with `pip install -e .`"
     returncode, output = run_bounded(
         [
             executable, "fit", "--config", config, "--trainer.max_epochs=1", "--trainer.limit_train_batches=3",
-            "--trainer.limit_val_batches=2", f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.limit_val_batches=2", f"--trainer.default_root_dir={tmp_path}", *extra,
         ],
         timeout=180,
     )  # fmt: skip
@@ -42,6 +47,8 @@ def test_cli_fits_with_string_and_class_path_strategy(config, expected_rows, tmp
     assert [rank for rank, _ in rows] == [0, 1] and sum(micro for _, micro in rows) == 128
     if expected_rows is not None:
         assert rows == expected_rows
+    (plan,) = tmp_path.rglob("plan.json")
+    assert json.loads(plan.read_text())["micro_steps"] == ([2, 1] if extra else [1, 1])
     assert sorted(p.name for p in tmp_path.rglob("rank_*.json")) == ["rank_0.json", "rank_1.json"]
 
 
