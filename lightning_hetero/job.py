@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
+import torch.distributed
 from lightning.pytorch.trainer.states import RunningStage, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
@@ -28,7 +29,8 @@ from lightning_hetero.plan.deepspeed_config import model_signature
 from lightning_hetero.emulate import memory
 from lightning_hetero.plan.initial import initial_plan, rebalancer_for, within_emulated_memory
 from lightning_hetero.plan.micro_steps import automatic_micro_steps_allowed, micro_steps_refusal
-from lightning_hetero.plan.split import micro_batch_sizes
+from lightning_hetero.plan.local_steps import describe_sync, plan_inner_steps, sync_refusal
+from lightning_hetero.plan.split import SplitPlan, micro_batch_sizes
 from lightning_hetero.precision.choice import rank_precision
 from lightning_hetero.precision.job import gradient_bytes_held_until_step, job_plugin, loss_scale_value
 from lightning_hetero.precision.nonfinite import NonFiniteGuard
@@ -36,6 +38,7 @@ from lightning_hetero.precision.plugin import HeteroPrecision, autocast_for
 from lightning_hetero.recover.recovery import Recovery, manifest_facts
 from lightning_hetero.runtime.collectives import Collectives
 from lightning_hetero.settings import HeteroSettings, check_ranks_agree
+from lightning_hetero.train.local_sgd import LocalTraining
 from lightning_hetero.train.micro_batches import MicroBatchGuard, split_batch
 from lightning_hetero.train.order import GlobalOrder, agreed_seed, local_seed
 from lightning_hetero.train.sharding import BatchListeners, DataSharding, check_trainable
@@ -58,6 +61,10 @@ class HeteroJob:
         self.sharding = DataSharding()
         self.loss_weights = LossWeights(settings.loss_reduction)
         self.micro_batch_guard = MicroBatchGuard()
+        self.local: Optional[LocalTraining] = None  # local SGD / DiLoCo (train/local_sgd.py)
+        if settings.local:
+            self.local = LocalTraining(settings.sync, settings.sync_every, settings.outer, settings.compression.mode)
+            self.loss_weights.local = True
         self.recovery = Recovery(settings.peer_timeout)
         self.nonfinite = NonFiniteGuard(settings.max_nonfinite_steps, lambda t: self.collectives.gather_tensor(t))
         self.watcher: Optional[Watcher] = None
@@ -110,7 +117,19 @@ class HeteroJob:
             if settings.device_precision is not None:  # may refuse this rank's device: raised on every rank
                 precision = rank_precision(settings.device_precision, self.rank, facts)
             profile = None
-            if fitting and settings.split_is_automatic:
+            if fitting and settings.local and trainer.accumulate_grad_batches > 1:
+                raise ValueError(
+                    f"`Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches})` with `sync="
+                    f"{settings.sync!r}`: each rank steps its own optimizer on every micro-batch. Raise `sync_every`"
+                    " (fewer synchronizations) or the batch size instead."
+                )
+            if fitting and settings.local:
+                refusal = sync_refusal(settings.sync, zero_stage, settings.compression.mode, [precision],
+                                       settings.micro_steps, settings.weights, settings.global_batch_size,
+                                       settings.hierarchical, module.automatic_optimization)  # fmt: skip
+                if refusal:
+                    raise ValueError(refusal)
+            if fitting and settings.profiles_needed:
                 autocast = autocast_for(precision, device.type)  # measured as it will train
                 profile = profile_rank(module, loader, global_batch_size, self.world_size, device,  # type: ignore[arg-type]
                                        self.emulation.emulator, autocast)  # fmt: skip
@@ -149,6 +168,9 @@ class HeteroJob:
         """The split this fit starts with and the re-planner that follows it (both planned again when a resume on
         another number of ranks keeps the checkpoint's global batch)."""
         settings = self.settings
+        if settings.local:
+            self._start_local_training(global_batch_size)
+            return
         held = gradient_bytes_held_until_step(settings.device_precision, self.precisions, self.device_facts,
                                               zero_stage, module)  # fmt: skip
         unequal_steps = automatic_micro_steps_allowed(
@@ -171,6 +193,41 @@ class HeteroJob:
                                         unequal_micro_steps=unequal_steps, ceilings=self.memory_ceilings)  # fmt: skip
         assert self.watcher is not None
         self.watcher.follow(self.split, rebalancer)
+
+    def _start_local_training(self, global_batch_size: int) -> None:
+        """Local SGD / DiLoCo: each rank's micro-batch (``batch_sizes``, else the loader's batch) taken
+        ``inner_steps[r]`` times per training step: the user's counts, else as many as its profile says it computes
+        while the slowest rank computes one."""
+        settings = self.settings
+        micro = settings.batch_sizes or (max(1, global_batch_size // self.world_size),) * self.world_size
+        if settings.inner_steps is not None:
+            steps = settings.inner_steps
+        elif self.profiles is not None:
+            steps = plan_inner_steps([profile.cost_model() for profile in self.profiles], micro)
+        else:
+            steps = (1,) * self.world_size
+        plan = SplitPlan(tuple(b * k for b, k in zip(micro, steps)), f"{settings.sync}", tuple(steps))
+        self.split.start(plan, None)
+        assert self.watcher is not None
+        self.watcher.follow(self.split, None)
+
+    def local_step_done(self, samples: int, last_of_epoch: bool) -> None:
+        """Local training: a training step ended; the ranks synchronize when it is time (one decision on all)."""
+        if self.local is None:
+            return
+        self.collectives.before_each()  # an emulated slow rank reaches the synchronization when a slow device would
+        self.local.step_done(samples, last_of_epoch, self._sum_in_place)
+
+    def synchronize_local_training(self) -> None:
+        """Local training: synchronize now if any rank trained since the last synchronization (before a checkpoint,
+        at the end of a fit); every rank calls it at the same point and decides alike (a step count, not samples)."""
+        if self.local is not None and self.local.steps_since_sync > 0:
+            self.collectives.before_each()
+            self.local.synchronize(self._sum_in_place)
+
+    @staticmethod
+    def _sum_in_place(tensor: torch.Tensor) -> None:
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
 
     def keep_the_checkpoints_global_batch(
         self, path: Path, manifest: dict[str, Any], zero_stage: int, module: torch.nn.Module
@@ -205,6 +262,11 @@ class HeteroJob:
         precisions = ", ".join(sorted(set(self.precisions))) or str(plugin.precision)
         self.nonfinite.attach(engine, has_loss_scale=scaled, skipping_installed=scaled, precision=precisions)
         self.emulation.around_deepspeed_exchanges(engine)
+        if self.local is not None and engine.optimizer is not None:
+            # No exchange at the step: each rank steps its own optimizer on its own gradients until a synchronization.
+            engine.enable_backward_allreduce = False
+            self.local.attach([p for p in engine.module.parameters() if p.requires_grad], engine.optimizer)
+            self.nonfinite.rank_local = self.rank
 
     def detach(self, plugin: Any, trainer: Optional[Any]) -> None:
         """The trainer call ends: every patch is undone, the peers' watch stops, the served loader is forgotten."""
@@ -212,6 +274,8 @@ class HeteroJob:
             plugin.detach()
         self.communication.detach()
         self.nonfinite.detach()
+        if self.local is not None:
+            self.local.detach()
         self.recovery.teardown(finished=trainer is not None and trainer.state.status != TrainerStatus.INTERRUPTED)
         # A fit that failed before its loop asked for the training loader must not hand it to the next fit.
         self.sharding.forget_served_loader(trainer)
@@ -266,8 +330,14 @@ class HeteroJob:
         """Rank 0 prints the plan table; every rank writes its config (and rank 0 the whole plan) as JSON."""
         assert self.split.plan is not None and self.watcher is not None
         schedule = self.settings.speed_schedule
+        line = self.communication.plan_line()
+        if self.local is not None:
+            settings = self.settings
+            line += "\n" + describe_sync(
+                settings.sync, settings.sync_every, self.split.plan.micro_steps, settings.outer
+            )
         job = JobFacts(self.device_facts, self.precisions, self.profiles, schedule.to_json() if schedule else None,
-                       self.communication.summary(), self.communication.plan_line())  # fmt: skip
+                       self.communication.summary(), line)  # fmt: skip
         reduction = self.settings.loss_reduction
         # (a token mean's weight is taken from each batch's token counts)
         weight = None if reduction == "token_mean" else self.split.plan.loss_weight(self.rank, reduction)

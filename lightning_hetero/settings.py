@@ -21,6 +21,7 @@ from lightning_hetero.comm.compression import CompressionChoice
 from lightning_hetero.emulate import memory
 from lightning_hetero.emulate.slowdown import ENV_VAR as EMULATE_ENV_VAR
 from lightning_hetero.emulate.slowdown import SpeedSchedule, emulated_speeds
+from lightning_hetero.plan.local_steps import LOCAL_MODES, check_inner_steps_length, check_sync_arguments
 from lightning_hetero.plan.micro_steps import micro_steps_refusal
 from lightning_hetero.plan.deepspeed_config import check_user_config, model_disagreement, raise_if_arguments_differ
 from lightning_hetero.plan.replan import check_rebalance_arguments
@@ -65,6 +66,10 @@ class HeteroSettings:
     hierarchical: Union[str, bool]
     max_nonfinite_steps: Optional[int]
     speed_schedule: Optional[SpeedSchedule]  # emulated speeds (the argument, else the environment variable)
+    sync: str = "every_step"  # local SGD / DiLoCo (plan/local_steps.py)
+    sync_every: int = 1
+    inner_steps: Optional[tuple[int, ...]] = None
+    outer: Optional[dict[str, Any]] = None  # DiLoCo's outer optimizer settings
 
     @classmethod
     def from_arguments(
@@ -85,6 +90,10 @@ class HeteroSettings:
         compression_options: Any,
         hierarchical: Any,
         max_nonfinite_steps: Optional[int],
+        sync: str = "every_step",
+        sync_every: int = 1,
+        inner_steps: Optional[Sequence[int]] = None,
+        sync_options: Optional[dict[str, Any]] = None,
     ) -> HeteroSettings:
         """Every argument checked, each error naming the argument, its value and the fix."""
         schedule, both_given = emulated_speeds(emulate_speeds)
@@ -97,6 +106,12 @@ class HeteroSettings:
         check_rebalance_arguments(rebalance, rebalance_window, rebalance_threshold)
         liveness.check_peer_timeout(peer_timeout)
         check_max_nonfinite_steps(max_nonfinite_steps)
+        outer = check_sync_arguments(sync, sync_every, inner_steps, sync_options)
+        if sync in LOCAL_MODES and rebalance:
+            raise ValueError(
+                f"`rebalance=True` with `sync={sync!r}`: local training plans each rank's inner steps at the start"
+                " and keeps them. Drop `rebalance`, or give `inner_steps` yourself."
+            )
         return cls(
             stage=stage,
             global_batch_size=global_batch_size,
@@ -113,7 +128,21 @@ class HeteroSettings:
             hierarchical=topology.check_hierarchical(hierarchical),
             max_nonfinite_steps=max_nonfinite_steps,
             speed_schedule=schedule,
+            sync=sync,
+            sync_every=int(sync_every),
+            inner_steps=tuple(int(k) for k in inner_steps) if inner_steps is not None else None,
+            outer=outer,
         )
+
+    @property
+    def local(self) -> bool:
+        """Local SGD or DiLoCo: ranks train on their own between synchronizations."""
+        return self.sync in LOCAL_MODES
+
+    @property
+    def profiles_needed(self) -> bool:
+        """Every rank profiles its step: the automatic split, or the inner steps of local training unless given."""
+        return self.split_is_automatic and not (self.local and self.inner_steps is not None)
 
     @property
     def split_is_automatic(self) -> bool:
@@ -121,9 +150,10 @@ class HeteroSettings:
         return self.batch_sizes is None and self.weights is None
 
     def rebalancing(self, profiled: bool, world_size: int) -> bool:
-        """Re-plan during the fit: on for the automatic split unless turned off, off for a fixed one unless on."""
+        """Re-plan during the fit: on for the automatic split unless turned off, off for a fixed one unless on; off
+        in local training (its inner steps are planned at the start)."""
         wanted = self.rebalance if self.rebalance is not None else profiled
-        return wanted and world_size > 1
+        return wanted and world_size > 1 and not self.local
 
     def reconcile_user_config(self, config: dict[str, Any], deepspeed_arguments: dict[str, Any]) -> None:
         """A user's DeepSpeed config: checked, its stage settled, and the arguments it replaces said."""
@@ -178,6 +208,7 @@ class HeteroSettings:
         if refusal:
             raise ValueError(refusal)
         memory.check_ceilings(memory.emulated_ceilings_from_environment(), world_size)
+        check_inner_steps_length(self.inner_steps, world_size)
         precision.check_rank_count(self.device_precision, world_size)
         compression.check_zero_plus_plus(config, device_type)
         if trainer_precision is not None:
@@ -234,6 +265,7 @@ class HeteroSettings:
             "batch_sizes": list(self.batch_sizes) if self.batch_sizes is not None else None,
             "weights": list(self.weights) if self.weights is not None else None,
             "micro_steps": list(self.micro_steps) if self.micro_steps is not None else None,
+            "sync": [self.sync, self.sync_every, list(self.inner_steps or []), self.outer],
             "emulate_memory": memory.emulated_ceilings_from_environment(),
             "emulate_speeds": self.speed_schedule.to_json() if self.speed_schedule else None,
             "loss_reduction": self.loss_reduction,

@@ -110,6 +110,16 @@ class HeteroStrategy(DeepSpeedStrategy):
             no loss scale to lower (fp32, bf16; with fp16 a skip lowers the scale). Default 3; None: never stop.
             Skipped steps are counted in the run report and by HeteroMonitor either way (see
             :mod:`lightning_hetero.precision.nonfinite`).
+        sync: ``"every_step"`` (default): gradients are exchanged at every step. ``"local_sgd"`` / ``"diloco"``: each
+            rank trains on its own, with its own optimizer, and every ``sync_every`` training steps (and at each
+            epoch's end) the ranks merge their parameter deltas weighted by the samples each trained on: a plain
+            average (local SGD) or an outer SGD with Nesterov momentum on it (DiLoCo). A fast rank takes
+            ``inner_steps[r]`` inner steps per training step (planned from the profiles: as many of its micro-batches
+            as it computes while the slowest rank computes one). Needs ``stage=0`` (see
+            :mod:`lightning_hetero.plan.local_steps`).
+        sync_every: training steps between two synchronizations (``sync="local_sgd"`` / ``"diloco"``).
+        inner_steps: each rank's inner steps per training step, e.g. ``[2, 1]``; default: planned from the profiles.
+        sync_options: DiLoCo's outer optimizer, ``{"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}``.
         config: a DeepSpeed config dict or JSON path, as for :class:`DeepSpeedStrategy`. It must not set the
             micro-batch, the train batch or ``gradient_accumulation_steps``; the strategy owns them.
         **kwargs: any other :class:`DeepSpeedStrategy` argument. Those that only build the default DeepSpeed config
@@ -141,12 +151,16 @@ class HeteroStrategy(DeepSpeedStrategy):
         compression_options: Optional[dict[str, Any]] = None,
         hierarchical: Union[str, bool] = "auto",
         max_nonfinite_steps: Optional[int] = DEFAULT_MAX_NONFINITE_STEPS,
+        sync: str = "every_step",
+        sync_every: int = 1,
+        inner_steps: Optional[Sequence[int]] = None,
+        sync_options: Optional[dict[str, Any]] = None,
         **kwargs: Any,
     ) -> None:
         settings = HeteroSettings.from_arguments(
             stage, global_batch_size, batch_sizes, weights, micro_steps, emulate_speeds, loss_reduction, rebalance,
             rebalance_window, rebalance_threshold, peer_timeout, device_precision, compression, compression_options,
-            hierarchical, max_nonfinite_steps,
+            hierarchical, max_nonfinite_steps, sync, sync_every, inner_steps, sync_options,
         )  # fmt: skip
         config = check_config_argument(config)
         quiet.install_lasting_filters()
@@ -377,6 +391,9 @@ class HeteroStrategy(DeepSpeedStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if self.job.local is not None:  # the other micro-batches are inner steps of their own (optimizer_step)
+            self._weighted_backward(closure_loss, optimizer, True, *args, **kwargs)
+            return closure_loss
         later, rest, step_kwargs = self._later_micro_batches
         self._later_micro_batches = ([], (), {})
         self._weighted_backward(closure_loss, optimizer, not later, *args, **kwargs)
@@ -410,12 +427,31 @@ class HeteroStrategy(DeepSpeedStrategy):
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.job.communication.counting():  # (the closure, training_step and backward, runs inside)
             result = super().optimizer_step(*args, **kwargs)
+            if self.job.local is not None:
+                self._local_inner_steps(args[0] if args else kwargs.get("optimizer"))
         self.job.watcher.meter.optimizer_step_ended()  # type: ignore[union-attr]
         self.job.nonfinite.step_ended(self._trainer().global_step)  # may stop every rank, together
         return result
 
+    def _local_inner_steps(self, optimizer: Any) -> None:
+        """Local SGD / DiLoCo: this rank's other micro-batches of the step, each an inner step of its own (the first
+        went through Lightning's closure), then the synchronization when it is due."""
+        job, engine = self.job, self.deepspeed_engine
+        later, rest, step_kwargs = self._later_micro_batches
+        self._later_micro_batches = ([], (), {})
+        for index, (batch, samples) in enumerate(later):
+            engine.zero_grad()
+            with job.loss_weights.weighted_sync(), job.emulation.slowed():
+                output = self._micro_batch_step(batch, samples, index == len(later) - 1, rest, step_kwargs)
+            self._weighted_backward(step_loss(output), optimizer, True)
+            with job.emulation.slowed():
+                engine.step()
+        job.local_step_done(job.loss_weights.batch_samples() or 0, self._trainer().is_last_batch)
+
     @override
     def on_train_end(self) -> None:
+        with self.job.communication.counting():
+            self.job.synchronize_local_training()  # every rank ends the fit with the same parameters
         super().on_train_end()
         self.job.write_report(self._trainer(), self.precision_plugin)
 
@@ -474,10 +510,15 @@ class HeteroStrategy(DeepSpeedStrategy):
         """Complete or ignored: staged, listed in a manifest, published atomically (see :mod:`~.recover.checkpoint`)."""
         recovery, parent_save = self.job.recovery, super().save_checkpoint
 
+        # Local SGD / DiLoCo: a checkpoint holds synchronized parameters (one model), each rank's own optimizer state.
+        self.job.synchronize_local_training()
+
         def write(directory: Path) -> None:
             save = lambda: parent_save(checkpoint, directory, storage_options)  # noqa: E731
             recovery.write_with_deferred_errors(self.deepspeed_engine, save, self.is_global_zero)
             self.job.communication.save(directory, self.global_rank)  # per-rank error feedback, in the manifest
+            if self.job.local is not None:
+                self.job.local.save(directory, self.global_rank)
 
         facts = lambda: self.job.manifest_facts(checkpoint, self._zero_stage(), self.deepspeed_engine)  # noqa: E731
         recovery.save(Path(self.broadcast(str(filepath))), write, facts)
@@ -500,9 +541,17 @@ class HeteroStrategy(DeepSpeedStrategy):
                                                            plan.global_batch_size if plan else None)  # fmt: skip
         chosen, manifest = job.recovery.choose(path)
         same_world_size = manifest.get("world_size", self.world_size) == self.world_size
+        if job.local is not None and not same_world_size:
+            raise ValueError(
+                f"Checkpoint {chosen} was trained on {manifest.get('world_size')} ranks with `sync="
+                f"{self.settings.sync!r}`, and each rank's own optimizer state is in it: resume it on as many ranks."
+            )
         job.communication.load(chosen, self.global_rank, manifest, same_world_size)
         if same_world_size:
-            return super().load_checkpoint(str(chosen), *args, **kwargs)
+            client_state = super().load_checkpoint(str(chosen), *args, **kwargs)
+            if job.local is not None:
+                job.local.load(chosen, self.global_rank)
+            return client_state
         job.keep_the_checkpoints_global_batch(chosen, manifest, self._zero_stage(), module)
         parent_load = super().load_checkpoint
         load = lambda directory: parent_load(directory, *args, **kwargs)  # noqa: E731

@@ -55,9 +55,7 @@ def gradients_are_finite(parameters: Any) -> bool:
     return bool(torch.isfinite(norm))
 
 
-def streak_message(
-    streak: list[int], first_nonfinite: list[Optional[int]], precision: str, limit: int
-) -> str:
+def streak_message(streak: list[int], first_nonfinite: list[Optional[int]], precision: str, limit: int) -> str:
     """Why the run stops: ``streak`` the skipped global steps in a row, ``first_nonfinite[r]`` the first of them in
     which rank r's loss was non-finite (None: its loss stayed finite)."""
     ranks = [(rank, step) for rank, step in enumerate(first_nonfinite) if step is not None]
@@ -98,6 +96,8 @@ class NonFiniteGuard:
         self._first_nonfinite: Optional[int] = None
         self._has_loss_scale = False
         self._precision = "fp32"
+        # Local SGD / DiLoCo: this rank's index; its steps are its own, so a stop is decided and said by it alone.
+        self.rank_local: Optional[int] = None
 
     def attach(self, engine: Any, has_loss_scale: bool, skipping_installed: bool, precision: str) -> None:
         """``skipping_installed``: the precision plugin already decides the steps to skip (fp16 ranks)."""
@@ -138,7 +138,10 @@ class NonFiniteGuard:
         if self._has_loss_scale or self.limit is None or len(self._streak) < self.limit:
             return
         first = torch.tensor([-1 if self._first_nonfinite is None else self._first_nonfinite], dtype=torch.int64)
-        per_rank = [int(t.item()) for t in self._gather(first)]
+        if self.rank_local is not None:  # (no gather: the other ranks did not skip these steps)
+            per_rank = [-1] * self.rank_local + [int(first.item())]
+        else:
+            per_rank = [int(t.item()) for t in self._gather(first)]
         raise NonFiniteStepsError(
             streak_message(self._streak, [None if s < 0 else s for s in per_rank], self._precision, self.limit)
         )

@@ -176,6 +176,9 @@ TRAINER_STATE = (
     Internal("deepspeed.runtime.engine", "DeepSpeedEngine#inside_no_sync_ctxt", "patched", "train/micro_batches.py",
              "set with the flag above: the engine's end-of-backward reduction (which also clears the gradients) is"
              " skipped for those micro-batches", "after each such backward"),
+    Internal("deepspeed.runtime.engine", "DeepSpeedEngine#enable_backward_allreduce", "patched", "job.py",
+             "switched off for local SGD / DiLoCo: ZeRO-0's step then updates each rank from its own gradients (the"
+             " ranks merge at synchronizations instead)", "never: the engine lives for one fit"),
     Internal("lightning.pytorch.trainer.trainer", "Trainer._results", "read", "strategy.py",
              "the logged results of the batch in hand, whose batch size micro-steps set to each micro-batch's"),
     Internal("lightning.pytorch.trainer.connectors.logger_connector.result", "_ResultCollection#batch_size",

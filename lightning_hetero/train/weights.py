@@ -32,6 +32,8 @@ class LossWeights:
         self._eval_batch_samples: Optional[tuple[int, int]] = None  # (those of a map-style evaluation loader)
         self._step_tokens: Optional[float] = None  # loss_reduction="token_mean": this rank's count in this batch
         self._micro_batch_samples: Optional[int] = None  # the micro-batch in hand, when the batch is taken in several
+        # Local SGD / DiLoCo: each rank minimises its own loss between synchronizations (no exchange to weight).
+        self.local = False
         self._sync_weight: Optional[int] = None
 
     def join(self, rank: int, world_size: int, sum_over_ranks: Callable[[float], float]) -> None:
@@ -69,6 +71,8 @@ class LossWeights:
     def current(self, plan: Optional[SplitPlan]) -> float:
         """The loss weight of the batch being trained on (the last global batch may be shorter); one all-reduce of
         the ranks' token counts per batch for a token mean."""
+        if self.local:
+            return 1.0
         if self.loss_reduction == "token_mean":
             if self._step_tokens is None:
                 raise RuntimeError("HeteroStrategy: the token count of this batch is unknown (no training_step ran).")

@@ -75,7 +75,9 @@ def plan_text(
         rows.append(row)
     columns = [("rank", "rank"), ("device", "device"), ("precision", "precision")]
     if plan.has_micro_steps:  # a rank takes its samples in several micro-batches: say both
-        columns += [("samples", "samples"), ("micro_steps", "micro-steps")]
+        # (local SGD / DiLoCo: each micro-batch is an inner step of its own)
+        steps_name = "inner steps" if plan.source in ("local_sgd", "diloco") else "micro-steps"
+        columns += [("samples", "samples"), ("micro_steps", steps_name)]
     columns += [("micro_batch", "micro-batch"), ("share", "share")]
     summary = ""
     if profiles is not None and prediction is not None:

@@ -1,0 +1,173 @@
+"""Plan: local SGD and DiLoCo where fast ranks take more inner steps than slow ones between synchronizations.
+
+With ``sync="local_sgd"`` or ``"diloco"`` the ranks exchange no gradient at every step: each trains on its own
+micro-batches with its own (inner) optimizer, and every ``sync_every`` (H) training steps the ranks merge what they
+learned. A training step (one Lightning batch, the same count on every rank) is one inner step of the slowest rank;
+rank ``r`` takes ``inner_steps[r]`` inner steps in it, on ``inner_steps[r]`` micro-batches of its own, so a rank
+``m`` times faster does ``m`` times the work in the same time instead of waiting. At a synchronization the ranks
+average their pseudo-gradients (parameter deltas since the last one), each weighted by the samples it trained on,
+and the outer step applies the average: plainly (local SGD: the weighted average of the parameters), or through an
+outer SGD with Nesterov momentum (DiLoCo, Douillard et al. 2023).
+
+Pure functions: the arguments checked, what the job refuses, the inner steps from the ranks' cost models, and the
+synchronization schedule.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
+
+from lightning_hetero.measure.cost import CostModel
+from lightning_hetero.runtime.checks import is_int, is_real, per_rank_list
+
+SYNC_MODES = ("every_step", "local_sgd", "diloco")
+LOCAL_MODES = ("local_sgd", "diloco")
+# DiLoCo's outer optimizer as its paper tuned it (outer SGD with Nesterov momentum, lr 0.7, momentum 0.9).
+DILOCO_DEFAULTS = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
+SYNC_OPTION_KEYS = tuple(DILOCO_DEFAULTS)
+
+
+def check_sync_arguments(sync: Any, sync_every: Any, inner_steps: Any, sync_options: Any) -> Optional[dict[str, Any]]:
+    """Constructor checks of ``sync``, ``sync_every``, ``inner_steps`` and ``sync_options``; returns the outer
+    optimizer's settings (None for local SGD and every-step training)."""
+    if sync not in SYNC_MODES:
+        raise ValueError(
+            f"`sync={sync!r}` is not one of {list(SYNC_MODES)}: 'every_step' (default) exchanges gradients at every"
+            " step; 'local_sgd' and 'diloco' train locally and synchronize every `sync_every` steps."
+        )
+    if not is_int(sync_every) or sync_every < 1:
+        raise ValueError(
+            f"`sync_every={sync_every!r}` must be a positive integer: the training steps between two synchronizations."
+        )
+    local = sync in LOCAL_MODES
+    if not local and (sync_every != 1 or inner_steps is not None or sync_options is not None):
+        given = "sync_every" if sync_every != 1 else "inner_steps" if inner_steps is not None else "sync_options"
+        raise ValueError(
+            f"`{given}` is given with `sync={sync!r}`, which exchanges gradients at every step. Use"
+            " `sync='local_sgd'` or `sync='diloco'` to synchronize less often, or drop it."
+        )
+    if inner_steps is not None:
+        inner_steps = per_rank_list("inner_steps", inner_steps, "[2, 1]")
+        bad = [k for k in inner_steps if not is_int(k) or k < 1]
+        if not inner_steps or bad:
+            raise ValueError(
+                f"`inner_steps={list(inner_steps)}` must hold one whole number >= 1 per rank: the inner steps each"
+                " rank takes per training step (1 for the slowest, e.g. [2, 1] for a rank twice as fast)."
+            )
+    if not local:
+        return None
+    options = dict(sync_options or {})
+    unknown = sorted(set(options) - set(SYNC_OPTION_KEYS))
+    if unknown:
+        raise ValueError(
+            f"`sync_options={sync_options!r}` has {unknown}; the keys are {list(SYNC_OPTION_KEYS)} (DiLoCo's outer"
+            " optimizer)."
+        )
+    if sync == "local_sgd":
+        if options:
+            raise ValueError(
+                f"`sync_options={sync_options!r}` is given with `sync='local_sgd'`, whose outer step is the plain"
+                " average. Use `sync='diloco'` for an outer optimizer."
+            )
+        return None
+    settings = {**DILOCO_DEFAULTS, **options}
+    for key in ("outer_lr", "outer_momentum"):
+        value = settings[key]
+        low_ok = value > 0 if key == "outer_lr" else value >= 0
+        if not is_real(value) or not math.isfinite(value) or not low_ok or (key == "outer_momentum" and value >= 1):
+            raise ValueError(
+                f"`sync_options['{key}']={value!r}` must be a finite number"
+                f" {'> 0' if key == 'outer_lr' else 'in [0, 1)'} (DiLoCo's default {DILOCO_DEFAULTS[key]})."
+            )
+    if not isinstance(settings["nesterov"], bool):
+        raise ValueError(f"`sync_options['nesterov']={settings['nesterov']!r}` must be True or False.")
+    if settings["nesterov"] and settings["outer_momentum"] == 0:
+        settings["nesterov"] = False  # (torch refuses Nesterov without momentum; it is plain SGD then)
+    return settings
+
+
+def sync_refusal(
+    sync: str,
+    stage: int,
+    compression_mode: Optional[str],
+    precisions: Sequence[str],
+    micro_steps: Optional[Sequence[int]],
+    weights: Optional[Sequence[float]],
+    global_batch_size: Optional[int],
+    hierarchical: Any,
+    automatic_optimization: bool,
+) -> Optional[str]:
+    """Why the job cannot train with ``sync`` (None when it can). Checked on every rank before any collective."""
+    if sync not in LOCAL_MODES:
+        return None
+    if stage != 0:
+        return (
+            f"`sync={sync!r}` needs `stage=0`: ZeRO stage {stage} shards the optimizer states (and from stage 2 the"
+            " gradients) across the ranks, and a rank that trains on its own needs all of its own."
+        )
+    if compression_mode not in (None, "fp16", "bf16"):
+        return (
+            f"`sync={sync!r}` with `compression={compression_mode!r}`: between synchronizations no gradient is"
+            " exchanged, and the pseudo-gradient travels in fp32, fp16 or bf16 only. Use compression=None, 'fp16' or"
+            " 'bf16'."
+        )
+    if hierarchical is True:
+        return f"`sync={sync!r}` with `hierarchical=True`: the synchronization is one all-reduce. Drop `hierarchical`."
+    if "16-mixed" in precisions:
+        return (
+            f"`sync={sync!r}` with an fp16 rank: its loss scale is agreed by all ranks at every step, and ranks that"
+            " train on their own take different numbers of steps. Use bf16 or fp32 on every rank."
+        )
+    if micro_steps is not None:
+        return f"`sync={sync!r}` with `micro_steps`: give the inner steps per rank with `inner_steps` instead."
+    if weights is not None or global_batch_size is not None:
+        given = "weights" if weights is not None else "global_batch_size"
+        return (
+            f"`sync={sync!r}` with `{given}`: each rank trains on micro-batches of the training loader's batch size (or"
+            " `batch_sizes`), and `inner_steps` says how many per training step. Drop it."
+        )
+    if not automatic_optimization:
+        return (
+            f"`sync={sync!r}` with manual optimization: the strategy takes the inner steps. Use automatic optimization."
+        )
+    return None
+
+
+def plan_inner_steps(costs: Sequence[CostModel], micro_batches: Sequence[int]) -> tuple[int, ...]:
+    """Each rank's inner steps per training step: as many of its micro-batches as it computes while the slowest rank
+    computes one (rounded to the nearest whole step, at least 1), from the ranks' cost models."""
+    times = [cost.time(b) for cost, b in zip(costs, micro_batches)]
+    slowest = max(times)
+    return tuple(max(1, math.floor(slowest / t + 0.5)) if t > 0 else 1 for t in times)
+
+
+def is_sync_step(steps_done: int, sync_every: int, last_of_epoch: bool) -> bool:
+    """Whether the ranks synchronize after ``steps_done`` training steps of the fit: every ``sync_every``, and at the
+    end of each epoch (so that evaluation and the epoch's checkpoint see one model)."""
+    return last_of_epoch or steps_done % sync_every == 0
+
+
+def check_inner_steps_length(inner_steps: Optional[Sequence[int]], world_size: int) -> None:
+    if inner_steps is not None and len(inner_steps) != world_size:
+        raise ValueError(
+            f"`inner_steps={list(inner_steps)}` has {len(inner_steps)} entries but the job has {world_size} ranks."
+            " Give one count per rank, in global rank order."
+        )
+
+
+def describe_sync(sync: str, sync_every: int, inner_steps: Sequence[int], options: Optional[Mapping[str, Any]]) -> str:
+    """One line for the plan: how the ranks synchronize."""
+    if sync not in LOCAL_MODES:
+        return "gradients exchanged at every step"
+    outer = (
+        "the sample-weighted average of the parameters"
+        if sync == "local_sgd"
+        else f"an outer SGD (lr {options['outer_lr']}, momentum {options['outer_momentum']}"  # type: ignore[index]
+        f"{', Nesterov' if options['nesterov'] else ''}) on the sample-weighted pseudo-gradient"  # type: ignore[index]
+    )
+    return (
+        f"{sync}: each rank trains on its own, inner steps per training step {list(inner_steps)}; every {sync_every}"
+        f" training steps and at each epoch's end the ranks synchronize with {outer}"
+    )

@@ -1,0 +1,144 @@
+"""Local SGD and DiLoCo end to end on two CPU ranks, against a plain-torch reference of the same algorithm.
+
+The claims under test: with one synchronization per step and one inner step per rank, local SGD (and DiLoCo with an
+outer SGD of lr 1 and no momentum) is synchronous SGD on the same global batches; with unequal inner steps every
+sample is used once and the parameters are the reference's; a resume from a checkpoint at a synchronization equals
+the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
+sys.path.insert(0, str(Path(__file__).parents[1]))
+
+from common import IndexedRegression, batch_loss, make_network, max_param_difference, reference_training  # noqa: E402
+from conftest import run_fit  # noqa: E402
+from test_strategy_multiprocess import contiguous_steps  # noqa: E402
+
+from lightning_hetero.plan.split import micro_batch_sizes  # noqa: E402
+
+pytestmark = pytest.mark.multiprocess
+
+TOLERANCE = 1e-5
+
+
+def local_reference(
+    dataset: IndexedRegression,
+    steps: list[list[int]],
+    micro: list[int],
+    inner: list[int],
+    sync_at: set[int],
+    outer: Optional[dict[str, Any]] = None,
+    lr: float = 0.05,
+    momentum: float = 0.9,
+) -> dict[str, torch.Tensor]:
+    """Each rank takes its contiguous slice of every global batch in ``inner[r]`` SGD steps of its own; after the
+    training steps in ``sync_at`` (counted from 1) the ranks merge their deltas weighted by their samples."""
+    start = make_network()
+    nets = [copy.deepcopy(start) for _ in micro]
+    inner_optimizers = [torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum) for net in nets]
+    anchor = [torch.nn.Parameter(p.detach().clone()) for p in start.parameters()]
+    outer_optimizer = None
+    if outer is not None:
+        outer_optimizer = torch.optim.SGD(anchor, lr=outer["outer_lr"], momentum=outer["outer_momentum"],
+                                          nesterov=outer["nesterov"])  # fmt: skip
+    samples = [0] * len(micro)
+    for number, step in enumerate(steps, start=1):
+        begin = 0
+        for rank, (net, optimizer) in enumerate(zip(nets, inner_optimizers)):
+            share = step[begin : begin + micro[rank] * inner[rank]]
+            begin += len(share)
+            offset = 0
+            for size in micro_batch_sizes(len(share), inner[rank]):
+                indices = share[offset : offset + size]
+                offset += size
+                optimizer.zero_grad()
+                batch_loss(net, dataset.x[indices], dataset.y[indices]).backward()
+                optimizer.step()
+            samples[rank] += len(share)
+        if number in sync_at:
+            total = sum(samples)
+            with torch.no_grad():
+                for index, parameter in enumerate(anchor):
+                    average = sum(
+                        (n / total) * (parameter - list(net.parameters())[index]) for n, net in zip(samples, nets)
+                    )
+                    if outer_optimizer is None:
+                        parameter -= average
+                    else:
+                        parameter.grad = average.clone()
+            if outer_optimizer is not None:
+                outer_optimizer.step()
+                outer_optimizer.zero_grad()
+            with torch.no_grad():
+                for net in nets:
+                    for own, merged in zip(net.parameters(), anchor):
+                        own.copy_(merged)
+            samples = [0] * len(micro)
+    names = [name for name, _ in start.named_parameters()]
+    return {name: parameter.detach().clone() for name, parameter in zip(names, anchor)}
+
+
+def local_args(sync: str, batch_sizes: list[int], **strategy: Any) -> list[str]:
+    arguments = json.dumps({"sync": sync, **strategy})
+    return ["--stage", "0", "--batch-sizes", *map(str, batch_sizes), "--strategy-args", arguments]
+
+
+@pytest.mark.parametrize(
+    "sync, options",
+    [("local_sgd", {}), ("diloco", {"sync_options": {"outer_lr": 1.0, "outer_momentum": 0.0}})],
+)
+def test_one_synchronization_per_step_is_synchronous_sgd(sync, options, tmp_path):
+    """Uneven micro-batches 3/13, one inner SGD-with-momentum step each, merged every step weighted 3/16 and 13/16:
+    the update is one process's on the global batch of 16 (momentum too: the weighted average is linear)."""
+    run = run_fit(
+        tmp_path, *local_args(sync, [3, 13], sync_every=1, inner_steps=[1, 1], **options), "--max-steps", "4"
+    )  # fmt: skip
+    assert run.returncode == 0, run.output[-4000:]
+    assert run.result["global_step"] == 4
+    steps = contiguous_steps(64, 16, 4)
+    assert max_param_difference(run.result, reference_training(IndexedRegression(64), steps)) <= TOLERANCE
+    report = json.loads((tmp_path / "hetero" / "report.json").read_text())
+    # Every step exchanged the sample counts and the weighted deltas (fp32), and nothing else.
+    assert all(step["intra_node_bytes"][0] > 0 for step in report["steps"])
+
+
+def test_a_fast_rank_takes_more_inner_steps_every_sample_once_and_diloco_as_the_reference(tmp_path):
+    """Rank 0 takes 2 inner steps of 4 samples per training step, rank 1 one: 60 samples in 5 steps of 12;
+    DiLoCo (outer lr 0.7, Nesterov momentum 0.9) merges after steps 2 and 4 and at the epoch's end (step 5)."""
+    run = run_fit(tmp_path, *local_args("diloco", [4, 4], sync_every=2, inner_steps=[2, 1]), "--samples", "60")
+    assert run.returncode == 0, run.output[-4000:]
+    assert run.result["global_step"] == 5
+    assert sorted(sum(run.result["seen"], [])) == list(range(60))  # every sample once
+    assert [len(seen) for seen in run.result["seen"]] == [40, 20]  # the fast rank did twice the work
+    steps = [list(range(b, b + 12)) for b in range(0, 60, 12)]
+    outer = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
+    reference = local_reference(IndexedRegression(60), steps, [4, 4], [2, 1], {2, 4, 5}, outer)
+    assert max_param_difference(run.result, reference) <= TOLERANCE
+    assert "inner steps" in run.output and "diloco: each rank trains on its own, inner steps" in run.output
+
+
+def test_a_resume_at_a_synchronization_equals_the_uninterrupted_run(tmp_path):
+    """The checkpoint after step 2 (a synchronization) carries each rank's own momentum and DiLoCo's outer momentum:
+    the resumed run ends where the uninterrupted one does."""
+    arguments = local_args("diloco", [4, 4], sync_every=2, inner_steps=[2, 1])
+    first = run_fit(tmp_path / "first", *arguments, "--samples", "60", "--max-steps", "2", "--checkpoint-every", "2")
+    assert first.returncode == 0, first.output[-4000:]
+    (checkpoint,) = (tmp_path / "first" / "ckpt").iterdir()
+    resumed = run_fit(tmp_path / "resumed", *arguments, "--samples", "60", "--ckpt-path", str(checkpoint))
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    assert resumed.result["global_step"] == 5
+    assert sorted(sum(resumed.result["seen"], [])) == list(range(24, 60))  # the samples the first run had not used
+    steps = [list(range(b, b + 12)) for b in range(0, 60, 12)]
+    outer = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
+    reference = local_reference(IndexedRegression(60), steps, [4, 4], [2, 1], {2, 4, 5}, outer)
+    assert max_param_difference(resumed.result, reference) <= TOLERANCE
