@@ -21,7 +21,12 @@ from lightning_hetero.comm.compression import CompressionChoice
 from lightning_hetero.emulate import memory
 from lightning_hetero.emulate.slowdown import ENV_VAR as EMULATE_ENV_VAR
 from lightning_hetero.emulate.slowdown import SpeedSchedule, emulated_speeds
-from lightning_hetero.plan.local_steps import LOCAL_MODES, check_inner_steps_length, check_sync_arguments
+from lightning_hetero.plan.local_steps import (
+    LOCAL_MODES,
+    check_inner_steps_length,
+    check_sync_arguments,
+    sync_refusal,
+)
 from lightning_hetero.plan.micro_steps import micro_steps_refusal
 from lightning_hetero.plan.deepspeed_config import check_user_config, model_disagreement, raise_if_arguments_differ
 from lightning_hetero.plan.replan import check_rebalance_arguments
@@ -107,6 +112,13 @@ class HeteroSettings:
         liveness.check_peer_timeout(peer_timeout)
         check_max_nonfinite_steps(max_nonfinite_steps)
         outer = check_sync_arguments(sync, sync_every, inner_steps, sync_options)
+        # What the arguments alone refuse (the stage a user config sets, precisions and the module are checked at
+        # setup, in the survey).
+        refusal = sync_refusal(sync, stage if stage is not None else 0, compression.check_compression(
+            compression_mode, compression_options).mode, [], micro_steps, weights, global_batch_size, hierarchical,
+            automatic_optimization=True)  # fmt: skip
+        if refusal:
+            raise ValueError(refusal)
         if sync in LOCAL_MODES and rebalance:
             raise ValueError(
                 f"`rebalance=True` with `sync={sync!r}`: local training plans each rank's inner steps at the start"
@@ -135,6 +147,14 @@ class HeteroSettings:
         )
 
     @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage given, else the default: 2, or 0 for local SGD / DiLoCo (which needs every rank's whole
+        optimizer state)."""
+        if self.stage is not None:
+            return self.stage
+        return 0 if self.local else DEFAULT_STAGE
+
+    @property
     def local(self) -> bool:
         """Local SGD or DiLoCo: ranks train on their own between synchronizations."""
         return self.sync in LOCAL_MODES
@@ -161,7 +181,7 @@ class HeteroSettings:
         zero = config.setdefault("zero_optimization", {})
         config_stage = zero.get("stage")
         if config_stage is None:
-            zero["stage"] = DEFAULT_STAGE if self.stage is None else self.stage
+            zero["stage"] = self.zero_stage
         elif self.stage is not None and self.stage != config_stage:
             rank_zero_warn(
                 f"HeteroStrategy: the DeepSpeed config's `zero_optimization.stage={config_stage}` wins over"

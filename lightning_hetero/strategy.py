@@ -45,7 +45,7 @@ from lightning_hetero.precision.plugin import HeteroPrecision
 from lightning_hetero.recover import elastic, liveness
 from lightning_hetero.runtime import quiet, startup
 from lightning_hetero.runtime.shutdown import register_exit_cleanup
-from lightning_hetero.settings import DEFAULT_STAGE, HeteroSettings
+from lightning_hetero.settings import HeteroSettings
 from lightning_hetero.train.buffers import BufferSync
 from lightning_hetero.train.loaders import HeteroDataLoader
 from lightning_hetero.train.micro_batches import reduction_held_back, step_loss, unreduced_parameters
@@ -56,7 +56,8 @@ class HeteroStrategy(DeepSpeedStrategy):
     """DeepSpeed ZeRO data parallelism where every rank has its own micro-batch.
 
     Args:
-        stage: ZeRO stage 0-3 (default 2). With a ``config`` dict the config's ``zero_optimization.stage`` wins;
+        stage: ZeRO stage 0-3 (default 2; 0 with ``sync="local_sgd"`` or ``"diloco"``). With a ``config`` dict the
+            config's ``zero_optimization.stage`` wins;
             ``stage`` only fills it in when the config leaves it unset.
         global_batch_size: samples per step across all ranks. Default: the training loader's ``batch_size`` times
             the world size (what DDP would use), or the sum of ``batch_sizes``.
@@ -165,7 +166,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         config = check_config_argument(config)
         quiet.install_lasting_filters()
         with quiet.third_party_noise_silenced():  # the parent imports DeepSpeed, which prints its accelerator guess
-            super().__init__(stage=DEFAULT_STAGE if stage is None else stage, config=config, **kwargs)
+            super().__init__(stage=settings.zero_stage, config=config, **kwargs)
         user_config = config is not None or self.DEEPSPEED_ENV_VAR in os.environ
         if user_config:
             settings.reconcile_user_config(self.config, kwargs)

@@ -71,6 +71,14 @@ def initial_plan(
     if micro_steps is not None:
         steps = tuple(micro_steps)
         decision = plan_automatic_split(with_fixed_micro_steps(costs, steps), global_batch_size, min_gain=min_gain)
+        samples = decision.planned.batch_sizes
+        short = [rank for rank in range(world_size) if samples[rank] < steps[rank]]
+        if short:
+            raise ValueError(
+                f"`micro_steps={list(steps)}`: the automatic split gives rank {short[0]} {samples[short[0]]} samples of"
+                f" the global batch of {global_batch_size} ({list(samples)}), fewer than its {steps[short[0]]}"
+                " micro-steps. Lower its micro-steps, or raise the global batch."
+            )
     elif unequal_micro_steps:
         decision, steps = plan_automatic_split_in_micro_steps(costs, global_batch_size, min_gain)
     else:

@@ -1,0 +1,101 @@
+"""Local SGD / DiLoCo decisions: the arguments, what is refused, the inner steps, the synchronization schedule."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lightning_hetero.measure.cost import CostModel
+from lightning_hetero.plan.local_steps import (
+    DILOCO_DEFAULTS,
+    check_inner_steps_length,
+    check_sync_arguments,
+    describe_sync,
+    is_sync_step,
+    plan_inner_steps,
+    sync_refusal,
+)
+
+
+def test_sync_arguments_give_the_outer_optimizer():
+    assert check_sync_arguments("every_step", 1, None, None) is None
+    assert check_sync_arguments("local_sgd", 8, [2, 1], None) is None
+    assert check_sync_arguments("diloco", 8, None, None) == DILOCO_DEFAULTS
+    assert check_sync_arguments("diloco", 8, None, {"outer_lr": 1.0, "outer_momentum": 0.0}) == {
+        "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False,  # (no Nesterov without momentum)
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (("sometimes", 1, None, None), "`sync='sometimes'` is not one of"),
+        (("diloco", 0, None, None), "`sync_every=0` must be a positive integer"),
+        (("diloco", 2.5, None, None), "`sync_every=2.5`"),
+        (("every_step", 4, None, None), "`sync_every` is given with `sync='every_step'`"),
+        (("every_step", 1, [2, 1], None), "`inner_steps` is given with `sync='every_step'`"),
+        (("diloco", 4, [2, 0], None), "`inner_steps=[2, 0]` must hold one whole number >= 1 per rank"),
+        (("diloco", 4, 2, None), "`inner_steps=2` is not a list"),
+        (("diloco", 4, None, {"lr": 0.7}), "has ['lr']; the keys are"),
+        (("local_sgd", 4, None, {"outer_lr": 0.7}), "is given with `sync='local_sgd'`"),
+        (("diloco", 4, None, {"outer_lr": 0}), "`sync_options['outer_lr']=0` must be a finite number > 0"),
+        (("diloco", 4, None, {"outer_momentum": 1.0}), "`sync_options['outer_momentum']=1.0` must be a finite"),
+        (("diloco", 4, None, {"outer_lr": math.nan}), "outer_lr"),
+        (("diloco", 4, None, {"nesterov": "yes"}), "`sync_options['nesterov']='yes'` must be True or False"),
+    ],
+)
+def test_bad_sync_arguments_are_named(arguments, message):
+    with pytest.raises(ValueError) as error:
+        check_sync_arguments(*arguments)
+    assert message in str(error.value)
+
+
+BASE = dict(sync="diloco", stage=0, compression_mode=None, precisions=["32-true"], micro_steps=None, weights=None,
+            global_batch_size=None, hierarchical="auto", automatic_optimization=True)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({}, None),
+        ({"sync": "every_step", "stage": 3}, None),
+        ({"compression_mode": "bf16"}, None),
+        ({"precisions": ["bf16-mixed"]}, None),
+        ({"stage": 2}, "needs `stage=0`: ZeRO stage 2 shards"),
+        ({"compression_mode": "powersgd"}, "with `compression='powersgd'`"),
+        ({"hierarchical": True}, "with `hierarchical=True`"),
+        ({"precisions": ["16-mixed"]}, "with an fp16 rank"),
+        ({"micro_steps": [2, 1]}, "with `micro_steps`"),
+        ({"weights": [1.0, 0.4]}, "with `weights`"),
+        ({"global_batch_size": 64}, "with `global_batch_size`"),
+        ({"automatic_optimization": False}, "with manual optimization"),
+    ],
+)
+def test_what_local_training_refuses(changes, message):
+    refusal = sync_refusal(**{**BASE, **changes})
+    assert refusal is None if message is None else message in refusal
+
+
+def test_inner_steps_follow_the_speeds():
+    fast = CostModel(0.0, 1.0)
+    # As many inner steps as the rank computes while the slowest computes one, to the nearest whole step.
+    assert plan_inner_steps([fast, CostModel(0.0, 2.5)], [8, 8]) == (3, 1)
+    assert plan_inner_steps([fast, CostModel(0.0, 2.25)], [8, 8]) == (2, 1)
+    assert plan_inner_steps([fast, fast], [8, 8]) == (1, 1)
+    assert plan_inner_steps([CostModel(0.0, 2.5), fast, CostModel(0.0, 10.0)], [8, 8, 8]) == (4, 10, 1)
+    # The micro-batches count: a rank with twice the micro-batch takes half the steps.
+    assert plan_inner_steps([fast, CostModel(0.0, 4.0)], [16, 8]) == (2, 1)
+    check_inner_steps_length([2, 1], 2)
+    with pytest.raises(ValueError, match=r"`inner_steps=\[2, 1\]` has 2 entries but the job has 3 ranks"):
+        check_inner_steps_length([2, 1], 3)
+
+
+def test_the_ranks_synchronize_every_h_steps_and_at_each_epochs_end():
+    assert [is_sync_step(step, 4, last_of_epoch=False) for step in range(1, 9)] == [False] * 3 + [True] + [
+        False
+    ] * 3 + [True]
+    assert is_sync_step(5, 4, last_of_epoch=True)
+    assert "every 4 training steps" in describe_sync("diloco", 4, [2, 1], DILOCO_DEFAULTS)
+    assert "Nesterov" in describe_sync("diloco", 4, [2, 1], DILOCO_DEFAULTS)
+    assert describe_sync("every_step", 1, [1, 1], None) == "gradients exchanged at every step"
