@@ -29,7 +29,7 @@ from lightning_hetero.plan.deepspeed_config import model_signature
 from lightning_hetero.emulate import memory
 from lightning_hetero.plan.initial import initial_plan, rebalancer_for, within_emulated_memory
 from lightning_hetero.plan.micro_steps import automatic_micro_steps_allowed, micro_steps_refusal
-from lightning_hetero.plan.local_steps import describe_sync, plan_inner_steps, sync_refusal
+from lightning_hetero.plan.local_steps import InnerStepsRebalancer, describe_sync, plan_inner_steps, sync_refusal
 from lightning_hetero.plan.split import SplitPlan, micro_batch_sizes
 from lightning_hetero.precision.choice import rank_precision
 from lightning_hetero.precision.job import gradient_bytes_held_until_step, job_plugin, loss_scale_value
@@ -62,6 +62,7 @@ class HeteroJob:
         self.loss_weights = LossWeights(settings.loss_reduction)
         self.micro_batch_guard = MicroBatchGuard()
         self.local: Optional[LocalTraining] = None  # local SGD / DiLoCo (train/local_sgd.py)
+        self._inner_steps_rebalancer: Optional[InnerStepsRebalancer] = None
         if settings.local:
             self.local = LocalTraining(settings.sync, settings.sync_every, settings.outer, settings.compression.mode)
             self.loss_weights.local = True
@@ -209,7 +210,21 @@ class HeteroJob:
         plan = SplitPlan(tuple(b * k for b, k in zip(micro, steps)), f"{settings.sync}", tuple(steps))
         self.split.start(plan, None)
         assert self.watcher is not None
-        self.watcher.follow(self.split, None)
+        # Inner steps the user did not fix follow what the ranks measure, as the split does (one decision on all).
+        rebalancer = None
+        if settings.inner_steps is None and settings.rebalance is not False and self.world_size > 1:
+            rebalancer = InnerStepsRebalancer(micro, steps, settings.rebalance_window)
+        self._inner_steps_rebalancer = rebalancer
+        assert self.local is not None
+        self.local.inner_steps = lambda: self.split.plan.micro_steps  # type: ignore[union-attr]
+        self.watcher.follow(self.split, rebalancer)
+
+    def load_local_training(self, directory: Path) -> None:
+        """Local training resumes: each rank's own state, and the inner steps the checkpoint ran with."""
+        assert self.local is not None
+        restored = self.local.load(directory, self.rank)
+        if restored is not None and self._inner_steps_rebalancer is not None:
+            self._inner_steps_rebalancer.restored = restored
 
     def local_step_done(self, samples: int, last_of_epoch: bool) -> None:
         """Local training: a training step ended; the ranks synchronize when it is time (one decision on all)."""

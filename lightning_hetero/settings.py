@@ -119,10 +119,10 @@ class HeteroSettings:
             automatic_optimization=True)  # fmt: skip
         if refusal:
             raise ValueError(refusal)
-        if sync in LOCAL_MODES and rebalance:
+        if sync in LOCAL_MODES and rebalance and inner_steps is not None:
             raise ValueError(
-                f"`rebalance=True` with `sync={sync!r}`: local training plans each rank's inner steps at the start"
-                " and keeps them. Drop `rebalance`, or give `inner_steps` yourself."
+                f"`rebalance=True` with `inner_steps={list(inner_steps)}`: inner steps you give are kept. Drop one"
+                " (without `inner_steps` they are planned from the profiles and follow what the ranks measure)."
             )
         return cls(
             stage=stage,
@@ -170,8 +170,8 @@ class HeteroSettings:
         return self.batch_sizes is None and self.weights is None
 
     def rebalancing(self, profiled: bool, world_size: int) -> bool:
-        """Re-plan during the fit: on for the automatic split unless turned off, off for a fixed one unless on; off
-        in local training (its inner steps are planned at the start)."""
+        """Re-plan during the fit: on for the automatic split unless turned off, off for a fixed one unless on. (Local
+        training re-plans its inner steps instead: HeteroJob._start_local_training.)"""
         wanted = self.rebalance if self.rebalance is not None else profiled
         return wanted and world_size > 1 and not self.local
 

@@ -551,7 +551,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         if same_world_size:
             client_state = super().load_checkpoint(str(chosen), *args, **kwargs)
             if job.local is not None:
-                job.local.load(chosen, self.global_rank)
+                job.load_local_training(chosen)
             return client_state
         job.keep_the_checkpoints_global_batch(chosen, manifest, self._zero_stage(), module)
         parent_load = super().load_checkpoint

@@ -80,7 +80,7 @@ CONSTRUCTOR = [
     ({"sync": "diloco", "inner_steps": [2, 0]}, "`inner_steps=[2, 0]` must hold one whole number >= 1 per rank"),
     ({"sync": "diloco", "sync_options": {"outer_lr": -1}}, "`sync_options['outer_lr']=-1` must be a finite number"),
     ({"sync": "local_sgd", "sync_options": {"outer_lr": 0.7}}, "is given with `sync='local_sgd'`"),
-    ({"sync": "diloco", "rebalance": True}, "`rebalance=True` with `sync='diloco'`"),
+    ({"sync": "diloco", "rebalance": True, "inner_steps": [2, 1]}, "`rebalance=True` with `inner_steps=[2, 1]`"),
     ({"sync": "diloco", "compression": "topk", "stage": 0}, "`sync='diloco'` with `compression='topk'`"),
     ({"sync": "diloco", "stage": 1}, "`sync='diloco'` needs `stage=0`: ZeRO stage 1 shards"),
     ({"sync": "local_sgd", "micro_steps": [2, 1]}, "`sync='local_sgd'` with `micro_steps`"),

@@ -16,10 +16,13 @@ synchronization schedule.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from lightning_hetero.measure.cost import CostModel
+from lightning_hetero.plan.replan import Replan
+from lightning_hetero.plan.split import split_by_weights
 from lightning_hetero.runtime.checks import is_int, is_real, per_rank_list
 
 SYNC_MODES = ("every_step", "local_sgd", "diloco")
@@ -171,3 +174,79 @@ def describe_sync(sync: str, sync_every: int, inner_steps: Sequence[int], option
         f"{sync}: each rank trains on its own, inner steps per training step {list(inner_steps)}; every {sync_every}"
         f" training steps and at each epoch's end the ranks synchronize with {outer}"
     )
+
+
+# Windows measured under the current inner steps before they may change (as the split's re-planner waits), and the
+# predicted gain in balance a change must bring: timing noise alone must not make the counts wander.
+MIN_WINDOWS_BEFORE_CHANGE = 2
+MIN_BALANCE_GAIN = 0.05
+
+
+def balance(inner_steps: Sequence[int], step_seconds: Sequence[float]) -> float:
+    """Predicted ``sum(work) / (W * max(work))`` of a training step when rank r takes ``inner_steps[r]`` inner
+    steps of ``step_seconds[r]`` each: 1.0 when no rank waits."""
+    work = [k * t for k, t in zip(inner_steps, step_seconds)]
+    return sum(work) / (len(work) * max(work)) if max(work) > 0 else 1.0
+
+
+def inner_steps_for(step_seconds: Sequence[float]) -> tuple[int, ...]:
+    """Inner steps from each rank's measured seconds per inner step: as many as it takes while the slowest takes one."""
+    slowest = max(step_seconds)
+    return tuple(max(1, math.floor(slowest / t + 0.5)) if t > 0 else 1 for t in step_seconds)
+
+
+class InnerStepsRebalancer:
+    """Re-plans the inner steps of local training from what the ranks measure, like the split's re-planner
+    (:class:`~lightning_hetero.plan.replan.Rebalancer`, same interface for the watch): every exchange of step records,
+    each rank's seconds per sample is the median over the steps since the last change of its compute divided by its
+    samples, and the counts change when the new ones are predicted to balance the step at least ``MIN_BALANCE_GAIN``
+    better. Pure arithmetic on the exchanged records: every rank takes the same decision.
+
+    The samples of a training step stay the same (the loader's epoch keeps its number of steps, which Lightning
+    counted at the start): new counts share them out in proportion to ``inner_steps[r] * micro_batches[r]``, so the
+    micro-batches grow or shrink a little instead."""
+
+    def __init__(self, micro_batches: Sequence[int], inner_steps: Sequence[int], window: int) -> None:
+        self.micro_batches = tuple(micro_batches)
+        self.inner_steps = tuple(inner_steps)
+        self.step_samples = sum(b * k for b, k in zip(micro_batches, inner_steps))
+        self.window = window
+        self.changed_at = 0
+        self.replans: list[Replan] = []
+        self.restored: Optional[tuple[int, ...]] = None  # the inner steps a checkpoint recorded with its split
+
+    def consider(self, steps: Sequence[dict[str, Any]], next_step: int) -> Optional[Replan]:
+        if next_step - self.changed_at < MIN_WINDOWS_BEFORE_CHANGE * self.window:
+            return None
+        recent = [step for step in steps if step["step"] >= self.changed_at]
+        per_step = []  # seconds per inner step of the rank's initial micro-batch
+        for rank, micro in enumerate(self.micro_batches):
+            seconds = [
+                step["compute_seconds"][rank] / step["batch_sizes"][rank] * micro
+                for step in recent
+                if step["compute_seconds"][rank] > 0
+            ]
+            if not seconds:
+                return None
+            per_step.append(statistics.median(seconds))
+        proposed = inner_steps_for(per_step)
+        gain = balance(proposed, per_step) - balance(self.inner_steps, per_step)
+        if proposed == self.inner_steps or gain < MIN_BALANCE_GAIN:
+            return None
+        replan = Replan(next_step, self.samples_of(proposed), gain, proposed)
+        self.inner_steps, self.changed_at = proposed, next_step
+        self.replans.append(replan)
+        return replan
+
+    def samples_of(self, inner_steps: Sequence[int]) -> tuple[int, ...]:
+        """The training step's samples shared in proportion to each rank's inner steps times its micro-batch."""
+        weights = [b * k for b, k in zip(self.micro_batches, inner_steps)]
+        return tuple(split_by_weights(self.step_samples, weights, minimum=1))
+
+    def micro_steps_of(self, split: Sequence[int]) -> tuple[int, ...]:
+        """The inner steps of a checkpoint's split: those it recorded, else the current ones."""
+        return self.restored if self.restored is not None else self.inner_steps
+
+    def adopt(self, split: Sequence[int], step: int) -> None:
+        """Run with a checkpoint's split (and the inner steps it recorded) from ``step`` on."""
+        self.inner_steps, self.changed_at = self.micro_steps_of(split), step

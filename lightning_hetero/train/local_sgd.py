@@ -43,6 +43,8 @@ class LocalTraining:
         self._outer: Optional[torch.optim.SGD] = None
         self._outer_parameters: list[torch.nn.Parameter] = []  # DiLoCo: the anchor as the outer optimizer's
         self._inner: Any = None
+        # Reads the inner steps in force (the split's), which a checkpoint records: set by the job.
+        self.inner_steps: Optional[Callable[[], tuple[int, ...]]] = None
 
     def attach(self, parameters: list[torch.nn.Parameter], inner_optimizer: Any) -> None:
         """DeepSpeed's engine exists: anchor the parameters it trains, create the outer optimizer over the anchor."""
@@ -108,6 +110,7 @@ class LocalTraining:
 
     def state(self) -> dict[str, Any]:
         return {
+            "inner_steps": list(self.inner_steps()) if self.inner_steps is not None else None,
             "steps_done": self.steps_done,
             "synchronizations": self.synchronizations,
             "inner": self._inner.state_dict() if self._inner is not None else None,
@@ -118,9 +121,9 @@ class LocalTraining:
         (directory / STATE_DIRNAME).mkdir(parents=True, exist_ok=True)
         torch.save(self.state(), directory / STATE_DIRNAME / f"rank_{rank}.pt")
 
-    def load(self, directory: Path, rank: int) -> None:
+    def load(self, directory: Path, rank: int) -> Optional[tuple[int, ...]]:
         """This rank's inner optimizer state, the outer state and the step count; the anchor is the loaded
-        parameters (a checkpoint holds synchronized ones)."""
+        parameters (a checkpoint holds synchronized ones). Returns the inner steps the checkpoint ran with."""
         path = Path(directory) / STATE_DIRNAME / f"rank_{rank}.pt"
         if not path.is_file():
             raise FileNotFoundError(
@@ -138,3 +141,4 @@ class LocalTraining:
         if self._outer is not None and state["outer"] is not None:
             self._outer.load_state_dict(state["outer"])
         self.samples_since_sync = self.steps_since_sync = 0
+        return tuple(state["inner_steps"]) if state.get("inner_steps") else None

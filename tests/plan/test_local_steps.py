@@ -9,6 +9,8 @@ import pytest
 from lightning_hetero.measure.cost import CostModel
 from lightning_hetero.plan.local_steps import (
     DILOCO_DEFAULTS,
+    InnerStepsRebalancer,
+    balance,
     check_inner_steps_length,
     check_sync_arguments,
     describe_sync,
@@ -99,3 +101,29 @@ def test_the_ranks_synchronize_every_h_steps_and_at_each_epochs_end():
     assert "every 4 training steps" in describe_sync("diloco", 4, [2, 1], DILOCO_DEFAULTS)
     assert "Nesterov" in describe_sync("diloco", 4, [2, 1], DILOCO_DEFAULTS)
     assert describe_sync("every_step", 1, [1, 1], None) == "gradients exchanged at every step"
+
+
+def test_inner_steps_follow_what_the_ranks_measure():
+    rebalancer = InnerStepsRebalancer([64, 64], (1, 1), window=2)
+    # Rank 1 computes 2.5x as long per inner step (1 inner step each so far).
+    steps = [{"step": s, "batch_sizes": [64, 64], "compute_seconds": [0.02, 0.05]} for s in range(4)]
+    assert rebalancer.consider(steps[:3], 3) is None  # not two windows yet
+    replan = rebalancer.consider(steps, 4)
+    # The step keeps its 128 samples, shared 3:1.
+    assert replan is not None and replan.micro_steps == (3, 1) and replan.batch_sizes == (96, 32)
+    assert replan.predicted_gain == pytest.approx(balance((3, 1), [0.02, 0.05]) - balance((1, 1), [0.02, 0.05]))
+    # Measured as predicted under the new counts (96 samples at 0.02 s per 64, 32 at 0.05 s per 64): no change.
+    later = steps + [{"step": s, "batch_sizes": [96, 32], "compute_seconds": [0.03, 0.025]} for s in range(4, 12)]
+    assert rebalancer.consider(later, 12) is None
+    assert rebalancer.micro_steps_of((96, 32)) == (3, 1)
+    rebalancer.restored = (2, 1)  # a checkpoint's record
+    rebalancer.adopt((85, 43), 12)
+    assert rebalancer.inner_steps == (2, 1) and rebalancer.changed_at == 12
+
+
+def test_noise_below_the_gain_does_not_change_the_inner_steps():
+    rebalancer = InnerStepsRebalancer([64, 64], (2, 1), window=2)
+    steps = [
+        {"step": s, "batch_sizes": [128, 64], "compute_seconds": [0.05, 0.052 + 0.004 * (s % 2)]} for s in range(8)
+    ]
+    assert rebalancer.consider(steps, 8) is None

@@ -1,0 +1,241 @@
+"""Local SGD and DiLoCo against every-step exchange on a slow link between two emulated nodes.
+
+    python benchmarks/local_sgd.py                 # 3 runs of 5 fits each (about 15 minutes on 2 cores)
+    python benchmarks/local_sgd.py --runs 1 --epochs 4
+
+Two ranks at emulated speeds [1.0, 0.4], each its own emulated node, joined by an emulated 1 Gbit/s link with 0.5 ms
+latency (``LIGHTNING_HETERO_EMULATE_NODES=2``, ``LIGHTNING_HETERO_EMULATE_LINK=1,0.5``): every collective between
+them is charged ``latency + bytes / bandwidth``. The model is the examples' spiral classifier made wide (two untied
+1024-wide blocks, 2.1 M parameters, 8.4 MB of fp32 gradients): at 1 Gbit/s one exchange costs about as much as
+several steps of compute, the regime local training is for. Adam (lr 1e-3), ZeRO-0, 8192 training samples,
+validation on 2048 after every epoch.
+
+Fits, run back to back in each run (their order alternates between runs):
+
+    every_step    today's training: the automatic split of a global batch of 128, gradients exchanged every step
+    local_sgd     micro-batches of 64 per inner step, inner steps planned from the profiles, synchronized every H
+    diloco        the same with DiLoCo's outer step (SGD, lr 0.7, Nesterov momentum 0.9)
+
+for H in --sync-every (default 8 and 32). Each fit trains the same number of epochs (every sample once per epoch in
+every mode). From each fit: the wall-clock time from the start of training to each validation and its loss and
+accuracy; the bytes on the wire from the run report. The figures: the time to reach every_step's final validation
+loss (the first validation at or below it), its ratio to every_step's time, and the final loss against every_step's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from jobs import run_job  # noqa: E402
+
+DEFAULT_OUT = HERE / "results" / "local_sgd.json"
+SPEEDS = [1.0, 0.4]
+LINK = "1,0.5"  # 1 Gbit/s, 0.5 ms
+TRAIN_SAMPLES, VAL_SAMPLES, MICRO_BATCH = 8192, 2048, 64
+FIT_TIMEOUT = 900
+
+
+def fit(mode: str, sync_every: int, epochs: int, out: Path) -> None:
+    """One Trainer.fit on every rank; rank 0 writes ``out/curve.json`` (time, loss, accuracy per validation)."""
+    import torch
+    from lightning.pytorch import Callback, Trainer, seed_everything
+    from torch import nn
+
+    from examples.spirals import SpiralClassifier, SpiralDataModule
+    from lightning_hetero import HeteroStrategy
+
+    torch.set_num_threads(1)  # one core's worth per rank, as one device
+    os.environ["LIGHTNING_HETERO_EMULATE_NODES"] = "2"
+    os.environ["LIGHTNING_HETERO_EMULATE_LINK"] = LINK
+
+    class WideSpirals(SpiralClassifier):
+        """The examples' classifier with two untied 1024-wide blocks: many parameters for its compute."""
+
+        def __init__(self) -> None:
+            super().__init__(hidden=1024, depth=2, lr=1e-3)
+            self.blocks = nn.ModuleList([nn.Linear(1024, 1024) for _ in range(2)])
+            del self.block
+
+        def forward(self, points: torch.Tensor) -> torch.Tensor:
+            hidden = torch.relu(self.embed(points))
+            for block in self.blocks:
+                hidden = hidden + torch.tanh(block(hidden))
+            return self.head(hidden)
+
+    class Curve(Callback):
+        def __init__(self) -> None:
+            self.points: list[dict[str, float]] = []
+            self.started = 0.0
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            self.started = time.perf_counter()
+
+        def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+            if trainer.sanity_checking:
+                return
+            metrics = trainer.callback_metrics
+            self.points.append({
+                "seconds": time.perf_counter() - self.started, "epoch": trainer.current_epoch,
+                "val_loss": float(metrics["val_loss"]), "val_acc": float(metrics["val_acc"]),
+            })  # fmt: skip
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            if trainer.is_global_zero:
+                (out / "curve.json").write_text(json.dumps(self.points))
+
+    seed_everything(0)
+    if mode == "every_step":
+        strategy = HeteroStrategy(stage=0, emulate_speeds=SPEEDS)
+        batch = 2 * MICRO_BATCH  # the loader's batch per rank: a global batch of 128, split by the planner
+    else:
+        strategy = HeteroStrategy(sync=mode, sync_every=sync_every, emulate_speeds=SPEEDS)
+        batch = MICRO_BATCH
+    data = SpiralDataModule(batch_size=batch // 2 if mode == "every_step" else batch,
+                            train_samples=TRAIN_SAMPLES, val_samples=VAL_SAMPLES)  # fmt: skip
+    trainer = Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, logger=False, callbacks=[Curve()],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        default_root_dir=out,
+    )  # fmt: skip
+    trainer.fit(WideSpirals(), data)
+
+
+# ---------------------------------------------------------------------------------------------- analysis (pure)
+
+
+def time_to_reach(curve: list[dict[str, float]], target: float) -> Optional[float]:
+    """Seconds from the start of training to the first validation at or below ``target`` (None: never)."""
+    for point in curve:
+        if point["val_loss"] <= target:
+            return point["seconds"]
+    return None
+
+
+def wire_megabytes(report: dict[str, Any]) -> float:
+    """Bytes every rank put on the wire between nodes during the fit, in MB."""
+    return sum(sum(step.get("inter_node_bytes", ())) for step in report["steps"]) / 1e6
+
+
+def analyse_run(fits: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    baseline = fits["every_step"]
+    target = baseline["curve"][-1]["val_loss"]
+    base_time = time_to_reach(baseline["curve"], target)
+    figures: dict[str, Any] = {"target_val_loss": target}
+    for name, result in fits.items():
+        curve, reached = result["curve"], time_to_reach(result["curve"], target)
+        figures[name] = {
+            "seconds_to_target": reached,
+            "speedup_to_target": base_time / reached if reached and base_time else None,
+            "final_val_loss": curve[-1]["val_loss"],
+            "final_val_acc": curve[-1]["val_acc"],
+            "final_loss_over_every_step": curve[-1]["val_loss"] / target,
+            "train_seconds": curve[-1]["seconds"],
+            "wire_mb": wire_megabytes(result["report"]),
+            "inner_steps": result["report"]["steps"][-1].get("micro_steps"),
+            "curve": curve,
+        }
+    return figures
+
+
+# ---------------------------------------------------------------------------------------------- driver
+
+
+def launch(name: str, mode: str, sync_every: int, epochs: int, out: Path) -> dict[str, Any]:
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, __file__, "--fit", mode, str(sync_every), str(epochs), str(out)]
+    run_job(command, out / "log.txt", dict(os.environ), FIT_TIMEOUT, name)
+    return {
+        "curve": json.loads((out / "curve.json").read_text()),
+        "report": json.loads((out / "hetero" / "report.json").read_text()),
+    }
+
+
+def run_all(runs: int, epochs: int, sync_every: list[int], work: Path) -> list[dict[str, Any]]:
+    fits = [("every_step", "every_step", 1)]
+    fits += [(f"{mode} H={h}", mode, h) for mode in ("local_sgd", "diloco") for h in sync_every]
+    results = []
+    for run in range(runs):
+        order = fits if run % 2 == 0 else list(reversed(fits))
+        started = time.perf_counter()
+        outcome = {
+            name: launch(name, mode, h, epochs, work / f"run{run}" / name.replace(" ", "_").replace("=", ""))
+            for name, mode, h in order
+        }
+        figures = analyse_run(outcome)
+        results.append(figures)
+        print(f"run {run + 1}/{runs} ({time.perf_counter() - started:.0f} s): target {figures['target_val_loss']:.4f}")
+        for name, _, _ in fits:
+            print(f"  {describe(name, figures[name])}")
+    return results
+
+
+def describe(name: str, fit_figures: dict[str, Any]) -> str:
+    reached = fit_figures["seconds_to_target"]
+    speedup = fit_figures["speedup_to_target"]
+    return (
+        f"{name}: {'not reached' if reached is None else f'{reached:.1f} s'} to the target"
+        f"{'' if speedup is None else f' ({speedup:.2f}x)'}, final val loss {fit_figures['final_val_loss']:.4f}"
+        f" ({fit_figures['final_loss_over_every_step']:.3f} of every_step's),"
+        f" accuracy {fit_figures['final_val_acc']:.3f},"
+        f" {fit_figures['train_seconds']:.1f} s, {fit_figures['wire_mb']:.0f} MB between nodes,"
+        f" inner steps {fit_figures['inner_steps']}"
+    )
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    names = [name for name in results[0] if name != "target_val_loss"]
+
+    def values(name: str, key: str, form: str) -> str:
+        found = [run[name][key] for run in results]
+        shown = ", ".join("-" if v is None else form % v for v in found)
+        numbers = [v for v in found if v is not None]
+        return shown + (f" (median {form % statistics.median(numbers)})" if len(numbers) == len(found) else "")
+
+    lines = [
+        "| fit | speedup to every_step's final loss | seconds to it | final val loss / every_step's | final accuracy"
+        " | MB between nodes |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in names:
+        lines.append(
+            f"| {name} | {values(name, 'speedup_to_target', '%.2f')} | {values(name, 'seconds_to_target', '%.1f')}"
+            f" | {values(name, 'final_loss_over_every_step', '%.3f')} | {values(name, 'final_val_acc', '%.3f')}"
+            f" | {values(name, 'wire_mb', '%.0f')} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--sync-every", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--fit", nargs=4, metavar=("MODE", "H", "EPOCHS", "DIR"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.fit:
+        mode, sync_every, epochs, out = args.fit
+        fit(mode, int(sync_every), int(epochs), Path(out))
+        return
+    work = args.out.parent / "local_sgd_runs"
+    results = run_all(args.runs, args.epochs, args.sync_every, work)
+    text = table(results)
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"runs": args.runs, "epochs": args.epochs, "results": results, "table": text}))
+    print(f"written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
