@@ -457,6 +457,16 @@ class HeteroStrategy(DeepSpeedStrategy):
         self.job.write_report(self._trainer(), self.precision_plugin)
 
     @override
+    def on_validation_start(self) -> None:
+        # Local SGD / DiLoCo: validation during a fit sees one model, the ranks' merged parameters (at an epoch's end
+        # they are merged already; a `val_check_interval` inside an epoch or `limit_train_batches` merges here).
+        trainer = self._trainer()
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            with self.job.communication.counting():
+                self.job.synchronize_local_training()
+        super().on_validation_start()
+
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.job.loss_weights.weighted_sync(evaluating=True):
             return super().validation_step(*args, **kwargs)
