@@ -48,7 +48,7 @@ from lightning_hetero.runtime.shutdown import register_exit_cleanup
 from lightning_hetero.settings import HeteroSettings
 from lightning_hetero.train.buffers import BufferSync
 from lightning_hetero.train.loaders import HeteroDataLoader
-from lightning_hetero.train.micro_batches import reduction_held_back, step_loss, unreduced_parameters
+from lightning_hetero.train.micro_batches import raise_if_unreduced, reduction_held_back, step_loss
 from lightning_hetero.train.streams import HeteroStreamLoader
 
 
@@ -385,8 +385,8 @@ class HeteroStrategy(DeepSpeedStrategy):
         if step_loss(output) is None:
             raise RuntimeError(
                 "HeteroStrategy: `training_step` returned None (skip this batch) for one of this rank's micro-batches"
-                " (`micro_steps`). The other ranks would still run theirs and wait for this one's gradients. Skip"
-                " inside the step instead (e.g. return `loss * 0`), or train without micro-steps."
+                " (`micro_steps`, or the inner steps of `sync`). The other ranks would still run theirs and wait for"
+                " this one. Skip inside the step instead (e.g. return `loss * 0`), or train without them."
             )
         return output
 
@@ -406,13 +406,7 @@ class HeteroStrategy(DeepSpeedStrategy):
                 output = self._micro_batch_step(batch, samples, last, rest, step_kwargs)
             self._weighted_backward(step_loss(output) / normalize, optimizer, last, *args, **kwargs)
         if later and self._zero_stage() == 2:
-            unreduced = unreduced_parameters(self.lightning_module)
-            if unreduced:
-                raise RuntimeError(
-                    f"HeteroStrategy: parameters {unreduced[:5]} had gradients from an earlier micro-batch of this step"
-                    " but none from the last one, so ZeRO-2 never reduced them (`micro_steps`). Use ZeRO stage 0 or 1"
-                    " for a model whose parameters depend on the batch, or train without micro-steps."
-                )
+            raise_if_unreduced(self.lightning_module)
         return closure_loss
 
     def _weighted_backward(self, loss: Tensor, optimizer: Any, last: bool, *args: Any, **kwargs: Any) -> None:

@@ -94,7 +94,7 @@ def lost_message(
     return (
         f"HeteroStrategy: {which} been lost: {why}, so its process is gone or frozen (killed,"
         f" out of memory, stopped, its machine down).{recorded} Rank {rank} exits with code {EXIT_CODE_PEER_LOST}"
-        ' instead of waiting for it in a collective. Resume with `fit(ckpt_path="last")`; under `torchrun'
+        " instead of waiting for it in a collective. Resume with `fit(ckpt_path=\"last\")`; under `torchrun"
         " --max-restarts` that happens by itself."
     )
 

@@ -54,7 +54,7 @@ def check_stage(stage: Any, name: str = "stage") -> None:
 def check_loss_reduction(loss_reduction: Any) -> None:
     if loss_reduction not in LOSS_REDUCTIONS:
         raise ValueError(
-            f'`loss_reduction={loss_reduction!r}` is not one of {list(LOSS_REDUCTIONS)}: use "mean" when'
+            f"`loss_reduction={loss_reduction!r}` is not one of {list(LOSS_REDUCTIONS)}: use \"mean\" when"
             ' `training_step` returns the mean over its batch (e.g. `F.cross_entropy(...)`), "sum" when it returns'
             ' the sum (e.g. `reduction="sum"`), "token_mean" when it returns the mean over its tokens together with'
             f' their count (`{{"loss": loss, "{TOKEN_COUNT_KEY}": n}}`).'

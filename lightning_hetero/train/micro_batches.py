@@ -101,10 +101,16 @@ def reduction_held_back(engine: Any) -> Iterator[None]:
         engine.inside_no_sync_ctxt, optimizer._coalesce_grad_reduction = False, False
 
 
-def unreduced_parameters(module: Any) -> list[str]:
-    """Parameters still holding a gradient after a ZeRO-2 backward, which reduces and removes every one it sees: a
-    parameter that an earlier micro-batch used and the last did not (its gradient would be lost)."""
-    return [name for name, p in module.named_parameters() if p.requires_grad and p.grad is not None]
+def raise_if_unreduced(module: Any) -> None:
+    """After a rank's last micro-batch under ZeRO-2, which reduces and removes every gradient it sees: a parameter
+    still holding one was used by an earlier micro-batch and not by the last, and its gradient would be lost."""
+    unreduced = [name for name, p in module.named_parameters() if p.requires_grad and p.grad is not None]
+    if unreduced:
+        raise RuntimeError(
+            f"HeteroStrategy: parameters {unreduced[:5]} had gradients from an earlier micro-batch of this step but"
+            " none from the last one, so ZeRO-2 never reduced them (`micro_steps`). Use ZeRO stage 0 or 1 for a model"
+            " whose parameters depend on the batch, or train without micro-steps."
+        )
 
 
 def step_loss(output: Any) -> Any:

@@ -55,10 +55,10 @@ class SplitFollower:
         replan = self.rebalancer.consider(self.watch.steps, self.watch.fetched)  # the step about to be fetched
         if replan is not None:
             steps = replan.micro_steps or (1,) * len(replan.batch_sizes)
-            in_steps = f" in micro-steps {list(steps)}" if any(k > 1 for k in steps) else ""
+            in_steps = f" in {list(steps)} micro-batches each" if any(k > 1 for k in steps) else ""
             rank_zero_info(
-                f"HeteroStrategy re-plan before step {replan.step}: micro-batches {list(replan.batch_sizes)}{in_steps}"
-                f" (predicted {replan.predicted_gain:.0%} faster than {list(self.split.batch_sizes)})"
+                f"HeteroStrategy re-plan before step {replan.step}: samples per rank {list(replan.batch_sizes)}"
+                f"{in_steps} (predicted {replan.predicted_gain:.0%} better than {list(self.split.batch_sizes)})"
             )
             self.split.use(replan.batch_sizes, micro_steps=steps)
         self.decision_seconds += time.perf_counter() - started

@@ -178,7 +178,9 @@ def test_disagreement_message_not_fooled_by_precision_words_in_values():
 def test_config_fingerprint_is_order_independent():
     reordered = dict(reversed(list(BASE.items())))
     assert config_fingerprint(BASE) == config_fingerprint(reordered)
-    assert json.loads(config_fingerprint({**BASE, "train_micro_batch_size_per_gpu": 3})) == json.loads(json.dumps(BASE))
+    assert json.loads(config_fingerprint({**BASE, "train_micro_batch_size_per_gpu": 3})) == json.loads(
+        json.dumps(BASE)
+    )
 
 
 # ---------------------------------------------------------------------------------------------- format_plan_table

@@ -54,10 +54,8 @@ def test_the_manifest_lists_every_file_with_its_size_and_checksum_and_the_facts(
         (lambda p: (p / checkpoint.MANIFEST_NAME).write_text("{truncated"), "does not read"),
         (lambda p: (p / "latest").unlink(), "latest is missing"),
         (lambda p: (p / "checkpoint/mp_rank_00_model_states.pt").write_bytes(b"x" * 40), "has 40 bytes, the manifest"),
-        (
-            lambda p: (p / checkpoint.MANIFEST_NAME).write_text(json.dumps({"format_version": 99, "files": {}})),
-            "format version 99",
-        ),
+        (lambda p: (p / checkpoint.MANIFEST_NAME).write_text(json.dumps({"format_version": 99, "files": {}})),
+         "format version 99"),
         (flip_a_byte, "checkpoint/mp_rank_00_model_states.pt does not match its checksum"),
     ],  # fmt: skip
 )
@@ -162,9 +160,7 @@ def test_an_incomplete_checkpoint_named_explicitly_is_an_error_naming_the_comple
     write_checkpoint(tmp_path / "epoch=0-step=4.ckpt", 4)
     broken = write_checkpoint(tmp_path / "epoch=0-step=8.ckpt", 8)
     (broken / "latest").unlink()
-    with pytest.raises(
-        ValueError, match=r"step=8.ckpt.*latest is missing. Complete checkpoints beside it: epoch=0-step=4"
-    ):  # noqa: E501
+    with pytest.raises(ValueError, match=r"step=8.ckpt.*latest is missing. Complete checkpoints beside it: epoch=0-step=4"):  # noqa: E501
         checkpoint.choose_checkpoint(broken)
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_hetero.plan.split import SplitPlan, loss_weight, micro_batch_sizes, resolve_split
-from lightning_hetero.train.micro_batches import MicroBatchGuard, split_batch, step_loss
+from lightning_hetero.train.micro_batches import MicroBatchGuard, raise_if_unreduced, split_batch, step_loss
 from lightning_hetero.train.weights import LossWeights
 
 Pair = namedtuple("Pair", ["x", "y"])
@@ -87,3 +87,36 @@ def test_an_early_micro_batch_refuses_collectives_and_the_last_makes_them():
 def test_step_loss_reads_what_training_step_returns():
     loss = torch.tensor(1.5)
     assert step_loss(loss) is loss and step_loss({"loss": loss, "other": 1}) is loss and step_loss(None) is None
+
+
+def test_a_gradient_left_after_the_last_zero_2_backward_is_named():
+    module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    raise_if_unreduced(module)  # every gradient reduced (and removed): nothing to say
+    module[1].weight.grad = torch.zeros(1, 2)
+    with pytest.raises(RuntimeError, match=r"parameters \['1.weight'\] had gradients from an earlier micro-batch"):
+        raise_if_unreduced(module)
+
+
+def test_the_merge_weighs_each_ranks_pseudo_gradient_by_its_samples():
+    """Rank 0 trained on 30 samples from the anchor 1.0 to 0.4, rank 1 on 10 samples to 0.8: local SGD ends at
+    (30 * 0.4 + 10 * 0.8) / 40 = 0.5; DiLoCo with outer lr 1 and no momentum at the same place."""
+    from lightning_hetero.train.local_sgd import LocalTraining
+
+    other_count, other_delta = 10.0, 1.0 - 0.8
+
+    def all_reduce(tensor: torch.Tensor) -> None:  # adds what rank 1 contributes
+        if tensor.dtype == torch.float64 and tensor.numel() == 1:
+            tensor += other_count
+        else:
+            tensor += other_count / 40 * other_delta
+
+    for outer in (None, {"outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False}):
+        parameter = torch.nn.Parameter(torch.tensor([1.0]))
+        local = LocalTraining("local_sgd" if outer is None else "diloco", 4, outer, None)
+        local.attach([parameter], None)
+        with torch.no_grad():
+            parameter.fill_(0.4)
+        assert not local.step_done(30, last_of_epoch=False, all_reduce=all_reduce)  # step 1 of 4: no merge
+        assert local.step_done(0, last_of_epoch=True, all_reduce=all_reduce)  # the epoch's end: merge
+        assert parameter.item() == pytest.approx(0.5)
+        assert local.samples_since_sync == 0 and local.synchronizations == 1

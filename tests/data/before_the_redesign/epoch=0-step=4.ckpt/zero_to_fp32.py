@@ -31,23 +31,11 @@ from dataclasses import dataclass
 # while this script doesn't use deepspeed to recover data, since the checkpoints are pickled with
 # DeepSpeed data structures it has to be available in the current python environment.
 from deepspeed.utils import logger
-from deepspeed.checkpoint.constants import (
-    DS_VERSION,
-    OPTIMIZER_STATE_DICT,
-    SINGLE_PARTITION_OF_FP32_GROUPS,
-    FP32_FLAT_GROUPS,
-    ZERO_STAGE,
-    PARTITION_COUNT,
-    PARAM_SHAPES,
-    BUFFER_NAMES,
-    FROZEN_PARAM_SHAPES,
-    FROZEN_PARAM_FRAGMENTS,
-    AUTOEP_LAYERS_KEY,
-    AUTOEP_LAYERS_KEY_LEGACY,
-    AUTOEP_ZERO3_EXPERT_STATE_FORMAT_KEY,
-    AUTOEP_ZERO3_PARTITIONED_EXPERT_STATE_FORMAT,
-    PARAM_ALIGNMENT_PADDINGS,
-)
+from deepspeed.checkpoint.constants import (DS_VERSION, OPTIMIZER_STATE_DICT, SINGLE_PARTITION_OF_FP32_GROUPS,
+                                            FP32_FLAT_GROUPS, ZERO_STAGE, PARTITION_COUNT, PARAM_SHAPES, BUFFER_NAMES,
+                                            FROZEN_PARAM_SHAPES, FROZEN_PARAM_FRAGMENTS, AUTOEP_LAYERS_KEY,
+                                            AUTOEP_LAYERS_KEY_LEGACY, AUTOEP_ZERO3_EXPERT_STATE_FORMAT_KEY,
+                                            AUTOEP_ZERO3_PARTITIONED_EXPERT_STATE_FORMAT, PARAM_ALIGNMENT_PADDINGS)
 
 
 @dataclass
@@ -63,25 +51,25 @@ class zero_model_state:
 debug = 0
 
 # load to cpu
-device = torch.device("cpu")
+device = torch.device('cpu')
 
 OUTPUT_DTYPE_NAMES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
+    'float32': torch.float32,
+    'fp32': torch.float32,
+    'float16': torch.float16,
+    'fp16': torch.float16,
+    'bfloat16': torch.bfloat16,
+    'bf16': torch.bfloat16,
 }
 
 
 def _resolve_output_dtype(dtype):
     requested_dtype = dtype
     if isinstance(dtype, str):
-        dtype_name = dtype[6:] if dtype.startswith("torch.") else dtype
+        dtype_name = dtype[6:] if dtype.startswith('torch.') else dtype
         dtype = OUTPUT_DTYPE_NAMES.get(dtype_name.lower())
     if dtype not in set(OUTPUT_DTYPE_NAMES.values()):
-        supported = ", ".join(sorted(OUTPUT_DTYPE_NAMES))
+        supported = ', '.join(sorted(OUTPUT_DTYPE_NAMES))
         raise ValueError(f"Unsupported output dtype {requested_dtype!r}. Choose one of: {supported}")
     return dtype
 
@@ -91,12 +79,12 @@ def atoi(text):
 
 
 def natural_keys(text):
-    """
+    '''
     alist.sort(key=natural_keys) sorts in human order
     http://nedbatchelder.com/blog/200712/human_sorting.html
     (See Toothy's implementation in the comments)
-    """
-    return [atoi(c) for c in re.split(r"(\d+)", text)]
+    '''
+    return [atoi(c) for c in re.split(r'(\d+)', text)]
 
 
 def get_model_state_file(checkpoint_dir, zero_stage):
@@ -142,18 +130,15 @@ def _has_autoep_zero3_partitioned_metadata(state_dict):
     return any(
         isinstance(entry, dict)
         and entry.get(AUTOEP_ZERO3_EXPERT_STATE_FORMAT_KEY) == AUTOEP_ZERO3_PARTITIONED_EXPERT_STATE_FORMAT
-        for entry in autoep_layers
-    )
+        for entry in autoep_layers)
 
 
 def _raise_if_autoep_zero3_partitioned_state(state_dict):
     if _has_autoep_zero3_partitioned_metadata(state_dict):
-        raise NotImplementedError(
-            "zero_to_fp32 does not support AutoEP ZeRO-3 partition-native checkpoints. "
-            "AutoEP expert parameters are partitioned over expert replica groups, so "
-            "global data-parallel consolidation would produce incomplete expert tensors. "
-            "Use ds_to_universal.py for expert-aware conversion."
-        )
+        raise NotImplementedError("zero_to_fp32 does not support AutoEP ZeRO-3 partition-native checkpoints. "
+                                  "AutoEP expert parameters are partitioned over expert replica groups, so "
+                                  "global data-parallel consolidation would produce incomplete expert tensors. "
+                                  "Use ds_to_universal.py for expert-aware conversion.")
 
 
 def _raise_if_autoep_zero3_partitioned_checkpoint(model_files):
@@ -176,7 +161,8 @@ def parse_model_states(files):
 
         # recover just the buffers while restoring them to fp32 if they were saved in fp16
         buffers = {
-            k: v.float() if v.is_floating_point() else v for k, v in state_dict["module"].items() if k in buffer_names
+            k: v.float() if v.is_floating_point() else v
+            for k, v in state_dict["module"].items() if k in buffer_names
         }
         param_shapes = state_dict[PARAM_SHAPES]
 
@@ -200,14 +186,12 @@ def parse_model_states(files):
 
         frozen_param_fragments = state_dict.get(FROZEN_PARAM_FRAGMENTS, None)
 
-        z_model_state = zero_model_state(
-            buffers=buffers,
-            param_shapes=param_shapes,
-            shared_params=shared_params,
-            ds_version=ds_version,
-            frozen_param_shapes=frozen_param_shapes,
-            frozen_param_fragments=frozen_param_fragments,
-        )
+        z_model_state = zero_model_state(buffers=buffers,
+                                         param_shapes=param_shapes,
+                                         shared_params=shared_params,
+                                         ds_version=ds_version,
+                                         frozen_param_shapes=frozen_param_shapes,
+                                         frozen_param_fragments=frozen_param_fragments)
         zero_model_states.append(z_model_state)
 
     return zero_model_states
@@ -216,7 +200,7 @@ def parse_model_states(files):
 def parse_optim_states(files, ds_checkpoint_dir):
     total_files = len(files)
     state_dicts = []
-    for f in tqdm(files, desc="Loading checkpoint shards"):
+    for f in tqdm(files, desc='Loading checkpoint shards'):
         state_dict = torch.load(f, map_location=device, mmap=True, weights_only=False)
         # immediately discard the potentially huge 2 optimizer states as we only care for fp32 master weights
         # and also handle the case where it was already removed by another helper script
@@ -268,22 +252,19 @@ def _get_fp32_state_dict_from_zero_checkpoint(ds_checkpoint_dir, exclude_frozen_
     # before the expensive optimizer-shard load below.
     model_files = get_model_state_files(ds_checkpoint_dir)
     zero_model_states = parse_model_states(model_files)
-    print(f"Parsing checkpoint created by deepspeed=={zero_model_states[0].ds_version}")
+    print(f'Parsing checkpoint created by deepspeed=={zero_model_states[0].ds_version}')
 
     optim_files = get_optim_files(ds_checkpoint_dir)
     zero_stage, world_size, fp32_flat_groups, param_alignment_paddings = parse_optim_states(
-        optim_files, ds_checkpoint_dir
-    )
+        optim_files, ds_checkpoint_dir)
     print(f"Detected checkpoint of type zero stage {zero_stage}, world_size: {world_size}")
 
     if zero_stage <= 2:
-        return _get_fp32_state_dict_from_zero2_checkpoint(
-            world_size, fp32_flat_groups, zero_model_states, exclude_frozen_parameters, param_alignment_paddings
-        )
+        return _get_fp32_state_dict_from_zero2_checkpoint(world_size, fp32_flat_groups, zero_model_states,
+                                                          exclude_frozen_parameters, param_alignment_paddings)
     elif zero_stage == 3:
-        return _get_fp32_state_dict_from_zero3_checkpoint(
-            world_size, fp32_flat_groups, zero_model_states, exclude_frozen_parameters
-        )
+        return _get_fp32_state_dict_from_zero3_checkpoint(world_size, fp32_flat_groups, zero_model_states,
+                                                          exclude_frozen_parameters)
 
 
 def _zero2_merge_frozen_params(state_dict, zero_model_states):
@@ -295,13 +276,13 @@ def _zero2_merge_frozen_params(state_dict, zero_model_states):
 
     if debug:
         num_elem = sum(s.numel() for s in frozen_param_shapes.values())
-        print(f"rank 0: {FROZEN_PARAM_SHAPES}.numel = {num_elem}")
+        print(f'rank 0: {FROZEN_PARAM_SHAPES}.numel = {num_elem}')
 
         wanted_params = len(frozen_param_shapes)
         wanted_numel = sum(s.numel() for s in frozen_param_shapes.values())
         avail_numel = sum([p.numel() for p in frozen_param_fragments.values()])
-        print(f"Frozen params: Have {avail_numel} numels to process.")
-        print(f"Frozen params: Need {wanted_numel} numels in {wanted_params} params")
+        print(f'Frozen params: Have {avail_numel} numels to process.')
+        print(f'Frozen params: Need {wanted_numel} numels in {wanted_params} params')
 
     total_params = 0
     total_numel = 0
@@ -323,9 +304,11 @@ def _has_callable(obj, fn):
     return callable(attr)
 
 
-def _zero2_merge_trainable_params(
-    state_dict, world_size, fp32_flat_groups, zero_model_states, param_alignment_paddings=None
-):
+def _zero2_merge_trainable_params(state_dict,
+                                  world_size,
+                                  fp32_flat_groups,
+                                  zero_model_states,
+                                  param_alignment_paddings=None):
     param_shapes = zero_model_states[0].param_shapes
 
     # Reconstruction protocol:
@@ -345,8 +328,7 @@ def _zero2_merge_trainable_params(
         full_single_fp32_vector = torch.cat(merged_partitions, 0)
         merged_single_partition_of_fp32_groups.append(full_single_fp32_vector)
     avail_numel = sum(
-        [full_single_fp32_vector.numel() for full_single_fp32_vector in merged_single_partition_of_fp32_groups]
-    )
+        [full_single_fp32_vector.numel() for full_single_fp32_vector in merged_single_partition_of_fp32_groups])
 
     if debug:
         wanted_params = sum([len(shapes) for shapes in param_shapes])
@@ -360,22 +342,20 @@ def _zero2_merge_trainable_params(
     # out-of-core computing solution
     total_numel = 0
     total_params = 0
-    for group_idx, (shapes, full_single_fp32_vector) in enumerate(
-        zip(param_shapes, merged_single_partition_of_fp32_groups)
-    ):
+    for group_idx, (shapes,
+                    full_single_fp32_vector) in enumerate(zip(param_shapes, merged_single_partition_of_fp32_groups)):
         offset = 0
         avail_numel = full_single_fp32_vector.numel()
         group_alignment_paddings = None
         if param_alignment_paddings is not None:
             group_alignment_paddings = param_alignment_paddings[group_idx]
             if len(group_alignment_paddings) != len(shapes):
-                raise ValueError(
-                    f"Expected {len(shapes)} parameter alignment paddings for group {group_idx}, "
-                    f"but found {len(group_alignment_paddings)}"
-                )
+                raise ValueError(f"Expected {len(shapes)} parameter alignment paddings for group {group_idx}, "
+                                 f"but found {len(group_alignment_paddings)}")
 
         for param_idx, (name, shape) in enumerate(shapes.items()):
-            unpartitioned_numel = shape.numel() if _has_callable(shape, "numel") else math.prod(shape)
+
+            unpartitioned_numel = shape.numel() if _has_callable(shape, 'numel') else math.prod(shape)
             total_numel += unpartitioned_numel
             total_params += 1
 
@@ -411,9 +391,11 @@ def _zero2_merge_trainable_params(
     print(f"Reconstructed fp32 state dict with {total_params} params {total_numel} elements")
 
 
-def _get_fp32_state_dict_from_zero2_checkpoint(
-    world_size, fp32_flat_groups, zero_model_states, exclude_frozen_parameters, param_alignment_paddings=None
-):
+def _get_fp32_state_dict_from_zero2_checkpoint(world_size,
+                                               fp32_flat_groups,
+                                               zero_model_states,
+                                               exclude_frozen_parameters,
+                                               param_alignment_paddings=None):
     state_dict = OrderedDict()
 
     # buffers
@@ -425,7 +407,8 @@ def _get_fp32_state_dict_from_zero2_checkpoint(
     if not exclude_frozen_parameters:
         _zero2_merge_frozen_params(state_dict, zero_model_states)
 
-    _zero2_merge_trainable_params(state_dict, world_size, fp32_flat_groups, zero_model_states, param_alignment_paddings)
+    _zero2_merge_trainable_params(state_dict, world_size, fp32_flat_groups, zero_model_states,
+                                  param_alignment_paddings)
 
     # recover shared parameters
     for pair in zero_model_states[0].shared_params:
@@ -449,14 +432,14 @@ def _zero3_merge_frozen_params(state_dict, world_size, zero_model_states):
     if debug:
         for i in range(world_size):
             num_elem = sum(s.numel() for s in zero_model_states[i].frozen_param_fragments.values())
-            print(f"rank {i}: {FROZEN_PARAM_SHAPES}.numel = {num_elem}")
+            print(f'rank {i}: {FROZEN_PARAM_SHAPES}.numel = {num_elem}')
 
         frozen_param_shapes = zero_model_states[0].frozen_param_shapes
         wanted_params = len(frozen_param_shapes)
         wanted_numel = sum(s.numel() for s in frozen_param_shapes.values())
         avail_numel = sum([p.numel() for p in zero_model_states[0].frozen_param_fragments.values()]) * world_size
-        print(f"Frozen params: Have {avail_numel} numels to process.")
-        print(f"Frozen params: Need {wanted_numel} numels in {wanted_params} params")
+        print(f'Frozen params: Have {avail_numel} numels to process.')
+        print(f'Frozen params: Need {wanted_numel} numels in {wanted_params} params')
 
     total_params = 0
     total_numel = 0
@@ -520,7 +503,7 @@ class GatheredTensor:
 
         # collect weights from all ranks
         pad_flat_param = torch.cat(pad_flat_param_chunks, dim=0)
-        param = pad_flat_param[: self.shape.numel()].view(self.shape).contiguous()
+        param = pad_flat_param[:self.shape.numel()].view(self.shape).contiguous()
         return param
 
 
@@ -552,7 +535,7 @@ def _zero3_merge_trainable_params(state_dict, world_size, fp32_flat_groups, zero
     total_numel = 0
     total_params = 0
     flat_groups_offset = [0] + list(np.cumsum([flat_tensor.numel() for flat_tensor in fp32_flat_groups[0]]))
-    for name, shape in tqdm(param_shapes.items(), desc="Gathering sharded weights"):
+    for name, shape in tqdm(param_shapes.items(), desc='Gathering sharded weights'):
         unpartitioned_numel = shape.numel()
         total_numel += unpartitioned_numel
         total_params += 1
@@ -577,9 +560,8 @@ def _zero3_merge_trainable_params(state_dict, world_size, fp32_flat_groups, zero
     print(f"Reconstructed Trainable fp32 state dict with {total_params} params {total_numel} elements")
 
 
-def _get_fp32_state_dict_from_zero3_checkpoint(
-    world_size, fp32_flat_groups, zero_model_states, exclude_frozen_parameters
-):
+def _get_fp32_state_dict_from_zero3_checkpoint(world_size, fp32_flat_groups, zero_model_states,
+                                               exclude_frozen_parameters):
     state_dict = OrderedDict()
 
     # buffers
@@ -624,13 +606,15 @@ def to_torch_tensor(state_dict, return_empty_tensor=False, dtype=None):
                 torch_state_dict[name] = torch.empty(tensor.shape, dtype=target_dtype or tensor.dtype)
             else:
                 contiguous_tensor = tensor.contiguous()
-                torch_state_dict[name] = contiguous_tensor.to(dtype=target_dtype) if target_dtype else contiguous_tensor
+                torch_state_dict[name] = contiguous_tensor.to(
+                    dtype=target_dtype) if target_dtype else contiguous_tensor
     return torch_state_dict
 
 
-def get_fp32_state_dict_from_zero_checkpoint(
-    checkpoint_dir, tag=None, exclude_frozen_parameters=False, lazy_mode=False
-):
+def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir,
+                                             tag=None,
+                                             exclude_frozen_parameters=False,
+                                             lazy_mode=False):
     """
     Convert ZeRO 2 or 3 checkpoint into a single fp32 consolidated state_dict that can be loaded with
     ``load_state_dict()`` and used for training without DeepSpeed or shared with others, for example
@@ -673,9 +657,9 @@ def get_fp32_state_dict_from_zero_checkpoint(
             # del tensor to release memory if it no longer in use
     """
     if tag is None:
-        latest_path = os.path.join(checkpoint_dir, "latest")
+        latest_path = os.path.join(checkpoint_dir, 'latest')
         if os.path.isfile(latest_path):
-            with open(latest_path, "r") as fd:
+            with open(latest_path, 'r') as fd:
                 tag = fd.read().strip()
         else:
             raise ValueError(f"Unable to find 'latest' file at {latest_path}")
@@ -692,15 +676,13 @@ def get_fp32_state_dict_from_zero_checkpoint(
         return to_torch_tensor(state_dict)
 
 
-def convert_zero_checkpoint_to_state_dict(
-    checkpoint_dir,
-    output_dir,
-    dtype=torch.float32,
-    max_shard_size="5GB",
-    safe_serialization=False,
-    tag=None,
-    exclude_frozen_parameters=False,
-):
+def convert_zero_checkpoint_to_state_dict(checkpoint_dir,
+                                          output_dir,
+                                          dtype=torch.float32,
+                                          max_shard_size="5GB",
+                                          safe_serialization=False,
+                                          tag=None,
+                                          exclude_frozen_parameters=False):
     """
     Convert ZeRO 2 or 3 checkpoint into a consolidated ``state_dict`` file that can be
     loaded with ``torch.load(file)`` + ``load_state_dict()`` and used for training without DeepSpeed.
@@ -723,19 +705,20 @@ def convert_zero_checkpoint_to_state_dict(
         try:
             from safetensors.torch import save_file
         except ImportError:
-            print("If you want to use `safe_serialization`, please `pip install safetensors`")
+            print('If you want to use `safe_serialization`, please `pip install safetensors`')
             raise
     if max_shard_size is not None:
         try:
             from huggingface_hub import split_torch_state_dict_into_shards
         except ImportError:
-            print("If you want to use `max_shard_size`, please `pip install huggingface_hub`")
+            print('If you want to use `max_shard_size`, please `pip install huggingface_hub`')
             raise
 
     # Convert zero checkpoint to state_dict
-    state_dict = get_fp32_state_dict_from_zero_checkpoint(
-        checkpoint_dir, tag, exclude_frozen_parameters, lazy_mode=True
-    )
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir,
+                                                          tag,
+                                                          exclude_frozen_parameters,
+                                                          lazy_mode=True)
 
     # Shard the model if it is too big.
     weights_name = "model.safetensors" if safe_serialization else "pytorch_model.bin"
@@ -743,14 +726,14 @@ def convert_zero_checkpoint_to_state_dict(
         filename_pattern = weights_name.replace(".bin", "{suffix}.bin").replace(".safetensors", "{suffix}.safetensors")
         # an memory-efficient approach for sharding
         empty_state_dict = to_torch_tensor(state_dict, return_empty_tensor=True, dtype=dtype)
-        state_dict_split = split_torch_state_dict_into_shards(
-            empty_state_dict, filename_pattern=filename_pattern, max_shard_size=max_shard_size
-        )
+        state_dict_split = split_torch_state_dict_into_shards(empty_state_dict,
+                                                              filename_pattern=filename_pattern,
+                                                              max_shard_size=max_shard_size)
     else:
         from collections import namedtuple
-
         StateDictSplit = namedtuple("StateDictSplit", ["is_sharded", "filename_to_tensors"])
-        state_dict_split = StateDictSplit(is_sharded=False, filename_to_tensors={weights_name: list(state_dict.keys())})
+        state_dict_split = StateDictSplit(is_sharded=False,
+                                          filename_to_tensors={weights_name: list(state_dict.keys())})
 
     # Save the model by shard
     os.makedirs(output_dir, exist_ok=True)
@@ -783,24 +766,20 @@ def convert_zero_checkpoint_to_state_dict(
             f.write(content)
 
 
-def convert_zero_checkpoint_to_fp32_state_dict(
-    checkpoint_dir,
-    output_dir,
-    max_shard_size="5GB",
-    safe_serialization=False,
-    tag=None,
-    exclude_frozen_parameters=False,
-):
+def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir,
+                                               output_dir,
+                                               max_shard_size="5GB",
+                                               safe_serialization=False,
+                                               tag=None,
+                                               exclude_frozen_parameters=False):
     """Backward-compatible fp32 checkpoint conversion."""
-    return convert_zero_checkpoint_to_state_dict(
-        checkpoint_dir,
-        output_dir,
-        dtype=torch.float32,
-        max_shard_size=max_shard_size,
-        safe_serialization=safe_serialization,
-        tag=tag,
-        exclude_frozen_parameters=exclude_frozen_parameters,
-    )
+    return convert_zero_checkpoint_to_state_dict(checkpoint_dir,
+                                                 output_dir,
+                                                 dtype=torch.float32,
+                                                 max_shard_size=max_shard_size,
+                                                 safe_serialization=safe_serialization,
+                                                 tag=tag,
+                                                 exclude_frozen_parameters=exclude_frozen_parameters)
 
 
 def load_state_dict_from_zero_checkpoint(model, checkpoint_dir, tag=None):
@@ -844,14 +823,13 @@ def load_state_dict_from_zero_checkpoint(model, checkpoint_dir, tag=None):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument(
-        "checkpoint_dir", type=str, help="path to the desired checkpoint folder, e.g., path/checkpoint-12"
-    )
-    parser.add_argument(
-        "output_dir",
-        type=str,
-        help="directory to the pytorch fp32 state_dict output files(e.g. path/checkpoint-12-output/)",
-    )
+    parser.add_argument("checkpoint_dir",
+                        type=str,
+                        help="path to the desired checkpoint folder, e.g., path/checkpoint-12")
+    parser.add_argument("output_dir",
+                        type=str,
+                        help="directory to the pytorch fp32 state_dict output files"
+                        "(e.g. path/checkpoint-12-output/)")
     parser.add_argument(
         "--max_shard_size",
         type=str,
@@ -859,32 +837,26 @@ if __name__ == "__main__":
         help="The maximum size for a checkpoint before being sharded. Checkpoints shard will then be each of size"
         "lower than this size. If expressed as a string, needs to be digits followed by a unit (like `5MB`"
         "We default it to 5GB in order for models to be able to run easily on free-tier google colab instances"
-        "without CPU OOM issues.",
-    )
+        "without CPU OOM issues.")
     parser.add_argument(
         "--safe_serialization",
         default=False,
-        action="store_true",
-        help="Whether to save the model using `safetensors` or the traditional PyTorch way (that uses `pickle`).",
-    )
-    parser.add_argument(
-        "-t",
-        "--tag",
-        type=str,
-        default=None,
-        help="checkpoint tag used as a unique identifier for checkpoint. e.g., global_step1",
-    )
-    parser.add_argument("--exclude_frozen_parameters", action="store_true", help="exclude frozen parameters")
-    parser.add_argument("-d", "--debug", action="store_true", help="enable debug")
+        action='store_true',
+        help="Whether to save the model using `safetensors` or the traditional PyTorch way (that uses `pickle`).")
+    parser.add_argument("-t",
+                        "--tag",
+                        type=str,
+                        default=None,
+                        help="checkpoint tag used as a unique identifier for checkpoint. e.g., global_step1")
+    parser.add_argument("--exclude_frozen_parameters", action='store_true', help="exclude frozen parameters")
+    parser.add_argument("-d", "--debug", action='store_true', help="enable debug")
     args = parser.parse_args()
 
     debug = args.debug
 
-    convert_zero_checkpoint_to_fp32_state_dict(
-        args.checkpoint_dir,
-        args.output_dir,
-        max_shard_size=args.max_shard_size,
-        safe_serialization=args.safe_serialization,
-        tag=args.tag,
-        exclude_frozen_parameters=args.exclude_frozen_parameters,
-    )
+    convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir,
+                                               args.output_dir,
+                                               max_shard_size=args.max_shard_size,
+                                               safe_serialization=args.safe_serialization,
+                                               tag=args.tag,
+                                               exclude_frozen_parameters=args.exclude_frozen_parameters)
