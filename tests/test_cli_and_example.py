@@ -52,6 +52,27 @@ def test_cli_fits_with_string_and_class_path_strategy(config, expected_rows, ext
     assert sorted(p.name for p in tmp_path.rglob("rank_*.json")) == ["rank_0.json", "rank_1.json"]
 
 
+def test_cli_fits_with_diloco_from_the_command_line(tmp_path):
+    """Local training from the CLI: the class_path form with `sync`, `sync_every` and `inner_steps` as init_args."""
+    executable = shutil.which("lightning-hetero")
+    assert executable, "the console script is missing: install the package with `pip install -e .`"
+    returncode, output = run_bounded(
+        [
+            executable, "fit", "--config", "configs/spirals.yaml", "--trainer.max_epochs=1",
+            "--trainer.limit_train_batches=4", "--trainer.limit_val_batches=2",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.strategy=lightning_hetero.HeteroStrategy", "--trainer.strategy.init_args.sync=diloco",
+            "--trainer.strategy.init_args.sync_every=2", "--trainer.strategy.init_args.inner_steps=[2, 1]",
+        ],
+        timeout=180,
+    )  # fmt: skip
+    assert returncode == 0, output[-4000:]
+    (plan,) = tmp_path.rglob("plan.json")
+    recorded = json.loads(plan.read_text())
+    assert (recorded["source"], recorded["micro_steps"], recorded["batch_sizes"]) == ("diloco", [2, 1], [128, 64])
+    assert "diloco: each rank trains on its own, inner steps per training step [2, 1]; every 2 training steps" in output
+
+
 # Third-party lines that each rank printed on every run and that no user can act on (see runtime/quiet.py).
 NOISE = [
     "Setting accelerator to CPU",
