@@ -16,7 +16,7 @@ from lightning_hetero.measure.profiler import RankProfile, loss_reduction_mismat
 from lightning_hetero.plan.micro_steps import plan_automatic_split_in_micro_steps, with_fixed_micro_steps
 from lightning_hetero.plan.planner import plan_automatic_split, required_gain
 from lightning_hetero.plan.replan import Rebalancer
-from lightning_hetero.plan.split import SplitPlan, resolve_split
+from lightning_hetero.plan.split import SplitPlan, check_every_micro_batch_has_a_sample, resolve_split
 
 
 @dataclass(frozen=True)
@@ -71,14 +71,7 @@ def initial_plan(
     if micro_steps is not None:
         steps = tuple(micro_steps)
         decision = plan_automatic_split(with_fixed_micro_steps(costs, steps), global_batch_size, min_gain=min_gain)
-        samples = decision.planned.batch_sizes
-        short = [rank for rank in range(world_size) if samples[rank] < steps[rank]]
-        if short:
-            raise ValueError(
-                f"`micro_steps={list(steps)}`: the automatic split gives rank {short[0]} {samples[short[0]]} samples of"
-                f" the global batch of {global_batch_size} ({list(samples)}), fewer than its {steps[short[0]]}"
-                " micro-steps. Lower its micro-steps, or raise the global batch."
-            )
+        check_every_micro_batch_has_a_sample(decision.planned.batch_sizes, steps, "the automatic split")
     elif unequal_micro_steps:
         decision, steps = plan_automatic_split_in_micro_steps(costs, global_batch_size, min_gain)
     else:

@@ -13,7 +13,7 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Optional
+from typing import Any, Optional
 
 from lightning_hetero.runtime.checks import is_int as _is_int
 from lightning_hetero.runtime.checks import is_real as _is_real
@@ -137,15 +137,11 @@ def check_split_arguments(
 ) -> None:
     """Checks that need no world size: run them in the constructor so a mistake fails before any process starts."""
     if micro_steps is not None:
-        micro_steps = per_rank_list("micro_steps", micro_steps, "[3, 1]")
-        if len(micro_steps) == 0:
-            raise ValueError("`micro_steps=[]` is empty: give one count of micro-batches per rank, e.g. [3, 1].")
-        bad_steps = [k for k in micro_steps if not _is_int(k) or k < 1]
-        if bad_steps:
-            raise ValueError(
-                f"`micro_steps={list(micro_steps)}` holds {bad_steps}: each rank takes a whole number >= 1 of"
-                " micro-batches per optimizer step (1: its whole share in one forward/backward)."
-            )
+        micro_steps = positive_integers_per_rank(
+            "micro_steps", micro_steps, "[3, 1]", "one count of micro-batches",
+            "each rank takes a whole number >= 1 of micro-batches per optimizer step (1: its whole share in one"
+            " forward/backward)",
+        )  # fmt: skip
         if batch_sizes is not None and len(per_rank_list("batch_sizes", batch_sizes, "[8, 24]")) != len(micro_steps):
             raise ValueError(
                 f"`batch_sizes={list(batch_sizes)}` and `micro_steps={list(micro_steps)}` have different lengths:"
@@ -162,15 +158,11 @@ def check_split_arguments(
             " across all ranks), or None to use the training loader's batch_size times the world size."
         )
     if batch_sizes is not None:
-        batch_sizes = per_rank_list("batch_sizes", batch_sizes, "[8, 24]")
-        if len(batch_sizes) == 0:
-            raise ValueError("`batch_sizes=[]` is empty: give one micro-batch size per rank, e.g. [8, 24].")
-        bad = [b for b in batch_sizes if not _is_int(b) or b < 1]
-        if bad:
-            raise ValueError(
-                f"`batch_sizes={list(batch_sizes)}` holds {bad}: every rank needs an integer micro-batch of at least"
-                " 1. Raise those entries, or leave the rank out of the job."
-            )
+        batch_sizes = positive_integers_per_rank(
+            "batch_sizes", batch_sizes, "[8, 24]", "one micro-batch size",
+            "every rank needs an integer micro-batch of at least 1. Raise those entries, or leave the rank out of the"
+            " job",
+        )  # fmt: skip
         steps = list(micro_steps) if micro_steps is not None else [1] * len(batch_sizes)
         total = sum(b * k for b, k in zip(batch_sizes, steps))
         if global_batch_size is not None and total != global_batch_size:
@@ -189,6 +181,17 @@ def check_split_arguments(
                 f"`weights={list(weights)}` holds {bad_weights}: each weight must be a finite number > 0"
                 " (a relative capability such as 1.0 for the fastest rank and 0.4 for a slower one)."
             )
+
+
+def positive_integers_per_rank(name: str, value: Any, example: str, what: str, rule: str) -> list[int]:
+    """``value`` as a non-empty per-rank list of integers >= 1, or a ValueError naming ``name``, its value, ``rule``."""
+    values = per_rank_list(name, value, example)
+    if len(values) == 0:
+        raise ValueError(f"`{name}=[]` is empty: give {what} per rank, e.g. {example}.")
+    bad = [v for v in values if not _is_int(v) or v < 1]
+    if bad:
+        raise ValueError(f"`{name}={list(values)}` holds {bad}: {rule}.")
+    return list(values)
 
 
 def resolve_split(
@@ -229,11 +232,17 @@ def resolve_split(
         return SplitPlan(tuple(int(b) * k for b, k in zip(batch_sizes, steps)), "batch_sizes", steps)
     source = "weights" if weights is not None else "equal"
     samples = tuple(split_by_weights(global_batch_size, weights if weights is not None else [1.0] * world_size))
-    short = [rank for rank in range(world_size) if samples[rank] < steps[rank]]
-    if short:
-        raise ValueError(
-            f"`micro_steps={list(steps)}`: rank {short[0]} gets {samples[short[0]]} samples of the global batch of"
-            f" {global_batch_size} ({source} split {list(samples)}), fewer than its {steps[short[0]]} micro-steps."
-            " Lower its micro-steps, or raise the global batch."
-        )
+    check_every_micro_batch_has_a_sample(samples, steps, f"the {source} split")
     return SplitPlan(samples, source, steps)
+
+
+def check_every_micro_batch_has_a_sample(samples: Sequence[int], micro_steps: Sequence[int], split: str) -> None:
+    """A rank given fewer samples than its micro-steps (by ``split``, e.g. "the equal split") is named."""
+    short = [rank for rank, (n, k) in enumerate(zip(samples, micro_steps)) if n < k]
+    if short:
+        rank = short[0]
+        raise ValueError(
+            f"`micro_steps={list(micro_steps)}`: {split} gives rank {rank} {samples[rank]} samples of the global batch"
+            f" of {sum(samples)} ({list(samples)}), fewer than its {micro_steps[rank]} micro-steps. Lower its"
+            " micro-steps, or raise the global batch."
+        )

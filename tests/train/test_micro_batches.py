@@ -66,7 +66,7 @@ def test_split_plans_with_micro_steps():
     equal = resolve_split(2, 15, micro_steps=[2, 1])
     assert (equal.batch_sizes, equal.micro_steps, equal.micro_batches) == ((8, 7), (2, 1), (4, 7))
     assert SplitPlan((3, 5), "equal").micro_steps == (1, 1) and not SplitPlan((3, 5), "equal").has_micro_steps
-    with pytest.raises(ValueError, match="rank 0 gets 2 samples .* fewer than its 3 micro-steps"):
+    with pytest.raises(ValueError, match="the equal split gives rank 0 2 samples .* fewer than its 3 micro-steps"):
         resolve_split(2, 4, micro_steps=[3, 1])
     with pytest.raises(ValueError, match=r"`micro_steps=\[1, 2, 3\]` has 3 entries but the job has 2 ranks"):
         resolve_split(2, 16, micro_steps=[1, 2, 3])
