@@ -233,7 +233,10 @@ class InnerStepsRebalancer:
         gain = balance(proposed, per_step) - balance(self.inner_steps, per_step)
         if proposed == self.inner_steps or gain < MIN_BALANCE_GAIN:
             return None
-        replan = Replan(next_step, self.samples_of(proposed), gain, proposed)
+        samples = self.samples_of(proposed)
+        if any(n < k for n, k in zip(samples, proposed)):
+            return None  # the step's samples cannot give every inner step one
+        replan = Replan(next_step, samples, gain, proposed)
         self.inner_steps, self.changed_at = proposed, next_step
         self.replans.append(replan)
         return replan

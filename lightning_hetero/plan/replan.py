@@ -215,7 +215,10 @@ class Rebalancer:
         if decision is None:
             return None
         sizes, gain, steps = decision
-        replan = Replan(next_step, sizes, gain, steps or self.fixed_micro_steps)
+        steps = steps or self.fixed_micro_steps
+        if steps and any(n < k for n, k in zip(sizes, steps)):
+            return None  # a rank would get fewer samples than its fixed micro-steps: keep the split that has them
+        replan = Replan(next_step, sizes, gain, steps)
         self.adopt(replan.batch_sizes, next_step)
         self.replans.append(replan)
         return replan

@@ -127,3 +127,9 @@ def test_noise_below_the_gain_does_not_change_the_inner_steps():
         {"step": s, "batch_sizes": [128, 64], "compute_seconds": [0.05, 0.052 + 0.004 * (s % 2)]} for s in range(8)
     ]
     assert rebalancer.consider(steps, 8) is None
+
+
+def test_inner_steps_are_not_changed_where_the_step_has_too_few_samples_for_them():
+    rebalancer = InnerStepsRebalancer([1, 1], (1, 1), window=2)
+    steps = [{"step": s, "batch_sizes": [1, 1], "compute_seconds": [0.01, 0.05]} for s in range(4)]
+    assert rebalancer.consider(steps, 4) is None  # 5 inner steps wanted on rank 0, 2 samples in the step

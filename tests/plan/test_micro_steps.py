@@ -189,3 +189,11 @@ def test_a_rebalancer_with_fixed_micro_steps_keeps_them():
     replan = rebalancer.consider(steps, 4)
     assert replan is not None and replan.micro_steps == (2, 1) and replan.batch_sizes[0] > 20
     assert rebalancer.micro_steps_of((30, 10)) == (2, 1)
+
+
+def test_a_rebalancer_with_fixed_micro_steps_never_leaves_a_rank_fewer_samples_than_its_micro_steps():
+    base = with_fixed_micro_steps([CostModel(0.0, 1.0), CostModel(0.0, 1.0)], (1, 3))
+    rebalancer = Rebalancer(base, (5, 3), window=2, threshold=0.05, fixed_micro_steps=(1, 3))
+    # Rank 1 measured 100x slower: the planner would give it 1 sample, fewer than its 3 micro-steps.
+    steps = [{"step": s, "batch_sizes": [5, 3], "compute_seconds": [5.0, 300.0]} for s in range(4)]
+    assert rebalancer.consider(steps, 4) is None
