@@ -403,9 +403,14 @@ def test_a_resplit_mid_epoch_equals_one_process_and_a_checkpoint_after_it_resume
     assert [int(row["step"]) for row in logged] == [replan["step"] for replan in replans]
 
     (checkpoint,) = [path for path in (tmp_path / "first" / "ckpt").iterdir() if "step=8" in path.name]
-    resumed = run_fit(tmp_path / "resumed", *common, "--ckpt-path", str(checkpoint))
+    resumed = run_fit(tmp_path / "resumed", *common, "--ckpt-path", str(checkpoint), "--monitor")
     assert resumed.returncode == 0, resumed.output[-4000:]
-    resumed_report = json.loads((tmp_path / "resumed" / "hetero" / "report.json").read_text())
+    resumed_log = tmp_path / "resumed" / "csv" / "version_0"
+    resumed_report = json.loads((resumed_log / "hetero" / "report.json").read_text())
+    # HeteroMonitor's curves continue from the checkpoint's global step (8), not from 0.
+    with open(resumed_log / "metrics.csv") as metrics_file:
+        monitored = [int(row["step"]) for row in csv.DictReader(metrics_file) if row.get("hetero/samples_per_second")]
+    assert monitored == list(range(8, 20))
     assert tuple(resumed_report["steps"][0]["batch_sizes"]) == splits[8]  # the checkpoint's split, not [8, 8]
     assert "resumes with the checkpoint's micro-batches" in resumed.output
     assert sorted(sum(resumed.result["seen"], [])) == sorted([*range(8 * 16, 160), *range(160)])

@@ -30,7 +30,9 @@ class HeteroMonitor(Callback):
         prefix: the metrics' name prefix.
 
     Steps are logged as the ranks exchange them (every 20 steps, and the rest at the end of fit), each at its own
-    step index, so the curves are complete but appear in batches.
+    step index, so the curves are complete but appear in batches. The index continues from the trainer's
+    ``global_step`` at the start of the fit, so a resumed run's curves continue where the checkpoint left them (with
+    ``accumulate_grad_batches=1`` a step's index is its global step).
     """
 
     def __init__(self, prefix: str = "hetero") -> None:
@@ -39,6 +41,7 @@ class HeteroMonitor(Callback):
         self._replans_logged = 0
         self._scale_logged_at = -1
         self._skipped_logged_at = -1
+        self._first_step = 0  # the trainer's global step when this fit started (a resume starts past 0)
 
     @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -51,6 +54,7 @@ class HeteroMonitor(Callback):
         self._replans_logged = 0
         self._scale_logged_at = -1
         self._skipped_logged_at = -1
+        self._first_step = trainer.global_step
 
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -91,8 +95,8 @@ class HeteroMonitor(Callback):
         for step in steps:
             metrics = step_metrics(step, self.prefix)
             for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=step["step"])
+                logger.log_metrics(metrics, step=self._first_step + step["step"])
         for replan in replans:
             gain = {f"{self.prefix}/replan_predicted_gain": replan["predicted_gain"]}
             for logger in trainer.loggers:
-                logger.log_metrics(gain, step=replan["step"])
+                logger.log_metrics(gain, step=self._first_step + replan["step"])
