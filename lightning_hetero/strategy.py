@@ -52,6 +52,17 @@ from lightning_hetero.train.micro_batches import raise_if_unreduced, reduction_h
 from lightning_hetero.train.streams import HeteroStreamLoader
 
 
+# Registered names: the default, one per ZeRO stage, and the CPU-offload variants Lightning registers for DeepSpeed.
+PRESETS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("hetero", "DeepSpeed ZeRO with per-rank micro-batches", {}),
+    *((f"hetero_stage_{stage}", f"HeteroStrategy at ZeRO stage {stage}", {"stage": stage}) for stage in range(4)),
+    ("hetero_stage_2_offload", "HeteroStrategy at ZeRO stage 2, optimizer offloaded to the CPU",
+     {"stage": 2, "offload_optimizer": True}),
+    ("hetero_stage_3_offload", "HeteroStrategy at ZeRO stage 3, optimizer and parameters offloaded to the CPU",
+     {"stage": 3, "offload_optimizer": True, "offload_parameters": True}),
+)  # fmt: skip
+
+
 class HeteroStrategy(DeepSpeedStrategy):
     """DeepSpeed ZeRO data parallelism where every rank has its own micro-batch.
 
@@ -215,10 +226,11 @@ class HeteroStrategy(DeepSpeedStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        # Only our own name: the parent's "deepspeed*" names belong to DeepSpeedStrategy.
-        strategy_registry.register(
-            cls.strategy_name, cls, description="DeepSpeed ZeRO with per-rank micro-batches", override=True
-        )
+        # Our own names, Lightning's DeepSpeed presets with the prefix "hetero" (the parent's "deepspeed*" names
+        # belong to DeepSpeedStrategy): `Trainer(strategy="hetero_stage_3")`, or `strategy: hetero_stage_3` in a CLI
+        # YAML once the package is imported.
+        for name, description, arguments in PRESETS:
+            strategy_registry.register(name, cls, description=description, override=True, **arguments)
 
     # ------------------------------------------------------------------ setup
 

@@ -64,6 +64,28 @@ def test_registered_as_hetero_and_selected_by_name():
     assert StrategyRegistry["deepspeed"]["strategy"].__name__ == "DeepSpeedStrategy"
 
 
+@pytest.mark.parametrize(
+    ("name", "stage", "offload_optimizer", "offload_parameters"),
+    [
+        ("hetero_stage_0", 0, False, False),
+        ("hetero_stage_1", 1, False, False),
+        ("hetero_stage_2", 2, False, False),
+        ("hetero_stage_3", 3, False, False),
+        ("hetero_stage_2_offload", 2, True, False),
+        ("hetero_stage_3_offload", 3, True, True),
+    ],
+)
+def test_presets_are_registered_as_lightnings_deepspeed_presets_are(name, stage, offload_optimizer, offload_parameters):
+    trainer = Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, HeteroStrategy)
+    zero = trainer.strategy.config["zero_optimization"]
+    assert zero["stage"] == stage
+    assert ("offload_optimizer" in zero) == offload_optimizer and ("offload_param" in zero) == offload_parameters
+    # The parent's preset of the same stage stays DeepSpeed's.
+    if stage:
+        assert StrategyRegistry[f"deepspeed_stage_{stage}"]["strategy"].__name__ == "DeepSpeedStrategy"
+
+
 def _strategy_for_world(world_size: int, **kwargs) -> HeteroStrategy:
     strategy = HeteroStrategy(**kwargs)
     strategy.accelerator = CPUAccelerator()
