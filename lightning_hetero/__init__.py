@@ -1,6 +1,8 @@
 """lightning_hetero: train a Lightning model across heterogeneous devices with DeepSpeed ZeRO.
 
-Importing the package registers ``Trainer(strategy="hetero")`` in Lightning's StrategyRegistry, and lets
+Importing the package registers ``Trainer(strategy="hetero")`` (and the presets ``hetero_stage_0`` ... ``_3``, with
+offload variants) in Lightning's StrategyRegistry, the same names in Fabric's only to say that they need the Trainer
+(see :mod:`lightning_hetero.fabric`), and lets
 ``LightningModule.load_from_checkpoint`` read the checkpoint directories HeteroStrategy writes (see
 :mod:`lightning_hetero.recover.export`).
 
@@ -12,7 +14,7 @@ The layout follows a run's flow, one folder per stage, lowest first::
     plan/       the split (arithmetic, exact planner), re-plan decisions, each rank's DeepSpeed config
     precision/  each rank's precision: the choice, the Precision plugin, one loss scale, non-finite steps
     comm/       compression, topology, the gradient exchange and the bytes on the wire
-    train/      the data order cut into per-rank slices, streams, buffers kept equal
+    train/      the data order cut into per-rank slices, streams, buffers kept equal, micro-batches, local SGD
     watch/      per-step measurements, the split that follows them, the run report, the monitor callback
     recover/    checkpoints, resumes, lost or signalled ranks, failures said on every rank
     simulate/   the cluster planner: a mixed cluster described in YAML, planned and predicted before it is used
@@ -22,8 +24,10 @@ top (the strategy calls each stage at Lightning's lifecycle points) and no stage
 ``tests/test_layering.py`` keeps it so.
 """
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_hetero.fabric import register_fabric_names
 from lightning_hetero.plan.split import SplitPlan, split_by_weights
 from lightning_hetero.recover import export
 from lightning_hetero.recover.elastic import launched_layout
@@ -32,6 +36,7 @@ from lightning_hetero.strategy import HeteroStrategy
 from lightning_hetero.watch.monitor import HeteroMonitor
 
 HeteroStrategy.register_strategies(StrategyRegistry)
+register_fabric_names(FABRIC_STRATEGIES)  # `Fabric(strategy="hetero")` says that it needs the Trainer
 export.install()
 
 __all__ = [

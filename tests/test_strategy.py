@@ -149,3 +149,11 @@ def test_overlap_comm_in_a_user_config_is_switched_off_for_zero_0_and_1_with_a_w
 
 def test_lightning_accumulates_gradients_as_with_ddp():
     assert HeteroStrategy().handles_gradient_accumulation is False
+
+
+@pytest.mark.parametrize("name", ["hetero", "hetero_stage_3"])
+def test_fabric_says_that_hetero_needs_the_trainer(name):
+    from lightning.fabric import Fabric
+
+    with pytest.raises(NotImplementedError, match=r"HeteroStrategy runs under Lightning's Trainer, not Fabric.*Use"):
+        Fabric(strategy=name, accelerator="cpu", devices=2)
