@@ -17,7 +17,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_hetero.recover import checkpoint, elastic, failures, liveness
 from lightning_hetero.recover import from_lightning as resume_lightning
-from lightning_hetero.recover.stopping import StopOnSigterm, all_reduce_max, exit_code_for
+from lightning_hetero.recover.stopping import (
+    StopOnSigterm,
+    all_reduce_max,
+    exit_code_for,
+    requeue_slurm_job,
+    slurm_job_id,
+)
 from lightning_hetero.runtime.collectives import Collectives
 from lightning_hetero.runtime.shutdown import exit_with_if_uncaught
 
@@ -67,6 +73,9 @@ class Recovery:
         exit_code_for(exception)
         if self._stop_on_sigterm is not None and self._stop_on_sigterm.stopped_every_rank(exception):
             self._save_before_exit(trainer)
+            if self._stop_on_sigterm.requeue_wanted() and self.rank == 0:
+                job = slurm_job_id()
+                rank_zero_info(f"HeteroStrategy: {requeue_slurm_job(job) if job else 'no Slurm job to requeue'}.")
         if not isinstance(exception, Exception) or self.world_size == 1:
             return
         if not failures.is_lost_peer_error(exception):

@@ -16,20 +16,31 @@ sees the same exception type), and the process exits with 143 = 128 + SIGTERM, t
 by SIGTERM, which torchrun and Slurm read as "not finished". A SIGTERM during validation is acted on at the next
 training step; one after the last training step lets the fit finish. A second SIGTERM before the first was acted on
 (a rank stuck where no step boundary comes) ends the process at once, with the same code.
+
+Slurm's requeue signal (SIGUSR1 under Lightning's ``SLURMEnvironment``, or ``#SBATCH --signal=USR1@...``) takes the
+same path: Lightning's own handler saved ``hpc_ckpt_<n>.ckpt`` from inside the signal handler, whose collectives could
+meet another rank inside a ``sync_dist`` reduce and deadlock (1 in 4 tries in issue 19), and resumed from it only with
+``ckpt_path=None``. Here the handler only remembers; at the next step boundary every rank stops, saves ``last.ckpt``
+(what ``fit(ckpt_path="last")`` resumes) and rank 0 asks Slurm to requeue the job (``scontrol requeue``, bounded).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
+import subprocess
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 EXIT_CODE_INTERRUPTED = 128 + int(signal.SIGTERM)
+# The one-element flag the ranks agree on at a step boundary: nothing, a stop, a stop and a Slurm requeue.
+_STOP, _REQUEUE = 1, 2
+REQUEUE_TIMEOUT_SECONDS = 60
 
 
 class StopOnSigterm:
@@ -40,7 +51,9 @@ class StopOnSigterm:
         self._device = device
         self._trainer: Any = None
         self.requested = False
+        self.requeue_requested = False  # Slurm's requeue signal
         self._agreed = False
+        self.requeue_agreed = False
 
     def install(self, trainer: Any) -> None:
         """Take the place of Lightning's SIGTERM notifier and of its per-step broadcast of rank 0's flag.
@@ -49,8 +62,11 @@ class StopOnSigterm:
         ``_sigterm_notifier_fn`` at that moment, so the instance attribute set here is what it registers.
         """
         self._trainer = trainer
-        self.requested = self._agreed = False
+        self.requested = self._agreed = self.requeue_requested = self.requeue_agreed = False
         trainer._signal_connector._sigterm_notifier_fn = self.on_sigterm
+        # Registered by Lightning for Slurm's requeue signal (SLURMEnvironment with auto_requeue): its own saved a
+        # checkpoint inside the handler.
+        trainer._signal_connector._slurm_sigusr_handler_fn = self.on_requeue_signal
         # Lightning calls this at the start of every training step on every rank (when the world has several ranks).
         trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self.stop_if_any_rank_was_signalled
 
@@ -71,13 +87,27 @@ class StopOnSigterm:
         if self._trainer is not None and self._trainer.world_size == 1:
             self._trainer._signal_connector.received_sigterm = True  # Lightning's loop stops after this step
 
+    def on_requeue_signal(self, signum: int, frame: Any) -> None:
+        # As on_sigterm: remember only. (A second one changes nothing: the first is acted on at the next boundary.)
+        self.requeue_requested = self.requested = True
+        if self._trainer is not None and self._trainer.world_size == 1:
+            self._trainer._signal_connector.received_sigterm = True
+
     def stop_if_any_rank_was_signalled(self) -> None:
-        flag = torch.tensor([int(self.requested)], device=self._device)
+        own = _REQUEUE if self.requeue_requested else _STOP if self.requested else 0
+        flag = torch.tensor([own], device=self._device)
         self._all_reduce_max(flag)
         if flag.item():
             self._trainer._signal_connector.received_sigterm = True  # what callbacks read
             self._agreed = True
+            self.requeue_agreed = int(flag.item()) == _REQUEUE
             raise SIGTERMException(EXIT_CODE_INTERRUPTED)
+
+    def requeue_wanted(self) -> bool:
+        """Whether the agreed stop came from Slurm's requeue signal (on any rank)."""
+        if self._trainer is not None and self._trainer.world_size == 1:
+            return self.requeue_requested
+        return self.requeue_agreed
 
     def stopped_every_rank(self, exception: BaseException) -> bool:
         """Whether ``exception`` is the stop a SIGTERM caused on every rank at the same step boundary (so that all
@@ -85,6 +115,27 @@ class StopOnSigterm:
         if not isinstance(exception, SIGTERMException) or self._trainer is None:
             return False
         return self._agreed or (self._trainer.world_size == 1 and self.requested)
+
+
+def slurm_job_id(environment: Optional[dict[str, str]] = None) -> Optional[str]:
+    """The job to requeue: ``<array job>_<task>`` in an array job, else ``SLURM_JOB_ID`` (None outside Slurm)."""
+    environment = dict(os.environ) if environment is None else environment
+    array_job = environment.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array_job}_{environment.get('SLURM_ARRAY_TASK_ID', '')}" if array_job else environment.get("SLURM_JOB_ID")
+    return job if job and re.fullmatch(r"[0-9_]+", job) else None
+
+
+def requeue_slurm_job(job_id: str, timeout: float = REQUEUE_TIMEOUT_SECONDS) -> str:
+    """``scontrol requeue <job>``, bounded by ``timeout``; what happened, for the log (never raises)."""
+    try:
+        result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError:
+        return f"could not requeue Slurm job {job_id}: `scontrol` is not on PATH"
+    except subprocess.TimeoutExpired:
+        return f"could not requeue Slurm job {job_id}: `scontrol requeue` did not answer within {timeout:.0f} s"
+    if result.returncode != 0:
+        return f"requeueing Slurm job {job_id} failed ({result.returncode}): {result.stderr.strip()[-500:]}"
+    return f"requeued Slurm job {job_id}"
 
 
 def exit_code_for(exception: BaseException) -> None:

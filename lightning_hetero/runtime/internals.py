@@ -153,6 +153,10 @@ TRAINER_STATE = (
              "patched", "recover/stopping.py", "shadowed on the instance before Lightning registers its handlers: the"
              " handler only sets a flag (no collective inside a signal handler)",
              "never: the instance lives for one Trainer"),
+    Internal("lightning.pytorch.trainer.connectors.signal_connector", "_SignalConnector._slurm_sigusr_handler_fn",
+             "patched", "recover/stopping.py", "shadowed on the instance before Lightning registers its handlers:"
+             " Slurm's requeue signal only sets a flag (Lightning's saved a checkpoint, with collectives, in it)",
+             "never: the instance lives for one Trainer"),
     Internal("lightning.pytorch.trainer.connectors.signal_connector", "_SignalConnector#received_sigterm", "patched",
              "recover/stopping.py", "set once the ranks agreed to stop, so that callbacks see trainer.received_sigterm",
              "never: it is Lightning's own flag"),
