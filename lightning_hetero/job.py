@@ -208,6 +208,9 @@ class HeteroJob:
         else:
             steps = (1,) * self.world_size
         plan = SplitPlan(tuple(b * k for b, k in zip(micro, steps)), f"{settings.sync}", tuple(steps))
+        overflow = memory.describe_overflow(plan.batch_sizes, plan.micro_steps, self.memory_ceilings, True)
+        if overflow:  # (each inner step holds one micro-batch: it must fit, as in every-step training)
+            raise ValueError(overflow)
         self.split.start(plan, None)
         assert self.watcher is not None
         # Inner steps the user did not fix follow what the ranks measure, as the split does (one decision on all).

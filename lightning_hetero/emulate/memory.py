@@ -56,9 +56,13 @@ def lower_ceiling(measured: Optional[int], emulated: Optional[int]) -> Optional[
 
 
 def describe_overflow(
-    samples: Sequence[int], micro_steps: Sequence[int], ceilings: Optional[Sequence[Optional[int]]]
+    samples: Sequence[int],
+    micro_steps: Sequence[int],
+    ceilings: Optional[Sequence[Optional[int]]],
+    local_training: bool = False,
 ) -> Optional[str]:
-    """What is wrong when some rank's micro-batch exceeds its emulated ceiling (None when every one fits)."""
+    """What is wrong when some rank's micro-batch exceeds its emulated ceiling (None when every one fits).
+    ``local_training``: the micro-batches are local SGD's inner steps, whose size the user sets."""
     if ceilings is None:
         return None
     for rank, (n, k, ceiling) in enumerate(zip(samples, micro_steps, ceilings)):
@@ -67,7 +71,12 @@ def describe_overflow(
             return (
                 f"Rank {rank}'s micro-batch of {micro_batch} samples ({n} in {k} micro-step{'s' * (k > 1)}) does not"
                 f" fit in its memory ({ENV_VAR} gives it at most {ceiling}): an out-of-memory error on a real device."
-                f" Give rank {rank} at least {-(-n // ceiling)} micro-steps (`micro_steps=[...]`), a smaller share,"
-                " or leave the split automatic."
+                + (
+                    f" Give it micro-batches of at most {ceiling} samples (`batch_sizes=[...]`, or the loader's"
+                    " `batch_size`)."
+                    if local_training
+                    else f" Give rank {rank} at least {-(-n // ceiling)} micro-steps (`micro_steps=[...]`), a smaller"
+                    " share, or leave the split automatic."
+                )
             )
     return None

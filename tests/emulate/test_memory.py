@@ -40,3 +40,6 @@ def test_a_micro_batch_over_its_ceiling_is_refused_with_the_micro_steps_that_wou
     assert describe_overflow([30, 10], [1, 1], None) is None
     message = describe_overflow([30, 10], [1, 1], (16, None))
     assert "Rank 0's micro-batch of 30 samples" in message and "at least 2 micro-steps" in message
+    local = describe_overflow([16, 8], [2, 1], (4, None), local_training=True)
+    assert "Rank 0's micro-batch of 8 samples (16 in 2 micro-steps)" in local
+    assert "micro-batches of at most 4 samples (`batch_sizes=[...]`" in local

@@ -161,3 +161,12 @@ def test_the_pseudo_gradient_travels_in_half_precision_with_compression(tmp_path
     reference = reference_training(IndexedRegression(64), contiguous_steps(64, 16, 4))
     assert max_param_difference(full.result, reference) <= TOLERANCE
     assert 0 < max_param_difference(half.result, reference) <= 1e-3
+
+
+def test_an_inner_micro_batch_over_the_emulated_memory_is_refused_on_every_rank(tmp_path):
+    run = run_fit(tmp_path, *local_args("diloco", [8, 8], inner_steps=[2, 1]), timeout=120,
+                  env={"LIGHTNING_HETERO_EMULATE_MEMORY": "4,-"})  # fmt: skip
+    assert run.returncode != 0
+    message = "Rank 0's micro-batch of 8 samples (16 in 2 micro-steps) does not fit in its memory"
+    assert run.output.count(message) >= 2, run.output[-3000:]
+    assert "micro-batches of at most 4 samples (`batch_sizes=[...]`" in run.output
