@@ -45,7 +45,8 @@ from lightning_hetero.train.sharding import BatchListeners, DataSharding, check_
 from lightning_hetero.train.split_in_force import SplitInForce
 from lightning_hetero.train.streams import is_stream
 from lightning_hetero.train.weights import LossWeights
-from lightning_hetero.watch.watcher import PLAN_DIRNAME, JobFacts, Watcher
+from lightning_hetero.watch.publish import publish_to_loggers, report_directory
+from lightning_hetero.watch.watcher import JobFacts, Watcher
 
 
 class HeteroJob:
@@ -365,14 +366,19 @@ class HeteroJob:
     def write_report(self, trainer: Any, plugin: Any) -> None:
         """Every rank hands in its last records; rank 0 writes the run report and prints its summary."""
         assert self.watcher is not None
+        directory = report_directory(trainer)
         self.watcher.write_report(
-            report_directory(trainer),
+            directory,
             self.rank,
             self.world_size,
             precision=plugin.summary() if isinstance(plugin, HeteroPrecision) else None,
             communication=self.communication.summary(),
             nonfinite=self.nonfinite.summary(),
         )
+        if self.rank == 0:
+            published = publish_to_loggers(trainer, directory)
+            if published:
+                rank_zero_info(f"HeteroStrategy: the plan and run report are in the {' and '.join(published)} run too.")
 
     def manifest_facts(self, saved: dict[str, Any], zero_stage: int, engine: Any) -> dict[str, Any]:
         plan = self.split.plan
@@ -381,9 +387,3 @@ class HeteroJob:
             self.split.global_samples_consumed(), zero_stage, engine,
             [facts.describe() for facts in self.device_facts], self.communication.checkpoint_facts(),
         )  # fmt: skip
-
-
-def report_directory(trainer: Any) -> Path:
-    """Where the plan records and the run report go: ``hetero/`` in the run's log directory (the same on every
-    rank: Lightning's ``log_dir`` broadcasts rank 0's)."""
-    return Path(trainer.log_dir or trainer.default_root_dir) / PLAN_DIRNAME

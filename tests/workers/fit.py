@@ -36,6 +36,14 @@ class ShardedStream(IterableDataset):
         return (self.dataset[i] for i in range(self.rank, len(self.dataset), self.world_size))
 
 
+def make_logger(args):
+    if args.mlflow is not None:
+        from lightning.pytorch.loggers import MLFlowLogger
+
+        return MLFlowLogger(experiment_name="hetero-test", tracking_uri=f"file:{args.mlflow}")
+    return CSVLogger(args.out, name="csv") if args.monitor else False
+
+
 def failing_step(batch, batch_idx):
     raise RuntimeError("training_step failed on this rank only")
 
@@ -312,6 +320,7 @@ def main() -> None:
     parser.add_argument("--emulate-schedule", help="JSON {step: speeds}: a drift schedule")
     parser.add_argument("--fail-on-rank", type=int, help="training_step raises on this rank (a one-rank failure)")
     parser.add_argument("--monitor", action="store_true", help="HeteroMonitor with a CSVLogger in --out")
+    parser.add_argument("--mlflow", type=Path, help="an MLFlowLogger with its file store in this directory")
     parser.add_argument("--signal-test", action="store_true", help="write PIDs at step 3 and every rank's exit code")
     parser.add_argument("--fail-in", choices=["training_step", "collate_fn"], default="training_step")
     parser.add_argument("--iterable", action="store_true", help="train on an IterableDataset")
@@ -393,7 +402,7 @@ def main() -> None:
         max_steps=args.max_steps,
         accumulate_grad_batches=1 if args.manual else args.accumulate,
         callbacks=callbacks,
-        logger=CSVLogger(args.out, name="csv") if args.monitor else False,
+        logger=make_logger(args),
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,

@@ -42,8 +42,15 @@ import lightning_hetero.strategy  # noqa: E402, F401
 
 # The filters that imports added (each inserted in front of the startup ones): a fresh rank has them in front of those
 # from PYTHONWARNINGS, which it reads before importing anything.
-IMPORT_FILTERS = list(warnings.filters[: len(warnings.filters) - len(STARTUP_FILTERS)])
-assert list(warnings.filters[len(IMPORT_FILTERS) :]) == STARTUP_FILTERS, "an import appended a warning filter"
+# Some modules append theirs instead (requests and urllib3, which DeepSpeed imports where they are installed): a fresh
+# rank has those after the startup ones.
+_FRONT = next(
+    (i for i in range(len(warnings.filters) + 1) if warnings.filters[i : i + len(STARTUP_FILTERS)] == STARTUP_FILTERS),
+    None,
+)
+assert _FRONT is not None, "an import removed or reordered the interpreter's own warning filters"
+IMPORT_FILTERS = list(warnings.filters[:_FRONT])
+APPENDED_FILTERS = list(warnings.filters[_FRONT + len(STARTUP_FILTERS) :])
 
 OBSERVER_PERIOD = 5.0  # Lightning's _ChildProcessObserver sleep_period
 
@@ -59,7 +66,7 @@ def warning_filters_for(pythonwarnings: str) -> list:
     warnings.filters[:] = []
     warnings._processoptions([option for option in pythonwarnings.split(",") if option])
     from_environment = list(warnings.filters)
-    return IMPORT_FILTERS + from_environment + STARTUP_FILTERS
+    return IMPORT_FILTERS + from_environment + STARTUP_FILTERS + APPENDED_FILTERS
 
 
 def become_rank(request: dict, rank: int, port: int) -> None:

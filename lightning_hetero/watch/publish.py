@@ -1,0 +1,47 @@
+"""Watch: where a fit's plan records and run report are written, and their copy in a tracking logger's run.
+
+With no logger, or a file logger (CSV, TensorBoard), they go to ``hetero/`` in the run's own log directory, which
+Lightning versions per run. A tracking logger (MLflow, W&B...) has no such directory: Lightning's ``trainer.log_dir``
+is then the logger's ``save_dir``, its store root (``./mlruns``), where a ``hetero/`` folder is what MLflow reports as
+a malformed experiment on every search, and the next run overwrites it. There they go to
+``<default_root_dir>/hetero/<logger name>_<run>/`` instead, and at the end of the fit rank 0 adds that folder to the
+logger's run: MLflow's run artifacts (under ``hetero/``), W&B's run files.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
+
+from lightning_hetero.watch.watcher import PLAN_DIRNAME
+
+
+def report_directory(trainer: Any) -> Path:
+    """The same directory on every rank (rank 0's, broadcast: a tracking logger names its run on rank 0 only).
+    Every rank must call it, as Lightning's ``trainer.log_dir``."""
+    loggers = trainer.loggers
+    if not loggers or isinstance(loggers[0], (TensorBoardLogger, CSVLogger)):
+        return Path(trainer.log_dir or trainer.default_root_dir) / PLAN_DIRNAME
+    run = trainer.strategy.broadcast(run_name(loggers[0]) if trainer.is_global_zero else None)
+    return Path(trainer.default_root_dir) / PLAN_DIRNAME / run
+
+
+def run_name(logger: Any) -> str:
+    """``<name>_<version>`` of a logger's run, safe as a folder name."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{logger.name}_{logger.version}")
+
+
+def publish_to_loggers(trainer: Any, directory: Path) -> list[str]:
+    """Rank 0: the folder's files as the run's artifacts in each logger that keeps them; the loggers it went to."""
+    published = []
+    for logger in trainer.loggers:
+        if isinstance(logger, MLFlowLogger):
+            logger.experiment.log_artifacts(logger.run_id, str(directory), artifact_path=PLAN_DIRNAME)
+            published.append("MLflow")
+        elif isinstance(logger, WandbLogger):
+            logger.experiment.save(str(directory / "*"), base_path=str(directory.parent), policy="now")
+            published.append("W&B")
+    return published

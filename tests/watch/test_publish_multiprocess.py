@@ -1,0 +1,33 @@
+"""The plan and run report with a tracking logger: never in its store root, and in the logger's run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from conftest import run_fit  # noqa: E402
+
+pytestmark = pytest.mark.multiprocess
+
+
+def test_with_mlflow_the_report_is_a_run_artifact_and_the_store_root_stays_mlflows(tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")  # (in the test extra: `pip install -e ".[test]"`)
+    store = tmp_path / "mlruns"
+    # A file store, the one whose root the report used to land in (MLflow 3 asks to opt in to it).
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    run = run_fit(tmp_path / "out", "--batch-sizes", "3", "13", "--max-steps", "2", "--mlflow", str(store),
+                  env={"MLFLOW_ALLOW_FILE_STORE": "true"})  # fmt: skip
+    assert run.returncode == 0, run.output[-4000:]
+    assert not (store / "hetero").exists()  # MLflow read it as a malformed experiment
+    client = mlflow.tracking.MlflowClient(tracking_uri=f"file:{store}")
+    (experiment,) = [e for e in client.search_experiments() if e.name == "hetero-test"]
+    (mlflow_run,) = client.search_runs([experiment.experiment_id])
+    artifacts = {Path(a.path).name for a in client.list_artifacts(mlflow_run.info.run_id, "hetero")}
+    assert {"plan.json", "rank_0.json", "rank_1.json", "report.json", "report.png"} <= artifacts
+    # The local copy is the run's own folder under the Trainer's root, not shared with the next run.
+    (local,) = (tmp_path / "out" / "hetero").iterdir()
+    assert local.name == f"{experiment.experiment_id}_{mlflow_run.info.run_id}" and (local / "report.json").exists()
+    assert "the plan and run report are in the MLflow run too" in run.output
