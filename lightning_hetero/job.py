@@ -76,6 +76,7 @@ class HeteroJob:
         self.profiles: Optional[list[RankProfile]] = None
         self._identical_devices = True
         self.memory_ceilings: Optional[list[Optional[int]]] = None  # emulated, per rank (emulate/memory.py)
+        self._report_directory: Optional[Path] = None  # where this fit's plan and report go (watch/publish.py)
         self._emulated_topology: tuple[Optional[int], Optional[topology.SlowLink]] = (None, None)
 
     def join(self, rank: int, world_size: int, device: torch.device, trainer: Optional[Any], plugin: Any) -> None:
@@ -298,6 +299,7 @@ class HeteroJob:
         self.recovery.teardown(finished=trainer is not None and trainer.state.status != TrainerStatus.INTERRUPTED)
         # A fit that failed before its loop asked for the training loader must not hand it to the next fit.
         self.sharding.forget_served_loader(trainer)
+        self._report_directory = None
 
     # ------------------------------------------------------------------ data
 
@@ -361,12 +363,14 @@ class HeteroJob:
         # (a token mean's weight is taken from each batch's token counts)
         weight = None if reduction == "token_mean" else self.split.plan.loss_weight(self.rank, reduction)
         record = {"loss_weight": weight, "loss_reduction": reduction, "deepspeed_config": config}
-        self.watcher.write_plan(report_directory(trainer), self.split, job, record)
+        # Decided once per fit (a tracking logger's run name), so the report lands beside the plan.
+        self._report_directory = report_directory(trainer)
+        self.watcher.write_plan(self._report_directory, self.split, job, record)
 
     def write_report(self, trainer: Any, plugin: Any) -> None:
         """Every rank hands in its last records; rank 0 writes the run report and prints its summary."""
         assert self.watcher is not None
-        directory = report_directory(trainer)
+        directory = self._report_directory or report_directory(trainer)
         self.watcher.write_report(
             directory,
             self.rank,

@@ -30,7 +30,9 @@ def report_directory(trainer: Any) -> Path:
 
 
 def run_name(logger: Any) -> str:
-    """``<name>_<version>`` of a logger's run, safe as a folder name."""
+    """``<name>_<version>`` of a logger's run, safe as a folder name. The run is started first (W&B names its run
+    only then; Lightning would start it at the first logged metric anyway)."""
+    logger.experiment  # noqa: B018
     return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{logger.name}_{logger.version}")
 
 
