@@ -141,9 +141,7 @@ def sync_refusal(
 def plan_inner_steps(costs: Sequence[CostModel], micro_batches: Sequence[int]) -> tuple[int, ...]:
     """Each rank's inner steps per training step: as many of its micro-batches as it computes while the slowest rank
     computes one (rounded to the nearest whole step, at least 1), from the ranks' cost models."""
-    times = [cost.time(b) for cost, b in zip(costs, micro_batches)]
-    slowest = max(times)
-    return tuple(max(1, math.floor(slowest / t + 0.5)) if t > 0 else 1 for t in times)
+    return inner_steps_for([cost.time(b) for cost, b in zip(costs, micro_batches)])
 
 
 def is_sync_step(steps_done: int, sync_every: int, last_of_epoch: bool) -> bool:
