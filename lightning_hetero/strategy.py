@@ -246,7 +246,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         trainer_precision = (
             None if isinstance(plugin, HeteroPrecision) else (str(plugin.precision), type(plugin).__name__)
         )
-        self.settings.check_job(self.num_nodes * self.num_processes, self.root_device.type, self.config,
+        self.settings.check_job(self._launched_world_size(), self.root_device.type, self.config,
                                 self._layer_sync is not None, trainer_precision)  # fmt: skip
         if self.root_device.type == "cpu":
             if self._cpu_zero_defaults:
@@ -264,6 +264,12 @@ class HeteroStrategy(DeepSpeedStrategy):
         # destroys the process group at exit for NCCL only, and only on its own init path, which DeepSpeed bypasses.
         register_exit_cleanup()
         self.job.join(self.global_rank, self.world_size, self.root_device, trainer, lambda: self.precision_plugin)
+
+    def _launched_world_size(self) -> int:
+        """The job's number of ranks as the launch states it, before the process group exists: nodes times
+        processes per node (Lightning's launcher, torchrun, Slurm). An engine that starts one process per worker
+        itself (Ray Train) says it through its cluster environment instead."""
+        return self.num_nodes * self.num_processes
 
     @override
     def _configure_launcher(self) -> None:

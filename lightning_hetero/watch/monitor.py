@@ -10,6 +10,9 @@ re-plan is logged at the step it takes effect as ``hetero/replan_predicted_gain`
 ``micro_batch`` from that step on). With fp16 ranks (``device_precision``), ``hetero/loss_scale`` is the job's loss
 scale after each optimizer step (the same on every rank; a halving marks a step skipped for an overflow).
 ``hetero/skipped_steps`` counts the optimizer steps skipped so far for non-finite gradients, after each step.
+
+The latest exchanged step's metrics are also in ``trainer.callback_metrics`` (logged with ``logger=False``), where
+callbacks that report elsewhere read them: Ray Train's ``RayTrainReportCallback`` sends them to ``Result.metrics``.
 """
 
 from __future__ import annotations
@@ -58,7 +61,9 @@ class HeteroMonitor(Callback):
 
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self._log_new_steps(trainer)
+        latest = self._log_new_steps(trainer)
+        if latest:
+            self._make_latest_available_to_callbacks(pl_module, latest)
         self._log_loss_scale(trainer)
         self._log_skipped_steps(trainer)
 
@@ -84,14 +89,24 @@ class HeteroMonitor(Callback):
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         self._log_new_steps(trainer)  # the last steps, exchanged when training ended
 
-    def _log_new_steps(self, trainer: Any) -> None:
+    @staticmethod
+    def _make_latest_available_to_callbacks(pl_module: Any, metrics: dict[str, float]) -> None:
+        # `trainer.callback_metrics`, which callbacks that report elsewhere read (Ray Train's report callback sends
+        # them to `Result.metrics`; EarlyStopping could stop on them). Not to the loggers: they got every step above.
+        # Every rank holds the same steps, so every rank logs the same values and none needs a reduction.
+        for name, value in metrics.items():
+            pl_module.log(name, value, logger=False, on_step=True, on_epoch=False, batch_size=1)
+
+    def _log_new_steps(self, trainer: Any) -> dict[str, float]:
+        """Log the steps exchanged since the last call; returns the latest one's metrics (empty if none)."""
         watcher = trainer.strategy.watcher
         steps = watcher.steps[self._logged :]
         self._logged += len(steps)
         replans = watcher.replans[self._replans_logged :]
         self._replans_logged += len(replans)
+        latest = step_metrics(steps[-1], self.prefix) if steps else {}
         if not trainer.is_global_zero:
-            return
+            return latest
         for step in steps:
             metrics = step_metrics(step, self.prefix)
             for logger in trainer.loggers:
@@ -100,3 +115,4 @@ class HeteroMonitor(Callback):
             gain = {f"{self.prefix}/replan_predicted_gain": replan["predicted_gain"]}
             for logger in trainer.loggers:
                 logger.log_metrics(gain, step=self._first_step + replan["step"])
+        return latest

@@ -1,0 +1,169 @@
+"""Driver for the Ray Train tests: Ray's documented Lightning recipe with RayHeteroStrategy on a local Ray cluster.
+
+Starts a Ray cluster on 127.0.0.1 (its daemons' PIDs go to `ray_pids` in --out, for the test to kill if this driver
+dies), runs `TorchTrainer` with CPU workers, and writes `result.json`: Ray's `Result.metrics`, the attempts each
+worker made, and per attempt every rank's sample indices and the final parameters.
+
+`--kill-rank R --kill-at-step S` makes rank R of the first attempt kill itself (SIGKILL, by its own PID) once the
+fit reaches global step S: Ray sees a dead worker and, with `--max-failures`, restarts the group from the last
+checkpoint Ray holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import ray  # noqa: E402
+import ray.train  # noqa: E402
+import torch  # noqa: E402
+from common import IndexedRegression, RegressionModule  # noqa: E402
+from lightning.pytorch import Callback, Trainer  # noqa: E402
+from ray.train import Checkpoint, FailureConfig, RunConfig, ScalingConfig  # noqa: E402
+from ray.train.lightning import RayLightningEnvironment, RayTrainReportCallback, prepare_trainer  # noqa: E402
+from ray.train.torch import TorchTrainer  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+
+SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's list of the checkpoints it holds
+
+
+def _text(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
+class Record(Callback):
+    """Each rank appends what it trained on to `attempts.jsonl` when the fit ends; rank R may die at step S."""
+
+    def __init__(self, out: Path, kill_rank: int, kill_at_step: int) -> None:
+        self.out, self.kill_rank, self.kill_at_step = out, kill_rank, kill_at_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        first_attempt = not (self.out / "killed").exists()
+        if first_attempt and trainer.global_rank == self.kill_rank and trainer.global_step == self.kill_at_step:
+            # Ray's controller registers a reported checkpoint when it next polls the workers (every few seconds);
+            # a report not yet registered is lost with the worker group. Die once Ray holds one, as a worker that
+            # dies later in a real epoch would.
+            deadline = time.monotonic() + 60
+            while "checkpoint_dir_name" not in _text(self.out / "ray_storage" / "hetero" / SNAPSHOT):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("Ray registered no checkpoint within 60 s")
+                time.sleep(0.2)
+            (self.out / "killed").write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        params = {name: p.detach().double().tolist() for name, p in pl_module.named_parameters()}
+        record = {
+            "rank": trainer.global_rank,
+            "world_size": trainer.world_size,
+            "global_step": trainer.global_step,
+            "seen": pl_module.seen,
+            "params": params,
+            "batch_sizes": list(trainer.strategy.plan.batch_sizes),
+        }
+        with open(self.out / "attempts.jsonl", "a") as file:
+            file.write(json.dumps(record) + "\n")
+
+
+def train_func(config: dict) -> None:
+    from lightning_hetero import HeteroMonitor
+    from lightning_hetero.ray import RayHeteroStrategy
+
+    out = Path(config["out"])
+    module = RegressionModule()
+    loader = DataLoader(IndexedRegression(config["samples"]), batch_size=4)
+    trainer = Trainer(
+        devices="auto",
+        accelerator="auto",
+        strategy=RayHeteroStrategy(
+            stage=config["stage"], batch_sizes=config["batch_sizes"], rebalance=False, rebalance_window=2
+        ),
+        plugins=[RayLightningEnvironment()],
+        callbacks=[HeteroMonitor(), RayTrainReportCallback(), Record(out, config["kill_rank"], config["kill_at_step"])],
+        max_epochs=config["epochs"],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=False,
+        default_root_dir=str(out / "root"),
+    )
+    trainer = prepare_trainer(trainer)
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint:
+        with checkpoint.as_directory() as directory:
+            path = os.path.join(directory, RayTrainReportCallback.CHECKPOINT_NAME)
+            (out / f"resumed_from_rank{trainer.global_rank}").write_text(path)
+            trainer.fit(module, loader, ckpt_path=path)
+    else:
+        trainer.fit(module, loader)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[6, 2])
+    parser.add_argument("--stage", type=int, default=2)
+    parser.add_argument("--samples", type=int, default=32)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--kill-rank", type=int, default=-1)
+    parser.add_argument("--kill-at-step", type=int, default=-1)
+    parser.add_argument("--max-failures", type=int, default=0)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    ray.init(
+        num_cpus=args.workers,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        _temp_dir=str(Path("/tmp") / f"ray_{os.getpid()}"),
+        log_to_driver=True,
+        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}},
+    )
+    node = ray._private.worker._global_node
+    pids = [info.process.pid for infos in node.all_processes.values() for info in infos]
+    (args.out / "ray_pids").write_text("\n".join(map(str, pids)))
+    try:
+        config = {
+            "out": str(args.out),
+            "stage": args.stage,
+            "batch_sizes": args.batch_sizes,
+            "samples": args.samples,
+            "epochs": args.epochs,
+            "kill_rank": args.kill_rank,
+            "kill_at_step": args.kill_at_step,
+        }
+        trainer = TorchTrainer(
+            train_func,
+            train_loop_config=config,
+            scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=False),
+            run_config=RunConfig(
+                name="hetero",
+                storage_path=str(args.out / "ray_storage"),
+                failure_config=FailureConfig(max_failures=args.max_failures),
+            ),
+        )
+        result = trainer.fit()
+        attempts = [json.loads(line) for line in (args.out / "attempts.jsonl").read_text().splitlines()]
+        summary = {
+            "metrics": {k: v for k, v in result.metrics.items() if isinstance(v, (int, float, str))},
+            "checkpoint": result.checkpoint.path if isinstance(result.checkpoint, Checkpoint) else None,
+            "error": repr(result.error) if result.error else None,
+            "attempts": attempts,
+        }
+        (args.out / "result.json").write_text(json.dumps(summary))
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()
