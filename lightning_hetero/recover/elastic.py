@@ -172,10 +172,21 @@ def launched_layout(default_devices: int) -> tuple[int, int]:
 
     Under torchrun (``LOCAL_WORLD_SIZE``, ``WORLD_SIZE``) the ranks per node and the number of nodes: in an elastic
     job (``--nnodes=1:4``) the number of nodes changes between restarts, so a script must not fix it (Lightning
-    refuses ``devices x num_nodes`` that differs from the world size). Otherwise ``(default_devices, 1)``: Lightning's
-    launcher starts that many ranks on this machine.
+    refuses ``devices x num_nodes`` that differs from the world size). In an srun step, Slurm's tasks per node and
+    nodes. Otherwise ``(default_devices, 1)``: Lightning's launcher starts that many ranks on this machine.
     """
     local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
+    slurm_tasks, slurm_nodes = os.environ.get("SLURM_STEP_NUM_TASKS"), os.environ.get("SLURM_STEP_NUM_NODES")
+    if (local is None or world is None) and slurm_tasks and slurm_nodes:
+        # An srun step (set there only, not in the batch script): Lightning's SLURMEnvironment takes the ranks from
+        # Slurm and refuses `devices` other than the tasks per node.
+        tasks, nodes = int(slurm_tasks), int(slurm_nodes)
+        if tasks % nodes:
+            raise ValueError(
+                f"srun started {tasks} tasks on {nodes} nodes: Lightning needs the same number of tasks on every"
+                " node (`Trainer(devices=..., num_nodes=...)`). Use `#SBATCH --ntasks-per-node`."
+            )
+        return tasks // nodes, nodes
     if local is None or world is None:
         return default_devices, 1
     per_node, ranks = int(local), int(world)

@@ -54,8 +54,10 @@ def test_the_manifest_lists_every_file_with_its_size_and_checksum_and_the_facts(
         (lambda p: (p / checkpoint.MANIFEST_NAME).write_text("{truncated"), "does not read"),
         (lambda p: (p / "latest").unlink(), "latest is missing"),
         (lambda p: (p / "checkpoint/mp_rank_00_model_states.pt").write_bytes(b"x" * 40), "has 40 bytes, the manifest"),
-        (lambda p: (p / checkpoint.MANIFEST_NAME).write_text(json.dumps({"format_version": 99, "files": {}})),
-         "format version 99"),
+        (
+            lambda p: (p / checkpoint.MANIFEST_NAME).write_text(json.dumps({"format_version": 99, "files": {}})),
+            "format version 99",
+        ),
         (flip_a_byte, "checkpoint/mp_rank_00_model_states.pt does not match its checksum"),
     ],  # fmt: skip
 )
@@ -160,7 +162,9 @@ def test_an_incomplete_checkpoint_named_explicitly_is_an_error_naming_the_comple
     write_checkpoint(tmp_path / "epoch=0-step=4.ckpt", 4)
     broken = write_checkpoint(tmp_path / "epoch=0-step=8.ckpt", 8)
     (broken / "latest").unlink()
-    with pytest.raises(ValueError, match=r"step=8.ckpt.*latest is missing. Complete checkpoints beside it: epoch=0-step=4"):  # noqa: E501
+    with pytest.raises(
+        ValueError, match=r"step=8.ckpt.*latest is missing. Complete checkpoints beside it: epoch=0-step=4"
+    ):  # noqa: E501
         checkpoint.choose_checkpoint(broken)
 
 
@@ -374,4 +378,17 @@ def test_the_launchers_layout_gives_devices_and_nodes(monkeypatch):
     assert elastic.launched_layout(3) == (2, 3)  # torchrun: 3 nodes of 2 (an elastic job's count changes)
     monkeypatch.setenv("WORLD_SIZE", "5")
     with pytest.raises(ValueError, match="Give every agent the same `--nproc-per-node`"):
+        elastic.launched_layout(3)
+
+
+def test_the_layout_of_an_srun_step_is_slurms(monkeypatch):
+    for name in ("LOCAL_WORLD_SIZE", "WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NUM_NODES"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_NTASKS", "4")  # the batch script has it too, but runs as one process: not a step
+    assert elastic.launched_layout(3) == (3, 1)
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
+    monkeypatch.setenv("SLURM_STEP_NUM_NODES", "2")
+    assert elastic.launched_layout(3) == (2, 2)  # `srun --ntasks-per-node=2` on 2 nodes (Lightning refused devices=3)
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "3")
+    with pytest.raises(ValueError, match="#SBATCH --ntasks-per-node"):
         elastic.launched_layout(3)
