@@ -37,6 +37,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--every", type=int, default=10, help="checkpoint every this many steps")
     parser.add_argument("--root", default="runs/fault_tolerant")
+    parser.add_argument("--stage", type=int, help="ZeRO stage (default: HeteroStrategy's)")
     args = parser.parse_args()
 
     seed_everything(0, verbose=False)  # the same data order on every attempt: a resume continues it exactly
@@ -46,7 +47,7 @@ def main() -> None:
         devices=devices,
         num_nodes=num_nodes,
         # A global batch that does not depend on the number of ranks: a resume on other devices keeps it.
-        strategy=HeteroStrategy(global_batch_size=256),
+        strategy=HeteroStrategy(global_batch_size=256, stage=args.stage),
         max_epochs=args.epochs,
         default_root_dir=args.root,
         callbacks=[ModelCheckpoint(dirpath=Path(args.root) / "checkpoints", save_last=True,
