@@ -176,6 +176,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         )  # fmt: skip
         config = check_config_argument(config)
         quiet.install_lasting_filters()
+        quiet.hide_the_srun_hint_outside_slurm_jobs()
         with quiet.third_party_noise_silenced():  # the parent imports DeepSpeed, which prints its accelerator guess
             super().__init__(stage=settings.zero_stage, config=config, **kwargs)
         user_config = config is not None or self.DEEPSPEED_ENV_VAR in os.environ

@@ -70,6 +70,26 @@ def _filter_warning_noise() -> None:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
 
 
+SRUN_HINT = r"The `srun` command is available on your system but is not used"
+
+
+def hide_the_srun_hint_outside_slurm_jobs() -> None:
+    """Lightning warns on every run of a machine where Slurm is installed (`srun` on PATH) that `srun` was not used.
+
+    Inside a Slurm allocation without srun that is the right advice (the ranks would not be Slurm's), and it stays.
+    Outside one (``SLURM_JOB_ID`` unset: a workstation or a login node with Slurm installed, where a run on this
+    machine is what the user asked for) it is noise in every run's output; the filter is added then only, at each
+    HeteroStrategy (the Trainer that follows checks for srun).
+    """
+    import os
+
+    if "SLURM_JOB_ID" in os.environ:
+        return
+    from lightning.fabric.utilities.warnings import PossibleUserWarning
+
+    warnings.filterwarnings("ignore", message=SRUN_HINT, category=PossibleUserWarning)
+
+
 @contextlib.contextmanager
 def third_party_noise_silenced() -> Iterator[None]:
     """Drop the known third-party log messages for the duration of the block."""

@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -42,10 +43,10 @@ def rank_slices(steps: list[list[int]]) -> list[list[int]]:
     return seen
 
 
-def run_ray(out: Path, *args: str, timeout: float = 240) -> dict:
+def run_ray(out: Path, *args: str, timeout: float = 240, env: Optional[dict[str, str]] = None) -> dict:
     command = [sys.executable, str(WORKERS / "ray_fit.py"), "--out", str(out), *args]
     try:
-        returncode, output = run_bounded(command, timeout, env={"RAY_DEDUP_LOGS": "0"})
+        returncode, output = run_bounded(command, timeout, env={"RAY_DEDUP_LOGS": "0", **(env or {})})
     finally:
         # Ray's daemons run in their own sessions: the driver stops them, or, if it died, these PIDs are theirs.
         pids = (out / "ray_pids").read_text().split() if (out / "ray_pids").exists() else []
@@ -98,3 +99,23 @@ def test_ray_restarts_a_killed_worker_and_the_fit_resumes_exactly(tmp_path):
     reference = reference_training(IndexedRegression(SAMPLES), epochs_of_steps(3))
     for record in (rank_0, rank_1):
         assert max_param_difference(record, reference) <= TOLERANCE
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(300)
+def test_ray_elastic_loses_a_node_and_resumes_on_one_worker_with_the_same_global_batch(tmp_path):
+    # Two Ray nodes of 1 CPU, ScalingConfig(num_workers=(1, 2)), a global batch of 8 split automatically, ZeRO-0
+    # (whole states on every rank: SGD's momentum goes to another world size as it is). At step 6 of 12 the second
+    # node is removed from the cluster: Ray restarts on the one worker left, which resumes the 2-worker checkpoint.
+    # After the loss Ray first waits for 2 workers to start (60 s by default), then starts the 1 that fits.
+    result = run_ray(tmp_path, "--elastic", "--batch-sizes", "--stage", "0", "--epochs", "3",
+                     "--lose-node-at-step", "6", "--max-failures", "1", timeout=280,
+                     env={"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "15"})  # fmt: skip
+    assert (tmp_path / "node_lost").exists()
+    (only,) = result["by_rank"]
+    assert (only["world_size"], only["batch_sizes"], only["global_step"]) == (1, [GLOBAL_BATCH], 12)
+    resumed_from = Path((tmp_path / "resumed_from_rank0").read_text())
+    assert json.loads((resumed_from / "hetero_manifest.json").read_text())["world_size"] == 2
+    assert only["seen"] == [i for step in epochs_of_steps(2) for i in step]  # epochs 1 and 2, each sample once
+    reference = reference_training(IndexedRegression(SAMPLES), epochs_of_steps(3))
+    assert max_param_difference(only, reference) <= TOLERANCE

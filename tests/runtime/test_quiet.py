@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 
 from lightning_hetero.runtime import quiet
@@ -67,3 +68,29 @@ def test_lightning_tips_are_dropped_once_a_strategy_exists():
         logger.info("💡 Tip: For seamless cloud logging ...")
         logger.info("GPU available: False, used: False")
     assert recorder.messages == ["GPU available: False, used: False"]
+
+
+def test_lightnings_srun_hint_is_hidden_outside_a_slurm_job_only(tmp_path, monkeypatch):
+    """With Slurm installed (`srun` on PATH), every run printed Lightning's "srun ... not used" hint, the main job's
+    included. Outside a Slurm job it is hidden; inside an allocation that did not use srun it is the right advice."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    srun = tmp_path / "srun"
+    srun.write_text("#!/bin/sh\n")
+    srun.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    for name in ("SLURM_NTASKS", "SLURM_JOB_NAME", "SLURM_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+
+    def hints() -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            monkeypatch.setenv("SLURM_JOB_ID", "7")  # a job: the hint stays
+            quiet.hide_the_srun_hint_outside_slurm_jobs()
+            SLURMEnvironment._validate_srun_used()
+            monkeypatch.delenv("SLURM_JOB_ID")  # no job: hidden
+            quiet.hide_the_srun_hint_outside_slurm_jobs()
+            SLURMEnvironment._validate_srun_used()
+        return [str(w.message)[:40] for w in caught]
+
+    assert hints() == ["The `srun` command is available on your "]
