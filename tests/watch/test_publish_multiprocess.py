@@ -31,3 +31,20 @@ def test_with_mlflow_the_report_is_a_run_artifact_and_the_store_root_stays_mlflo
     (local,) = (tmp_path / "out" / "hetero").iterdir()
     assert local.name == f"{experiment.experiment_id}_{mlflow_run.info.run_id}" and (local / "report.json").exists()
     assert "the plan and run report are in the MLflow run too" in run.output
+
+
+def test_with_wandb_the_report_is_in_the_runs_files(tmp_path):
+    pytest.importorskip("wandb")  # (in the test extra)
+    save_dir = tmp_path / "wandb_runs"
+    # Offline: W&B writes the run, its files included, under save_dir/wandb/offline-run-*/ and sends nothing.
+    run = run_fit(tmp_path / "out", "--batch-sizes", "3", "13", "--max-steps", "2", "--wandb", str(save_dir),
+                  env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})  # fmt: skip
+    assert run.returncode == 0, run.output[-4000:]
+    assert not (save_dir / "hetero").exists()  # not in the logger's save directory (the store root)
+    (local,) = (tmp_path / "out" / "hetero").iterdir()  # the run's own folder under the Trainer's root
+    assert (local / "report.json").exists()
+    (wandb_run,) = (save_dir / "wandb").glob("offline-run-*")
+    assert wandb_run.name.endswith(local.name.rsplit("_", 1)[1])  # the folder is named after the W&B run
+    files = {path.name for path in (wandb_run / "files" / local.name).iterdir()}
+    assert {"plan.json", "rank_0.json", "rank_1.json", "report.json", "report.png"} <= files
+    assert "the plan and run report are in the W&B run too" in run.output

@@ -41,6 +41,10 @@ def make_logger(args):
         from lightning.pytorch.loggers import MLFlowLogger
 
         return MLFlowLogger(experiment_name="hetero-test", tracking_uri=f"file:{args.mlflow}")
+    if args.wandb is not None:
+        from lightning.pytorch.loggers import WandbLogger
+
+        return WandbLogger(project="hetero-test", save_dir=str(args.wandb), offline=True)
     return CSVLogger(args.out, name="csv") if args.monitor else False
 
 
@@ -321,6 +325,7 @@ def main() -> None:
     parser.add_argument("--fail-on-rank", type=int, help="training_step raises on this rank (a one-rank failure)")
     parser.add_argument("--monitor", action="store_true", help="HeteroMonitor with a CSVLogger in --out")
     parser.add_argument("--mlflow", type=Path, help="an MLFlowLogger with its file store in this directory")
+    parser.add_argument("--wandb", type=Path, help="a WandbLogger, offline, saving its runs in this directory")
     parser.add_argument("--signal-test", action="store_true", help="write PIDs at step 3 and every rank's exit code")
     parser.add_argument("--fail-in", choices=["training_step", "collate_fn"], default="training_step")
     parser.add_argument("--iterable", action="store_true", help="train on an IterableDataset")
