@@ -20,6 +20,7 @@ pytest.importorskip("ray.train", reason="the Ray extra is not installed: pip ins
 sys.path.insert(0, str(Path(__file__).parent.parent / "workers"))
 from common import IndexedRegression, max_param_difference, reference_training  # noqa: E402
 from conftest import WORKERS, run_bounded  # noqa: E402
+from test_strategy_multiprocess import rank_slices  # noqa: E402
 
 pytestmark = [pytest.mark.engines]
 
@@ -31,16 +32,6 @@ SAMPLES, GLOBAL_BATCH = 32, 8
 def epochs_of_steps(epochs: int) -> list[list[int]]:
     """The global batches of `epochs` epochs: the loader keeps its order, so every epoch is the same 4 batches."""
     return [list(range(k * GLOBAL_BATCH, (k + 1) * GLOBAL_BATCH)) for k in range(SAMPLES // GLOBAL_BATCH)] * epochs
-
-
-def rank_slices(steps: list[list[int]]) -> list[list[int]]:
-    seen: list[list[int]] = [[] for _ in BATCH_SIZES]
-    for step in steps:
-        begin = 0
-        for rank, size in enumerate(BATCH_SIZES):
-            seen[rank].extend(step[begin : begin + size])
-            begin += size
-    return seen
 
 
 def run_ray(out: Path, *args: str, timeout: float = 240, env: Optional[dict[str, str]] = None) -> dict:
@@ -68,7 +59,7 @@ def test_ray_recipe_trains_the_uneven_split_as_one_process(tmp_path):
     rank_0, rank_1 = result["by_rank"]
     assert [rank_0["world_size"], rank_0["batch_sizes"]] == [2, BATCH_SIZES]
     steps = epochs_of_steps(2)
-    assert [rank_0["seen"], rank_1["seen"]] == rank_slices(steps)
+    assert [rank_0["seen"], rank_1["seen"]] == rank_slices(steps, BATCH_SIZES)
     reference = reference_training(IndexedRegression(SAMPLES), steps)
     for record in (rank_0, rank_1):
         assert max_param_difference(record, reference) <= TOLERANCE
@@ -95,7 +86,7 @@ def test_ray_restarts_a_killed_worker_and_the_fit_resumes_exactly(tmp_path):
     assert rank_0["global_step"] == 12
     # The restarted attempt trained epochs 1 and 2 only, every sample once per epoch, and ends where one
     # uninterrupted process does.
-    assert [rank_0["seen"], rank_1["seen"]] == rank_slices(epochs_of_steps(2))
+    assert [rank_0["seen"], rank_1["seen"]] == rank_slices(epochs_of_steps(2), BATCH_SIZES)
     reference = reference_training(IndexedRegression(SAMPLES), epochs_of_steps(3))
     for record in (rank_0, rank_1):
         assert max_param_difference(record, reference) <= TOLERANCE
