@@ -18,10 +18,11 @@ What Ray changes, and how it is met here (the strategy module knows nothing of R
 - Ray's ``RayTrainReportCallback`` saves a checkpoint on every worker into a folder of its own and reports them all;
   HeteroStrategy writes a checkpoint where rank 0 says, so the whole checkpoint (every rank's part, its manifest) is in
   rank 0's folder, which Ray merges into its checkpoint. That needs the workers to share rank 0's folder: one machine
-  (tested), or a temporary directory shared by the machines (``TMPDIR``).
+  (tested), or a temporary directory shared by the machines (``TMPDIR``; not tested). Across machines without one,
+  the other ranks' parts would be missing from Ray's checkpoint, and nothing detects it at save time.
 - Ray passes ``ray.train.get_checkpoint()``'s ``checkpoint.ckpt`` to ``fit(ckpt_path=...)`` after a restart: that is
-  the package's checkpoint, resumed as any other (on another number of workers too, through DeepSpeed's universal
-  format).
+  the package's checkpoint, resumed as any other, on another number of workers too (Ray's elastic
+  ``ScalingConfig(num_workers=(min, max))``) through the package's world-size change.
 - ``HeteroMonitor`` puts its latest per-rank figures into ``trainer.callback_metrics``, which Ray's callback reports:
   they reach ``Result.metrics``.
 """
