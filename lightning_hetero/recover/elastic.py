@@ -17,15 +17,20 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
+import uuid
 import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from lightning_hetero.recover import checkpoint, liveness
+
+
+SHARED_FOLDER_MARK = ".hetero_rank_0_prepared"  # in the staging folder while the ranks write
 
 
 def save_atomically(
@@ -43,18 +48,38 @@ def save_atomically(
     lock and has cleared what an interrupted save left there; nobody has unfinished files when rank 0 lists them
     into the manifest; nobody goes on (to prune the previous checkpoint, or to save again) before the new one is
     published. A failed write (a full disk on any rank) stops every rank with the reason, and rank 0 removes the
-    staging directory once all have stopped writing: the previous checkpoint stays the one to resume from.
+    staging directory once all have stopped writing: the previous checkpoint stays the one to resume from. A rank
+    that does not see rank 0's staging directory (not a shared file system) stops every rank before anyone writes.
+    ``agree`` returns (this rank's result, every rank's shared part), as the strategy's gather-or-raise does.
     """
     staging = checkpoint.staging_path(target)
+    seen_by_all = staging / SHARED_FOLDER_MARK
 
-    def prepare() -> tuple[None, None]:
-        if is_global_zero:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            hold_writer_lock(target.parent)
-            checkpoint.remove_stale_staging(target)
-        return None, None
+    def prepare() -> tuple[None, Optional[str]]:
+        if not is_global_zero:
+            return None, None
+        target.parent.mkdir(parents=True, exist_ok=True)
+        hold_writer_lock(target.parent)
+        checkpoint.remove_stale_staging(target)
+        # Rank 0 publishes what every rank wrote into its staging folder: a rank that writes elsewhere (a folder of
+        # the same name on its own machine's disk) would leave its part out of the checkpoint, unnoticed until a
+        # resume fails. Every rank reads this mark back before it writes.
+        staging.mkdir(parents=True)
+        token = uuid.uuid4().hex
+        seen_by_all.write_text(token)
+        return None, token
+
+    _, shared = agree("preparing the checkpoint", prepare)
+    token = shared[0]
 
     def write_part() -> tuple[None, None]:
+        if not seen_by_all.is_file() or seen_by_all.read_text() != token:
+            raise RuntimeError(
+                f"this rank does not see the checkpoint folder rank 0 prepared in {target.parent} (on"
+                f" {socket.gethostname()}): every rank writes its part where rank 0 publishes the checkpoint, so the"
+                " folder must be on a file system every rank shares (as DeepSpeed's resume needs too). Save to"
+                " shared storage."
+            )
         try:
             write(staging)
         except Exception as error:
@@ -63,6 +88,7 @@ def save_atomically(
 
     def publish() -> tuple[None, None]:
         if is_global_zero:
+            seen_by_all.unlink()
             try:
                 checkpoint.write_manifest(staging, manifest_facts())
             except Exception as error:
@@ -70,7 +96,6 @@ def save_atomically(
             checkpoint.publish(staging, target)
         return None, None
 
-    agree("preparing the checkpoint", prepare)
     try:
         agree("writing the checkpoint", write_part)
         agree("publishing the checkpoint", publish)

@@ -26,7 +26,7 @@ def flip_a_byte(path, name="checkpoint/mp_rank_00_model_states.pt"):
 
 def write_checkpoint(directory, step, files=None, manifest=True):
     """A finished DeepSpeed-like checkpoint directory (optionally without its manifest)."""
-    directory.mkdir(parents=True)
+    directory.mkdir(parents=True, exist_ok=True)  # (DeepSpeed too: every rank writes into the same folder)
     files = files or {"latest": b"checkpoint", "checkpoint/mp_rank_00_model_states.pt": b"x" * 100}
     for name, content in files.items():
         (directory / name).parent.mkdir(parents=True, exist_ok=True)
@@ -194,7 +194,8 @@ def agree_in_one_process(events):
 
     def agree(what, step):
         events.append(what)
-        return step()
+        local, shared = step()
+        return local, [shared]
 
     return agree
 
@@ -217,6 +218,35 @@ def test_save_atomically_orders_the_ranks_and_publishes_on_rank_0(tmp_path):
     assert locked == [target.parent]
     assert checkpoint.read_manifest(target)["global_step"] == 5 and checkpoint.incompleteness(target) is None
     assert os.listdir(target.parent) == ["last.ckpt"]
+
+
+def test_a_rank_that_does_not_see_rank_0s_folder_stops_every_rank_before_anyone_writes(tmp_path):
+    """A checkpoint folder on each machine's own disk: rank 1 wrote its part into a folder of the same name on its
+    machine, rank 0 published without it, and the loss showed only when a resume failed."""
+    rank_0_disk, rank_1_disk = tmp_path / "machine_0", tmp_path / "machine_1"
+    events, tokens = [], []
+
+    def rank_0_agrees(what, step):
+        local, shared = step()
+        tokens.append(shared)
+        return local, [shared]
+
+    elastic.save_atomically(rank_0_disk / "last.ckpt", lambda d: write_checkpoint(d, 3, manifest=False),
+                            lambda: {"global_step": 3}, True, rank_0_agrees, lambda d: None)  # fmt: skip
+    # The mark is gone from the published checkpoint and not in its manifest.
+    assert elastic.SHARED_FOLDER_MARK not in checkpoint.read_manifest(rank_0_disk / "last.ckpt")["files"]
+    assert not (rank_0_disk / "last.ckpt" / elastic.SHARED_FOLDER_MARK).exists()
+
+    def rank_1_agrees(what, step):  # rank 0's token arrives in the gather; rank 1's own disk has no such folder
+        events.append(what)
+        local, shared = step()
+        return local, [tokens[0], shared]
+
+    written = []
+    with pytest.raises(RuntimeError, match="does not see the checkpoint folder rank 0 prepared .* Save to shared"):
+        elastic.save_atomically(rank_1_disk / "last.ckpt", written.append, lambda: {}, False, rank_1_agrees,
+                                lambda d: None)  # fmt: skip
+    assert written == [] and events == ["preparing the checkpoint", "writing the checkpoint"]
 
 
 @pytest.mark.parametrize(
