@@ -19,7 +19,7 @@ What Ray changes, and how it is met here (the strategy module knows nothing of R
   HeteroStrategy writes a checkpoint where rank 0 says, so the whole checkpoint (every rank's part, its manifest) is in
   rank 0's folder, which Ray merges into its checkpoint. That needs the workers to share rank 0's folder: one machine
   (tested), or a temporary directory shared by the machines (``TMPDIR``; not tested). Across machines without one,
-  the other ranks' parts would be missing from Ray's checkpoint, and nothing detects it at save time.
+  the first save stops every rank, saying that a rank does not see rank 0's checkpoint folder.
 - Ray passes ``ray.train.get_checkpoint()``'s ``checkpoint.ckpt`` to ``fit(ckpt_path=...)`` after a restart: that is
   the package's checkpoint, resumed as any other, on another number of workers too (Ray's elastic
   ``ScalingConfig(num_workers=(min, max))``) through the package's world-size change.
