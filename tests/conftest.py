@@ -13,11 +13,13 @@ import signal
 import subprocess
 import sys
 import threading
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import psutil
 import pytest
 
 WORKERS = Path(__file__).parent / "workers"
@@ -68,6 +70,15 @@ def a_test_that_starts_a_process_is_marked_for_its_tier(request, monkeypatch):
 
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse_python)
     yield
+
+
+def kill_tree(pid: int) -> None:
+    """A process and every process under it, by PID: a torchrun agent and its workers, which torchrun starts each in a
+    session of its own (so a process-group kill misses them)."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for process in [*psutil.Process(pid).children(recursive=True), psutil.Process(pid)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
 
 
 @dataclass

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import warnings
 from collections.abc import Iterator
 from typing import Any, Callable
 
+from lightning.fabric.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 
 # Logger name -> starts of messages dropped while the strategy's code runs.
@@ -81,12 +83,8 @@ def hide_the_srun_hint_outside_slurm_jobs() -> None:
     machine is what the user asked for) it is noise in every run's output; the filter is added then only, at each
     HeteroStrategy (the Trainer that follows checks for srun).
     """
-    import os
-
     if "SLURM_JOB_ID" in os.environ:
         return
-    from lightning.fabric.utilities.warnings import PossibleUserWarning
-
     warnings.filterwarnings("ignore", message=SRUN_HINT, category=PossibleUserWarning)
 
 

@@ -9,7 +9,6 @@ per-namespace hosts files are removed at the end; every process started is kille
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -18,10 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
-from conftest import REPO
+from conftest import REPO, kill_tree
 from lightning_hetero.recover import checkpoint
 
 pytestmark = [pytest.mark.engines]
@@ -64,15 +62,6 @@ def two_nodes():
         for namespace, *_ in nodes:
             subprocess.run(["ip", "netns", "delete", namespace], capture_output=True, timeout=30)  # the veth too
             shutil.rmtree(Path("/etc/netns") / namespace, ignore_errors=True)
-
-
-def kill_tree(pid: int) -> None:
-    """An agent and its workers (torchrun starts each worker in a session of its own), by PID."""
-    with contextlib.suppress(psutil.NoSuchProcess):
-        processes = [*psutil.Process(pid).children(recursive=True), psutil.Process(pid)]
-        for process in processes:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                process.kill()
 
 
 @pytest.mark.fault

@@ -16,7 +16,7 @@ import time
 import psutil
 import pytest
 import torch
-from conftest import REPO, WORKERS, run_bounded, run_fit
+from conftest import REPO, WORKERS, kill_tree, run_bounded, run_fit
 
 sys.path.insert(0, str(WORKERS))
 from common import IndexedRegression, max_param_difference, reference_training  # noqa: E402
@@ -376,17 +376,11 @@ def test_an_elastic_job_of_two_torchrun_agents_loses_one_and_finishes_on_the_oth
             assert time.monotonic() < deadline, "no checkpoint was published"
             time.sleep(0.2)
         assert checkpoint.read_manifest(root / "checkpoints" / "last.ckpt")["world_size"] == 4
-        # The node is lost: its agent and its workers (torchrun starts each worker in a session of its own).
-        for process in [*psutil.Process(agents[1].pid).children(recursive=True), psutil.Process(agents[1].pid)]:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                process.kill()
+        kill_tree(agents[1].pid)  # the node is lost: its agent and its workers
         output, _ = agents[0].communicate(timeout=240)
     finally:
         for agent in agents:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                for process in [*psutil.Process(agent.pid).children(recursive=True), psutil.Process(agent.pid)]:
-                    with contextlib.suppress(psutil.NoSuchProcess):
-                        process.kill()
+            kill_tree(agent.pid)
     assert agents[0].returncode == 0, output[-4000:]
     assert "was saved by 4 ranks; this job has 2" in output, output[-4000:]
     assert "finished at step 24" in output, output[-4000:]
