@@ -4,6 +4,7 @@
 # Prints a summary and writes it to benchmarks/results/gpu_check.txt. Exit status: 0 when everything passed.
 #
 #   bash benchmarks/gpu_check.sh
+# GPU_CHECK_LOG_DIR=<folder> also keeps each part's whole log there (gpu.txt, tests.txt, example.txt).
 set -u
 cd "$(dirname "$0")/.."
 mkdir -p benchmarks/results
@@ -42,4 +43,5 @@ example_status=$?
   if [ $gpu_status -eq 0 ] && [ $tests_status -eq 0 ] && [ $example_status -eq 0 ]; then echo "RESULT: all CUDA checks passed"; else echo "RESULT: FAILED"; fi
 } | tee "$summary"
 
+[ -n "${GPU_CHECK_LOG_DIR:-}" ] && mkdir -p "$GPU_CHECK_LOG_DIR" && cp "$log"/*.txt "$GPU_CHECK_LOG_DIR"/
 [ $gpu_status -eq 0 ] && [ $tests_status -eq 0 ] && [ $example_status -eq 0 ]

@@ -57,17 +57,24 @@ def test_profiling_on_cuda_finds_the_memory_ceiling_by_running_out_of_memory():
 
     device = torch.device("cuda", 0)
     module = Wide().to(device)
+
+    def make_batch(n: int) -> torch.Tensor:
+        return torch.randn(n, 4096, device=device)
+
+    # The cap is what the probe itself reserves at the sizes that must fit, plus 1 GiB: 65536 samples need about
+    # 4 GiB more of activations (4 layers x 16 KiB each). Computed from the weights alone, the cap left out what the
+    # profiler and cuBLAS reserve beside them, and 256 ran out of memory on an H200.
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    profile_training_step(module, make_batch, [64, 256], device)
+    fits = torch.cuda.max_memory_reserved(device)
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(0).total_memory
-    parameters = sum(p.numel() * p.element_size() for p in module.parameters())
-    # Room for the weights, their gradients and about 600 samples of activations (4 layers x 16 KiB each).
-    cap = (3 * parameters + 600 * 4 * 4096 * 4 * 2) / total
-    torch.cuda.set_per_process_memory_fraction(min(cap, 1.0), 0)
+    torch.cuda.set_per_process_memory_fraction(min((fits + 2**30) / total, 1.0), 0)
     try:
         profile = profile_training_step(
-            module, lambda n: torch.randn(n, 4096, device=device), [64, 256, 65536], device,
-            free_bytes=float(torch.cuda.mem_get_info(device)[0]),
-        )  # fmt: skip
+            module, make_batch, [64, 256, 65536], device, free_bytes=float(torch.cuda.mem_get_info(device)[0])
+        )
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, 0)
         torch.cuda.empty_cache()

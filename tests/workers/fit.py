@@ -237,6 +237,11 @@ def overflowing(model, step: int):
 class WriteResult(Callback):
     def __init__(self, out: Path) -> None:
         self.out = out
+        self.batchnorm_types: list[str] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        # The layers as they train: teardown (which runs before on_fit_end) reverts SyncBatchNorm, as DDP's does.
+        self.batchnorm_types = [type(m).__name__ for m in pl_module.modules() if "BatchNorm" in type(m).__name__]
 
     def on_test_end(self, trainer, pl_module) -> None:
         seen = [None] * trainer.world_size
@@ -267,7 +272,7 @@ class WriteResult(Callback):
                 "eval_seen": eval_seen,
                 "emulated_delay": emulated_delay,
                 "buffer_traces": buffer_traces,
-                "batchnorm_types": [type(m).__name__ for m in pl_module.modules() if "BatchNorm" in type(m).__name__],
+                "batchnorm_types": self.batchnorm_types,
                 "global_step": trainer.global_step,
                 "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
                 "metric_dtypes": {k: str(v.dtype) for k, v in trainer.callback_metrics.items()},
