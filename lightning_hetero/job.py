@@ -39,12 +39,13 @@ from lightning_hetero.recover.recovery import Recovery, manifest_facts
 from lightning_hetero.runtime.collectives import Collectives
 from lightning_hetero.settings import HeteroSettings, check_ranks_agree
 from lightning_hetero.train.local_sgd import LocalTraining
-from lightning_hetero.train.micro_batches import MicroBatchGuard, split_batch
+from lightning_hetero.train.micro_batches import MicroBatchGuard, split_batch, step_loss
 from lightning_hetero.train.order import GlobalOrder, agreed_seed, local_seed
 from lightning_hetero.train.sharding import BatchListeners, DataSharding, check_trainable
 from lightning_hetero.train.split_in_force import SplitInForce
 from lightning_hetero.train.streams import is_stream
 from lightning_hetero.train.weights import LossWeights
+from lightning_hetero.watch.loss_reduction import LossReductionCheck
 from lightning_hetero.watch.publish import publish_to_loggers, report_directory
 from lightning_hetero.watch.watcher import JobFacts, Watcher
 
@@ -69,6 +70,7 @@ class HeteroJob:
             self.loss_weights.local = True
         self.recovery = Recovery(settings.peer_timeout)
         self.nonfinite = NonFiniteGuard(settings.max_nonfinite_steps, lambda t: self.collectives.gather_tensor(t))
+        self.loss_check = LossReductionCheck(settings.loss_reduction, self._gather_after_catch_up, rank_zero_warn)
         self.watcher: Optional[Watcher] = None
         # What the ranks told each other at setup (every rank holds the same).
         self.device_facts: list[DeviceFacts] = []
@@ -188,6 +190,9 @@ class HeteroJob:
         if overflow:  # (every rank holds the same plan and ceilings: every rank raises it)
             raise ValueError(overflow)
         self.split.start(start.plan, start.prediction)
+        # The profile's doubled batch already told mean from sum (start.warning); without it the first steps tell.
+        profiled = self.profiles is not None and all(p.loss_ratio is not None for p in self.profiles)
+        self.loss_check.start(self.world_size > 1 and not profiled and bool(module.automatic_optimization))
         rebalancer = None
         if settings.rebalancing(profiled=self.profiles is not None, world_size=self.world_size):
             window, threshold = settings.rebalance_window, settings.rebalance_threshold
@@ -237,6 +242,15 @@ class HeteroJob:
             return
         self.collectives.before_each()  # an emulated slow rank reaches the synchronization when a slow device would
         self.local.step_done(samples, last_of_epoch, self._sum_in_place)
+
+    def training_ends(self) -> None:
+        """The fit's training loop ends on every rank: local training synchronizes, the loss check decides."""
+        self.synchronize_local_training()
+        self.loss_check.fit_ends()
+
+    def _gather_after_catch_up(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        self.collectives.before_each()
+        return self.collectives.gather_tensor(tensor)
 
     def synchronize_local_training(self) -> None:
         """Local training: synchronize now if any rank trained since the last synchronization (before a checkpoint,
@@ -322,6 +336,7 @@ class HeteroJob:
 
     def training_step_starts(self, global_step: int) -> None:
         self.emulation.at_step(global_step)  # a drift schedule: the emulated speed from this step on
+        self.loss_check.step_starts()  # (its gathers come here, at the same step on every rank)
         self.loss_weights.step_started()
         stream = self.sharding.training_stream
         if stream is not None:
@@ -329,6 +344,10 @@ class HeteroJob:
             assert self.watcher is not None
             self.watcher.before_fetch()
             self.training_batch(*stream.batch_trained())
+
+    def micro_batch_returned(self, samples: Optional[int], output: Any) -> None:
+        """``training_step`` returned ``output`` for ``samples`` of this rank's batch (None: the whole batch)."""
+        self.loss_check.loss(samples if samples is not None else self.loss_weights.batch_samples(), step_loss(output))
 
     def micro_batches_of(self, batch: Any) -> list[tuple[Any, Optional[int]]]:
         """The batch in hand as this rank's micro-batches and their sample counts: itself alone without micro-steps."""

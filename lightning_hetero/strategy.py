@@ -396,11 +396,14 @@ class HeteroStrategy(DeepSpeedStrategy):
         rank's last one makes collectives (see train/micro_batches.py)."""
         job = self.job
         if samples is None:
-            return super().training_step(batch, *rest, **kwargs)
+            output = super().training_step(batch, *rest, **kwargs)
+            job.micro_batch_returned(None, output)
+            return output
         job.loss_weights.micro_batch(samples)
         self._trainer()._results.batch_size = samples  # its metrics count its samples in the epoch mean
         with contextlib.nullcontext() if last else job.micro_batch_guard.early_micro_batch():
             output = super().training_step(batch, *rest, **kwargs)
+        job.micro_batch_returned(samples, output)
         if step_loss(output) is None:
             raise RuntimeError(
                 "HeteroStrategy: `training_step` returned None (skip this batch) for one of this rank's micro-batches"
@@ -465,7 +468,7 @@ class HeteroStrategy(DeepSpeedStrategy):
     @override
     def on_train_end(self) -> None:
         with self.job.communication.counting():
-            self.job.synchronize_local_training()  # every rank ends the fit with the same parameters
+            self.job.training_ends()  # every rank ends the fit with the same parameters
         super().on_train_end()
         self.job.write_report(self._trainer(), self.precision_plugin)
 

@@ -441,6 +441,22 @@ def test_a_summed_loss_left_at_loss_reduction_mean_is_said_by_the_profile(tmp_pa
     assert "Pass `HeteroStrategy(loss_reduction='sum')`" in run.output
 
 
+def test_a_summed_loss_with_a_fixed_split_is_said_by_the_first_steps_and_a_noisy_mean_loss_is_not(tmp_path):
+    """Issue 29 item 2: with `batch_sizes=[3, 13]` nothing is profiled, and the summed loss left at the default
+    `loss_reduction="mean"` trained silently away from DDP. The first ten steps' losses grow with the micro-batches
+    (3 and 13 samples): the warning names the argument. A mean loss that varies a lot between batches (each step's
+    loss scaled by e^N(0, 1), per rank) gets no warning over 45 steps."""
+    summed = run_fit(tmp_path / "sum", "--model-reduction", "sum", "--batch-sizes", "3", "13", "--max-steps", "12",
+                     "--max-epochs", "3", warnings=True)  # fmt: skip
+    assert summed.returncode == 0, summed.output[-3000:]
+    assert summed.output.count("`training_step`'s loss grows with the batch, as a sum over the batch does") == 1
+    assert "over the first 10 steps" in summed.output and "Pass `HeteroStrategy(loss_reduction='sum')`" in summed.output
+    noisy = run_fit(tmp_path / "mean", "--batch-sizes", "3", "13", "--noisy-loss", "1.0", "--max-steps", "45",
+                    "--max-epochs", "12", warnings=True)  # fmt: skip
+    assert noisy.returncode == 0, noisy.output[-3000:]
+    assert "`training_step`'s loss" not in noisy.output
+
+
 def test_a_token_mean_loss_with_loss_reduction_token_mean_equals_one_process(tmp_path):
     """Padded sequences with 1 to 6 tokens each, cross_entropy with ignore_index (a mean over tokens), micro-batches
     3/5: with loss_reduction="token_mean" and the count returned beside the loss, every update is the gradient of the

@@ -234,6 +234,18 @@ def overflowing(model, step: int):
     return step_that_overflows
 
 
+def noisy(model, sigma: float, rank: int):
+    """``model.training_step`` with its loss scaled by e^N(0, sigma), drawn anew for every step and rank: a loss whose
+    level varies a lot between batches (the scale is a constant to autograd)."""
+    training_step = model.training_step
+
+    def step_with_noise(batch, batch_idx):
+        generator = torch.Generator().manual_seed(1000 * model.trainer.global_step + rank)
+        return training_step(batch, batch_idx) * float(torch.exp(sigma * torch.randn((), generator=generator)))
+
+    return step_with_noise
+
+
 class WriteResult(Callback):
     def __init__(self, out: Path) -> None:
         self.out = out
@@ -345,6 +357,7 @@ def main() -> None:
     parser.add_argument("--record-every-step", action="store_true", help="per_step.jsonl: params on every rank")
     parser.add_argument("--overflow", help="RANK:STEP: that rank's loss is inf at that global step (step >= 1)")
     parser.add_argument("--nan-from", help="RANK:STEP: that rank's loss is NaN from that global step on")
+    parser.add_argument("--noisy-loss", type=float, help="SIGMA: each step's loss scaled by e^N(0, SIGMA) per rank")
     parser.add_argument("--nan-until", type=int, default=1 << 30, help="... and before this global step")
     parser.add_argument("--config-by-rank", help="JSON list: rank r's DeepSpeed config (to provoke a mismatch)")
     args = parser.parse_args()
@@ -453,6 +466,8 @@ def main() -> None:
         nan_rank, nan_step = map(int, args.nan_from.split(":"))
         if rank == nan_rank:
             model.training_step = non_finite_from(model, nan_step, args.nan_until)
+    if args.noisy_loss:
+        model.training_step = noisy(model, args.noisy_loss, rank)
     if args.two_loaders:
         train = {"first": train, "second": DataLoader(IndexedRegression(samples, seed=8), batch_size=4)}
     trainer.fit(model, None if args.loader_in_hook else train, val, ckpt_path=args.ckpt_path)
