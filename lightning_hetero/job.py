@@ -43,6 +43,7 @@ from lightning_hetero.train.micro_batches import MicroBatchGuard, split_batch, s
 from lightning_hetero.train.order import GlobalOrder, agreed_seed, local_seed
 from lightning_hetero.train.sharding import BatchListeners, DataSharding, check_trainable
 from lightning_hetero.train.split_in_force import SplitInForce
+from lightning_hetero.train.sync_batchnorm import small_batchnorm_warning
 from lightning_hetero.train.streams import is_stream
 from lightning_hetero.train.weights import LossWeights
 from lightning_hetero.watch.loss_reduction import LossReductionCheck
@@ -78,13 +79,24 @@ class HeteroJob:
         self.profiles: Optional[list[RankProfile]] = None
         self._identical_devices = True
         self.memory_ceilings: Optional[list[Optional[int]]] = None  # emulated, per rank (emulate/memory.py)
+        self.sync_batchnorm = False
         self._report_directory: Optional[Path] = None  # where this fit's plan and report go (watch/publish.py)
         self._emulated_topology: tuple[Optional[int], Optional[topology.SlowLink]] = (None, None)
 
-    def join(self, rank: int, world_size: int, device: torch.device, trainer: Optional[Any], plugin: Any) -> None:
+    def join(
+        self,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        trainer: Optional[Any],
+        plugin: Any,
+        sync_batchnorm: bool = False,
+    ) -> None:
         """The process group exists: each capability learns its rank, the world size and the device.
-        ``plugin``: a callable returning the strategy's precision plugin (it is replaced at setup)."""
+        ``plugin``: a callable returning the strategy's precision plugin (it is replaced at setup);
+        ``sync_batchnorm``: `Trainer(sync_batchnorm=True)` (every rank then makes as many forward passes)."""
         self.rank, self.world_size = rank, world_size
+        self.sync_batchnorm = sync_batchnorm
         self.emulation = emulation_for(self.settings.speed_schedule, rank, device)
         self.collectives = Collectives(world_size, device, lambda: self.emulation.catch_up())
         self.recovery.join(self.collectives, rank)
@@ -114,7 +126,7 @@ class HeteroJob:
                 check_trainable(loader, global_batch_size, self.world_size, settings.loss_reduction,  # type: ignore[arg-type]
                                 module.automatic_optimization)  # fmt: skip
                 refusal = micro_steps_refusal(settings.micro_steps, zero_stage, settings.loss_reduction,
-                                              module.automatic_optimization)  # fmt: skip
+                                              module.automatic_optimization, self.sync_batchnorm)  # fmt: skip
                 if refusal:
                     raise ValueError(refusal)
             facts = collect_device_facts(device)
@@ -179,13 +191,17 @@ class HeteroJob:
         held = gradient_bytes_held_until_step(settings.device_precision, self.precisions, self.device_facts,
                                               zero_stage, module)  # fmt: skip
         unequal_steps = automatic_micro_steps_allowed(
-            zero_stage, settings.loss_reduction, module.automatic_optimization
+            zero_stage, settings.loss_reduction, module.automatic_optimization, self.sync_batchnorm
         )
         start = initial_plan(self.world_size, global_batch_size, settings.batch_sizes, settings.weights,
                              self.profiles, settings.loss_reduction, self._identical_devices, held,
                              settings.micro_steps, unequal_steps)  # fmt: skip
         if start.warning:
             rank_zero_warn(start.warning)
+        smallest = [min(micro_batch_sizes(b, k)) for b, k in zip(start.plan.batch_sizes, start.plan.micro_steps)]
+        few_samples = small_batchnorm_warning(smallest, module, self.sync_batchnorm)
+        if few_samples:
+            rank_zero_warn(few_samples)
         overflow = memory.describe_overflow(start.plan.batch_sizes, start.plan.micro_steps, self.memory_ceilings)
         if overflow:  # (every rank holds the same plan and ceilings: every rank raises it)
             raise ValueError(overflow)

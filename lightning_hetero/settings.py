@@ -224,7 +224,7 @@ class HeteroSettings:
             steps = self.micro_steps
         resolve_split(world_size, known_global_batch or world_size, self.batch_sizes, self.weights, steps)
         refusal = micro_steps_refusal(self.micro_steps, config["zero_optimization"]["stage"], self.loss_reduction,
-                                      automatic_optimization=True)  # fmt: skip
+                                      automatic_optimization=True, sync_batchnorm=sync_batchnorm)  # fmt: skip
         if refusal:
             raise ValueError(refusal)
         memory.check_ceilings(memory.emulated_ceilings_from_environment(), world_size)
@@ -239,11 +239,12 @@ class HeteroSettings:
                 f" {self.speed_schedule.world_size} entries but the job has {world_size} ranks. Give one speed per"
                 " rank."
             )
-        if sync_batchnorm and device_type != "cuda":
+        if sync_batchnorm and self.local:
             raise ValueError(
-                f"`Trainer(sync_batchnorm=True)` needs CUDA: torch's SyncBatchNorm runs on GPUs only, and this job runs"
-                f" on {device_type}. Remove it; HeteroStrategy keeps every rank's BatchNorm statistics equal"
-                " anyway, as DDP does, by giving every rank rank 0's buffers before each training step."
+                f"`Trainer(sync_batchnorm=True)` with `sync={self.sync!r}`: between two merges each rank trains its own"
+                " model, with its own number of inner steps, so there is no global batch to normalize over. Remove"
+                " `sync_batchnorm=True` (each rank's BatchNorm then normalizes over its own micro-batches), or train"
+                " with `sync='every_step'`."
             )
 
     def global_batch_size_for(self, loader: Any, world_size: int) -> int:

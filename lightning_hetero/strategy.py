@@ -50,6 +50,7 @@ from lightning_hetero.train.buffers import BufferSync
 from lightning_hetero.train.loaders import HeteroDataLoader
 from lightning_hetero.train.micro_batches import raise_if_unreduced, reduction_held_back, step_loss
 from lightning_hetero.train.streams import HeteroStreamLoader
+from lightning_hetero.train.sync_batchnorm import layer_sync_for
 
 
 # Registered names: the default, one per ZeRO stage, and the CPU-offload variants Lightning registers for DeepSpeed.
@@ -264,7 +265,8 @@ class HeteroStrategy(DeepSpeedStrategy):
         # Without this a gloo job can abort at exit after a successful fit (exit code -6; see shutdown.py). Lightning
         # destroys the process group at exit for NCCL only, and only on its own init path, which DeepSpeed bypasses.
         register_exit_cleanup()
-        self.job.join(self.global_rank, self.world_size, self.root_device, trainer, lambda: self.precision_plugin)
+        self.job.join(self.global_rank, self.world_size, self.root_device, trainer, lambda: self.precision_plugin,
+                      sync_batchnorm=self._layer_sync is not None)  # fmt: skip
 
     def _launched_world_size(self) -> int:
         """The job's number of ranks as the launch states it, before the process group exists: nodes times
@@ -337,9 +339,12 @@ class HeteroStrategy(DeepSpeedStrategy):
     def _setup_model(self, model: Any) -> Any:
         # After the profile (which must run the module's own BatchNorms: a SyncBatchNorm would communicate from each
         # rank's probe, with different batch sizes) and before DeepSpeed wraps the module: where DDPStrategy.setup
-        # applies `Trainer(sync_batchnorm=True)` (DDPStrategy.teardown reverts it).
+        # applies `Trainer(sync_batchnorm=True)` (DDPStrategy.teardown reverts it). Torch's SyncBatchNorm needs NCCL;
+        # on gloo the package's own (train/sync_batchnorm.py) takes its place.
         trainer = self._trainer()
         if self._layer_sync is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else "gloo"
+            self._layer_sync = layer_sync_for(self._layer_sync, backend)
             model = self._layer_sync.apply(model)
         return super()._setup_model(model)
 

@@ -235,7 +235,10 @@ SETUP = [
         "`micro_steps=[9, 1]`: the automatic split gives rank 0 8 samples of the global batch of 16 ([8, 8]), fewer",
     ),
     (["--two-loaders", "--batch-sizes", "8", "8"], "The training data is a dict of 2 loaders (first, second)."),
-    (["--sync-batchnorm", "--batchnorm"], "`Trainer(sync_batchnorm=True)` needs CUDA: torch's SyncBatchNorm runs on"),
+    (
+        ["--sync-batchnorm", "--batchnorm", "--strategy-args", '{"micro_steps": [2, 1]}'],
+        "`micro_steps=[2, 1]` differ across ranks, and `Trainer(sync_batchnorm=True)` exchanges BatchNorm statistics",
+    ),
     (
         ["--hidden-on-rank-1", "16", "--batch-sizes", "8", "8"],
         "the ranks' models differ: parameter `network.0.weight` has shape (8, 4) on rank 0, (16, 4) on rank 1",

@@ -76,7 +76,8 @@ def test_the_global_batch_is_the_argument_else_the_split_else_the_loaders_batch_
     [
         ({"batch_sizes": [4, 4, 4]}, 2, False, "batch_sizes"),
         ({"emulate_speeds": [1.0, 0.5, 0.5]}, 2, False, "has 3 entries but the job has 2 ranks"),
-        ({}, 2, True, r"sync_batchnorm=True\)` needs CUDA"),
+        ({"sync": "local_sgd"}, 2, True, r"sync_batchnorm=True\)` with `sync='local_sgd'`"),
+        ({"micro_steps": [2, 1]}, 2, True, r"differ across ranks, and `Trainer\(sync_batchnorm=True\)`"),
         ({"device_precision": ["32-true"] * 3}, 2, False, "device_precision"),
     ],
 )

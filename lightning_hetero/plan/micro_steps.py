@@ -130,12 +130,23 @@ def _trim_to(costs: Sequence[CostModel], at_level: dict, below: dict, global_bat
 
 
 def micro_steps_refusal(
-    micro_steps: Optional[Sequence[int]], stage: int, loss_reduction: str, automatic_optimization: bool
+    micro_steps: Optional[Sequence[int]],
+    stage: int,
+    loss_reduction: str,
+    automatic_optimization: bool,
+    sync_batchnorm: bool = False,
 ) -> Optional[str]:
     """Why the job cannot run the micro-steps the user fixed (None when it can): checked on every rank before any
     collective, so every rank raises the same error."""
     if micro_steps is None or all(k == 1 for k in micro_steps):
         return None
+    if sync_batchnorm and len(set(micro_steps)) > 1:
+        return (
+            f"`micro_steps={list(micro_steps)}` differ across ranks, and `Trainer(sync_batchnorm=True)` exchanges"
+            " BatchNorm statistics in every forward pass, so every rank must make as many passes as the others (the"
+            " ranks' i-th micro-batches normalize together). Give every rank the same count, or remove"
+            " `sync_batchnorm=True`."
+        )
     if stage not in UNEQUAL_MICRO_STEP_STAGES and len(set(micro_steps)) > 1:
         return (
             f"`micro_steps={list(micro_steps)}` differ across ranks, which ZeRO stage {stage} cannot run: it gathers"
@@ -156,10 +167,12 @@ def micro_steps_refusal(
     return None
 
 
-def automatic_micro_steps_allowed(stage: int, loss_reduction: str, automatic_optimization: bool) -> bool:
+def automatic_micro_steps_allowed(
+    stage: int, loss_reduction: str, automatic_optimization: bool, sync_batchnorm: bool = False
+) -> bool:
     """Whether the automatic planner may give a memory-bound rank more micro-steps than another."""
     probe = (2, 1)
-    return micro_steps_refusal(probe, stage, loss_reduction, automatic_optimization) is None
+    return micro_steps_refusal(probe, stage, loss_reduction, automatic_optimization, sync_batchnorm) is None
 
 
 def with_fixed_micro_steps(costs: Sequence[CostModel], micro_steps: Sequence[int]) -> list[CostModel]:

@@ -61,7 +61,7 @@ CHECKPOINT_WRITES = (
 LAYER_SYNC = Internal(
     "lightning.pytorch.strategies.ddp", "DDPStrategy()._layer_sync", "read", "strategy.py",
     "where the Trainer puts `sync_batchnorm=True` (TorchSyncBatchNorm); DeepSpeedStrategy never applies it, DDPStrategy"
-    " does in setup, so the strategy applies it at the same point (and refuses it off CUDA)",
+    " does in setup, so the strategy applies it at the same point (on gloo, the package's own in its place)",
 )  # fmt: skip
 SETUP_MODEL = Internal(
     "lightning.pytorch.strategies.deepspeed", "DeepSpeedStrategy._setup_model", "patched", "strategy.py",
@@ -304,6 +304,9 @@ _POWER_SGD_STATE = "PowerSGD's state, cleared when the buckets change and saved 
 TORCH_STATE = (
     Internal("torch.amp.autocast_mode", "autocast#_enabled", "read", "measure/cpu.py",
              "whether CPU autocast accepted a dtype (it disables itself with a warning otherwise)"),
+    Internal("torch.nn.modules.batchnorm", "_BatchNorm", "called", "train/sync_batchnorm.py",
+             "the base class of every BatchNorm (torch's SyncBatchNorm included): subclassed by the gloo sync BatchNorm,"
+             " and what `sync_batchnorm=True` converts"),
     Internal("torch.utils._python_dispatch", "TorchDispatchMode", "called", "simulate/workload.py",
              "subclassed to count the aten operators of one forward + backward (kernel launches on a GPU);"
              " FlopCounterMode, the public counter, is one such mode"),

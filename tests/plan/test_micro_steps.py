@@ -169,6 +169,14 @@ def test_what_micro_steps_are_refused(micro_steps, stage, reduction, automatic, 
                                                                            and automatic)  # fmt: skip
 
 
+def test_synchronized_batchnorm_needs_as_many_passes_on_every_rank():
+    message = micro_steps_refusal([3, 1], 2, "mean", True, sync_batchnorm=True)
+    assert "`Trainer(sync_batchnorm=True)` exchanges BatchNorm statistics in every forward pass" in message
+    assert micro_steps_refusal([2, 2], 2, "mean", True, sync_batchnorm=True) is None
+    assert not automatic_micro_steps_allowed(2, "mean", True, sync_batchnorm=True)
+    assert automatic_micro_steps_allowed(2, "mean", True, sync_batchnorm=False)
+
+
 def test_a_rebalancer_in_micro_steps_moves_samples_to_a_memory_bound_fast_rank():
     fast, slow = CostModel(0.0, 1.0, max_batch=10), CostModel(0.0, 2.5)
     rebalancer = Rebalancer([fast, slow], (10, 30), window=2, threshold=0.05, micro_steps=True)

@@ -171,6 +171,34 @@ def reference_training(
     return {name: p.detach().clone() for name, p in network.named_parameters()}
 
 
+def batchnorm_reference_training(
+    dataset: IndexedRegression, steps: list[list[int]], batch_sizes: list[int], micro_steps: list[int]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One process with BatchNorm over the global batch: what `Trainer(sync_batchnorm=True)` must reproduce.
+
+    Rank r takes ``batch_sizes[r] * micro_steps[r]`` samples of each global batch (contiguous, after the ranks before
+    it) in micro-batches of ``batch_sizes[r]``; the ranks' i-th micro-batches normalize together (every rank makes as
+    many passes). Each pass's loss is its squared errors over the global batch's count, so the step's gradient is that
+    of the global batch's mean loss. Returns the parameters and the running statistics.
+    """
+    network = make_network(batchnorm=True)
+    optimizer = torch.optim.SGD(network.parameters(), lr=0.05, momentum=0.9)
+    for indices in steps:
+        optimizer.zero_grad()
+        shares, begin = [], 0
+        for size, count in zip(batch_sizes, micro_steps):
+            shares.append(indices[begin : begin + size * count])
+            begin += size * count
+        for i in range(micro_steps[0]):
+            together = [j for share, size in zip(shares, batch_sizes) for j in share[i * size : (i + 1) * size]]
+            x, y = dataset.x[together], dataset.y[together]
+            (batch_loss(network, x, y, "sum") / len(indices)).backward()
+        optimizer.step()
+    parameters = {name: p.detach().clone() for name, p in network.named_parameters()}
+    statistics = {name: b.clone() for name, b in network.named_buffers() if name.endswith(("running_mean", "running_var"))}
+    return parameters, statistics
+
+
 def max_param_difference(result: dict, reference: dict[str, torch.Tensor]) -> float:
     """Largest absolute difference between a worker's final parameters (result.json) and a reference's."""
     return max(

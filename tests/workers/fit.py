@@ -285,6 +285,8 @@ class WriteResult(Callback):
                 "emulated_delay": emulated_delay,
                 "buffer_traces": buffer_traces,
                 "batchnorm_types": self.batchnorm_types,
+                "running_statistics": {name: b.double().tolist() for name, b in pl_module.named_buffers()
+                                       if name.endswith(("running_mean", "running_var"))},
                 "global_step": trainer.global_step,
                 "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
                 "metric_dtypes": {k: str(v.dtype) for k, v in trainer.callback_metrics.items()},
