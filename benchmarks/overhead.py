@@ -8,10 +8,11 @@ The same model (an MLP 256-1024-1024-10, 1.3 M parameters, Adam), global batch 5
 thread each) train under three strategies, each a separate job started by Lightning's launcher:
 
     ddp      Trainer(strategy="ddp"), what a user would pick instead
+    default  HeteroStrategy(batch_sizes=[256, 256]): no stage given, the lowest that fits (ZeRO-0 here)
     zero0    HeteroStrategy(stage=0, batch_sizes=[256, 256]), the equal split
     zero2    HeteroStrategy(stage=2, batch_sizes=[256, 256])
 
-The three run back to back in each pair, their order rotating from pair to pair, so that the machine's slow changes
+The four run back to back in each pair, their order rotating from pair to pair, so that the machine's slow changes
 hit them alike; every ratio is taken within a pair. Measured in each job, on rank 0 (rank 1's memory too):
 
     step       the median wall time between the starts of two training steps, from step 20 on
@@ -38,7 +39,9 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results" / "overhead.json"
-STRATEGIES = ("ddp", "zero0", "zero2")
+STRATEGIES = ("ddp", "default", "zero0", "zero2")
+HETERO = STRATEGIES[1:]
+PLAIN = ("ddp", "zero0", "zero2")  # the plain loops: torch DDP and DeepSpeed's engine at a stage
 GLOBAL_BATCH = 512
 STEADY_FROM = 20
 FIT_TIMEOUT = 600
@@ -84,7 +87,9 @@ def fit(strategy: str, steps: int, out: Path) -> None:
             if trainer.is_global_zero:
                 steps = [b - a for a, b in zip(self.starts, self.starts[1:])][STEADY_FROM:]
                 started = psutil.Process().create_time()
+                config = getattr(trainer.strategy, "config", None) or {}
                 (out / "timing.json").write_text(json.dumps({
+                    "zero_stage": config.get("zero_optimization", {}).get("stage"),
                     "step_seconds": statistics.median(steps),
                     "startup_seconds": self.starts[0] - started,
                     "peak_bytes": [float(p.item()) for p in peaks],
@@ -98,7 +103,8 @@ def fit(strategy: str, steps: int, out: Path) -> None:
     else:
         from lightning_hetero import HeteroStrategy
 
-        chosen = HeteroStrategy(stage=int(strategy[-1]), batch_sizes=[GLOBAL_BATCH // 2] * 2)
+        stage = None if strategy == "default" else int(strategy[-1])
+        chosen = HeteroStrategy(stage=stage, batch_sizes=[GLOBAL_BATCH // 2] * 2)
     trainer = Trainer(accelerator="cpu", devices=2, strategy=chosen, max_steps=steps, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=[Timing()], default_root_dir=out)  # fmt: skip
@@ -181,7 +187,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--plain", action="store_true", help="also time plain loops (DDP, DeepSpeed ZeRO 0 and 2)")
     parser.add_argument("--fit", choices=STRATEGIES, help=argparse.SUPPRESS)
-    parser.add_argument("--plain-fit", choices=STRATEGIES, help=argparse.SUPPRESS)
+    parser.add_argument("--plain-fit", choices=PLAIN, help=argparse.SUPPRESS)
     parser.add_argument("--fit-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.fit:
@@ -193,38 +199,41 @@ def main() -> None:
     runs: list[dict[str, Any]] = []
     work = args.out.parent / "overhead_runs"
     for pair in range(args.pairs):
-        order = STRATEGIES[pair % 3:] + STRATEGIES[: pair % 3]  # rotate who goes first
+        shift = pair % len(STRATEGIES)
+        order = STRATEGIES[shift:] + STRATEGIES[:shift]  # rotate who goes first
         figures = {name: run_fit(name, args.steps, work / f"pair{pair}_{name}") for name in order}
         ddp = figures["ddp"]
         row = {"pair": pair, "order": list(order), **{name: figures[name] for name in STRATEGIES}}
-        for name in ("zero0", "zero2"):
+        for name in HETERO:
             row[f"{name}_step_ratio"] = figures[name]["step_seconds"] / ddp["step_seconds"]
             row[f"{name}_startup_extra_seconds"] = figures[name]["startup_seconds"] - ddp["startup_seconds"]
         if args.plain:
-            plain = {name: run_plain(name, args.steps, work / f"pair{pair}_plain_{name}") for name in order}
+            plain = {name: run_plain(name, args.steps, work / f"pair{pair}_plain_{name}") for name in order
+                     if name in PLAIN}  # fmt: skip
             row["plain_step_seconds"] = plain
             for name in ("zero0", "zero2"):
                 row[f"plain_{name}_step_ratio"] = plain[name] / plain["ddp"]
-            print(f"pair {pair} plain loops: step ms " + ", ".join(f"{n} {plain[n] * 1e3:.1f}" for n in STRATEGIES)
+            print(f"pair {pair} plain loops: step ms " + ", ".join(f"{n} {plain[n] * 1e3:.1f}" for n in PLAIN)
                   + f"; ratio zero0 {row['plain_zero0_step_ratio']:.3f}, zero2 {row['plain_zero2_step_ratio']:.3f}",
                   flush=True)  # fmt: skip
         runs.append(row)
         print(
             f"pair {pair} ({', '.join(order)}): step ms " + ", ".join(
                 f"{name} {figures[name]['step_seconds'] * 1e3:.1f}" for name in STRATEGIES
-            ) + f"; ratio zero0 {row['zero0_step_ratio']:.3f}, zero2 {row['zero2_step_ratio']:.3f}; start-up s "
+            ) + f"; ratio default (ZeRO-{figures['default']['zero_stage']}) {row['default_step_ratio']:.3f}, zero0"
+            f" {row['zero0_step_ratio']:.3f}, zero2 {row['zero2_step_ratio']:.3f}; start-up s "
             + ", ".join(f"{name} {figures[name]['startup_seconds']:.1f}" for name in STRATEGIES),
             flush=True,
         )  # fmt: skip
-    summary: dict[str, Any] = {}
-    for name in ("zero0", "zero2"):
+    summary: dict[str, Any] = {"default_zero_stages": sorted({r["default"]["zero_stage"] for r in runs})}
+    for name in HETERO:
         summary[name] = {
             "step_ratio_median": statistics.median(r[f"{name}_step_ratio"] for r in runs),
             "step_ratios": [round(r[f"{name}_step_ratio"], 4) for r in runs],
             "startup_extra_seconds_median": statistics.median(r[f"{name}_startup_extra_seconds"] for r in runs),
             "startup_extra_seconds": [round(r[f"{name}_startup_extra_seconds"], 2) for r in runs],
         }
-        if args.plain:
+        if args.plain and name in PLAIN:
             summary[name]["plain_step_ratio_median"] = statistics.median(r[f"plain_{name}_step_ratio"] for r in runs)
             summary[name]["plain_step_ratios"] = [round(r[f"plain_{name}_step_ratio"], 4) for r in runs]
     for name in STRATEGIES:

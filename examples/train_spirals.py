@@ -109,7 +109,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--stage", type=int, default=2, help="ZeRO stage 0-3")
+    parser.add_argument("--stage", type=int, help="ZeRO stage 0-3 (default: the lowest that fits, chosen at setup)")
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=128, help="loader batch size; global batch = this x devices")
     split = parser.add_mutually_exclusive_group()

@@ -9,6 +9,7 @@ Lightning's or DeepSpeed's strategy classes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -27,7 +28,8 @@ from lightning_hetero.measure.profiler import RankProfile
 from lightning_hetero.measure.survey import JobSurvey, RankSurvey, profile_rank
 from lightning_hetero.plan.deepspeed_config import model_signature
 from lightning_hetero.emulate import memory
-from lightning_hetero.plan.initial import initial_plan, rebalancer_for, within_emulated_memory
+from lightning_hetero.plan.initial import InitialPlan, initial_plan, rebalancer_for, within_emulated_memory
+from lightning_hetero.plan.zero_stage import ModelSize, StageChoice, choose_stage, shared_free_bytes
 from lightning_hetero.plan.micro_steps import automatic_micro_steps_allowed, micro_steps_refusal
 from lightning_hetero.plan.local_steps import InnerStepsRebalancer, describe_sync, plan_inner_steps, sync_refusal
 from lightning_hetero.plan.split import SplitPlan, micro_batch_sizes
@@ -80,6 +82,7 @@ class HeteroJob:
         self._identical_devices = True
         self.memory_ceilings: Optional[list[Optional[int]]] = None  # emulated, per rank (emulate/memory.py)
         self.sync_batchnorm = False
+        self.stage_choice: Optional[StageChoice] = None  # the automatic ZeRO stage of this trainer call, and why
         self._report_directory: Optional[Path] = None  # where this fit's plan and report go (watch/publish.py)
         self._emulated_topology: tuple[Optional[int], Optional[topology.SlowLink]] = (None, None)
 
@@ -181,6 +184,44 @@ class HeteroJob:
         self.communication.setup(nodes, slow_link, config, stage, self.rank)
         config.update(self.communication.deepspeed_entries())
 
+    def choose_zero_stage(
+        self,
+        global_batch_size: int,
+        module: torch.nn.Module,
+        fitting: bool,
+        allowed: Sequence[int],
+        half_precision_engine: bool,
+    ) -> int:
+        """The lowest of ``allowed`` ZeRO stages at which every rank's model state and activations fit its memory
+        (:func:`~lightning_hetero.plan.zero_stage.choose_stage`; the same decision on every rank: what it reads was
+        gathered). Its reason goes into the plan output."""
+        parameters = list(module.parameters())
+        size = ModelSize(sum(p.numel() for p in parameters), sum(p.numel() for p in parameters if p.requires_grad),
+                         half_precision_engine)  # fmt: skip
+        profiles = self.profiles if fitting else None
+        free = [p.free_bytes for p in profiles] if profiles else [f.free_memory_bytes for f in self.device_facts]
+        devices = [(f.hostname, f.kind, f.index if f.kind == "cuda" else None) for f in self.device_facts]
+        activations = None
+        if profiles and all(p.bytes_per_sample is not None for p in profiles):
+            # The planned micro-batches (the planner's memory ceilings leave the model's state out).
+            plan = self._plan_start(global_batch_size, allowed[0], module).plan
+            largest = [max(micro_batch_sizes(b, k)) for b, k in zip(plan.batch_sizes, plan.micro_steps)]
+            activations = [p.bytes_per_sample * b for p, b in zip(profiles, largest)]  # type: ignore[operator]
+        choice = choose_stage(size, self.world_size, shared_free_bytes(free, devices), activations, allowed, fitting)
+        self.stage_choice = choice
+        return choice.stage
+
+    def _plan_start(self, global_batch_size: int, zero_stage: int, module: torch.nn.Module) -> InitialPlan:
+        settings = self.settings
+        held = gradient_bytes_held_until_step(settings.device_precision, self.precisions, self.device_facts,
+                                              zero_stage, module)  # fmt: skip
+        unequal_steps = automatic_micro_steps_allowed(
+            zero_stage, settings.loss_reduction, module.automatic_optimization, self.sync_batchnorm
+        )
+        return initial_plan(self.world_size, global_batch_size, settings.batch_sizes, settings.weights,
+                            self.profiles, settings.loss_reduction, self._identical_devices, held,
+                            settings.micro_steps, unequal_steps)  # fmt: skip
+
     def start_the_split(self, global_batch_size: int, zero_stage: int, module: torch.nn.Module) -> None:
         """The split this fit starts with and the re-planner that follows it (both planned again when a resume on
         another number of ranks keeps the checkpoint's global batch)."""
@@ -193,9 +234,7 @@ class HeteroJob:
         unequal_steps = automatic_micro_steps_allowed(
             zero_stage, settings.loss_reduction, module.automatic_optimization, self.sync_batchnorm
         )
-        start = initial_plan(self.world_size, global_batch_size, settings.batch_sizes, settings.weights,
-                             self.profiles, settings.loss_reduction, self._identical_devices, held,
-                             settings.micro_steps, unequal_steps)  # fmt: skip
+        start = self._plan_start(global_batch_size, zero_stage, module)
         if start.warning:
             rank_zero_warn(start.warning)
         smallest = [min(micro_batch_sizes(b, k)) for b, k in zip(start.plan.batch_sizes, start.plan.micro_steps)]
@@ -387,6 +426,8 @@ class HeteroJob:
         assert self.split.plan is not None and self.watcher is not None
         schedule = self.settings.speed_schedule
         line = self.communication.plan_line()
+        if self.stage_choice is not None:
+            line = f"{self.stage_choice.reason}\n{line}"
         if self.local is not None:
             settings = self.settings
             line += "\n" + describe_sync(
@@ -397,7 +438,8 @@ class HeteroJob:
         reduction = self.settings.loss_reduction
         # (a token mean's weight is taken from each batch's token counts)
         weight = None if reduction == "token_mean" else self.split.plan.loss_weight(self.rank, reduction)
-        record = {"loss_weight": weight, "loss_reduction": reduction, "deepspeed_config": config}
+        record = {"loss_weight": weight, "loss_reduction": reduction, "deepspeed_config": config,
+                  "zero_stage_choice": self.stage_choice.reason if self.stage_choice else None}  # fmt: skip
         # Decided once per fit (a tracking logger's run name), so the report lands beside the plan.
         self._report_directory = report_directory(trainer)
         self.watcher.write_plan(self._report_directory, self.split, job, record)

@@ -37,7 +37,6 @@ from lightning_hetero.recover import liveness
 from lightning_hetero.runtime.checks import check_loss_reduction, check_stage
 from lightning_hetero.train.loaders import loader_batch_size
 
-DEFAULT_STAGE = 2
 # Arguments of DeepSpeedStrategy that only build its default DeepSpeed config: a user config replaces them all.
 DEFAULT_CONFIG_ARGUMENTS = frozenset(
     {
@@ -148,11 +147,34 @@ class HeteroSettings:
 
     @property
     def zero_stage(self) -> int:
-        """The ZeRO stage given, else the default: 2, or 0 for local SGD / DiLoCo (which needs every rank's whole
-        optimizer state)."""
+        """The ZeRO stage the DeepSpeed config starts with: the one given; else 0 for local SGD / DiLoCo (each rank
+        keeps its whole optimizer state) and for a hooked exchange (compression hooks, ``hierarchical=True``: ZeRO-0
+        only); else the lowest stage :meth:`automatic_stages` allows, until setup chooses among them."""
         if self.stage is not None:
             return self.stage
-        return 0 if self.local else DEFAULT_STAGE
+        if self.local or self._needs_stage_0:
+            return 0
+        return self.automatic_stages({})[0]  # type: ignore[index]
+
+    @property
+    def _needs_stage_0(self) -> bool:
+        return self.compression.needs_hook or self.hierarchical is True
+
+    def automatic_stages(self, deepspeed_arguments: dict[str, Any]) -> Optional[tuple[int, ...]]:
+        """The stages setup chooses among when the user named none (:mod:`~lightning_hetero.plan.zero_stage`: the
+        lowest that fits), or None when the stage is settled: given, set by a DeepSpeed config, or implied (local
+        training, a hooked exchange, `zero_optimization=False`). Offloading names its stages: the optimizer state
+        from ZeRO-2, the parameters at ZeRO-3; unequal `micro_steps` rule out ZeRO-3."""
+        if self.stage is not None or self.local or self._needs_stage_0:
+            return None
+        if deepspeed_arguments.get("zero_optimization") is False:
+            return None
+        if deepspeed_arguments.get("offload_parameters"):
+            return (3,)
+        stages = (2, 3) if deepspeed_arguments.get("offload_optimizer") else (0, 1, 2, 3)
+        if self.micro_steps is not None and len(set(self.micro_steps)) > 1:
+            stages = tuple(stage for stage in stages if stage < 3) or stages  # (ZeRO-3 offload: refused at setup)
+        return stages
 
     @property
     def local(self) -> bool:

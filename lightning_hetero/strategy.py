@@ -39,6 +39,7 @@ from lightning_hetero.plan.deepspeed_config import (
     with_cpu_zero_settings,
 )
 from lightning_hetero.plan.replan import DEFAULT_THRESHOLD, DEFAULT_WINDOW
+from lightning_hetero.plan.zero_stage import resume_stage_mismatch
 from lightning_hetero.precision.job import attach_to_engine
 from lightning_hetero.precision.nonfinite import DEFAULT_MAX_NONFINITE_STEPS
 from lightning_hetero.precision.plugin import HeteroPrecision
@@ -52,6 +53,9 @@ from lightning_hetero.train.micro_batches import raise_if_unreduced, reduction_h
 from lightning_hetero.train.streams import HeteroStreamLoader
 from lightning_hetero.train.sync_batchnorm import layer_sync_for
 
+
+# Trainer precisions in which DeepSpeed keeps half-precision parameters and gradients beside an fp32 master copy.
+HALF_PRECISION_ENGINES = ("16-mixed", "bf16-mixed", "16-true", "bf16-true")
 
 # Registered names: the default, one per ZeRO stage, and the CPU-offload variants Lightning registers for DeepSpeed.
 PRESETS: tuple[tuple[str, str, dict[str, Any]], ...] = (
@@ -68,9 +72,11 @@ class HeteroStrategy(DeepSpeedStrategy):
     """DeepSpeed ZeRO data parallelism where every rank has its own micro-batch.
 
     Args:
-        stage: ZeRO stage 0-3 (default 2; 0 with ``sync="local_sgd"`` or ``"diloco"``). With a ``config`` dict the
-            config's ``zero_optimization.stage`` wins;
-            ``stage`` only fills it in when the config leaves it unset.
+        stage: ZeRO stage 0-3. Default None: at setup, the lowest stage at which the model, its gradients and
+            optimizer state and the planned micro-batch's activations fit every device (the plan output says why; see
+            :mod:`lightning_hetero.plan.zero_stage`); 0 with ``sync="local_sgd"`` or ``"diloco"`` and with a
+            compression hook. With a ``config`` dict the config's ``zero_optimization.stage`` wins; ``stage`` only
+            fills it in when the config leaves it unset.
         global_batch_size: samples per step across all ranks. Default: the training loader's ``batch_size`` times
             the world size (what DDP would use), or the sum of ``batch_sizes``.
         batch_sizes: each rank's micro-batch, in global rank order; they sum to the global batch.
@@ -183,6 +189,8 @@ class HeteroStrategy(DeepSpeedStrategy):
         user_config = config is not None or self.DEEPSPEED_ENV_VAR in os.environ
         if user_config:
             settings.reconcile_user_config(self.config, kwargs)
+        # No stage named: setup chooses the lowest that fits (plan/zero_stage.py); a config's stage is the user's.
+        self._automatic_stages = None if user_config else settings.automatic_stages(kwargs)
         check_exchange(settings.compression, settings.hierarchical, self._zero_stage(), self.config)
         self.settings = settings
         self.job = HeteroJob(settings)
@@ -314,6 +322,11 @@ class HeteroStrategy(DeepSpeedStrategy):
         own_plugin = self.job.plugin_for_this_rank(self.precision_plugin)
         if own_plugin is not None:  # ranks of their own precisions: it replaces the Trainer's (Lightning's plug point)
             self.precision_plugin = own_plugin
+        if self._automatic_stages is not None:
+            half = own_plugin is None and str(self.precision_plugin.precision) in HALF_PRECISION_ENGINES
+            self.config["zero_optimization"]["stage"] = self.job.choose_zero_stage(
+                global_batch_size, module, fitting, self._automatic_stages, half
+            )
         self.job.configure_communication(self.config)
         if fitting:
             self.job.start_the_split(global_batch_size, self._zero_stage(), module)
@@ -572,6 +585,10 @@ class HeteroStrategy(DeepSpeedStrategy):
                                                            self._optimizer_parameters, job.training_order(),
                                                            plan.global_batch_size if plan else None)  # fmt: skip
         chosen, manifest = job.recovery.choose(path)
+        mismatch = resume_stage_mismatch(manifest.get("zero_stage"), self._zero_stage(),
+                                         self._automatic_stages is not None, str(chosen))  # fmt: skip
+        if mismatch:  # (every rank has the manifest: every rank raises)
+            raise ValueError(mismatch)
         same_world_size = manifest.get("world_size", self.world_size) == self.world_size
         if job.local is not None and not same_world_size:
             raise ValueError(

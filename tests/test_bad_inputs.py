@@ -61,8 +61,7 @@ CONSTRUCTOR = [
         "The DeepSpeed config enables `torch_autocast`",
     ),
     ({"compression": "gzip"}, "`compression='gzip'` is not one of ['fp16', 'bf16', 'powersgd', 'topk']"),
-    # (the default stage is 2)
-    ({"compression": "powersgd"}, "`compression='powersgd'` needs `stage=0`: ZeRO-2 reduces gradients inside"),
+    ({"compression": "powersgd", "stage": 2}, "`compression='powersgd'` needs `stage=0`: ZeRO-2 reduces gradients"),
     ({"compression": "topk", "stage": 3}, "needs `stage=0`: ZeRO-3 reduces gradients"),
     ({"compression": "topk", "compression_options": {"ratio": 2}}, "must be a fraction in (0, 1]"),
     ({"hierarchical": "yes"}, "`hierarchical='yes'` is not one of"),

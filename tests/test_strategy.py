@@ -43,7 +43,9 @@ def test_config_stage_wins_over_the_argument_and_says_so():
 
 def test_stage_fills_a_config_that_leaves_it_unset():
     assert HeteroStrategy(stage=3, config={"bf16": {"enabled": False}}).config["zero_optimization"]["stage"] == 3
-    assert HeteroStrategy(config={}).config["zero_optimization"]["stage"] == 2
+    # A config that names no stage means ZeRO-0, as to DeepSpeed; no automatic choice overrides a user's config.
+    assert HeteroStrategy(config={}).config["zero_optimization"]["stage"] == 0
+    assert HeteroStrategy(config={})._automatic_stages is None
 
 
 def test_arguments_that_a_config_replaces_are_named_in_a_warning():
@@ -53,7 +55,19 @@ def test_arguments_that_a_config_replaces_are_named_in_a_warning():
 
 def test_default_config_uses_the_stage_argument():
     assert HeteroStrategy(stage=3).config["zero_optimization"]["stage"] == 3
-    assert HeteroStrategy().config["zero_optimization"]["stage"] == 2
+    assert HeteroStrategy(stage=3)._automatic_stages is None
+
+
+def test_without_a_stage_setup_chooses_among_the_stages_the_arguments_allow():
+    assert HeteroStrategy()._automatic_stages == (0, 1, 2, 3)
+    assert HeteroStrategy().config["zero_optimization"]["stage"] == 0  # until setup chooses
+    assert HeteroStrategy(offload_optimizer=True)._automatic_stages == (2, 3)
+    assert HeteroStrategy(offload_optimizer=True, offload_parameters=True)._automatic_stages == (3,)
+    assert HeteroStrategy(micro_steps=[2, 1])._automatic_stages == (0, 1, 2)
+    # Settled by the arguments: a compression hook and local SGD need ZeRO-0.
+    assert HeteroStrategy(compression="powersgd")._automatic_stages is None
+    assert HeteroStrategy(compression="powersgd").config["zero_optimization"]["stage"] == 0
+    assert HeteroStrategy(sync="local_sgd")._automatic_stages is None
 
 
 def test_registered_as_hetero_and_selected_by_name():

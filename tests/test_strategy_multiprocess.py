@@ -473,3 +473,24 @@ def test_a_token_mean_loss_with_loss_reduction_token_mean_equals_one_process(tmp
     # What weighting each rank's token mean by its samples would have trained (the test can tell them apart).
     by_samples = token_reference_training(dataset, steps, weights_by_samples=[3, 5])
     assert max((by_samples[name] - reference[name]).abs().max().item() for name in reference) > 100 * TOLERANCE
+
+
+def test_the_default_stage_is_the_lowest_that_fits_and_a_checkpoint_of_another_stage_is_refused(tmp_path):
+    """Issue 29 item 4: without `stage` the strategy trains at ZeRO-0 where the model's state fits (ZeRO-2 cost 1.19x
+    DDP's step on two CPU ranks) and says why in the plan; a checkpoint saved at ZeRO-2 is then refused on every rank
+    with the stage to pass (loading it at another stage fails or loses the optimizer state)."""
+    common = ("--batch-sizes", "3", "13", "--max-steps", "2", "--checkpoint-every", "2")
+    chosen = run_fit(tmp_path / "auto", "--stage", "auto", *common)
+    assert chosen.returncode == 0, chosen.output[-3000:]
+    assert "ZeRO stage 0 (auto): the model, its gradients and optimizer state (" in chosen.output
+    record = json.loads((tmp_path / "auto" / "hetero" / "rank_1.json").read_text())
+    assert record["deepspeed_config"]["zero_optimization"]["stage"] == 0
+    assert record["zero_stage_choice"].startswith("ZeRO stage 0 (auto)")
+    zero2 = run_fit(tmp_path / "zero2", "--stage", "2", *common)
+    assert zero2.returncode == 0, zero2.output[-3000:]
+    (checkpoint,) = (tmp_path / "zero2" / "ckpt").iterdir()
+    resumed = run_fit(tmp_path / "resumed", "--stage", "auto", "--batch-sizes", "3", "13", "--ckpt-path",
+                      str(checkpoint), timeout=120)  # fmt: skip
+    assert resumed.returncode != 0
+    assert resumed.output.count("was saved at ZeRO stage 2, and this run is at ZeRO stage 0 (chosen automatically") >= 2
+    assert "Pass `stage=2`" in resumed.output

@@ -18,9 +18,8 @@ from typing import Any, Optional
 from lightning_hetero.simulate import catalog
 from lightning_hetero.simulate.cluster import Cluster, ClusterFileError, SimulatedDevice, load_cluster
 from lightning_hetero.simulate.calibration import efficiency_by_kind, loop_from_run
-from lightning_hetero.simulate.predict import LoopCalibration, Options, Prediction, predict
+from lightning_hetero.simulate.predict import LoopCalibration, Options, Prediction, automatic_stage, predict
 
-DEFAULT_STAGE = 2  # HeteroStrategy's default ZeRO stage
 NO_LOOP = LoopCalibration()
 DESCRIPTION = (
     "Plan a mixed cluster before using it: reads a cluster file, measures your training step here, and prints the"
@@ -36,7 +35,8 @@ JSON_DOC = """--json prints one object:
   speedup_over_equal: the equal split's step time over this plan's
   best_homogeneous: {kind, devices, step_ms, speedup} (the fastest single-kind subset; null if none can train)
   wire: {bytes_per_step, inter_node_bytes_per_step, hierarchical, reason}
-  settings: {global_batch_size, zero_stage, compression, devices, nodes}
+  settings: {global_batch_size, zero_stage, zero_stage_reason (why, when --stage was not given), compression,
+             devices, nodes}
   what_if: the same keys for the cluster with --drop/--add/--stage/--compression applied, when any is given"""
 
 
@@ -58,7 +58,9 @@ def parser() -> argparse.ArgumentParser:
         help="the plan directory of a finished CPU run of the same model on this machine: adds the training loop's"
         " costs beyond the step measured here (unequal batch_sizes tell its fixed part from its factor)",
     )
-    p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help=f"ZeRO stage (default {DEFAULT_STAGE})")
+    p.add_argument(
+        "--stage", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (default: the lowest that fits, as HeteroStrategy)"
+    )
     p.add_argument("--compression", choices=("none", "fp16", "bf16", "powersgd", "topk"), help="gradient compression")
     p.add_argument(
         "--precision",
@@ -85,7 +87,7 @@ def main(args: Optional[list[str]] = None) -> int:
         base = Options(
             global_batch_size=global_batch,
             precision=None if options.precision == "auto" else options.precision,
-            zero_stage=DEFAULT_STAGE,
+            zero_stage=None,
             calibrated_efficiency=efficiency_by_kind(options.profile, workload) if options.profile else {},
             loop=loop_from_run(options.calibrate, workload, cluster.node_links[0]) if options.calibrate else NO_LOOP,
         )
@@ -94,7 +96,7 @@ def main(args: Optional[list[str]] = None) -> int:
         return 2
     changed = replace(
         base,
-        zero_stage=DEFAULT_STAGE if options.stage is None else options.stage,
+        zero_stage=options.stage,
         compression=None if options.compression in (None, "none") else options.compression,
     )
     try:
@@ -175,6 +177,10 @@ def apply_what_ifs(cluster: Cluster, drop: list[str], add: list[str]) -> Cluster
 
 def evaluate(cluster: Cluster, workload, options: Options) -> dict[str, Any]:
     """The plan, the equal split and the best homogeneous subset of ``cluster``, as the JSON keys."""
+    stage_reason = None
+    if options.zero_stage is None:  # HeteroStrategy's default: the lowest stage that fits this cluster
+        choice = automatic_stage(cluster, workload, options)
+        options, stage_reason = replace(options, zero_stage=choice.stage), choice.reason
     planned = predict(cluster, workload, options)
     equal = predict(cluster, workload, options, equal=True)
     best = best_homogeneous(cluster, workload, options)
@@ -213,6 +219,7 @@ def evaluate(cluster: Cluster, workload, options: Options) -> dict[str, Any]:
         "settings": {
             "global_batch_size": options.global_batch_size,
             "zero_stage": options.zero_stage,
+            "zero_stage_reason": stage_reason,
             "compression": options.compression,
             "devices": len(cluster.devices),
             "nodes": cluster.num_nodes,

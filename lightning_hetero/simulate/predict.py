@@ -16,7 +16,7 @@ import math
 import statistics
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from lightning_hetero.comm.compression import check_compression, check_exchange
@@ -24,7 +24,9 @@ from lightning_hetero.comm.topology import Topology, decide_hierarchical
 from lightning_hetero.measure.cost import CostModel
 from lightning_hetero.measure.profiler import MEMORY_HEADROOM
 from lightning_hetero.plan.micro_steps import MicroStepPlan, micro_steps_for, plan_micro_steps
+from lightning_hetero.plan import zero_stage as zero_stage_plan
 from lightning_hetero.plan.split import split_by_weights
+from lightning_hetero.plan.zero_stage import ModelSize, StageChoice
 from lightning_hetero.precision.choice import FP32, unsupported
 from lightning_hetero.simulate.catalog import DeviceKind, kind_of_device_name
 from lightning_hetero.simulate.cluster import Cluster, Link
@@ -37,7 +39,6 @@ DEFAULT_GPU_EFFICIENCY = 0.4
 KERNEL_LAUNCH_SECONDS = 6e-6  # per operator on a GPU: the launch overhead that bounds small models
 # Autocast saves the 16-bit copies of matmul inputs for backward: about half the activation bytes of fp32.
 HALF_PRECISION_ACTIVATIONS = 0.5
-ADAM_STATE_BYTES = 8  # exp_avg and exp_avg_sq in fp32, per parameter
 # Adam's step reads the gradient (4 bytes), reads and writes the parameter (8) and both moments (16), per parameter.
 ADAM_STEP_BYTES = 28
 PARAMETER_BYTES = 4  # the engine stays fp32 (device_precision autocasts inside each rank)
@@ -104,7 +105,7 @@ def calibrate_loop(
 @dataclass(frozen=True)
 class Options:
     global_batch_size: int
-    zero_stage: int = 0
+    zero_stage: Optional[int] = 0  # None: HeteroStrategy's default, the lowest stage that fits (automatic_stage)
     compression: Optional[str] = None
     compression_options: dict = field(default_factory=dict)
     hierarchical: object = "auto"
@@ -171,12 +172,21 @@ def efficiency_from_profile(rank_file: dict, workload: Workload) -> Optional[tup
 
 
 def model_state_bytes(parameters: int, zero_stage: int, world_size: int) -> float:
-    """Parameters, gradients and Adam's state on one rank for ZeRO ``zero_stage`` over ``world_size`` ranks."""
-    shards = max(1, world_size)
-    params = PARAMETER_BYTES * parameters / (shards if zero_stage >= 3 else 1)
-    grads = PARAMETER_BYTES * parameters / (shards if zero_stage >= 2 else 1)
-    states = ADAM_STATE_BYTES * parameters / (shards if zero_stage >= 1 else 1)
-    return params + grads + states
+    """Parameters, gradients and Adam's state on one rank for ZeRO ``zero_stage`` over ``world_size`` ranks (the
+    engine stays fp32: device_precision autocasts inside each rank)."""
+    return zero_stage_plan.model_state_bytes(ModelSize(parameters, parameters), zero_stage, world_size)
+
+
+def automatic_stage(cluster: Cluster, workload: Workload, options: Options) -> StageChoice:
+    """The stage HeteroStrategy chooses when none is named (:func:`~lightning_hetero.plan.zero_stage.choose_stage`):
+    the lowest at which every device holds the model's state and its planned micro-batch's activations (those of the
+    plan at ZeRO-3, which leaves the most room); ZeRO-0 alone with a compression hook."""
+    choice = check_compression(options.compression, options.compression_options or None)
+    allowed = (0,) if choice.needs_hook or options.hierarchical is True else zero_stage_plan.STAGES
+    roomiest = predict(cluster, workload, replace(options, zero_stage=allowed[-1]))
+    activations = [d.micro_batch * activation_bytes(workload, d.precision) for d in roomiest.devices]
+    return zero_stage_plan.choose_stage(ModelSize(workload.parameters, workload.parameters), len(cluster.devices),
+                                        [d.kind.memory_bytes for d in cluster.devices], activations, allowed)  # fmt: skip
 
 
 def activation_bytes(workload: Workload, precision: str) -> float:
@@ -314,6 +324,8 @@ def _hierarchical(cluster: Cluster, ranks_per_node: Counter, volume: float) -> t
 
 def predict(cluster: Cluster, workload: Workload, options: Options, equal: bool = False) -> Prediction:
     """The plan the package would make (or the equal split, with DDP's common accumulation) and its step time."""
+    if options.zero_stage is None:
+        options = replace(options, zero_stage=automatic_stage(cluster, workload, options).stage)
     world = len(cluster.devices)
     # Devices of one entry share their kind object: one cost model each, so 10,000 devices cost a few entries.
     kinds = {id(device.kind): device.kind for device in cluster.devices}

@@ -38,6 +38,7 @@ def _section(result: dict[str, Any]) -> list[str]:
     lines = [
         f"{settings['devices']} devices on {settings['nodes']} node(s), global batch {settings['global_batch_size']},"
         f" ZeRO-{settings['zero_stage']}, compression {settings['compression'] or 'none'}",
+        *([settings["zero_stage_reason"]] if settings.get("zero_stage_reason") else []),
         *_rows(result["devices"]),
         f"step: {_step(result['step_ms'])}",
         f"equal split (DDP): {_step(result['equal_split_step_ms'])}: this plan is"

@@ -58,7 +58,9 @@ def test_json_has_the_documented_keys_and_one_entry_per_device_and_the_what_ifs(
     assert set(result["step_ms"]) == {"total", "compute", "exchange", "optimizer", "overhead"}
     assert result["step_ms"]["overhead"] == 0.0  # no --calibrate
     assert result["speedup_over_equal"] >= 1.0
-    assert result["settings"]["zero_stage"] == 2
+    # No --stage: the lowest that fits, as HeteroStrategy chooses (this small model fits everywhere at ZeRO-0).
+    assert result["settings"]["zero_stage"] == 0
+    assert result["settings"]["zero_stage_reason"].startswith("ZeRO stage 0 (auto): the model, its gradients")
     what_if = result["what_if"]
     assert [d["kind"] for d in what_if["devices"]] == ["A100-80GB"] * 4 + ["cpu-32c-avx512"] + ["H100"] * 2
     assert [d["node"] for d in what_if["devices"]] == [0] * 4 + [1] + [2] * 2
@@ -87,7 +89,7 @@ def test_the_tables_show_the_plan_the_step_and_the_speedups(cluster_file, capsys
         (["--drop", "T4"], "`--drop T4`: the cluster has no device of that kind"),
         (["--add", "H100"], "`--add H100` must be KIND:N"),
         (["--add", "H10:2"], "unknown device kind 'H10'; the closest known kind is 'H100'"),
-        (["--compression", "topk"], "`compression='topk'` needs `stage=0`"),
+        (["--compression", "topk", "--stage", "2"], "`compression='topk'` needs `stage=0`"),
         (["--init-args", "{hidden: 3}"], "`--init-args {hidden: 3}` is not JSON"),
         (["--init-args", "[3]"], "`--init-args [3]` must be a JSON object"),
         (["--init-args", '{"width": 3}'], 'with `--init-args {"width": 3}`: '),

@@ -221,3 +221,25 @@ def test_one_precision_for_every_device_is_refused_where_a_device_cannot_run_it(
     assert {d.precision for d in fp32.devices} == {"32-true"}
     with pytest.raises(ValueError, match="`--precision bf16-mixed` cannot run on a V100-32GB: it has no bf16"):
         predict(cluster, WORKLOAD, Options(global_batch_size=64, precision="bf16-mixed"))
+
+
+def test_the_automatic_stage_is_the_lowest_that_holds_the_state_and_the_planned_activations():
+    from lightning_hetero.simulate.predict import automatic_stage
+
+    # 10 M parameters over 4 devices: 160 MB of state at ZeRO-0, 100 MB at ZeRO-1, 70 MB at ZeRO-2; activations 1 MB
+    # per sample in fp32, 0.5 MB in the A100's bf16.
+    workload = replace(WORKLOAD, parameters=10_000_000, activation_bytes_per_sample=1e6)
+    text = "nodes:\n  - devices: [{{kind: A100-80GB, memory: {memory}, count: 4}}]\n"
+    roomy = load_cluster_text(text.format(memory="80GB"))
+    choice = automatic_stage(roomy, workload, Options(global_batch_size=8, zero_stage=None))
+    assert choice.stage == 0 and choice.reason.startswith("ZeRO stage 0 (auto)")
+    tight = load_cluster_text(text.format(memory="120MB"))  # 96 MB of room: ZeRO-2's 70 MB and 2 samples fit
+    choice = automatic_stage(tight, workload, Options(global_batch_size=8, zero_stage=None))
+    assert choice.stage == 2 and "at ZeRO stage 0 rank 0 would need" in choice.reason
+    # A compression hook needs ZeRO-0; the predicted plan uses the chosen stage.
+    hooked = Options(global_batch_size=8, zero_stage=None, compression="powersgd")
+    assert automatic_stage(roomy, workload, hooked).stage == 0
+    with pytest.raises(ValueError, match="cannot hold this model at ZeRO-0"):
+        automatic_stage(tight, workload, hooked)
+    device = predict(roomy, workload, Options(global_batch_size=8, zero_stage=None)).devices[0]
+    assert device.memory_bytes == pytest.approx(160e6 + device.micro_batch * 0.5e6)  # ZeRO-0, bf16 activations

@@ -305,7 +305,8 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--record-autocast", action="store_true", help="autocast.json: what training_step ran under")
-    parser.add_argument("--stage", type=int, default=2)
+    parser.add_argument("--stage", type=lambda v: None if v == "auto" else int(v), default=2,
+                        help="ZeRO stage; auto: HeteroStrategy's default (no stage given)")
     parser.add_argument("--batch-sizes", type=int, nargs="*")
     parser.add_argument("--global-batch-size", type=int)
     parser.add_argument("--samples", type=int, default=64)
