@@ -24,8 +24,8 @@ TOLERANCE = 1e-5
 BATCH_SIZES = [3, 13]
 
 
-@pytest.mark.parametrize(("stage", "micro_steps"), [(0, [1, 1]), (2, [1, 1]), (2, [2, 2])],
-                         ids=["zero0", "zero2", "zero2-micro-steps"])  # fmt: skip
+@pytest.mark.parametrize(("stage", "micro_steps"), [(0, [1, 1]), (2, [1, 1]), (2, [2, 2]), (3, [1, 1])],
+                         ids=["zero0", "zero2", "zero2-micro-steps", "zero3"])  # fmt: skip
 def test_sync_batchnorm_equals_one_process_on_the_global_batch(stage, micro_steps, tmp_path):
     global_batch = sum(b * k for b, k in zip(BATCH_SIZES, micro_steps))
     dataset, steps = IndexedRegression(64), contiguous_steps(64, global_batch, 64 // global_batch)
