@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from lightning_hetero.recover import checkpoint, liveness
+from lightning_hetero.recover.refusal import ResumeRefused
 
 
 SHARED_FOLDER_MARK = ".hetero_rank_0_prepared"  # in the staging folder while the ranks write
@@ -258,7 +259,7 @@ def check_convertible(path: Path, manifest: dict[str, Any], world_size: int) -> 
     """Fail at once, on every rank, where DeepSpeed's converter would fail after a while on one."""
     optimizer = str(manifest.get("optimizer"))
     if _CONVERTIBLE_OPTIMIZER_HINT.lower() not in optimizer.lower():
-        raise ValueError(
+        raise ResumeRefused(
             f"Checkpoint {path} was saved by {manifest.get('world_size')} ranks with ZeRO-{manifest.get('zero_stage')}"
             f" and the {optimizer} optimizer; this job has {world_size}. Resuming on another number of ranks goes"
             " through DeepSpeed's universal checkpoint converter, which reads only Adam-family optimizer states"

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_hetero.recover import checkpoint, elastic, failures, liveness
+from lightning_hetero.recover import checkpoint, elastic, failures, liveness, refusal
 from lightning_hetero.recover import from_lightning as resume_lightning
 from lightning_hetero.recover.stopping import (
     StopOnSigterm,
@@ -25,7 +25,7 @@ from lightning_hetero.recover.stopping import (
     slurm_job_id,
 )
 from lightning_hetero.runtime.collectives import Collectives
-from lightning_hetero.runtime.shutdown import exit_with_if_uncaught
+from lightning_hetero.runtime.shutdown import exit_with_if_uncaught, requested_exit_code
 
 Load = Callable[..., dict[str, Any]]
 
@@ -71,6 +71,8 @@ class Recovery:
     def on_exception(self, exception: BaseException, trainer: Any) -> None:
         """Say on every rank which rank failed and how (see :mod:`.failures`); no collective here."""
         exit_code_for(exception)
+        if requested_exit_code(exception) == refusal.EXIT_CODE_WILL_FAIL_AGAIN:
+            refusal.record_for_torchrun(exception)
         if self._stop_on_sigterm is not None and self._stop_on_sigterm.stopped_every_rank(exception):
             self._save_before_exit(trainer)
             if self._stop_on_sigterm.requeue_wanted() and self.rank == 0:

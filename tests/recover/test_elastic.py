@@ -24,6 +24,7 @@ from torch.utils.data import RandomSampler  # noqa: E402
 
 from lightning_hetero.recover import checkpoint  # noqa: E402
 from lightning_hetero.recover.liveness import EXIT_CODE_PEER_LOST  # noqa: E402
+from lightning_hetero.recover.refusal import EXIT_CODE_WILL_FAIL_AGAIN  # noqa: E402
 from lightning_hetero.recover.stopping import EXIT_CODE_INTERRUPTED  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
@@ -253,8 +254,9 @@ def test_an_sgd_checkpoint_on_another_number_of_ranks_fails_at_once_saying_what_
     assert first.returncode == 0, first.output[-3000:]
     saved = tmp_path / "two" / "ckpt" / "epoch=0-step=2.ckpt"
     resumed = run_fit(tmp_path / "one", "--samples", "64", "--devices", "1", "--ckpt-path", str(saved), timeout=120)
-    assert resumed.returncode != 0
+    assert resumed.returncode == EXIT_CODE_WILL_FAIL_AGAIN  # not 1: every restart would be refused the same way
     assert "reads only Adam-family optimizer states" in resumed.output and "Resume on 2 ranks" in resumed.output
+    assert "A restart of the same command on as many ranks fails the same way" in resumed.output
 
 
 @pytest.mark.fault
