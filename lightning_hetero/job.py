@@ -38,6 +38,7 @@ from lightning_hetero.precision.job import gradient_bytes_held_until_step, job_p
 from lightning_hetero.precision.nonfinite import NonFiniteGuard
 from lightning_hetero.precision.plugin import HeteroPrecision, autocast_for
 from lightning_hetero.recover.recovery import Recovery, manifest_facts
+from lightning_hetero.recover.refusal import ResumeRefused
 from lightning_hetero.runtime.collectives import Collectives
 from lightning_hetero.settings import HeteroSettings, check_ranks_agree
 from lightning_hetero.train.local_sgd import LocalTraining
@@ -331,7 +332,7 @@ class HeteroJob:
         if saved is None or saved == current:
             return
         if self.settings.global_batch_size is not None or self.settings.batch_sizes is not None:
-            raise ValueError(
+            raise ResumeRefused(
                 f"Checkpoint {path} was trained with a global batch of {saved} samples; this job's is {current}."
                 f" Pass `global_batch_size={saved}` to continue the same optimisation (the split over this job's"
                 " ranks is planned for it)."

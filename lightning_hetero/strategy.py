@@ -44,6 +44,7 @@ from lightning_hetero.precision.job import attach_to_engine
 from lightning_hetero.precision.nonfinite import DEFAULT_MAX_NONFINITE_STEPS
 from lightning_hetero.precision.plugin import HeteroPrecision
 from lightning_hetero.recover import elastic, liveness
+from lightning_hetero.recover.refusal import ResumeRefused
 from lightning_hetero.runtime import quiet, startup
 from lightning_hetero.runtime.shutdown import register_exit_cleanup
 from lightning_hetero.settings import HeteroSettings
@@ -591,7 +592,7 @@ class HeteroStrategy(DeepSpeedStrategy):
             raise ValueError(mismatch)
         same_world_size = manifest.get("world_size", self.world_size) == self.world_size
         if job.local is not None and not same_world_size:
-            raise ValueError(
+            raise ResumeRefused(
                 f"Checkpoint {chosen} was trained on {manifest.get('world_size')} ranks with `sync="
                 f"{self.settings.sync!r}`, and each rank's own optimizer state is in it: resume it on as many ranks."
             )

@@ -39,6 +39,8 @@ import zlib
 from pathlib import Path
 from typing import Any, Optional
 
+from lightning_hetero.recover.refusal import ResumeRefused
+
 MANIFEST_NAME = "hetero_manifest.json"
 # 2: each file's size and CRC-32 ({"size": n, "crc32": "8 hex digits"}); 1: its size only (still read).
 FORMAT_VERSION = 2
@@ -188,7 +190,7 @@ def choose_checkpoint(path: Path) -> tuple[Path, Optional[str]]:
             skipped.append(f"{candidate}: {damage}")
         others = []
     nearby = f" Complete checkpoints beside it: {', '.join(p.name for p in others)}." if others else ""
-    raise ValueError(
+    raise ResumeRefused(
         f"`ckpt_path` resolves to {path}, which cannot be resumed from: {reason}.{nearby} Pass a complete"
         " checkpoint, or delete this one to start from scratch."
     )

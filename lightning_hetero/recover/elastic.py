@@ -7,7 +7,8 @@
 * :func:`prune_unless_only`: ``ModelCheckpoint``'s pruning never deletes the only complete checkpoint.
 * :func:`init_process_group_for_this_attempt`: a job that torchrun restarted connects its ranks afresh.
 * :func:`convert_to_universal`: a checkpoint saved by another number of ranks becomes DeepSpeed's universal
-  checkpoint (cached inside it), which loads at any world size with the optimizer state.
+  checkpoint (cached inside it), which loads at any world size with the optimizer state (:mod:`.universal`), once
+  :func:`check_convertible` has found its optimizer state per parameter.
 * :func:`launched_layout`: the ``devices`` and ``num_nodes`` of the launcher's job, for an elastic job's script.
 
 The strategy keeps the lifecycle (which hook calls what); these functions keep the file handling out of it.
@@ -18,8 +19,6 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import subprocess
-import sys
 import time
 import uuid
 import warnings
@@ -27,7 +26,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from lightning_hetero.recover import checkpoint, liveness
+from lightning_hetero.recover import checkpoint, liveness, universal
+from lightning_hetero.recover.refusal import ResumeRefused
 
 
 SHARED_FOLDER_MARK = ".hetero_rank_0_prepared"  # in the staging folder while the ranks write
@@ -244,8 +244,6 @@ def init_process_group_for_this_attempt(backend: str, rank: int, world_size: int
     return True
 
 
-# Optimizers whose state DeepSpeed's converter can read: it takes Adam's `exp_avg` and `exp_avg_sq` by name.
-_CONVERTIBLE_OPTIMIZER_HINT = "Adam"
 UNIVERSAL_MARKER = "latest_universal"
 
 
@@ -255,24 +253,21 @@ def needs_universal(manifest: dict[str, Any], world_size: int) -> bool:
 
 
 def check_convertible(path: Path, manifest: dict[str, Any], world_size: int) -> None:
-    """Fail at once, on every rank, where DeepSpeed's converter would fail after a while on one."""
-    optimizer = str(manifest.get("optimizer"))
-    if _CONVERTIBLE_OPTIMIZER_HINT.lower() not in optimizer.lower():
-        raise ValueError(
-            f"Checkpoint {path} was saved by {manifest.get('world_size')} ranks with ZeRO-{manifest.get('zero_stage')}"
-            f" and the {optimizer} optimizer; this job has {world_size}. Resuming on another number of ranks goes"
-            " through DeepSpeed's universal checkpoint converter, which reads only Adam-family optimizer states"
-            f" (exp_avg, exp_avg_sq). Resume on {manifest.get('world_size')} ranks, or train with Adam/AdamW where"
-            " the world size may change."
-        )
+    """Every rank, before anything is converted: refuse an optimizer whose state is not per parameter (read from rank
+    0's optimizer file, memory-mapped), with what to do, as every restart on as many ranks would be refused."""
+    tag = (path / "latest").read_text().strip()
+    why = universal.refusal(path, str(manifest.get("optimizer")), manifest.get("zero_stage", 0),
+                            manifest.get("world_size"), world_size, universal.state_keys(path / tag))  # fmt: skip
+    if why is not None:
+        raise ResumeRefused(why)
 
 
 def convert_to_universal(path: Path) -> tuple[Path, Optional[float]]:
     """Convert checkpoint ``path`` to DeepSpeed's universal format in ``path/universal`` (rank 0 only).
 
     Returns the directory to load from and the seconds the conversion took (None when the cached one was used). The
-    conversion runs in its own process (DeepSpeed's ``ds_to_universal``, one worker) and is published with a rename,
-    so a conversion that was killed is redone, never half-used.
+    conversion (:mod:`.universal`) is published with a rename, so a conversion that was killed is redone, never
+    half-used.
     """
     converted = path / checkpoint.DERIVED_DIRNAME
     if (converted / UNIVERSAL_MARKER).exists():
@@ -280,19 +275,11 @@ def convert_to_universal(path: Path) -> tuple[Path, Optional[float]]:
     staging = path / f".{checkpoint.DERIVED_DIRNAME}.partial"
     shutil.rmtree(staging, ignore_errors=True)
     tag = (path / "latest").read_text().strip()
-    command = [
-        sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(path / tag),
-        "--output_folder", str(staging / tag), "--inject_missing_state",
-        "--num_extract_workers", "1", "--num_merge_workers", "1",
-    ]  # fmt: skip
     started = time.perf_counter()
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
+    try:
+        universal.convert(path / tag, staging / tag)
+    except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
-        output = (result.stdout + result.stderr).strip().splitlines()
-        raise RuntimeError(
-            f"DeepSpeed's universal checkpoint converter failed on {path} (exit code {result.returncode}); its last"
-            " lines:\n" + "\n".join(output[-8:])
-        )
+        raise
     os.rename(staging, converted)
     return converted, time.perf_counter() - started

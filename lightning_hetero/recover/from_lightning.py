@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_hetero.recover.refusal import ResumeRefused
 from lightning_hetero.train.order import STATE_EPOCH, STATE_NUM_SAMPLES, STATE_SAMPLES_CONSUMED, STATE_SEED
 
 # Where Lightning keeps the fit loop's state, and the training loader's state inside it (lightning 2.x).
@@ -37,10 +38,10 @@ def read_lightning_checkpoint(path: Path) -> dict[str, Any]:
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as error:  # noqa: BLE001 - reported with the path
-        message = f"`ckpt_path` {path} is a file that does not load as a Lightning checkpoint: {error}"
-        raise ValueError(message) from None
+        message = f"`ckpt_path` {path} is a file that does not load as a Lightning checkpoint: {error}."
+        raise ResumeRefused(message) from None
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-        raise ValueError(
+        raise ResumeRefused(
             f"`ckpt_path` {path} is neither a HeteroStrategy checkpoint directory nor a Lightning checkpoint file (no"
             " `state_dict` in it)."
         )
@@ -105,7 +106,7 @@ def load_optimizer_state(
         return
     saved_ids = [index for group in saved["param_groups"] for index in group["params"]]
     if len(saved_ids) != len(parameters):
-        raise ValueError(
+        raise ResumeRefused(
             f"The checkpoint's optimizer has {len(saved_ids)} parameters and this model's {len(parameters)}: it was"
             " saved for another model or another configure_optimizers()."
         )

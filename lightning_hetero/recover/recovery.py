@@ -9,13 +9,14 @@ engine writes and reads the per-rank shards itself, so each method wraps the par
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_hetero.recover import checkpoint, elastic, failures, liveness
+from lightning_hetero.recover import checkpoint, elastic, failures, liveness, refusal, universal
 from lightning_hetero.recover import from_lightning as resume_lightning
 from lightning_hetero.recover.stopping import (
     StopOnSigterm,
@@ -25,7 +26,7 @@ from lightning_hetero.recover.stopping import (
     slurm_job_id,
 )
 from lightning_hetero.runtime.collectives import Collectives
-from lightning_hetero.runtime.shutdown import exit_with_if_uncaught
+from lightning_hetero.runtime.shutdown import exit_with_if_uncaught, requested_exit_code
 
 Load = Callable[..., dict[str, Any]]
 
@@ -71,6 +72,8 @@ class Recovery:
     def on_exception(self, exception: BaseException, trainer: Any) -> None:
         """Say on every rank which rank failed and how (see :mod:`.failures`); no collective here."""
         exit_code_for(exception)
+        if requested_exit_code(exception) == refusal.EXIT_CODE_WILL_FAIL_AGAIN:
+            refusal.record_for_torchrun(exception)
         if self._stop_on_sigterm is not None and self._stop_on_sigterm.stopped_every_rank(exception):
             self._save_before_exit(trainer)
             if self._stop_on_sigterm.requeue_wanted() and self.rank == 0:
@@ -153,7 +156,8 @@ class Recovery:
 
     def load_on_another_world_size(self, chosen: Path, manifest: dict[str, Any], engine: Any, load: Load) -> Any:
         """A checkpoint of another number of ranks: ZeRO-0 keeps whole states on every rank; ZeRO-1/2/3 go through
-        DeepSpeed's universal format (rank 0 converts, once; its result or error reaches every rank)."""
+        DeepSpeed's universal format (rank 0 converts, once; its result or error reaches every rank), for any optimizer
+        whose state is per parameter (:mod:`.universal`; another is refused on every rank first)."""
         if not elastic.needs_universal(manifest, self.world_size):
             return load(str(chosen))
         elastic.check_convertible(chosen, manifest, self.world_size)
@@ -162,15 +166,18 @@ class Recovery:
             lambda: (None, elastic.convert_to_universal(chosen) if self.rank == 0 else None),
         )
         directory, seconds = results[0]
-        how = f"converted to DeepSpeed's universal format in {seconds:.1f} s" if seconds is not None else "using the"
+        how = f"converted to DeepSpeed's universal format in {seconds:.2f} s" if seconds is not None else "using the"
         rank_zero_info(
             f"HeteroStrategy: {chosen} was saved by {manifest['world_size']} ranks; this job has {self.world_size}:"
             f" {how} universal copy in {directory}."
         )
         engine_config = engine._config
         engine_config.load_universal_checkpoint = True  # read at load time only; a plain checkpoint needs it off
+        # DeepSpeed's ZeRO-1/2 loader reads every state the universal copy holds; its ZeRO-3 loader only Adam's.
+        zero3 = engine.zero_optimization_stage() == 3 and engine.optimizer is not None
         try:
-            return load(str(directory))
+            with universal.loading_zero3(engine.optimizer) if zero3 else contextlib.nullcontext():
+                return load(str(directory))
         finally:
             engine_config.load_universal_checkpoint = False
 

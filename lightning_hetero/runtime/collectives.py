@@ -13,6 +13,8 @@ import torch
 import torch.distributed
 from torch import Tensor
 
+from lightning_hetero.runtime.shutdown import exit_with_if_uncaught, requested_exit_code
+
 T = TypeVar("T")
 
 
@@ -78,11 +80,16 @@ class Collectives:
         except Exception as error:
             local, shared, failure = None, None, error
         failure_text = None if failure is None else describe_failure(failure)
-        gathered = self.gather_objects({"shared": shared, "failure": failure_text})
+        code = None if failure is None else requested_exit_code(failure)
+        gathered = self.gather_objects({"shared": shared, "failure": failure_text, "exit_code": code})
         if failure is not None:
             raise failure
-        failed = [(rank, entry["failure"]) for rank, entry in enumerate(gathered) if entry["failure"]]
+        failed = [(rank, entry) for rank, entry in enumerate(gathered) if entry["failure"]]
         if failed:
-            rank, message = failed[0]
-            raise RuntimeError(f"HeteroStrategy: {what} failed on rank {rank} ({message}); every rank stops here.")
+            rank, entry = failed[0]
+            error = RuntimeError(f"HeteroStrategy: {what} failed on rank {rank} ({entry['failure']}); every rank stops"
+                                 " here.")  # fmt: skip
+            if entry["exit_code"] is not None:  # (a refusal that every restart repeats: every rank exits alike)
+                exit_with_if_uncaught(error, entry["exit_code"])
+            raise error
         return local, [entry["shared"] for entry in gathered]  # type: ignore[return-value]

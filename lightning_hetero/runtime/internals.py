@@ -213,7 +213,8 @@ ENGINE_STATE = (
     Internal("deepspeed.runtime.config", "DeepSpeedConfig#load_universal_checkpoint", "patched", "recover/recovery.py",
              "on while the converted universal checkpoint loads", "off after the load"),
     Internal(_DS_ENGINE, "DeepSpeedEngine#basic_optimizer", "read", "recover/recovery.py",
-             "the user's optimizer class, written to the manifest (the universal conversion needs Adam's state)"),
+             "the user's optimizer class, written to the manifest (named when a resume on another number of ranks"
+             " refuses its state)"),
     Internal(_DS_ENGINE, "DeepSpeedEngine#checkpoint_engine", "read", "recover/elastic.py",
              "whose save and makedirs DeferredWriteErrors defers"),
     Internal(_DS_ENGINE, "DeepSpeedEngine.allreduce_gradients", "patched", "comm/communication.py, emulate/slowdown.py",
@@ -299,6 +300,31 @@ ENGINE_STATE = (
              "the model-states file of a checkpoint tag"),
 )  # fmt: skip
 
+_ZERO3_UNIVERSAL = (
+    "a ZeRO-3 resume on another number of ranks loads every per-parameter optimizer state of the universal copy"
+    " (DeepSpeed's ZeRO-3 loader loads Adam's exp_avg and exp_avg_sq only)"
+)
+UNIVERSAL_LOAD = (
+    Internal(_DS_Z3, "DeepSpeedZeroOptimizer_Stage3._load_universal_checkpoint", "patched", "recover/universal.py",
+             "replaced on the instance by load_zero3: " + _ZERO3_UNIVERSAL, "popped from the instance after the load"),
+    Internal(_DS_Z3, "DeepSpeedZeroOptimizer_Stage3.load_module_checkpoint_state_from_checkpoint_dir_stage3", "called",
+             "recover/universal.py", "DeepSpeed's own load of the fp32 and module partitions; " + _ZERO3_UNIVERSAL),
+    Internal(_DS_Z3, "DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state", "called", "recover/universal.py",
+             "this rank's partition of a parameter's state, cut as DeepSpeed cuts it; " + _ZERO3_UNIVERSAL),
+    Internal(_DS_Z3, "DeepSpeedZeroOptimizer_Stage3._load_global_state_stage3", "called", "recover/universal.py",
+             "the loss scaler; " + _ZERO3_UNIVERSAL),
+    Internal(_DS_Z3, "DeepSpeedZeroOptimizer_Stage3#fp16_groups", "read", "recover/universal.py",
+             "the parameters of each sub-group, in the order of its flat partition; " + _ZERO3_UNIVERSAL),
+    Internal(_DS_Z3, "DeepSpeedZeroOptimizer_Stage3#fp32_partitioned_groups_flat", "read", "recover/universal.py",
+             "each sub-group's flat partition, whose optimizer state is loaded; " + _ZERO3_UNIVERSAL),
+    Internal(_DS_Z3, "DeepSpeedZeroOptimizer_Stage3#param_names", "read", "recover/universal.py",
+             "a parameter's folder in the universal copy; " + _ZERO3_UNIVERSAL),
+    Internal(_DS_Z3, "DeepSpeedZeroOptimizer_Stage3#optimizer", "read", "recover/universal.py",
+             "the user's optimizer, whose state and param groups are loaded; " + _ZERO3_UNIVERSAL),
+    Internal(_DS_Z3, "DeepSpeedZeroOptimizer_Stage3#swap_optimizer", "read", "recover/universal.py",
+             "an optimizer swapped to NVMe is refused (its state is loaded by DeepSpeed's own loader only)"),
+)  # fmt: skip
+
 _POWER_SGD = "torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook"
 _POWER_SGD_STATE = "PowerSGD's state, cleared when the buckets change and saved in checkpoints (error feedback)"
 TORCH_STATE = (
@@ -319,7 +345,7 @@ TORCH_STATE = (
 
 INTERNALS = (
     SHM_OP_BUILDER, DEFAULT_STORE, *CHECKPOINT_WRITES, LAYER_SYNC, SETUP_MODEL, LIGHTNING_CHECKPOINT_LOAD,
-    *FOREIGN_RESUME, *STRATEGY_HOOKS, *TRAINER_STATE, *ENGINE_STATE, *TORCH_STATE,
+    *FOREIGN_RESUME, *STRATEGY_HOOKS, *TRAINER_STATE, *ENGINE_STATE, *UNIVERSAL_LOAD, *TORCH_STATE,
 )  # fmt: skip
 
 

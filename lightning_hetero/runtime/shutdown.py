@@ -58,11 +58,16 @@ def exit_with_if_uncaught(exception: BaseException, code: int) -> None:
     setattr(exception, _EXIT_CODE_ATTRIBUTE, code)
 
 
+def requested_exit_code(exception: BaseException) -> Optional[int]:
+    """The code :func:`exit_with_if_uncaught` gave ``exception``; None when it asked for none."""
+    return getattr(exception, _EXIT_CODE_ATTRIBUTE, None)
+
+
 def _note_exit_code(hook: Any) -> Any:
     def excepthook(kind: type, value: BaseException, traceback: Any) -> None:
         global _exit_code
         hook(kind, value, traceback)
-        _exit_code = getattr(value, _EXIT_CODE_ATTRIBUTE, None)
+        _exit_code = requested_exit_code(value)
 
     excepthook.__wrapped__ = hook  # type: ignore[attr-defined]
     return excepthook

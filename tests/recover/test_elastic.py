@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -24,6 +25,7 @@ from torch.utils.data import RandomSampler  # noqa: E402
 
 from lightning_hetero.recover import checkpoint  # noqa: E402
 from lightning_hetero.recover.liveness import EXIT_CODE_PEER_LOST  # noqa: E402
+from lightning_hetero.recover.refusal import EXIT_CODE_WILL_FAIL_AGAIN  # noqa: E402
 from lightning_hetero.recover.stopping import EXIT_CODE_INTERRUPTED  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
@@ -221,40 +223,68 @@ def test_sigterm_saves_a_complete_checkpoint_at_the_next_step_and_the_resume_los
     assert used == list(range(160))  # that epoch: each sample once across the interruption
 
 
-@pytest.mark.fault
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_a_checkpoint_of_2_ranks_resumes_on_1_and_on_3_ranks_as_the_uninterrupted_run(stage, tmp_path):
-    """Adam, global batch 16. The 2-rank checkpoint of step 4 is converted to DeepSpeed's universal format (once,
-    cached inside it) and resumed on 1 rank (whose default global batch, 8, gives way to the checkpoint's 16) and on
-    3 ranks (micro-batches 6/5/5): both finish the epoch with the parameters of the uninterrupted 2-rank run."""
-    common = ["--samples", "160", "--stage", str(stage), "--optimizer", "adam"]
-    first = run_fit(tmp_path / "two", *common, "--batch-sizes", "8", "8", "--checkpoint-every", "4")
-    assert first.returncode == 0, first.output[-3000:]
-    reference = reference_training(IndexedRegression(160), contiguous_steps(160, 16), optimizer_name="adam")
-    assert max_param_difference(first.result, reference) <= TOLERANCE
-    saved = tmp_path / "two" / "ckpt" / "epoch=0-step=4.ckpt"
-    for devices, split in [(1, []), (3, ["--batch-sizes", "6", "5", "5"])]:
-        resumed = run_fit(tmp_path / f"on{devices}", *common, "--devices", str(devices), *split,
-                          "--ckpt-path", str(saved))  # fmt: skip
-        assert resumed.returncode == 0, resumed.output[-3000:]
-        assert f"was saved by 2 ranks; this job has {devices}:" in resumed.output
-        assert resumed.result["global_step"] == 10
-        assert sorted(sum(resumed.result["seen"], [])) == list(range(64, 160))  # the rest of the epoch, once
-        difference = max_param_difference(resumed.result, reference)
-        print(f"ZeRO-{stage}, 2 -> {devices} ranks: largest parameter difference {difference:.1e}")
-        assert difference <= TOLERANCE, difference
-    assert (saved / checkpoint.DERIVED_DIRNAME / "latest_universal").exists()  # converted once, reused
-    assert checkpoint.incompleteness(saved) is None
+# Resumed on another number of ranks: ZeRO-0 (whole states on every rank) with SGD; ZeRO 1-3 with every optimizer whose
+# state is per parameter (SGD's momentum, RMSprop's three tensors, Adagrad's sums, Adam's moments, AdamW's amsgrad
+# maximum, which DeepSpeed's own converter left out); NAdam (its mu_product is a number that is not the step) refused.
+PER_PARAMETER = ("sgd", "rmsprop", "adagrad", "adam", "adamw")
+RESIZED = [(0, "sgd")] + [(stage, name) for stage in (1, 2, 3) for name in PER_PARAMETER]
+REFUSED = (2, "nadam")
 
 
 @pytest.mark.fault
-def test_an_sgd_checkpoint_on_another_number_of_ranks_fails_at_once_saying_what_to_do(tmp_path):
-    first = run_fit(tmp_path / "two", "--samples", "64", "--batch-sizes", "8", "8", "--checkpoint-every", "2")
+def test_checkpoints_of_2_ranks_resume_on_1_and_on_3_ranks_as_the_uninterrupted_runs_for_every_per_parameter_state(
+    tmp_path,
+):
+    """Three jobs, a fit per case in each (global batch 16, 6 steps): 2 ranks train every case and save at step 3;
+    1 rank (whose default global batch, 8, gives way to the checkpoint's 16) and 3 ranks (micro-batches 6/5/5) resume
+    each checkpoint, converted to DeepSpeed's universal layout once (cached inside it), and finish the epoch with the
+    parameters of one process trained on the same global batches. The NAdam checkpoint is refused on 1 rank, saying
+    what to do, with exit code 78 (a restart would be refused alike); it used to fail inside DeepSpeed's converter."""
+    common = ["--samples", "96", "--max-epochs", "1"]
+
+    def case(directory, stage, name, *more):
+        out = tmp_path / directory / f"{name}{stage}"
+        return ["--out", str(out), "--stage", str(stage), "--optimizer", name, *more]
+
+    first = run_fit(tmp_path / "two", *common, "--batch-sizes", "8", "8", "--checkpoint-every", "3", "--each",
+                    json.dumps([case("two", s, n) for s, n in [*RESIZED, REFUSED]]), timeout=400)  # fmt: skip
     assert first.returncode == 0, first.output[-3000:]
-    saved = tmp_path / "two" / "ckpt" / "epoch=0-step=2.ckpt"
-    resumed = run_fit(tmp_path / "one", "--samples", "64", "--devices", "1", "--ckpt-path", str(saved), timeout=120)
-    assert resumed.returncode != 0
-    assert "reads only Adam-family optimizer states" in resumed.output and "Resume on 2 ranks" in resumed.output
+    references = {name: reference_training(IndexedRegression(96), contiguous_steps(96, 16), optimizer_name=name)
+                  for name in {n for _, n in [*RESIZED, REFUSED]}}  # fmt: skip
+    for stage, name in [*RESIZED, REFUSED]:  # the uninterrupted runs
+        result = json.loads((tmp_path / "two" / f"{name}{stage}" / "result.json").read_text())
+        assert max_param_difference(result, references[name]) <= TOLERANCE, (stage, name)
+
+    def saved(stage, name):
+        return str(tmp_path / "two" / f"{name}{stage}" / "ckpt" / "epoch=0-step=3.ckpt")
+
+    one = run_fit(tmp_path / "one", *common, "--devices", "1", "--each", json.dumps(
+        [case("one", s, n, "--ckpt-path", saved(s, n)) for s, n in [*RESIZED, REFUSED]]), timeout=400)  # fmt: skip
+    three = run_fit(tmp_path / "three", *common, "--devices", "3", "--batch-sizes", "6", "5", "5", "--each", json.dumps(
+        [case("three", s, n, "--ckpt-path", saved(s, n)) for s, n in RESIZED]), timeout=400)  # fmt: skip
+    assert three.returncode == 0, three.output[-3000:]
+    for directory, run in (("one", one), ("three", three)):
+        for stage, name in RESIZED:
+            result_file = tmp_path / directory / f"{name}{stage}" / "result.json"
+            assert result_file.exists(), (directory, stage, name, run.output[-3000:])
+            result = json.loads(result_file.read_text())
+            assert result["global_step"] == 6
+            assert sorted(sum(result["seen"], [])) == list(range(48, 96))  # the rest of the epoch, once
+            difference = max_param_difference(result, references[name])
+            ranks = len(result["seen"])
+            print(f"ZeRO-{stage} {name}, 2 -> {ranks} ranks: largest parameter difference {difference:.1e}")
+            assert difference <= TOLERANCE, (directory, stage, name, difference)
+            if stage:
+                assert f"{saved(stage, name)} was saved by 2 ranks; this job has {ranks}:" in run.output
+                assert checkpoint.incompleteness(Path(saved(stage, name))) is None
+    assert three.output.count("using the universal copy") == len(RESIZED) - 1  # converted once (ZeRO-0 needs none)
+    stage, name = REFUSED
+    assert one.returncode == EXIT_CODE_WILL_FAIL_AGAIN, one.output[-3000:]
+    refusal = (f"Checkpoint {saved(stage, name)} was saved by 2 ranks with ZeRO-2; this job has 1. ZeRO splits the"
+               " optimizer state by rank, and resuming on another number of ranks cuts it per parameter and splits it"
+               " again, but the NAdam optimizer keeps state that is not per parameter: 'mu_product' (a number that is"
+               " not the step). Resume on 2 ranks")  # fmt: skip
+    assert refusal in one.output and "exits with code 78 (retrying cannot help)" in one.output, one.output[-3000:]
 
 
 @pytest.mark.fault
@@ -385,6 +415,54 @@ def test_an_elastic_job_of_two_torchrun_agents_loses_one_and_finishes_on_the_oth
     assert "was saved by 4 ranks; this job has 2" in output, output[-4000:]
     assert "finished at step 24" in output, output[-4000:]
     assert checkpoint.read_manifest(root / "checkpoints" / "last.ckpt")["world_size"] == 2
+
+
+@pytest.mark.fault
+def test_an_elastic_sgd_job_at_zero_2_loses_an_agent_and_finishes_on_the_other_as_the_uninterrupted_run(tmp_path):
+    """Issue 29: two torchrun agents of 1 rank each (c10d rendezvous, nodes 1:2) train SGD with momentum at ZeRO-2
+    (global batch 16, a checkpoint every 5 steps); once the checkpoint of step 5 is published, while the ranks wait at
+    step 5, the second agent and its worker are killed (a node lost). The survivor re-rendezvouses alone, resumes the
+    2-rank checkpoint on 1 rank (its momentum cut per parameter and put together again) and ends 4 epochs with the
+    parameters of one process trained on the same global batches. It used to be refused ("resume on the original
+    number of ranks") on every restart until torchrun gave up."""
+    out, go_on = tmp_path / "run", tmp_path / "go_on"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
+               "--max-restarts=3", "--monitor-interval=0.5", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=elastic-sgd",
+               "--rdzv-conf=last_call_timeout=5", str(WORKERS / "fit.py"), "--out", str(out), "--launched-layout",
+               "--global-batch-size", "16", "--samples", "160", "--max-epochs", "4", "--checkpoint-every", "5",
+               "--save-last", "--ckpt-path", "last", "--optimizer", "sgd", "--stage", "2",
+               "--hold-at", f"5:{go_on}"]  # fmt: skip
+    environment = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    agents = []
+    try:
+        for _ in range(2):  # the first hosts the rendezvous store; each agent is a node, in a session of its own
+            agents.append(subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                           text=True, start_new_session=True, env=environment))  # fmt: skip
+            time.sleep(1.0)
+        last = out / "ckpt" / "last.ckpt"
+        deadline = time.monotonic() + 240
+        while checkpoint.incompleteness(last) is not None:
+            assert all(agent.poll() is None for agent in agents), agents[0].communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "no checkpoint was published"
+            time.sleep(0.2)
+        assert checkpoint.read_manifest(last)["world_size"] == 2
+        kill_tree(agents[1].pid)  # the node is lost: its agent and its worker
+        go_on.touch()
+        output, _ = agents[0].communicate(timeout=240)
+    finally:
+        for agent in agents:
+            kill_tree(agent.pid)
+    assert agents[0].returncode == 0, output[-4000:]
+    converted = f"{last} was saved by 2 ranks; this job has 1: converted to DeepSpeed's universal format"
+    assert converted in output, output[-4000:]
+    result = json.loads((out / "result.json").read_text())
+    assert result["global_step"] == 40 and len(result["seen"]) == 1
+    reference = reference_training(IndexedRegression(160), contiguous_steps(160, 16) * 4, optimizer_name="sgd")
+    difference = max_param_difference(result, reference)
+    print(f"2 agents -> 1: largest parameter difference from the uninterrupted run {difference:.1e}")
+    assert difference <= TOLERANCE, difference
+    assert checkpoint.read_manifest(last)["world_size"] == 1
 
 
 def free_port():

@@ -41,6 +41,24 @@ def make_network(
     return nn.Sequential(*layers, nn.Linear(hidden, 1))
 
 
+# The optimizers the tests train with (the model's and the single-process reference's), each with the state it keeps
+# per parameter: SGD's momentum_buffer; Adam's exp_avg, exp_avg_sq and step (AdamW with amsgrad adds max_exp_avg_sq);
+# RMSprop's square_avg, momentum_buffer and grad_avg (centered) and step; Adagrad's sum and step. NAdam also keeps
+# mu_product, a number that is not the step.
+OPTIMIZERS = {
+    "sgd": lambda params, lr, momentum: torch.optim.SGD(params, lr=lr, momentum=momentum),
+    "adam": lambda params, lr, momentum: torch.optim.Adam(params, lr=lr / 5),
+    "adamw": lambda params, lr, momentum: torch.optim.AdamW(params, lr=lr / 5, weight_decay=0.01, amsgrad=True),
+    "rmsprop": lambda params, lr, momentum: torch.optim.RMSprop(params, lr=lr / 10, momentum=0.5, centered=True),
+    "adagrad": lambda params, lr, momentum: torch.optim.Adagrad(params, lr=lr),
+    "nadam": lambda params, lr, momentum: torch.optim.NAdam(params, lr=lr / 5),
+}
+
+
+def make_optimizer(name: str, parameters, lr: float, momentum: float) -> torch.optim.Optimizer:
+    return OPTIMIZERS[name](parameters, lr, momentum)
+
+
 def batch_loss(network: nn.Module, x: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     return nn.functional.mse_loss(network(x), y, reduction=reduction)
 
@@ -125,9 +143,7 @@ class RegressionModule(LightningModule):
             self.gathered_shapes.setdefault(stage, []).append(list(self.all_gather(self.network(x)).shape))
 
     def configure_optimizers(self):
-        if self.optimizer_name == "adam":  # what DeepSpeed's universal checkpoint conversion handles at ZeRO 1/2
-            return torch.optim.Adam(self.parameters(), lr=self.lr / 5)
-        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
+        return make_optimizer(self.optimizer_name, self.parameters(), self.lr, self.momentum)
 
 
 def reference_training(
@@ -148,10 +164,7 @@ def reference_training(
     gradient of the global batch's sum divided by W.
     """
     network = make_network()
-    if optimizer_name == "adam":
-        optimizer = torch.optim.Adam(network.parameters(), lr=lr / 5)
-    else:
-        optimizer = torch.optim.SGD(network.parameters(), lr=lr, momentum=momentum)
+    optimizer = make_optimizer(optimizer_name, network.parameters(), lr, momentum)
     epoch_length = batches_per_epoch or len(steps)
     windows = [
         steps[begin : min(begin + accumulate, epoch_begin + epoch_length)]

@@ -11,18 +11,19 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
-from common import IndexedRegression, PaddedTokens, RegressionModule, TokenModule  # noqa: E402
+from common import OPTIMIZERS, IndexedRegression, PaddedTokens, RegressionModule, TokenModule  # noqa: E402
 from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from torch.utils.data import DataLoader, IterableDataset  # noqa: E402
 
-from lightning_hetero import HeteroMonitor, HeteroStrategy  # noqa: E402
+from lightning_hetero import HeteroMonitor, HeteroStrategy, launched_layout  # noqa: E402
 
 
 class ShardedStream(IterableDataset):
@@ -87,6 +88,20 @@ class WritePidWhenTraining(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == 3:
             (self.out / f"pid_rank{trainer.global_rank}").write_text(str(os.getpid()))
+
+
+class HoldUntilFile(Callback):
+    """Every rank waits before the batch that begins at global step ``step`` until ``file`` exists (at most 300 s): a
+    test can act on a job whose checkpoint of that step is published and whose ranks are idle (kill a node, then let
+    the survivors go on). Once the file exists, that step (again, after a resume) passes."""
+
+    def __init__(self, step: int, file: Path) -> None:
+        self.step, self.file = step, file
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        deadline = time.monotonic() + 300
+        while trainer.global_step == self.step and not self.file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 class FaultInjection(Callback):
@@ -333,7 +348,7 @@ def main() -> None:
     parser.add_argument("--disk-full-at", type=int, help="rank 1's checkpoint writes fail (ENOSPC) from this step on")
     parser.add_argument("--kill", help="RANK:STEP:WHERE (step|checkpoint): that rank SIGKILLs itself there")
     parser.add_argument("--record-steps", action="store_true", help="append every rank's step indices to steps.jsonl")
-    parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd")
     parser.add_argument("--hidden", type=int, default=8)
     parser.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d first; buffer traces in the result")
     parser.add_argument("--sync-batchnorm", action="store_true", help="Trainer(sync_batchnorm=True)")
@@ -363,7 +378,21 @@ def main() -> None:
     parser.add_argument("--noisy-loss", type=float, help="SIGMA: each step's loss scaled by e^N(0, SIGMA) per rank")
     parser.add_argument("--nan-until", type=int, default=1 << 30, help="... and before this global step")
     parser.add_argument("--config-by-rank", help="JSON list: rank r's DeepSpeed config (to provoke a mismatch)")
+    parser.add_argument("--hold-at", help="STEP:FILE: every rank waits at that global step until FILE exists")
+    parser.add_argument("--launched-layout", action="store_true",
+                        help="devices and num_nodes from torchrun, as an elastic job's script takes them")  # fmt: skip
+    parser.add_argument("--each", help="JSON list of argument lists: one fit after another in these ranks, each with"
+                        " its arguments added to the others (several cases in one job)")  # fmt: skip
     args = parser.parse_args()
+    if args.each is None:
+        return fit(args)
+    at = sys.argv.index("--each")
+    common = sys.argv[1:at] + sys.argv[at + 2 :]
+    for more in json.loads(args.each):
+        fit(parser.parse_args(common + more))
+
+
+def fit(args: argparse.Namespace) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
 
     rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -411,6 +440,9 @@ def main() -> None:
         callbacks.append(FaultInjection(int(kill_rank), int(kill_step), where))
     if args.record_steps:
         callbacks.append(RecordSteps(args.out))
+    if args.hold_at:
+        hold_step, hold_file = args.hold_at.split(":", 1)
+        callbacks.append(HoldUntilFile(int(hold_step), Path(hold_file)))
     if args.disk_full_at is not None and rank == 1:
         callbacks.append(DiskFullFrom(args.disk_full_at))
     if args.record_every_step:
@@ -419,9 +451,11 @@ def main() -> None:
         from lightning_hetero.runtime.shutdown import register_exit_cleanup
 
         register_exit_cleanup()
+    devices, num_nodes = launched_layout(args.devices) if args.launched_layout else (args.devices, 1)
     trainer = Trainer(
         accelerator=args.accelerator,
-        devices=args.devices,
+        devices=devices,
+        num_nodes=num_nodes,
         strategy="ddp" if args.ddp else HeteroStrategy(**strategy_kwargs),
         precision=args.precision,
         max_epochs=args.max_epochs,
