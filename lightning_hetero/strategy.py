@@ -588,8 +588,8 @@ class HeteroStrategy(DeepSpeedStrategy):
         chosen, manifest = job.recovery.choose(path)
         mismatch = resume_stage_mismatch(manifest.get("zero_stage"), self._zero_stage(),
                                          self._automatic_stages is not None, str(chosen))  # fmt: skip
-        if mismatch:  # (every rank has the manifest: every rank raises)
-            raise ValueError(mismatch)
+        if mismatch:  # (every rank has the manifest: every rank raises; every restart would too)
+            raise ResumeRefused(mismatch)
         same_world_size = manifest.get("world_size", self.world_size) == self.world_size
         if job.local is not None and not same_world_size:
             raise ResumeRefused(

@@ -159,6 +159,10 @@ class Recovery:
         DeepSpeed's universal format (rank 0 converts, once; its result or error reaches every rank), for any optimizer
         whose state is per parameter (:mod:`.universal`; another is refused on every rank first)."""
         if not elastic.needs_universal(manifest, self.world_size):
+            rank_zero_info(
+                f"HeteroStrategy: {chosen} was saved by {manifest.get('world_size')} ranks; this job has"
+                f" {self.world_size}: at ZeRO-0 every rank's file holds the whole state, loaded as it is."
+            )
             return load(str(chosen))
         elastic.check_convertible(chosen, manifest, self.world_size)
         _, results = self.collectives.gather_or_raise(

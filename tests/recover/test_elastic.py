@@ -385,7 +385,8 @@ def test_an_elastic_job_of_two_torchrun_agents_loses_one_and_finishes_on_the_oth
     """The README's elastic command as written, on one machine: two torchrun agents (c10d rendezvous on 127.0.0.1, 2
     ranks each, nodes 1:2) train examples/fault_tolerant.py on 4 ranks; once a checkpoint is published, the second
     agent and its workers are killed (a node lost). The first agent's workers stop, it re-rendezvouses alone, and the
-    job resumes on 2 ranks from the 4-rank checkpoint (converted to DeepSpeed's universal format) and finishes. The
+    job resumes on 2 ranks from the 4-rank checkpoint and finishes (at the default stage, ZeRO-0 here, each rank's file
+    holds the whole state; a ZeRO-2 job goes through the universal format: the SGD test below). The
     example used to fail at once: "You set devices=2 and num_nodes=1 ... does not match the world size (4)"."""
     root = tmp_path / "run"
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=2",
