@@ -34,6 +34,7 @@ from lightning_hetero.plan.deepspeed_config import (
     CPU_ZERO_SETTINGS,
     check_config_argument,
     config_disagreements,
+    default_config_stage,
     disagreement_message,
     rank_config,
     with_cpu_zero_settings,
@@ -68,8 +69,9 @@ class HeteroStrategy(DeepSpeedStrategy):
 
     Args:
         stage: ZeRO stage 0-3 (default 2; 0 with ``sync="local_sgd"`` or ``"diloco"``). With a ``config`` dict the
-            config's ``zero_optimization.stage`` wins;
-            ``stage`` only fills it in when the config leaves it unset.
+            config's ``zero_optimization.stage`` wins; ``stage`` only fills it in when the config leaves it unset, and
+            a config that sets none without ``stage`` is ZeRO-0, as DeepSpeed and DeepSpeedStrategy read it.
+            DeepSpeedStrategy's ``zero_optimization=False`` is ``stage=0``.
         global_batch_size: samples per step across all ranks. Default: the training loader's ``batch_size`` times
             the world size (what DDP would use), or the sum of ``batch_sizes``.
         batch_sizes: each rank's micro-batch, in global rank order; they sum to the global batch.
@@ -169,6 +171,9 @@ class HeteroStrategy(DeepSpeedStrategy):
         sync_options: Optional[dict[str, Any]] = None,
         **kwargs: Any,
     ) -> None:
+        user_config = config is not None or self.DEEPSPEED_ENV_VAR in os.environ
+        if not user_config:  # (with a config, DeepSpeedStrategy ignores these arguments too: the warning names them)
+            stage = default_config_stage(stage, kwargs)
         settings = HeteroSettings.from_arguments(
             stage, global_batch_size, batch_sizes, weights, micro_steps, emulate_speeds, loss_reduction, rebalance,
             rebalance_window, rebalance_threshold, peer_timeout, device_precision, compression, compression_options,
@@ -179,7 +184,6 @@ class HeteroStrategy(DeepSpeedStrategy):
         quiet.hide_the_srun_hint_outside_slurm_jobs()
         with quiet.third_party_noise_silenced():  # the parent imports DeepSpeed, which prints its accelerator guess
             super().__init__(stage=settings.zero_stage, config=config, **kwargs)
-        user_config = config is not None or self.DEEPSPEED_ENV_VAR in os.environ
         if user_config:
             settings.reconcile_user_config(self.config, kwargs)
         check_exchange(settings.compression, settings.hierarchical, self._zero_stage(), self.config)

@@ -1,0 +1,43 @@
+"""What a user of Lightning's DeepSpeedStrategy relies on when switching to HeteroStrategy: real 2-rank fits on CPU.
+
+Each case failed before (issue 29, item 8); the numbers compare parameters with one process trained on the same
+global batches (:func:`reference_training`), the claim "the same update as before the switch". The pure decisions
+behind them are in the fast tier: tests/plan/test_configure.py (a config's stage, ``zero_optimization=False``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "workers"))
+
+from common import IndexedRegression, max_param_difference, reference_training  # noqa: E402
+from conftest import run_fit  # noqa: E402
+
+pytestmark = pytest.mark.multiprocess
+
+TOLERANCE = 1e-5
+
+
+def contiguous_steps(num_samples: int, global_batch: int) -> list[list[int]]:
+    return [list(range(k, k + global_batch)) for k in range(0, num_samples - global_batch + 1, global_batch)]
+
+
+def test_a_config_without_a_zero_section_trains_at_zero_0_with_a_plain_torch_optimizer(tmp_path):
+    """A DeepSpeed config from PL_DEEPSPEED_CONFIG_PATH with no `zero_optimization` section is ZeRO-0 to DeepSpeed and
+    to DeepSpeedStrategy. It ran ZeRO-2 here, where the model's torch SGD failed at setup with DeepSpeed's "untested
+    ZeRO Optimizer" (it needs `zero_allow_untested_optimizer`)."""
+    config = tmp_path / "deepspeed.json"
+    config.write_text(json.dumps({"gradient_clipping": 0.0}))
+    run = run_fit(tmp_path / "run", "--strategy-args", '{"stage": null}', "--batch-sizes", "3", "13",
+                  env={"PL_DEEPSPEED_CONFIG_PATH": str(config)})  # fmt: skip
+    assert run.returncode == 0, run.output[-3000:]
+    rank_0 = json.loads((tmp_path / "run" / "hetero" / "rank_0.json").read_text())
+    assert rank_0["deepspeed_config"]["zero_optimization"]["stage"] == 0
+    reference = reference_training(IndexedRegression(64), contiguous_steps(64, 16))
+    assert max_param_difference(run.result, reference) <= TOLERANCE
+
