@@ -30,6 +30,7 @@ from typing_extensions import override
 
 from lightning_hetero.comm.compression import check_exchange
 from lightning_hetero.job import HeteroJob
+from lightning_hetero.measure.partitioned import drop_deepspeed_hooks
 from lightning_hetero.plan.deepspeed_config import (
     CPU_ZERO_SETTINGS,
     check_config_argument,
@@ -198,6 +199,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         self._buffer_sync: Optional[BufferSync] = None
         self._optimizer_parameters: list[tuple[str, Any]] = []
         self._plain_redirection = self._forward_redirection
+        self._before_configure_model = False  # inside model_sharded_context's entry
         # This step's micro-batches after the first, with training_step's other arguments: run in `backward`.
         self._later_micro_batches: tuple[list, tuple, dict] = ([], (), {})
 
@@ -309,6 +311,11 @@ class HeteroStrategy(DeepSpeedStrategy):
         module = self.lightning_module
         assert module is not None
         self.config = copy.deepcopy(self._base_config)
+        if self._before_configure_model:  # (see model_sharded_context: no plan before the model exists)
+            self.config["train_micro_batch_size_per_gpu"] = 1
+            super()._format_config()
+            self.config = rank_config(self.config, 1)
+            return
         trainer = module.trainer
         fitting = trainer.state.fn == TrainerFn.FITTING
         global_batch_size = self.job.survey(trainer, fitting, module, self.root_device,
@@ -327,6 +334,20 @@ class HeteroStrategy(DeepSpeedStrategy):
             raise ValueError(disagreement_message(lines))
         if fitting:
             self.job.write_plan(trainer, self.config)
+
+    @contextlib.contextmanager
+    @override
+    def model_sharded_context(self) -> Any:
+        # The parent formats the config here, before `configure_model` builds the layers that the survey profiles (the
+        # profile failed with "'NoneType' object is not callable"). What zero.Init reads of it (the stage, the
+        # precision) needs no plan, so it gets a provisional micro-batch; setup formats the call's config after.
+        self._before_configure_model = True
+        try:
+            with super().model_sharded_context():
+                self._before_configure_model = False
+                yield
+        finally:
+            self._before_configure_model = False
 
     def _follow_the_split(self, micro_batch: int) -> None:
         """The split changed: DeepSpeed's micro-batch follows (bookkeeping only: its throughput and sample counters,
@@ -358,6 +379,9 @@ class HeteroStrategy(DeepSpeedStrategy):
 
     @override
     def init_deepspeed(self) -> None:
+        # A ZeRO-3 engine of an earlier trainer call (a test before the fit) left its hooks on the modules; running
+        # them beside the new engine's broke its first step ("pop from an empty deque", also under DeepSpeedStrategy).
+        drop_deepspeed_hooks(self.lightning_module)
         super().init_deepspeed()
         engine, plugin = self.deepspeed_engine, self.precision_plugin
         self._forward_redirection = attach_to_engine(plugin, engine, self.root_device, self._plain_redirection)

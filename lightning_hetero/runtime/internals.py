@@ -301,9 +301,18 @@ ENGINE_STATE = (
 
 _POWER_SGD = "torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook"
 _POWER_SGD_STATE = "PowerSGD's state, cleared when the buckets change and saved in checkpoints (error feedback)"
+_EARLIER_ENGINE_HOOKS = (
+    "the forward hooks a ZeRO-3 engine of an earlier trainer call left on the modules (DeepSpeed's, told by their"
+    " module) are removed before a profile and before each engine is built; torch keeps them in these per-module"
+    " tables by hook id"
+)
 TORCH_STATE = (
     Internal("torch.amp.autocast_mode", "autocast#_enabled", "read", "measure/cpu.py",
              "whether CPU autocast accepted a dtype (it disables itself with a warning otherwise)"),
+    *(Internal("torch.nn", f"Module().{name}", "patched", "measure/partitioned.py", _EARLIER_ENGINE_HOOKS,
+               "never: the hooks belong to an engine that is gone; the new one registers its own")
+      for name in ("_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs",
+                   "_forward_hooks_with_kwargs", "_forward_hooks_always_called")),
     Internal("torch.utils._python_dispatch", "TorchDispatchMode", "called", "simulate/workload.py",
              "subclassed to count the aten operators of one forward + backward (kernel launches on a GPU);"
              " FlopCounterMode, the public counter, is one such mode"),

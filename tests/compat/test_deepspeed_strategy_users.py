@@ -58,3 +58,32 @@ def test_bf16_mixed_fits_validates_and_tests_at_zero_0(tmp_path):
     reference = reference_training(IndexedRegression(64), contiguous_steps(64, 16))
     assert max_param_difference(run.result, reference) <= 1e-2
 
+
+def test_a_model_built_in_configure_model_is_profiled_after_it_is_built(tmp_path):
+    """Lightning formats the DeepSpeed config in `model_sharded_context`, before `configure_model` runs; the automatic
+    split's profile ran there, on a model without layers ("'NoneType' object is not callable"). ZeRO-2, with
+    `validate` in bf16 during the fit."""
+    run = run_fit(tmp_path, "--stage", "2", "--configure-model", "--precision", "bf16-mixed", "--val-samples", "8")
+    assert run.returncode == 0, run.output[-3000:]
+    assert "HeteroStrategy plan (auto" in run.output  # the profile ran
+    reference = reference_training(IndexedRegression(64), contiguous_steps(64, 16))
+    assert max_param_difference(run.result, reference) <= 1e-2  # (bf16, as above)
+
+
+def test_at_zero_3_a_test_before_the_fit_of_a_partitioned_model_then_trains_as_one_process(tmp_path):
+    """ZeRO-3 creates a `configure_model` model partitioned, and `trainer.test()` leaves it so with its engine's
+    hooks on the modules: the profile of the fit that follows broke on the empty parameters ("The size of tensor a
+    (32) must match the size of tensor b (0)"), and the test engine's leftover hooks broke the fit's first step ("pop
+    from an empty deque", under DeepSpeedStrategy too). The profile now gathers the parameters, and each engine's
+    init drops an earlier engine's hooks."""
+    run = run_fit(tmp_path / "auto", "--stage", "3", "--configure-model", "--test-first", "--test-samples", "8")
+    assert run.returncode == 0, run.output[-3000:]
+    assert "HeteroStrategy plan (auto" in run.output
+    assert json.loads((tmp_path / "auto" / "test_result.json").read_text())["test_loss"] > 0
+    reference = reference_training(IndexedRegression(64), contiguous_steps(64, 16))
+    assert max_param_difference(run.result, reference) <= TOLERANCE
+    fixed = run_fit(tmp_path / "fixed", "--stage", "3", "--configure-model", "--test-first", "--test-samples", "8",
+                    "--batch-sizes", "3", "13")  # fmt: skip
+    assert fixed.returncode == 0, fixed.output[-3000:]
+    assert max_param_difference(fixed.result, reference) <= TOLERANCE
+

@@ -130,6 +130,21 @@ class RegressionModule(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
 
 
+class ConfiguredRegressionModule(RegressionModule):
+    """The same model, its network built in ``configure_model`` (Lightning's hook for sharded models: under ZeRO-3 the
+    layers are created partitioned), as the models of Lightning's own DeepSpeed tests are."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        names = ("hidden", "dropout", "depth", "batchnorm")
+        self._network_arguments = {key: kwargs[key] for key in names if key in kwargs}
+        self.network = None
+
+    def configure_model(self) -> None:
+        if self.network is None:
+            self.network = make_network(**self._network_arguments)
+
+
 def reference_training(
     dataset: IndexedRegression,
     steps: list[list[int]],
