@@ -44,7 +44,7 @@ from lightning_hetero.plan.replan import DEFAULT_THRESHOLD, DEFAULT_WINDOW
 from lightning_hetero.precision.job import attach_to_engine
 from lightning_hetero.precision.nonfinite import DEFAULT_MAX_NONFINITE_STEPS
 from lightning_hetero.precision.plugin import HeteroPrecision
-from lightning_hetero.recover import elastic, liveness
+from lightning_hetero.recover import elastic, from_deepspeed, liveness
 from lightning_hetero.runtime import quiet, startup
 from lightning_hetero.runtime.shutdown import register_exit_cleanup
 from lightning_hetero.settings import HeteroSettings
@@ -592,6 +592,14 @@ class HeteroStrategy(DeepSpeedStrategy):
                                                            self._optimizer_parameters, job.training_order(),
                                                            plan.global_batch_size if plan else None)  # fmt: skip
         chosen, manifest = job.recovery.choose(path)
+        if from_deepspeed.is_deepspeed_strategys(manifest):  # Lightning's DeepSpeedStrategy wrote it (no manifest)
+            from_deepspeed.check_stage(chosen, manifest, self._zero_stage())
+            client_state = self._load_checkpoint_directory(chosen, manifest, *args, **kwargs)
+            return from_deepspeed.with_data_position(client_state, manifest, job.training_order())
+        return self._load_checkpoint_directory(chosen, manifest, *args, **kwargs)
+
+    def _load_checkpoint_directory(self, chosen: Path, manifest: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        job, module = self.job, self.lightning_module
         same_world_size = manifest.get("world_size", self.world_size) == self.world_size
         if job.local is not None and not same_world_size:
             raise ValueError(

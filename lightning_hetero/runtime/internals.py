@@ -96,6 +96,19 @@ FOREIGN_RESUME = (
              "recover/from_lightning.py", _FOREIGN_RESUME),
 )  # fmt: skip
 
+_FABRIC_DS = "lightning.fabric.strategies.deepspeed"
+_DEEPSPEED_STRATEGY_RESUME = (
+    "a checkpoint directory of Lightning's DeepSpeedStrategy (no manifest) resumed, or a path that is no checkpoint"
+    " explained in DeepSpeedStrategy's own words"
+)
+DEEPSPEED_STRATEGY_RESUME = (
+    Internal(_FABRIC_DS, "_is_deepspeed_checkpoint", "called", "recover/from_deepspeed.py",
+             "DeepSpeedStrategy's test for a checkpoint folder; " + _DEEPSPEED_STRATEGY_RESUME),
+    Internal(_FABRIC_DS, "_validate_checkpoint_directory", "called", "recover/from_deepspeed.py",
+             "raises DeepSpeedStrategy's FileNotFoundError naming the folder to load instead; "
+             + _DEEPSPEED_STRATEGY_RESUME),
+)  # fmt: skip
+
 _OVERRIDE = "a subclass override, nothing to put back"
 _PL_DS = "lightning.pytorch.strategies.deepspeed"
 _PL_DDP = "lightning.pytorch.strategies.ddp"
@@ -325,7 +338,7 @@ TORCH_STATE = (
 
 INTERNALS = (
     SHM_OP_BUILDER, DEFAULT_STORE, *CHECKPOINT_WRITES, LAYER_SYNC, SETUP_MODEL, LIGHTNING_CHECKPOINT_LOAD,
-    *FOREIGN_RESUME, *STRATEGY_HOOKS, *TRAINER_STATE, *ENGINE_STATE, *TORCH_STATE,
+    *FOREIGN_RESUME, *DEEPSPEED_STRATEGY_RESUME, *STRATEGY_HOOKS, *TRAINER_STATE, *ENGINE_STATE, *TORCH_STATE,
 )  # fmt: skip
 
 

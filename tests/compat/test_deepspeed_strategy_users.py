@@ -3,7 +3,8 @@
 Each case failed before (issue 29, item 8); the numbers compare parameters with one process trained on the same
 global batches (:func:`reference_training`), the claim "the same update as before the switch". The pure decisions
 behind them are in the fast tier: tests/plan/test_configure.py (a config's stage, ``zero_optimization=False``),
-tests/precision/test_nonfinite.py (DeepSpeed's own bf16).
+tests/precision/test_nonfinite.py (DeepSpeed's own bf16), tests/recover/test_from_deepspeed.py (the directory).
+Lightning's own DeepSpeed tests, run against the strategy, are in test_lightning_deepspeed.py.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch.utils.data import RandomSampler
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "workers"))
 
@@ -87,3 +90,50 @@ def test_at_zero_3_a_test_before_the_fit_of_a_partitioned_model_then_trains_as_o
     assert fixed.returncode == 0, fixed.output[-3000:]
     assert max_param_difference(fixed.result, reference) <= TOLERANCE
 
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_deepspeedstrategy_checkpoint_directory_continues_under_hetero_as_the_uninterrupted_run(stage, tmp_path):
+    """A user switching from strategy="deepspeed" mid-epoch: Lightning's DeepSpeedStrategy (made to run on CPU) trains
+    3 steps (Adam, 2 ranks x 8) and saves its checkpoint directory; HeteroStrategy (micro-batches 5/11, the same
+    global batch) continues from it: DeepSpeed's states, the loops and the place in the shuffled epoch carry over, and
+    two epochs end with the parameters one process reaches. It was refused: "it has no hetero_manifest.json"."""
+    common = ["--samples", "96", "--shuffle", "--optimizer", "adam", "--record-steps", "--stage", str(stage)]
+    before = run_fit(tmp_path / "deepspeed", *common, "--deepspeed-strategy", "--max-steps", "3",
+                     "--checkpoint-every", "3")  # fmt: skip
+    assert before.returncode == 0, before.output[-3000:]
+    (saved,) = (tmp_path / "deepspeed" / "ckpt").iterdir()
+    assert saved.is_dir() and not (saved / "hetero_manifest.json").exists()
+    resumed = run_fit(tmp_path / "hetero", *common, "--batch-sizes", "5", "11", "--max-epochs", "2",
+                      "--ckpt-path", str(saved))  # fmt: skip
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert f"continuing from {saved}, a checkpoint of Lightning's DeepSpeedStrategy (ZeRO-{stage}" in resumed.output
+    assert resumed.result["global_step"] == 12
+    dataset = IndexedRegression(96)
+    orders = [list(RandomSampler(dataset, generator=torch.Generator().manual_seed(7 + epoch))) for epoch in (0, 1)]
+    steps = [order[begin : begin + 16] for order in orders for begin in range(0, 96, 16)]
+    records = [json.loads(line) for line in (tmp_path / "hetero" / "steps.jsonl").read_text().splitlines()]
+    assert sorted(i for r in records if r["epoch"] == 0 for i in r["indices"]) == sorted(orders[0][48:])
+    difference = max_param_difference(resumed.result, reference_training(dataset, steps, optimizer_name="adam"))
+    print(f"ZeRO-{stage}: largest parameter difference from the uninterrupted run: {difference:.1e}")
+    assert difference <= TOLERANCE
+
+
+@pytest.mark.fault
+def test_a_deepspeedstrategy_checkpoint_continues_on_another_number_of_ranks(tmp_path):
+    """The same directory (ZeRO-2, 2 ranks, Adam) resumed on 1 rank, as a DDP file can be: the facts read from its
+    files take it through DeepSpeed's universal format, and the checkpoint's global batch of 16 is kept."""
+    common = ["--samples", "96", "--shuffle", "--optimizer", "adam", "--record-steps", "--stage", "2"]
+    before = run_fit(tmp_path / "deepspeed", *common, "--deepspeed-strategy", "--max-steps", "3",
+                     "--checkpoint-every", "3")  # fmt: skip
+    assert before.returncode == 0, before.output[-3000:]
+    (saved,) = (tmp_path / "deepspeed" / "ckpt").iterdir()
+    resumed = run_fit(tmp_path / "hetero", *common, "--devices", "1", "--max-epochs", "2", "--ckpt-path", str(saved))
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert "was saved by 2 ranks; this job has 1: converted to DeepSpeed's universal format" in resumed.output
+    assert "keeping the checkpoint's global batch of 16 on 1 ranks" in resumed.output
+    assert resumed.result["global_step"] == 12
+    dataset = IndexedRegression(96)
+    orders = [list(RandomSampler(dataset, generator=torch.Generator().manual_seed(7 + epoch))) for epoch in (0, 1)]
+    steps = [order[begin : begin + 16] for order in orders for begin in range(0, 96, 16)]
+    difference = max_param_difference(resumed.result, reference_training(dataset, steps, optimizer_name="adam"))
+    assert difference <= TOLERANCE  # (measured 1.5e-8)

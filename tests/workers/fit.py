@@ -22,6 +22,7 @@ from common import (  # noqa: E402
     PaddedTokens,
     RegressionModule,
     TokenModule,
+    cpu_deepspeed_strategy,
 )
 from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
@@ -343,6 +344,8 @@ def main() -> None:
     parser.add_argument("--two-loaders", action="store_true", help="a dict of two training loaders")
     parser.add_argument("--tokens", action="store_true", help="padded token sequences and a token-mean loss")
     parser.add_argument("--ddp", action="store_true", help="train with Lightning's DDPStrategy instead (a reference)")
+    parser.add_argument("--deepspeed-strategy", action="store_true",
+                        help="train with Lightning's DeepSpeedStrategy (made to run on CPU) at --stage instead")
     parser.add_argument("--configure-model", action="store_true", help="the network is built in configure_model()")
     parser.add_argument("--test-first", action="store_true", help="trainer.test on --test-samples before the fit")
     parser.add_argument("--loader-in-hook", action="store_true", help="the model's train_dataloader() builds it")
@@ -411,10 +414,13 @@ def main() -> None:
         from lightning_hetero.runtime.shutdown import register_exit_cleanup
 
         register_exit_cleanup()
+    strategy = "ddp" if args.ddp else HeteroStrategy(**strategy_kwargs)
+    if args.deepspeed_strategy:
+        strategy = cpu_deepspeed_strategy(stage=args.stage)
     trainer = Trainer(
         accelerator=args.accelerator,
         devices=args.devices,
-        strategy="ddp" if args.ddp else HeteroStrategy(**strategy_kwargs),
+        strategy=strategy,
         precision=args.precision,
         max_epochs=args.max_epochs,
         max_steps=args.max_steps,
