@@ -247,6 +247,10 @@ class HeteroStrategy(DeepSpeedStrategy):
             raise RuntimeError(
                 f"HeteroStrategy runs on `accelerator='cpu'` or `'cuda'`, not {type(self.accelerator).__name__}."
             )
+        if not self._config_initialized:
+            # Until the first trainer call `strategy.config` is what the user gave: a change made to it after the
+            # constructor counts, as under DeepSpeedStrategy (it was lost: each call formats a copy taken at init).
+            self._base_config = copy.deepcopy(self.config)
         # Checked before the process group exists: every rank raises the same error, none waits. (`world_size`
         # comes from the cluster environment, which is only filled in by setup_distributed.)
         plugin = self.precision_plugin  # (ours, from an earlier trainer call, is fine)
