@@ -10,6 +10,7 @@ Lightning's or DeepSpeed's strategy classes.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -24,6 +25,7 @@ from lightning_hetero.comm.communication import Communication
 from lightning_hetero.emulate.emulation import Emulation, NoEmulation, emulation_for
 from lightning_hetero.measure.devices import collect_device_facts
 from lightning_hetero.measure.facts import DeviceFacts
+from lightning_hetero.measure.partitioned import partitioned_parameters, whole_parameters
 from lightning_hetero.measure.profiler import RankProfile
 from lightning_hetero.measure.survey import JobSurvey, RankSurvey, profile_rank
 from lightning_hetero.plan.deepspeed_config import model_signature
@@ -122,6 +124,9 @@ class HeteroJob:
         """The setup gather: every rank's arguments, data-order seed, model, device facts, precision and (automatic
         split) profile, checked to agree. Returns the global batch (0 outside fit)."""
         settings = self.settings
+        # A ZeRO-3 model whose parameters are partitioned is profiled whole, once the ranks have agreed: gathering it
+        # is a collective (measure/partitioned.py).
+        profile_in_survey = fitting and settings.profiles_needed and not partitioned_parameters(module)
 
         def survey_this_rank() -> tuple[None, dict[str, Any]]:
             loader = self.sharding.request_training_loader(trainer) if fitting else None
@@ -150,10 +155,8 @@ class HeteroJob:
                                        settings.hierarchical, module.automatic_optimization)  # fmt: skip
                 if refusal:
                     raise ValueError(refusal)
-            if fitting and settings.profiles_needed:
-                autocast = autocast_for(precision, device.type)  # measured as it will train
-                profile = profile_rank(module, loader, global_batch_size, self.world_size, device,  # type: ignore[arg-type]
-                                       self.emulation.emulator, autocast)  # fmt: skip
+            if profile_in_survey:
+                profile = self._profile(module, loader, global_batch_size, device, precision)  # type: ignore[arg-type]
             self._emulated_topology = settings.emulated_topology()
             agreement = settings.agreement(global_batch_size, self.communication.arguments(), self._emulated_topology)
             return None, RankSurvey(
@@ -163,6 +166,8 @@ class HeteroJob:
         gathered = self.collectives.gather_or_raise("setup", survey_this_rank)[1]
         job = JobSurvey([RankSurvey.from_dict(entry) for entry in gathered])
         check_ranks_agree([rank.agreement for rank in job.ranks], [rank.model for rank in job.ranks])
+        if fitting and settings.profiles_needed and not profile_in_survey:
+            job = self._profile_partitioned(job, module, device)
         self.sharding.data_seed = agreed_seed([rank.seed for rank in job.ranks])
         self.device_facts, self.precisions = job.device_facts, job.precisions
         self.memory_ceilings = job.ranks[self.rank].agreement["emulate_memory"]
@@ -170,6 +175,22 @@ class HeteroJob:
             self.profiles = within_emulated_memory(job.profiles, self.memory_ceilings)
             self._identical_devices = job.identical_devices(emulated=settings.speed_schedule is not None)
         return job.ranks[self.rank].agreement["global_batch_size"] or 0
+
+    def _profile(self, module: Any, loader: Any, global_batch_size: int, device: torch.device, precision: str) -> Any:
+        autocast = autocast_for(precision, device.type)  # measured as it will train
+        return profile_rank(module, loader, global_batch_size, self.world_size, device, self.emulation.emulator,
+                            autocast)  # fmt: skip
+
+    def _profile_partitioned(self, job: JobSurvey, module: Any, device: torch.device) -> JobSurvey:
+        """Every rank's profile of a model ZeRO-3 has partitioned, its parameters gathered whole for it."""
+        loader = self.sharding.requested_training_loader
+        global_batch_size = job.ranks[self.rank].agreement["global_batch_size"]
+        precision = job.ranks[self.rank].precision
+        with whole_parameters(module):
+            profiles = self.collectives.gather_or_raise(
+                "profiling", lambda: (None, self._profile(module, loader, global_batch_size, device, precision))
+            )[1]
+        return JobSurvey([replace(rank, profile=profile) for rank, profile in zip(job.ranks, profiles)])
 
     def plugin_for_this_rank(self, current: Any) -> Optional[HeteroPrecision]:
         """This rank's plugin when ranks have their own precisions (``device_precision``); None: keep ``current``."""

@@ -28,7 +28,12 @@ from lightning_hetero.plan.local_steps import (
     sync_refusal,
 )
 from lightning_hetero.plan.micro_steps import micro_steps_refusal
-from lightning_hetero.plan.deepspeed_config import check_user_config, model_disagreement, raise_if_arguments_differ
+from lightning_hetero.plan.deepspeed_config import (
+    check_user_config,
+    model_disagreement,
+    raise_if_arguments_differ,
+    user_config_stage,
+)
 from lightning_hetero.plan.replan import check_rebalance_arguments
 from lightning_hetero.plan.split import check_split_arguments, resolve_split
 from lightning_hetero.precision import choice as precision
@@ -201,14 +206,10 @@ class HeteroSettings:
         """A user's DeepSpeed config: checked, its stage settled, and the arguments it replaces said."""
         check_user_config(config)
         zero = config.setdefault("zero_optimization", {})
-        config_stage = zero.get("stage")
-        if config_stage is None:
-            zero["stage"] = self.zero_stage
-        elif self.stage is not None and self.stage != config_stage:
-            rank_zero_warn(
-                f"HeteroStrategy: the DeepSpeed config's `zero_optimization.stage={config_stage}` wins over"
-                f" `stage={self.stage}`."
-            )
+        # Settled here, explicitly: a config without a stage is ZeRO-0, as DeepSpeed reads it (not the default stage).
+        zero["stage"], stage_warning = user_config_stage(zero.get("stage"), self.stage)
+        if stage_warning:
+            rank_zero_warn(stage_warning)
         if zero["stage"] in (0, 1) and zero.get("overlap_comm"):
             rank_zero_warn(
                 f"HeteroStrategy: the DeepSpeed config's `zero_optimization.overlap_comm=True` is switched off for"

@@ -30,10 +30,12 @@ from typing_extensions import override
 
 from lightning_hetero.comm.compression import check_exchange
 from lightning_hetero.job import HeteroJob
+from lightning_hetero.measure.partitioned import drop_deepspeed_hooks
 from lightning_hetero.plan.deepspeed_config import (
     CPU_ZERO_SETTINGS,
     check_config_argument,
     config_disagreements,
+    default_config_stage,
     disagreement_message,
     rank_config,
     with_cpu_zero_settings,
@@ -43,7 +45,7 @@ from lightning_hetero.plan.zero_stage import resume_stage_mismatch
 from lightning_hetero.precision.job import attach_to_engine
 from lightning_hetero.precision.nonfinite import DEFAULT_MAX_NONFINITE_STEPS
 from lightning_hetero.precision.plugin import HeteroPrecision
-from lightning_hetero.recover import elastic, liveness
+from lightning_hetero.recover import elastic, from_deepspeed, liveness
 from lightning_hetero.recover.refusal import ResumeRefused
 from lightning_hetero.runtime import quiet, startup
 from lightning_hetero.runtime.shutdown import register_exit_cleanup
@@ -77,7 +79,8 @@ class HeteroStrategy(DeepSpeedStrategy):
             optimizer state and the planned micro-batch's activations fit every device (the plan output says why; see
             :mod:`lightning_hetero.plan.zero_stage`); 0 with ``sync="local_sgd"`` or ``"diloco"`` and with a
             compression hook. With a ``config`` dict the config's ``zero_optimization.stage`` wins; ``stage`` only
-            fills it in when the config leaves it unset.
+            fills it in when the config leaves it unset, and a config that sets none without ``stage`` is ZeRO-0, as
+            DeepSpeed and DeepSpeedStrategy read it. DeepSpeedStrategy's ``zero_optimization=False`` is ``stage=0``.
         global_batch_size: samples per step across all ranks. Default: the training loader's ``batch_size`` times
             the world size (what DDP would use), or the sum of ``batch_sizes``.
         batch_sizes: each rank's micro-batch, in global rank order; they sum to the global batch.
@@ -177,6 +180,9 @@ class HeteroStrategy(DeepSpeedStrategy):
         sync_options: Optional[dict[str, Any]] = None,
         **kwargs: Any,
     ) -> None:
+        user_config = config is not None or self.DEEPSPEED_ENV_VAR in os.environ
+        if not user_config:  # (with a config, DeepSpeedStrategy ignores these arguments too: the warning names them)
+            stage = default_config_stage(stage, kwargs)
         settings = HeteroSettings.from_arguments(
             stage, global_batch_size, batch_sizes, weights, micro_steps, emulate_speeds, loss_reduction, rebalance,
             rebalance_window, rebalance_threshold, peer_timeout, device_precision, compression, compression_options,
@@ -187,7 +193,6 @@ class HeteroStrategy(DeepSpeedStrategy):
         quiet.hide_the_srun_hint_outside_slurm_jobs()
         with quiet.third_party_noise_silenced():  # the parent imports DeepSpeed, which prints its accelerator guess
             super().__init__(stage=settings.zero_stage, config=config, **kwargs)
-        user_config = config is not None or self.DEEPSPEED_ENV_VAR in os.environ
         if user_config:
             settings.reconcile_user_config(self.config, kwargs)
         # No stage named: setup chooses the lowest that fits (plan/zero_stage.py); a config's stage is the user's.
@@ -204,6 +209,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         self._buffer_sync: Optional[BufferSync] = None
         self._optimizer_parameters: list[tuple[str, Any]] = []
         self._plain_redirection = self._forward_redirection
+        self._before_configure_model = False  # inside model_sharded_context's entry
         # This step's micro-batches after the first, with training_step's other arguments: run in `backward`.
         self._later_micro_batches: tuple[list, tuple, dict] = ([], (), {})
 
@@ -251,6 +257,10 @@ class HeteroStrategy(DeepSpeedStrategy):
             raise RuntimeError(
                 f"HeteroStrategy runs on `accelerator='cpu'` or `'cuda'`, not {type(self.accelerator).__name__}."
             )
+        if not self._config_initialized:
+            # Until the first trainer call `strategy.config` is what the user gave: a change made to it after the
+            # constructor counts, as under DeepSpeedStrategy (it was lost: each call formats a copy taken at init).
+            self._base_config = copy.deepcopy(self.config)
         # Checked before the process group exists: every rank raises the same error, none waits. (`world_size`
         # comes from the cluster environment, which is only filled in by setup_distributed.)
         plugin = self.precision_plugin  # (ours, from an earlier trainer call, is fine)
@@ -316,6 +326,11 @@ class HeteroStrategy(DeepSpeedStrategy):
         module = self.lightning_module
         assert module is not None
         self.config = copy.deepcopy(self._base_config)
+        if self._before_configure_model:  # (see model_sharded_context: no plan before the model exists)
+            self.config["train_micro_batch_size_per_gpu"] = 1
+            super()._format_config()
+            self.config = rank_config(self.config, 1)
+            return
         trainer = module.trainer
         fitting = trainer.state.fn == TrainerFn.FITTING
         global_batch_size = self.job.survey(trainer, fitting, module, self.root_device,
@@ -339,6 +354,20 @@ class HeteroStrategy(DeepSpeedStrategy):
             raise ValueError(disagreement_message(lines))
         if fitting:
             self.job.write_plan(trainer, self.config)
+
+    @contextlib.contextmanager
+    @override
+    def model_sharded_context(self) -> Any:
+        # The parent formats the config here, before `configure_model` builds the layers that the survey profiles (the
+        # profile failed with "'NoneType' object is not callable"). What zero.Init reads of it (the stage, the
+        # precision) needs no plan, so it gets a provisional micro-batch; setup formats the call's config after.
+        self._before_configure_model = True
+        try:
+            with super().model_sharded_context():
+                self._before_configure_model = False
+                yield
+        finally:
+            self._before_configure_model = False
 
     def _follow_the_split(self, micro_batch: int) -> None:
         """The split changed: DeepSpeed's micro-batch follows (bookkeeping only: its throughput and sample counters,
@@ -373,6 +402,9 @@ class HeteroStrategy(DeepSpeedStrategy):
 
     @override
     def init_deepspeed(self) -> None:
+        # A ZeRO-3 engine of an earlier trainer call (a test before the fit) left its hooks on the modules; running
+        # them beside the new engine's broke its first step ("pop from an empty deque", also under DeepSpeedStrategy).
+        drop_deepspeed_hooks(self.lightning_module)
         super().init_deepspeed()
         engine, plugin = self.deepspeed_engine, self.precision_plugin
         self._forward_redirection = attach_to_engine(plugin, engine, self.root_device, self._plain_redirection)
@@ -590,6 +622,13 @@ class HeteroStrategy(DeepSpeedStrategy):
                                          self._automatic_stages is not None, str(chosen))  # fmt: skip
         if mismatch:  # (every rank has the manifest: every rank raises; every restart would too)
             raise ResumeRefused(mismatch)
+        if from_deepspeed.is_deepspeed_strategys(manifest):  # Lightning's DeepSpeedStrategy wrote it (no manifest)
+            client_state = self._load_checkpoint_directory(chosen, manifest, *args, **kwargs)
+            return from_deepspeed.with_data_position(client_state, manifest, job.training_order())
+        return self._load_checkpoint_directory(chosen, manifest, *args, **kwargs)
+
+    def _load_checkpoint_directory(self, chosen: Path, manifest: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        job, module = self.job, self.lightning_module
         same_world_size = manifest.get("world_size", self.world_size) == self.world_size
         if job.local is not None and not same_world_size:
             raise ResumeRefused(

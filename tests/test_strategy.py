@@ -44,8 +44,25 @@ def test_config_stage_wins_over_the_argument_and_says_so():
 def test_stage_fills_a_config_that_leaves_it_unset():
     assert HeteroStrategy(stage=3, config={"bf16": {"enabled": False}}).config["zero_optimization"]["stage"] == 3
     # A config that names no stage means ZeRO-0, as to DeepSpeed; no automatic choice overrides a user's config.
-    assert HeteroStrategy(config={}).config["zero_optimization"]["stage"] == 0
     assert HeteroStrategy(config={})._automatic_stages is None
+
+
+def test_a_config_without_a_stage_is_zero_0_as_deepspeed_reads_it(tmp_path, monkeypatch):
+    # DeepSpeed and Lightning's DeepSpeedStrategy run such a config at ZeRO-0; ZeRO-2 here made a plain torch optimizer
+    # fail with DeepSpeed's "untested ZeRO Optimizer" (the fit is tests/compat/test_deepspeed_strategy_users.py).
+    assert HeteroStrategy(config={}).config["zero_optimization"]["stage"] == 0
+    assert HeteroStrategy(config={"zero_optimization": {}}).config["zero_optimization"]["stage"] == 0
+    path = tmp_path / "ds.json"
+    path.write_text('{"gradient_clipping": 0.5}')
+    monkeypatch.setenv("PL_DEEPSPEED_CONFIG_PATH", str(path))
+    assert HeteroStrategy().config == {"gradient_clipping": 0.5, "zero_optimization": {"stage": 0}}
+
+
+def test_deepspeedstrategys_zero_off_switch_is_zero_0():
+    # It crashed the constructor with a bare KeyError: 'zero_optimization'.
+    strategy = HeteroStrategy(zero_optimization=False)
+    assert strategy.config["zero_optimization"]["stage"] == 0
+    assert strategy.settings.stage == 0
 
 
 def test_arguments_that_a_config_replaces_are_named_in_a_warning():

@@ -168,12 +168,16 @@ def training_step_in_isolation(module: nn.Module) -> Iterator[None]:
     def no_op(*args: Any, **kwargs: Any) -> None:
         return None
 
+    def backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        if torch.is_grad_enabled():  # (not while only the loss is measured, under no_grad: see _doubled_loss_ratio)
+            loss.backward(*args, **kwargs)
+
     stubs = {
         "log": no_op,
         "log_dict": no_op,
         "optimizers": lambda *args, **kwargs: _NoOptimizer(),
         "lr_schedulers": lambda *args, **kwargs: _NoScheduler(),
-        "manual_backward": lambda loss, *args, **kwargs: loss.backward(*args, **kwargs),
+        "manual_backward": backward,
         "toggle_optimizer": no_op,
         "untoggle_optimizer": no_op,
     }

@@ -64,6 +64,59 @@ def check_user_config(config: Mapping[str, Any]) -> None:
     check_deepspeed_keys(config)
 
 
+# DeepSpeed reads a config without `zero_optimization.stage` as ZeRO-0 (its own default), and so does Lightning's
+# DeepSpeedStrategy: a user's config keeps that meaning, whatever stage the strategy picks for a config of its own.
+CONFIG_DEFAULT_STAGE = 0
+
+
+def user_config_stage(config_stage: Optional[int], stage_argument: Optional[int]) -> tuple[int, Optional[str]]:
+    """The ZeRO stage a user's DeepSpeed config runs at, and a warning to show (None: nothing to say).
+
+    The config's own ``zero_optimization.stage`` wins over ``stage``; a config that sets none takes ``stage`` when it
+    is given, else :data:`CONFIG_DEFAULT_STAGE` (ZeRO-0), as DeepSpeed and Lightning's DeepSpeedStrategy read it: a
+    config written for them must not silently shard (a plain torch optimizer would then need
+    ``zero_allow_untested_optimizer``).
+    """
+    if config_stage is None:
+        return (CONFIG_DEFAULT_STAGE if stage_argument is None else stage_argument), None
+    if stage_argument is not None and stage_argument != config_stage:
+        return config_stage, (
+            f"HeteroStrategy: the DeepSpeed config's `zero_optimization.stage={config_stage}` wins over"
+            f" `stage={stage_argument}`."
+        )
+    return config_stage, None
+
+
+def default_config_stage(stage: Optional[int], deepspeed_arguments: dict[str, Any]) -> Optional[int]:
+    """The ``stage`` to build the default DeepSpeed config with (no user config), after DeepSpeedStrategy's two
+    arguments that concern ZeRO and the micro-batch; ``deepspeed_arguments`` loses ``zero_optimization``.
+
+    ``zero_optimization=False`` turns ZeRO off in DeepSpeedStrategy: that is ZeRO-0 here (DeepSpeed's engine without a
+    ZeRO optimizer), given to the config as ``stage=0`` since the strategy reads its stage there. A fixed
+    ``logging_batch_size_per_gpu`` would set every rank's ``train_micro_batch_size_per_gpu``, which is the rank's own
+    micro-batch here: refused rather than dropped without a word.
+    """
+    logging_batch = deepspeed_arguments.get("logging_batch_size_per_gpu", "auto")
+    if logging_batch != "auto":
+        raise ValueError(
+            f"`logging_batch_size_per_gpu={logging_batch!r}`: HeteroStrategy gives each rank its own micro-batch and"
+            " sets DeepSpeed's `train_micro_batch_size_per_gpu` (what DeepSpeed's throughput logging reads) to it on"
+            " every rank, so a fixed value cannot hold. Remove the argument; each rank's micro-batch is in the plan"
+            " table and in `hetero/rank_<r>.json`."
+        )
+    switch = deepspeed_arguments.pop("zero_optimization", True)
+    if switch is True:
+        return stage
+    if switch is not False:
+        raise ValueError(f"`zero_optimization={switch!r}` must be True or False (False: ZeRO off, i.e. `stage=0`).")
+    if stage is not None and stage != 0:
+        raise ValueError(
+            f"`zero_optimization=False` turns ZeRO off, but `stage={stage!r}` asks for ZeRO-{stage}: give one of them"
+            " (`stage=0` is ZeRO off)."
+        )
+    return 0
+
+
 # Top-level keys DeepSpeed reads outside DeepSpeedConfig._initialize_params (deepspeed/__init__.py and the config's
 # warning check), so the recording below does not see them.
 _KEYS_READ_ELSEWHERE = frozenset({"sequence_parallel_size", "data_parallel_size", "vocabulary_size"})

@@ -108,6 +108,10 @@ class NonFiniteGuard:
         self.skipped, self._streak, self._first_nonfinite = [], [], None
         if engine.optimizer is None or skipping_installed or engine.zero_optimization_stage() != 0:
             return  # not training, or the step is skipped already (the plugin's agreement, DeepSpeed's ZeRO 1-3)
+        if engine.fp16_enabled() or engine.bfloat16_enabled():
+            # DeepSpeed's own fp16/bf16 (`Trainer(precision="bf16-mixed")`...): its optimizer wrapper skips a non-finite
+            # step itself and the engine counts it; it is also built without any optimizer, for validate and test.
+            return
         parameters = [p for p in engine.module.parameters() if p.requires_grad]
         self._undo = skip_agreed_overflows(engine.optimizer, lambda: not gradients_are_finite(parameters))
 

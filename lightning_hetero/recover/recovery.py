@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_hetero.recover import checkpoint, elastic, failures, liveness, refusal, universal
+from lightning_hetero.recover import from_deepspeed as resume_deepspeed
 from lightning_hetero.recover import from_lightning as resume_lightning
 from lightning_hetero.recover.stopping import (
     StopOnSigterm,
@@ -144,14 +145,18 @@ class Recovery:
 
     def choose(self, path: Path) -> tuple[Path, dict[str, Any]]:
         """The checkpoint to resume from: rank 0 verifies the files against their checksums (once, not on every
-        rank) and the choice, or its error, reaches every rank in one gather; with its manifest."""
+        rank) and the choice, or its error, reaches every rank in one gather; with its manifest (for a directory
+        that Lightning's DeepSpeedStrategy wrote, the facts read from its files: :mod:`.from_deepspeed`)."""
         _, choices = self.collectives.gather_or_raise(
             "choosing the checkpoint to resume from",
-            lambda: (None, checkpoint.choose_checkpoint(path) if self.rank == 0 else None),
+            lambda: (None, resume_deepspeed.choose_checkpoint(path) if self.rank == 0 else None),
         )
-        chosen, warning = Path(choices[0][0]), choices[0][1]
+        chosen, warning, foreign = Path(choices[0][0]), choices[0][1], choices[0][2]
         if warning:
             rank_zero_warn(warning)
+        if foreign is not None:
+            rank_zero_info(resume_deepspeed.describe(chosen, foreign))
+            return chosen, foreign
         return chosen, checkpoint.read_manifest(chosen) or {}
 
     def load_on_another_world_size(self, chosen: Path, manifest: dict[str, Any], engine: Any, load: Load) -> Any:
@@ -196,6 +201,7 @@ class Recovery:
     ) -> dict[str, Any]:
         """Continue from a Lightning checkpoint file another strategy wrote (see :mod:`.from_lightning`).
         ``order``: the training loader's global order (None for a stream or no loader), to place the epoch."""
+        resume_deepspeed.explain_a_file_inside_a_checkpoint(path)  # (a DeepSpeed folder's part: not a Lightning file)
         saved = resume_lightning.read_lightning_checkpoint(path)  # every rank reads it: none waits for another
         resume_lightning.load_module_weights(module, saved["state_dict"], strict=module.strict_loading)
         optimizer_states = saved.get("optimizer_states") or []

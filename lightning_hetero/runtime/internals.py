@@ -96,6 +96,19 @@ FOREIGN_RESUME = (
              "recover/from_lightning.py", _FOREIGN_RESUME),
 )  # fmt: skip
 
+_FABRIC_DS = "lightning.fabric.strategies.deepspeed"
+_DEEPSPEED_STRATEGY_RESUME = (
+    "a checkpoint directory of Lightning's DeepSpeedStrategy (no manifest) resumed, or a path that is no checkpoint"
+    " explained in DeepSpeedStrategy's own words"
+)
+DEEPSPEED_STRATEGY_RESUME = (
+    Internal(_FABRIC_DS, "_is_deepspeed_checkpoint", "called", "recover/from_deepspeed.py",
+             "DeepSpeedStrategy's test for a checkpoint folder; " + _DEEPSPEED_STRATEGY_RESUME),
+    Internal(_FABRIC_DS, "_validate_checkpoint_directory", "called", "recover/from_deepspeed.py",
+             "raises DeepSpeedStrategy's FileNotFoundError naming the folder to load instead; "
+             + _DEEPSPEED_STRATEGY_RESUME),
+)  # fmt: skip
+
 _OVERRIDE = "a subclass override, nothing to put back"
 _PL_DS = "lightning.pytorch.strategies.deepspeed"
 _PL_DDP = "lightning.pytorch.strategies.ddp"
@@ -327,12 +340,21 @@ UNIVERSAL_LOAD = (
 
 _POWER_SGD = "torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook"
 _POWER_SGD_STATE = "PowerSGD's state, cleared when the buckets change and saved in checkpoints (error feedback)"
+_EARLIER_ENGINE_HOOKS = (
+    "the forward hooks a ZeRO-3 engine of an earlier trainer call left on the modules (DeepSpeed's, told by their"
+    " module) are removed before a profile and before each engine is built; torch keeps them in these per-module"
+    " tables by hook id"
+)
 TORCH_STATE = (
     Internal("torch.amp.autocast_mode", "autocast#_enabled", "read", "measure/cpu.py",
              "whether CPU autocast accepted a dtype (it disables itself with a warning otherwise)"),
     Internal("torch.nn.modules.batchnorm", "_BatchNorm", "called", "train/sync_batchnorm.py",
              "the base class of every BatchNorm (torch's SyncBatchNorm included): subclassed by the gloo sync BatchNorm,"
              " and what `sync_batchnorm=True` converts"),
+    *(Internal("torch.nn", f"Module().{name}", "patched", "measure/partitioned.py", _EARLIER_ENGINE_HOOKS,
+               "never: the hooks belong to an engine that is gone; the new one registers its own")
+      for name in ("_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs",
+                   "_forward_hooks_with_kwargs", "_forward_hooks_always_called")),
     Internal("torch.utils._python_dispatch", "TorchDispatchMode", "called", "simulate/workload.py",
              "subclassed to count the aten operators of one forward + backward (kernel launches on a GPU);"
              " FlopCounterMode, the public counter, is one such mode"),
@@ -345,7 +367,8 @@ TORCH_STATE = (
 
 INTERNALS = (
     SHM_OP_BUILDER, DEFAULT_STORE, *CHECKPOINT_WRITES, LAYER_SYNC, SETUP_MODEL, LIGHTNING_CHECKPOINT_LOAD,
-    *FOREIGN_RESUME, *STRATEGY_HOOKS, *TRAINER_STATE, *ENGINE_STATE, *UNIVERSAL_LOAD, *TORCH_STATE,
+    *FOREIGN_RESUME, *DEEPSPEED_STRATEGY_RESUME, *STRATEGY_HOOKS, *TRAINER_STATE, *ENGINE_STATE, *UNIVERSAL_LOAD,
+    *TORCH_STATE,
 )  # fmt: skip
 
 

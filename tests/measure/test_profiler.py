@@ -477,6 +477,15 @@ class Regression(L.LightningModule):
         return nn.functional.mse_loss(self.net(x), y, reduction=self.reduction)
 
 
+def test_a_manual_optimization_step_is_profiled_and_its_loss_measured_without_backward():
+    """The loss ratio runs the step under no_grad: its `manual_backward` raised "element 0 of tensors does not
+    require grad" (every manual-optimization model under the automatic split; found by Lightning's DeepSpeed tests)."""
+    batch = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+    doubled = lambda n: batch[:n].repeat(2, 1)  # noqa: E731
+    profile = profile_training_step(ManualNet(), lambda n: batch[:n], [2, 8], CPU, repeats=1, make_doubled_batch=doubled)
+    assert profile.loss_ratio is not None
+
+
 @pytest.mark.parametrize(("reduction", "ratio"), [("sum", 2.0), ("mean", 1.0)])
 def test_the_profile_measures_how_the_loss_grows_with_the_batch(reduction, ratio):
     generator = torch.Generator().manual_seed(0)

@@ -12,12 +12,14 @@ from lightning_hetero.plan.deepspeed_config import (
     PER_RANK_KEYS,
     check_user_config,
     config_disagreements,
+    default_config_stage,
     config_fingerprint,
     disagreement_message,
     format_plan_table,
     lightning_owns_accumulation,
     rank_config,
     shared_settings,
+    user_config_stage,
 )
 
 BASE = {
@@ -57,6 +59,55 @@ def test_check_user_config_accepts_valid_configs(stage):
     assert check_user_config({**BASE, "zero_optimization": {"stage": stage}}) is None
     assert check_user_config({}) is None  # no zero section: stage 0
     assert check_user_config({"zero_optimization": {}}) is None  # no stage: DeepSpeed's default
+
+
+@pytest.mark.parametrize(
+    ("config_stage", "stage_argument", "stage", "warns"),
+    [
+        (None, None, 0, False),  # no stage in the config: ZeRO-0, as DeepSpeed and DeepSpeedStrategy read it
+        (None, 3, 3, False),  # the argument fills in what the config leaves unset
+        (None, 0, 0, False),
+        (2, None, 2, False),  # the config's stage wins
+        (1, 1, 1, False),
+        (3, 1, 3, True),  # ... and says so when the argument differs
+        (0, 2, 0, True),
+    ],
+)
+def test_a_user_configs_stage_keeps_the_meaning_deepspeed_gives_it(config_stage, stage_argument, stage, warns):
+    settled, warning = user_config_stage(config_stage, stage_argument)
+    assert settled == stage
+    assert (warning is not None) == warns
+    if warns:
+        assert f"`zero_optimization.stage={config_stage}` wins over `stage={stage_argument}`" in warning
+
+
+@pytest.mark.parametrize(
+    ("stage", "arguments", "expected", "left"),
+    [
+        (None, {}, None, {}),
+        (3, {"zero_optimization": True, "offload_optimizer": True}, 3, {"offload_optimizer": True}),
+        (None, {"zero_optimization": False}, 0, {}),  # DeepSpeedStrategy's "ZeRO off"
+        (0, {"zero_optimization": False}, 0, {}),
+        (2, {"logging_batch_size_per_gpu": "auto"}, 2, {"logging_batch_size_per_gpu": "auto"}),
+    ],
+)
+def test_deepspeedstrategys_zero_switch_is_zero_0_for_the_default_config(stage, arguments, expected, left):
+    assert default_config_stage(stage, arguments) == expected
+    assert arguments == left  # the switch is consumed: the default config is built at the stage returned
+
+
+@pytest.mark.parametrize(
+    ("stage", "arguments", "message"),
+    [
+        (3, {"zero_optimization": False}, "`zero_optimization=False` turns ZeRO off, but `stage=3` asks for ZeRO-3"),
+        (None, {"zero_optimization": "no"}, "`zero_optimization='no'` must be True or False"),
+        (None, {"logging_batch_size_per_gpu": 10}, "`logging_batch_size_per_gpu=10`: HeteroStrategy gives each rank"),
+    ],
+)
+def test_deepspeedstrategy_arguments_the_strategy_cannot_honour_are_refused_by_name(stage, arguments, message):
+    with pytest.raises(ValueError) as error:
+        default_config_stage(stage, arguments)
+    assert message in str(error.value)
 
 
 # ---------------------------------------------------------------------------------------------- rank_config

@@ -22,9 +22,9 @@ from lightning_hetero.precision.nonfinite import (
 class FakeEngine:
     """What the guard reads of DeepSpeed's engine; ``step(skip)`` stands for one optimizer step."""
 
-    def __init__(self, stage=2, fp16=False, optimizer=None, module=None):
+    def __init__(self, stage=2, fp16=False, optimizer=None, module=None, bf16=False):
         self.skipped_steps = 0
-        self.stage, self.fp16 = stage, fp16
+        self.stage, self.fp16, self.bf16 = stage, fp16, bf16
         self.optimizer = optimizer if optimizer is not None else object()
         self.module = module
 
@@ -33,6 +33,9 @@ class FakeEngine:
 
     def fp16_enabled(self):
         return self.fp16
+
+    def bfloat16_enabled(self):
+        return self.bf16
 
     def step(self, skip):
         self.skipped_steps += int(skip)
@@ -108,6 +111,28 @@ def test_at_zero_0_a_step_with_non_finite_gradients_is_skipped_and_counted_by_th
     assert optimizer.overflow is False and not torch.equal(before[0], network.weight)
     guard.detach()
     assert "step" not in optimizer.__dict__
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_deepspeeds_own_precision_optimizer_at_zero_0_is_left_to_skip_its_own_steps(precision):
+    """`Trainer(precision="bf16-mixed")`: at ZeRO-0 DeepSpeed wraps the optimizer in its own mixed-precision optimizer
+    (which skips a non-finite step itself), and builds one without any optimizer for validate and test. Attaching
+    raised a TypeError about `device_precision` and fp16 ranks, which the user never set."""
+
+    class DeepSpeedMixedPrecisionOptimizer:  # (FP16_Optimizer / BF16_Optimizer: not a torch optimizer)
+        overflow = False
+
+        def step(self):
+            pass
+
+    wrapper = DeepSpeedMixedPrecisionOptimizer()
+    engine = FakeEngine(stage=0, optimizer=wrapper, module=torch.nn.Linear(3, 1), **{precision: True})
+    guard = NonFiniteGuard(3, gather_as([]))
+    guard.attach(engine, has_loss_scale=False, skipping_installed=False, precision="bf16-mixed")
+    assert "step" not in vars(wrapper)  # DeepSpeed's own overflow check decides; the engine counts the skips
+    run_steps(guard, engine, [(float("nan"), True), (1.0, False)])
+    assert guard.skipped == [0]
+    guard.detach()
 
 
 def test_gradients_are_finite():

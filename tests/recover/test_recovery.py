@@ -37,7 +37,7 @@ def test_only_rank_0_prunes_and_never_the_only_complete_checkpoint(tmp_path):
 def test_rank_0_chooses_the_checkpoint_and_every_rank_resumes_from_its_choice(tmp_path):
     with pytest.raises(ValueError):
         recovery(0).choose(tmp_path / "missing.ckpt")
-    chosen, manifest = recovery(1, rank_0_answer=(str(tmp_path / "x.ckpt"), None)).choose(tmp_path / "last.ckpt")
+    chosen, manifest = recovery(1, rank_0_answer=(str(tmp_path / "x.ckpt"), None, None)).choose(tmp_path / "last.ckpt")
     assert chosen == Path(tmp_path / "x.ckpt") and manifest == {}  # (rank 1 never looked at the files itself)
     assert checkpoint.read_manifest(tmp_path / "x.ckpt") is None
 

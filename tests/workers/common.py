@@ -146,6 +146,43 @@ class RegressionModule(LightningModule):
         return make_optimizer(self.optimizer_name, self.parameters(), self.lr, self.momentum)
 
 
+class ConfiguredRegressionModule(RegressionModule):
+    """The same model, its network built in ``configure_model`` (Lightning's hook for sharded models: under ZeRO-3 the
+    layers are created partitioned), as the models of Lightning's own DeepSpeed tests are."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        names = ("hidden", "dropout", "depth", "batchnorm")
+        self._network_arguments = {key: kwargs[key] for key in names if key in kwargs}
+        self.network = None
+
+    def configure_model(self) -> None:
+        if self.network is None:
+            self.network = make_network(**self._network_arguments)
+
+
+def cpu_deepspeed_strategy(**kwargs):
+    """Lightning's own DeepSpeedStrategy with the three things that keep it off CPUs removed (see
+    shared/design/facts.md): its CUDA-only check, and CPU devices without the index DeepSpeed takes as its device rank.
+    The reference a user switches from, and the writer of the checkpoint directories such a user brings."""
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+
+    from lightning_hetero.runtime import startup
+    from lightning_hetero.runtime.shutdown import register_exit_cleanup
+
+    class CPUDeepSpeedStrategy(DeepSpeedStrategy):
+        def setup_environment(self) -> None:
+            self.parallel_devices = [torch.device("cpu", i) for i in range(len(self.parallel_devices))]
+            DDPStrategy.setup_environment(self)  # (DeepSpeedStrategy's own adds only the CUDA check)
+            register_exit_cleanup()  # the gloo exit race (runtime/shutdown.py) hits it too
+
+        def _init_deepspeed_distributed(self) -> None:
+            with startup.without_shared_memory_comm_op():  # (not 30 s of compiling an op training never uses)
+                super()._init_deepspeed_distributed()
+
+    return CPUDeepSpeedStrategy(**kwargs)
+
+
 def reference_training(
     dataset: IndexedRegression,
     steps: list[list[int]],

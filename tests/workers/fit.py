@@ -17,7 +17,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
-from common import OPTIMIZERS, IndexedRegression, PaddedTokens, RegressionModule, TokenModule  # noqa: E402
+from common import (  # noqa: E402
+    OPTIMIZERS,
+    ConfiguredRegressionModule,
+    IndexedRegression,
+    PaddedTokens,
+    RegressionModule,
+    TokenModule,
+    cpu_deepspeed_strategy,
+)
 from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
@@ -367,6 +375,10 @@ def main() -> None:
     parser.add_argument("--two-loaders", action="store_true", help="a dict of two training loaders")
     parser.add_argument("--tokens", action="store_true", help="padded token sequences and a token-mean loss")
     parser.add_argument("--ddp", action="store_true", help="train with Lightning's DDPStrategy instead (a reference)")
+    parser.add_argument("--deepspeed-strategy", action="store_true",
+                        help="train with Lightning's DeepSpeedStrategy (made to run on CPU) at --stage instead")
+    parser.add_argument("--configure-model", action="store_true", help="the network is built in configure_model()")
+    parser.add_argument("--test-first", action="store_true", help="trainer.test on --test-samples before the fit")
     parser.add_argument("--loader-in-hook", action="store_true", help="the model's train_dataloader() builds it")
     parser.add_argument("--samples-on-rank-1", type=int, help="a different training set length on rank 1")
     parser.add_argument("--seed-per-rank", action="store_true", help="seed_everything(7 + rank)")
@@ -452,11 +464,14 @@ def fit(args: argparse.Namespace) -> None:
 
         register_exit_cleanup()
     devices, num_nodes = launched_layout(args.devices) if args.launched_layout else (args.devices, 1)
+    strategy = "ddp" if args.ddp else HeteroStrategy(**strategy_kwargs)
+    if args.deepspeed_strategy:
+        strategy = cpu_deepspeed_strategy(stage=args.stage)
     trainer = Trainer(
         accelerator=args.accelerator,
         devices=devices,
         num_nodes=num_nodes,
-        strategy="ddp" if args.ddp else HeteroStrategy(**strategy_kwargs),
+        strategy=strategy,
         precision=args.precision,
         max_epochs=args.max_epochs,
         max_steps=args.max_steps,
@@ -469,7 +484,7 @@ def fit(args: argparse.Namespace) -> None:
         sync_batchnorm=args.sync_batchnorm,
         default_root_dir=args.out,
     )
-    model_class = RegressionModule
+    model_class = ConfiguredRegressionModule if args.configure_model else RegressionModule
     model_kwargs = {}
     if args.loader_in_hook:
         model_class, model_kwargs = LoaderInHook, {"loader": train}
@@ -507,9 +522,12 @@ def fit(args: argparse.Namespace) -> None:
         model.training_step = noisy(model, args.noisy_loss, rank)
     if args.two_loaders:
         train = {"first": train, "second": DataLoader(IndexedRegression(samples, seed=8), batch_size=4)}
+    test = DataLoader(IndexedRegression(args.test_samples, seed=5), batch_size=4) if args.test_samples else None
+    if args.test_first:
+        trainer.test(model, test, verbose=False)
     trainer.fit(model, None if args.loader_in_hook else train, val, ckpt_path=args.ckpt_path)
-    if args.test_samples:
-        trainer.test(model, DataLoader(IndexedRegression(args.test_samples, seed=5), batch_size=4), verbose=False)
+    if args.test_samples and not args.test_first:
+        trainer.test(model, test, verbose=False)
     if args.predict_samples:
         trainer.predict(model, DataLoader(IndexedRegression(args.predict_samples, seed=6), batch_size=3))
     if args.gather_in_eval and trainer.is_global_zero:

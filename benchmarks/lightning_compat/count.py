@@ -1,0 +1,80 @@
+"""Count how many of Lightning 2.6.5's DeepSpeed tests (adapted to CPU, lightning_tests.py) pass for a strategy.
+
+    python benchmarks/lightning_compat/count.py hetero      # HeteroStrategy (the package importable here)
+    python benchmarks/lightning_compat/count.py deepspeed   # Lightning's DeepSpeedStrategy, the reference
+
+The CPU tests run in one pytest process; each moved (GPU) test in a process of its own, as Lightning's standalone
+tests do (two-rank ones start their second rank themselves). About 10 minutes on 2 cores. Prints one line per moved
+test, the counts, and writes every outcome to --out (JSON). A failing second rank kills the first before it reports:
+that is counted as a failure. To count another commit, put its package first on PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+HERE = Path(__file__).parent
+TESTS = HERE / "lightning_tests.py"
+OUTCOME = r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\S* \S*::{}(?:\s|$)"
+WORST_FIRST = ("FAILED", "ERROR", "XPASS", "XFAIL", "SKIPPED", "PASSED")
+
+
+def run(arguments: list[str], env: dict[str, str], timeout: float) -> str:
+    command = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *arguments]
+    process = subprocess.Popen(command, cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)  # fmt: skip
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output = process.communicate()[0] + "\nTIMEOUT"
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # a second rank left behind
+        except ProcessLookupError:
+            pass
+    return output
+
+
+def outcome(output: str, test: str) -> str:
+    found = set(re.findall(OUTCOME.format(re.escape(test)), output, re.M))
+    if re.search(r"Child process with PID \d+ terminated with code [1-9]", output) or "TIMEOUT" in output:
+        found.add("FAILED")
+    return next((o for o in WORST_FIRST if o in found), "FAILED")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("strategy", choices=["hetero", "deepspeed"])
+    parser.add_argument("--out", type=Path, default=HERE.parent / "results" / "lightning_compat.json")
+    args = parser.parse_args()
+    env = {**os.environ, "LT_STRATEGY": args.strategy, "PYTHONWARNINGS": "ignore"}
+    env.pop("LT_STANDALONE", None)
+    output = run([str(TESTS)], env, 900)
+    tests = re.findall(r"^(?:PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\S* \S*::(\S+)", output, re.M)
+    cpu = {test: outcome(output, test) for test in tests if outcome(output, test) != "SKIPPED"}
+    collected = run(["--collect-only", str(TESTS)], {**env, "LT_STANDALONE": "1"}, 300)
+    moved = [line.split("::", 1)[1] for line in collected.splitlines() if "::" in line]
+    moved = [test for test in moved if test not in cpu]
+    results = {}
+    for test in moved:
+        started = time.perf_counter()
+        results[test] = outcome(run([f"{TESTS}::{test}"], {**env, "LT_STANDALONE": "1"}, 420), test)
+        print(f"{results[test]:8s} {time.perf_counter() - started:5.0f}s {test}", flush=True)
+    print(f"{args.strategy}: CPU tests {dict(Counter(cpu.values()))} of {len(cpu)}; moved tests"
+          f" {dict(Counter(results.values()))} of {len(results)}")  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"strategy": args.strategy, "cpu": cpu, "moved": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""A checkpoint directory of Lightning's DeepSpeedStrategy: recognised from DeepSpeed's files, its facts read as a
+manifest would give them, anything else answered as before (pure parts; the 2-rank resumes are in
+tests/compat/test_deepspeed_strategy_users.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_hetero.recover import checkpoint, from_deepspeed
+from lightning_hetero.train.order import STATE_EPOCH, STATE_NUM_SAMPLES, STATE_SAMPLES_CONSUMED, STATE_SEED
+
+
+def write_deepspeed_checkpoint(path, stage=2, world_size=2, optimizer_state=None, skip=()):
+    """DeepSpeed's layout as DeepSpeedStrategy saves it (tag "checkpoint"), with the entries the facts come from."""
+    folder = path / "checkpoint"
+    folder.mkdir(parents=True)
+    (path / "latest").write_text("checkpoint")
+    states = {
+        "module": {}, "dp_world_size": world_size, "global_steps": 3, "global_step": 3, "epoch": 0,
+        "ds_config": {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": 8},
+        "optimizer": optimizer_state if stage == 0 else None,
+    }  # fmt: skip
+    names = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world_size)] if stage == 3 else []
+    names = names or ["mp_rank_00_model_states.pt"]
+    for name in names:
+        torch.save(states, folder / name)
+    if stage > 0:
+        for rank in range(world_size):
+            torch.save({"optimizer_state_dict": {"base_optimizer_state": optimizer_state or {}}},
+                       folder / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")  # fmt: skip
+    for name in skip:
+        (folder / name).unlink()
+    return path
+
+
+ADAM = {"state": {0: {"exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2), "step": torch.tensor(3.0)}}}
+SGD = {"state": {0: {"momentum_buffer": torch.zeros(2)}}}
+
+
+@pytest.mark.parametrize(("stage", "optimizer", "name"), [(0, ADAM, "Adam"), (2, ADAM, "Adam"), (3, SGD, "unknown")])
+def test_the_facts_of_a_deepspeedstrategy_directory_are_read_from_its_files(tmp_path, stage, optimizer, name):
+    path = write_deepspeed_checkpoint(tmp_path / "epoch=0-step=3.ckpt", stage, optimizer_state=optimizer)
+    facts = from_deepspeed.deepspeed_strategy_facts(path)
+    assert facts is not None and from_deepspeed.is_deepspeed_strategys(facts)
+    assert (facts["world_size"], facts["zero_stage"], facts["global_step"], facts["epoch"]) == (2, stage, 3, 0)
+    assert facts["batch_sizes"] == [8, 8]  # DeepSpeedStrategy gave each rank the loader's batch
+    assert facts["optimizer"].startswith(name)  # (what decides whether another world size can be converted)
+    assert from_deepspeed.choose_checkpoint(path) == (str(path), None, facts)
+
+
+def test_a_directory_with_a_manifest_or_without_every_ranks_files_is_not_taken_for_deepspeedstrategys(tmp_path):
+    ours = write_deepspeed_checkpoint(tmp_path / "a.ckpt")
+    checkpoint.write_manifest(ours, {"world_size": 2, "global_step": 3})
+    assert from_deepspeed.deepspeed_strategy_facts(ours) is None
+    assert from_deepspeed.choose_checkpoint(ours) == (str(ours), None, None)  # the package's own, as before
+    killed = write_deepspeed_checkpoint(tmp_path / "b.ckpt", skip=["zero_pp_rank_1_mp_rank_00_optim_states.pt"])
+    assert from_deepspeed.deepspeed_strategy_facts(killed) is None  # DeepSpeedStrategy writes in place
+    (tmp_path / "c.ckpt" / "checkpoint").mkdir(parents=True)
+    (tmp_path / "c.ckpt" / "latest").write_text("checkpoint")
+    (tmp_path / "c.ckpt" / "checkpoint" / "mp_rank_00_model_states.pt").write_bytes(b"x" * 100)  # not torch's
+    assert from_deepspeed.deepspeed_strategy_facts(tmp_path / "c.ckpt") is None
+    with pytest.raises(ValueError, match="has no hetero_manifest.json"):
+        from_deepspeed.choose_checkpoint(tmp_path / "c.ckpt")
+
+
+def test_a_path_that_is_no_checkpoint_gets_deepspeedstrategys_answer_and_stays_a_value_error(tmp_path):
+    """It said "no hetero_manifest.json" of an empty folder, and read a file inside a checkpoint as a Lightning file."""
+    with pytest.raises(FileNotFoundError, match="The provided path is not a valid DeepSpeed checkpoint"):
+        from_deepspeed.choose_checkpoint(tmp_path / "missing.ckpt")
+    path = write_deepspeed_checkpoint(tmp_path / "a.ckpt")
+    with pytest.raises(ValueError, match=f"Try to load using this parent directory instead: {path}"):
+        from_deepspeed.choose_checkpoint(path / "checkpoint")
+    inside = path / "checkpoint" / "mp_rank_00_model_states.pt"
+    with pytest.raises(FileNotFoundError, match=f"a file inside a DeepSpeed checkpoint folder.*instead: {path}"):
+        from_deepspeed.explain_a_file_inside_a_checkpoint(inside)
+    from_deepspeed.explain_a_file_inside_a_checkpoint(tmp_path / "model.ckpt")  # (not inside one: nothing to say)
+
+
+class Order:
+    def __init__(self, length, shuffles):
+        self.length, self.shuffles, self.seed = length, shuffles, 7
+
+    def __len__(self):
+        return self.length
+
+
+def test_the_place_in_the_epoch_comes_from_the_loops_progress_in_deepspeedstrategys_global_batches():
+    saved = {"epoch": 0, "loops": {"fit_loop": {"epoch_loop.batch_progress": {"current": {"processed": 3}}}}}
+    facts = {"batch_sizes": [8, 8]}
+    state = from_deepspeed.with_data_position(saved, facts, Order(96, shuffles=True))
+    assert state["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [
+        {STATE_EPOCH: 0, STATE_SAMPLES_CONSUMED: 48, STATE_NUM_SAMPLES: 96, STATE_SEED: 7}
+    ]
+    untouched = {"epoch": 1, "loops": {"fit_loop": {"epoch_loop.batch_progress": {"current": {"processed": 0}}}}}
+    assert from_deepspeed.with_data_position(dict(untouched), facts, Order(96, True)) == untouched  # a whole epoch
+    assert from_deepspeed.with_data_position(dict(saved), facts, None) == saved  # not fitting, or a stream
+    with pytest.warns(UserWarning, match="this unshuffled loader keeps its own order"):
+        from_deepspeed.with_data_position(
+            {"loops": {"fit_loop": {"epoch_loop.batch_progress": {"current": {"processed": 1}}}}}, facts,
+            Order(96, shuffles=False),
+        )  # fmt: skip
