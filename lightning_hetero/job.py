@@ -321,8 +321,8 @@ class HeteroJob:
         self.local.step_done(samples, last_of_epoch, self._sum_in_place)
 
     def training_ends(self) -> None:
-        """The fit's training loop ends on every rank: local training synchronizes, the loss check decides."""
-        self.synchronize_local_training()
+        """The fit's training loop ends on every rank (after local training's last synchronization): the loss check
+        decides on the steps it has, if it has not yet."""
         self.loss_check.fit_ends()
 
     def _gather_after_catch_up(self, tensor: torch.Tensor) -> list[torch.Tensor]:

@@ -519,7 +519,8 @@ class HeteroStrategy(DeepSpeedStrategy):
     @override
     def on_train_end(self) -> None:
         with self.job.communication.counting():
-            self.job.training_ends()  # every rank ends the fit with the same parameters
+            self.job.synchronize_local_training()  # every rank ends the fit with the same parameters
+        self.job.training_ends()  # (its checks' gathers are bookkeeping, not the exchange the report counts)
         super().on_train_end()
         self.job.write_report(self._trainer(), self.precision_plugin)
 
