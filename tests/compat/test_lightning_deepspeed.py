@@ -28,7 +28,9 @@ cases of tests/tests_pytorch/strategies/test_registry.py (Apache License 2.0, Th
   ``default_root_dir=tmp_path`` where Lightning's test wrote into the working directory, the fixtures of Lightning's
   conftest that these tests use (environment restored, process group destroyed, CUDA/MPS counts mocked).
 * Differences by design, asserted as the package behaves and marked ``# HeteroStrategy:``: a config without a ZeRO stage
-  gets the stage it runs at written in, ``"stage": 0`` (DeepSpeed's reading, made explicit).
+  gets the stage it runs at written in, ``"stage": 0`` (DeepSpeed's reading, made explicit); no ``stage`` means the
+  lowest that fits (ZeRO-0 here) where DeepSpeedStrategy's default is ZeRO-2, so a test that relies on ZeRO-2's
+  optimizer names ``stage=2``.
 * Left out, each a difference by design (README, "As a drop-in for DeepSpeedStrategy") or not runnable on CPU:
   ``test_error_with_invalid_accelerator`` (CPU is supported); ``test_deepspeed_auto_batch_size_config_select`` with a
   fixed ``logging_batch_size_per_gpu`` (refused: each rank has its own micro-batch);
@@ -519,7 +521,7 @@ def test_deepspeed_run_configure_optimizers(tmp_path):
     model = TestModel()
     lr_monitor = LearningRateMonitor()
     trainer = Trainer(
-        strategy=HeteroStrategy(),
+        strategy=HeteroStrategy(stage=2),  # HeteroStrategy: no stage is the lowest that fits (ZeRO-0 here)
         default_root_dir=tmp_path,
         accelerator="cpu",
         devices=1,
