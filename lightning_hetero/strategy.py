@@ -191,7 +191,8 @@ class HeteroStrategy(DeepSpeedStrategy):
         config = check_config_argument(config)
         quiet.install_lasting_filters()
         quiet.hide_the_srun_hint_outside_slurm_jobs()
-        with quiet.third_party_noise_silenced():  # the parent imports DeepSpeed, which prints its accelerator guess
+        # The parent imports DeepSpeed, which prints its accelerator guess (and imports MLflow: see runtime/startup.py).
+        with quiet.third_party_noise_silenced(), startup.deepspeed_imported_without_mlflow():
             super().__init__(stage=settings.zero_stage, config=config, **kwargs)
         if user_config:
             settings.reconcile_user_config(self.config, kwargs)
