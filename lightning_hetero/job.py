@@ -9,20 +9,24 @@ Lightning's or DeepSpeed's strategy classes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
 import torch.distributed
-from lightning.pytorch.trainer.states import RunningStage, TrainerStatus
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lightning_hetero.comm import topology
 from lightning_hetero.comm.communication import Communication
 from lightning_hetero.emulate.emulation import Emulation, NoEmulation, emulation_for
+from lightning_hetero.measure.blocks import BlockMeasurement, first_batch, measure_blocks
 from lightning_hetero.measure.devices import collect_device_facts
 from lightning_hetero.measure.facts import DeviceFacts
 from lightning_hetero.measure.partitioned import partitioned_parameters, whole_parameters
@@ -35,6 +39,13 @@ from lightning_hetero.plan.zero_stage import ModelSize, StageChoice, choose_stag
 from lightning_hetero.plan.micro_steps import automatic_micro_steps_allowed, micro_steps_refusal
 from lightning_hetero.plan.local_steps import InnerStepsRebalancer, describe_sync, plan_inner_steps, sync_refusal
 from lightning_hetero.plan.split import SplitPlan, micro_batch_sizes
+from lightning_hetero.plan.stages import (
+    block_costs,
+    describe_pipeline,
+    pipeline_job_refusal,
+    place_stages,
+    replicas_of,
+)
 from lightning_hetero.precision.choice import rank_precision
 from lightning_hetero.precision.job import gradient_bytes_held_until_step, job_plugin, loss_scale_value
 from lightning_hetero.precision.nonfinite import NonFiniteGuard
@@ -45,6 +56,7 @@ from lightning_hetero.runtime.collectives import Collectives
 from lightning_hetero.settings import HeteroSettings, check_ranks_agree
 from lightning_hetero.train.local_sgd import LocalTraining
 from lightning_hetero.train.micro_batches import MicroBatchGuard, split_batch, step_loss
+from lightning_hetero.train.pipeline import Pipeline, find_chain
 from lightning_hetero.train.order import GlobalOrder, agreed_seed, local_seed
 from lightning_hetero.train.sharding import BatchListeners, DataSharding, check_trainable
 from lightning_hetero.train.split_in_force import SplitInForce
@@ -70,6 +82,8 @@ class HeteroJob:
         self.loss_weights = LossWeights(settings.loss_reduction)
         self.micro_batch_guard = MicroBatchGuard()
         self.local: Optional[LocalTraining] = None  # local SGD / DiLoCo (train/local_sgd.py)
+        self.pipeline: Optional[Pipeline] = None  # the model split into stages (train/pipeline.py), from join()
+        self._pipeline_samples = 0
         self._inner_steps_rebalancer: Optional[InnerStepsRebalancer] = None
         if settings.local:
             self.local = LocalTraining(settings.sync, settings.sync_every, settings.outer, settings.compression.mode)
@@ -115,6 +129,10 @@ class HeteroJob:
         self.watcher.loss_scale = lambda: loss_scale_value(plugin())
         if trainer is not None:
             self.recovery.stop_together_on_sigterm(trainer, device)
+        choice = self.settings.pipeline
+        if choice is not None:  # (a point-to-point wait has a deadline; without a watchdog, torch's default's 30 min)
+            timeout = self.settings.peer_timeout or 1800.0
+            self.pipeline = Pipeline(choice, rank, world_size, device, timeout)
 
     # ------------------------------------------------------------------ measure, plan, configure
 
@@ -279,6 +297,96 @@ class HeteroJob:
         assert self.watcher is not None
         self.watcher.follow(self.split, rebalancer)
 
+    def start_pipeline(self, global_batch_size: int, module: torch.nn.Module, device: torch.device) -> int:
+        """Pipeline parallelism (train/pipeline.py): the blocks measured on every rank (unless ``boundaries`` are
+        given), placed on the stages by speed and memory, and this rank's stage kept; then the plan is printed."""
+        pipeline, choice = self.pipeline, self.settings.pipeline
+        assert pipeline is not None and choice is not None
+        replicas = replicas_of(choice, self.world_size)
+        replica_batch = micro_batch_sizes(global_batch_size, replicas)[0]
+        micro_batches = choice.micro_batches_for(replica_batch)
+        micro_batch = -(-replica_batch // micro_batches)
+        _, names = find_chain(module, choice.blocks)
+        if choice.boundaries is None:
+            chain, _ = find_chain(module, choice.blocks)
+            blocks = [chain._modules[name] for name in names]
+            loader = self.sharding.requested_training_loader
+            emulator = self.emulation.emulator
+
+            def measure() -> tuple[None, dict[str, Any]]:
+                batch = first_batch(loader, micro_batch, device, move_data_to_device)
+                return None, measure_blocks(module, blocks, batch, micro_batch, device, emulator).to_dict()
+
+            measured = [BlockMeasurement.from_dict(m) for m in self.collectives.gather_or_raise("measuring", measure)[1]]
+        else:
+            measured = None
+        costs = block_costs(measured, len(names), self.world_size)
+        placement = place_stages(costs, choice.stages, choice.schedule, micro_batches, micro_batch, choice.boundaries,
+                                 ranks=tuple(range(choice.stages)), search_orders=replicas == 1)  # fmt: skip
+        pipeline.install(module, placement, replicas, global_batch_size)
+        if self.rank == 0:
+            rank_zero_info(describe_pipeline(placement, names, choice, replicas, micro_batches, micro_batch, measured))
+        return micro_batch
+
+    def check_pipeline_job(self, trainer: Any, precision: str, world_size: int) -> None:
+        """What a pipeline cannot run (yet), raised at setup on every rank before the process group exists."""
+        choice = self.settings.pipeline
+        assert choice is not None
+        replicas_of(choice, world_size)
+        if trainer is None:
+            return
+        module = trainer.lightning_module
+        evaluating = trainer.state.fn != TrainerFn.FITTING or (
+            is_overridden("validation_step", module) and trainer.limit_val_batches != 0
+        )
+        refusal = pipeline_job_refusal(precision, trainer.gradient_clip_val, trainer.accumulate_grad_batches,
+                                       module.automatic_optimization, bool(trainer.checkpoint_callbacks),
+                                       evaluating)  # fmt: skip
+        if refusal:
+            raise ValueError(refusal)
+
+    @contextlib.contextmanager
+    def engine_built(self) -> Iterator[None]:
+        """Around ``deepspeed.initialize``: with a pipeline, the engine's broadcast of every parameter from rank 0 is
+        skipped (ranks hold different blocks; the pipeline broadcast each part within its own group already)."""
+        if self.pipeline is None:
+            yield
+            return
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
+        original = DeepSpeedEngine._broadcast_model
+        DeepSpeedEngine._broadcast_model = lambda engine: None  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            DeepSpeedEngine._broadcast_model = original  # type: ignore[method-assign]
+
+    def pipeline_step(
+        self, batch: Any, forward: Any, backward: Any, module: torch.nn.Module, global_step: int
+    ) -> torch.Tensor:
+        """One training step through the stages: every micro-batch forward and backward, then the gradient sums.
+        Returns the global batch's loss (on every rank, for the progress bar)."""
+        pipeline = self.pipeline
+        assert pipeline is not None
+        self.emulation.at_step(global_step)
+        samples = self._pipeline_samples
+        reduction = self.settings.loss_reduction
+        global_batch = pipeline.global_batch
+
+        def weight_of(micro_batch_samples: int) -> float:
+            return micro_batch_samples / global_batch if reduction == "mean" else 1.0
+
+        micro_batches = pipeline.micro_batches_of(batch, samples)
+        loss = pipeline.run_step(micro_batches, forward, weight_of, self.emulation.slowed, backward)
+        pipeline.reduce_gradients()
+        pipeline.hold_gradients(module)
+        return loss
+
+    def pipeline_backward(self) -> None:
+        """Lightning's backward of the step: the schedule ran it; its gradients go back on the parameters."""
+        assert self.pipeline is not None
+        self.pipeline.return_gradients()
+
     def _start_local_training(self, global_batch_size: int) -> None:
         """Local SGD / DiLoCo: each rank's micro-batch (``batch_sizes``, else the loader's batch) taken
         ``inner_steps[r]`` times per training step: the user's counts, else as many as its profile says it computes
@@ -378,6 +486,9 @@ class HeteroJob:
             engine.enable_backward_allreduce = False
             self.local.attach([p for p in engine.module.parameters() if p.requires_grad], engine.optimizer)
             self.nonfinite.rank_local = self.rank
+        if self.pipeline is not None:
+            # The pipeline sums the gradients itself (per stage, and the outside modules over every rank).
+            engine.allreduce_gradients = lambda *args, **kwargs: None
 
     def detach(self, plugin: Any, trainer: Optional[Any]) -> None:
         """The trainer call ends: every patch is undone, the peers' watch stops, the served loader is forgotten."""
@@ -387,6 +498,8 @@ class HeteroJob:
         self.nonfinite.detach()
         if self.local is not None:
             self.local.detach()
+        if self.pipeline is not None:
+            self.pipeline.uninstall()
         self.recovery.teardown(finished=trainer is not None and trainer.state.status != TrainerStatus.INTERRUPTED)
         # A fit that failed before its loop asked for the training loader must not hand it to the next fit.
         self.sharding.forget_served_loader(trainer)
@@ -400,11 +513,20 @@ class HeteroJob:
         training = trainer.state.stage == RunningStage.TRAINING
         listeners = BatchListeners(self.training_batch, self.loss_weights.evaluation_batch,
                                    self.loss_weights.forget_evaluation_batch, self.watcher.before_fetch)  # fmt: skip
+        if self.pipeline is not None and training:
+            # Every stage of a pipeline takes the same samples: the split is over the pipelines.
+            listeners = BatchListeners(self._pipeline_batch, self.loss_weights.evaluation_batch,
+                                       self.loss_weights.forget_evaluation_batch, lambda: None)  # fmt: skip
+            split = self.pipeline.replica_batch_sizes(self.pipeline.global_batch)
+            return self.sharding.shard(dataloader, trainer, split, self.collectives, self.pipeline.replica, listeners)
         split = self.split.batch_sizes if training else None
         loader = self.sharding.shard(dataloader, trainer, split, self.collectives, self.rank, listeners)
         if training:
             self.split.cut_by(loader)
         return loader
+
+    def _pipeline_batch(self, local_samples: int, global_samples: int) -> None:
+        self._pipeline_samples = local_samples  # (this pipeline's samples of the batch in hand)
 
     def training_batch(self, local_samples: int, global_samples: int) -> None:
         self.loss_weights.training_batch(local_samples, global_samples)
@@ -468,6 +590,8 @@ class HeteroJob:
 
     def write_report(self, trainer: Any, plugin: Any) -> None:
         """Every rank hands in its last records; rank 0 writes the run report and prints its summary."""
+        if self.pipeline is not None:
+            return  # (the report's per-stage compute and bubble are not built yet: train/pipeline.py)
         assert self.watcher is not None
         directory = self._report_directory or report_directory(trainer)
         self.watcher.write_report(

@@ -36,6 +36,7 @@ from lightning_hetero.plan.deepspeed_config import (
 )
 from lightning_hetero.plan.replan import check_rebalance_arguments
 from lightning_hetero.plan.split import check_split_arguments, resolve_split
+from lightning_hetero.plan.stages import PipelineChoice, check_pipeline_argument, pipeline_argument_refusal
 from lightning_hetero.precision import choice as precision
 from lightning_hetero.precision.nonfinite import check_max_nonfinite_steps
 from lightning_hetero.recover import liveness
@@ -79,6 +80,7 @@ class HeteroSettings:
     sync_every: int = 1
     inner_steps: Optional[tuple[int, ...]] = None
     outer: Optional[dict[str, Any]] = None  # DiLoCo's outer optimizer settings
+    pipeline: Optional[PipelineChoice] = None  # the model split into stages (train/pipeline.py)
 
     @classmethod
     def from_arguments(
@@ -103,6 +105,7 @@ class HeteroSettings:
         sync_every: int = 1,
         inner_steps: Optional[Sequence[int]] = None,
         sync_options: Optional[dict[str, Any]] = None,
+        pipeline: Any = None,
     ) -> HeteroSettings:
         """Every argument checked, each error naming the argument, its value and the fix."""
         schedule, both_given = emulated_speeds(emulate_speeds)
@@ -123,6 +126,15 @@ class HeteroSettings:
             automatic_optimization=True)  # fmt: skip
         if refusal:
             raise ValueError(refusal)
+        pipeline_choice = check_pipeline_argument(pipeline)
+        if pipeline_choice is not None:
+            refusal = pipeline_argument_refusal(
+                stage=stage, sync=sync, batch_sizes=batch_sizes, weights=weights, micro_steps=micro_steps,
+                loss_reduction=loss_reduction, compression=compression_mode, hierarchical=hierarchical,
+                device_precision=device_precision, rebalance=rebalance,
+            )  # fmt: skip
+            if refusal:
+                raise ValueError(refusal)
         if sync in LOCAL_MODES and rebalance and inner_steps is not None:
             raise ValueError(
                 f"`rebalance=True` with `inner_steps={list(inner_steps)}`: inner steps you give are kept. Drop one"
@@ -148,6 +160,7 @@ class HeteroSettings:
             sync_every=int(sync_every),
             inner_steps=tuple(int(k) for k in inner_steps) if inner_steps is not None else None,
             outer=outer,
+            pipeline=pipeline_choice,
         )
 
     @property
@@ -157,7 +170,7 @@ class HeteroSettings:
         only); else the lowest stage :meth:`automatic_stages` allows, until setup chooses among them."""
         if self.stage is not None:
             return self.stage
-        if self.local or self._needs_stage_0:
+        if self.local or self._needs_stage_0 or self.pipeline is not None:
             return 0
         return self.automatic_stages({})[0]  # type: ignore[index]
 
@@ -170,7 +183,7 @@ class HeteroSettings:
         lowest that fits), or None when the stage is settled: given, set by a DeepSpeed config, or implied (local
         training, a hooked exchange, `zero_optimization=False`). Offloading names its stages: the optimizer state
         from ZeRO-2, the parameters at ZeRO-3; unequal `micro_steps` rule out ZeRO-3."""
-        if self.stage is not None or self.local or self._needs_stage_0:
+        if self.stage is not None or self.local or self._needs_stage_0 or self.pipeline is not None:
             return None
         if deepspeed_arguments.get("zero_optimization") is False:
             return None
@@ -189,6 +202,8 @@ class HeteroSettings:
     @property
     def profiles_needed(self) -> bool:
         """Every rank profiles its step: the automatic split, or the inner steps of local training unless given."""
+        if self.pipeline is not None:  # (the blocks are measured instead: train/pipeline.py)
+            return False
         return self.split_is_automatic and not (self.local and self.inner_steps is not None)
 
     @property
@@ -200,7 +215,7 @@ class HeteroSettings:
         """Re-plan during the fit: on for the automatic split unless turned off, off for a fixed one unless on. (Local
         training re-plans its inner steps instead: HeteroJob._start_local_training.)"""
         wanted = self.rebalance if self.rebalance is not None else profiled
-        return wanted and world_size > 1 and not self.local
+        return wanted and world_size > 1 and not self.local and self.pipeline is None
 
     def reconcile_user_config(self, config: dict[str, Any], deepspeed_arguments: dict[str, Any]) -> None:
         """A user's DeepSpeed config: checked, its stage settled, and the arguments it replaces said."""
@@ -271,7 +286,8 @@ class HeteroSettings:
             )
 
     def global_batch_size_for(self, loader: Any, world_size: int) -> int:
-        """The argument, else the sum of ``batch_sizes``, else what DDP would use: the loader's batch per rank."""
+        """The argument, else the sum of ``batch_sizes``, else what DDP would use: the loader's batch per rank (per
+        pipeline with ``pipeline``: every stage of one takes the same samples)."""
         if self.global_batch_size is not None:
             return self.global_batch_size
         if self.batch_sizes is not None:
@@ -283,6 +299,8 @@ class HeteroSettings:
                 f" `batch_size` (got {type(loader).__name__}). Pass `HeteroStrategy(global_batch_size=...)` or"
                 " `batch_sizes=[...]`."
             )
+        if self.pipeline is not None and world_size % self.pipeline.stages == 0:
+            return batch_size * (world_size // self.pipeline.stages)  # the loader's batch per pipeline
         return batch_size * world_size
 
     def fixed_global_batch_size(self) -> int:

@@ -143,6 +143,13 @@ class HeteroStrategy(DeepSpeedStrategy):
         sync_every: training steps between two synchronizations (``sync="local_sgd"`` / ``"diloco"``).
         inner_steps: each rank's inner steps per training step, e.g. ``[2, 1]``; default: planned from the profiles.
         sync_options: DiLoCo's outer optimizer, ``{"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}``.
+        pipeline: split the model, not only the batch: ``{"stages": 2, "blocks": "net"}`` runs the chain of blocks
+            at the module's attribute ``net`` (an ``nn.Sequential``, or a ``ModuleList``/``ModuleDict`` applied in
+            order) as ``stages`` stages on as many ranks, each holding only its blocks; more ranks form pipelines side
+            by side that share the global batch. ``boundaries`` (the first block of each stage after the first) fixes
+            the split, else the blocks are measured on every rank and placed by speed and memory; ``schedule``
+            ``"1f1b"`` (default) or ``"gpipe"``; ``micro_batches`` per pipeline and step (default: twice the stages).
+            The contract and what is refused: :mod:`lightning_hetero.train.pipeline`.
         config: a DeepSpeed config dict or JSON path, as for :class:`DeepSpeedStrategy`. It must not set the
             micro-batch, the train batch or ``gradient_accumulation_steps``; the strategy owns them.
         **kwargs: any other :class:`DeepSpeedStrategy` argument. Those that only build the default DeepSpeed config
@@ -178,6 +185,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         sync_every: int = 1,
         inner_steps: Optional[Sequence[int]] = None,
         sync_options: Optional[dict[str, Any]] = None,
+        pipeline: Optional[dict[str, Any]] = None,
         **kwargs: Any,
     ) -> None:
         user_config = config is not None or self.DEEPSPEED_ENV_VAR in os.environ
@@ -186,7 +194,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         settings = HeteroSettings.from_arguments(
             stage, global_batch_size, batch_sizes, weights, micro_steps, emulate_speeds, loss_reduction, rebalance,
             rebalance_window, rebalance_threshold, peer_timeout, device_precision, compression, compression_options,
-            hierarchical, max_nonfinite_steps, sync, sync_every, inner_steps, sync_options,
+            hierarchical, max_nonfinite_steps, sync, sync_every, inner_steps, sync_options, pipeline,
         )  # fmt: skip
         config = check_config_argument(config)
         quiet.install_lasting_filters()
@@ -270,6 +278,8 @@ class HeteroStrategy(DeepSpeedStrategy):
         )
         self.settings.check_job(self._launched_world_size(), self.root_device.type, self.config,
                                 self._layer_sync is not None, trainer_precision)  # fmt: skip
+        if self.settings.pipeline is not None:
+            self.job.check_pipeline_job(self._trainer(), str(plugin.precision), self._launched_world_size())
         if self.root_device.type == "cpu":
             if self._cpu_zero_defaults:
                 self._base_config = with_cpu_zero_settings(self._base_config)
@@ -345,6 +355,13 @@ class HeteroStrategy(DeepSpeedStrategy):
                 global_batch_size, module, fitting, self._automatic_stages, half
             )
         self.job.configure_communication(self.config)
+        if self.job.pipeline is not None:
+            # (only fit reaches here: check_pipeline_job refused the others)
+            micro_batch = self.job.start_pipeline(global_batch_size, module, self.root_device)
+            self.config["train_micro_batch_size_per_gpu"] = micro_batch
+            super()._format_config()
+            self.config = rank_config(self.config, micro_batch)
+            return
         if fitting:
             self.job.start_the_split(global_batch_size, self._zero_stage(), module)
         self.config["train_micro_batch_size_per_gpu"] = self.job.split.micro_batch
@@ -399,7 +416,8 @@ class HeteroStrategy(DeepSpeedStrategy):
         names = {id(p): n for n, p in self.lightning_module.named_parameters()} if self.lightning_module else {}
         groups = optimizer.param_groups if optimizer is not None else []
         self._optimizer_parameters = [(names.get(id(p), ""), p) for g in groups for p in g["params"]]
-        return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
+        with self.job.engine_built():
+            return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
 
     @override
     def init_deepspeed(self) -> None:
@@ -410,7 +428,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         engine, plugin = self.deepspeed_engine, self.precision_plugin
         self._forward_redirection = attach_to_engine(plugin, engine, self.root_device, self._plain_redirection)
         self.job.attach(engine, plugin)
-        if self.world_size > 1 and engine.optimizer is not None:
+        if self.world_size > 1 and engine.optimizer is not None and self.job.pipeline is None:
             self._buffer_sync = BufferSync(
                 engine.module.buffers(), lambda flat: torch.distributed.broadcast(flat, src=0)
             )
@@ -430,6 +448,15 @@ class HeteroStrategy(DeepSpeedStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         job = self.job
+        if job.pipeline is not None:
+            trainer = self._trainer()
+
+            def forward(batch: Any, samples: int) -> Any:
+                trainer._results.batch_size = samples  # its metrics count its samples in the epoch mean
+                return super(HeteroStrategy, self).training_step(batch, *args[1:], **kwargs)
+
+            engine = self.deepspeed_engine
+            return job.pipeline_step(args[0], forward, engine.backward, engine.module, trainer.global_step)
         job.training_step_starts(self._trainer().global_step)
         with job.loss_weights.weighted_sync(), job.emulation.slowed(), job.communication.counting():
             if self._buffer_sync:  # rank 0's buffers on every rank before the forward, as DDP's broadcast_buffers
@@ -466,6 +493,9 @@ class HeteroStrategy(DeepSpeedStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if self.job.pipeline is not None:  # every micro-batch's backward ran in the pipeline's schedule
+            self.job.pipeline_backward()
+            return closure_loss
         if self.job.local is not None:  # the other micro-batches are inner steps of their own (optimizer_step)
             self._weighted_backward(closure_loss, optimizer, True, *args, **kwargs)
             return closure_loss
@@ -494,6 +524,8 @@ class HeteroStrategy(DeepSpeedStrategy):
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.job.pipeline is not None:
+            return super().optimizer_step(*args, **kwargs)
         with self.job.communication.counting():  # (the closure, training_step and backward, runs inside)
             result = super().optimizer_step(*args, **kwargs)
             if self.job.local is not None:

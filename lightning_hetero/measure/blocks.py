@@ -1,0 +1,153 @@
+"""Measure: what each block of the pipeline's chain costs on this rank's device (time, parameter and activation
+memory), from the user's own ``training_step`` on real samples, before the model is split.
+
+Forward time per block from hooks around it; backward time per block from when the gradient reaches its output to
+when it reaches the previous block's output (the first block's ends with the backward). The modules outside the
+chain take the rest of the step. Activation memory is what autograd saves for the backward while the block runs.
+Times are this rank's compute clock, stretched by an emulated speed like the profile's
+(:mod:`lightning_hetero.measure.profiler`), and the fastest of a few repeats; everything is put back after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+import psutil
+import torch
+from torch import Tensor, nn
+
+from lightning_hetero.emulate.slowdown import SlowdownEmulator, compute_clock
+from lightning_hetero.measure.profiler import (
+    MEMORY_HEADROOM,
+    loss_of,
+    preserved_training_state,
+    training_step_in_isolation,
+)
+
+ADAM_COPIES = 4  # parameters, gradients and Adam's two moments: what a block's parameters cost in training
+
+
+@dataclass(frozen=True)
+class BlockMeasurement:
+    """One rank's costs of each block, per sample; ``outside_seconds``: the rest of the step, per sample."""
+
+    seconds: tuple[float, ...]
+    parameter_bytes: tuple[int, ...]
+    activation_bytes: tuple[int, ...]
+    outside_seconds: float
+    outside_bytes: int
+    memory_bytes: Optional[int]  # what the device may hold (free memory, with headroom)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BlockMeasurement:
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
+
+def measure_blocks(
+    module: nn.Module,
+    blocks: Sequence[nn.Module],
+    batch: Any,
+    samples: int,
+    device: torch.device,
+    emulator: Optional[SlowdownEmulator] = None,
+    repeats: int = 3,
+) -> BlockMeasurement:
+    """Time and size each of ``blocks`` (the chain, in order) in ``module.training_step(batch, 0)``."""
+    clock = compute_clock(device)
+    synchronize = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    count = len(blocks)
+    best_forward = [float("inf")] * count
+    best_backward = [float("inf")] * count
+    best_total = float("inf")
+    saved = [0] * (count + 1)  # the last entry: outside the chain
+
+    def one_step() -> None:
+        nonlocal best_total
+        forward_start: dict[int, float] = {}
+        forward = [0.0] * count
+        gradient_at: dict[int, float] = {}  # when the gradient reached block b's output
+        current = [count]
+        saved_now = [0] * (count + 1)
+        handles = []
+
+        def pack(tensor: Tensor) -> Tensor:
+            saved_now[current[0]] += tensor.numel() * tensor.element_size()
+            return tensor
+
+        for index, block in enumerate(blocks):
+
+            def before(_module: nn.Module, _args: Any, index: int = index) -> None:
+                synchronize()
+                current[0] = index
+                forward_start[index] = clock()
+
+            def after(_module: nn.Module, _args: Any, output: Any, index: int = index) -> None:
+                synchronize()
+                forward[index] = clock() - forward_start[index]
+                current[0] = count
+                if isinstance(output, Tensor) and output.requires_grad:
+
+                    def arrived(gradient: Tensor, index: int = index) -> None:
+                        synchronize()
+                        gradient_at[index] = clock()
+
+                    output.register_hook(arrived)
+
+            handles += [block.register_forward_pre_hook(before), block.register_forward_hook(after)]
+        try:
+            synchronize()
+            begin = clock()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                loss = loss_of(module.training_step(batch, 0))
+            if loss is not None and loss.requires_grad:
+                loss.backward()
+            synchronize()
+            end = clock()
+        finally:
+            for handle in handles:
+                handle.remove()
+        module.zero_grad(set_to_none=True)
+        backward = [
+            max(0.0, (gradient_at.get(b - 1, end) if b > 0 else end) - gradient_at.get(b, end)) for b in range(count)
+        ]
+        # (the first block's backward runs until the end: it includes the outside modules' before the chain)
+        for b in range(count):
+            best_forward[b] = min(best_forward[b], forward[b])
+            best_backward[b] = min(best_backward[b], backward[b])
+        best_total = min(best_total, end - begin)
+        saved[:] = saved_now
+
+    with preserved_training_state(module, device), training_step_in_isolation(module):
+        module.train()
+        for _ in range(1 + repeats):
+            one_step()
+    stretch = 1.0 / emulator.speed if emulator is not None else 1.0
+    seconds = tuple(stretch * (f + b) / samples for f, b in zip(best_forward, best_backward))
+    outside = max(0.0, stretch * best_total / samples - sum(seconds))
+    chain_parameters = {id(p) for block in blocks for p in block.parameters()}
+    outside_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if id(p) not in chain_parameters)
+    return BlockMeasurement(
+        seconds=seconds,
+        parameter_bytes=tuple(ADAM_COPIES * sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks),
+        activation_bytes=tuple(-(-saved[b] // samples) for b in range(count)),
+        outside_seconds=outside,
+        outside_bytes=ADAM_COPIES * outside_bytes,
+        memory_bytes=free_memory_bytes(device),
+    )
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
+    return int(free * MEMORY_HEADROOM)
+
+
+def first_batch(loader: Any, samples: int, device: torch.device, move: Callable[[Any, torch.device], Any]) -> Any:
+    """``samples`` samples of the training loader's dataset (read directly: the data order is untouched)."""
+    dataset, collate = loader.dataset, loader.collate_fn
+    return move(collate([dataset[i % len(dataset)] for i in range(samples)]), device)
+

@@ -1,0 +1,412 @@
+"""Plan: which contiguous blocks of the model's chain each pipeline stage holds, and which rank runs each stage.
+
+A pipeline of ``S`` stages runs a chain of ``B`` blocks (``HeteroStrategy(pipeline=...)``,
+:mod:`lightning_hetero.train.pipeline`): stage ``s`` holds blocks ``boundaries[s-1] .. boundaries[s]-1``. Every
+micro-batch passes through every stage, so in the steady state the pipeline moves at the pace of its slowest stage;
+the placement minimizes that stage's time per sample, within every device's memory:
+
+    minimize  max over s of  sum_{b in stage s} seconds[rank_s][b]  (+ what comes before the chain on the first stage
+              and after it on the last)
+    subject to  sum_{b in stage s} (parameter_bytes[b] + in_flight_s * activation_bytes[b]) + fixed_bytes
+                <= memory_bytes[rank_s]
+
+Exact: a dynamic program over (stage, first block) for each order of the ranks (every order for up to
+:data:`MAX_ORDERS_SEARCHED` ranks, as a device's place in the chain changes which stage its memory must hold), tested
+against brute force. Pure functions (values in, values out; no process group, no clock).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+MAX_ORDERS_SEARCHED = 6  # 720 orders at most; beyond, the ranks keep their order (fast devices first is not better)
+SCHEDULES = ("1f1b", "gpipe")
+
+
+@dataclass(frozen=True)
+class BlockCosts:
+    """What each rank measured of each block, and what the chain costs apart from its blocks.
+
+    ``seconds[r][b]``: forward + backward of block ``b`` on rank ``r``'s device, per sample. ``parameter_bytes[b]``:
+    the block's parameters, gradients and optimizer state. ``activation_bytes[b]``: what one sample's forward through
+    it keeps for the backward. ``memory_bytes[r]``: what rank ``r`` may use (None: no ceiling). ``outside_seconds`` and
+    ``outside_bytes``: the modules before and after the chain (and the loss), per rank: the first and last stages run
+    them, every stage holds them (see :mod:`lightning_hetero.train.pipeline`).
+    """
+
+    seconds: tuple[tuple[float, ...], ...]
+    parameter_bytes: tuple[int, ...]
+    activation_bytes: tuple[int, ...]
+    memory_bytes: tuple[Optional[int], ...]
+    outside_seconds: tuple[float, ...] = ()
+    outside_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        blocks = len(self.parameter_bytes)
+        if len(self.activation_bytes) != blocks or any(len(row) != blocks for row in self.seconds):
+            raise ValueError("BlockCosts: every rank's seconds and every byte count need one entry per block.")
+        if len(self.memory_bytes) != len(self.seconds):
+            raise ValueError("BlockCosts: memory_bytes needs one entry per rank, as seconds has.")
+        if not self.outside_seconds:
+            object.__setattr__(self, "outside_seconds", (0.0,) * len(self.seconds))
+
+    @property
+    def blocks(self) -> int:
+        return len(self.parameter_bytes)
+
+    @property
+    def ranks(self) -> int:
+        return len(self.seconds)
+
+
+@dataclass(frozen=True)
+class StagePlacement:
+    """Stage ``s`` holds blocks ``starts[s] .. starts[s+1]-1`` (``boundaries`` are ``starts[1:]``) on ``ranks[s]``."""
+
+    boundaries: tuple[int, ...]
+    ranks: tuple[int, ...]
+    stage_seconds: tuple[float, ...]  # per sample of a micro-batch, on the stage's rank
+    stage_bytes: tuple[int, ...]
+    blocks: int
+    source: str  # "balanced" (searched) or "boundaries" (the user's)
+
+    @property
+    def starts(self) -> tuple[int, ...]:
+        return (0, *self.boundaries)
+
+    def blocks_of(self, stage: int) -> range:
+        ends = (*self.boundaries, self.blocks)
+        return range(self.starts[stage], ends[stage])
+
+    @property
+    def slowest_seconds(self) -> float:
+        return max(self.stage_seconds)
+
+    @property
+    def balance(self) -> float:
+        """Mean stage time over the slowest: 1.0 when every stage takes as long (no stage waits for another)."""
+        return sum(self.stage_seconds) / (len(self.stage_seconds) * self.slowest_seconds) if self.slowest_seconds else 1.0
+
+    def step_seconds(self, micro_batches: int, micro_batch: int) -> float:
+        """A step of ``micro_batches`` micro-batches of ``micro_batch`` samples by GPipe's or 1F1B's schedule: the
+        slowest stage for every micro-batch, plus the others once while the pipeline fills and drains."""
+        per = [t * micro_batch for t in self.stage_seconds]
+        return (micro_batches - 1) * max(per) + sum(per)
+
+
+def in_flight(schedule: str, stage: int, stages: int, micro_batches: int) -> int:
+    """Micro-batches whose activations stage ``stage`` holds at once: all of them under GPipe (every forward before
+    any backward), ``stages - stage`` at most under 1F1B (its warm-up)."""
+    if schedule == "gpipe":
+        return micro_batches
+    return min(stages - stage, micro_batches)
+
+
+def check_boundaries(boundaries: Sequence[int], stages: int, blocks: int) -> tuple[int, ...]:
+    """``boundaries`` (the first block of every stage after the first) checked against the chain; raised at setup."""
+    values = tuple(boundaries)
+    if len(values) != stages - 1:
+        raise ValueError(
+            f"HeteroStrategy(pipeline=...): `boundaries` {list(values)} has {len(values)} entries for {stages} stages;"
+            f" give {stages - 1}: the index of the first block of each stage after the first."
+        )
+    if any(not 0 < b < blocks for b in values) or list(values) != sorted(set(values)):
+        raise ValueError(
+            f"HeteroStrategy(pipeline=...): `boundaries` {list(values)} must increase strictly, each between 1 and"
+            f" {blocks - 1} (the chain has {blocks} blocks), so that every stage holds at least one block."
+        )
+    return values
+
+
+def _stage_cost(costs: BlockCosts, rank: int, first: int, end: int, stage: int, stages: int) -> float:
+    seconds = sum(costs.seconds[rank][first:end])
+    if stage == 0 or stage == stages - 1:
+        seconds += costs.outside_seconds[rank]
+    return seconds
+
+
+def _stage_bytes(costs: BlockCosts, first: int, end: int, held: int) -> int:
+    return costs.outside_bytes + sum(costs.parameter_bytes[first:end]) + held * sum(costs.activation_bytes[first:end])
+
+
+def _fits(costs: BlockCosts, rank: int, used: int) -> bool:
+    ceiling = costs.memory_bytes[rank]
+    return ceiling is None or used <= ceiling
+
+
+def _placement(costs: BlockCosts, order: Sequence[int], starts: Sequence[int], holds: Sequence[int], source: str):
+    stages = len(order)
+    ends = (*starts[1:], costs.blocks)
+    return StagePlacement(
+        boundaries=tuple(starts[1:]),
+        ranks=tuple(order),
+        stage_seconds=tuple(_stage_cost(costs, order[s], starts[s], ends[s], s, stages) for s in range(stages)),
+        stage_bytes=tuple(_stage_bytes(costs, starts[s], ends[s], holds[s]) for s in range(stages)),
+        blocks=costs.blocks,
+        source=source,
+    )
+
+
+def _best_for_order(costs: BlockCosts, order: Sequence[int], holds: Sequence[int]) -> Optional[tuple[float, tuple]]:
+    """The min-max split of the chain over the stages in ``order``: (slowest stage, first blocks), None if none fits.
+
+    ``best[s][j]``: the least slowest-stage time of stages ``s..S-1`` holding blocks ``j..B-1``. Ties go to the split
+    whose earlier stages hold fewer blocks, so the answer is the same on every rank."""
+    stages, blocks = len(order), costs.blocks
+    best: list[list[Optional[tuple[float, tuple]]]] = [[None] * (blocks + 1) for _ in range(stages + 1)]
+    best[stages][blocks] = (0.0, ())
+    for s in range(stages - 1, -1, -1):
+        for first in range(blocks - (stages - s) + 1):
+            candidates = []
+            for end in range(first + 1, blocks - (stages - s - 1) + 1):
+                rest = best[s + 1][end]
+                if rest is None or not _fits(costs, order[s], _stage_bytes(costs, first, end, holds[s])):
+                    continue
+                cost = max(_stage_cost(costs, order[s], first, end, s, stages), rest[0])
+                candidates.append((cost, (first, *rest[1])))
+            if candidates:
+                best[s][first] = min(candidates, key=lambda c: (c[0], c[1]))
+    return best[0][0]
+
+
+def place_stages(
+    costs: BlockCosts,
+    stages: int,
+    schedule: str = "1f1b",
+    micro_batches: int = 1,
+    micro_batch: int = 1,
+    boundaries: Optional[Sequence[int]] = None,
+    ranks: Optional[Sequence[int]] = None,
+    search_orders: bool = True,
+) -> StagePlacement:
+    """The placement of the chain on ``stages`` of the ranks ``ranks`` (default: all of ``costs``' ranks, one stage
+    each) whose slowest stage is fastest within every device's memory, the ranks in any order (in theirs without
+    ``search_orders``); with ``boundaries``, those, on the ranks in order. Raises ValueError naming what does not
+    fit when no placement does."""
+    pool = tuple(range(costs.ranks)) if ranks is None else tuple(ranks)
+    if len(pool) != stages:
+        raise ValueError(f"place_stages: {stages} stages need {stages} ranks, got {list(pool)}.")
+    if stages > costs.blocks:
+        raise ValueError(
+            f"HeteroStrategy(pipeline=...): `stages` {stages} is more than the chain's {costs.blocks} blocks; every"
+            f" stage needs at least one block. Use at most {costs.blocks} stages."
+        )
+    holds = [in_flight(schedule, s, stages, micro_batches) * micro_batch for s in range(stages)]
+    if boundaries is not None:
+        starts = (0, *check_boundaries(boundaries, stages, costs.blocks))
+        placement = _placement(costs, pool, starts, holds, "boundaries")
+        _raise_if_over(costs, placement)
+        return placement
+    orders = itertools.permutations(pool) if search_orders and stages <= MAX_ORDERS_SEARCHED else [pool]
+    found: Optional[tuple[float, tuple, tuple]] = None
+    for order in orders:
+        result = _best_for_order(costs, order, holds)
+        if result is not None and (found is None or (result[0], order) < (found[0], found[2])):
+            found = (result[0], result[1], order)
+    if found is None:
+        needed = _stage_bytes(costs, 0, costs.blocks, max(holds))
+        ceilings = [costs.memory_bytes[r] for r in pool]
+        raise ValueError(
+            f"HeteroStrategy(pipeline=...): no split of the chain's {costs.blocks} blocks over {stages} stages fits"
+            f" the devices' memory (ceilings {_mib(ceilings)} MiB; the whole chain needs {needed / 2**20:.1f} MiB"
+            f" with {max(holds)} samples in flight). Use more stages, fewer micro-batch samples, or larger devices."
+        )
+    return _placement(costs, found[2], found[1], holds, "balanced")
+
+
+def _raise_if_over(costs: BlockCosts, placement: StagePlacement) -> None:
+    for stage, (rank, used) in enumerate(zip(placement.ranks, placement.stage_bytes)):
+        if not _fits(costs, rank, used):
+            raise ValueError(
+                f"HeteroStrategy(pipeline=...): stage {stage} (blocks {list(placement.blocks_of(stage))}) needs"
+                f" {used / 2**20:.1f} MiB on rank {rank}, above its {costs.memory_bytes[rank] / 2**20:.1f} MiB"
+                " (`boundaries`). Move blocks to another stage, or leave out `boundaries` to have them placed."
+            )
+
+
+def _mib(values: Sequence[Optional[int]]) -> list:
+    return [None if v is None else round(v / 2**20, 1) for v in values]
+
+
+
+@dataclass(frozen=True)
+class PipelineChoice:
+    """The checked ``pipeline`` argument: ``stages`` per pipeline, the chain's attribute path ``blocks``, fixed
+    ``boundaries`` (None: placed by the blocks' measured costs), the ``schedule`` and ``micro_batches`` per step."""
+
+    stages: int
+    blocks: str
+    boundaries: Optional[tuple[int, ...]] = None
+    schedule: str = "1f1b"
+    micro_batches: Optional[int] = None  # None: twice the stages, so the bubble is at most a third of the step
+
+    def micro_batches_for(self, samples: int) -> int:
+        return max(1, min(samples, self.micro_batches or 2 * self.stages))
+
+    def describe(self) -> str:
+        where = f"boundaries {list(self.boundaries)}" if self.boundaries else "boundaries placed by speed and memory"
+        return f"{self.stages} stages of `{self.blocks}`, {where}, {self.schedule}"
+
+
+PIPELINE_KEYS = ("stages", "blocks", "boundaries", "schedule", "micro_batches")
+
+
+def check_pipeline_argument(value: Any) -> Optional[PipelineChoice]:
+    """``pipeline`` checked in the constructor, with a message naming the key, its value and the fix."""
+    if value is None:
+        return None
+    if isinstance(value, PipelineChoice):
+        return value
+    if not isinstance(value, Mapping):
+        raise ValueError(
+            f"HeteroStrategy(pipeline={value!r}): give a dict, e.g. `pipeline={{'stages': 2, 'blocks': 'net'}}`"
+            " (`blocks`: the attribute holding the chain of blocks, an nn.Sequential, ModuleList or ModuleDict)."
+        )
+    unknown = sorted(set(value) - set(PIPELINE_KEYS))
+    if unknown:
+        raise ValueError(f"HeteroStrategy(pipeline=...): unknown keys {unknown}; the keys are {list(PIPELINE_KEYS)}.")
+    stages = value.get("stages")
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 2:
+        raise ValueError(
+            f"HeteroStrategy(pipeline=...): `stages` {stages!r} must be an integer >= 2 (the model's parts per"
+            " pipeline); without a pipeline leave out `pipeline`."
+        )
+    blocks = value.get("blocks")
+    if not isinstance(blocks, str) or not blocks or any(not part.isidentifier() for part in blocks.split(".")):
+        raise ValueError(
+            f"HeteroStrategy(pipeline=...): `blocks` {blocks!r} must name the LightningModule's attribute that holds"
+            " the chain, e.g. 'net' or 'model.layers'."
+        )
+    boundaries = value.get("boundaries")
+    if boundaries is not None:
+        if not isinstance(boundaries, Sequence) or any(isinstance(b, bool) or not isinstance(b, int) for b in boundaries):
+            raise ValueError(
+                f"HeteroStrategy(pipeline=...): `boundaries` {boundaries!r} must be a list of {stages - 1} block"
+                " indices: the first block of each stage after the first."
+            )
+        if len(boundaries) != stages - 1 or list(boundaries) != sorted(set(boundaries)) or min(boundaries) < 1:
+            raise ValueError(
+                f"HeteroStrategy(pipeline=...): `boundaries` {list(boundaries)} must be {stages - 1} increasing block"
+                f" indices >= 1 for {stages} stages (the first block of each stage after the first)."
+            )
+        boundaries = tuple(boundaries)
+    schedule = value.get("schedule", "1f1b")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"HeteroStrategy(pipeline=...): `schedule` {schedule!r} must be one of {list(SCHEDULES)}.")
+    micro_batches = value.get("micro_batches")
+    if micro_batches is not None and (isinstance(micro_batches, bool) or not isinstance(micro_batches, int)
+                                      or micro_batches < 1):  # fmt: skip
+        raise ValueError(
+            f"HeteroStrategy(pipeline=...): `micro_batches` {micro_batches!r} must be an integer >= 1 (each"
+            " pipeline's batch is cut into that many micro-batches per step); leave it out for twice the stages."
+        )
+    return PipelineChoice(stages, blocks, boundaries, schedule, micro_batches)
+
+
+def replicas_of(choice: PipelineChoice, world_size: int) -> int:
+    """How many pipelines side by side ``world_size`` ranks form; raised at setup, before any collective."""
+    if world_size % choice.stages:
+        raise ValueError(
+            f"HeteroStrategy(pipeline=...): {world_size} ranks cannot form pipelines of `stages` {choice.stages};"
+            f" use a number of ranks that is a multiple of {choice.stages}, or `stages` that divides {world_size}."
+        )
+    return world_size // choice.stages
+
+
+def pipeline_argument_refusal(**arguments: Any) -> Optional[str]:
+    """Why the strategy's other arguments cannot go with ``pipeline`` (yet), or None. Checked in the constructor."""
+    refused = {
+        "stage": ("ZeRO-1/2/3 inside a stage are not built yet: each stage holds its own blocks whole (ZeRO-0)",
+                  lambda v: v not in (None, 0)),
+        "sync": ("local SGD / DiLoCo between pipelines is not built", lambda v: v != "every_step"),
+        "batch_sizes": ("the pipelines share the global batch equally for now", lambda v: v is not None),
+        "weights": ("the pipelines share the global batch equally for now", lambda v: v is not None),
+        "micro_steps": ("a pipeline cuts its batch into `micro_batches` itself", lambda v: v is not None),
+        "loss_reduction": ("a token mean needs each micro-batch's token count", lambda v: v == "token_mean"),
+        "compression": ("the pipeline sums its gradients itself, uncompressed", lambda v: v is not None),
+        "hierarchical": ("the pipeline sums its gradients itself, in flat groups", lambda v: v is True),
+        "device_precision": ("every stage trains in the Trainer's precision for now", lambda v: v is not None),
+        "rebalance": ("moving blocks between stages during the fit is not built yet", lambda v: v is True),
+    }  # fmt: skip
+    for name, (why, is_refused) in refused.items():
+        value = arguments.get(name)
+        if is_refused(value):
+            return (
+                f"HeteroStrategy(pipeline=..., {name}={value!r}): not with a pipeline: {why}. Leave out `{name}`,"
+                " or train without `pipeline`."
+            )
+    return None
+
+
+def pipeline_job_refusal(
+    precision: str, gradient_clip_val: Any, accumulate_grad_batches: int, automatic_optimization: bool,
+    checkpointing: bool, evaluating: bool,
+) -> Optional[str]:  # fmt: skip
+    """Why this trainer call cannot run with a pipeline (yet), or None; checked at setup on every rank, before any
+    collective (every rank sees the same trainer)."""
+    if precision not in ("32-true", "32"):
+        return (f"HeteroStrategy(pipeline=...) with `Trainer(precision={precision!r})`: the stages train in 32-bit"
+                " for now. Use `precision='32-true'`, or train without `pipeline`.")  # fmt: skip
+    if gradient_clip_val:
+        return (f"HeteroStrategy(pipeline=...) with `Trainer(gradient_clip_val={gradient_clip_val})`: the gradient"
+                " norm spans every stage, which the pipeline does not compute yet. Leave it out.")  # fmt: skip
+    if accumulate_grad_batches != 1:
+        return (f"HeteroStrategy(pipeline=...) with `Trainer(accumulate_grad_batches={accumulate_grad_batches})`:"
+                " raise the batch size instead (the pipeline's micro-batches are its accumulation).")  # fmt: skip
+    if not automatic_optimization:
+        return ("HeteroStrategy(pipeline=...) with manual optimization: the pipeline runs the backward of every"
+                " micro-batch itself. Use automatic optimization.")  # fmt: skip
+    if checkpointing:
+        return ("HeteroStrategy(pipeline=...) does not save checkpoints yet: pass `Trainer(enable_checkpointing="
+                "False)` (and call no `save_checkpoint`).")  # fmt: skip
+    if evaluating:
+        return ("HeteroStrategy(pipeline=...) trains only, for now: validation, test and predict loops do not run"
+                " through the stages yet. Pass `Trainer(limit_val_batches=0)` or give no `val_dataloader`.")  # fmt: skip
+    return None
+
+
+def block_costs(measured: Optional[Sequence[Any]], blocks: int, ranks: int) -> BlockCosts:
+    """Every rank's measured block costs (:class:`lightning_hetero.measure.blocks.BlockMeasurement`) as the placement's
+    input; without measurements (fixed ``boundaries``) one second per block on every rank and no ceiling."""
+    if not measured:
+        return BlockCosts(((1.0,) * blocks,) * ranks, (0,) * blocks, (0,) * blocks, (None,) * ranks)
+    first = measured[0]
+    return BlockCosts(
+        seconds=tuple(tuple(m.seconds) for m in measured),
+        parameter_bytes=tuple(first.parameter_bytes),
+        activation_bytes=tuple(max(m.activation_bytes[b] for m in measured) for b in range(blocks)),
+        memory_bytes=tuple(m.memory_bytes for m in measured),
+        outside_seconds=tuple(m.outside_seconds for m in measured),
+        outside_bytes=first.outside_bytes,
+    )
+
+
+def describe_pipeline(
+    placement: StagePlacement, names: Sequence[str], choice: PipelineChoice, replicas: int, micro_batches: int,
+    micro_batch: int, measured: Optional[Sequence[Any]],
+) -> str:  # fmt: skip
+    """The plan as printed at fit start: each stage's rank, blocks, time per micro-batch and memory."""
+    lines = [
+        f"HeteroStrategy pipeline: {choice.stages} stages x {replicas} pipeline(s), {choice.schedule}, {micro_batches}"
+        f" micro-batches of {micro_batch} samples per pipeline and step"
+    ]
+    for stage in range(choice.stages):
+        blocks = placement.blocks_of(stage)
+        shown = f"{names[blocks[0]]}..{names[blocks[-1]]}" if len(blocks) > 1 else names[blocks[0]]
+        line = f"  stage {stage} on rank {placement.ranks[stage]}: blocks {shown} ({len(blocks)})"
+        if measured:
+            line += (f", {placement.stage_seconds[stage] * micro_batch * 1e3:.2f} ms per micro-batch,"
+                     f" {placement.stage_bytes[stage] / 2**20:.1f} MiB")  # fmt: skip
+        lines.append(line)
+    if measured:
+        predicted = placement.step_seconds(micro_batches, micro_batch)
+        lines.append(
+            f"  placed by measured speed and memory: balance {placement.balance:.2f} (1 = every stage as slow as the"
+            f" slowest), predicted step {predicted * 1e3:.1f} ms"
+        )
+    else:
+        lines.append("  boundaries as given (`boundaries`)")
+    return "\n".join(lines)

@@ -1,0 +1,381 @@
+"""Train: the model split into pipeline stages (``HeteroStrategy(pipeline={"stages": S, "blocks": "net"})``).
+
+The contract. The LightningModule holds a chain of blocks at the attribute ``blocks`` (an ``nn.Sequential``, or a
+``ModuleList`` / ``ModuleDict`` that its forward applies in order), and ``training_step`` is unchanged. Stage ``s``
+holds blocks ``boundaries[s-1] .. boundaries[s]-1`` (:mod:`lightning_hetero.plan.stages`); the others are replaced in
+the chain by :class:`ElsewhereBlock`, which holds nothing, so the rank's ``state_dict()`` names its blocks under their
+own names (``net.3.weight``). Every stage runs the user's ``training_step`` on every micro-batch of its pipeline:
+
+- what comes before the chain (an embedding) runs on every stage; on the first stage its output enters the chain, on
+  the others the input that the stage receives from the previous one replaces it;
+- the stage's first block takes the previous stage's output (received before the step, outside the emulated compute);
+- the stage's last block, on every stage but the last, hands its output over (:class:`HandOff`): the rest of
+  ``training_step`` (the head, the loss, its ``self.log`` calls) runs only on the last stage, which returns the loss;
+- the backward runs from the loss on the last stage and from the gradient received for the output on the others.
+
+The modules outside the chain are held by every rank, whole; their gradients are summed over every rank (only the
+first and last stages give them any), so they stay equal everywhere. A block's gradients are summed over the pipelines
+that hold its stage. Each micro-batch's loss is weighted by its share of the global batch, so the update is the one of
+one process on the whole batch.
+
+What cannot be split is refused with the attribute named: a chain that is not a Sequential/ModuleList/ModuleDict, a
+block applied out of order or twice, a stage output that is not one tensor. A skip connection from one stage's block
+to a later stage's is not detected (the later stage would use its own, discarded, value): the chain's blocks must pass
+everything on through their output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_hetero.comm.point_to_point import PeerLink
+from lightning_hetero.plan.split import micro_batch_sizes
+from lightning_hetero.plan.stages import PipelineChoice, StagePlacement
+from lightning_hetero.train.micro_batches import split_batch, step_loss
+
+CHAINS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+class HandOff(Exception):
+    """Raised by a stage's last block on every stage but the last: the rest of ``training_step`` is not this rank's."""
+
+    def __init__(self, output: Any) -> None:
+        super().__init__("pipeline hand-off")
+        self.output = output
+
+
+def find_chain(module: nn.Module, path: str) -> tuple[nn.Module, list[str]]:
+    """The container at ``path`` and its blocks' names, in order; raised naming the attribute when there is none."""
+    owner: Any = module
+    for depth, part in enumerate(path.split(".")):
+        if not hasattr(owner, part):
+            children = [name for name, _ in owner.named_children()] if isinstance(owner, nn.Module) else []
+            where = type(owner).__name__ if depth == 0 else ".".join(path.split(".")[:depth])
+            raise ValueError(
+                f"HeteroStrategy(pipeline=...): `blocks` {path!r}: {where} has no attribute {part!r} (its modules:"
+                f" {children}). Name the attribute that holds the chain of blocks."
+            )
+        owner = getattr(owner, part)
+    if not isinstance(owner, CHAINS):
+        raise ValueError(
+            f"HeteroStrategy(pipeline=...): `blocks` {path!r} is a {type(owner).__name__}, not a chain the strategy"
+            " can split: hold the blocks in an nn.Sequential, or an nn.ModuleList / nn.ModuleDict that the forward"
+            " applies in order."
+        )
+    names = list(owner._modules.keys())
+    if not names:
+        raise ValueError(f"HeteroStrategy(pipeline=...): `blocks` {path!r} holds no blocks.")
+    return owner, names
+
+
+def schedule_actions(schedule: str, stage: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:
+    """Stage ``stage``'s forward ("F") and backward ("B") passes over the micro-batches of one step, in order.
+
+    GPipe: every forward, then every backward. 1F1B: ``stages - stage - 1`` forwards to fill the pipeline, then one
+    forward and one backward in turn, then the backward passes left; a stage holds at most ``stages - stage``
+    micro-batches' activations."""
+    if schedule == "gpipe":
+        return [("F", m) for m in range(micro_batches)] + [("B", m) for m in range(micro_batches)]
+    warm_up = min(stages - stage - 1, micro_batches)
+    actions = [("F", m) for m in range(warm_up)]
+    for index in range(micro_batches - warm_up):
+        actions += [("F", warm_up + index), ("B", index)]
+    actions += [("B", m) for m in range(micro_batches - warm_up, micro_batches)]
+    return actions
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """Which rank runs which stage of which pipeline: pipeline ``p`` is ranks ``p*S .. p*S+S-1``, its stage ``s`` on
+    ``p*S + order[s]`` (the placement's order of the first pipeline's ranks)."""
+
+    stages: int
+    replicas: int
+    order: tuple[int, ...]
+
+    def rank_of(self, replica: int, stage: int) -> int:
+        return replica * self.stages + self.order[stage]
+
+    def stage_of(self, rank: int) -> int:
+        return self.order.index(rank % self.stages)
+
+    def replica_of(self, rank: int) -> int:
+        return rank // self.stages
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        """The ranks holding ``stage``, one per pipeline: the group over which its blocks' gradients are summed."""
+        return [self.rank_of(p, stage) for p in range(self.replicas)]
+
+
+class ElsewhereBlock(nn.Module):
+    """A block another stage holds: no parameters; what flows into it flows on (and is replaced by the received
+    activation at this stage's first block, or never reached after this stage's last)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.held_by_another_stage = name
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return args[0] if args else next(iter(kwargs.values()))
+
+
+class StageOfChain:
+    """This rank's stage installed in the user's module: blocks of other stages dropped, hooks on its first and last
+    block (the received input in, the hand-off out), and a check that the chain runs in order, each block once."""
+
+    def __init__(self, chain: nn.Module, names: Sequence[str], owned: range, stage: int, stages: int, path: str):
+        self.chain, self.names, self.owned = chain, list(names), owned
+        self.stage, self.stages, self.path = stage, stages, path
+        self.incoming: Optional[Tensor] = None
+        self._called: list[int] = []
+        self._handles: list[Any] = []
+
+    def install(self) -> None:
+        for index, name in enumerate(self.names):
+            if index not in self.owned:
+                self.chain._modules[name] = ElsewhereBlock(name)
+            block = self.chain._modules[name]
+            self._handles.append(block.register_forward_pre_hook(self._order_hook(index), with_kwargs=True))
+        first, last = self.chain._modules[self.names[self.owned[0]]], self.chain._modules[self.names[self.owned[-1]]]
+        if self.stage > 0:
+            self._handles.append(first.register_forward_pre_hook(self._take_incoming, with_kwargs=True))
+        if self.stage < self.stages - 1:
+            self._handles.append(last.register_forward_hook(self._hand_off))
+
+    def uninstall(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for i in self.owned for p in self.chain._modules[self.names[i]].parameters()]
+
+    def pass_starts(self) -> None:
+        self._called = []
+
+    def _order_hook(self, index: int) -> Callable[..., None]:
+        def check(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if self._called and index <= self._called[-1]:
+                again = "twice" if index in self._called else "out of order"
+                raise ValueError(
+                    f"HeteroStrategy(pipeline=...): block {self.names[index]!r} of `{self.path}` ran {again} in one"
+                    f" forward (blocks run so far: {[self.names[i] for i in self._called]}). A pipeline needs each"
+                    " block applied once, in the chain's order; apply them so, or train without `pipeline`."
+                )
+            self._called.append(index)
+
+        return check
+
+    def _take_incoming(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.incoming is None:
+            raise RuntimeError(
+                f"HeteroStrategy(pipeline=...): stage {self.stage}'s first block ran a second time in one micro-batch."
+            )
+        incoming, self.incoming = self.incoming, None
+        if args:
+            return (incoming, *args[1:]), kwargs
+        first = next(iter(kwargs))
+        return args, {**kwargs, first: incoming}
+
+    def _hand_off(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if not isinstance(output, Tensor):
+            raise ValueError(
+                f"HeteroStrategy(pipeline=...): block {self.names[self.owned[-1]]!r} of `{self.path}` returned a"
+                f" {type(output).__name__}; a stage boundary passes one tensor. Put the boundary after a block that"
+                " returns a tensor (`boundaries`)."
+            )
+        raise HandOff(output)
+
+
+class Pipeline:
+    """This rank's place in the pipelines, the schedule it runs each step and the gradient sums after it."""
+
+    def __init__(self, choice: PipelineChoice, rank: int, world_size: int, device: torch.device, timeout: float):
+        self.choice, self.rank, self.world_size, self.device = choice, rank, world_size, device
+        self.link = PeerLink(device, timeout)
+        self.layout: Optional[PipelineLayout] = None
+        self.stage_of_chain: Optional[StageOfChain] = None
+        self.placement: Optional[StagePlacement] = None
+        self.outside: list[nn.Parameter] = []
+        self._stage_group: Any = None
+        self.global_batch = 0
+        self.bubble_seconds = 0.0
+        self._held: list[tuple[nn.Parameter, Optional[Tensor]]] = []
+
+    # ------------------------------------------------------------------ setup
+
+    @property
+    def stage(self) -> int:
+        assert self.layout is not None
+        return self.layout.stage_of(self.rank)
+
+    @property
+    def replica(self) -> int:
+        assert self.layout is not None
+        return self.layout.replica_of(self.rank)
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.choice.stages - 1
+
+    def replica_batch_sizes(self, global_batch: int) -> list[int]:
+        """Each pipeline's share of the global batch (equal, the larger first)."""
+        assert self.layout is not None
+        return micro_batch_sizes(global_batch, self.layout.replicas)
+
+    def install(self, module: nn.Module, placement: StagePlacement, replicas: int, global_batch: int) -> None:
+        """Keep this rank's stage of the chain; build the groups (every rank, the same calls in the same order)."""
+        chain, names = find_chain(module, self.choice.blocks)
+        order = placement.ranks if replicas == 1 else tuple(range(self.choice.stages))
+        self.layout = PipelineLayout(self.choice.stages, replicas, tuple(order))
+        self.placement, self.global_batch = placement, global_batch
+        chain_parameters = {id(p) for p in chain.parameters()}
+        self.outside = [p for p in module.parameters() if id(p) not in chain_parameters]
+        self.stage_of_chain = StageOfChain(chain, names, placement.blocks_of(self.stage), self.stage,
+                                           self.choice.stages, self.choice.blocks)  # fmt: skip
+        self.stage_of_chain.install()
+        if replicas > 1:
+            groups = [self.layout.stage_ranks(s) for s in range(self.choice.stages)]
+            self._stage_group, _ = dist.new_subgroups_by_enumeration(groups)
+        self._broadcast_initial_parameters()
+
+    def _broadcast_initial_parameters(self) -> None:
+        """What DeepSpeed's engine does for a data-parallel model, per part: the modules outside the chain from rank
+        0 to every rank, each stage's blocks from the first pipeline to the others."""
+        assert self.layout is not None and self.stage_of_chain is not None
+        with torch.no_grad():
+            for parameter in self.outside:
+                dist.broadcast(parameter.data, src=0)
+            if self._stage_group is not None:
+                source = self.layout.rank_of(0, self.stage)
+                for parameter in self.stage_of_chain.parameters():
+                    dist.broadcast(parameter.data, src=source, group=self._stage_group)
+
+    def uninstall(self) -> None:
+        if self.stage_of_chain is not None:
+            self.stage_of_chain.uninstall()
+
+    # ------------------------------------------------------------------ a step
+
+    def micro_batches_of(self, batch: Any, samples: int) -> list[tuple[Any, int]]:
+        sizes = micro_batch_sizes(samples, self.choice.micro_batches_for(samples))
+        return list(zip(split_batch(batch, sizes), sizes))
+
+    def run_step(
+        self,
+        micro_batches: Sequence[tuple[Any, int]],
+        forward: Callable[[Any, int], Any],
+        weight_of: Callable[[int], float],
+        slowed: Callable[[], contextlib.AbstractContextManager],
+        backward: Callable[[Tensor], None],
+    ) -> Tensor:
+        """One step's schedule on this stage; returns the global batch's loss (the same on every rank).
+
+        ``forward(batch, samples)`` runs the user's ``training_step`` on one micro-batch; ``weight_of(samples)`` is
+        its loss's factor; ``slowed()`` bounds the local compute (the emulated device's speed); ``backward(scalar)``
+        is the engine's backward (DeepSpeed refuses a direct ``tensor.backward()``): a stage before the last runs it
+        on ``(output * received_gradient).sum()``, whose gradients are those of the output's backward with it."""
+        assert self.layout is not None and self.stage_of_chain is not None
+        stage, stages, layout = self.stage, self.choice.stages, self.layout
+        previous = layout.rank_of(self.replica, stage - 1) if stage > 0 else None
+        following = layout.rank_of(self.replica, stage + 1) if stage < stages - 1 else None
+        inputs: dict[int, Tensor] = {}
+        outputs: dict[int, Tensor] = {}
+        total = torch.zeros((), dtype=torch.float64)
+        for kind, m in schedule_actions(self.choice.schedule, stage, stages, len(micro_batches)):
+            if kind == "F":
+                if previous is not None:
+                    received = self.link.receive(previous, f"micro-batch {m}'s activation").requires_grad_()
+                    inputs[m] = received
+                    self.stage_of_chain.incoming = received
+                self.stage_of_chain.pass_starts()
+                batch, samples = micro_batches[m]
+                with slowed():
+                    output = self._forward(forward, batch, samples, following is not None)
+                if following is not None:
+                    self.link.send(output, following, f"micro-batch {m}'s activation")
+                    outputs[m] = output
+                else:
+                    loss = step_loss(output)
+                    if not isinstance(loss, Tensor):
+                        raise RuntimeError(
+                            "HeteroStrategy(pipeline=...): `training_step` returned no loss on the last stage; a"
+                            " pipeline cannot skip a micro-batch (the other stages already ran it)."
+                        )
+                    weighted = loss * weight_of(samples)
+                    total += weighted.detach().double().cpu()
+                    outputs[m] = weighted
+            else:
+                gradient = None
+                if following is not None:
+                    gradient = self.link.receive(following, f"micro-batch {m}'s gradient")
+                with slowed():
+                    output = outputs.pop(m)
+                    backward(output if gradient is None else (output * gradient).sum())
+                if previous is not None:
+                    received = inputs.pop(m)
+                    grad = received.grad if received.grad is not None else torch.zeros_like(received)
+                    self.link.send(grad, previous, f"micro-batch {m}'s gradient")
+        self.link.flush()
+        dist.all_reduce(total)  # the last stages' weighted losses: the global batch's loss, on every rank
+        return total.float()
+
+    def _forward(self, forward: Callable[[Any, int], Any], batch: Any, samples: int, hands_off: bool) -> Any:
+        try:
+            output = forward(batch, samples)
+        except HandOff as hand_off:
+            return hand_off.output
+        if hands_off:
+            raise RuntimeError(
+                f"HeteroStrategy(pipeline=...): `training_step` ended without running stage {self.stage}'s last"
+                f" block of `{self.choice.blocks}`. The chain must run in every training step."
+            )
+        return output
+
+    def reduce_gradients(self) -> None:
+        """Sum each block's gradients over the pipelines holding its stage, and the outside modules' over every
+        rank (so every copy of them takes the same step)."""
+        assert self.stage_of_chain is not None
+        if self._stage_group is not None:
+            _sum_gradients(self.stage_of_chain.parameters(), self._stage_group)
+        if self.world_size > 1 and self.outside:
+            _sum_gradients(self.outside, None)
+
+
+    def hold_gradients(self, module: nn.Module) -> None:
+        """Take the step's gradients off the parameters: Lightning zeroes them between ``training_step`` (where the
+        schedule ran every backward) and ``backward``, which hands them back (:meth:`return_gradients`)."""
+        self._held = [(p, p.grad) for p in module.parameters() if p.grad is not None]
+        for parameter, _ in self._held:
+            parameter.grad = None
+
+    def return_gradients(self) -> None:
+        for parameter, grad in self._held:
+            parameter.grad = grad
+        self._held = []
+
+
+def _sum_gradients(parameters: Sequence[nn.Parameter], group: Any) -> None:
+    trained = [p for p in parameters if p.requires_grad]
+    if not trained:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in trained]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for parameter, grad in zip(trained, grads):
+        count = grad.numel()
+        parameter.grad = flat[offset : offset + count].view_as(grad).clone()
+        offset += count
+
+
+@contextlib.contextmanager
+def nothing_slowed() -> Iterator[None]:
+    yield

@@ -1,0 +1,120 @@
+"""The pipeline's stage placement (:mod:`lightning_hetero.plan.stages`) against brute force."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from lightning_hetero.plan.stages import BlockCosts, check_boundaries, in_flight, place_stages
+
+
+def brute_force(costs: BlockCosts, stages: int, holds: list[int]) -> float | None:
+    """Every order of the ranks, every split: the least slowest stage that fits (written apart from the module)."""
+    best = None
+    for order in itertools.permutations(range(costs.ranks), stages):
+        for cut in itertools.combinations(range(1, costs.blocks), stages - 1):
+            edges = (0, *cut, costs.blocks)
+            slowest, fits = 0.0, True
+            for s in range(stages):
+                blocks = range(edges[s], edges[s + 1])
+                rank = order[s]
+                used = costs.outside_bytes + sum(costs.parameter_bytes[b] + holds[s] * costs.activation_bytes[b] for b in blocks)
+                ceiling = costs.memory_bytes[rank]
+                fits = fits and (ceiling is None or used <= ceiling)
+                seconds = sum(costs.seconds[rank][b] for b in blocks)
+                if s in (0, stages - 1):
+                    seconds += costs.outside_seconds[rank]
+                slowest = max(slowest, seconds)
+            if fits and (best is None or slowest < best):
+                best = slowest
+    return best
+
+
+def random_costs(rng: random.Random, ranks: int, blocks: int) -> BlockCosts:
+    speed = [rng.choice([1.0, 0.4, 0.7, 2.5]) for _ in range(ranks)]
+    work = [rng.choice([1.0, 2.0, 3.0, 0.5]) for _ in range(blocks)]
+    return BlockCosts(
+        seconds=tuple(tuple(w / s for w in work) for s in speed),
+        parameter_bytes=tuple(rng.choice([10, 40, 100]) for _ in range(blocks)),
+        activation_bytes=tuple(rng.choice([1, 5, 20]) for _ in range(blocks)),
+        memory_bytes=tuple(rng.choice([None, 150, 300, 600]) for _ in range(ranks)),
+        outside_seconds=tuple(rng.choice([0.0, 0.5]) for _ in range(ranks)),
+        outside_bytes=rng.choice([0, 20]),
+    )
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_the_placement_is_the_brute_force_optimum(seed):
+    rng = random.Random(seed)
+    ranks = rng.randint(1, 4)
+    blocks = rng.randint(ranks, 7)
+    costs = random_costs(rng, ranks, blocks)
+    schedule, micro_batches, micro_batch = rng.choice(["1f1b", "gpipe"]), rng.randint(1, 4), rng.randint(1, 3)
+    holds = [in_flight(schedule, s, ranks, micro_batches) * micro_batch for s in range(ranks)]
+    expected = brute_force(costs, ranks, holds)
+    if expected is None:
+        with pytest.raises(ValueError, match="no split of the chain"):
+            place_stages(costs, ranks, schedule, micro_batches, micro_batch)
+        return
+    placement = place_stages(costs, ranks, schedule, micro_batches, micro_batch)
+    assert placement.slowest_seconds == pytest.approx(expected)
+    assert sorted(placement.ranks) == list(range(ranks))
+    covered = [b for s in range(ranks) for b in placement.blocks_of(s)]
+    assert covered == list(range(blocks))  # contiguous, every block once, every stage at least one
+    assert all(len(placement.blocks_of(s)) >= 1 for s in range(ranks))
+    for rank, used in zip(placement.ranks, placement.stage_bytes):
+        assert costs.memory_bytes[rank] is None or used <= costs.memory_bytes[rank]
+
+
+def test_a_slow_device_gets_fewer_equal_blocks():
+    costs = BlockCosts(
+        seconds=((1.0,) * 8, (2.5,) * 8),  # rank 1 runs at 0.4 of rank 0's speed
+        parameter_bytes=(1,) * 8, activation_bytes=(1,) * 8, memory_bytes=(None, None),
+    )  # fmt: skip
+    placement = place_stages(costs, 2, ranks=(0, 1))
+    # 6 blocks at 1.0 beside 2 at 2.5 (6 vs 5 s); the equal split would take 4 x 2.5 = 10 s.
+    assert placement.slowest_seconds == 6.0
+    assert placement.balance == pytest.approx((6 + 5) / 12)
+    equal = place_stages(costs, 2, boundaries=[4])
+    assert equal.slowest_seconds / placement.slowest_seconds == pytest.approx(10 / 6)
+
+
+def test_memory_moves_blocks_off_a_small_device():
+    costs = BlockCosts(seconds=((1.0,) * 4, (1.0,) * 4), parameter_bytes=(10,) * 4, activation_bytes=(0,) * 4,
+                       memory_bytes=(10, None))  # fmt: skip
+    placement = place_stages(costs, 2)
+    assert [len(placement.blocks_of(s)) for s in range(2)] == [1, 3]
+    assert placement.ranks == (0, 1)
+
+
+def test_given_boundaries_are_kept_and_checked():
+    costs = BlockCosts(seconds=((1.0,) * 4,) * 2, parameter_bytes=(10,) * 4, activation_bytes=(0,) * 4,
+                       memory_bytes=(15, None))  # fmt: skip
+    with pytest.raises(ValueError, match=r"stage 0 \(blocks \[0, 1\]\) needs .* `boundaries`"):
+        place_stages(costs, 2, boundaries=[2])
+    assert place_stages(costs, 2, boundaries=[1]).source == "boundaries"
+
+
+@pytest.mark.parametrize(
+    ("boundaries", "stages", "blocks", "match"),
+    [([2, 1], 3, 4, "increase strictly"), ([0], 2, 4, "between 1 and 3"), ([4], 2, 4, "between 1 and 3"),
+     ([1, 2], 2, 4, "2 entries for 2 stages"), ([2, 2], 3, 4, "increase strictly")],
+)  # fmt: skip
+def test_bad_boundaries_name_the_argument(boundaries, stages, blocks, match):
+    with pytest.raises(ValueError, match=match):
+        check_boundaries(boundaries, stages, blocks)
+
+
+def test_more_stages_than_blocks_is_refused():
+    costs = BlockCosts(seconds=((1.0,) * 2,) * 3, parameter_bytes=(1,) * 2, activation_bytes=(1,) * 2,
+                       memory_bytes=(None,) * 3)  # fmt: skip
+    with pytest.raises(ValueError, match="`stages` 3 is more than the chain's 2 blocks"):
+        place_stages(costs, 3)
+
+
+def test_in_flight_by_schedule():
+    assert [in_flight("1f1b", s, 3, 8) for s in range(3)] == [3, 2, 1]
+    assert [in_flight("gpipe", s, 3, 8) for s in range(3)] == [8, 8, 8]
+    assert [in_flight("1f1b", s, 3, 2) for s in range(3)] == [2, 2, 1]

@@ -1,0 +1,108 @@
+"""A small fit with HeteroStrategy(pipeline=...) on CPU ranks; each rank saves its parameters (by name) and the
+losses Lightning saw, for tests/train/test_pipeline_multiprocess.py to compare with one process.
+
+    python tests/workers/pipeline_fit.py --out DIR --devices 2 --stages 2 [--boundaries 3] [--schedule gpipe]
+        [--optimizer adam] [--speeds 1.0,0.4] [--steps 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from lightning.pytorch import LightningModule, Trainer, seed_everything
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from lightning_hetero import HeteroStrategy  # noqa: E402
+
+WIDTH, BLOCKS, SAMPLES, FEATURES = 16, 6, 96, 8
+
+
+def dataset() -> TensorDataset:
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(SAMPLES, FEATURES, generator=generator)
+    y = torch.randn(SAMPLES, 1, generator=generator)
+    return TensorDataset(x, y)
+
+
+class ChainModel(LightningModule):
+    """An embedding before the chain, blocks of unequal width, a head and the loss after it."""
+
+    def __init__(self, optimizer: str = "sgd", container: str = "sequential") -> None:
+        super().__init__()
+        self.optimizer_name = optimizer
+        self.embed = nn.Linear(FEATURES, WIDTH)
+        blocks = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(BLOCKS)]
+        self.container = container
+        self.net = nn.Sequential(*blocks) if container == "sequential" else nn.ModuleList(blocks)
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.embed(x))
+        if self.container == "sequential":
+            x = self.net(x)
+        else:
+            for block in self.net:
+                x = block(x)
+        return self.head(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        if self.optimizer_name == "adam":
+            return torch.optim.Adam(self.parameters(), lr=0.01)
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+class Losses:
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--boundaries", default=None)
+    parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--micro-batches", type=int, default=None)
+    parser.add_argument("--optimizer", default="sgd")
+    parser.add_argument("--container", default="sequential")
+    parser.add_argument("--speeds", default=None)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=12, help="the loader's batch (per pipeline)")
+    args = parser.parse_args()
+    seed_everything(1, verbose=False)
+    model = ChainModel(args.optimizer, args.container)
+    pipeline = {"stages": args.stages, "blocks": "net", "schedule": args.schedule}
+    if args.boundaries:
+        pipeline["boundaries"] = [int(b) for b in args.boundaries.split(",")]
+    if args.micro_batches:
+        pipeline["micro_batches"] = args.micro_batches
+    speeds = [float(s) for s in args.speeds.split(",")] if args.speeds else None
+    strategy = HeteroStrategy(pipeline=pipeline, emulate_speeds=speeds)
+    trainer = Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
+                      enable_checkpointing=False, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, limit_val_batches=0)  # fmt: skip
+    loader = DataLoader(dataset(), batch_size=args.batch, shuffle=False)
+    trainer.fit(model, loader)
+    rank = trainer.global_rank
+    args.out.mkdir(parents=True, exist_ok=True)
+    state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    torch.save(state, args.out / f"rank{rank}.pt")
+    (args.out / f"rank{rank}.json").write_text(json.dumps({"stage": strategy.job.pipeline.stage}))
+
+
+if __name__ == "__main__":
+    main()
