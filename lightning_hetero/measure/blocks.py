@@ -31,12 +31,14 @@ ADAM_COPIES = 4  # parameters, gradients and Adam's two moments: what a block's 
 
 @dataclass(frozen=True)
 class BlockMeasurement:
-    """One rank's costs of each block, per sample; ``outside_seconds``: the rest of the step, per sample."""
+    """One rank's costs of each block, per sample; ``before_seconds``: the forward before the chain (every stage
+    runs it), ``after_seconds``: what follows the chain, forward and backward, and the loss (the last stage's)."""
 
     seconds: tuple[float, ...]
     parameter_bytes: tuple[int, ...]
     activation_bytes: tuple[int, ...]
-    outside_seconds: float
+    before_seconds: float
+    after_seconds: float
     outside_bytes: int
     memory_bytes: Optional[int]  # what the device may hold (free memory, with headroom)
 
@@ -55,7 +57,7 @@ def measure_blocks(
     samples: int,
     device: torch.device,
     emulator: Optional[SlowdownEmulator] = None,
-    repeats: int = 3,
+    repeats: int = 8,
 ) -> BlockMeasurement:
     """Time and size each of ``blocks`` (the chain, in order) in ``module.training_step(batch, 0)``."""
     clock = compute_clock(device)
@@ -63,12 +65,14 @@ def measure_blocks(
     count = len(blocks)
     best_forward = [float("inf")] * count
     best_backward = [float("inf")] * count
-    best_total = float("inf")
+    best_before = float("inf")
+    best_after = float("inf")
     saved = [0] * (count + 1)  # the last entry: outside the chain
 
     def one_step() -> None:
-        nonlocal best_total
+        nonlocal best_before, best_after
         forward_start: dict[int, float] = {}
+        forward_end: dict[int, float] = {}
         forward = [0.0] * count
         gradient_at: dict[int, float] = {}  # when the gradient reached block b's output
         current = [count]
@@ -88,7 +92,8 @@ def measure_blocks(
 
             def after(_module: nn.Module, _args: Any, output: Any, index: int = index) -> None:
                 synchronize()
-                forward[index] = clock() - forward_start[index]
+                forward_end[index] = clock()
+                forward[index] = forward_end[index] - forward_start[index]
                 current[0] = count
                 if isinstance(output, Tensor) and output.requires_grad:
 
@@ -104,6 +109,8 @@ def measure_blocks(
             begin = clock()
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
                 loss = loss_of(module.training_step(batch, 0))
+            synchronize()
+            loss_at = clock()
             if loss is not None and loss.requires_grad:
                 loss.backward()
             synchronize()
@@ -119,7 +126,10 @@ def measure_blocks(
         for b in range(count):
             best_forward[b] = min(best_forward[b], forward[b])
             best_backward[b] = min(best_backward[b], backward[b])
-        best_total = min(best_total, end - begin)
+        last = count - 1
+        before = forward_start.get(0, end) - begin
+        after = (loss_at - forward_end.get(last, loss_at)) + (gradient_at.get(last, loss_at) - loss_at)
+        best_before, best_after = min(best_before, before), min(best_after, after)
         saved[:] = saved_now
 
     with preserved_training_state(module, device), training_step_in_isolation(module):
@@ -128,14 +138,14 @@ def measure_blocks(
             one_step()
     stretch = 1.0 / emulator.speed if emulator is not None else 1.0
     seconds = tuple(stretch * (f + b) / samples for f, b in zip(best_forward, best_backward))
-    outside = max(0.0, stretch * best_total / samples - sum(seconds))
     chain_parameters = {id(p) for block in blocks for p in block.parameters()}
     outside_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if id(p) not in chain_parameters)
     return BlockMeasurement(
         seconds=seconds,
         parameter_bytes=tuple(ADAM_COPIES * sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks),
         activation_bytes=tuple(-(-saved[b] // samples) for b in range(count)),
-        outside_seconds=outside,
+        before_seconds=stretch * best_before / samples,
+        after_seconds=stretch * max(0.0, best_after) / samples,
         outside_bytes=ADAM_COPIES * outside_bytes,
         memory_bytes=free_memory_bytes(device),
     )

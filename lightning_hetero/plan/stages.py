@@ -5,8 +5,8 @@ A pipeline of ``S`` stages runs a chain of ``B`` blocks (``HeteroStrategy(pipeli
 micro-batch passes through every stage, so in the steady state the pipeline moves at the pace of its slowest stage;
 the placement minimizes that stage's time per sample, within every device's memory:
 
-    minimize  max over s of  sum_{b in stage s} seconds[rank_s][b]  (+ what comes before the chain on the first stage
-              and after it on the last)
+    minimize  max over s of  sum_{b in stage s} seconds[rank_s][b]  (+ what comes before the chain, which every stage
+              runs, and what comes after it on the last)
     subject to  sum_{b in stage s} (parameter_bytes[b] + in_flight_s * activation_bytes[b]) + fixed_bytes
                 <= memory_bytes[rank_s]
 
@@ -32,17 +32,19 @@ class BlockCosts:
 
     ``seconds[r][b]``: forward + backward of block ``b`` on rank ``r``'s device, per sample. ``parameter_bytes[b]``:
     the block's parameters, gradients and optimizer state. ``activation_bytes[b]``: what one sample's forward through
-    it keeps for the backward. ``memory_bytes[r]``: what rank ``r`` may use (None: no ceiling). ``outside_seconds`` and
-    ``outside_bytes``: the modules before and after the chain (and the loss), per rank: the first and last stages run
-    them, every stage holds them (see :mod:`lightning_hetero.train.pipeline`).
+    it keeps for the backward. ``memory_bytes[r]``: what rank ``r`` may use (None: no ceiling). The modules outside
+    the chain (:mod:`lightning_hetero.train.pipeline`), per sample on each rank: ``before_seconds``, what precedes the
+    chain, which every stage runs; ``after_seconds``, what follows it and the loss, the last stage's;
+    ``outside_bytes``, their parameters, which every stage holds.
     """
 
     seconds: tuple[tuple[float, ...], ...]
     parameter_bytes: tuple[int, ...]
     activation_bytes: tuple[int, ...]
     memory_bytes: tuple[Optional[int], ...]
-    outside_seconds: tuple[float, ...] = ()
+    after_seconds: tuple[float, ...] = ()
     outside_bytes: int = 0
+    before_seconds: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         blocks = len(self.parameter_bytes)
@@ -50,8 +52,9 @@ class BlockCosts:
             raise ValueError("BlockCosts: every rank's seconds and every byte count need one entry per block.")
         if len(self.memory_bytes) != len(self.seconds):
             raise ValueError("BlockCosts: memory_bytes needs one entry per rank, as seconds has.")
-        if not self.outside_seconds:
-            object.__setattr__(self, "outside_seconds", (0.0,) * len(self.seconds))
+        for name in ("after_seconds", "before_seconds"):
+            if not getattr(self, name):
+                object.__setattr__(self, name, (0.0,) * len(self.seconds))
 
     @property
     def blocks(self) -> int:
@@ -122,9 +125,9 @@ def check_boundaries(boundaries: Sequence[int], stages: int, blocks: int) -> tup
 
 
 def _stage_cost(costs: BlockCosts, rank: int, first: int, end: int, stage: int, stages: int) -> float:
-    seconds = sum(costs.seconds[rank][first:end])
-    if stage == 0 or stage == stages - 1:
-        seconds += costs.outside_seconds[rank]
+    seconds = sum(costs.seconds[rank][first:end]) + costs.before_seconds[rank]
+    if stage == stages - 1:
+        seconds += costs.after_seconds[rank]
     return seconds
 
 
@@ -379,7 +382,8 @@ def block_costs(measured: Optional[Sequence[Any]], blocks: int, ranks: int) -> B
         parameter_bytes=tuple(first.parameter_bytes),
         activation_bytes=tuple(max(m.activation_bytes[b] for m in measured) for b in range(blocks)),
         memory_bytes=tuple(m.memory_bytes for m in measured),
-        outside_seconds=tuple(m.outside_seconds for m in measured),
+        after_seconds=tuple(m.after_seconds for m in measured),
+        before_seconds=tuple(m.before_seconds for m in measured),
         outside_bytes=first.outside_bytes,
     )
 

@@ -27,6 +27,7 @@ everything on through their output.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -206,7 +207,9 @@ class Pipeline:
         self.outside: list[nn.Parameter] = []
         self._stage_group: Any = None
         self.global_batch = 0
-        self.bubble_seconds = 0.0
+        # Per step: this stage's compute (forward and backward, emulated speed included) and its time waiting for
+        # a neighbour (the bubble, and any imbalance), in seconds of wall time.
+        self.step_times: list[tuple[float, float]] = []
         self._held: list[tuple[nn.Parameter, Optional[Tensor]]] = []
 
     # ------------------------------------------------------------------ setup
@@ -289,6 +292,8 @@ class Pipeline:
         inputs: dict[int, Tensor] = {}
         outputs: dict[int, Tensor] = {}
         total = torch.zeros((), dtype=torch.float64)
+        compute = 0.0
+        step_started = time.perf_counter()
         for kind, m in schedule_actions(self.choice.schedule, stage, stages, len(micro_batches)):
             if kind == "F":
                 if previous is not None:
@@ -297,8 +302,10 @@ class Pipeline:
                     self.stage_of_chain.incoming = received
                 self.stage_of_chain.pass_starts()
                 batch, samples = micro_batches[m]
+                started = time.perf_counter()
                 with slowed():
                     output = self._forward(forward, batch, samples, following is not None)
+                compute += time.perf_counter() - started
                 if following is not None:
                     self.link.send(output, following, f"micro-batch {m}'s activation")
                     outputs[m] = output
@@ -316,14 +323,17 @@ class Pipeline:
                 gradient = None
                 if following is not None:
                     gradient = self.link.receive(following, f"micro-batch {m}'s gradient")
+                started = time.perf_counter()
                 with slowed():
                     output = outputs.pop(m)
                     backward(output if gradient is None else (output * gradient).sum())
+                compute += time.perf_counter() - started
                 if previous is not None:
                     received = inputs.pop(m)
                     grad = received.grad if received.grad is not None else torch.zeros_like(received)
                     self.link.send(grad, previous, f"micro-batch {m}'s gradient")
         self.link.flush()
+        self.step_times.append((compute, time.perf_counter() - step_started - compute))
         dist.all_reduce(total)  # the last stages' weighted losses: the global batch's loss, on every rank
         return total.float()
 

@@ -23,9 +23,9 @@ def brute_force(costs: BlockCosts, stages: int, holds: list[int]) -> float | Non
                 used = costs.outside_bytes + sum(costs.parameter_bytes[b] + holds[s] * costs.activation_bytes[b] for b in blocks)
                 ceiling = costs.memory_bytes[rank]
                 fits = fits and (ceiling is None or used <= ceiling)
-                seconds = sum(costs.seconds[rank][b] for b in blocks)
-                if s in (0, stages - 1):
-                    seconds += costs.outside_seconds[rank]
+                seconds = sum(costs.seconds[rank][b] for b in blocks) + costs.before_seconds[rank]
+                if s == stages - 1:
+                    seconds += costs.after_seconds[rank]
                 slowest = max(slowest, seconds)
             if fits and (best is None or slowest < best):
                 best = slowest
@@ -40,7 +40,8 @@ def random_costs(rng: random.Random, ranks: int, blocks: int) -> BlockCosts:
         parameter_bytes=tuple(rng.choice([10, 40, 100]) for _ in range(blocks)),
         activation_bytes=tuple(rng.choice([1, 5, 20]) for _ in range(blocks)),
         memory_bytes=tuple(rng.choice([None, 150, 300, 600]) for _ in range(ranks)),
-        outside_seconds=tuple(rng.choice([0.0, 0.5]) for _ in range(ranks)),
+        after_seconds=tuple(rng.choice([0.0, 0.5]) for _ in range(ranks)),
+        before_seconds=tuple(rng.choice([0.0, 0.2]) for _ in range(ranks)),
         outside_bytes=rng.choice([0, 20]),
     )
 

@@ -1,0 +1,148 @@
+"""A pipeline's stages placed by measured speed against the equal-blocks split, on 2 CPU ranks at emulated speeds.
+
+    python benchmarks/pipeline_balance.py                  # 3 pairs (about 2 minutes on 2 cores)
+    python benchmarks/pipeline_balance.py --pairs 5 --out /tmp/pipeline_balance.json
+
+A chain of 8 equal blocks (Linear 1024 -> 1024 and tanh) between a small embedding and head; 2 ranks, rank 1 emulated
+at 0.4 of rank 0's speed (``emulate_speeds=[1.0, 0.4]``); 1F1B, 4 micro-batches of 16 samples per step. Each pair runs
+two fits back to back (their order alternating): ``equal`` with ``boundaries=[4]`` (4 blocks per stage) and
+``placed`` without boundaries (the blocks measured on each rank and placed by the planner). Measured in each fit, from
+step 5 on:
+
+    step        median wall time between the starts of two training steps (rank 0)
+    balance     per step, the mean of the two stages' compute over the larger (1 = both stages as busy), median
+
+Targets (issue 30): equal / placed >= 1.3 within each pair; the placed step within 10 % of the balanced one
+(balance >= 0.9). Results are printed and written to ``benchmarks/results/pipeline_balance.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_OUT = HERE / "results" / "pipeline_balance.json"
+WIDTH, BLOCKS, MICRO_BATCHES, MICRO_BATCH, STEPS = 1024, 8, 4, 16, 30
+
+
+def fit(kind: str, out: Path) -> None:
+    """One fit (run by Lightning's launcher on both ranks); rank 0 writes the step starts, every rank its stage's
+    compute and waiting per step."""
+    import torch
+    from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    sys.path.insert(0, str(HERE.parent))
+    from lightning_hetero import HeteroStrategy
+
+    torch.set_num_threads(1)
+    seed_everything(0, verbose=False)
+
+    class Chain(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Linear(32, WIDTH)
+            self.net = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(BLOCKS)])
+            self.head = nn.Linear(WIDTH, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            return nn.functional.mse_loss(self.head(self.net(self.embed(x))), y)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.001)
+
+    class StepStarts(Callback):
+        def __init__(self) -> None:
+            self.starts: list[float] = []
+
+        def on_train_batch_start(self, *args: Any) -> None:
+            self.starts.append(time.perf_counter())
+
+    global_batch = MICRO_BATCHES * MICRO_BATCH
+    data = TensorDataset(torch.randn(global_batch * 8, 32), torch.randn(global_batch * 8, 1))
+    pipeline: dict[str, Any] = {"stages": 2, "blocks": "net", "micro_batches": MICRO_BATCHES}
+    if kind == "equal":
+        pipeline["boundaries"] = [BLOCKS // 2]
+    strategy = HeteroStrategy(pipeline=pipeline, emulate_speeds=[1.0, 0.4])
+    starts = StepStarts()
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, enable_checkpointing=False,
+                      logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[starts])  # fmt: skip
+    trainer.fit(Chain(), DataLoader(data, batch_size=global_batch, shuffle=True))
+    pipeline_state = strategy.job.pipeline
+    record = {"step_times": pipeline_state.step_times, "stage": pipeline_state.stage,
+              "boundaries": list(pipeline_state.placement.boundaries),
+              "stage_ranks": list(pipeline_state.placement.ranks)}  # fmt: skip
+    if trainer.global_rank == 0:
+        record["starts"] = starts.starts
+    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def measure(kind: str, directory: Path) -> dict[str, Any]:
+    directory.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, __file__, "--fit", kind, "--fit-out", str(directory)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    if result.returncode != 0:
+        raise RuntimeError(f"the {kind} fit failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
+    ranks = [json.loads((directory / f"rank{r}.json").read_text()) for r in range(2)]
+    starts = ranks[0]["starts"]
+    steps = [b - a for a, b in zip(starts[5:], starts[6:])]
+    balances = []
+    for step in range(5, STEPS):
+        computes = [rank["step_times"][step][0] for rank in ranks]
+        balances.append(sum(computes) / (len(computes) * max(computes)))
+    return {
+        "step_ms": 1e3 * statistics.median(steps),
+        "balance": statistics.median(balances),
+        "boundaries": ranks[0]["boundaries"],
+        "stage_ranks": ranks[0]["stage_ranks"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--fit", choices=("equal", "placed"), help=argparse.SUPPRESS)
+    parser.add_argument("--fit-out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.fit:
+        fit(args.fit, args.fit_out)
+        return
+    scratch = Path("/tmp/pipeline_balance_runs")
+    pairs = []
+    for pair in range(args.pairs):
+        order = ("equal", "placed") if pair % 2 == 0 else ("placed", "equal")
+        runs = {kind: measure(kind, scratch / f"pair{pair}_{kind}") for kind in order}
+        ratio = runs["equal"]["step_ms"] / runs["placed"]["step_ms"]
+        pairs.append({"order": order, **{k: v for k, v in runs.items()}, "equal_over_placed": ratio})
+        print(
+            f"pair {pair} ({', '.join(order)}): step ms equal {runs['equal']['step_ms']:.1f} (boundaries"
+            f" {runs['equal']['boundaries']}, balance {runs['equal']['balance']:.3f}), placed"
+            f" {runs['placed']['step_ms']:.1f} (boundaries {runs['placed']['boundaries']} on ranks"
+            f" {runs['placed']['stage_ranks']}, balance"
+            f" {runs['placed']['balance']:.3f}); equal / placed {ratio:.3f}",
+            flush=True,
+        )
+    summary = {
+        "equal_over_placed": [p["equal_over_placed"] for p in pairs],
+        "placed_balance": [p["placed"]["balance"] for p in pairs],
+        "median_equal_over_placed": statistics.median(p["equal_over_placed"] for p in pairs),
+        "median_placed_balance": statistics.median(p["placed"]["balance"] for p in pairs),
+    }
+    print(json.dumps(summary, indent=1))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"pairs": pairs, "summary": summary, "date": time.strftime("%Y-%m-%d")}, indent=1))
+    print(f"written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
