@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 from lightning_hetero.comm import topology
 from lightning_hetero.comm.communication import Communication
 from lightning_hetero.emulate.emulation import Emulation, NoEmulation, emulation_for
-from lightning_hetero.measure.blocks import BlockMeasurement, first_batch, measure_blocks
+from lightning_hetero.measure.blocks import BlockMeasurement, check_chain_order, first_batch, measure_blocks
 from lightning_hetero.measure.devices import collect_device_facts
 from lightning_hetero.measure.facts import DeviceFacts
 from lightning_hetero.measure.partitioned import partitioned_parameters, whole_parameters
@@ -56,7 +56,7 @@ from lightning_hetero.runtime.collectives import Collectives
 from lightning_hetero.settings import HeteroSettings, check_ranks_agree
 from lightning_hetero.train.local_sgd import LocalTraining
 from lightning_hetero.train.micro_batches import MicroBatchGuard, split_batch, step_loss
-from lightning_hetero.train.pipeline import Pipeline, find_chain
+from lightning_hetero.train.pipeline import Pipeline, check_chain_shape
 from lightning_hetero.train.order import GlobalOrder, agreed_seed, local_seed
 from lightning_hetero.train.sharding import BatchListeners, DataSharding, check_trainable
 from lightning_hetero.train.split_in_force import SplitInForce
@@ -306,20 +306,22 @@ class HeteroJob:
         replica_batch = micro_batch_sizes(global_batch_size, replicas)[0]
         micro_batches = choice.micro_batches_for(replica_batch)
         micro_batch = -(-replica_batch // micro_batches)
-        _, names = find_chain(module, choice.blocks)
-        if choice.boundaries is None:
-            chain, _ = find_chain(module, choice.blocks)
-            blocks = [chain._modules[name] for name in names]
-            loader = self.sharding.requested_training_loader
-            emulator = self.emulation.emulator
+        chain, names = check_chain_shape(module, choice)
+        blocks = [chain._modules[name] for name in names]
+        loader = self.sharding.requested_training_loader
+        emulator = self.emulation.emulator
 
-            def measure() -> tuple[None, dict[str, Any]]:
-                batch = first_batch(loader, micro_batch, device, move_data_to_device)
-                return None, measure_blocks(module, blocks, batch, micro_batch, device, emulator).to_dict()
+        def check_and_measure() -> tuple[None, Optional[dict[str, Any]]]:
+            # The whole model runs here, before it is split: a chain that cannot be split fails on every rank.
+            probe = first_batch(loader, 1, device, move_data_to_device)
+            check_chain_order(module, blocks, names, choice.blocks, probe, device)
+            if choice.boundaries is not None:
+                return None, None
+            batch = first_batch(loader, micro_batch, device, move_data_to_device)
+            return None, measure_blocks(module, blocks, batch, micro_batch, device, emulator).to_dict()
 
-            measured = [BlockMeasurement.from_dict(m) for m in self.collectives.gather_or_raise("measuring", measure)[1]]
-        else:
-            measured = None
+        gathered = self.collectives.gather_or_raise("checking the chain of blocks", check_and_measure)[1]
+        measured = None if choice.boundaries is not None else [BlockMeasurement.from_dict(m) for m in gathered]
         costs = block_costs(measured, len(names), self.world_size)
         placement = place_stages(costs, choice.stages, choice.schedule, micro_batches, micro_batch, choice.boundaries,
                                  ranks=tuple(range(choice.stages)), search_orders=replicas == 1)  # fmt: skip
@@ -344,6 +346,8 @@ class HeteroJob:
                                        evaluating)  # fmt: skip
         if refusal:
             raise ValueError(refusal)
+        if not is_overridden("configure_model", module):  # (else the chain exists only later: checked at setup)
+            check_chain_shape(module, choice)
 
     @contextlib.contextmanager
     def engine_built(self) -> Iterator[None]:

@@ -92,6 +92,20 @@ CONSTRUCTOR = [
     ({"micro_steps": []}, "`micro_steps=[]` is empty"),
     ({"micro_steps": [3, 1], "batch_sizes": [4, 4, 4]}, "`batch_sizes=[4, 4, 4]` and `micro_steps=[3, 1]` have"),
     ({"micro_steps": [3, 1], "batch_sizes": [4, 4], "global_batch_size": 8}, "makes (sum of b * k) 16 but"),
+    ({"pipeline": 2}, "HeteroStrategy(pipeline=2): give a dict, e.g. `pipeline={'stages': 2, 'blocks': 'net'}`"),
+    ({"pipeline": {"stages": 2, "blocks": "net", "stage": 2}}, "unknown keys ['stage']; the keys are ['stages',"),
+    ({"pipeline": {"stages": 1, "blocks": "net"}}, "`stages` 1 must be an integer >= 2"),
+    ({"pipeline": {"stages": 2}}, "`blocks` None must name the LightningModule's attribute that holds the chain"),
+    ({"pipeline": {"stages": 2, "blocks": "net[0]"}}, "`blocks` 'net[0]' must name the LightningModule's attribute"),
+    ({"pipeline": {"stages": 3, "blocks": "net", "boundaries": [4, 2]}}, "`boundaries` [4, 2] must be 2 increasing"),
+    ({"pipeline": {"stages": 2, "blocks": "net", "boundaries": [0]}}, "`boundaries` [0] must be 1 increasing block"),
+    ({"pipeline": {"stages": 2, "blocks": "net", "boundaries": 3}}, "`boundaries` 3 must be a list of 1 block"),
+    ({"pipeline": {"stages": 2, "blocks": "net", "schedule": "zb"}}, "`schedule` 'zb' must be one of ['1f1b', 'gpipe']"),
+    ({"pipeline": {"stages": 2, "blocks": "net", "micro_batches": 0}}, "`micro_batches` 0 must be an integer >= 1"),
+    ({"pipeline": {"stages": 2, "blocks": "net"}, "stage": 3}, "HeteroStrategy(pipeline=..., stage=3): not with a"),
+    ({"pipeline": {"stages": 2, "blocks": "net"}, "batch_sizes": [4, 4]}, "(pipeline=..., batch_sizes=[4, 4]): not"),
+    ({"pipeline": {"stages": 2, "blocks": "net"}, "sync": "diloco"}, "(pipeline=..., sync='diloco'): not with a"),
+    ({"pipeline": {"stages": 2, "blocks": "net"}, "compression": "fp16"}, "(pipeline=..., compression='fp16')"),
 ]
 
 DEEPSPEED_CONFIG = [

@@ -151,6 +151,40 @@ def measure_blocks(
     )
 
 
+def check_chain_order(
+    module: nn.Module, blocks: Sequence[nn.Module], names: Sequence[str], path: str, batch: Any, device: torch.device
+) -> None:
+    """``training_step`` on ``batch`` (no backward, nothing kept) runs each block once, in the chain's order: what a
+    pipeline needs (its stages hand their output to the next). Raises naming the attribute and the block."""
+    called: list[int] = []
+    handles = [
+        block.register_forward_pre_hook(lambda _m, _a, index=index: called.append(index))
+        for index, block in enumerate(blocks)
+    ]
+    try:
+        with preserved_training_state(module, device), training_step_in_isolation(module), torch.no_grad():
+            module.train()
+            module.training_step(batch, 0)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if called != list(range(len(blocks))):
+        shown = [names[i] for i in called]
+        if not called:
+            what = "runs none of them"
+        elif len(set(called)) < len(called):
+            what = f"runs block {names[next(i for i in called if called.count(i) > 1)]!r} more than once ({shown})"
+        elif sorted(called) != called:
+            what = f"runs them out of order ({shown})"
+        else:
+            what = f"runs only {shown}"
+        raise ValueError(
+            f"HeteroStrategy(pipeline=...): `training_step` {what} of the {len(blocks)} blocks of `{path}`. A pipeline"
+            " needs every block applied once, in the chain's order (each stage hands its output to the next). Apply"
+            " them so, or train without `pipeline`."
+        )
+
+
 def free_memory_bytes(device: torch.device) -> int:
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
     return int(free * MEMORY_HEADROOM)

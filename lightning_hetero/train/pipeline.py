@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from lightning_hetero.comm.point_to_point import PeerLink
 from lightning_hetero.plan.split import micro_batch_sizes
-from lightning_hetero.plan.stages import PipelineChoice, StagePlacement
+from lightning_hetero.plan.stages import PipelineChoice, StagePlacement, check_boundaries
 from lightning_hetero.train.micro_batches import split_batch, step_loss
 
 CHAINS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
@@ -74,6 +74,19 @@ def find_chain(module: nn.Module, path: str) -> tuple[nn.Module, list[str]]:
     if not names:
         raise ValueError(f"HeteroStrategy(pipeline=...): `blocks` {path!r} holds no blocks.")
     return owner, names
+
+
+def check_chain_shape(module: nn.Module, choice: PipelineChoice) -> tuple[nn.Module, list[str]]:
+    """The chain exists, and ``stages`` and ``boundaries`` fit its blocks; checked before any collective."""
+    chain, names = find_chain(module, choice.blocks)
+    if choice.stages > len(names):
+        raise ValueError(
+            f"HeteroStrategy(pipeline=...): `stages` {choice.stages} is more than the {len(names)} blocks of"
+            f" `{choice.blocks}`; every stage needs at least one block. Use at most {len(names)} stages."
+        )
+    if choice.boundaries is not None:
+        check_boundaries(choice.boundaries, choice.stages, len(names))
+    return chain, names
 
 
 def schedule_actions(schedule: str, stage: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -78,3 +83,49 @@ def test_a_pipeline_updates_as_one_process(tmp_path, devices, stages, boundaries
     # Each rank holds only its stage's blocks, under the model's own names.
     blocks_held = [sorted({n.split(".")[1] for n in state if n.startswith("net.")}) for state in ranks]
     assert all(0 < len(held) < 6 for held in blocks_held)
+
+
+SETUP = [
+    (["--blocks", "layers"], 2, "`blocks` 'layers': ChainModel has no attribute 'layers' (its modules: ['embed',"),
+    (["--devices", "3"], 3, "3 ranks cannot form pipelines of `stages` 2; use a number of ranks that is a multiple"),
+    (["--checkpointing"], 2, "does not save checkpoints yet: pass `Trainer(enable_checkpointing=False)`"),
+    (["--stages", "2", "--boundaries", "6"], 2, "`boundaries` [6] must increase strictly, each between 1 and 5"),
+    (["--container", "twice"], 2, "`training_step` runs block '1' more than once"),
+]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("arguments", "ranks", "message"), SETUP)
+def test_a_pipeline_mistake_stops_every_rank_with_the_message(tmp_path, arguments, ranks, message):
+    started = time.monotonic()
+    code, output = run_bounded([sys.executable, str(WORKER), "--out", str(tmp_path), *arguments], timeout=90)
+    assert code != 0
+    assert output.count(message) == ranks, output[-3000:]
+    assert time.monotonic() - started < 90
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize("how", ["kill", "freeze"])
+def test_a_lost_stage_stops_the_other_within_the_peer_timeout(tmp_path, how):
+    """Rank 1 (the last stage) SIGKILLs or SIGSTOPs itself at step 2, while rank 0 waits for its gradient. Killed:
+    Lightning's launcher (rank 0's process) ends the job. Frozen (its sockets stay open, so no send or receive
+    breaks): the heartbeat watchdog stops rank 0 within the peer timeout, naming rank 1. Nothing waits longer."""
+    command = [sys.executable, str(WORKER), "--out", str(tmp_path), "--boundaries", "3", "--kill",
+               "1:2" + (":freeze" if how == "freeze" else ""), "--steps", "1000", "--peer-timeout", "5"]  # fmt: skip
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})  # fmt: skip
+    started = time.monotonic()
+    try:
+        while process.poll() is None and time.monotonic() - started < 90:
+            time.sleep(0.2)
+        elapsed = time.monotonic() - started
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # the frozen rank, by its process group
+    output = process.communicate()[0]
+    assert process.returncode not in (0, None), output[-3000:]
+    assert elapsed < 60, f"rank 0 still ran {elapsed:.0f} s after the start: {output[-3000:]}"
+    if how == "freeze":
+        assert "rank 1 has been lost: no heartbeat came for 5 s" in output, output[-3000:]
+    else:
+        assert "terminated with code -9" in output or "rank 1" in output, output[-3000:]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -34,9 +36,10 @@ def dataset() -> TensorDataset:
 class ChainModel(LightningModule):
     """An embedding before the chain, blocks of unequal width, a head and the loss after it."""
 
-    def __init__(self, optimizer: str = "sgd", container: str = "sequential") -> None:
+    def __init__(self, optimizer: str = "sgd", container: str = "sequential", kill: str = "") -> None:
         super().__init__()
         self.optimizer_name = optimizer
+        self.kill = kill  # "RANK:STEP[:freeze]": that rank SIGKILLs (or SIGSTOPs) itself at that step
         self.embed = nn.Linear(FEATURES, WIDTH)
         blocks = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(BLOCKS)]
         self.container = container
@@ -47,6 +50,10 @@ class ChainModel(LightningModule):
         x = torch.relu(self.embed(x))
         if self.container == "sequential":
             x = self.net(x)
+        elif self.container == "twice":  # block 1 applied twice: a chain that cannot be split
+            x = self.net[1](self.net[1](self.net[0](x)))
+            for block in list(self.net)[2:]:
+                x = block(x)
         else:
             for block in self.net:
                 x = block(x)
@@ -54,6 +61,9 @@ class ChainModel(LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        if self.kill and [int(v) for v in self.kill.split(":")[:2]] == [self.global_rank, self.global_step]:
+            how = signal.SIGSTOP if self.kill.endswith(":freeze") else signal.SIGKILL
+            os.kill(os.getpid(), how)
         loss = nn.functional.mse_loss(self(x), y)
         self.log("train_loss", loss)
         return loss
@@ -82,18 +92,23 @@ def main() -> None:
     parser.add_argument("--speeds", default=None)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--batch", type=int, default=12, help="the loader's batch (per pipeline)")
+    parser.add_argument("--blocks", default="net", help="the chain's attribute as given to the strategy")
+    parser.add_argument("--checkpointing", action="store_true", help="Lightning's default ModelCheckpoint on")
+    parser.add_argument("--kill", default="", help="RANK:STEP[:freeze]: that rank SIGKILLs (SIGSTOPs) itself there")
+    parser.add_argument("--peer-timeout", type=float, default=30.0)
     args = parser.parse_args()
     seed_everything(1, verbose=False)
-    model = ChainModel(args.optimizer, args.container)
-    pipeline = {"stages": args.stages, "blocks": "net", "schedule": args.schedule}
+    model = ChainModel(args.optimizer, args.container, args.kill)
+    pipeline = {"stages": args.stages, "blocks": args.blocks, "schedule": args.schedule}
     if args.boundaries:
         pipeline["boundaries"] = [int(b) for b in args.boundaries.split(",")]
     if args.micro_batches:
         pipeline["micro_batches"] = args.micro_batches
     speeds = [float(s) for s in args.speeds.split(",")] if args.speeds else None
-    strategy = HeteroStrategy(pipeline=pipeline, emulate_speeds=speeds)
+    strategy = HeteroStrategy(pipeline=pipeline, emulate_speeds=speeds, peer_timeout=args.peer_timeout)
     trainer = Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
-                      enable_checkpointing=False, logger=False, enable_progress_bar=False,
+                      enable_checkpointing=args.checkpointing, logger=False, enable_progress_bar=False,
+                      default_root_dir=str(args.out),
                       enable_model_summary=False, limit_val_batches=0)  # fmt: skip
     loader = DataLoader(dataset(), batch_size=args.batch, shuffle=False)
     trainer.fit(model, loader)

@@ -1,0 +1,207 @@
+"""The pipeline's pieces that need no process (train/pipeline.py, measure/blocks.py, comm/point_to_point.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule
+from torch import nn
+
+from lightning_hetero.comm.point_to_point import empty_from, header_of
+from lightning_hetero.measure.blocks import check_chain_order
+from lightning_hetero.plan.stages import PipelineChoice
+from lightning_hetero.train.pipeline import (
+    ElsewhereBlock,
+    HandOff,
+    PipelineLayout,
+    StageOfChain,
+    check_chain_shape,
+    find_chain,
+    schedule_actions,
+)
+
+
+class Model(LightningModule):
+    def __init__(self, blocks: int = 5, container: str = "sequential", use=None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(3, 6)
+        made = [nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(blocks)]
+        self.container = container
+        if container == "sequential":
+            self.net = nn.Sequential(*made)
+        elif container == "list":
+            self.net = nn.ModuleList(made)
+        else:
+            self.net = nn.ModuleDict({f"layer{i}": b for i, b in enumerate(made)})
+        self.head = nn.Linear(6, 1)
+        self.use = use  # the order in which forward applies the blocks (None: the chain's)
+
+    def forward(self, x):
+        x = self.embed(x)
+        if self.container == "sequential" and self.use is None:
+            x = self.net(x)
+        else:
+            blocks = list(self.net.values()) if isinstance(self.net, nn.ModuleDict) else list(self.net)
+            for index in self.use if self.use is not None else range(len(blocks)):
+                x = blocks[index](x)
+        return self.head(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+
+BATCH = (torch.randn(4, 3, generator=torch.Generator().manual_seed(1)), torch.randn(4, 1))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("micro_batches", [1, 2, 3, 7])
+def test_every_schedule_runs_each_pass_once_and_never_deadlocks(schedule, stages, micro_batches):
+    plans = [schedule_actions(schedule, s, stages, micro_batches) for s in range(stages)]
+    for actions in plans:
+        assert sorted(actions) == sorted([("F", m) for m in range(micro_batches)] + [("B", m) for m in range(micro_batches)])
+        for m in range(micro_batches):
+            assert actions.index(("F", m)) < actions.index(("B", m))
+    # Run them against each other: a forward needs the previous stage's forward, a backward the next stage's
+    # backward (receives block, sends never do). Every stage must finish.
+    done = [set() for _ in range(stages)]
+    position = [0] * stages
+    progress = True
+    while progress:
+        progress = False
+        for s in range(stages):
+            if position[s] == len(plans[s]):
+                continue
+            kind, m = plans[s][position[s]]
+            ready = (s == 0 or ("F", m) in done[s - 1]) if kind == "F" else (s == stages - 1 or ("B", m) in done[s + 1])
+            if ready:
+                done[s].add((kind, m))
+                position[s] += 1
+                progress = True
+    assert position == [len(p) for p in plans]
+    if schedule == "1f1b":  # at most stages - s micro-batches held at once
+        for s, actions in enumerate(plans):
+            held = peak = 0
+            for kind, _ in actions:
+                held += 1 if kind == "F" else -1
+                peak = max(peak, held)
+            assert peak <= min(stages - s, micro_batches)
+
+
+def test_the_layout_places_pipelines_side_by_side():
+    layout = PipelineLayout(stages=2, replicas=2, order=(1, 0))
+    assert [layout.rank_of(p, s) for p in range(2) for s in range(2)] == [1, 0, 3, 2]
+    assert [layout.stage_of(r) for r in range(4)] == [1, 0, 1, 0]
+    assert [layout.replica_of(r) for r in range(4)] == [0, 0, 1, 1]
+    assert layout.stage_ranks(0) == [1, 3]
+
+
+@pytest.mark.parametrize(("path", "match"), [
+    ("layers", r"`blocks` 'layers': Model has no attribute 'layers' \(its modules: \['embed', 'net', 'head'\]\)"),
+    ("net.inner", r"`blocks` 'net.inner': net has no attribute 'inner'"),
+    ("head", r"`blocks` 'head' is a Linear, not a chain the strategy can split"),
+])  # fmt: skip
+def test_a_chain_that_is_not_there_is_named(path, match):
+    with pytest.raises(ValueError, match=match):
+        find_chain(Model(), path)
+
+
+def test_stages_and_boundaries_are_checked_against_the_chain():
+    with pytest.raises(ValueError, match="`stages` 6 is more than the 5 blocks of `net`"):
+        check_chain_shape(Model(), PipelineChoice(6, "net"))
+    with pytest.raises(ValueError, match=r"`boundaries` \[5\] must increase strictly, each between 1 and 4"):
+        check_chain_shape(Model(), PipelineChoice(2, "net", (5,)))
+    assert check_chain_shape(Model(), PipelineChoice(2, "net", (3,)))[1] == ["0", "1", "2", "3", "4"]
+
+
+@pytest.mark.parametrize(("use", "match"), [
+    ([0, 1, 1, 2, 3, 4], "runs block '1' more than once"),
+    ([0, 2, 1, 3, 4], r"runs them out of order \(\['0', '2', '1', '3', '4'\]\)"),
+    ([0, 1, 2], r"runs only \['0', '1', '2'\]"),
+])  # fmt: skip
+def test_a_chain_that_cannot_be_split_is_refused_naming_the_block(use, match):
+    model = Model(container="list", use=use)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=match):
+        check_chain_order(model, list(model.net), [str(i) for i in range(5)], "net", BATCH, torch.device("cpu"))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_chain_applied_in_order_passes_the_check():
+    model = Model(container="dict")
+    check_chain_order(model, list(model.net.values()), list(model.net), "net", BATCH, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("container", ["sequential", "list", "dict"])
+@pytest.mark.parametrize("boundaries", [(2,), (1, 4), (1, 2, 3, 4)])
+def test_stages_in_one_process_make_one_process_gradients(container, boundaries):
+    """The hooks without processes: each stage a copy of the model, the activations and gradients handed over by
+    hand. The outside modules' gradients summed over the stages and each block's from its stage are the whole
+    model's, and each stage's state_dict names its blocks as the model does."""
+    reference = Model(container=container)
+    reference.training_step(BATCH, 0).backward()
+    stages = len(boundaries) + 1
+    edges = (0, *boundaries, 5)
+    copies = [Model(container=container) for _ in range(stages)]
+    installed = []
+    for s, model in enumerate(copies):
+        chain, names = find_chain(model, "net")
+        stage = StageOfChain(chain, names, range(edges[s], edges[s + 1]), s, stages, "net")
+        stage.install()
+        installed.append(stage)
+    outputs, inputs = [], []
+    for s, model in enumerate(copies):
+        installed[s].pass_starts()
+        if s > 0:
+            received = outputs[-1].detach().requires_grad_()
+            inputs.append(received)
+            installed[s].incoming = received
+        if s < stages - 1:
+            with pytest.raises(HandOff) as hand_off:
+                model.training_step(BATCH, 0)
+            outputs.append(hand_off.value.output)
+        else:
+            loss = model.training_step(BATCH, 0)
+    loss.backward()
+    for s in range(stages - 2, -1, -1):
+        outputs[s].backward(inputs[s].grad)
+    names_by_stage = [set(model.state_dict()) for model in copies]
+    for name, parameter in reference.named_parameters():
+        holders = [s for s in range(stages) if name in names_by_stage[s]]
+        if name.startswith("net."):
+            assert len(holders) == 1  # each block on one stage, under its own name
+            grad = dict(copies[holders[0]].named_parameters())[name].grad
+        else:
+            assert holders == list(range(stages))  # the outside modules on every stage
+            grads = [dict(c.named_parameters())[name].grad for c in copies]
+            grad = sum(g for g in grads if g is not None)
+        torch.testing.assert_close(grad, parameter.grad, rtol=0, atol=1e-6)
+    assert any(isinstance(m, ElsewhereBlock) for m in copies[0].modules())
+
+
+def test_a_stage_output_that_is_not_a_tensor_is_refused():
+    class TupleBlock(nn.Module):
+        def forward(self, x):
+            return (x, x)
+
+    model = Model()
+    model.net[1] = TupleBlock()
+    chain, names = find_chain(model, "net")
+    StageOfChain(chain, names, range(0, 2), 0, 2, "net").install()
+    with pytest.raises(ValueError, match="block '1' of `net` returned a tuple; a stage boundary passes one tensor"):
+        model.training_step(BATCH, 0)
+
+
+@pytest.mark.parametrize("tensor", [torch.randn(3, 4, 5), torch.ones(2, dtype=torch.bfloat16), torch.zeros(())])
+def test_a_header_describes_what_arrives(tensor):
+    arrived = empty_from(header_of(tensor), torch.device("cpu"))
+    assert arrived.shape == tensor.shape and arrived.dtype == tensor.dtype
+
+
+def test_a_tensor_that_cannot_travel_is_named():
+    with pytest.raises(ValueError, match="dtype torch.complex64"):
+        header_of(torch.zeros(2, dtype=torch.complex64))
