@@ -324,7 +324,8 @@ class HeteroJob:
         measured = None if choice.boundaries is not None else [BlockMeasurement.from_dict(m) for m in gathered]
         costs = block_costs(measured, len(names), self.world_size)
         placement = place_stages(costs, choice.stages, choice.schedule, micro_batches, micro_batch, choice.boundaries,
-                                 ranks=tuple(range(choice.stages)), search_orders=replicas == 1)  # fmt: skip
+                                 ranks=tuple(range(choice.stages)), search_orders=replicas == 1,
+                                 last_rank=0)  # fmt: skip
         pipeline.install(module, placement, replicas, global_batch_size)
         if self.rank == 0:
             rank_zero_info(describe_pipeline(placement, names, choice, replicas, micro_batches, micro_batch, measured))

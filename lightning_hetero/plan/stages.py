@@ -184,12 +184,16 @@ def place_stages(
     boundaries: Optional[Sequence[int]] = None,
     ranks: Optional[Sequence[int]] = None,
     search_orders: bool = True,
+    last_rank: Optional[int] = None,
 ) -> StagePlacement:
     """The placement of the chain on ``stages`` of the ranks ``ranks`` (default: all of ``costs``' ranks, one stage
     each) whose slowest stage is fastest within every device's memory, the ranks in any order (in theirs without
-    ``search_orders``); with ``boundaries``, those, on the ranks in order. Raises ValueError naming what does not
+    ``search_orders``), with ``last_rank`` (if given) running the last stage; with ``boundaries``, those, on the
+    ranks in order (``last_rank`` moved last). Raises ValueError naming what does not
     fit when no placement does."""
     pool = tuple(range(costs.ranks)) if ranks is None else tuple(ranks)
+    if last_rank is not None and last_rank in pool:
+        pool = (*[r for r in pool if r != last_rank], last_rank)
     if len(pool) != stages:
         raise ValueError(f"place_stages: {stages} stages need {stages} ranks, got {list(pool)}.")
     if stages > costs.blocks:
@@ -203,7 +207,9 @@ def place_stages(
         placement = _placement(costs, pool, starts, holds, "boundaries")
         _raise_if_over(costs, placement)
         return placement
-    orders = itertools.permutations(pool) if search_orders and stages <= MAX_ORDERS_SEARCHED else [pool]
+    orders: Any = [pool]
+    if search_orders and stages <= MAX_ORDERS_SEARCHED:
+        orders = (o for o in itertools.permutations(pool) if last_rank not in pool or o[-1] == last_rank)
     found: Optional[tuple[float, tuple, tuple]] = None
     for order in orders:
         result = _best_for_order(costs, order, holds)

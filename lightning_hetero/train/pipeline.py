@@ -108,7 +108,9 @@ def schedule_actions(schedule: str, stage: int, stages: int, micro_batches: int)
 @dataclass(frozen=True)
 class PipelineLayout:
     """Which rank runs which stage of which pipeline: pipeline ``p`` is ranks ``p*S .. p*S+S-1``, its stage ``s`` on
-    ``p*S + order[s]`` (the placement's order of the first pipeline's ranks)."""
+    ``p*S + order[s]`` (the placement's order of the first pipeline's ranks). Rank 0 runs the last stage of the first
+    pipeline: the rest of ``training_step`` (its ``self.log`` calls) runs there, and Lightning's loggers write rank
+    0's metrics."""
 
     stages: int
     replicas: int
@@ -249,8 +251,7 @@ class Pipeline:
     def install(self, module: nn.Module, placement: StagePlacement, replicas: int, global_batch: int) -> None:
         """Keep this rank's stage of the chain; build the groups (every rank, the same calls in the same order)."""
         chain, names = find_chain(module, self.choice.blocks)
-        order = placement.ranks if replicas == 1 else tuple(range(self.choice.stages))
-        self.layout = PipelineLayout(self.choice.stages, replicas, tuple(order))
+        self.layout = PipelineLayout(self.choice.stages, replicas, tuple(placement.ranks))
         self.placement, self.global_batch = placement, global_batch
         chain_parameters = {id(p) for p in chain.parameters()}
         self.outside = [p for p in module.parameters() if id(p) not in chain_parameters]

@@ -119,3 +119,14 @@ def test_in_flight_by_schedule():
     assert [in_flight("1f1b", s, 3, 8) for s in range(3)] == [3, 2, 1]
     assert [in_flight("gpipe", s, 3, 8) for s in range(3)] == [8, 8, 8]
     assert [in_flight("1f1b", s, 3, 2) for s in range(3)] == [2, 2, 1]
+
+
+@pytest.mark.parametrize("boundaries", [None, [2, 4]])
+def test_rank_0_runs_the_last_stage_when_asked(boundaries):
+    costs = BlockCosts(seconds=((1.0,) * 6, (2.5,) * 6, (1.0,) * 6), parameter_bytes=(1,) * 6,
+                       activation_bytes=(1,) * 6, memory_bytes=(None,) * 3)  # fmt: skip
+    placement = place_stages(costs, 3, boundaries=boundaries, last_rank=0)
+    assert placement.ranks[-1] == 0
+    free = place_stages(costs, 3)
+    if boundaries is None:  # the constraint costs nothing here: the slow rank gets the fewest blocks either way
+        assert placement.slowest_seconds == free.slowest_seconds
