@@ -50,6 +50,7 @@ from lightning_hetero.precision.choice import rank_precision
 from lightning_hetero.precision.job import gradient_bytes_held_until_step, job_plugin, loss_scale_value
 from lightning_hetero.precision.nonfinite import NonFiniteGuard
 from lightning_hetero.precision.plugin import HeteroPrecision, autocast_for
+from lightning_hetero.recover import pipeline_state
 from lightning_hetero.recover.recovery import Recovery, manifest_facts
 from lightning_hetero.recover.refusal import ResumeRefused
 from lightning_hetero.runtime.collectives import Collectives
@@ -343,8 +344,7 @@ class HeteroJob:
             is_overridden("validation_step", module) and trainer.limit_val_batches != 0
         )
         refusal = pipeline_job_refusal(precision, trainer.gradient_clip_val, trainer.accumulate_grad_batches,
-                                       module.automatic_optimization, bool(trainer.checkpoint_callbacks),
-                                       evaluating)  # fmt: skip
+                                       module.automatic_optimization, evaluating)  # fmt: skip
         if refusal:
             raise ValueError(refusal)
         if not is_overridden("configure_model", module):  # (else the chain exists only later: checked at setup)
@@ -386,6 +386,46 @@ class HeteroJob:
         pipeline.reduce_gradients()
         pipeline.hold_gradients(module)
         return loss
+
+    def save_pipeline_checkpoint(self, target: Path, saved: dict[str, Any], engine: Any) -> None:
+        """Each rank's blocks and optimizer state by name, rank 0's trainer state: staged, manifested, atomic."""
+        pipeline = self.pipeline
+        assert pipeline is not None and pipeline.placement is not None and pipeline.layout is not None
+
+        def write(directory: Path) -> None:
+            pipeline_state.save_stage(directory, self.rank, engine.module, engine.optimizer, saved)
+
+        def facts() -> dict[str, Any]:
+            return {
+                "world_size": self.world_size, "global_step": saved.get("global_step"), "epoch": saved.get("epoch"),
+                "zero_stage": 0, "optimizer": type(engine.optimizer).__name__,
+                "devices": [facts.describe() for facts in self.device_facts],
+                "pipeline": {"stages": pipeline.choice.stages, "replicas": pipeline.layout.replicas,
+                             "boundaries": list(pipeline.placement.boundaries),
+                             "stage_ranks": list(pipeline.placement.ranks)},
+            }  # fmt: skip
+
+        self.recovery.save(target, write, facts)
+
+    def load_pipeline_checkpoint(self, chosen: Path, manifest: dict[str, Any], engine: Any) -> dict[str, Any]:
+        """A pipeline checkpoint into this pipeline run, whatever its boundaries and number of pipelines."""
+        if self.pipeline is None:
+            raise ResumeRefused(
+                f"Checkpoint {chosen} was saved with `pipeline` (each rank's blocks apart): resume it with `pipeline`;"
+                " a pipeline checkpoint into a run without one is not built yet."
+            )
+        if not manifest.get("pipeline"):
+            raise ResumeRefused(
+                f"Checkpoint {chosen} was saved without `pipeline`: resume it without `pipeline`; a checkpoint of"
+                " data-parallel training into a pipeline is not built yet."
+            )
+        saved = manifest["pipeline"]
+        rank_zero_info(
+            f"HeteroStrategy: resuming the pipeline checkpoint {chosen} (boundaries {saved['boundaries']}, "
+            f"{saved['replicas']} pipeline(s)) on boundaries {list(self.pipeline.placement.boundaries)}"  # type: ignore[union-attr]
+            f" and {self.pipeline.layout.replicas} pipeline(s), by parameter name."  # type: ignore[union-attr]
+        )
+        return pipeline_state.load_stage(chosen, engine.module, engine.optimizer)
 
     def pipeline_backward(self) -> None:
         """Lightning's backward of the step: the schedule ran it; its gradients go back on the parameters."""

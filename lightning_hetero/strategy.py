@@ -621,6 +621,9 @@ class HeteroStrategy(DeepSpeedStrategy):
     ) -> None:
         """Complete or ignored: staged, listed in a manifest, published atomically (see :mod:`~.recover.checkpoint`)."""
         recovery, parent_save = self.job.recovery, super().save_checkpoint
+        if self.job.pipeline is not None:  # each rank's blocks by name (recover/pipeline_state.py)
+            self.job.save_pipeline_checkpoint(Path(self.broadcast(str(filepath))), checkpoint, self.deepspeed_engine)
+            return
 
         # Local SGD / DiLoCo: a checkpoint holds synchronized parameters (one model), each rank's own optimizer state.
         self.job.synchronize_local_training()
@@ -646,12 +649,19 @@ class HeteroStrategy(DeepSpeedStrategy):
         # the model or datamodule state it restores may change what `train_dataloader()` returns, so the fit loop
         # asks again, as under DDP.
         job.sharding.forget_served_loader(self._trainer())
+        if job.pipeline is not None and path.is_file():
+            raise ResumeRefused(
+                f"HeteroStrategy(pipeline=...) cannot resume {path}, a Lightning checkpoint file: a pipeline resumes"
+                " its own checkpoint directories for now. Resume it without `pipeline`."
+            )
         if path.is_file():  # a .ckpt file another strategy (DDP...) wrote
             plan = job.split.plan
             return job.recovery.resume_from_lightning_file(path, module, self.deepspeed_engine,
                                                            self._optimizer_parameters, job.training_order(),
                                                            plan.global_batch_size if plan else None)  # fmt: skip
         chosen, manifest = job.recovery.choose(path)
+        if job.pipeline is not None or manifest.get("pipeline"):
+            return job.load_pipeline_checkpoint(chosen, manifest, self.deepspeed_engine)
         mismatch = resume_stage_mismatch(manifest.get("zero_stage"), self._zero_stage(),
                                          self._automatic_stages is not None, str(chosen))  # fmt: skip
         if mismatch:  # (every rank has the manifest: every rank raises; every restart would too)

@@ -352,7 +352,7 @@ def pipeline_argument_refusal(**arguments: Any) -> Optional[str]:
 
 def pipeline_job_refusal(
     precision: str, gradient_clip_val: Any, accumulate_grad_batches: int, automatic_optimization: bool,
-    checkpointing: bool, evaluating: bool,
+    evaluating: bool,
 ) -> Optional[str]:  # fmt: skip
     """Why this trainer call cannot run with a pipeline (yet), or None; checked at setup on every rank, before any
     collective (every rank sees the same trainer)."""
@@ -368,9 +368,6 @@ def pipeline_job_refusal(
     if not automatic_optimization:
         return ("HeteroStrategy(pipeline=...) with manual optimization: the pipeline runs the backward of every"
                 " micro-batch itself. Use automatic optimization.")  # fmt: skip
-    if checkpointing:
-        return ("HeteroStrategy(pipeline=...) does not save checkpoints yet: pass `Trainer(enable_checkpointing="
-                "False)` (and call no `save_checkpoint`).")  # fmt: skip
     if evaluating:
         return ("HeteroStrategy(pipeline=...) trains only, for now: validation, test and predict loops do not run"
                 " through the stages yet. Pass `Trainer(limit_val_batches=0)` or give no `val_dataloader`.")  # fmt: skip

@@ -56,6 +56,19 @@ def largest_difference(reference: dict[str, torch.Tensor], ranks: list[dict[str,
     return largest
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("devices", "boundaries", "batch"), [(2, "4", 12), (4, "3", 6)], ids=["other-boundaries", "two-pipelines"])
+def test_a_resume_in_the_middle_equals_the_uninterrupted_run(tmp_path, devices, boundaries, batch):
+    """Adam, 2 stages: 4 steps on boundaries [2] with a checkpoint, then a resume to 8 steps on other boundaries, or
+    as two pipelines of half the loader batch (the same global batch): one process's 8 steps."""
+    first = tmp_path / "first"
+    run_pipeline(first, "--boundaries", "2", "--optimizer", "adam", "--steps", "4", "--save-every", "4")
+    (saved,) = sorted((first / "out" / "ckpt").iterdir())
+    ranks = run_pipeline(tmp_path / "resumed", "--devices", str(devices), "--boundaries", boundaries, "--optimizer",
+                         "adam", "--steps", "8", "--batch", str(batch), "--ckpt-path", str(saved))  # fmt: skip
+    assert largest_difference(one_process("adam", 8, 12), ranks) <= 1e-5
+
+
 CASES = [
     # (devices, stages, boundaries, schedule, optimizer, speeds, micro-batches)
     pytest.param(2, 2, "2", "1f1b", "sgd", None, None, id="2-stages-uneven-1f1b-sgd"),
@@ -88,7 +101,6 @@ def test_a_pipeline_updates_as_one_process(tmp_path, devices, stages, boundaries
 SETUP = [
     (["--blocks", "layers"], 2, "`blocks` 'layers': ChainModel has no attribute 'layers' (its modules: ['embed',"),
     (["--devices", "3"], 3, "3 ranks cannot form pipelines of `stages` 2; use a number of ranks that is a multiple"),
-    (["--checkpointing"], 2, "does not save checkpoints yet: pass `Trainer(enable_checkpointing=False)`"),
     (["--stages", "2", "--boundaries", "6"], 2, "`boundaries` [6] must increase strictly, each between 1 and 5"),
     (["--container", "twice"], 2, "`training_step` runs block '1' more than once"),
 ]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -96,6 +97,8 @@ def main() -> None:
     parser.add_argument("--checkpointing", action="store_true", help="Lightning's default ModelCheckpoint on")
     parser.add_argument("--kill", default="", help="RANK:STEP[:freeze]: that rank SIGKILLs (SIGSTOPs) itself there")
     parser.add_argument("--peer-timeout", type=float, default=30.0)
+    parser.add_argument("--save-every", type=int, default=0, help="ModelCheckpoint every N steps into OUT/ckpt")
+    parser.add_argument("--ckpt-path", default=None)
     args = parser.parse_args()
     seed_everything(1, verbose=False)
     model = ChainModel(args.optimizer, args.container, args.kill)
@@ -105,13 +108,17 @@ def main() -> None:
     if args.micro_batches:
         pipeline["micro_batches"] = args.micro_batches
     speeds = [float(s) for s in args.speeds.split(",")] if args.speeds else None
+    callbacks = []
+    if args.save_every:
+        callbacks.append(ModelCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=args.save_every, save_top_k=-1))
     strategy = HeteroStrategy(pipeline=pipeline, emulate_speeds=speeds, peer_timeout=args.peer_timeout)
     trainer = Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
-                      enable_checkpointing=args.checkpointing, logger=False, enable_progress_bar=False,
+                      enable_checkpointing=args.checkpointing or bool(callbacks), callbacks=callbacks,
+                      logger=False, enable_progress_bar=False,
                       default_root_dir=str(args.out),
                       enable_model_summary=False, limit_val_batches=0)  # fmt: skip
     loader = DataLoader(dataset(), batch_size=args.batch, shuffle=False)
-    trainer.fit(model, loader)
+    trainer.fit(model, loader, ckpt_path=args.ckpt_path)
     rank = trainer.global_rank
     args.out.mkdir(parents=True, exist_ok=True)
     state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}

@@ -1,0 +1,97 @@
+"""Recover: a pipeline's checkpoint, by parameter name, so that it resumes on any boundaries and number of ranks.
+
+Each rank holds different blocks, so DeepSpeed's own save (rank 0 writes "the" model) does not fit. Each rank writes
+``pipeline_rank{r}.pt``: its module's ``state_dict()`` (its blocks under the model's names, ``net.3.weight``, and the
+modules outside the chain) and its optimizer's state keyed by parameter name (any optimizer whose state is per
+parameter: SGD's momentum, Adam's moments and step). Rank 0 also writes what Lightning's checkpoint holds besides
+(loops, epoch, callbacks, schedulers, the training loader's position). The files go through the same staged,
+manifested, atomic save as every checkpoint of the package (:mod:`.elastic`).
+
+On resume each rank reads every file and keeps the names it holds now: another ``boundaries`` (a re-planned split)
+or another number of pipelines resumes exactly. A name no file holds, or an optimizer whose state has no per-parameter
+form, is refused on every rank with what to do.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+RANK_FILE = "pipeline_rank{rank}.pt"
+CLIENT_FILE = "pipeline_trainer_state.pt"
+EXCLUDED = ("state_dict", "optimizer_states")  # (as DeepSpeedStrategy leaves them out of its client state)
+
+
+def named_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state and groups with parameter names in place of its indices."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    saved = optimizer.state_dict()
+    ordered = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {names[id(ordered[index])]: value for index, value in saved["state"].items()}
+    groups = []
+    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+        groups.append({**{k: v for k, v in saved_group.items() if k != "params"},
+                       "params": [names[id(p)] for p in group["params"]]})  # fmt: skip
+    return {"state": state, "param_groups": groups}
+
+
+def save_stage(directory: Path, rank: int, module: nn.Module, optimizer: Any, trainer_state: dict[str, Any]) -> None:
+    """This rank's part of the checkpoint (rank 0: with the trainer's state)."""
+    torch.save(
+        {"model": module.state_dict(), "optimizer": named_optimizer_state(module, optimizer)},
+        directory / RANK_FILE.format(rank=rank),
+    )
+    if rank == 0:
+        torch.save({k: v for k, v in trainer_state.items() if k not in EXCLUDED}, directory / CLIENT_FILE)
+
+
+def load_stage(directory: Path, module: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """This rank's parameters and optimizer state from every rank's file, by name; returns the trainer's state."""
+    files = sorted(directory.glob(RANK_FILE.format(rank="*")))
+    if not files or not (directory / CLIENT_FILE).is_file():
+        raise ValueError(
+            f"{directory} holds no pipeline checkpoint ({RANK_FILE.format(rank='N')} and {CLIENT_FILE}): it was"
+            " saved without `pipeline`. Resume it without `pipeline`, or start this pipeline run afresh."
+        )
+    model: dict[str, Any] = {}
+    state: dict[str, Any] = {}
+    groups: list[dict[str, Any]] = []
+    for path in files:
+        part = torch.load(path, map_location="cpu", weights_only=False)
+        for name, tensor in part["model"].items():
+            model.setdefault(name, tensor)  # (the modules outside the chain are in every file, equal)
+        for name, value in part["optimizer"]["state"].items():
+            state.setdefault(name, value)
+        groups = groups or part["optimizer"]["param_groups"]
+    wanted = module.state_dict()
+    missing = [name for name in wanted if name not in model]
+    if missing:
+        raise ValueError(
+            f"The pipeline checkpoint {directory} holds no {missing[:5]}: it was saved from another model. Resume it"
+            " with the model it was trained with."
+        )
+    module.load_state_dict({name: model[name] for name in wanted})
+    _load_optimizer(module, optimizer, state, groups)
+    return torch.load(directory / CLIENT_FILE, map_location="cpu", weights_only=False)
+
+
+def _load_optimizer(module: nn.Module, optimizer: Any, state: dict[str, Any], groups: list[dict[str, Any]]) -> None:
+    names = {id(p): n for n, p in module.named_parameters()}
+    ordered = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    if len(groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"The pipeline checkpoint's optimizer has {len(groups)} parameter groups, this run's"
+            f" {len(optimizer.param_groups)}: `configure_optimizers` changed. Resume with the same optimizer."
+        )
+    index = 0
+    rebuilt_groups = []
+    for group, saved in zip(optimizer.param_groups, groups):
+        count = len(group["params"])
+        rebuilt_groups.append({**{k: v for k, v in saved.items() if k != "params"},
+                               "params": list(range(index, index + count))})  # fmt: skip
+        index += count
+    rebuilt_state = {i: state[name] for i, name in enumerate(ordered) if name in state}
+    optimizer.load_state_dict({"state": rebuilt_state, "param_groups": rebuilt_groups})
