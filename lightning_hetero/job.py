@@ -57,7 +57,8 @@ from lightning_hetero.runtime.collectives import Collectives
 from lightning_hetero.settings import HeteroSettings, check_ranks_agree
 from lightning_hetero.train.local_sgd import LocalTraining
 from lightning_hetero.train.micro_batches import MicroBatchGuard, split_batch, step_loss
-from lightning_hetero.train.pipeline import Pipeline, check_chain_shape
+from lightning_hetero.train.pipeline import LastStageMetrics, Pipeline, check_chain_shape
+from lightning_hetero.train.loaders import loader_batch_size
 from lightning_hetero.train.order import GlobalOrder, agreed_seed, local_seed
 from lightning_hetero.train.sharding import BatchListeners, DataSharding, check_trainable
 from lightning_hetero.train.split_in_force import SplitInForce
@@ -340,15 +341,16 @@ class HeteroJob:
         if trainer is None:
             return
         module = trainer.lightning_module
-        evaluating = trainer.state.fn != TrainerFn.FITTING or (
-            is_overridden("validation_step", module) and trainer.limit_val_batches != 0
-        )
+        evaluating = trainer.state.fn != TrainerFn.FITTING  # (a fit's validation runs through the stages)
         refusal = pipeline_job_refusal(precision, trainer.gradient_clip_val, trainer.accumulate_grad_batches,
                                        module.automatic_optimization, evaluating)  # fmt: skip
         if refusal:
             raise ValueError(refusal)
         if not is_overridden("configure_model", module):  # (else the chain exists only later: checked at setup)
             check_chain_shape(module, choice)
+        if not any(isinstance(c, LastStageMetrics) for c in trainer.callbacks):
+            # First, before the callbacks that read the metrics (Lightning runs checkpoint callbacks last).
+            trainer.callbacks.insert(0, LastStageMetrics())
 
     @contextlib.contextmanager
     def engine_built(self) -> Iterator[None]:
@@ -426,6 +428,11 @@ class HeteroJob:
             f" and {self.pipeline.layout.replicas} pipeline(s), by parameter name."  # type: ignore[union-attr]
         )
         return pipeline_state.load_stage(chosen, engine.module, engine.optimizer)
+
+    def pipeline_evaluation_step(self, batch: Any, forward: Any) -> Any:
+        """A validation step through the stages (forward only); the last stage's output, None on the others."""
+        assert self.pipeline is not None
+        return self.pipeline.evaluation_step(batch, forward)
 
     def pipeline_backward(self) -> None:
         """Lightning's backward of the step: the schedule ran it; its gradients go back on the parameters."""
@@ -558,12 +565,15 @@ class HeteroJob:
         training = trainer.state.stage == RunningStage.TRAINING
         listeners = BatchListeners(self.training_batch, self.loss_weights.evaluation_batch,
                                    self.loss_weights.forget_evaluation_batch, self.watcher.before_fetch)  # fmt: skip
-        if self.pipeline is not None and training:
+        if self.pipeline is not None:
             # Every stage of a pipeline takes the same samples: the split is over the pipelines.
+            pipeline = self.pipeline
             listeners = BatchListeners(self._pipeline_batch, self.loss_weights.evaluation_batch,
                                        self.loss_weights.forget_evaluation_batch, lambda: None)  # fmt: skip
-            split = self.pipeline.replica_batch_sizes(self.pipeline.global_batch)
-            return self.sharding.shard(dataloader, trainer, split, self.collectives, self.pipeline.replica, listeners)
+            split = pipeline.replica_batch_sizes(pipeline.global_batch)
+            evaluation = [loader_batch_size(dataloader) or 1] * pipeline.replicas
+            return self.sharding.shard(dataloader, trainer, split, self.collectives, pipeline.replica, listeners,
+                                       evaluation_split=evaluation)  # fmt: skip
         split = self.split.batch_sizes if training else None
         loader = self.sharding.shard(dataloader, trainer, split, self.collectives, self.rank, listeners)
         if training:

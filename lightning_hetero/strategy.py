@@ -569,6 +569,9 @@ class HeteroStrategy(DeepSpeedStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.job.pipeline is not None:
+            parent = super().validation_step
+            return self.job.pipeline_evaluation_step(args[0], lambda batch: parent(batch, *args[1:], **kwargs))
         with self.job.loss_weights.weighted_sync(evaluating=True):
             return super().validation_step(*args, **kwargs)
 

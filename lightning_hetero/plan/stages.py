@@ -369,8 +369,10 @@ def pipeline_job_refusal(
         return ("HeteroStrategy(pipeline=...) with manual optimization: the pipeline runs the backward of every"
                 " micro-batch itself. Use automatic optimization.")  # fmt: skip
     if evaluating:
-        return ("HeteroStrategy(pipeline=...) trains only, for now: validation, test and predict loops do not run"
-                " through the stages yet. Pass `Trainer(limit_val_batches=0)` or give no `val_dataloader`.")  # fmt: skip
+        return ("HeteroStrategy(pipeline=...) runs `trainer.fit` (its validation included); `validate`, `test` and"
+                " `predict` do not run through the stages yet. Run them without `pipeline`, with the weights of a"
+                " pipeline checkpoint: `model.load_state_dict(lightning_hetero.recover.pipeline_state."
+                "whole_model_state(path))`.")  # fmt: skip
     return None
 
 

@@ -95,3 +95,15 @@ def _load_optimizer(module: nn.Module, optimizer: Any, state: dict[str, Any], gr
         index += count
     rebuilt_state = {i: state[name] for i, name in enumerate(ordered) if name in state}
     optimizer.load_state_dict({"state": rebuilt_state, "param_groups": rebuilt_groups})
+
+
+def whole_model_state(directory: Path) -> dict[str, Any]:
+    """The whole model's ``state_dict`` from a pipeline checkpoint (every rank's blocks, merged by name): what a run
+    without ``pipeline`` loads, e.g. ``model.load_state_dict(whole_model_state(path))`` before ``trainer.test``."""
+    merged: dict[str, Any] = {}
+    for path in sorted(Path(directory).glob(RANK_FILE.format(rank="*"))):
+        for name, tensor in torch.load(path, map_location="cpu", weights_only=False)["model"].items():
+            merged.setdefault(name, tensor)
+    if not merged:
+        raise ValueError(f"{directory} holds no pipeline checkpoint ({RANK_FILE.format(rank='N')}).")
+    return merged

@@ -34,6 +34,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch import Callback
 from torch import Tensor, nn
 
 from lightning_hetero.comm.point_to_point import PeerLink
@@ -240,6 +241,11 @@ class Pipeline:
         return self.layout.replica_of(self.rank)
 
     @property
+    def replicas(self) -> int:
+        assert self.layout is not None
+        return self.layout.replicas
+
+    @property
     def is_last(self) -> bool:
         return self.stage == self.choice.stages - 1
 
@@ -351,6 +357,23 @@ class Pipeline:
         dist.all_reduce(total)  # the last stages' weighted losses: the global batch's loss, on every rank
         return total.float()
 
+    def evaluation_step(self, batch: Any, forward: Callable[[Any], Any]) -> Any:
+        """``forward(batch)`` (the user's validation step) through the stages, the whole batch at once: the last
+        stage's output; None on the others (their part of the step ends at their hand-off)."""
+        assert self.layout is not None and self.stage_of_chain is not None
+        stage, layout = self.stage, self.layout
+        previous = layout.rank_of(self.replica, stage - 1) if stage > 0 else None
+        following = layout.rank_of(self.replica, stage + 1) if stage < self.choice.stages - 1 else None
+        if previous is not None:
+            self.stage_of_chain.incoming = self.link.receive(previous, "an evaluation batch's activation")
+        self.stage_of_chain.pass_starts()
+        output = self._forward(lambda b, _: forward(b), batch, 0, following is not None)
+        if following is None:
+            return output
+        self.link.send(output, following, "an evaluation batch's activation")
+        self.link.flush()
+        return None
+
     def _forward(self, forward: Callable[[Any, int], Any], batch: Any, samples: int, hands_off: bool) -> Any:
         try:
             output = forward(batch, samples)
@@ -403,3 +426,23 @@ def _sum_gradients(parameters: Sequence[nn.Parameter], group: Any) -> None:
 @contextlib.contextmanager
 def nothing_slowed() -> Iterator[None]:
     yield
+
+
+class LastStageMetrics(Callback):
+    """Every rank sees the metrics the last stage logged (``trainer.callback_metrics``), before the callbacks that
+    read them run: ``ModelCheckpoint(monitor=...)`` and ``EarlyStopping`` decide the same on every rank. Only the last
+    stage runs the rest of ``training_step`` and ``validation_step``, so only it logs; rank 0 is a last stage."""
+
+    def _share(self, trainer: Any) -> None:
+        shared = [{k: v.detach().cpu() for k, v in trainer.callback_metrics.items()} if trainer.global_rank == 0
+                  else None]  # fmt: skip
+        dist.broadcast_object_list(shared, src=0)
+        if trainer.global_rank != 0:
+            trainer.callback_metrics.update(shared[0])
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self._share(trainer)
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if not trainer.sanity_checking:
+            self._share(trainer)

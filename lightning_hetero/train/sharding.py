@@ -102,8 +102,10 @@ class DataSharding:
         collectives: Collectives,
         rank: int,
         listeners: BatchListeners,
+        evaluation_split: Optional[Sequence[int]] = None,
     ) -> Union[DataLoader, HeteroDataLoader, HeteroStreamLoader]:
-        """``dataloader`` rebuilt for this rank; every rank checks that the ranks' loaders agree."""
+        """``dataloader`` rebuilt for this rank; every rank checks that the ranks' loaders agree. (A pipeline passes
+        ``rank`` as its own index, the splits over its pipelines, and ``evaluation_split`` likewise.)"""
         stage = trainer.state.stage
         if stage == RunningStage.PREDICTING:
             return dataloader
@@ -116,7 +118,7 @@ class DataSharding:
             # Evaluation is split as DDP splits it: the loader's batch on every rank, the samples padded to a
             # multiple of the ranks, so that every step gives every rank the same number of samples (a user's
             # `self.all_gather` of predictions needs equal shapes; uneven ones abort inside gloo).
-            batch_sizes = [loader_batch_size(dataloader) or 1] * collectives.world_size
+            batch_sizes = evaluation_split or [loader_batch_size(dataloader) or 1] * collectives.world_size
 
         def rebuild() -> tuple[Union[HeteroDataLoader, HeteroStreamLoader], dict[str, Any]]:
             problem = describe_unsupported_loader(dataloader, name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -67,6 +68,23 @@ def test_a_resume_in_the_middle_equals_the_uninterrupted_run(tmp_path, devices, 
     ranks = run_pipeline(tmp_path / "resumed", "--devices", str(devices), "--boundaries", boundaries, "--optimizer",
                          "adam", "--steps", "8", "--batch", str(batch), "--ckpt-path", str(saved))  # fmt: skip
     assert largest_difference(one_process("adam", 8, 12), ranks) <= 1e-5
+
+
+@pytest.mark.multiprocess
+def test_validation_runs_through_the_stages(tmp_path):
+    """Validation after step 4 on 2 batches: the last stage (rank 0) logs one process's validation loss."""
+    run_pipeline(tmp_path, "--boundaries", "3", "--steps", "4", "--val-every", "4")
+    metrics = json.loads((tmp_path / "out" / "rank0.json").read_text())["metrics"]
+    seed_everything(1, verbose=False)
+    model = ChainModel("sgd")
+    model.load_state_dict(one_process("sgd", 4, 12))
+    x, y = dataset().tensors
+    with torch.no_grad():
+        expected = sum(torch.nn.functional.mse_loss(model(x[i : i + 12]), y[i : i + 12]).item() for i in (0, 12)) / 2
+    assert metrics["val_loss"] == pytest.approx(expected, abs=1e-5)
+    # Every rank sees it (ModelCheckpoint(monitor=...) and EarlyStopping decide alike), and the training loss.
+    other = json.loads((tmp_path / "out" / "rank1.json").read_text())["metrics"]
+    assert other["val_loss"] == metrics["val_loss"] and other["train_loss"] == metrics["train_loss"]
 
 
 CASES = [

@@ -69,6 +69,12 @@ class ChainModel(LightningModule):
         self.log("train_loss", loss)
         return loss
 
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("val_loss", loss)
+        return loss
+
     def configure_optimizers(self):
         if self.optimizer_name == "adam":
             return torch.optim.Adam(self.parameters(), lr=0.01)
@@ -99,6 +105,7 @@ def main() -> None:
     parser.add_argument("--peer-timeout", type=float, default=30.0)
     parser.add_argument("--save-every", type=int, default=0, help="ModelCheckpoint every N steps into OUT/ckpt")
     parser.add_argument("--ckpt-path", default=None)
+    parser.add_argument("--val-every", type=int, default=0, help="validate on 2 batches every N steps")
     args = parser.parse_args()
     seed_everything(1, verbose=False)
     model = ChainModel(args.optimizer, args.container, args.kill)
@@ -116,14 +123,17 @@ def main() -> None:
                       enable_checkpointing=args.checkpointing or bool(callbacks), callbacks=callbacks,
                       logger=False, enable_progress_bar=False,
                       default_root_dir=str(args.out),
-                      enable_model_summary=False, limit_val_batches=0)  # fmt: skip
+                      enable_model_summary=False, limit_val_batches=2 if args.val_every else 0,
+                      val_check_interval=args.val_every or None, num_sanity_val_steps=0)  # fmt: skip
     loader = DataLoader(dataset(), batch_size=args.batch, shuffle=False)
-    trainer.fit(model, loader, ckpt_path=args.ckpt_path)
+    validation = DataLoader(dataset(), batch_size=args.batch, shuffle=False) if args.val_every else None
+    trainer.fit(model, loader, validation, ckpt_path=args.ckpt_path)
     rank = trainer.global_rank
     args.out.mkdir(parents=True, exist_ok=True)
     state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     torch.save(state, args.out / f"rank{rank}.pt")
-    (args.out / f"rank{rank}.json").write_text(json.dumps({"stage": strategy.job.pipeline.stage}))
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    (args.out / f"rank{rank}.json").write_text(json.dumps({"stage": strategy.job.pipeline.stage, "metrics": metrics}))
 
 
 if __name__ == "__main__":
