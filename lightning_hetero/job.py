@@ -10,6 +10,7 @@ Lightning's or DeepSpeed's strategy classes.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -66,6 +67,7 @@ from lightning_hetero.train.sync_batchnorm import small_batchnorm_warning
 from lightning_hetero.train.streams import is_stream
 from lightning_hetero.train.weights import LossWeights
 from lightning_hetero.watch.loss_reduction import LossReductionCheck
+from lightning_hetero.watch.pipeline_report import describe_stages, summarize_stages
 from lightning_hetero.watch.publish import publish_to_loggers, report_directory
 from lightning_hetero.watch.watcher import JobFacts, Watcher
 
@@ -646,7 +648,8 @@ class HeteroJob:
     def write_report(self, trainer: Any, plugin: Any) -> None:
         """Every rank hands in its last records; rank 0 writes the run report and prints its summary."""
         if self.pipeline is not None:
-            return  # (the report's per-stage compute and bubble are not built yet: train/pipeline.py)
+            self._write_pipeline_report(trainer)
+            return
         assert self.watcher is not None
         directory = self._report_directory or report_directory(trainer)
         self.watcher.write_report(
@@ -661,6 +664,20 @@ class HeteroJob:
             published = publish_to_loggers(trainer, directory)
             if published:
                 rank_zero_info(f"HeteroStrategy: the plan and run report are in the {' and '.join(published)} run too.")
+
+    def _write_pipeline_report(self, trainer: Any) -> None:
+        """Every rank's stage times gathered; rank 0 prints the per-stage summary and writes it as JSON."""
+        pipeline = self.pipeline
+        assert pipeline is not None
+        gathered = self.collectives.gather_objects((pipeline.stage, pipeline.step_times))
+        directory = self._report_directory or report_directory(trainer)
+        if self.rank != 0:
+            return
+        summary = summarize_stages([times for _, times in gathered], [stage for stage, _ in gathered])
+        rank_zero_info(describe_stages(summary))
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "pipeline_report.json").write_text(json.dumps(summary, indent=1))
+        rank_zero_info(f"written to {directory / 'pipeline_report.json'}")
 
     def manifest_facts(self, saved: dict[str, Any], zero_stage: int, engine: Any) -> dict[str, Any]:
         plan = self.split.plan
