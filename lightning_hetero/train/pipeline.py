@@ -227,6 +227,7 @@ class Pipeline:
         # a neighbour (the bubble, and any imbalance), in seconds of wall time.
         self.step_times: list[tuple[float, float]] = []
         self._held: list[tuple[nn.Parameter, Optional[Tensor]]] = []
+        self._unpatch_log: Callable[[], None] = lambda: None
 
     # ------------------------------------------------------------------ setup
 
@@ -267,6 +268,11 @@ class Pipeline:
         if replicas > 1:
             groups = [self.layout.stage_ranks(s) for s in range(self.choice.stages)]
             self._stage_group, _ = dist.new_subgroups_by_enumeration(groups)
+        # Only the last stages log (the rest of training_step runs there): `self.log(..., sync_dist=True)` reduces
+        # over them alone, not over ranks that never log (which would leave the last stages waiting).
+        last_stages = dist.new_group(self.layout.stage_ranks(self.choice.stages - 1))
+        if self.is_last:
+            self._unpatch_log = log_synced_over(module, last_stages)
         self._broadcast_initial_parameters()
 
     def _broadcast_initial_parameters(self) -> None:
@@ -284,6 +290,8 @@ class Pipeline:
     def uninstall(self) -> None:
         if self.stage_of_chain is not None:
             self.stage_of_chain.uninstall()
+        self._unpatch_log()
+        self._unpatch_log = lambda: None
 
     # ------------------------------------------------------------------ a step
 
@@ -426,6 +434,30 @@ def _sum_gradients(parameters: Sequence[nn.Parameter], group: Any) -> None:
 @contextlib.contextmanager
 def nothing_slowed() -> Iterator[None]:
     yield
+
+
+def log_synced_over(module: nn.Module, group: Any) -> Callable[[], None]:
+    """``module.log`` and ``log_dict`` with ``sync_dist=True`` reduce over ``group`` (unless the call names its own
+    ``sync_dist_group``); returns what undoes it. Instance attributes shadow the methods, as the profiler's stubs do."""
+    original_log, original_log_dict = module.log, module.log_dict
+
+    def log(*args: Any, **kwargs: Any) -> None:
+        if kwargs.get("sync_dist") and kwargs.get("sync_dist_group") is None:
+            kwargs["sync_dist_group"] = group
+        original_log(*args, **kwargs)
+
+    def log_dict(*args: Any, **kwargs: Any) -> None:
+        if kwargs.get("sync_dist") and kwargs.get("sync_dist_group") is None:
+            kwargs["sync_dist_group"] = group
+        original_log_dict(*args, **kwargs)
+
+    module.__dict__.update(log=log, log_dict=log_dict)
+
+    def undo() -> None:
+        module.__dict__.pop("log", None)
+        module.__dict__.pop("log_dict", None)
+
+    return undo
 
 
 class LastStageMetrics(Callback):

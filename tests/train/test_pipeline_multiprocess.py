@@ -71,9 +71,11 @@ def test_a_resume_in_the_middle_equals_the_uninterrupted_run(tmp_path, devices, 
 
 
 @pytest.mark.multiprocess
-def test_validation_runs_through_the_stages(tmp_path):
-    """Validation after step 4 on 2 batches: the last stage (rank 0) logs one process's validation loss."""
-    run_pipeline(tmp_path, "--boundaries", "3", "--steps", "4", "--val-every", "4")
+@pytest.mark.parametrize("sync_dist", [False, True])
+def test_validation_runs_through_the_stages(tmp_path, sync_dist):
+    """Validation after step 4 on 2 batches: the last stage (rank 0) logs one process's validation loss; with
+    `sync_dist=True` too (reduced over the last stages, which alone log)."""
+    run_pipeline(tmp_path, "--boundaries", "3", "--steps", "4", "--val-every", "4", *(["--sync-dist"] * sync_dist))
     metrics = json.loads((tmp_path / "out" / "rank0.json").read_text())["metrics"]
     seed_everything(1, verbose=False)
     model = ChainModel("sgd")

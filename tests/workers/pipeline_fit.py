@@ -40,6 +40,7 @@ class ChainModel(LightningModule):
     def __init__(self, optimizer: str = "sgd", container: str = "sequential", kill: str = "") -> None:
         super().__init__()
         self.optimizer_name = optimizer
+        self.sync_dist = False
         self.kill = kill  # "RANK:STEP[:freeze]": that rank SIGKILLs (or SIGSTOPs) itself at that step
         self.embed = nn.Linear(FEATURES, WIDTH)
         blocks = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(BLOCKS)]
@@ -66,13 +67,13 @@ class ChainModel(LightningModule):
             how = signal.SIGSTOP if self.kill.endswith(":freeze") else signal.SIGKILL
             os.kill(os.getpid(), how)
         loss = nn.functional.mse_loss(self(x), y)
-        self.log("train_loss", loss)
+        self.log("train_loss", loss, sync_dist=self.sync_dist)
         return loss
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
         loss = nn.functional.mse_loss(self(x), y)
-        self.log("val_loss", loss)
+        self.log("val_loss", loss, sync_dist=self.sync_dist)
         return loss
 
     def configure_optimizers(self):
@@ -106,9 +107,11 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=0, help="ModelCheckpoint every N steps into OUT/ckpt")
     parser.add_argument("--ckpt-path", default=None)
     parser.add_argument("--val-every", type=int, default=0, help="validate on 2 batches every N steps")
+    parser.add_argument("--sync-dist", action="store_true", help="self.log(..., sync_dist=True)")
     args = parser.parse_args()
     seed_everything(1, verbose=False)
     model = ChainModel(args.optimizer, args.container, args.kill)
+    model.sync_dist = args.sync_dist
     pipeline = {"stages": args.stages, "blocks": args.blocks, "schedule": args.schedule}
     if args.boundaries:
         pipeline["boundaries"] = [int(b) for b in args.boundaries.split(",")]
