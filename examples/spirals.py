@@ -82,3 +82,25 @@ class SpiralClassifier(LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+
+
+class SpiralChain(SpiralClassifier):
+    """The same task with ``depth`` residual blocks of their own, held in ``self.blocks`` (an ``nn.Sequential``):
+    a chain that ``HeteroStrategy(pipeline={"stages": 2, "blocks": "blocks"})`` splits into stages."""
+
+    def __init__(self, hidden: int = 256, depth: int = 12, lr: float = 3e-3) -> None:
+        super().__init__(hidden, depth, lr)
+        del self.block
+        self.blocks = nn.Sequential(*[Residual(hidden) for _ in range(depth)])
+
+    def forward(self, points: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(torch.relu(self.embed(points))))
+
+
+class Residual(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden + torch.tanh(self.linear(hidden))

@@ -52,6 +52,23 @@ def test_cli_fits_with_string_and_class_path_strategy(config, expected_rows, ext
     assert sorted(p.name for p in tmp_path.rglob("rank_*.json")) == ["rank_0.json", "rank_1.json"]
 
 
+def test_cli_fits_a_pipeline_from_the_yaml(tmp_path):
+    """`pipeline` as init_args: the plan names each stage's rank and blocks, the run report each stage's times."""
+    executable = shutil.which("lightning-hetero")
+    assert executable, "the console script is missing: install the package with `pip install -e .`"
+    returncode, output = run_bounded(
+        [executable, "fit", "--config", "configs/spirals_pipeline.yaml", "--trainer.max_epochs=1",
+         "--trainer.limit_train_batches=4", "--trainer.limit_val_batches=2", f"--trainer.default_root_dir={tmp_path}"],
+        timeout=180,
+    )  # fmt: skip
+    assert returncode == 0, output[-4000:]
+    stages = re.findall(r"^  stage (\d) on rank (\d): blocks (\d+)\.\.(\d+) \((\d+)\)", output, re.M)
+    assert [s[0] for s in stages] == ["0", "1"] and stages[1][1] == "0"  # rank 0 runs the last stage
+    assert sum(int(s[4]) for s in stages) == 12
+    (report,) = tmp_path.rglob("pipeline_report.json")
+    assert [stage["stage"] for stage in json.loads(report.read_text())["stages"]] == [0, 1]
+
+
 def test_cli_fits_with_diloco_from_the_command_line(tmp_path):
     """Local training from the CLI: the class_path form with `sync`, `sync_every` and `inner_steps` as init_args."""
     executable = shutil.which("lightning-hetero")

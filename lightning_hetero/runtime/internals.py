@@ -236,8 +236,13 @@ ENGINE_STATE = (
              " refuses its state)"),
     Internal(_DS_ENGINE, "DeepSpeedEngine#checkpoint_engine", "read", "recover/elastic.py",
              "whose save and makedirs DeferredWriteErrors defers"),
-    Internal(_DS_ENGINE, "DeepSpeedEngine.allreduce_gradients", "patched", "comm/communication.py, emulate/slowdown.py",
-             "the ZeRO-0 exchange: replaced by a comm hook or the hierarchical reduction; " + _EMULATION, _POPPED),
+    Internal(_DS_ENGINE, "DeepSpeedEngine.allreduce_gradients", "patched",
+             "comm/communication.py, emulate/slowdown.py, job.py",
+             "the ZeRO-0 exchange: replaced by a comm hook or the hierarchical reduction, or a no-op under a pipeline"
+             " (which sums its stages' gradients itself); " + _EMULATION, _POPPED),
+    Internal(_DS_ENGINE, "DeepSpeedEngine._broadcast_model", "patched", "job.py",
+             "a no-op while a pipeline's engine is built: its ranks hold different blocks, which the pipeline"
+             " broadcasts within each stage's group itself", "restored after deepspeed.initialize"),
     Internal(_DS_ENGINE, "DeepSpeedEngine#_is_gradient_accumulation_boundary", "patched", "precision/plugin.py",
              "forced on around the ZeRO-3 flush; " + _PARAMETER_ORDER, "restored after the flush"),
     Internal(_DS_ENGINE, "DeepSpeedEngine#inside_no_sync_ctxt", "patched", "precision/plugin.py",
@@ -361,6 +366,9 @@ TORCH_STATE = (
                "never: the hooks belong to an engine that is gone; the new one registers its own")
       for name in ("_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs",
                    "_forward_hooks_with_kwargs", "_forward_hooks_always_called")),
+    Internal("torch.nn", "Module()._modules", "read", "train/pipeline.py",
+             "a chain's blocks by name, in order, and the place where a block another stage holds is replaced (a"
+             " ModuleDict's keys and a Sequential's indices alike)"),
     Internal("torch.utils._python_dispatch", "TorchDispatchMode", "called", "simulate/workload.py",
              "subclassed to count the aten operators of one forward + backward (kernel launches on a GPU);"
              " FlopCounterMode, the public counter, is one such mode"),
