@@ -27,7 +27,13 @@ from torch.utils.data import DataLoader
 from lightning_hetero.comm import topology
 from lightning_hetero.comm.communication import Communication
 from lightning_hetero.emulate.emulation import Emulation, NoEmulation, emulation_for
-from lightning_hetero.measure.blocks import BlockMeasurement, check_chain_order, first_batch, measure_blocks
+from lightning_hetero.measure.blocks import (
+    BlockMeasurement,
+    check_chain_order,
+    first_batch,
+    measure_blocks,
+    training_bytes,
+)
 from lightning_hetero.measure.devices import collect_device_facts
 from lightning_hetero.measure.facts import DeviceFacts
 from lightning_hetero.measure.partitioned import partitioned_parameters, whole_parameters
@@ -72,6 +78,10 @@ from lightning_hetero.watch.publish import publish_to_loggers, report_directory
 from lightning_hetero.watch.watcher import JobFacts, Watcher
 
 
+def _mib_list(values: Sequence[Optional[int]]) -> list:
+    return ["-" if v is None else round(v / 2**20, 1) for v in values]
+
+
 class HeteroJob:
     """This rank's view of the job. Objects that need the job (ranks, device) are set up in :meth:`join`."""
 
@@ -102,6 +112,7 @@ class HeteroJob:
         self.profiles: Optional[list[RankProfile]] = None
         self._identical_devices = True
         self.memory_ceilings: Optional[list[Optional[int]]] = None  # emulated, per rank (emulate/memory.py)
+        self.memory_byte_ceilings: Optional[list[Optional[int]]] = None  # (the same, in bytes of device memory)
         self.sync_batchnorm = False
         self.stage_choice: Optional[StageChoice] = None  # the automatic ZeRO stage of this trainer call, and why
         self._report_directory: Optional[Path] = None  # where this fit's plan and report go (watch/publish.py)
@@ -193,6 +204,7 @@ class HeteroJob:
         self.sharding.data_seed = agreed_seed([rank.seed for rank in job.ranks])
         self.device_facts, self.precisions = job.device_facts, job.precisions
         self.memory_ceilings = job.ranks[self.rank].agreement["emulate_memory"]
+        self.memory_byte_ceilings = job.ranks[self.rank].agreement.get("emulate_memory_bytes")
         if fitting:
             self.profiles = within_emulated_memory(job.profiles, self.memory_ceilings)
             self._identical_devices = job.identical_devices(emulated=settings.speed_schedule is not None)
@@ -244,6 +256,7 @@ class HeteroJob:
                          half_precision_engine)  # fmt: skip
         profiles = self.profiles if fitting else None
         free = [p.free_bytes for p in profiles] if profiles else [f.free_memory_bytes for f in self.device_facts]
+        free = memory.capped_free_bytes(free, self.memory_byte_ceilings)
         devices = [(f.hostname, f.kind, f.index if f.kind == "cuda" else None) for f in self.device_facts]
         activations = None
         if profiles and all(p.bytes_per_sample is not None for p in profiles):
@@ -252,6 +265,14 @@ class HeteroJob:
             largest = [max(micro_batch_sizes(b, k)) for b, k in zip(plan.batch_sizes, plan.micro_steps)]
             activations = [p.bytes_per_sample * b for p, b in zip(profiles, largest)]  # type: ignore[operator]
         choice = choose_stage(size, self.world_size, shared_free_bytes(free, devices), activations, allowed, fitting)
+        if self.memory_byte_ceilings is not None and choice.spare_bytes is not None and choice.spare_bytes < 0:
+            # (an emulated device that a real run would overflow: refused, as a real one would fail)
+            raise ValueError(
+                f"HeteroStrategy: {choice.reason.split('; the fit may run out of memory')[0]}, with the device memory"
+                f" {memory.ENV_VAR} gives ({_mib_list(self.memory_byte_ceilings)} MiB): an out-of-memory error on a"
+                " real device. Split the model instead of only the batch: `pipeline={'stages': ..., 'blocks': ...}`"
+                " (each rank then holds only its stage's blocks), or give the ranks more memory."
+            )
         self.stage_choice = choice
         return choice.stage
 
@@ -326,13 +347,17 @@ class HeteroJob:
 
         gathered = self.collectives.gather_or_raise("checking the chain of blocks", check_and_measure)[1]
         measured = None if choice.boundaries is not None else [BlockMeasurement.from_dict(m) for m in gathered]
-        costs = block_costs(measured, len(names), self.world_size)
+        costs = block_costs(measured, len(names), self.world_size, [training_bytes(block) for block in blocks],
+                            training_bytes(module) - sum(training_bytes(block) for block in blocks),
+                            memory.capped_free_bytes([None] * self.world_size, self.memory_byte_ceilings))  # fmt: skip
         placement = place_stages(costs, choice.stages, choice.schedule, micro_batches, micro_batch, choice.boundaries,
                                  ranks=tuple(range(choice.stages)), search_orders=replicas == 1,
                                  last_rank=0)  # fmt: skip
         pipeline.install(module, placement, replicas, global_batch_size)
         if self.rank == 0:
-            rank_zero_info(describe_pipeline(placement, names, choice, replicas, micro_batches, micro_batch, measured))
+            described = describe_pipeline(placement, names, choice, replicas, micro_batches, micro_batch, measured,
+                                          costs.memory_bytes if self.memory_byte_ceilings else None)  # fmt: skip
+            rank_zero_info(described)
         return micro_batch
 
     def check_pipeline_job(self, trainer: Any, precision: str, world_size: int) -> None:

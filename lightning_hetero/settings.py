@@ -329,6 +329,7 @@ class HeteroSettings:
             "micro_steps": list(self.micro_steps) if self.micro_steps is not None else None,
             "sync": [self.sync, self.sync_every, list(self.inner_steps or []), self.outer],
             "emulate_memory": memory.emulated_ceilings_from_environment(),
+            "emulate_memory_bytes": memory.emulated_byte_ceilings_from_environment(),
             "emulate_speeds": self.speed_schedule.to_json() if self.speed_schedule else None,
             "loss_reduction": self.loss_reduction,
             "rebalance": [self.rebalance, self.rebalance_window, self.rebalance_threshold],

@@ -5,6 +5,10 @@
 planner sees a memory-bound device as it would see a GPU whose profile ran out of memory, and a split whose
 micro-batch would not fit is refused before training, as a real device would fail. Memory itself is not limited: a
 CPU has no per-process ceiling the package could set without affecting everything else on the machine.
+
+An entry with a unit is a ceiling in bytes instead (``LIGHTNING_HETERO_EMULATE_MEMORY=-,2MiB``: rank 1's device holds 2
+MiB): it caps what the rank's device facts report free, so the ZeRO stage is chosen for it, a data-parallel job whose
+model state does not fit it at any stage is refused before training, and a pipeline's stages are placed within it.
 """
 
 from __future__ import annotations
@@ -14,17 +18,58 @@ from collections.abc import Sequence
 from typing import Optional
 
 ENV_VAR = "LIGHTNING_HETERO_EMULATE_MEMORY"
+UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+
+
+def _entries() -> Optional[list[str]]:
+    text = os.environ.get(ENV_VAR)
+    if text is None or not text.strip():
+        return None
+    return [part.strip() for part in text.split(",")]
+
+
+def _byte_entry(part: str) -> Optional[int]:
+    """``part`` in bytes when it has a unit (``2MiB``), else None."""
+    for unit, factor in UNITS.items():
+        if part.endswith(unit):
+            try:
+                value = float(part[: -len(unit)])
+            except ValueError:
+                value = 0.0
+            if not value > 0:
+                raise ValueError(
+                    f"`{ENV_VAR}={os.environ.get(ENV_VAR)!r}`: {part!r} is not a memory size. Give a positive number"
+                    f" with a unit ({', '.join(UNITS)}), e.g. `2MiB`, or a micro-batch ceiling in samples."
+                )
+            return int(value * factor)
+    return None
+
+
+def emulated_byte_ceilings_from_environment() -> Optional[tuple[Optional[int], ...]]:
+    """Each rank's emulated device memory in bytes (None: none given for it), or None when no entry has a unit."""
+    parts = _entries()
+    if parts is None:
+        return None
+    ceilings = tuple(_byte_entry(part) for part in parts)
+    return ceilings if any(c is not None for c in ceilings) else None
+
+
+def capped_free_bytes(free: Sequence[Optional[float]], ceilings: Optional[Sequence[Optional[int]]]) -> list:
+    """Each rank's free memory with its emulated ceiling in bytes applied (the lower of the two)."""
+    if ceilings is None:
+        return list(free)
+    return [c if f is None and c is not None else (f if c is None else min(f, c)) for f, c in zip(free, ceilings)]
 
 
 def emulated_ceilings_from_environment() -> Optional[tuple[Optional[int], ...]]:
     """Each rank's emulated micro-batch ceiling in samples (None: no ceiling), or None when the variable is unset."""
     text = os.environ.get(ENV_VAR)
-    if text is None or not text.strip():
+    parts = _entries()
+    if parts is None:
         return None
     ceilings: list[Optional[int]] = []
-    for part in text.split(","):
-        part = part.strip()
-        if part == "-":
+    for part in parts:
+        if part == "-" or _byte_entry(part) is not None:  # (a size in bytes: emulated_byte_ceilings_from_environment)
             ceilings.append(None)
             continue
         try:
@@ -34,7 +79,8 @@ def emulated_ceilings_from_environment() -> Optional[tuple[Optional[int], ...]]:
         if value < 1:
             raise ValueError(
                 f"`{ENV_VAR}={text!r}`: {part!r} is not a micro-batch ceiling. Give each rank the most samples its"
-                f" memory holds in one micro-batch, a whole number >= 1 (or - for no ceiling), e.g. `{ENV_VAR}=64,16`."
+                f" memory holds in one micro-batch, a whole number >= 1 (or - for no ceiling), e.g. `{ENV_VAR}=64,16`,"
+                " or the memory its device holds, with a unit (`2MiB`)."
             )
         ceilings.append(value)
     return tuple(ceilings)

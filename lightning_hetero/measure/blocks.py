@@ -138,15 +138,13 @@ def measure_blocks(
             one_step()
     stretch = 1.0 / emulator.speed if emulator is not None else 1.0
     seconds = tuple(stretch * (f + b) / samples for f, b in zip(best_forward, best_backward))
-    chain_parameters = {id(p) for block in blocks for p in block.parameters()}
-    outside_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if id(p) not in chain_parameters)
     return BlockMeasurement(
         seconds=seconds,
-        parameter_bytes=tuple(ADAM_COPIES * sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks),
+        parameter_bytes=tuple(training_bytes(block) for block in blocks),
         activation_bytes=tuple(-(-saved[b] // samples) for b in range(count)),
         before_seconds=stretch * best_before / samples,
         after_seconds=stretch * max(0.0, best_after) / samples,
-        outside_bytes=ADAM_COPIES * outside_bytes,
+        outside_bytes=training_bytes(module) - sum(training_bytes(block) for block in blocks),
         memory_bytes=free_memory_bytes(device),
     )
 
@@ -183,6 +181,11 @@ def check_chain_order(
             " needs every block applied once, in the chain's order (each stage hands its output to the next). Apply"
             " them so, or train without `pipeline`."
         )
+
+
+def training_bytes(module: nn.Module) -> int:
+    """What ``module``'s parameters take in training: themselves, their gradients and Adam's two moments."""
+    return ADAM_COPIES * sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 def free_memory_bytes(device: torch.device) -> int:

@@ -376,26 +376,36 @@ def pipeline_job_refusal(
     return None
 
 
-def block_costs(measured: Optional[Sequence[Any]], blocks: int, ranks: int) -> BlockCosts:
-    """Every rank's measured block costs (:class:`lightning_hetero.measure.blocks.BlockMeasurement`) as the placement's
-    input; without measurements (fixed ``boundaries``) one second per block on every rank and no ceiling."""
+def block_costs(
+    measured: Optional[Sequence[Any]], blocks: int, ranks: int, parameter_bytes: Sequence[int], outside_bytes: int,
+    ceilings: Sequence[Optional[float]],
+) -> BlockCosts:  # fmt: skip
+    """The placement's input: every rank's measured block costs (:class:`~lightning_hetero.measure.blocks.
+    BlockMeasurement`), or without measurements (fixed ``boundaries``) one second per block and no activations.
+    ``parameter_bytes``: each block's training state; ``ceilings``: each rank's emulated device memory (None: none),
+    of which :data:`~lightning_hetero.measure.profiler.MEMORY_HEADROOM` may be planned, as of free memory."""
+    from lightning_hetero.measure.profiler import MEMORY_HEADROOM
+
+    capped = [None if c is None else int(MEMORY_HEADROOM * c) for c in ceilings]
     if not measured:
-        return BlockCosts(((1.0,) * blocks,) * ranks, (0,) * blocks, (0,) * blocks, (None,) * ranks)
-    first = measured[0]
+        return BlockCosts(((1.0,) * blocks,) * ranks, tuple(parameter_bytes), (0,) * blocks, tuple(capped),
+                          outside_bytes=outside_bytes)  # fmt: skip
+    memory = [m.memory_bytes if c is None else (c if m.memory_bytes is None else min(c, m.memory_bytes))
+              for m, c in zip(measured, capped)]  # fmt: skip
     return BlockCosts(
         seconds=tuple(tuple(m.seconds) for m in measured),
-        parameter_bytes=tuple(first.parameter_bytes),
+        parameter_bytes=tuple(parameter_bytes),
         activation_bytes=tuple(max(m.activation_bytes[b] for m in measured) for b in range(blocks)),
-        memory_bytes=tuple(m.memory_bytes for m in measured),
+        memory_bytes=tuple(memory),
         after_seconds=tuple(m.after_seconds for m in measured),
         before_seconds=tuple(m.before_seconds for m in measured),
-        outside_bytes=first.outside_bytes,
+        outside_bytes=outside_bytes,
     )
 
 
 def describe_pipeline(
     placement: StagePlacement, names: Sequence[str], choice: PipelineChoice, replicas: int, micro_batches: int,
-    micro_batch: int, measured: Optional[Sequence[Any]],
+    micro_batch: int, measured: Optional[Sequence[Any]], memory_bytes: Optional[Sequence[Optional[int]]] = None,
 ) -> str:  # fmt: skip
     """The plan as printed at fit start: each stage's rank, blocks, time per micro-batch and memory."""
     lines = [
@@ -407,8 +417,11 @@ def describe_pipeline(
         shown = f"{names[blocks[0]]}..{names[blocks[-1]]}" if len(blocks) > 1 else names[blocks[0]]
         line = f"  stage {stage} on rank {placement.ranks[stage]}: blocks {shown} ({len(blocks)})"
         if measured:
-            line += (f", {placement.stage_seconds[stage] * micro_batch * 1e3:.2f} ms per micro-batch,"
-                     f" {placement.stage_bytes[stage] / 2**20:.1f} MiB")  # fmt: skip
+            line += f", {placement.stage_seconds[stage] * micro_batch * 1e3:.2f} ms per micro-batch"
+        line += f", {placement.stage_bytes[stage] / 2**20:.1f} MiB"
+        ceiling = memory_bytes[placement.ranks[stage]] if memory_bytes else None
+        if ceiling is not None:
+            line += f" of the {ceiling / 2**20:.1f} MiB it may use"
         lines.append(line)
     if measured:
         predicted = placement.step_seconds(micro_batches, micro_batch)

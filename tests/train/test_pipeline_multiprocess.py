@@ -18,15 +18,15 @@ from lightning.pytorch import seed_everything
 
 sys.path.insert(0, str(REPO / "tests" / "workers"))
 
-from pipeline_fit import ChainModel, dataset  # noqa: E402
+from pipeline_fit import WIDTH, ChainModel, dataset  # noqa: E402
 
 WORKER = REPO / "tests" / "workers" / "pipeline_fit.py"
 
 
-def one_process(optimizer: str, steps: int, global_batch: int, container: str = "sequential") -> dict[str, torch.Tensor]:
+def one_process(optimizer: str, steps: int, global_batch: int, width: int = WIDTH) -> dict[str, torch.Tensor]:
     """The reference: one process, the whole model, the same global batches in the loader's order."""
     seed_everything(1, verbose=False)
-    model = ChainModel(optimizer, container)
+    model = ChainModel(optimizer, width=width)
     (opt,) = [model.configure_optimizers()]
     x, y = dataset().tensors
     for step in range(steps):
@@ -87,6 +87,29 @@ def test_validation_runs_through_the_stages(tmp_path, sync_dist):
     # Every rank sees it (ModelCheckpoint(monitor=...) and EarlyStopping decide alike), and the training loss.
     other = json.loads((tmp_path / "out" / "rank1.json").read_text())["metrics"]
     assert other["val_loss"] == metrics["val_loss"] and other["train_loss"] == metrics["train_loss"]
+
+
+@pytest.mark.multiprocess
+def test_a_model_that_fits_no_rank_with_data_parallelism_trains_as_a_pipeline(tmp_path):
+    """Blocks of 256 x 256 (1 MiB each counted with Adam's state, 6.2 MiB in all); rank 1's device emulated at 2.5 MiB,
+    of which 2 MiB may be planned: below even ZeRO-3's share (3.2 MiB). Data parallelism (Adam) is refused before
+    training, naming `pipeline`; the pipeline places one block on rank 1, says so in its plan, and trains exactly."""
+    memory = {"LIGHTNING_HETERO_EMULATE_MEMORY": "-,2.5MiB"}
+    code, output = run_bounded([sys.executable, str(WORKER), "--out", str(tmp_path / "dp"), "--stages", "0",
+                                "--width", "256", "--optimizer", "adam"], timeout=120, cwd=REPO, env=memory)  # fmt: skip
+    assert code != 0
+    assert output.count("do not fit at any stage") == 2 and "Split the model instead of only the batch" in output
+    out = tmp_path / "pipeline"
+    code, output = run_bounded([sys.executable, str(WORKER), "--out", str(out), "--width", "256", "--steps", "3"],
+                               timeout=180, cwd=REPO, env=memory)  # fmt: skip
+    assert code == 0, output[-4000:]
+    (rank1_stage,) = [line for line in output.splitlines() if line.startswith("  stage 0 on rank 1")]
+    assert "blocks 0 (1)" in rank1_stage and "of the 2.0 MiB it may use" in rank1_stage
+    ranks = [torch.load(path) for path in sorted(out.glob("rank*.pt"))]
+    # (SGD with momentum: at this width Adam's first step turns gradient entries that cancel to ~1e-10, summed in
+    # another order over 4 micro-batches, into updates of ~1e-4 (2.0e-4 from one process on the whole batch; 0.0
+    # from one process accumulating the same 4 micro-batches, measured). Adam's exactness: the tests above.)
+    assert largest_difference(one_process("sgd", 3, 12, width=256), ranks) <= 1e-5
 
 
 CASES = [

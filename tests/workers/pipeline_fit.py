@@ -37,16 +37,16 @@ def dataset() -> TensorDataset:
 class ChainModel(LightningModule):
     """An embedding before the chain, blocks of unequal width, a head and the loss after it."""
 
-    def __init__(self, optimizer: str = "sgd", container: str = "sequential", kill: str = "") -> None:
+    def __init__(self, optimizer: str = "sgd", container: str = "sequential", kill: str = "", width: int = WIDTH) -> None:
         super().__init__()
         self.optimizer_name = optimizer
         self.sync_dist = False
         self.kill = kill  # "RANK:STEP[:freeze]": that rank SIGKILLs (or SIGSTOPs) itself at that step
-        self.embed = nn.Linear(FEATURES, WIDTH)
-        blocks = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(BLOCKS)]
+        self.embed = nn.Linear(FEATURES, width)
+        blocks = [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(BLOCKS)]
         self.container = container
         self.net = nn.Sequential(*blocks) if container == "sequential" else nn.ModuleList(blocks)
-        self.head = nn.Linear(WIDTH, 1)
+        self.head = nn.Linear(width, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = torch.relu(self.embed(x))
@@ -108,9 +108,10 @@ def main() -> None:
     parser.add_argument("--ckpt-path", default=None)
     parser.add_argument("--val-every", type=int, default=0, help="validate on 2 batches every N steps")
     parser.add_argument("--sync-dist", action="store_true", help="self.log(..., sync_dist=True)")
+    parser.add_argument("--width", type=int, default=WIDTH)
     args = parser.parse_args()
     seed_everything(1, verbose=False)
-    model = ChainModel(args.optimizer, args.container, args.kill)
+    model = ChainModel(args.optimizer, args.container, args.kill, args.width)
     model.sync_dist = args.sync_dist
     pipeline = {"stages": args.stages, "blocks": args.blocks, "schedule": args.schedule}
     if args.boundaries:
@@ -121,7 +122,9 @@ def main() -> None:
     callbacks = []
     if args.save_every:
         callbacks.append(ModelCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=args.save_every, save_top_k=-1))
-    strategy = HeteroStrategy(pipeline=pipeline, emulate_speeds=speeds, peer_timeout=args.peer_timeout)
+    # (--stages 0: data parallel, no pipeline, as a reference)
+    strategy = HeteroStrategy(pipeline=pipeline if args.stages else None, emulate_speeds=speeds,
+                              peer_timeout=args.peer_timeout)  # fmt: skip
     trainer = Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
                       enable_checkpointing=args.checkpointing or bool(callbacks), callbacks=callbacks,
                       logger=False, enable_progress_bar=False,
@@ -136,7 +139,8 @@ def main() -> None:
     state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     torch.save(state, args.out / f"rank{rank}.pt")
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    (args.out / f"rank{rank}.json").write_text(json.dumps({"stage": strategy.job.pipeline.stage, "metrics": metrics}))
+    stage = strategy.job.pipeline.stage if strategy.job.pipeline else None
+    (args.out / f"rank{rank}.json").write_text(json.dumps({"stage": stage, "metrics": metrics}))
 
 
 if __name__ == "__main__":
