@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import statistics
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -51,7 +52,9 @@ from lightning_hetero.plan.stages import (
     describe_pipeline,
     pipeline_job_refusal,
     place_stages,
+    replan_stages,
     replicas_of,
+    stage_seconds_under,
 )
 from lightning_hetero.precision.choice import rank_precision
 from lightning_hetero.precision.job import gradient_bytes_held_until_step, job_plugin, loss_scale_value
@@ -98,6 +101,9 @@ class HeteroJob:
         self.local: Optional[LocalTraining] = None  # local SGD / DiLoCo (train/local_sgd.py)
         self.pipeline: Optional[Pipeline] = None  # the model split into stages (train/pipeline.py), from join()
         self._pipeline_samples = 0
+        self._pipeline_replan: Optional[tuple] = None
+        self._pipeline_placed_at = 0
+        self.pipeline_replans: list[dict[str, Any]] = []
         self._inner_steps_rebalancer: Optional[InnerStepsRebalancer] = None
         if settings.local:
             self.local = LocalTraining(settings.sync, settings.sync_every, settings.outer, settings.compression.mode)
@@ -354,6 +360,11 @@ class HeteroJob:
                                  ranks=tuple(range(choice.stages)), search_orders=replicas == 1,
                                  last_rank=0)  # fmt: skip
         pipeline.install(module, placement, replicas, global_batch_size)
+        settings = self.settings
+        # Blocks follow what the ranks measure, as the batch split does: on when placed by measurement, unless off.
+        self._pipeline_replan = (choice.boundaries is None and settings.rebalance is not False, costs,
+                                 replica_batch, micro_batches, micro_batch)  # fmt: skip
+        self._pipeline_placed_at = 0
         if self.rank == 0:
             described = describe_pipeline(placement, names, choice, replicas, micro_batches, micro_batch, measured,
                                           costs.memory_bytes if self.memory_byte_ceilings else None)  # fmt: skip
@@ -395,14 +406,47 @@ class HeteroJob:
         finally:
             DeepSpeedEngine._broadcast_model = original  # type: ignore[method-assign]
 
+    def _move_blocks_if_due(self, global_step: int, optimizer: Any) -> None:
+        """Every ``rebalance_window`` steps: each rank's compute over the last window (the steps two after the last
+        move on) against what the placement predicted; the same decision on every rank from the gathered factors,
+        and the blocks moved, state and all, before this step (:mod:`lightning_hetero.plan.stages`)."""
+        pipeline, replan = self.pipeline, self._pipeline_replan
+        assert pipeline is not None and pipeline.placement is not None and pipeline.layout is not None
+        window = self.settings.rebalance_window
+        if replan is None or not replan[0] or global_step == 0 or global_step % window or self.world_size == 1:
+            return
+        enabled, costs, replica_batch, micro_batches, micro_batch = replan
+        first = max(global_step - window, self._pipeline_placed_at + 2)
+        recent = [compute for compute, _ in pipeline.step_times[first:global_step]]
+        predicted = stage_seconds_under(costs, pipeline.placement)[pipeline.stage] * replica_batch
+        factor = statistics.median(recent) / predicted if recent and predicted > 0 else None
+        factors = self.collectives.gather_objects(factor)
+        if any(f is None for f in factors) or len(optimizer.param_groups) != 1:
+            return  # (too few steps under this placement yet; several parameter groups: see train/pipeline.py)
+        layout = pipeline.layout
+        slots = [max(factors[layout.rank_of(p, s)] for p in range(layout.replicas)) for s in range(layout.stages)]
+        by_rank = [0.0] * layout.stages
+        for stage, slot_factor in enumerate(slots):
+            by_rank[layout.order[stage]] = slot_factor
+        decision = replan_stages(costs, pipeline.placement, by_rank, self.settings.rebalance_threshold,
+                                 pipeline.choice.schedule, micro_batches, micro_batch)  # fmt: skip
+        if decision.placement is None:
+            return
+        pipeline.move_blocks(decision.placement, optimizer)
+        self._pipeline_placed_at = global_step
+        self.pipeline_replans.append({"step": global_step, "boundaries": list(decision.placement.boundaries),
+                                      "reason": decision.reason})  # fmt: skip
+        rank_zero_info(f"HeteroStrategy pipeline re-plan before step {global_step}: {decision.reason}")
+
     def pipeline_step(
-        self, batch: Any, forward: Any, backward: Any, module: torch.nn.Module, global_step: int
+        self, batch: Any, forward: Any, backward: Any, module: torch.nn.Module, global_step: int, optimizer: Any
     ) -> torch.Tensor:
         """One training step through the stages: every micro-batch forward and backward, then the gradient sums.
         Returns the global batch's loss (on every rank, for the progress bar)."""
         pipeline = self.pipeline
         assert pipeline is not None
         self.emulation.at_step(global_step)
+        self._move_blocks_if_due(global_step, optimizer)
         samples = self._pipeline_samples
         reduction = self.settings.loss_reduction
         global_batch = pipeline.global_batch

@@ -456,7 +456,8 @@ class HeteroStrategy(DeepSpeedStrategy):
                 return super(HeteroStrategy, self).training_step(batch, *args[1:], **kwargs)
 
             engine = self.deepspeed_engine
-            return job.pipeline_step(args[0], forward, engine.backward, engine.module, trainer.global_step)
+            return job.pipeline_step(args[0], forward, engine.backward, engine.module, trainer.global_step,
+                                     engine.optimizer)
         job.training_step_starts(self._trainer().global_step)
         with job.loss_weights.weighted_sync(), job.emulation.slowed(), job.communication.counting():
             if self._buffer_sync:  # rank 0's buffers on every rank before the forward, as DDP's broadcast_buffers

@@ -338,7 +338,6 @@ def pipeline_argument_refusal(**arguments: Any) -> Optional[str]:
         "compression": ("the pipeline sums its gradients itself, uncompressed", lambda v: v is not None),
         "hierarchical": ("the pipeline sums its gradients itself, in flat groups", lambda v: v is True),
         "device_precision": ("every stage trains in the Trainer's precision for now", lambda v: v is not None),
-        "rebalance": ("moving blocks between stages during the fit is not built yet", lambda v: v is True),
     }  # fmt: skip
     for name, (why, is_refused) in refused.items():
         value = arguments.get(name)
@@ -432,3 +431,52 @@ def describe_pipeline(
     else:
         lines.append("  boundaries as given (`boundaries`)")
     return "\n".join(lines)
+
+
+def scaled_costs(costs: BlockCosts, factors: Sequence[float]) -> BlockCosts:
+    """``costs`` with rank r's times multiplied by ``factors[r]``: what it measured in training over what the
+    placement predicted for its stage (a device that slowed down has a factor above 1)."""
+    return BlockCosts(
+        seconds=tuple(tuple(t * f for t in row) for row, f in zip(costs.seconds, factors)),
+        parameter_bytes=costs.parameter_bytes,
+        activation_bytes=costs.activation_bytes,
+        memory_bytes=costs.memory_bytes,
+        after_seconds=tuple(t * f for t, f in zip(costs.after_seconds, factors)),
+        outside_bytes=costs.outside_bytes,
+        before_seconds=tuple(t * f for t, f in zip(costs.before_seconds, factors)),
+    )
+
+
+def stage_seconds_under(costs: BlockCosts, placement: StagePlacement) -> tuple[float, ...]:
+    """Each stage's time per sample that ``costs`` (as first measured) predict for ``placement``'s boundaries: what
+    the times measured in training are compared with (a re-planned placement's own times are scaled ones)."""
+    return _placement(costs, placement.ranks, placement.starts, [0] * len(placement.ranks), "").stage_seconds
+
+
+@dataclass(frozen=True)
+class StageReplan:
+    """A re-plan decision: the new placement (None: keep the current one) and why."""
+
+    placement: Optional[StagePlacement]
+    reason: str
+
+
+def replan_stages(
+    costs: BlockCosts, current: StagePlacement, factors: Sequence[float], threshold: float, schedule: str,
+    micro_batches: int, micro_batch: int,
+) -> StageReplan:  # fmt: skip
+    """Blocks moved between the stages (the ranks keep their stages) when, with each rank's times scaled by what it
+    measured (``factors``), another split's slowest stage is faster than the current one's by more than
+    ``threshold`` (a fraction). Pure: the same decision on every rank from the same gathered factors."""
+    scaled = scaled_costs(costs, factors)
+    now = _placement(scaled, current.ranks, current.starts, [0] * len(current.ranks), "balanced").slowest_seconds
+    best = place_stages(scaled, len(current.ranks), schedule, micro_batches, micro_batch, ranks=current.ranks,
+                        search_orders=False)  # fmt: skip
+    gain = 1.0 - best.slowest_seconds / now if now > 0 else 0.0
+    if best.boundaries == current.boundaries or gain <= threshold:
+        return StageReplan(None, f"kept boundaries {list(current.boundaries)} (predicted gain {gain:.0%})")
+    return StageReplan(
+        best,
+        f"boundaries {list(current.boundaries)} -> {list(best.boundaries)}: the slowest stage predicted"
+        f" {gain:.0%} faster (measured speed factors {[round(f, 2) for f in factors]})",
+    )

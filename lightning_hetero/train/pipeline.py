@@ -228,6 +228,7 @@ class Pipeline:
         self.step_times: list[tuple[float, float]] = []
         self._held: list[tuple[nn.Parameter, Optional[Tensor]]] = []
         self._unpatch_log: Callable[[], None] = lambda: None
+        self._skeletons: dict[int, nn.Module] = {}
 
     # ------------------------------------------------------------------ setup
 
@@ -262,9 +263,13 @@ class Pipeline:
         self.placement, self.global_batch = placement, global_batch
         chain_parameters = {id(p) for p in chain.parameters()}
         self.outside = [p for p in module.parameters() if id(p) not in chain_parameters]
-        self.stage_of_chain = StageOfChain(chain, names, placement.blocks_of(self.stage), self.stage,
-                                           self.choice.stages, self.choice.blocks)  # fmt: skip
+        owned = placement.blocks_of(self.stage)
+        # The blocks other stages hold, kept without storage ("meta"): a re-plan that moves one here fills it in.
+        self._skeletons = {i: chain._modules[n] for i, n in enumerate(names) if i not in owned}
+        self.stage_of_chain = StageOfChain(chain, names, owned, self.stage, self.choice.stages, self.choice.blocks)
         self.stage_of_chain.install()
+        for skeleton in self._skeletons.values():
+            skeleton.to("meta")
         if replicas > 1:
             groups = [self.layout.stage_ranks(s) for s in range(self.choice.stages)]
             self._stage_group, _ = dist.new_subgroups_by_enumeration(groups)
@@ -394,6 +399,45 @@ class Pipeline:
             )
         return output
 
+    def move_blocks(self, placement: StagePlacement, optimizer: torch.optim.Optimizer) -> None:
+        """Take the re-planned ``placement``'s blocks: every rank sends the blocks it gives away (their parameters,
+        buffers and optimizer state) to every rank, each takes the ones it gets and drops the others; at a step
+        boundary, so the next step trains as if nothing moved (the same values, the same optimizer state). Every
+        rank calls it with the same placement (the decision is made from gathered values)."""
+        assert self.stage_of_chain is not None and self.placement is not None
+        chain, names = self.stage_of_chain.chain, self.stage_of_chain.names
+        old, new = self.placement.blocks_of(self.stage), placement.blocks_of(self.stage)
+        giving, taking = moved_blocks(old, new)
+        outgoing = {}
+        for index in giving:
+            block = chain._modules[names[index]]
+            state = {local: _cpu(optimizer.state.get(p, {})) for local, p in block.named_parameters()}
+            outgoing[index] = ({k: v.detach().cpu() for k, v in block.state_dict().items()}, state)
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, outgoing)
+        arriving = {index: part for sent in everyone for index, part in sent.items()}
+        self.stage_of_chain.uninstall()
+        group = optimizer.param_groups[0]
+        for index in giving:
+            block = chain._modules[names[index]]
+            lost = {id(p) for p in block.parameters()}
+            for parameter in block.parameters():
+                optimizer.state.pop(parameter, None)
+            group["params"] = [p for p in group["params"] if id(p) not in lost]
+            self._skeletons[index] = block.to("meta")
+        for index in taking:
+            block = self._skeletons.pop(index).to_empty(device=self.device)
+            model_state, optimizer_state = arriving[index]
+            block.load_state_dict(model_state)
+            chain._modules[names[index]] = block
+            for local, parameter in block.named_parameters():
+                group["params"].append(parameter)
+                if optimizer_state.get(local):
+                    optimizer.state[parameter] = {k: _to(v, self.device) for k, v in optimizer_state[local].items()}
+        self.stage_of_chain = StageOfChain(chain, names, new, self.stage, self.choice.stages, self.choice.blocks)
+        self.stage_of_chain.install()
+        self.placement = placement
+
     def reduce_gradients(self) -> None:
         """Sum each block's gradients over the pipelines holding its stage, and the outside modules' over every
         rank (so every copy of them takes the same step)."""
@@ -415,6 +459,11 @@ class Pipeline:
         for parameter, grad in self._held:
             parameter.grad = grad
         self._held = []
+
+
+def moved_blocks(old: range, new: range) -> tuple[list[int], list[int]]:
+    """The blocks a stage gives away and the ones it takes when its range changes from ``old`` to ``new``."""
+    return [b for b in old if b not in new], [b for b in new if b not in old]
 
 
 def _sum_gradients(parameters: Sequence[nn.Parameter], group: Any) -> None:
@@ -478,3 +527,12 @@ class LastStageMetrics(Callback):
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if not trainer.sanity_checking:
             self._share(trainer)
+
+
+def _cpu(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in state.items()}
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    # (a 0-d tensor is an optimizer's step count, which torch's optimizers keep on the CPU)
+    return value.to(device) if isinstance(value, Tensor) and value.dim() > 0 else value

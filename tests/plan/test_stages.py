@@ -130,3 +130,19 @@ def test_rank_0_runs_the_last_stage_when_asked(boundaries):
     free = place_stages(costs, 3)
     if boundaries is None:  # the constraint costs nothing here: the slow rank gets the fewest blocks either way
         assert placement.slowest_seconds == free.slowest_seconds
+
+
+def test_a_rank_that_slowed_down_gives_blocks_away():
+    from lightning_hetero.plan.stages import replan_stages
+
+    costs = BlockCosts(seconds=((1.0,) * 8, (1.0,) * 8), parameter_bytes=(1,) * 8, activation_bytes=(1,) * 8,
+                       memory_bytes=(None, None))  # fmt: skip
+    current = place_stages(costs, 2, ranks=(1, 0), search_orders=False)
+    assert current.boundaries == (4,)
+    # Rank 1 (stage 0) now takes 2.5x as long as planned: it keeps 2 or 3 blocks (2 x 2.5 = 5 vs 6; 3 x 2.5 = 7.5).
+    decision = replan_stages(costs, current, [1.0, 2.5], 0.05, "1f1b", 4, 1)
+    assert decision.placement is not None and decision.placement.boundaries == (2,)
+    assert decision.placement.ranks == (1, 0) and "[4] -> [2]" in decision.reason
+    # Measured as planned: nothing moves; a gain below the threshold moves nothing either.
+    assert replan_stages(costs, current, [1.0, 1.0], 0.05, "1f1b", 4, 1).placement is None
+    assert replan_stages(costs, current, [1.0, 1.1], 0.5, "1f1b", 4, 1).placement is None

@@ -112,6 +112,19 @@ def test_a_model_that_fits_no_rank_with_data_parallelism_trains_as_a_pipeline(tm
     assert largest_difference(one_process("sgd", 3, 12, width=256), ranks) <= 1e-5
 
 
+@pytest.mark.multiprocess
+def test_a_drift_moves_blocks_and_the_update_stays_exact(tmp_path):
+    """Rank 1 slows to 0.2 from step 6 (re-plan windows of 4 steps): within two windows blocks move off it (its
+    parameters, buffers and Adam state sent to rank 0), and 16 Adam steps still equal one process's."""
+    ranks = run_pipeline(tmp_path, "--speed-schedule", '{"0": [1.0, 1.0], "6": [1.0, 0.2]}', "--rebalance-window",
+                         "4", "--steps", "16", "--optimizer", "adam")  # fmt: skip
+    replans = json.loads((tmp_path / "out" / "rank0.json").read_text())["replans"]
+    assert replans and replans[0]["step"] <= 12, replans  # the windows ending at steps 8 and 12
+    blocks_on_rank_1 = sorted({n.split(".")[1] for n in ranks[1] if n.startswith("net.")})
+    assert len(blocks_on_rank_1) < 3, blocks_on_rank_1  # fewer than its equal share, after the move
+    assert largest_difference(one_process("adam", 16, 12), ranks) <= 1e-5
+
+
 CASES = [
     # (devices, stages, boundaries, schedule, optimizer, speeds, micro-batches)
     pytest.param(2, 2, "2", "1f1b", "sgd", None, None, id="2-stages-uneven-1f1b-sgd"),

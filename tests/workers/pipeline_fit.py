@@ -109,6 +109,8 @@ def main() -> None:
     parser.add_argument("--val-every", type=int, default=0, help="validate on 2 batches every N steps")
     parser.add_argument("--sync-dist", action="store_true", help="self.log(..., sync_dist=True)")
     parser.add_argument("--width", type=int, default=WIDTH)
+    parser.add_argument("--speed-schedule", help="JSON {step: speeds}: emulated speeds that drift")
+    parser.add_argument("--rebalance-window", type=int, default=20)
     args = parser.parse_args()
     seed_everything(1, verbose=False)
     model = ChainModel(args.optimizer, args.container, args.kill, args.width)
@@ -119,12 +121,14 @@ def main() -> None:
     if args.micro_batches:
         pipeline["micro_batches"] = args.micro_batches
     speeds = [float(s) for s in args.speeds.split(",")] if args.speeds else None
+    if args.speed_schedule:
+        speeds = {int(k): v for k, v in json.loads(args.speed_schedule).items()}
     callbacks = []
     if args.save_every:
         callbacks.append(ModelCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=args.save_every, save_top_k=-1))
     # (--stages 0: data parallel, no pipeline, as a reference)
     strategy = HeteroStrategy(pipeline=pipeline if args.stages else None, emulate_speeds=speeds,
-                              peer_timeout=args.peer_timeout)  # fmt: skip
+                              peer_timeout=args.peer_timeout, rebalance_window=args.rebalance_window)  # fmt: skip
     trainer = Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
                       enable_checkpointing=args.checkpointing or bool(callbacks), callbacks=callbacks,
                       logger=False, enable_progress_bar=False,
@@ -140,7 +144,8 @@ def main() -> None:
     torch.save(state, args.out / f"rank{rank}.pt")
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     stage = strategy.job.pipeline.stage if strategy.job.pipeline else None
-    (args.out / f"rank{rank}.json").write_text(json.dumps({"stage": stage, "metrics": metrics}))
+    record = {"stage": stage, "metrics": metrics, "replans": strategy.job.pipeline_replans}
+    (args.out / f"rank{rank}.json").write_text(json.dumps(record))
 
 
 if __name__ == "__main__":
