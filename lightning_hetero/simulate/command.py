@@ -18,6 +18,7 @@ from typing import Any, Optional
 from lightning_hetero.simulate import catalog
 from lightning_hetero.simulate.cluster import Cluster, ClusterFileError, SimulatedDevice, load_cluster
 from lightning_hetero.simulate.calibration import efficiency_by_kind, loop_from_run
+from lightning_hetero.simulate.pipeline import ChainShares, chain_shares, describe_pipeline_prediction, predict_pipeline
 from lightning_hetero.simulate.predict import LoopCalibration, Options, Prediction, automatic_stage, predict
 
 NO_LOOP = LoopCalibration()
@@ -37,7 +38,10 @@ JSON_DOC = """--json prints one object:
   wire: {bytes_per_step, inter_node_bytes_per_step, hierarchical, reason}
   settings: {global_batch_size, zero_stage, zero_stage_reason (why, when --stage was not given), compression,
              devices, nodes}
-  what_if: the same keys for the cluster with --drop/--add/--stage/--compression applied, when any is given"""
+  what_if: the same keys for the cluster with --drop/--add/--stage/--compression applied, when any is given
+  pipeline (with --pipeline-blocks): {stages: [{device, kind, rank, blocks, compute_ms_per_micro_batch,
+           memory_bytes, memory_capacity_bytes}], replicas, schedule, micro_batches, micro_batch, step_ms,
+           transfer_ms, bubble, balance, data_parallel_error (why the batch split cannot train, or null)}"""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -71,6 +75,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--drop", action="append", default=[], metavar="KIND", help="what if the devices of KIND left")
     p.add_argument("--add", action="append", default=[], metavar="KIND:N", help="what if N devices of KIND joined")
     p.add_argument("--json", action="store_true", help="print the documented JSON object instead of tables")
+    p.add_argument("--pipeline-blocks", metavar="NAME",
+                   help="also plan a pipeline: the model's attribute holding its chain of blocks (as `pipeline`'s"
+                   " `blocks`); the blocks are measured here")
+    p.add_argument("--pipeline-stages", type=int, help="stages per pipeline (default: every device in one pipeline)")
+    p.add_argument("--pipeline-schedule", choices=("1f1b", "gpipe"), default="1f1b")
     return p
 
 
@@ -79,7 +88,7 @@ def main(args: Optional[list[str]] = None) -> int:
     try:
         cluster = load_cluster(options.cluster)
         what_if_cluster = apply_what_ifs(cluster, options.drop, options.add)
-        workload, global_batch = _measure(options, len(cluster.devices))
+        workload, global_batch, chain = _measure(options, len(cluster.devices))
     except (ClusterFileError, ValueError) as error:
         print(f"lightning-hetero plan: {error}", file=sys.stderr)
         return 2
@@ -104,16 +113,32 @@ def main(args: Optional[list[str]] = None) -> int:
         if changed != base or what_if_cluster is not cluster:
             result["what_if"] = evaluate(what_if_cluster, workload, changed)
     except ValueError as error:
-        print(f"lightning-hetero plan: {error}", file=sys.stderr)
-        return 2
+        if chain is None:
+            print(f"lightning-hetero plan: {error}", file=sys.stderr)
+            return 2
+        result = {"data_parallel_error": str(error)}  # (the pipeline may still train it)
+    if chain is not None:
+        try:
+            stages = options.pipeline_stages or len(cluster.devices)
+            result["pipeline"] = predict_pipeline(cluster, workload, chain, replace(base, zero_stage=0), stages,
+                                                  options.pipeline_schedule)  # fmt: skip
+            result["pipeline"]["data_parallel_error"] = result.get("data_parallel_error")
+        except ValueError as error:
+            print(f"lightning-hetero plan: {error}", file=sys.stderr)
+            return 2
     if options.json:
         print(json.dumps(result, indent=1))
-    else:
+    elif "devices" in result:
         print(render(result, workload))
+        if "pipeline" in result:
+            print("\n" + "\n".join(describe_pipeline_prediction(result["pipeline"], result["step_ms"]["total"], "")))
+    else:
+        print(f"data parallelism cannot train this here: {result['data_parallel_error']}")
+        print("\n".join(describe_pipeline_prediction(result["pipeline"], None, "see above")))
     return 0
 
 
-def _measure(options: argparse.Namespace, world_size: int) -> tuple[Any, int]:
+def _measure(options: argparse.Namespace, world_size: int) -> tuple[Any, int, Optional[ChainShares]]:
     """The model's workload, measured here at the sizes a run of ``world_size`` ranks would profile, and the global
     batch (``--global-batch-size``, or the loader's batch size on every device, as HeteroStrategy's default)."""
     from lightning_hetero.measure.profiler import probe_sizes
@@ -135,7 +160,15 @@ def _measure(options: argparse.Namespace, world_size: int) -> tuple[Any, int]:
     datamodule = load_object(options.data, "--data")() if options.data else None
     loader = training_loader(model, datamodule)
     global_batch = options.global_batch_size or (loader.batch_size or 1) * world_size
-    return measure_workload(model, loader, options.model, probe_sizes(global_batch, world_size)), global_batch
+    workload = measure_workload(model, loader, options.model, probe_sizes(global_batch, world_size))
+    chain = None
+    if options.pipeline_blocks:
+        import torch
+
+        samples = min(16, len(loader.dataset))
+        batch = loader.collate_fn([loader.dataset[i] for i in range(samples)])
+        chain = chain_shares(model, options.pipeline_blocks, batch, samples, torch.device("cpu"))
+    return workload, global_batch, chain
 
 
 def apply_what_ifs(cluster: Cluster, drop: list[str], add: list[str]) -> Cluster:

@@ -172,3 +172,22 @@ def test_a_cpu_run_calibrates_the_loop_and_a_gpu_run_the_efficiency_of_its_kind(
 def test_a_run_directory_without_rank_files_exits_2(cluster_file, tmp_path, capsys, flag):
     code, _, err = run(["--cluster", cluster_file, *MODEL, flag, str(tmp_path)], capsys)
     assert code == 2 and f"`{flag} {tmp_path}` has no rank_<r>.json" in err
+
+
+def test_a_pipeline_is_planned_beside_the_batch_split(tmp_path, capsys, monkeypatch):
+    """`--pipeline-blocks`: the chain measured here, placed on the cluster's devices; the table and the JSON."""
+    monkeypatch.chdir(ROOT)
+    path = tmp_path / "cluster.yaml"
+    path.write_text("nodes:\n  - devices: [{kind: A100-80GB, count: 2}, {kind: V100-32GB, count: 2}]\n")
+    chain = ["--model", "examples.spirals:SpiralChain", "--data", "examples.spirals:SpiralDataModule",
+             "--pipeline-blocks", "blocks", "--pipeline-stages", "2"]  # fmt: skip
+    code, out, _ = run(["--cluster", str(path), *chain, "--json"], capsys)
+    assert code == 0
+    pipeline = json.loads(out)["pipeline"]
+    assert pipeline["replicas"] == 2 and [s["rank"] for s in pipeline["stages"]] == [1, 0]
+    assert sum(len(s["blocks"]) for s in pipeline["stages"]) == 12 and pipeline["data_parallel_error"] is None
+    assert pipeline["step_ms"] > 0 and 0 <= pipeline["bubble"] < 1
+    code, out, _ = run(["--cluster", str(path), *chain], capsys)
+    assert code == 0 and "pipeline: 2 stages x 2 pipeline(s), 1f1b" in out and "the batch split's step" in out
+    code, _, err = run(["--cluster", str(path), *chain[:4], "--pipeline-blocks", "layers"], capsys)
+    assert code == 2 and "`blocks` 'layers': SpiralChain has no attribute 'layers'" in err

@@ -18,7 +18,8 @@ def test_each_stage_its_compute_its_waiting_and_the_balance():
     assert stage0["ranks"] == [1, 3] and stage0["compute_ms_median"] == pytest.approx(300.0)  # the slower pipeline's
     assert stage1["compute_ms_median"] == pytest.approx(900.0) and stage0["waiting_ms_median"] == pytest.approx(500.0)
     assert summary["balance_median"] == pytest.approx((0.3 + 0.9) / (2 * 0.9))
-    assert "stage 0 compute 300.0 ms, waiting 500.0 ms" in describe_stages(summary)
+    assert summary["schedule_ms_median"] == pytest.approx(900.0)  # the longest rank's compute and waiting
+    assert "the schedule 900.0 ms; stage 0 compute 300.0 ms, waiting 500.0 ms" in describe_stages(summary)
 
 
 def test_a_fit_without_steps_says_so():
