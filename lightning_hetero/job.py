@@ -743,6 +743,9 @@ class HeteroJob:
         if self.rank != 0:
             return
         summary = summarize_stages([times for _, times in gathered], [stage for stage, _ in gathered])
+        assert pipeline.placement is not None
+        summary.update(boundaries=list(pipeline.placement.boundaries), stage_ranks=list(pipeline.placement.ranks),
+                       replans=self.pipeline_replans)  # fmt: skip
         rank_zero_info(describe_stages(summary))
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "pipeline_report.json").write_text(json.dumps(summary, indent=1))
