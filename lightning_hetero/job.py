@@ -51,6 +51,7 @@ from lightning_hetero.plan.stages import (
     block_costs,
     describe_pipeline,
     pipeline_job_refusal,
+    pipeline_shares,
     place_stages,
     replan_stages,
     replicas_of,
@@ -334,7 +335,7 @@ class HeteroJob:
         pipeline, choice = self.pipeline, self.settings.pipeline
         assert pipeline is not None and choice is not None
         replicas = replicas_of(choice, self.world_size)
-        replica_batch = micro_batch_sizes(global_batch_size, replicas)[0]
+        replica_batch = micro_batch_sizes(global_batch_size, replicas)[0]  # (until the shares are known)
         micro_batches = choice.micro_batches_for(replica_batch)
         micro_batch = -(-replica_batch // micro_batches)
         chain, names = check_chain_shape(module, choice)
@@ -359,6 +360,11 @@ class HeteroJob:
         placement = place_stages(costs, choice.stages, choice.schedule, micro_batches, micro_batch, choice.boundaries,
                                  ranks=tuple(range(choice.stages)), search_orders=replicas == 1,
                                  last_rank=0)  # fmt: skip
+        if measured is not None and replicas > 1:  # a faster pipeline takes more samples
+            pipeline.shares = pipeline_shares(costs, placement, replicas, global_batch_size)
+        else:
+            pipeline.shares = tuple(micro_batch_sizes(global_batch_size, replicas))
+        micro_batch = -(-max(pipeline.shares) // micro_batches)
         pipeline.install(module, placement, replicas, global_batch_size)
         settings = self.settings
         # Blocks follow what the ranks measure, as the batch split does: on when placed by measurement, unless off.
@@ -367,7 +373,8 @@ class HeteroJob:
         self._pipeline_placed_at = 0
         if self.rank == 0:
             described = describe_pipeline(placement, names, choice, replicas, micro_batches, micro_batch, measured,
-                                          costs.memory_bytes if self.memory_byte_ceilings else None)  # fmt: skip
+                                          costs.memory_bytes if self.memory_byte_ceilings else None,
+                                          pipeline.shares)  # fmt: skip
             rank_zero_info(described)
         return micro_batch
 
@@ -415,10 +422,12 @@ class HeteroJob:
         window = self.settings.rebalance_window
         if replan is None or not replan[0] or global_step == 0 or global_step % window or self.world_size == 1:
             return
-        enabled, costs, replica_batch, micro_batches, micro_batch = replan
+        enabled, costs, _, micro_batches, micro_batch = replan
         first = max(global_step - window, self._pipeline_placed_at + 2)
         recent = [compute for compute, _ in pipeline.step_times[first:global_step]]
-        predicted = stage_seconds_under(costs, pipeline.placement)[pipeline.stage] * replica_batch
+        stages = pipeline.layout.stages
+        own = replace(pipeline.placement, ranks=tuple(pipeline.replica * stages + r for r in pipeline.placement.ranks))
+        predicted = stage_seconds_under(costs, own)[pipeline.stage] * pipeline.shares[pipeline.replica]
         factor = statistics.median(recent) / predicted if recent and predicted > 0 else None
         factors = self.collectives.gather_objects(factor)
         if any(f is None for f in factors) or len(optimizer.param_groups) != 1:

@@ -22,6 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from lightning_hetero.plan.split import split_by_weights
+
 MAX_ORDERS_SEARCHED = 6  # 720 orders at most; beyond, the ranks keep their order (fast devices first is not better)
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -405,11 +407,13 @@ def block_costs(
 def describe_pipeline(
     placement: StagePlacement, names: Sequence[str], choice: PipelineChoice, replicas: int, micro_batches: int,
     micro_batch: int, measured: Optional[Sequence[Any]], memory_bytes: Optional[Sequence[Optional[int]]] = None,
+    shares: Sequence[int] = (),
 ) -> str:  # fmt: skip
     """The plan as printed at fit start: each stage's rank, blocks, time per micro-batch and memory."""
     lines = [
         f"HeteroStrategy pipeline: {choice.stages} stages x {replicas} pipeline(s), {choice.schedule}, {micro_batches}"
         f" micro-batches of {micro_batch} samples per pipeline and step"
+        + (f" (the pipelines' shares of the global batch: {list(shares)})" if shares and replicas > 1 else "")
     ]
     for stage in range(choice.stages):
         blocks = placement.blocks_of(stage)
@@ -451,6 +455,18 @@ def stage_seconds_under(costs: BlockCosts, placement: StagePlacement) -> tuple[f
     """Each stage's time per sample that ``costs`` (as first measured) predict for ``placement``'s boundaries: what
     the times measured in training are compared with (a re-planned placement's own times are scaled ones)."""
     return _placement(costs, placement.ranks, placement.starts, [0] * len(placement.ranks), "").stage_seconds
+
+
+def pipeline_shares(costs: BlockCosts, placement: StagePlacement, replicas: int, global_batch: int) -> tuple[int, ...]:
+    """Each pipeline's share of the global batch, in proportion to its throughput: pipeline ``p`` (ranks ``p*S ..``,
+    its stages on them in the placement's order) runs at the pace of its slowest stage under the common boundaries."""
+    stages = len(placement.ranks)
+    speeds = []
+    for replica in range(replicas):
+        ranks = tuple(replica * stages + r for r in placement.ranks)
+        slowest = _placement(costs, ranks, placement.starts, [0] * stages, "").slowest_seconds
+        speeds.append(1.0 / slowest if slowest > 0 else 1.0)
+    return tuple(split_by_weights(global_batch, speeds))
 
 
 @dataclass(frozen=True)

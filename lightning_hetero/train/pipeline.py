@@ -229,6 +229,7 @@ class Pipeline:
         self._held: list[tuple[nn.Parameter, Optional[Tensor]]] = []
         self._unpatch_log: Callable[[], None] = lambda: None
         self._skeletons: dict[int, nn.Module] = {}
+        self.shares: tuple[int, ...] = ()  # each pipeline's samples of a global batch (set by the plan)
 
     # ------------------------------------------------------------------ setup
 
@@ -252,8 +253,10 @@ class Pipeline:
         return self.stage == self.choice.stages - 1
 
     def replica_batch_sizes(self, global_batch: int) -> list[int]:
-        """Each pipeline's share of the global batch (equal, the larger first)."""
+        """Each pipeline's share of the global batch: by measured throughput (:attr:`shares`), else equal."""
         assert self.layout is not None
+        if self.shares and sum(self.shares) == global_batch:
+            return list(self.shares)
         return micro_batch_sizes(global_batch, self.layout.replicas)
 
     def install(self, module: nn.Module, placement: StagePlacement, replicas: int, global_batch: int) -> None:

@@ -146,3 +146,14 @@ def test_a_rank_that_slowed_down_gives_blocks_away():
     # Measured as planned: nothing moves; a gain below the threshold moves nothing either.
     assert replan_stages(costs, current, [1.0, 1.0], 0.05, "1f1b", 4, 1).placement is None
     assert replan_stages(costs, current, [1.0, 1.1], 0.5, "1f1b", 4, 1).placement is None
+
+
+def test_a_faster_pipeline_gets_a_larger_share():
+    from lightning_hetero.plan.stages import pipeline_shares
+
+    # Pipeline 0 on ranks 0-1 at full speed, pipeline 1 on ranks 2-3 at 0.4: shares 1 : 0.4 of 70 samples.
+    seconds = ((1.0,) * 4, (1.0,) * 4, (2.5,) * 4, (2.5,) * 4)
+    costs = BlockCosts(seconds, (1,) * 4, (1,) * 4, (None,) * 4)
+    placement = place_stages(costs, 2, ranks=(0, 1), search_orders=False, last_rank=0)
+    assert pipeline_shares(costs, placement, 2, 70) == (50, 20)
+    assert pipeline_shares(costs, placement, 1, 70) == (70,)

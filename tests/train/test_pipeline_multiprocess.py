@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -123,6 +124,21 @@ def test_a_drift_moves_blocks_and_the_update_stays_exact(tmp_path):
     blocks_on_rank_1 = sorted({n.split(".")[1] for n in ranks[1] if n.startswith("net.")})
     assert len(blocks_on_rank_1) < 3, blocks_on_rank_1  # fewer than its equal share, after the move
     assert largest_difference(one_process("adam", 16, 12), ranks) <= 1e-5
+
+
+@pytest.mark.multiprocess
+def test_a_faster_pipeline_takes_more_of_the_batch_and_the_update_stays_exact(tmp_path):
+    """Two pipelines of two stages, the second (ranks 2, 3) emulated at 0.4: placed by measurement, each pipeline's
+    share follows its measured throughput (the fast one more than half of the 24 samples), and 4 Adam steps equal
+    one process's on the whole batch."""
+    code, output = run_bounded([sys.executable, str(WORKER), "--out", str(tmp_path / "out"), "--devices", "4",
+                                "--speeds", "1.0,1.0,0.4,0.4", "--optimizer", "adam", "--steps", "4"], timeout=240,
+                               cwd=REPO)  # fmt: skip
+    assert code == 0, output[-4000:]
+    shares = json.loads(re.search(r"the pipelines' shares of the global batch: (\[\d+, \d+\])", output).group(1))
+    assert sum(shares) == 24 and shares[0] > 12 > shares[1]
+    ranks = [torch.load(path) for path in sorted((tmp_path / "out").glob("rank*.pt"))]
+    assert largest_difference(one_process("adam", 4, 24), ranks) <= 1e-5
 
 
 CASES = [
