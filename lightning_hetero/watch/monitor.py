@@ -11,6 +11,9 @@ re-plan is logged at the step it takes effect as ``hetero/replan_predicted_gain`
 scale after each optimizer step (the same on every rank; a halving marks a step skipped for an overflow).
 ``hetero/skipped_steps`` counts the optimizer steps skipped so far for non-finite gradients, after each step.
 
+With ``pipeline``, each stage's times instead: ``hetero/stage_<s>/compute_ms`` and ``wait_ms`` (the slowest of the
+ranks holding it) and ``hetero/pipeline_balance`` per step, exchanged every 20 steps and at the end of fit.
+
 The latest exchanged step's metrics are also in ``trainer.callback_metrics`` (logged with ``logger=False``), where
 callbacks that report elsewhere read them: Ray Train's ``RayTrainReportCallback`` sends them to ``Result.metrics``.
 """
@@ -24,6 +27,14 @@ from typing_extensions import override
 
 from lightning_hetero.watch.meter import step_metrics
 from lightning_hetero.watch.watcher import Watcher
+
+
+PIPELINE_EXCHANGE_STEPS = 20
+
+
+def _pipeline(trainer: Any) -> Any:
+    job = getattr(trainer.strategy, "job", None)
+    return getattr(job, "pipeline", None)
 
 
 class HeteroMonitor(Callback):
@@ -61,6 +72,10 @@ class HeteroMonitor(Callback):
 
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if _pipeline(trainer) is not None:
+            if trainer.global_step % PIPELINE_EXCHANGE_STEPS == 0:
+                self._log_pipeline_steps(trainer)
+            return
         latest = self._log_new_steps(trainer)
         if latest:
             self._make_latest_available_to_callbacks(pl_module, latest)
@@ -87,7 +102,34 @@ class HeteroMonitor(Callback):
 
     @override
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        if _pipeline(trainer) is not None:
+            self._log_pipeline_steps(trainer)
+            return
         self._log_new_steps(trainer)  # the last steps, exchanged when training ended
+
+    def _log_pipeline_steps(self, trainer: Any) -> None:
+        """Every rank's stage times since the last exchange (one gather, every rank); rank 0 logs them per stage."""
+        pipeline = _pipeline(trainer)
+        new = pipeline.step_times[self._logged :]
+        gathered = trainer.strategy.job.collectives.gather_objects((pipeline.stage, new))
+        self._logged += len(new)
+        if not trainer.is_global_zero:
+            return
+        stages = sorted({stage for stage, _ in gathered})
+        for offset in range(min(len(times) for _, times in gathered)):
+            metrics: dict[str, float] = {}
+            computes = []
+            for stage in stages:
+                times = [t[offset] for s, t in gathered if s == stage]
+                compute, wait = max(c for c, _ in times), max(w for _, w in times)
+                metrics[f"{self.prefix}/stage_{stage}/compute_ms"] = 1e3 * compute
+                metrics[f"{self.prefix}/stage_{stage}/wait_ms"] = 1e3 * wait
+                computes.append(compute)
+            if max(computes) > 0:
+                metrics[f"{self.prefix}/pipeline_balance"] = sum(computes) / (len(computes) * max(computes))
+            step = self._first_step + self._logged - len(new) + offset
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
 
     @staticmethod
     def _make_latest_available_to_callbacks(pl_module: Any, metrics: dict[str, float]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import csv
 import json
 import os
 import re
@@ -124,6 +125,18 @@ def test_a_drift_moves_blocks_and_the_update_stays_exact(tmp_path):
     blocks_on_rank_1 = sorted({n.split(".")[1] for n in ranks[1] if n.startswith("net.")})
     assert len(blocks_on_rank_1) < 3, blocks_on_rank_1  # fewer than its equal share, after the move
     assert largest_difference(one_process("adam", 16, 12), ranks) <= 1e-5
+
+
+@pytest.mark.multiprocess
+def test_the_monitor_logs_each_stage_s_times(tmp_path):
+    """HeteroMonitor under a pipeline: every step's compute and wait per stage and the balance, in the CSV."""
+    run_pipeline(tmp_path, "--boundaries", "3", "--steps", "6", "--monitor")
+    (metrics,) = (tmp_path / "out" / "logs").rglob("metrics.csv")
+    rows = list(csv.DictReader(metrics.open()))
+    logged = [row for row in rows if row.get("hetero/stage_0/compute_ms")]
+    assert [int(row["step"]) for row in logged] == list(range(6))
+    assert all(float(row["hetero/stage_1/wait_ms"]) >= 0 and 0 < float(row["hetero/pipeline_balance"]) <= 1
+               for row in logged)  # fmt: skip
 
 
 @pytest.mark.multiprocess

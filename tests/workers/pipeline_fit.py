@@ -17,12 +17,13 @@ from pathlib import Path
 import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_hetero import HeteroStrategy  # noqa: E402
+from lightning_hetero import HeteroMonitor, HeteroStrategy  # noqa: E402
 
 WIDTH, BLOCKS, SAMPLES, FEATURES = 16, 6, 96, 8
 
@@ -111,6 +112,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=WIDTH)
     parser.add_argument("--speed-schedule", help="JSON {step: speeds}: emulated speeds that drift")
     parser.add_argument("--rebalance-window", type=int, default=20)
+    parser.add_argument("--monitor", action="store_true", help="HeteroMonitor with a CSVLogger in OUT/logs")
     args = parser.parse_args()
     seed_everything(1, verbose=False)
     model = ChainModel(args.optimizer, args.container, args.kill, args.width)
@@ -124,6 +126,10 @@ def main() -> None:
     if args.speed_schedule:
         speeds = {int(k): v for k, v in json.loads(args.speed_schedule).items()}
     callbacks = []
+    logger = False
+    if args.monitor:
+        callbacks.append(HeteroMonitor())
+        logger = CSVLogger(str(args.out / "logs"), name="monitor")
     if args.save_every:
         callbacks.append(ModelCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=args.save_every, save_top_k=-1))
     # (--stages 0: data parallel, no pipeline, as a reference)
@@ -131,7 +137,7 @@ def main() -> None:
                               peer_timeout=args.peer_timeout, rebalance_window=args.rebalance_window)  # fmt: skip
     trainer = Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
                       enable_checkpointing=args.checkpointing or bool(callbacks), callbacks=callbacks,
-                      logger=False, enable_progress_bar=False,
+                      logger=logger, enable_progress_bar=False,
                       default_root_dir=str(args.out),
                       enable_model_summary=False, limit_val_batches=2 if args.val_every else 0,
                       val_check_interval=args.val_every or None, num_sanity_val_steps=0)  # fmt: skip
