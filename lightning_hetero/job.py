@@ -335,6 +335,12 @@ class HeteroJob:
         pipeline, choice = self.pipeline, self.settings.pipeline
         assert pipeline is not None and choice is not None
         replicas = replicas_of(choice, self.world_size)
+        if "16-mixed" in self.precisions:  # (every rank has every rank's precision: every rank raises)
+            raise ValueError(
+                f"HeteroStrategy(pipeline=...) with ranks in '16-mixed' (precisions {list(self.precisions)}): fp16's"
+                " loss scaling is not built into the pipeline's backward. Give those ranks 'bf16-mixed' or"
+                " '32-true' in `device_precision`."
+            )
         replica_batch = micro_batch_sizes(global_batch_size, replicas)[0]  # (until the shares are known)
         micro_batches = choice.micro_batches_for(replica_batch)
         micro_batch = -(-replica_batch // micro_batches)

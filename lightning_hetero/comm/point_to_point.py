@@ -51,6 +51,10 @@ class PeerLink:
 
     def send(self, tensor: Tensor, peer: int, what: str) -> None:
         data = tensor.detach().to(self.device).contiguous()
+        if data.dtype in (torch.bfloat16, torch.float16):
+            # Stages may train in different precisions (`device_precision`): a boundary carries fp32, and each
+            # stage's autocast casts what it computes in (as DeepSpeed's fp32 collectives do between such ranks).
+            data = data.float()
         header = header_of(data).to(self.device)
         for part in (header, data):
             self._pending.append((dist.isend(part, peer), peer, what, [part]))

@@ -339,7 +339,6 @@ def pipeline_argument_refusal(**arguments: Any) -> Optional[str]:
         "loss_reduction": ("a token mean needs each micro-batch's token count", lambda v: v == "token_mean"),
         "compression": ("the pipeline sums its gradients itself, uncompressed", lambda v: v is not None),
         "hierarchical": ("the pipeline sums its gradients itself, in flat groups", lambda v: v is True),
-        "device_precision": ("every stage trains in the Trainer's precision for now", lambda v: v is not None),
     }  # fmt: skip
     for name, (why, is_refused) in refused.items():
         value = arguments.get(name)

@@ -362,7 +362,7 @@ class Pipeline:
                 started = time.perf_counter()
                 with slowed():
                     output = outputs.pop(m)
-                    backward(output if gradient is None else (output * gradient).sum())
+                    backward(output if gradient is None else (output * gradient.to(output.dtype)).sum())
                 compute += time.perf_counter() - started
                 if previous is not None:
                     received = inputs.pop(m)

@@ -128,6 +128,19 @@ def test_a_drift_moves_blocks_and_the_update_stays_exact(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_each_stage_trains_in_its_rank_s_precision(tmp_path):
+    """`device_precision=["32-true", "bf16-mixed"]`: rank 1's stage computes under bf16 autocast (its blocks end
+    near one process's, not equal to them), rank 0's in fp32; the boundary carries fp32 both ways."""
+    ranks = run_pipeline(tmp_path, "--boundaries", "3", "--steps", "4", "--device-precision", "32-true,bf16-mixed")
+    reference = one_process("sgd", 4, 12)
+    stage_0 = {n: t for n, t in ranks[1].items() if n.startswith("net.")}  # rank 1 runs stage 0 (blocks 0-2)
+    assert sorted({n.split(".")[1] for n in stage_0}) == ["0", "1", "2"]
+    differences = [(t - reference[n]).abs().max().item() for n, t in stage_0.items()]
+    assert 1e-6 < max(differences) < 5e-3, differences
+    assert largest_difference(reference, ranks) < 5e-3
+
+
+@pytest.mark.multiprocess
 def test_the_monitor_logs_each_stage_s_times(tmp_path):
     """HeteroMonitor under a pipeline: every step's compute and wait per stage and the balance, in the CSV."""
     run_pipeline(tmp_path, "--boundaries", "3", "--steps", "6", "--monitor")

@@ -113,6 +113,7 @@ def main() -> None:
     parser.add_argument("--speed-schedule", help="JSON {step: speeds}: emulated speeds that drift")
     parser.add_argument("--rebalance-window", type=int, default=20)
     parser.add_argument("--monitor", action="store_true", help="HeteroMonitor with a CSVLogger in OUT/logs")
+    parser.add_argument("--device-precision", help="comma-separated, one per rank")
     args = parser.parse_args()
     seed_everything(1, verbose=False)
     model = ChainModel(args.optimizer, args.container, args.kill, args.width)
@@ -134,7 +135,8 @@ def main() -> None:
         callbacks.append(ModelCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=args.save_every, save_top_k=-1))
     # (--stages 0: data parallel, no pipeline, as a reference)
     strategy = HeteroStrategy(pipeline=pipeline if args.stages else None, emulate_speeds=speeds,
-                              peer_timeout=args.peer_timeout, rebalance_window=args.rebalance_window)  # fmt: skip
+                              peer_timeout=args.peer_timeout, rebalance_window=args.rebalance_window,
+                              device_precision=args.device_precision.split(",") if args.device_precision else None)
     trainer = Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
                       enable_checkpointing=args.checkpointing or bool(callbacks), callbacks=callbacks,
                       logger=logger, enable_progress_bar=False,
