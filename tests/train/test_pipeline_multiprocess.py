@@ -22,6 +22,8 @@ sys.path.insert(0, str(REPO / "tests" / "workers"))
 
 from pipeline_fit import WIDTH, ChainModel, dataset  # noqa: E402
 
+from lightning_hetero.recover.stopping import EXIT_CODE_INTERRUPTED  # noqa: E402
+
 WORKER = REPO / "tests" / "workers" / "pipeline_fit.py"
 
 
@@ -212,6 +214,32 @@ def test_a_pipeline_mistake_stops_every_rank_with_the_message(tmp_path, argument
     assert code != 0
     assert output.count(message) == ranks, output[-3000:]
     assert time.monotonic() - started < 90
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize("signalled_rank", [0, 1])
+def test_sigterm_to_a_stage_stops_every_rank_with_the_interrupted_exit_code(tmp_path, signalled_rank):
+    """SIGTERM to the last stage (rank 0) or the first (rank 1) mid-training: every rank stops with 143 (the ranks
+    agree at a step boundary, outside the schedule's sends and receives), none waits for the other."""
+    command = [sys.executable, str(WORKER), "--out", str(tmp_path), "--boundaries", "3", "--steps", "100000",
+               "--signal-test"]  # fmt: skip
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})  # fmt: skip
+    try:
+        pid_file = tmp_path / f"pid_rank{signalled_rank}"
+        deadline = time.monotonic() + 120
+        while not (pid_file.exists() and pid_file.read_text()) and process.poll() is None:
+            assert time.monotonic() < deadline, "training did not start"
+            time.sleep(0.1)
+        os.kill(int(pid_file.read_text()), signal.SIGTERM)
+        output, _ = process.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    codes = {r: (tmp_path / f"exit_rank{r}").read_text() for r in range(2) if (tmp_path / f"exit_rank{r}").exists()}
+    assert process.returncode != 0, output[-3000:]
+    assert codes.get(1) == str(EXIT_CODE_INTERRUPTED), (codes, output[-3000:])
+    assert codes.get(0, str(EXIT_CODE_INTERRUPTED)) == str(EXIT_CODE_INTERRUPTED), codes
 
 
 @pytest.mark.fault

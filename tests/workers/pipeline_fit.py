@@ -42,6 +42,7 @@ class ChainModel(LightningModule):
         super().__init__()
         self.optimizer_name = optimizer
         self.sync_dist = False
+        self.signal_dir: Path | None = None
         self.kill = kill  # "RANK:STEP[:freeze]": that rank SIGKILLs (or SIGSTOPs) itself at that step
         self.embed = nn.Linear(FEATURES, width)
         blocks = [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(BLOCKS)]
@@ -64,6 +65,8 @@ class ChainModel(LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        if self.signal_dir is not None and self.global_step == 3:  # the test signals this rank by its PID
+            (self.signal_dir / f"pid_rank{self.global_rank}").write_text(str(os.getpid()))
         if self.kill and [int(v) for v in self.kill.split(":")[:2]] == [self.global_rank, self.global_step]:
             how = signal.SIGSTOP if self.kill.endswith(":freeze") else signal.SIGKILL
             os.kill(os.getpid(), how)
@@ -114,6 +117,7 @@ def main() -> None:
     parser.add_argument("--rebalance-window", type=int, default=20)
     parser.add_argument("--monitor", action="store_true", help="HeteroMonitor with a CSVLogger in OUT/logs")
     parser.add_argument("--device-precision", help="comma-separated, one per rank")
+    parser.add_argument("--signal-test", action="store_true", help="PIDs at step 3, every rank's exit code in OUT")
     args = parser.parse_args()
     seed_everything(1, verbose=False)
     model = ChainModel(args.optimizer, args.container, args.kill, args.width)
@@ -145,7 +149,15 @@ def main() -> None:
                       val_check_interval=args.val_every or None, num_sanity_val_steps=0)  # fmt: skip
     loader = DataLoader(dataset(), batch_size=args.batch, shuffle=False)
     validation = DataLoader(dataset(), batch_size=args.batch, shuffle=False) if args.val_every else None
-    trainer.fit(model, loader, validation, ckpt_path=args.ckpt_path)
+    if args.signal_test:
+        args.out.mkdir(parents=True, exist_ok=True)
+        model.signal_dir = args.out
+    try:
+        trainer.fit(model, loader, validation, ckpt_path=args.ckpt_path)
+    except SystemExit as stop:
+        if args.signal_test:
+            (args.out / f"exit_rank{os.environ.get('LOCAL_RANK', 0)}").write_text(str(stop.code))
+        raise
     rank = trainer.global_rank
     args.out.mkdir(parents=True, exist_ok=True)
     state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
