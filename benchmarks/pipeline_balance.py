@@ -6,8 +6,9 @@
 A chain of 8 equal blocks (Linear 1024 -> 1024 and tanh) between a small embedding and head; 2 ranks, rank 1 emulated
 at 0.4 of rank 0's speed (``emulate_speeds=[1.0, 0.4]``); 1F1B, 4 micro-batches of 16 samples per step. Each pair runs
 two fits back to back (their order alternating): ``equal`` with ``boundaries=[4]`` (4 blocks per stage) and
-``placed`` without boundaries (the blocks measured on each rank and placed by the planner). Measured in each fit, from
-step 5 on:
+``placed`` without boundaries (the blocks measured on each rank and placed by the planner, then re-planned every 20
+steps from what the ranks measure). Measured in each fit over steps 25-49 (after the first re-plan point; the
+placed fit's steps 5-19, as first placed, are printed too):
 
     step        median wall time between the starts of two training steps (rank 0)
     balance     per step, the mean of the two stages' compute over the larger (1 = both stages as busy), median
@@ -29,7 +30,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results" / "pipeline_balance.json"
-WIDTH, BLOCKS, MICRO_BATCHES, MICRO_BATCH, STEPS = 1024, 8, 4, 16, 30
+WIDTH, BLOCKS, MICRO_BATCHES, MICRO_BATCH, STEPS = 1024, 8, 4, 16, 50
+REPLAN_WINDOW = 20  # HeteroStrategy's default rebalance_window: the placed fit may move blocks at steps 20 and 40
 
 
 def fit(kind: str, out: Path) -> None:
@@ -79,6 +81,7 @@ def fit(kind: str, out: Path) -> None:
     trainer.fit(Chain(), DataLoader(data, batch_size=global_batch, shuffle=True))
     pipeline_state = strategy.job.pipeline
     record = {"step_times": pipeline_state.step_times, "stage": pipeline_state.stage,
+              "replans": strategy.job.pipeline_replans,
               "boundaries": list(pipeline_state.placement.boundaries),
               "stage_ranks": list(pipeline_state.placement.ranks)}  # fmt: skip
     if trainer.global_rank == 0:
@@ -94,17 +97,21 @@ def measure(kind: str, directory: Path) -> dict[str, Any]:
         raise RuntimeError(f"the {kind} fit failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
     ranks = [json.loads((directory / f"rank{r}.json").read_text()) for r in range(2)]
     starts = ranks[0]["starts"]
-    steps = [b - a for a, b in zip(starts[5:], starts[6:])]
-    balances = []
-    for step in range(5, STEPS):
-        computes = [rank["step_times"][step][0] for rank in ranks]
-        balances.append(sum(computes) / (len(computes) * max(computes)))
+
+    def window(first: int, last: int) -> tuple[float, float]:
+        steps = [b - a for a, b in zip(starts[first:last], starts[first + 1 : last + 1])]
+        balances = []
+        for step in range(first, last):
+            computes = [rank["step_times"][step][0] for rank in ranks]
+            balances.append(sum(computes) / (len(computes) * max(computes)))
+        return 1e3 * statistics.median(steps), statistics.median(balances)
+
+    first_step, first_balance = window(5, REPLAN_WINDOW)  # as placed at the start
+    step, balance = window(REPLAN_WINDOW + 5, STEPS - 1)  # after the first re-plan point
     return {
-        "step_ms": 1e3 * statistics.median(steps),
-        "balance": statistics.median(balances),
-        "boundaries": ranks[0]["boundaries"],
-        "stage_ranks": ranks[0]["stage_ranks"],
-    }
+        "step_ms": step, "balance": balance, "first_step_ms": first_step, "first_balance": first_balance,
+        "boundaries": ranks[0]["boundaries"], "stage_ranks": ranks[0]["stage_ranks"], "replans": ranks[0]["replans"],
+    }  # fmt: skip
 
 
 def main() -> None:
@@ -124,12 +131,13 @@ def main() -> None:
         runs = {kind: measure(kind, scratch / f"pair{pair}_{kind}") for kind in order}
         ratio = runs["equal"]["step_ms"] / runs["placed"]["step_ms"]
         pairs.append({"order": order, **{k: v for k, v in runs.items()}, "equal_over_placed": ratio})
+        placed = runs["placed"]
         print(
-            f"pair {pair} ({', '.join(order)}): step ms equal {runs['equal']['step_ms']:.1f} (boundaries"
-            f" {runs['equal']['boundaries']}, balance {runs['equal']['balance']:.3f}), placed"
-            f" {runs['placed']['step_ms']:.1f} (boundaries {runs['placed']['boundaries']} on ranks"
-            f" {runs['placed']['stage_ranks']}, balance"
-            f" {runs['placed']['balance']:.3f}); equal / placed {ratio:.3f}",
+            f"pair {pair} ({', '.join(order)}): step ms equal {runs['equal']['step_ms']:.1f} (balance"
+            f" {runs['equal']['balance']:.3f}), placed {placed['step_ms']:.1f} (balance {placed['balance']:.3f};"
+            f" at the start {placed['first_step_ms']:.1f} ms, balance {placed['first_balance']:.3f}; final boundaries"
+            f" {placed['boundaries']} on ranks {placed['stage_ranks']}, re-plans {[r['step'] for r in placed['replans']]});"
+            f" equal / placed {ratio:.3f}",
             flush=True,
         )
     summary = {
