@@ -349,17 +349,32 @@ class HeteroJob:
         loader = self.sharding.requested_training_loader
         emulator = self.emulation.emulator
 
-        def check_and_measure() -> tuple[None, Optional[dict[str, Any]]]:
+        def check() -> tuple[None, None]:
             # The whole model runs here, before it is split: a chain that cannot be split fails on every rank.
             probe = first_batch(loader, 1, device, move_data_to_device)
             check_chain_order(module, blocks, names, choice.blocks, probe, device)
-            if choice.boundaries is not None:
-                return None, None
-            batch = first_batch(loader, micro_batch, device, move_data_to_device)
-            return None, measure_blocks(module, blocks, batch, micro_batch, device, emulator).to_dict()
+            return None, None
 
-        gathered = self.collectives.gather_or_raise("checking the chain of blocks", check_and_measure)[1]
-        measured = None if choice.boundaries is not None else [BlockMeasurement.from_dict(m) for m in gathered]
+        def measure() -> dict[str, Any]:
+            batch = first_batch(loader, micro_batch, device, move_data_to_device)
+            return measure_blocks(module, blocks, batch, micro_batch, device, emulator).to_dict()
+
+        self.collectives.gather_or_raise("checking the chain of blocks", check)
+        measured = None
+        if choice.boundaries is None:
+            hosts = [facts.hostname for facts in self.device_facts]
+            if len(set(hosts)) == len(hosts):  # one rank per machine: all measure at once
+                gathered = self.collectives.gather_or_raise("measuring the blocks", lambda: (None, measure()))[1]
+            else:
+                # Ranks that share a machine measure in turns: at once, they slowed each other's block times
+                # unevenly (memory bandwidth, shared cores), which misplaced a block in one run of three.
+                gathered = [
+                    self.collectives.gather_or_raise(
+                        f"measuring the blocks (rank {turn})", lambda turn=turn: (None, measure() if turn == self.rank else None)
+                    )[1][turn]
+                    for turn in range(self.world_size)
+                ]  # fmt: skip
+            measured = [BlockMeasurement.from_dict(m) for m in gathered]
         costs = block_costs(measured, len(names), self.world_size, [training_bytes(block) for block in blocks],
                             training_bytes(module) - sum(training_bytes(block) for block in blocks),
                             memory.capped_free_bytes([None] * self.world_size, self.memory_byte_ceilings))  # fmt: skip
