@@ -263,7 +263,6 @@ class HeteroJob:
                          half_precision_engine)  # fmt: skip
         profiles = self.profiles if fitting else None
         free = [p.free_bytes for p in profiles] if profiles else [f.free_memory_bytes for f in self.device_facts]
-        free = memory.capped_free_bytes(free, self.memory_byte_ceilings)
         devices = [(f.hostname, f.kind, f.index if f.kind == "cuda" else None) for f in self.device_facts]
         activations = None
         if profiles and all(p.bytes_per_sample is not None for p in profiles):
@@ -271,7 +270,9 @@ class HeteroJob:
             plan = self._plan_start(global_batch_size, allowed[0], module).plan
             largest = [max(micro_batch_sizes(b, k)) for b, k in zip(plan.batch_sizes, plan.micro_steps)]
             activations = [p.bytes_per_sample * b for p, b in zip(profiles, largest)]  # type: ignore[operator]
-        choice = choose_stage(size, self.world_size, shared_free_bytes(free, devices), activations, allowed, fitting)
+        # (an emulated ceiling is one rank's own device: applied after the host's memory is shared among its ranks)
+        room = memory.capped_free_bytes(shared_free_bytes(free, devices), self.memory_byte_ceilings)
+        choice = choose_stage(size, self.world_size, room, activations, allowed, fitting)
         if self.memory_byte_ceilings is not None and choice.spare_bytes is not None and choice.spare_bytes < 0:
             # (an emulated device that a real run would overflow: refused, as a real one would fail)
             raise ValueError(
