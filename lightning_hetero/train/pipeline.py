@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -482,10 +482,6 @@ def _sum_gradients(parameters: Sequence[nn.Parameter], group: Any) -> None:
         parameter.grad = flat[offset : offset + count].view_as(grad).clone()
         offset += count
 
-
-@contextlib.contextmanager
-def nothing_slowed() -> Iterator[None]:
-    yield
 
 
 def log_synced_over(module: nn.Module, group: Any) -> Callable[[], None]:
