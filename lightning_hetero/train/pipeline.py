@@ -370,7 +370,10 @@ class Pipeline:
                     self.link.send(grad, previous, f"micro-batch {m}'s gradient")
         self.link.flush()
         self.step_times.append((compute, time.perf_counter() - step_started - compute))
-        dist.all_reduce(total)  # the last stages' weighted losses: the global batch's loss, on every rank
+        # The last stages' weighted losses: the global batch's loss, on every rank (on the device: NCCL moves only
+        # CUDA tensors).
+        total = total.to(self.device)
+        dist.all_reduce(total)
         return total.float()
 
     def evaluation_step(self, batch: Any, forward: Callable[[Any], Any]) -> Any:
