@@ -15,6 +15,12 @@ import lightning_hetero  # noqa: F401  (registers "hetero" in Lightning's Strate
 from lightning_hetero.runtime.quiet import third_party_noise_silenced
 
 
+DESCRIPTION = (
+    "Lightning's CLI with HeteroStrategy registered (`trainer.strategy: hetero`): the subcommands below. And"
+    " `lightning-hetero plan`: plan a mixed cluster before using it (`lightning-hetero plan --help`)."
+)
+
+
 def main(args: list[str] | None = None) -> None:
     arguments = sys.argv[1:] if args is None else list(args)
     if arguments[:1] == ["plan"]:
@@ -29,7 +35,7 @@ def main(args: list[str] | None = None) -> None:
         sys.path.insert(0, os.getcwd())
     # Parsing the arguments imports DeepSpeed (through the strategy's signature) before any strategy exists.
     with third_party_noise_silenced():
-        LightningCLI(args=args, save_config_kwargs={"overwrite": True})
+        LightningCLI(args=args, save_config_kwargs={"overwrite": True}, parser_kwargs={"description": DESCRIPTION})
 
 
 if __name__ == "__main__":

@@ -132,6 +132,13 @@ def known_kinds() -> list[str]:
     return sorted(GPU_KINDS) + ["cpu"]
 
 
+def closest_kinds(name: str) -> str:
+    """The catalog's names that ``name`` starts (``A100``: both A100 kinds), else the closest one, quoted."""
+    wanted = folded_name(name)
+    starting = [n for n in known_kinds() if wanted and folded_name(n).startswith(wanted)]
+    return ", ".join(repr(n) for n in starting) if starting else repr(closest_kind(name))
+
+
 def closest_kind(name: str) -> str:
     """The catalog's name closest to ``name`` (for an error message)."""
     names = known_kinds()
@@ -147,7 +154,7 @@ def lookup(name: Any) -> DeviceKind:
         if folded_name(kind_name) == wanted:
             return kind
     raise KeyError(
-        f"unknown device kind {name!r}; the closest known kind is {closest_kind(name)!r} (known: "
+        f"unknown device kind {name!r}; the closest known kinds: {closest_kinds(name)} (known: "
         f"{', '.join(known_kinds())}; or give the figures inline: memory, memory_bandwidth, tflops)"
     )
 

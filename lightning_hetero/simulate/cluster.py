@@ -178,8 +178,15 @@ def load_cluster_text(text: str, source: str = "<cluster>") -> Cluster:
 
 
 def load_cluster(path: str) -> Cluster:
-    with open(path) as handle:
-        return load_cluster_text(handle.read(), path)
+    try:
+        with open(path) as handle:
+            text = handle.read()
+    except OSError as error:  # (a missing file was a raw traceback)
+        raise ClusterFileError(
+            f"`--cluster {path}`: {error.strerror or error}. Give the path of a cluster file (YAML; an example:"
+            " configs/cluster_example.yaml)."
+        ) from None
+    return load_cluster_text(text, path)
 
 
 class _ClusterReader:

@@ -33,6 +33,7 @@ JSON_DOC = """--json prints one object:
            largest of its micro-batches), micro_steps, precision, memory_bytes (predicted use at micro_batch),
            memory_capacity_bytes, compute_ms (its compute per optimizer step)
   step_ms: {total, compute, exchange, optimizer, overhead} (overhead: 0 unless --calibrate gives a run)
+  equal_split_step_ms: the same parts for the equal split (DDP's), on the same devices
   speedup_over_equal: the equal split's step time over this plan's
   best_homogeneous: {kind, devices, step_ms, speedup} (the fastest single-kind subset; null if none can train)
   wire: {bytes_per_step, inter_node_bytes_per_step, hierarchical, reason}

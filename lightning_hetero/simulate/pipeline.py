@@ -116,8 +116,8 @@ def describe_pipeline_prediction(result: dict[str, Any], data_parallel_ms: Optio
         line += f"; data parallelism cannot train this ({why_not}): the pipeline can"
     else:
         ratio = data_parallel_ms / result["step_ms"]
-        line += (f"; the batch split's step {data_parallel_ms:.2f} ms: the pipeline is {ratio:.2f}x"
-                 f" {'faster' if ratio >= 1 else 'slower'}")  # fmt: skip
+        faster = f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
+        line += f"; the batch split's step {data_parallel_ms:.2f} ms: the pipeline is {faster}"
     lines.append(line)
     return lines
 

@@ -9,6 +9,18 @@ from typing import Any
 GIB = 1024**3
 
 
+def _faster_or_slower(speedup: float) -> str:
+    """``1.16x faster`` / ``1.16x slower``: a ratio below 1 said as its inverse ("0.86x slower" read wrong)."""
+    return f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
+
+
+def _size(value: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if value >= size:
+            return f"{value / size:.1f} {unit}"
+    return f"{value:.0f} B"
+
+
 def _rows(devices: list[dict[str, Any]]) -> list[str]:
     header = f"{'devices':>8}  {'kind':<16} {'node':>4}  {'precision':<10} {'micro-batch':>11} {'micro-steps':>11}"
     header += f"  {'memory GiB (use / has)':>22}  {'compute ms':>10}"
@@ -50,7 +62,7 @@ def _section(result: dict[str, Any]) -> list[str]:
     else:
         lines.append(
             f"best homogeneous subset: the {best['devices']} x {best['kind']} alone, {_step(best['step_ms'])}:"
-            f" the whole cluster is {best['speedup']:.2f}x {'faster' if best['speedup'] >= 1 else 'slower'}"
+            f" the whole cluster is {_faster_or_slower(best['speedup'])}"
         )
     wire = result["wire"]
     lines.append(
@@ -63,7 +75,7 @@ def _section(result: dict[str, Any]) -> list[str]:
 def render_result(result: dict[str, Any], workload: Any) -> str:
     lines = [
         f"model {workload.name}: {workload.parameters:,} parameters, {workload.flops_per_sample / 1e6:.2f} MFLOP per"
-        f" sample (forward + backward), {workload.activation_bytes_per_sample / 1e3:.1f} kB of activations per sample;"
+        f" sample (forward + backward), {_size(workload.activation_bytes_per_sample)} of activations per sample;"
         f" this CPU reached {workload.here_efficiency:.0%} of its fp32 peak ({workload.here_kind.source})",
         "",
         "the cluster as described:",
@@ -76,7 +88,7 @@ def render_result(result: dict[str, Any], workload: Any) -> str:
             "",
             "what if:",
             *_section(what_if),
-            f"the what-if's step is {change:.2f}x {'faster' if change >= 1 else 'slower'} than the cluster's as"
+            f"the what-if's step is {_faster_or_slower(change)} than the cluster's as"
             " described",
         ]
     return "\n".join(lines)

@@ -88,7 +88,7 @@ def test_the_tables_show_the_plan_the_step_and_the_speedups(cluster_file, capsys
     [
         (["--drop", "T4"], "`--drop T4`: the cluster has no device of that kind"),
         (["--add", "H100"], "`--add H100` must be KIND:N"),
-        (["--add", "H10:2"], "unknown device kind 'H10'; the closest known kind is 'H100'"),
+        (["--add", "H10:2"], "unknown device kind 'H10'; the closest known kinds: 'H100'"),
         (["--compression", "topk", "--stage", "2"], "`compression='topk'` needs `stage=0`"),
         (["--init-args", "{hidden: 3}"], "`--init-args {hidden: 3}` is not JSON"),
         (["--init-args", "[3]"], "`--init-args [3]` must be a JSON object"),
@@ -191,3 +191,26 @@ def test_a_pipeline_is_planned_beside_the_batch_split(tmp_path, capsys, monkeypa
     assert code == 0 and "pipeline: 2 stages x 2 pipeline(s), 1f1b" in out and "the batch split's step" in out
     code, _, err = run(["--cluster", str(path), *chain[:4], "--pipeline-blocks", "layers"], capsys)
     assert code == 2 and "`blocks` 'layers': SpiralChain has no attribute 'layers'" in err
+
+
+def test_a_missing_cluster_file_exits_2_naming_it(tmp_path, capsys):
+    code, _, err = run(["--cluster", str(tmp_path / "nowhere.yaml"), *MODEL], capsys)
+    assert code == 2
+    assert f"`--cluster {tmp_path / 'nowhere.yaml'}`: No such file or directory" in err and "Traceback" not in err
+
+
+def test_an_ambiguous_kind_names_every_kind_it_starts(cluster_file, capsys):
+    code, _, err = run(["--cluster", cluster_file, *MODEL, "--add", "A100:2"], capsys)
+    assert code == 2 and "the closest known kinds: 'A100-40GB', 'A100-80GB'" in err
+
+
+def test_the_json_keys_are_documented_in_the_help(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--help"])
+    assert "equal_split_step_ms" in capsys.readouterr().out
+
+
+def test_the_cli_help_names_the_planner(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert "lightning-hetero plan --help" in capsys.readouterr().out
