@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from lightning_hetero.emulate.slowdown import SlowdownEmulator, compute_clock
 from lightning_hetero.measure.profiler import (
     MEMORY_HEADROOM,
+    DistinctSavedBytes,
     loss_of,
     preserved_training_state,
     training_step_in_isolation,
@@ -79,8 +80,13 @@ def measure_blocks(
         saved_now = [0] * (count + 1)
         handles = []
 
+        counter = DistinctSavedBytes()
+
         def pack(tensor: Tensor) -> Tensor:
-            saved_now[current[0]] += tensor.numel() * tensor.element_size()
+            # Each storage once (an in-place output the next block saves too), to the block that saved it first.
+            before_bytes = counter.bytes
+            counter.pack(tensor)
+            saved_now[current[0]] += counter.bytes - before_bytes
             return tensor
 
         for index, block in enumerate(blocks):

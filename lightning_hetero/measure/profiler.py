@@ -215,6 +215,31 @@ def preserved_training_state(module: nn.Module, device: torch.device) -> Iterato
             submodule.training = training
 
 
+class DistinctSavedBytes:
+    """What autograd keeps for the backward, each storage once: an in-place ReLU's output, which the next layer also
+    saves, and views and aliases of one tensor are one allocation (counting every saved tensor counted ResNet-50's
+    124.3 MiB per sample against 81.9 MiB distinct). Used as ``saved_tensors_hooks(counter.pack, counter.unpack)``."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._seen: set[int] = set()
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        try:
+            storage = tensor.untyped_storage()
+            key, size = storage.data_ptr(), storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # (a tensor without a plain storage: counted as itself)
+            key, size = id(tensor), tensor.numel() * tensor.element_size()
+        if key not in self._seen:
+            self._seen.add(key)
+            self.bytes += size
+        return tensor
+
+    @staticmethod
+    def unpack(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+
 def loss_of(output: Any) -> Optional[torch.Tensor]:
     if isinstance(output, torch.Tensor):
         return output
@@ -264,18 +289,14 @@ def profile_training_step(
     automatic = getattr(module, "automatic_optimization", True)
 
     def time_one_step(size: int) -> float:
-        bytes_saved = [0]
-
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            bytes_saved[0] += tensor.numel() * tensor.element_size()
-            return tensor
+        saved = DistinctSavedBytes()
 
         synchronize()
         begin, compute_begin = time.perf_counter(), clock()
         slept_before = emulator.added_seconds if emulator is not None else 0.0
         if time_batch_assembly or size not in batches:
             batches[size] = make_batch(size)  # not slowed: loading runs on the host, whatever the device
-        with slowed(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with slowed(), torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
             with autocast():
                 loss = loss_of(module.training_step(batches[size], 0))
             if automatic and loss is not None and loss.requires_grad:
@@ -284,7 +305,7 @@ def profile_training_step(
         wall, compute = time.perf_counter() - begin, clock() - compute_begin
         slept = (emulator.added_seconds if emulator is not None else 0.0) - slept_before
         module.zero_grad(set_to_none=True)
-        saved_bytes[size] = float(bytes_saved[0])
+        saved_bytes[size] = float(saved.bytes)
         # This rank's own compute (never longer than the wall time) plus the emulated slowdown: time spent waiting
         # for a CPU core that other processes hold is not this device's speed.
         return min(compute, wall - slept) + slept
