@@ -41,6 +41,7 @@ from lightning_hetero.plan.deepspeed_config import (
     with_cpu_zero_settings,
 )
 from lightning_hetero.plan.replan import DEFAULT_THRESHOLD, DEFAULT_WINDOW
+from lightning_hetero.plan.stages import check_pipeline_config
 from lightning_hetero.plan.zero_stage import resume_stage_mismatch
 from lightning_hetero.precision.job import attach_to_engine
 from lightning_hetero.precision.nonfinite import DEFAULT_MAX_NONFINITE_STEPS
@@ -206,6 +207,8 @@ class HeteroStrategy(DeepSpeedStrategy):
             settings.reconcile_user_config(self.config, kwargs)
         # No stage named: setup chooses the lowest that fits (plan/zero_stage.py); a config's stage is the user's.
         self._automatic_stages = None if user_config else settings.automatic_stages(kwargs)
+        if settings.pipeline is not None:
+            check_pipeline_config(self.config)
         check_exchange(settings.compression, settings.hierarchical, self._zero_stage(), self.config)
         self.settings = settings
         self.job = HeteroJob(settings)

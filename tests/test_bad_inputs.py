@@ -106,6 +106,10 @@ CONSTRUCTOR = [
     ({"pipeline": {"stages": 2, "blocks": "net"}, "batch_sizes": [4, 4]}, "(pipeline=..., batch_sizes=[4, 4]): not"),
     ({"pipeline": {"stages": 2, "blocks": "net"}, "sync": "diloco"}, "(pipeline=..., sync='diloco'): not with a"),
     ({"pipeline": {"stages": 2, "blocks": "net"}, "compression": "fp16"}, "(pipeline=..., compression='fp16')"),
+    ({"pipeline": {"stages": 2, "blocks": "net"}, "config": {"zero_optimization": {"stage": 2}}},
+     "a DeepSpeed config that sets `zero_optimization.stage=2`"),
+    ({"pipeline": {"stages": 2, "blocks": "net"}, "offload_optimizer": True},
+     "a DeepSpeed config that sets `zero_optimization.offload_optimizer`"),
 ]
 
 DEEPSPEED_CONFIG = [

@@ -350,6 +350,20 @@ def pipeline_argument_refusal(**arguments: Any) -> Optional[str]:
     return None
 
 
+def check_pipeline_config(config: Mapping[str, Any]) -> None:
+    """A DeepSpeed config (the user's, or the one ``stage``/``offload_*`` made) that a pipeline cannot run: each
+    stage holds its blocks whole, at ZeRO-0, without offloading. Raised in the constructor."""
+    zero = config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
+    offloaded = [key for key in ("offload_optimizer", "offload_param") if isinstance(zero, Mapping) and zero.get(key)]
+    if stage or offloaded:
+        what = f"`zero_optimization.stage={stage}`" if stage else f"`zero_optimization.{offloaded[0]}`"
+        raise ValueError(
+            f"HeteroStrategy(pipeline=...) with a DeepSpeed config that sets {what}: each stage holds its blocks"
+            " whole (ZeRO-0, nothing offloaded) for now. Leave the stage and offloading out of the config."
+        )
+
+
 def pipeline_job_refusal(
     precision: str, gradient_clip_val: Any, accumulate_grad_batches: int, automatic_optimization: bool,
     evaluating: bool,
