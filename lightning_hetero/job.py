@@ -102,6 +102,8 @@ class HeteroJob:
         self.local: Optional[LocalTraining] = None  # local SGD / DiLoCo (train/local_sgd.py)
         self.pipeline: Optional[Pipeline] = None  # the model split into stages (train/pipeline.py), from join()
         self._pipeline_samples = 0
+        self._pipeline_global_samples = 0
+        self._pipeline_replan_blocked = False
         self._pipeline_replan: Optional[tuple] = None
         self._pipeline_placed_at = 0
         self.pipeline_replans: list[dict[str, Any]] = []
@@ -452,8 +454,17 @@ class HeteroJob:
         predicted = stage_seconds_under(costs, own)[pipeline.stage] * pipeline.shares[pipeline.replica]
         factor = statistics.median(recent) / predicted if recent and predicted > 0 else None
         factors = self.collectives.gather_objects(factor)
-        if any(f is None for f in factors) or len(optimizer.param_groups) != 1:
-            return  # (too few steps under this placement yet; several parameter groups: see train/pipeline.py)
+        if any(f is None for f in factors):
+            return  # (too few steps under this placement yet)
+        if len(optimizer.param_groups) != 1:
+            if not self._pipeline_replan_blocked:
+                self._pipeline_replan_blocked = True
+                rank_zero_warn(
+                    f"HeteroStrategy(pipeline=...): the optimizer has {len(optimizer.param_groups)} parameter groups;"
+                    " blocks stay where they were placed (a moved block's parameters would not know their group)."
+                    " Pass `rebalance=False` to silence this, or use one parameter group."
+                )
+            return
         layout = pipeline.layout
         slots = [max(factors[layout.rank_of(p, s)] for p in range(layout.replicas)) for s in range(layout.stages)]
         by_rank = [0.0] * layout.stages
@@ -480,7 +491,7 @@ class HeteroJob:
         self._move_blocks_if_due(global_step, optimizer)
         samples = self._pipeline_samples
         reduction = self.settings.loss_reduction
-        global_batch = pipeline.global_batch
+        global_batch = self._pipeline_global_samples or pipeline.global_batch  # (the last batch may be short)
 
         def weight_of(micro_batch_samples: int) -> float:
             return micro_batch_samples / global_batch if reduction == "mean" else 1.0
@@ -683,7 +694,8 @@ class HeteroJob:
         return loader
 
     def _pipeline_batch(self, local_samples: int, global_samples: int) -> None:
-        self._pipeline_samples = local_samples  # (this pipeline's samples of the batch in hand)
+        # This pipeline's samples of the batch in hand, and the global batch's (short at an epoch's end).
+        self._pipeline_samples, self._pipeline_global_samples = local_samples, global_samples
 
     def training_batch(self, local_samples: int, global_samples: int) -> None:
         self.loss_weights.training_batch(local_samples, global_samples)

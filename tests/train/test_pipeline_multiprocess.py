@@ -33,9 +33,10 @@ def one_process(optimizer: str, steps: int, global_batch: int, width: int = WIDT
     model = ChainModel(optimizer, width=width)
     (opt,) = [model.configure_optimizers()]
     x, y = dataset().tensors
+    epoch = [(start, min(start + global_batch, len(x))) for start in range(0, len(x), global_batch)]
     for step in range(steps):
-        start = (step * global_batch) % len(x)
-        loss = torch.nn.functional.mse_loss(model(x[start : start + global_batch]), y[start : start + global_batch])
+        start, end = epoch[step % len(epoch)]  # (an epoch's last batch is short when the batch does not divide it)
+        loss = torch.nn.functional.mse_loss(model(x[start:end]), y[start:end])
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -167,6 +168,14 @@ def test_a_faster_pipeline_takes_more_of_the_batch_and_the_update_stays_exact(tm
     assert sum(shares) == 24 and shares[0] > 12 > shares[1]
     ranks = [torch.load(path) for path in sorted((tmp_path / "out").glob("rank*.pt"))]
     assert largest_difference(one_process("adam", 4, 24), ranks) <= 1e-5
+
+
+@pytest.mark.multiprocess
+def test_an_epoch_s_short_last_batch_is_weighted_by_its_own_size(tmp_path):
+    """96 samples in batches of 10: the tenth step has 6. Its micro-batches' losses are weighted by 6, not 10: 11
+    SGD steps (into the next epoch) equal one process's."""
+    ranks = run_pipeline(tmp_path, "--boundaries", "3", "--steps", "11", "--batch", "10")
+    assert largest_difference(one_process("sgd", 11, 10), ranks) <= 1e-5
 
 
 CASES = [
