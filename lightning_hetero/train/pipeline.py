@@ -80,6 +80,13 @@ def find_chain(module: nn.Module, path: str) -> tuple[nn.Module, list[str]]:
 def check_chain_shape(module: nn.Module, choice: PipelineChoice) -> tuple[nn.Module, list[str]]:
     """The chain exists, and ``stages`` and ``boundaries`` fit its blocks; checked before any collective."""
     chain, names = find_chain(module, choice.blocks)
+    elsewhere = [name for name in names if isinstance(chain._modules[name], ElsewhereBlock)]
+    if elsewhere:
+        raise ValueError(
+            f"HeteroStrategy(pipeline=...): `{choice.blocks}` was split by an earlier pipeline fit on this rank (blocks"
+            f" {elsewhere[:5]} are held elsewhere): build the model again for another fit, or load a pipeline"
+            " checkpoint into a whole model with `lightning_hetero.recover.pipeline_state.whole_model_state(path)`."
+        )
     if choice.stages > len(names):
         raise ValueError(
             f"HeteroStrategy(pipeline=...): `stages` {choice.stages} is more than the {len(names)} blocks of"

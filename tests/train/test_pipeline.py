@@ -205,3 +205,11 @@ def test_a_header_describes_what_arrives(tensor):
 def test_a_tensor_that_cannot_travel_is_named():
     with pytest.raises(ValueError, match="dtype torch.complex64"):
         header_of(torch.zeros(2, dtype=torch.complex64))
+
+
+def test_a_model_split_by_an_earlier_fit_is_refused_for_another():
+    model = Model()
+    chain, names = find_chain(model, "net")
+    StageOfChain(chain, names, range(0, 2), 0, 2, "net").install()
+    with pytest.raises(ValueError, match=r"was split by an earlier pipeline fit on this rank \(blocks \['2', '3', '4'\]"):
+        check_chain_shape(model, PipelineChoice(2, "net"))
