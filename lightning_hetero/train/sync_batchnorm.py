@@ -151,14 +151,7 @@ def convert_batchnorms(module: nn.Module, all_reduce: AllReduce = _sum_over_rank
         converted = SampleWeightedSyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
                                                 module.track_running_stats, all_reduce)  # fmt: skip
         converted.replaced = type(module)
-        if module.affine:
-            with torch.no_grad():
-                converted.weight = module.weight
-                converted.bias = module.bias
-        converted.running_mean = module.running_mean
-        converted.running_var = module.running_var
-        converted.num_batches_tracked = module.num_batches_tracked
-        converted.training = module.training
+        _take_tensors(converted, module)
         if hasattr(module, "qconfig"):
             converted.qconfig = module.qconfig
     for name, child in module.named_children():
@@ -166,19 +159,24 @@ def convert_batchnorms(module: nn.Module, all_reduce: AllReduce = _sum_over_rank
     return converted
 
 
+def _take_tensors(target: nn.Module, source: nn.Module) -> None:
+    """``target`` (a BatchNorm of the other class) holds ``source``'s very tensors and mode: nothing is copied."""
+    if source.affine:
+        with torch.no_grad():
+            target.weight = source.weight
+            target.bias = source.bias
+    target.running_mean = source.running_mean
+    target.running_var = source.running_var
+    target.num_batches_tracked = source.num_batches_tracked
+    target.training = source.training
+
+
 def revert_batchnorms(module: nn.Module) -> nn.Module:
     """:func:`convert_batchnorms` undone: each layer back to its own class, with the same tensors."""
     reverted = module
     if isinstance(module, SampleWeightedSyncBatchNorm):
         reverted = module.replaced(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
-        if module.affine:
-            with torch.no_grad():
-                reverted.weight = module.weight
-                reverted.bias = module.bias
-        reverted.running_mean = module.running_mean
-        reverted.running_var = module.running_var
-        reverted.num_batches_tracked = module.num_batches_tracked
-        reverted.training = module.training
+        _take_tensors(reverted, module)
     for name, child in module.named_children():
         reverted.add_module(name, revert_batchnorms(child))
     return reverted
