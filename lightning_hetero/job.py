@@ -393,7 +393,7 @@ class HeteroJob:
         settings = self.settings
         # Blocks follow what the ranks measure, as the batch split does: on when placed by measurement, unless off.
         self._pipeline_replan = (choice.boundaries is None and settings.rebalance is not False, costs,
-                                 replica_batch, micro_batches, micro_batch)  # fmt: skip
+                                 micro_batches, micro_batch)  # fmt: skip
         self._pipeline_placed_at = 0
         if self.rank == 0:
             described = describe_pipeline(placement, names, choice, replicas, micro_batches, micro_batch, measured,
@@ -446,7 +446,7 @@ class HeteroJob:
         window = self.settings.rebalance_window
         if replan is None or not replan[0] or global_step == 0 or global_step % window or self.world_size == 1:
             return
-        enabled, costs, _, micro_batches, micro_batch = replan
+        enabled, costs, micro_batches, micro_batch = replan
         first = max(global_step - window, self._pipeline_placed_at + 2)
         recent = [compute for compute, _ in pipeline.step_times[first:global_step]]
         stages = pipeline.layout.stages
@@ -683,7 +683,7 @@ class HeteroJob:
             pipeline = self.pipeline
             listeners = BatchListeners(self._pipeline_batch, self.loss_weights.evaluation_batch,
                                        self.loss_weights.forget_evaluation_batch, lambda: None)  # fmt: skip
-            split = pipeline.replica_batch_sizes(pipeline.global_batch)
+            split = pipeline.replica_batch_sizes()
             evaluation = [loader_batch_size(dataloader) or 1] * pipeline.replicas
             return self.sharding.shard(dataloader, trainer, split, self.collectives, pipeline.replica, listeners,
                                        evaluation_split=evaluation)  # fmt: skip

@@ -358,22 +358,20 @@ class HeteroStrategy(DeepSpeedStrategy):
                 global_batch_size, module, fitting, self._automatic_stages, half
             )
         self.job.configure_communication(self.config)
-        if self.job.pipeline is not None:
-            # (only fit reaches here: check_pipeline_job refused the others)
+        pipeline = self.job.pipeline is not None  # (only fit reaches here then: check_pipeline_job refused the rest)
+        if pipeline:
             micro_batch = self.job.start_pipeline(global_batch_size, module, self.root_device)
-            self.config["train_micro_batch_size_per_gpu"] = micro_batch
-            super()._format_config()
-            self.config = rank_config(self.config, micro_batch)
-            return
-        if fitting:
-            self.job.start_the_split(global_batch_size, self._zero_stage(), module)
-        self.config["train_micro_batch_size_per_gpu"] = self.job.split.micro_batch
+        else:
+            if fitting:
+                self.job.start_the_split(global_batch_size, self._zero_stage(), module)
+            micro_batch = self.job.split.micro_batch
+        self.config["train_micro_batch_size_per_gpu"] = micro_batch
         super()._format_config()
-        self.config = rank_config(self.config, self.job.split.micro_batch)
+        self.config = rank_config(self.config, micro_batch)
         lines = config_disagreements(self.job.collectives.gather_objects(self.config))
         if lines:
             raise ValueError(disagreement_message(lines))
-        if fitting:
+        if fitting and not pipeline:  # (a pipeline printed its own plan)
             self.job.write_plan(trainer, self.config)
 
     @contextlib.contextmanager

@@ -259,12 +259,10 @@ class Pipeline:
     def is_last(self) -> bool:
         return self.stage == self.choice.stages - 1
 
-    def replica_batch_sizes(self, global_batch: int) -> list[int]:
-        """Each pipeline's share of the global batch: by measured throughput (:attr:`shares`), else equal."""
-        assert self.layout is not None
-        if self.shares and sum(self.shares) == global_batch:
-            return list(self.shares)
-        return micro_batch_sizes(global_batch, self.layout.replicas)
+    def replica_batch_sizes(self) -> list[int]:
+        """Each pipeline's share of the global batch (:attr:`shares`, set by the plan)."""
+        assert self.shares, "the plan sets the pipelines' shares before any loader is cut"
+        return list(self.shares)
 
     def install(self, module: nn.Module, placement: StagePlacement, replicas: int, global_batch: int) -> None:
         """Keep this rank's stage of the chain; build the groups (every rank, the same calls in the same order)."""
