@@ -115,6 +115,27 @@ def run_bounded(
     return process.returncode, output
 
 
+def sigterm_mid_training(command: list[str], out: Path, rank: int, ranks: int) -> tuple[int, str, dict[int, str]]:
+    """Start ``command`` (a worker that writes ``pid_rank<r>`` into ``out`` once training runs and ``exit_rank<r>``
+    as it exits), SIGTERM rank ``rank`` by its PID, and return the job's exit code, its output and every rank's
+    recorded exit code. Bounded: 120 s to start training, 60 s to stop; the process group is killed after."""
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})  # fmt: skip
+    try:
+        pid_file = out / f"pid_rank{rank}"
+        deadline = time.monotonic() + 120
+        while not (pid_file.exists() and pid_file.read_text()) and process.poll() is None:
+            assert time.monotonic() < deadline, "training did not start"
+            time.sleep(0.1)
+        os.kill(int(pid_file.read_text()), signal.SIGTERM)
+        output, _ = process.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    codes = {r: (out / f"exit_rank{r}").read_text() for r in range(ranks) if (out / f"exit_rank{r}").exists()}
+    return process.returncode, output, codes
+
+
 class WarmRanks:
     """The client of tests/workers/warm_ranks.py: one server per pytest session, started at the first job that asks
     for it and stopped (by PID) when the session ends."""

@@ -6,14 +6,10 @@ numerically with :func:`reference_training`, which never touches Lightning or De
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -30,7 +26,7 @@ from common import (  # noqa: E402
     max_param_difference,
     reference_training,
 )
-from conftest import REPO, WORKERS, run_fit  # noqa: E402
+from conftest import WORKERS, run_fit, sigterm_mid_training  # noqa: E402
 
 from lightning_hetero import save_as_lightning_checkpoint  # noqa: E402
 from lightning_hetero.recover.stopping import EXIT_CODE_INTERRUPTED  # noqa: E402
@@ -338,26 +334,12 @@ def test_sigterm_to_any_rank_stops_every_rank_with_a_non_zero_exit_code(devices,
     """SIGTERM mid-training made both ranks exit 0 (to rank 0) although the fit had not finished."""
     command = [sys.executable, str(WORKERS / "fit.py"), "--out", str(tmp_path), "--devices", str(devices)]
     command += ["--batch-sizes", *map(str, BATCH_SIZES[:devices]), "--max-epochs", "100000", "--signal-test"]
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})  # fmt: skip
-    try:
-        pid_file = tmp_path / f"pid_rank{signalled_rank}"
-        deadline = time.monotonic() + 120
-        while not (pid_file.exists() and pid_file.read_text()) and process.poll() is None:
-            assert time.monotonic() < deadline, "training did not start"
-            time.sleep(0.1)
-        os.kill(int(pid_file.read_text()), signal.SIGTERM)
-        output, _ = process.communicate(timeout=60)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-    codes = {rank: (tmp_path / f"exit_rank{rank}").read_text() for rank in range(devices)
-             if (tmp_path / f"exit_rank{rank}").exists()}  # fmt: skip
+    returncode, output, codes = sigterm_mid_training(command, tmp_path, signalled_rank, devices)
     assert "result.json" not in os.listdir(tmp_path)  # the fit did not finish
     if devices == 1:
-        assert process.returncode == EXIT_CODE_INTERRUPTED, output[-3000:]
+        assert returncode == EXIT_CODE_INTERRUPTED, output[-3000:]
         return
-    assert process.returncode != 0, output[-3000:]
+    assert returncode != 0, output[-3000:]
     # Every rank that recorded its exit stopped with 143; rank 0 may instead be killed by Lightning's launcher (-9)
     # when it sees rank 1 exit non-zero first: never 0 either way.
     assert codes.get(1) == str(EXIT_CODE_INTERRUPTED), (codes, output[-3000:])

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, run_bounded
+from conftest import REPO, run_bounded, sigterm_mid_training
 from lightning.pytorch import seed_everything
 
 sys.path.insert(0, str(REPO / "tests" / "workers"))
@@ -232,21 +232,8 @@ def test_sigterm_to_a_stage_stops_every_rank_with_the_interrupted_exit_code(tmp_
     agree at a step boundary, outside the schedule's sends and receives), none waits for the other."""
     command = [sys.executable, str(WORKER), "--out", str(tmp_path), "--boundaries", "3", "--steps", "100000",
                "--signal-test"]  # fmt: skip
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})  # fmt: skip
-    try:
-        pid_file = tmp_path / f"pid_rank{signalled_rank}"
-        deadline = time.monotonic() + 120
-        while not (pid_file.exists() and pid_file.read_text()) and process.poll() is None:
-            assert time.monotonic() < deadline, "training did not start"
-            time.sleep(0.1)
-        os.kill(int(pid_file.read_text()), signal.SIGTERM)
-        output, _ = process.communicate(timeout=60)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-    codes = {r: (tmp_path / f"exit_rank{r}").read_text() for r in range(2) if (tmp_path / f"exit_rank{r}").exists()}
-    assert process.returncode != 0, output[-3000:]
+    returncode, output, codes = sigterm_mid_training(command, tmp_path, signalled_rank, 2)
+    assert returncode != 0, output[-3000:]
     assert codes.get(1) == str(EXIT_CODE_INTERRUPTED), (codes, output[-3000:])
     assert codes.get(0, str(EXIT_CODE_INTERRUPTED)) == str(EXIT_CODE_INTERRUPTED), codes
 
