@@ -350,6 +350,11 @@ class HeteroJob:
         chain, names = check_chain_shape(module, choice)
         blocks = [chain._modules[name] for name in names]
         loader = self.sharding.requested_training_loader
+        if is_stream(loader):  # (every rank has the same loader: every rank raises)
+            raise ValueError(
+                "HeteroStrategy(pipeline=...) with an IterableDataset: every stage of a pipeline must take the same"
+                " samples, which a stream per rank cannot give. Use a map-style Dataset (with `__getitem__`)."
+            )
         emulator = self.emulation.emulator
 
         def check() -> tuple[None, None]:

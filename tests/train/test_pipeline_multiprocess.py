@@ -212,6 +212,7 @@ SETUP = [
     (["--devices", "3"], 3, "3 ranks cannot form pipelines of `stages` 2; use a number of ranks that is a multiple"),
     (["--stages", "2", "--boundaries", "6"], 2, "`boundaries` [6] must increase strictly, each between 1 and 5"),
     (["--container", "twice"], 2, "`training_step` runs block '1' more than once"),
+    (["--iterable"], 2, "HeteroStrategy(pipeline=...) with an IterableDataset: every stage of a pipeline must take"),
 ]
 
 

@@ -86,6 +86,14 @@ class ChainModel(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
 
+class Stream(torch.utils.data.IterableDataset):
+    def __init__(self, samples: TensorDataset) -> None:
+        self.samples = samples
+
+    def __iter__(self):
+        return iter(self.samples)
+
+
 class Losses:
     def __init__(self) -> None:
         self.values: list[float] = []
@@ -118,6 +126,7 @@ def main() -> None:
     parser.add_argument("--monitor", action="store_true", help="HeteroMonitor with a CSVLogger in OUT/logs")
     parser.add_argument("--device-precision", help="comma-separated, one per rank")
     parser.add_argument("--signal-test", action="store_true", help="PIDs at step 3, every rank's exit code in OUT")
+    parser.add_argument("--iterable", action="store_true", help="train on an IterableDataset")
     args = parser.parse_args()
     seed_everything(1, verbose=False)
     model = ChainModel(args.optimizer, args.container, args.kill, args.width)
@@ -147,7 +156,8 @@ def main() -> None:
                       default_root_dir=str(args.out),
                       enable_model_summary=False, limit_val_batches=2 if args.val_every else 0,
                       val_check_interval=args.val_every or None, num_sanity_val_steps=0)  # fmt: skip
-    loader = DataLoader(dataset(), batch_size=args.batch, shuffle=False)
+    data = Stream(dataset()) if args.iterable else dataset()
+    loader = DataLoader(data, batch_size=args.batch, shuffle=False)
     validation = DataLoader(dataset(), batch_size=args.batch, shuffle=False) if args.val_every else None
     if args.signal_test:
         args.out.mkdir(parents=True, exist_ok=True)
