@@ -37,6 +37,9 @@ class DeviceKind:
     speed: float = 1.0  # an extra factor on the rate (emulated slowdowns, throttled parts)
     source: str = ""
     cpu: Optional[tuple[int, str, float]] = None  # a CPU's cores, ISA and GHz
+    # The fraction of the memory bandwidth a training step's memory-bound kernels reach (the roofline's slope);
+    # None: DEFAULT_BANDWIDTH_EFFICIENCY. Fitted to published training speeds (BANDWIDTH_EFFICIENCY_SOURCE).
+    bandwidth_efficiency: Optional[float] = None
 
     def facts(self) -> DeviceFacts:
         """The facts :func:`best_precision` reads, so the simulator chooses precisions exactly as a run would."""
@@ -56,7 +59,7 @@ class DeviceKind:
         return self.peak_flops.get(precision) or self.peak_flops[FP32]
 
 
-def _gpu(name, memory_gib, bandwidth_gbs, fp32, fp16, bf16, source) -> DeviceKind:
+def _gpu(name, memory_gib, bandwidth_gbs, fp32, fp16, bf16, source, bandwidth_efficiency=None) -> DeviceKind:
     peaks = {FP32: fp32 * TERA, FP16: fp16 * TERA}
     if bf16 is not None:
         peaks[BF16] = bf16 * TERA
@@ -68,7 +71,26 @@ def _gpu(name, memory_gib, bandwidth_gbs, fp32, fp16, bf16, source) -> DeviceKin
         peak_flops=peaks,
         bf16_native=bf16 is not None,
         source=source,
+        bandwidth_efficiency=bandwidth_efficiency,
     )
+
+
+# The roofline's achievable fractions (lightning_hetero.simulate.predict): matrix products at
+# MATMUL_EFFICIENCY of the tensor-core peak on every kind, memory-bound kernels at each kind's bandwidth efficiency
+# below. Both fitted by `python benchmarks/planner_validation.py --fit` to the calibration rows: Lambda's
+# deeplearning-benchmark, PyTorch training throughput, mixed precision, one GPU, ResNet-50 and BERT-base SQuAD
+# (https://github.com/lambdal/deeplearning-benchmark/blob/aa5addb6a53675a649a80036dad548f1c27cbcc4/pytorch/
+# pytorch-train-throughput-fp16.csv). BERT-large (Lambda) and NVIDIA's DeepLearningExamples were kept out of the
+# fit; the benchmark prints the held-out rows apart. A kind without a published figure takes the median.
+BANDWIDTH_EFFICIENCY_SOURCE = (
+    "fitted to Lambda deeplearning-benchmark @aa5addb (pytorch-train-throughput-fp16.csv: ResNet-50, BERT-base SQuAD)"
+)
+MATMUL_EFFICIENCY = 1.0
+BANDWIDTH_EFFICIENCY = {
+    "V100-16GB": 0.41, "RTX-3090": 0.47, "A10": 0.43, "A100-40GB": 0.41, "A100-80GB-PCIe": 0.36,
+    "A100-80GB": 0.37, "RTX-4090": 0.59, "H100-PCIe": 0.45, "H100": 0.38, "H200": 0.30,
+}  # fmt: skip
+DEFAULT_BANDWIDTH_EFFICIENCY = 0.41  # the median of the fitted kinds
 
 
 # name, memory (GiB), memory bandwidth (GB/s), fp32 / fp16 / bf16 dense TFLOPS (tensor cores with fp32 accumulate for
@@ -78,6 +100,8 @@ GPU_KINDS = {
     for kind in (
         _gpu("A100-40GB", 40, 1555, 19.5, 312, 312, "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB)"),
         _gpu("A100-80GB", 80, 2039, 19.5, 312, 312, "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB)"),
+        _gpu("A100-80GB-PCIe", 80, 1935, 19.5, 312, 312, "NVIDIA A100 Tensor Core GPU datasheet (PCIe 80GB)"),
+        _gpu("H100-PCIe", 80, 2000, 51.2, 756, 756, "NVIDIA H100 Tensor Core GPU datasheet (PCIe, dense)"),
         _gpu("H100", 80, 3350, 67, 989.4, 989.4, "NVIDIA H100 Tensor Core GPU datasheet (SXM5, dense)"),
         _gpu("H200", 141, 4800, 67, 989.4, 989.4, "NVIDIA H200 Tensor Core GPU datasheet (SXM, dense)"),
         _gpu("V100-16GB", 16, 900, 15.7, 125, None, "NVIDIA V100 Tensor Core GPU datasheet (SXM2)"),
@@ -89,6 +113,11 @@ GPU_KINDS = {
         _gpu("RTX-4090", 24, 1008, 82.6, 165.2, 165.2, "NVIDIA Ada GPU architecture whitepaper, appendix A"),
     )
 }
+# (the fitted fractions, with the kinds that share a part: a V100-32GB is a V100-16GB with more memory)
+for _name, _kind in list(GPU_KINDS.items()):
+    _fitted = BANDWIDTH_EFFICIENCY.get(_name, BANDWIDTH_EFFICIENCY.get(_name.replace("32GB", "16GB")))
+    if _fitted is not None:
+        GPU_KINDS[_name] = replace(_kind, bandwidth_efficiency=_fitted, source=f"{_kind.source}; {BANDWIDTH_EFFICIENCY_SOURCE}")
 
 # FP32 FLOPs per cycle per core for each instruction set (two FMA units of the vector width), and the 16-bit rate
 # where the hardware computes it natively. Sources: Intel 64 and IA-32 Architectures Optimization Reference Manual

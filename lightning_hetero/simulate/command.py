@@ -19,7 +19,15 @@ from lightning_hetero.simulate import catalog
 from lightning_hetero.simulate.cluster import Cluster, ClusterFileError, SimulatedDevice, load_cluster
 from lightning_hetero.simulate.calibration import efficiency_by_kind, loop_from_run
 from lightning_hetero.simulate.pipeline import ChainShares, chain_shares, describe_pipeline_prediction, predict_pipeline
-from lightning_hetero.simulate.predict import LoopCalibration, Options, Prediction, automatic_stage, predict
+from lightning_hetero.simulate.predict import (
+    GPU_CONTEXT_BYTES,
+    PLANNING_HEADROOM,
+    LoopCalibration,
+    Options,
+    Prediction,
+    automatic_stage,
+    predict,
+)
 
 NO_LOOP = LoopCalibration()
 DESCRIPTION = (
@@ -31,14 +39,16 @@ DESCRIPTION = (
 JSON_DOC = """--json prints one object:
   devices: one entry per device, in rank order: kind, node, samples (per optimizer step), micro_batch (the
            largest of its micro-batches), micro_steps, precision, memory_bytes (predicted use at micro_batch),
-           memory_capacity_bytes, compute_ms (its compute per optimizer step)
+           memory_capacity_bytes, compute_ms (its compute per optimizer step), fixed_ms (the part of compute_ms
+           that does not grow with its samples: kernel launches, per micro-step)
   step_ms: {total, compute, exchange, optimizer, overhead} (overhead: 0 unless --calibrate gives a run)
   equal_split_step_ms: the same parts for the equal split (DDP's), on the same devices
   speedup_over_equal: the equal split's step time over this plan's
   best_homogeneous: {kind, devices, step_ms, speedup} (the fastest single-kind subset; null if none can train)
   wire: {bytes_per_step, inter_node_bytes_per_step, hierarchical, reason}
   settings: {global_batch_size, zero_stage, zero_stage_reason (why, when --stage was not given), compression,
-             devices, nodes}
+             devices, nodes, memory_headroom (the fraction of each device's memory a plan leaves free),
+             gpu_context_bytes (what a GPU's CUDA context and workspaces take before the plan)}
   what_if: the same keys for the cluster with --drop/--add/--stage/--compression applied, when any is given
   pipeline (with --pipeline-blocks): {stages: [{device, kind, rank, blocks, compute_ms_per_micro_batch,
            memory_bytes, memory_capacity_bytes}], replicas, schedule, micro_batches, micro_batch, step_ms,
@@ -230,6 +240,7 @@ def evaluate(cluster: Cluster, workload, options: Options) -> dict[str, Any]:
                 "memory_bytes": d.memory_bytes,
                 "memory_capacity_bytes": d.memory_capacity_bytes,
                 "compute_ms": d.compute_seconds * 1e3,
+                "fixed_ms": d.micro_steps * d.cost.fixed * 1e3,
             }
             for d in planned.devices
         ],
@@ -257,6 +268,8 @@ def evaluate(cluster: Cluster, workload, options: Options) -> dict[str, Any]:
             "compression": options.compression,
             "devices": len(cluster.devices),
             "nodes": cluster.num_nodes,
+            "memory_headroom": PLANNING_HEADROOM,
+            "gpu_context_bytes": GPU_CONTEXT_BYTES,
         },
     }
 

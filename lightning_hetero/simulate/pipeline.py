@@ -17,10 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from lightning_hetero.measure.profiler import MEMORY_HEADROOM
 from lightning_hetero.plan.stages import BlockCosts, place_stages
 from lightning_hetero.simulate.cluster import Cluster
-from lightning_hetero.simulate.predict import Options, efficiency_of, precision_of
+from lightning_hetero.simulate.predict import Options, cpu_seconds, gpu_seconds, usable_memory_bytes
 from lightning_hetero.simulate.workload import Workload
 
 
@@ -57,14 +56,13 @@ def predict_pipeline(
     first = devices[:stages]
     seconds, before, after = [], [], []
     for device in first:
-        rate = device.kind.peak(precision_of(device.kind, options)) * efficiency_of(device.kind, workload, options)
-        per_sample = workload.flops_per_sample / (rate * device.kind.speed)
+        per_sample = (cpu_seconds if device.kind.type == "cpu" else gpu_seconds)(device.kind, workload, options)[1]
         seconds.append(tuple(per_sample * share for share in chain.time_shares))
         before.append(per_sample * chain.before_share)
         after.append(per_sample * chain.after_share)
     costs = BlockCosts(
         seconds=tuple(seconds), parameter_bytes=chain.parameter_bytes, activation_bytes=chain.activation_bytes,
-        memory_bytes=tuple(int(MEMORY_HEADROOM * d.kind.memory_bytes) for d in first),
+        memory_bytes=tuple(int(usable_memory_bytes(d.kind)) for d in first),
         after_seconds=tuple(after), outside_bytes=chain.outside_bytes, before_seconds=tuple(before),
     )  # fmt: skip
     placement = place_stages(costs, stages, schedule, micro_batches, micro_batch, ranks=tuple(range(stages)),

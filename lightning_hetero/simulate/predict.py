@@ -5,9 +5,11 @@ workload and the options.
 A step is ``max_r(compute_r) + exchange + max_r(optimizer_r) + loop overhead``: the ranks wait for the slowest
 before the exchange and DeepSpeed steps the optimizer after it (no overlap is assumed); the loop overhead is 0 unless
 a run calibrates it (:class:`LoopCalibration`). Compute is ``k_r * fixed_r + per_sample_r * n_r`` for ``n_r`` samples
-in ``k_r`` micro-batches (:mod:`~lightning_hetero.plan.micro_steps`), with ``per_sample_r = FLOPs per sample / (peak
-rate at the rank's precision * efficiency * speed)``; memory is the model's state for the ZeRO stage plus activations
-per sample, within ``MEMORY_HEADROOM`` of the device's memory.
+in ``k_r`` micro-batches (:mod:`~lightning_hetero.plan.micro_steps`); memory is the model's state for the ZeRO stage plus activations
+per sample, within the device's memory less ``PLANNING_HEADROOM`` and, on a GPU, its CUDA context.
+
+A GPU's compute is a roofline over the step's operators (:func:`gpu_seconds`), its achievable fractions fitted to
+published training speeds (:mod:`.catalog`); ``benchmarks/planner_validation.py`` holds it against them.
 """
 
 from __future__ import annotations
@@ -22,23 +24,39 @@ from typing import Optional
 from lightning_hetero.comm.compression import check_compression, check_exchange
 from lightning_hetero.comm.topology import Topology, decide_hierarchical
 from lightning_hetero.measure.cost import CostModel
+from lightning_hetero.measure.operators import OperatorCost, roofline_seconds
 from lightning_hetero.measure.profiler import MEMORY_HEADROOM
 from lightning_hetero.plan.micro_steps import MicroStepPlan, micro_steps_for, plan_micro_steps
 from lightning_hetero.plan import zero_stage as zero_stage_plan
 from lightning_hetero.plan.split import split_by_weights
 from lightning_hetero.plan.zero_stage import ModelSize, StageChoice
 from lightning_hetero.precision.choice import FP32, unsupported
-from lightning_hetero.simulate.catalog import DeviceKind, kind_of_device_name
+from lightning_hetero.simulate.catalog import (
+    DEFAULT_BANDWIDTH_EFFICIENCY,
+    MATMUL_EFFICIENCY,
+    DeviceKind,
+    kind_of_device_name,
+)
 from lightning_hetero.simulate.cluster import Cluster, Link
 from lightning_hetero.simulate.workload import Workload
 
-# The fraction of peak a GPU's training step reaches when no run report calibrates the kind: data-parallel training
-# of transformer-sized models reports 35-55 % model FLOPs utilisation; small models reach much less (their fixed
-# cost is the kernel launches below). A CPU's fraction is measured here on the user's model instead.
-DEFAULT_GPU_EFFICIENCY = 0.4
 KERNEL_LAUNCH_SECONDS = 6e-6  # per operator on a GPU: the launch overhead that bounds small models
-# Autocast saves the 16-bit copies of matmul inputs for backward: about half the activation bytes of fp32.
-HALF_PRECISION_ACTIVATIONS = 0.5
+# A 16-bit kernel moves half the bytes of its fp32 count.
+HALF_PRECISION_BYTES = 0.5
+# What mixed precision keeps of the fp32 activations counted here: 0.5 if every saved tensor were 16-bit; soft-max
+# outputs, normalisation statistics and masks stay wider, and cuDNN's workspaces grow with the batch. Fitted by
+# `benchmarks/planner_validation.py` to the batch sizes of the calibration rows (Lambda's, near the most that fits):
+# ResNet-50 needs 0.65 of its fp32 bytes, BERT-base 0.63; BERT-large, held out, 0.67.
+HALF_PRECISION_ACTIVATIONS = 0.69
+# The CUDA context with cuBLAS's and cuDNN's workspaces: 300-500 MiB for the context on recent drivers and a few
+# hundred MiB of workspaces once the first kernels ran (PyTorch's "CUDA semantics" notes on memory management).
+GPU_CONTEXT_BYTES = 2**30
+# DeepSpeed's gradient buffers, up to a bucket of fp32 elements: stage 0 flattens the gradients for its all-reduce in
+# buckets of MEMORY_OPT_ALLREDUCE_SIZE (deepspeed/runtime/engine.py, 5e8); stages 1-3 reduce through a bucket of
+# reduce_bucket_size (Lightning's DeepSpeedStrategy default, 2e8).
+DEEPSPEED_BUCKET_ELEMENTS = {0: 5e8, 1: 2e8, 2: 2e8, 3: 2e8}
+# What a plan leaves free on every device for the caching allocator's fragmentation: said in the output.
+PLANNING_HEADROOM = 0.10
 # Adam's step reads the gradient (4 bytes), reads and writes the parameter (8) and both moments (16), per parameter.
 ADAM_STEP_BYTES = 28
 PARAMETER_BYTES = 4  # the engine stays fp32 (device_precision autocasts inside each rank)
@@ -154,11 +172,12 @@ class Prediction:
 
 
 def efficiency_of(kind: DeviceKind, workload: Workload, options: Options) -> float:
+    """A CPU's fraction of peak on this model: given inline, measured in a run, else reached here."""
     if kind.efficiency is not None:
         return kind.efficiency
     if kind.name in options.calibrated_efficiency:
         return options.calibrated_efficiency[kind.name]
-    return workload.here_efficiency if kind.type == "cpu" else DEFAULT_GPU_EFFICIENCY
+    return workload.here_efficiency  # (a CPU: what this one reached on the model; a GPU never gets here)
 
 
 def efficiency_from_profile(rank_file: dict, workload: Workload) -> Optional[tuple[str, float]]:
@@ -185,8 +204,10 @@ def automatic_stage(cluster: Cluster, workload: Workload, options: Options) -> S
     allowed = (0,) if choice.needs_hook or options.hierarchical is True else zero_stage_plan.STAGES
     roomiest = predict(cluster, workload, replace(options, zero_stage=allowed[-1]))
     activations = [d.micro_batch * activation_bytes(workload, d.precision) for d in roomiest.devices]
+    # (choose_stage fills MEMORY_HEADROOM of a run's free memory; the simulator's devices may fill their usable bytes)
+    free = [usable_memory_bytes(d.kind) / MEMORY_HEADROOM for d in cluster.devices]
     return zero_stage_plan.choose_stage(ModelSize(workload.parameters, workload.parameters), len(cluster.devices),
-                                        [d.kind.memory_bytes for d in cluster.devices], activations, allowed)  # fmt: skip
+                                        free, activations, allowed)  # fmt: skip
 
 
 def activation_bytes(workload: Workload, precision: str) -> float:
@@ -204,27 +225,69 @@ def precision_of(kind: DeviceKind, options: Options) -> str:
     return options.precision
 
 
+def gpu_seconds(kind: DeviceKind, workload: Workload, options: Options) -> tuple[float, float]:
+    """``(fixed, per_sample)`` seconds of the step on a GPU of ``kind``: each operator at the roofline (matrix
+    products at ``MATMUL_EFFICIENCY`` of the peak at the rank's precision, the rest bound by the kind's achievable
+    memory bandwidth, bytes halved in 16-bit) plus a launch each; a fraction of peak measured in a run
+    (``--profile``) or given inline (``efficiency``) replaces the roofline by that fraction of the peak."""
+    precision = precision_of(kind, options)
+    flat = kind.efficiency if kind.efficiency is not None else options.calibrated_efficiency.get(kind.name)
+    if flat is not None:
+        rate = kind.peak(precision) * flat * kind.speed
+        fixed = workload.operators_per_step * KERNEL_LAUNCH_SECONDS / kind.speed + workload.fixed_flops / rate
+        return fixed, workload.flops_per_sample / rate
+    operators = workload.operators or (
+        OperatorCost(workload.fixed_flops, workload.flops_per_sample, 0.0, 0.0, "matmul"),
+    )
+    bandwidth = kind.memory_bandwidth * (kind.bandwidth_efficiency or DEFAULT_BANDWIDTH_EFFICIENCY) * kind.speed
+    fixed, per_sample = roofline_seconds(
+        operators,
+        flop_rate=kind.peak(precision) * MATMUL_EFFICIENCY * kind.speed,
+        other_flop_rate=kind.peak(FP32) * MATMUL_EFFICIENCY * kind.speed,
+        bandwidth=bandwidth,
+        byte_scale=1.0 if precision == FP32 else HALF_PRECISION_BYTES,
+        launch_seconds=0.0,
+    )
+    launches = workload.operators_per_step if not workload.operators else len(workload.operators)
+    return fixed + launches * KERNEL_LAUNCH_SECONDS / kind.speed, per_sample
+
+
+def cpu_seconds(kind: DeviceKind, workload: Workload, options: Options) -> tuple[float, float]:
+    """``(fixed, per_sample)`` seconds on a CPU: the step measured here (its fixed part: Python and operator
+    overheads), what the training loop makes of it (LoopCalibration), scaled by how much slower this CPU is."""
+    precision = precision_of(kind, options)
+    rate = kind.peak(precision) * efficiency_of(kind, workload, options) * kind.speed
+    here_rate = workload.flops_per_sample / workload.here_seconds_per_sample
+    loop = options.loop
+    fixed = (loop.compute_factor * workload.here_fixed_seconds + loop.loop_compute_seconds) * here_rate / rate
+    return fixed, workload.flops_per_sample / rate * loop.compute_factor
+
+
+def deepspeed_buffer_bytes(parameters: int, zero_stage: int) -> float:
+    """What DeepSpeed's gradient reduction buffer takes on every rank (:data:`DEEPSPEED_BUCKET_ELEMENTS`)."""
+    return PARAMETER_BYTES * min(float(parameters), DEEPSPEED_BUCKET_ELEMENTS[zero_stage])
+
+
+def usable_memory_bytes(kind: DeviceKind) -> float:
+    """What a plan may fill on a device of ``kind``: its memory less the headroom left for the allocator
+    (:data:`PLANNING_HEADROOM`, stated in the output) and, on a GPU, the CUDA context and library workspaces."""
+    context = GPU_CONTEXT_BYTES if kind.type == "cuda" else 0.0
+    return kind.memory_bytes * (1 - PLANNING_HEADROOM) - context
+
+
 def device_cost(kind: DeviceKind, workload: Workload, options: Options, world_size: int) -> CostModel:
     """The cost model and memory ceiling of one device of ``kind`` for this workload."""
     precision = precision_of(kind, options)
-    rate = kind.peak(precision) * efficiency_of(kind, workload, options) * kind.speed
-    per_sample = workload.flops_per_sample / rate
-    if kind.type == "cpu":
-        # The fixed part measured here (Python and operator overheads), what the training loop makes of the step
-        # (LoopCalibration), scaled by how much slower this CPU is.
-        here_rate = workload.flops_per_sample / workload.here_seconds_per_sample
-        loop = options.loop
-        fixed = (loop.compute_factor * workload.here_fixed_seconds + loop.loop_compute_seconds) * here_rate / rate
-        per_sample *= loop.compute_factor
-    else:
-        fixed = workload.operators_per_step * KERNEL_LAUNCH_SECONDS / kind.speed + workload.fixed_flops / rate
-    room = kind.memory_bytes * MEMORY_HEADROOM - model_state_bytes(workload.parameters, options.zero_stage, world_size)
+    fixed, per_sample = (cpu_seconds if kind.type == "cpu" else gpu_seconds)(kind, workload, options)
+    state = model_state_bytes(workload.parameters, options.zero_stage, world_size)
+    state += deepspeed_buffer_bytes(workload.parameters, options.zero_stage)
+    room = usable_memory_bytes(kind) - state
     per_sample_bytes = activation_bytes(workload, precision)
     max_batch = None if per_sample_bytes <= 0 else math.floor(max(0.0, room) / per_sample_bytes)
     if max_batch is not None and max_batch < 1:
         raise ValueError(
             f"a {kind.name} cannot hold this model at ZeRO-{options.zero_stage}: its state takes"
-            f" {model_state_bytes(workload.parameters, options.zero_stage, world_size) / 2**30:.1f} GiB of"
+            f" {state / 2**30:.1f} GiB of the {usable_memory_bytes(kind) / 2**30:.1f} GiB a plan may use of its"
             f" {kind.memory_bytes / 2**30:.1f} GiB. Use a higher `--stage`, or `--drop {kind.name}`."
         )
     return CostModel(fixed=fixed, per_sample=per_sample, max_batch=max_batch)
@@ -336,6 +399,7 @@ def predict(cluster: Cluster, workload: Workload, options: Options, equal: bool 
     )
     precisions = {key: precision_of(kind, options) for key, kind in kinds.items()}
     state = model_state_bytes(workload.parameters, options.zero_stage, world)
+    state += deepspeed_buffer_bytes(workload.parameters, options.zero_stage)
     devices = tuple(
         DevicePrediction(
             kind=device.kind.name,

@@ -3,7 +3,6 @@ its parts, the speedups, the bytes on the wire, and the what-if beside the clust
 
 from __future__ import annotations
 
-from itertools import groupby
 from typing import Any
 
 GIB = 1024**3
@@ -21,21 +20,56 @@ def _size(value: float) -> str:
     return f"{value:.0f} B"
 
 
+def _node_ranges(nodes: list[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` as ``0-2,5,7-8``."""
+    ranges: list[list[int]] = []
+    for node in sorted(set(nodes)):
+        if ranges and node == ranges[-1][1] + 1:
+            ranges[-1][1] = node
+        else:
+            ranges.append([node, node])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
+
+
 def _rows(devices: list[dict[str, Any]]) -> list[str]:
-    header = f"{'devices':>8}  {'kind':<16} {'node':>4}  {'precision':<10} {'micro-batch':>11} {'micro-steps':>11}"
+    """One row per group of devices that got the same plan, whatever node they are on (a 4,096-device cluster of a
+    few kinds reads in a few rows, not one per node); the row names its nodes."""
+    header = f"{'devices':>8}  {'kind':<16} {'nodes':>9}  {'precision':<10} {'micro-batch':>11} {'micro-steps':>11}"
     header += f"  {'memory GiB (use / has)':>22}  {'compute ms':>10}"
     lines = [header, "-" * len(header)]
-    key = lambda d: (d["kind"], d["node"], d["precision"], d["micro_batch"], d["micro_steps"])  # noqa: E731
+    key = lambda d: (d["kind"], d["precision"], d["micro_batch"], d["micro_steps"])  # noqa: E731
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for device in devices:  # (in rank order of each group's first device)
+        groups.setdefault(key(device), []).append(device)
     # (devices of one group may differ by one sample: micro-batches are cut as evenly as the global batch allows)
-    for (kind, node, precision, batch, steps), group in groupby(devices, key=key):
-        group = list(group)
+    for (kind, precision, batch, steps), group in groups.items():
         first = group[0]
         memory = f"{first['memory_bytes'] / GIB:.1f} / {first['memory_capacity_bytes'] / GIB:.0f}"
+        nodes = _node_ranges([d["node"] for d in group])
+        nodes = nodes if len(nodes) <= 9 else f"{len({d['node'] for d in group})} nodes"
         lines.append(
-            f"{len(group):>8}  {kind:<16} {node:>4}  {precision:<10} {batch:>11} {steps:>11}  {memory:>22}"
+            f"{len(group):>8}  {kind:<16} {nodes:>9}  {precision:<10} {batch:>11} {steps:>11}  {memory:>22}"
             f"  {first['compute_ms']:>10.2f}"
         )
     return lines
+
+
+def _fixed_cost_notes(devices: list[dict[str, Any]]) -> list[str]:
+    """Why a device got few samples when its step is mostly fixed cost: a tiny model on a GPU is bound by kernel
+    launches, so any other device finishes many samples in the time the GPU's step takes for one."""
+    notes, seen = [], set()
+    for device in devices:
+        fixed, compute = device.get("fixed_ms", 0.0), device["compute_ms"]
+        if device["kind"] in seen or compute <= 0 or fixed < 0.5 * compute:
+            continue
+        seen.add(device["kind"])
+        notes.append(
+            f"note: a {device['kind']}'s step is {fixed / compute:.0%} fixed cost ({fixed:.2f} ms whatever its"
+            f" samples: kernel launches and the work that does not grow with the batch), so it gets"
+            f" {device['samples']} sample(s): the other devices finish theirs in that time. A model this small"
+            " gains little from it; a larger global batch moves samples onto it."
+        )
+    return notes
 
 
 def _step(step: dict[str, float]) -> str:
@@ -51,7 +85,11 @@ def _section(result: dict[str, Any]) -> list[str]:
         f"{settings['devices']} devices on {settings['nodes']} node(s), global batch {settings['global_batch_size']},"
         f" ZeRO-{settings['zero_stage']}, compression {settings['compression'] or 'none'}",
         *([settings["zero_stage_reason"]] if settings.get("zero_stage_reason") else []),
+        f"memory: a plan fills at most {1 - settings['memory_headroom']:.0%} of each device's memory, less"
+        f" {settings['gpu_context_bytes'] / GIB:.1f} GiB on a GPU for the CUDA context and workspaces; the"
+        f" {settings['memory_headroom']:.0%} left is headroom for the allocator",
         *_rows(result["devices"]),
+        *_fixed_cost_notes(result["devices"]),
         f"step: {_step(result['step_ms'])}",
         f"equal split (DDP): {_step(result['equal_split_step_ms'])}: this plan is"
         f" {result['speedup_over_equal']:.2f}x faster",

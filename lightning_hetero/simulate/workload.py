@@ -1,15 +1,16 @@
 """Simulate: the user's training step as the step model needs it, measured here on one batch of their data.
 
-FLOPs per sample of forward + backward (``torch.utils.flop_counter.FlopCounterMode`` at two batch sizes, so the part
-that does not grow with the batch is apart), the number of operators a step launches (a fixed cost per kernel on a
-GPU), the trainable parameters and their shapes (gradient and optimizer-state bytes), activation memory per sample
-(what autograd saves for backward), and this machine's CPU profile of the same step (the package's own profiler),
-which calibrates what fraction of its peak a CPU reaches on this model.
+Each operator's FLOPs and bytes (:mod:`~lightning_hetero.measure.operators`, counted at two small batch sizes, so the
+part that does not grow with the batch is apart: the GPU roofline), the trainable parameters and their shapes
+(gradient and optimizer-state bytes), activation memory per sample (the distinct storages autograd saves for
+backward), and this machine's CPU profile of the same step (the package's own profiler, at sizes capped so that it
+fits a laptop), which calibrates what fraction of its peak a CPU reaches on this model.
 """
 
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -18,12 +19,12 @@ from typing import Any
 
 import psutil
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_hetero.measure.cpu import cpu_facts
+from lightning_hetero.measure.operators import OperatorCost, OperatorRecorder, launched_as_on_cuda, operator_lines
 from lightning_hetero.precision.choice import FP32
 from lightning_hetero.measure.profiler import (
+    DistinctSavedBytes,
     loss_of,
     preserved_training_state,
     profile_from_loader,
@@ -32,6 +33,12 @@ from lightning_hetero.measure.profiler import (
 from lightning_hetero.simulate.catalog import CPU_DEFAULTS, DeviceKind, cpu_kind
 
 PROBE_SIZES = (8, 32)
+# The two micro-batches whose operators are counted (FLOPs, bytes, saved activations): small, so that a model of
+# GPU size counts in seconds here; every count is a line in the batch past the first samples.
+COUNT_SIZES = (2, 4)
+# What one timed step here may cost: about 3 s of this machine's CPU, 1 GiB of activations.
+TIMING_FLOPS = 100e9
+TIMING_BYTES = 2**30
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,9 @@ class Workload:
     here_fixed_seconds: float
     here_seconds_per_sample: float
     here_kind: DeviceKind
+    # Each operator's FLOPs and bytes as lines in the batch (:mod:`~lightning_hetero.measure.operators`): the GPU
+    # roofline. Empty: the step is its FLOPs alone (a workload described by hand).
+    operators: tuple[OperatorCost, ...] = ()
 
     @property
     def here_efficiency(self) -> float:
@@ -69,25 +79,38 @@ def load_object(spec: str, what: str) -> Any:
         raise ValueError(f"`{what} {spec}`: {error}") from None
 
 
-class _OperatorCounter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
+@dataclass(frozen=True)
+class _StepCounts:
+    records: list  # OperatorRecorder.records
+    saved_bytes: float  # distinct storages autograd saved for the backward
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
+    @property
+    def flops(self) -> float:
+        return sum(record[0] for record in self.records)
 
 
-def _step_counts(module: torch.nn.Module, batch: Any) -> tuple[float, int]:
-    counter = FlopCounterMode(display=False)
-    operators = _OperatorCounter()
-    with preserved_training_state(module, torch.device("cpu")), training_step_in_isolation(module), counter, operators:
-        loss = loss_of(module.training_step(batch, 0))
+def _step_counts(module: torch.nn.Module, batch: Any) -> _StepCounts:
+    recorder, saved = OperatorRecorder(), DistinctSavedBytes()
+    # (the kernels a GPU launches: CPU's split dropout and attention counted as CUDA's fused ones)
+    with preserved_training_state(module, torch.device("cpu")), training_step_in_isolation(module), launched_as_on_cuda(), recorder:
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            loss = loss_of(module.training_step(batch, 0))
         if loss is not None and loss.requires_grad:
             loss.backward()
     module.zero_grad(set_to_none=True)
-    return float(counter.get_total_flops()), operators.count
+    return _StepCounts(recorder.records, float(saved.bytes))
+
+
+def timing_sizes(sizes: Sequence[int], flops_per_sample: float, bytes_per_sample: float) -> list[int]:
+    """``sizes`` (the micro-batches a run would time) capped so that each timed step here stays within
+    :data:`TIMING_FLOPS` and :data:`TIMING_BYTES`: planning a cluster of GPUs must not need their memory on this
+    machine. Time and memory are linear in the batch past the first samples (the counts at :data:`COUNT_SIZES`
+    extrapolate), so the line fitted at smaller sizes holds for the larger ones."""
+    cap = min(TIMING_FLOPS / max(flops_per_sample, 1.0), TIMING_BYTES / max(bytes_per_sample, 1.0))
+    capped = sorted({max(1, min(size, math.floor(cap))) for size in sizes})
+    if len(capped) < 2:  # two sizes at least, or the line has no slope
+        capped = sorted({1, 2} | set(capped))
+    return capped
 
 
 def here_cpu_kind() -> DeviceKind:
@@ -113,17 +136,19 @@ def measure_workload(module: torch.nn.Module, loader: Any, name: str, sizes: Seq
     micro-batch ``sizes`` (the package profiles at ``probe_sizes(global batch, world size)``: give those, so that
     the line fitted here is the one a run fits)."""
     module = module.to("cpu")
-    profile = profile_from_loader(module, loader, sizes, torch.device("cpu"))
     collate, dataset = loader.collate_fn, loader.dataset
 
     def batch_of(size: int) -> Any:
         return collate([dataset[i % len(dataset)] for i in range(size)])
 
-    small, large = PROBE_SIZES
+    small, large = COUNT_SIZES
     module.train()
-    flops_small, operators = _step_counts(module, batch_of(small))
-    flops_large, _ = _step_counts(module, batch_of(large))
-    per_sample = (flops_large - flops_small) / (large - small)
+    counted_small, counted_large = _step_counts(module, batch_of(small)), _step_counts(module, batch_of(large))
+    per_sample = (counted_large.flops - counted_small.flops) / (large - small)
+    saved_per_sample = max(0.0, (counted_large.saved_bytes - counted_small.saved_bytes) / (large - small))
+    profile = profile_from_loader(
+        module, loader, timing_sizes(sizes, per_sample, saved_per_sample), torch.device("cpu")
+    )
     trainable = [p for p in module.parameters() if p.requires_grad]
     return Workload(
         name=name,
@@ -132,12 +157,13 @@ def measure_workload(module: torch.nn.Module, loader: Any, name: str, sizes: Seq
             (p.shape[0], p.numel() // p.shape[0]) if p.dim() > 1 else (p.numel(), 1) for p in trainable
         ),
         flops_per_sample=max(per_sample, 1.0),
-        fixed_flops=max(0.0, flops_small - per_sample * small),
-        operators_per_step=operators,
-        activation_bytes_per_sample=profile.bytes_per_sample or 0.0,
+        fixed_flops=max(0.0, counted_small.flops - per_sample * small),
+        operators_per_step=len(counted_small.records),
+        activation_bytes_per_sample=saved_per_sample,
         here_fixed_seconds=profile.fixed_seconds,
         here_seconds_per_sample=profile.seconds_per_sample,
         here_kind=here_cpu_kind(),
+        operators=operator_lines(counted_small.records, counted_large.records, small, large),
     )
 
 

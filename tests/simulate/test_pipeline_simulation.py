@@ -6,7 +6,8 @@ import pytest
 
 from lightning_hetero.simulate.cluster import load_cluster_text
 from lightning_hetero.simulate.pipeline import ChainShares, describe_pipeline_prediction, predict_pipeline
-from lightning_hetero.simulate.predict import DEFAULT_GPU_EFFICIENCY, Options, predict
+from lightning_hetero.simulate.catalog import MATMUL_EFFICIENCY, lookup
+from lightning_hetero.simulate.predict import Options, predict, usable_memory_bytes
 from lightning_hetero.simulate.workload import Workload
 from lightning_hetero.simulate.catalog import cpu_kind
 
@@ -32,9 +33,9 @@ def test_a_model_too_large_for_the_small_device_is_placed_within_each_memory():
     result = predict_pipeline(cluster, WORKLOAD, CHAIN, options, stages=2)
     last, first = result["stages"][1], result["stages"][0]
     assert last["rank"] == 0 and last["kind"] == "A100-80GB"  # rank 0 runs the last stage
-    # The V100 holds at most 4 blocks (12 GiB of its 12.8 usable) and is the slower device: it gets fewer blocks.
+    # The V100 holds at most 4 blocks (12 GiB of its 13.4 usable) and is the slower device: it gets fewer blocks.
     assert len(first["blocks"]) + len(last["blocks"]) == 8 and len(first["blocks"]) < 4
-    assert first["memory_bytes"] <= 0.8 * 16 * GIB
+    assert first["memory_bytes"] <= usable_memory_bytes(lookup("V100-16GB"))
     micro = result["micro_batch"]
     assert result["micro_batches"] == 4 and micro == 8
     slowest = max(s["compute_ms_per_micro_batch"] for s in result["stages"])
@@ -55,6 +56,6 @@ def test_stages_that_do_not_divide_the_devices_are_refused():
 def test_a_gpu_block_time_is_its_share_of_the_flops_at_the_device_rate():
     cluster = load_cluster_text("nodes:\n  - devices: [{kind: A100-80GB, count: 2}]\n")
     result = predict_pipeline(cluster, WORKLOAD, CHAIN, Options(global_batch_size=32, precision="32-true"), stages=2)
-    per_sample = 8e12 / (19.5e12 * DEFAULT_GPU_EFFICIENCY)
+    per_sample = 8e12 / (19.5e12 * MATMUL_EFFICIENCY)  # (a workload of FLOPs alone: the roofline's compute side)
     assert [len(s["blocks"]) for s in result["stages"]] == [4, 4]
     assert result["stages"][0]["compute_ms_per_micro_batch"] == pytest.approx(1e3 * per_sample * 0.5 * 8)

@@ -11,8 +11,10 @@ from lightning_hetero.plan.planner import plan_min_max
 from lightning_hetero.simulate.catalog import GIB, cpu_kind, with_overrides
 from lightning_hetero.simulate.cluster import load_cluster_text
 from lightning_hetero.simulate.predict import (
-    DEFAULT_GPU_EFFICIENCY,
+    GPU_CONTEXT_BYTES,
+    HALF_PRECISION_ACTIVATIONS,
     KERNEL_LAUNCH_SECONDS,
+    PLANNING_HEADROOM,
     LoopCalibration,
     Options,
     calibrate_loop,
@@ -24,6 +26,7 @@ from lightning_hetero.simulate.predict import (
     predict,
 )
 from lightning_hetero.simulate.workload import Workload
+from lightning_hetero.measure.operators import OperatorCost
 
 WORKLOAD = Workload(
     name="test",
@@ -47,13 +50,37 @@ def test_model_state_per_zero_stage(stage, expected):
     assert model_state_bytes(1_000_000, stage, 4) == pytest.approx(expected)
 
 
-def test_a_gpu_s_cost_is_its_flops_at_its_precision_s_peak_and_its_kernel_launches():
+def test_a_gpu_s_cost_is_the_roofline_of_its_operators_and_its_memory_what_the_plan_may_fill():
+    # one matrix product (compute-bound) and one element-wise operator (memory-bound), each a line in the batch
+    workload = replace(
+        WORKLOAD,
+        operators=(OperatorCost(0.0, 6e9, 2e6, 1e5, "matmul"), OperatorCost(0.0, 0.0, 1e6, 4e6, "other")),
+    )
     cluster = load_cluster_text("nodes:\n  - devices: [{kind: A100-80GB}]\n")
-    cost = device_cost(cluster.devices[0].kind, WORKLOAD, Options(global_batch_size=8), 1)
-    assert cost.per_sample == pytest.approx(6e9 / (312e12 * DEFAULT_GPU_EFFICIENCY))
-    assert cost.fixed == pytest.approx(100 * KERNEL_LAUNCH_SECONDS)
-    # bf16 activations are half of fp32's, within 80 % of the memory after the model's 16 MB of state
-    assert cost.max_batch == int((80 * GIB * 0.8 - 16e6) // 25e6)
+    kind = cluster.devices[0].kind
+    cost = device_cost(kind, workload, Options(global_batch_size=8), 1)
+    bandwidth = 2039e9 * 0.37  # the A100-80GB's fitted bandwidth efficiency
+    # bf16 (auto on an A100): bytes halved; the product at the tensor-core peak, the element-wise op at the bandwidth
+    assert cost.per_sample == pytest.approx(max(6e9 / 312e12, 0.5 * 1e5 / bandwidth) + 0.5 * 4e6 / bandwidth)
+    assert cost.fixed == pytest.approx(0.5 * 2e6 / bandwidth + 0.5 * 1e6 / bandwidth + 2 * KERNEL_LAUNCH_SECONDS)
+    # memory: 90 % of 80 GiB less the CUDA context, the model's 16 MB of state and DeepSpeed's 4 MB gradient buffer
+    # (1 M fp32 gradients), at 0.69 of the fp32 activations
+    room = 80 * GIB * (1 - PLANNING_HEADROOM) - GPU_CONTEXT_BYTES - 16e6 - 4e6
+    assert cost.max_batch == int(room // (50e6 * HALF_PRECISION_ACTIVATIONS))
+    # fp32 on the same GPU: the product at the plain FP32 rate, the bytes as counted
+    fp32 = device_cost(kind, workload, Options(global_batch_size=8, precision="32-true"), 1)
+    assert fp32.per_sample == pytest.approx(max(6e9 / 19.5e12, 1e5 / bandwidth) + 4e6 / bandwidth)
+
+
+def test_a_kind_without_a_fitted_bandwidth_efficiency_takes_the_median_of_those_fitted():
+    from lightning_hetero.simulate.catalog import BANDWIDTH_EFFICIENCY, DEFAULT_BANDWIDTH_EFFICIENCY, lookup
+    import statistics
+
+    assert DEFAULT_BANDWIDTH_EFFICIENCY == pytest.approx(statistics.median(BANDWIDTH_EFFICIENCY.values()), abs=0.005)
+    assert lookup("T4").bandwidth_efficiency is None and lookup("V100-32GB").bandwidth_efficiency == 0.41
+    workload = replace(WORKLOAD, operators=(OperatorCost(0.0, 0.0, 0.0, 4e6, "other"),))
+    t4 = device_cost(lookup("T4"), workload, Options(global_batch_size=8), 1)
+    assert t4.per_sample == pytest.approx(0.5 * 4e6 / (320e9 * DEFAULT_BANDWIDTH_EFFICIENCY))
 
 
 def test_a_cpu_like_this_one_is_predicted_as_measured_here_and_speed_scales_it():
@@ -134,11 +161,11 @@ def test_the_plan_is_the_min_max_plan_and_beats_the_equal_split_on_mixed_devices
 
 
 def test_a_memory_bound_device_takes_micro_steps_and_ddp_accumulates_on_every_rank():
-    cluster = load_cluster_text("nodes:\n  - devices: [{kind: RTX-4090, memory: 1GB}, {kind: A100-80GB}]\n")
+    cluster = load_cluster_text("nodes:\n  - devices: [{kind: RTX-4090, memory: 3GB}, {kind: A100-80GB}]\n")
     options = Options(global_batch_size=512)
     planned, equal = predict(cluster, WORKLOAD, options), predict(cluster, WORKLOAD, options, equal=True)
     small = planned.devices[0]
-    assert small.micro_steps > 1 and small.memory_bytes <= 1e9 * 0.8
+    assert small.micro_steps > 1 and small.memory_bytes <= 3e9 * (1 - PLANNING_HEADROOM) - GPU_CONTEXT_BYTES
     assert {d.micro_steps for d in equal.devices} == {equal.devices[0].micro_steps} and equal.devices[0].micro_steps > 1
 
 
@@ -227,13 +254,15 @@ def test_the_automatic_stage_is_the_lowest_that_holds_the_state_and_the_planned_
     from lightning_hetero.simulate.predict import automatic_stage
 
     # 10 M parameters over 4 devices: 160 MB of state at ZeRO-0, 100 MB at ZeRO-1, 70 MB at ZeRO-2; activations 1 MB
-    # per sample in fp32, 0.5 MB in the A100's bf16.
+    # per sample in fp32, 0.69 MB in the A100's bf16.
     workload = replace(WORKLOAD, parameters=10_000_000, activation_bytes_per_sample=1e6)
     text = "nodes:\n  - devices: [{{kind: A100-80GB, memory: {memory}, count: 4}}]\n"
     roomy = load_cluster_text(text.format(memory="80GB"))
+    # the tight device: 96 MB a plan may fill beside its CUDA context and headroom
+    tight_bytes = (GPU_CONTEXT_BYTES + 96e6) / (1 - PLANNING_HEADROOM)
     choice = automatic_stage(roomy, workload, Options(global_batch_size=8, zero_stage=None))
     assert choice.stage == 0 and choice.reason.startswith("ZeRO stage 0 (auto)")
-    tight = load_cluster_text(text.format(memory="120MB"))  # 96 MB of room: ZeRO-2's 70 MB and 2 samples fit
+    tight = load_cluster_text(text.format(memory=f"{tight_bytes:.0f}B"))  # ZeRO-2's 70 MB and 2 samples fit
     choice = automatic_stage(tight, workload, Options(global_batch_size=8, zero_stage=None))
     assert choice.stage == 2 and "at ZeRO stage 0 rank 0 would need" in choice.reason
     # A compression hook needs ZeRO-0; the predicted plan uses the chosen stage.
@@ -242,4 +271,6 @@ def test_the_automatic_stage_is_the_lowest_that_holds_the_state_and_the_planned_
     with pytest.raises(ValueError, match="cannot hold this model at ZeRO-0"):
         automatic_stage(tight, workload, hooked)
     device = predict(roomy, workload, Options(global_batch_size=8, zero_stage=None)).devices[0]
-    assert device.memory_bytes == pytest.approx(160e6 + device.micro_batch * 0.5e6)  # ZeRO-0, bf16 activations
+    # ZeRO-0, bf16 activations (mixed precision keeps 0.69 of the fp32 bytes)
+    # (and DeepSpeed's gradient buffer: the 10 M fp32 gradients, 40 MB)
+    assert device.memory_bytes == pytest.approx(160e6 + 40e6 + device.micro_batch * HALF_PRECISION_ACTIVATIONS * 1e6)

@@ -1,0 +1,274 @@
+"""`lightning-hetero plan`'s GPU model held against published training speeds and batch sizes.
+
+    python benchmarks/planner_validation.py          # the table: about 2 minutes here
+    python benchmarks/planner_validation.py --fit    # also re-fit the catalog's constants on the calibration rows
+
+The published rows (benchmarks/published_figures.json, each with its source file at a commit) are per-GPU training
+throughput with mixed precision on one GPU: Lambda's deeplearning-benchmark (NVIDIA's PyTorch examples run by
+Lambda on 10 GPU kinds: ResNet-50, BERT-base and BERT-large SQuAD at 384 tokens) and NVIDIA's DeepLearningExamples
+(ResNet-50 v1.5 and BERT-large SQuAD, PyTorch). The models are written in benchmarks/published_models.py and measured
+here exactly as `lightning-hetero plan` measures a user's model (simulate/workload.py: each operator's FLOPs and
+bytes at two small batches, the saved activations, this CPU's timing at capped sizes).
+
+Calibration rows (Lambda's ResNet-50 and BERT-base) fit the catalog's constants: one matrix-product efficiency for
+every kind, a bandwidth efficiency per kind, the share of fp32 activation bytes mixed precision keeps. Held-out rows
+never enter the fit: a held-out model (BERT-large) and a held-out source (NVIDIA's).
+
+For each row: predicted samples/s at the row's batch (the step model's line for one device of the kind) against the
+published figure; the largest micro-batch the planner allows against the row's batch (which that run shows fits);
+for each source and model, every kind's speed relative to the A100-80GB, predicted against published. Then the
+split the planner makes for A100-80GB + V100-16GB + A10 on ResNet-50 at a global batch of 768, against the split
+the published speeds imply (samples in proportion to speed: every device done at once), and the time and memory
+`lightning-hetero plan` takes here for ResNet-50 and BERT-base at a global batch of 1,024 over 3 GPUs.
+Figures go to benchmarks/results/planner_validation.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pickle
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(0, ROOT)
+
+from lightning_hetero.plan.planner import plan_min_max  # noqa: E402
+from lightning_hetero.simulate import catalog  # noqa: E402
+from lightning_hetero.simulate import predict as step_model  # noqa: E402
+from lightning_hetero.simulate.cluster import load_cluster_text  # noqa: E402
+
+MODELS = {"resnet50": "published_models:ResNet50", "bert-base": "published_models:BertBase",
+          "bert-large": "published_models:BertLarge"}  # fmt: skip
+REFERENCE_KIND = "A100-80GB"
+SPLIT_CLUSTER = "nodes:\n  - devices: [{kind: A100-80GB}, {kind: V100-16GB}, {kind: A10}]\n"
+LAPTOP_CLUSTER = "nodes:\n  - devices: [{kind: A100-80GB}, {kind: V100-16GB}, {kind: T4}]\n"
+
+
+def load_rows() -> list[dict]:
+    with open(os.path.join(HERE, "published_figures.json")) as handle:
+        return json.load(handle)["rows"]
+
+
+def measure(name: str):
+    """The model's Workload, measured as `lightning-hetero plan` measures it (at its sizes for 1,024 over 3)."""
+    import published_models
+    from lightning_hetero.measure.profiler import probe_sizes
+    from lightning_hetero.simulate.workload import measure_workload
+
+    model = getattr(published_models, MODELS[name].split(":")[1])()
+    return measure_workload(model, model.train_dataloader(), name, probe_sizes(1024, 3))
+
+
+def predicted(row: dict, workload, kind=None) -> tuple[float, int]:
+    """(samples/s at the row's batch, the largest micro-batch the planner allows) for one device of the row's kind."""
+    kind = kind or catalog.lookup(row["kind"])
+    cost = step_model.device_cost(kind, workload, step_model.Options(global_batch_size=row["batch"], zero_stage=0), 1)
+    return row["batch"] / (cost.fixed + cost.per_sample * row["batch"]), cost.max_batch
+
+
+def allowed_batch(row: dict, workload, share: float) -> int:
+    """The largest micro-batch one device of the row's kind allows if mixed precision keeps ``share`` of the fp32
+    activation bytes (what :func:`~lightning_hetero.simulate.predict.device_cost` computes with its constant)."""
+    kind = catalog.lookup(row["kind"])
+    room = step_model.usable_memory_bytes(kind) - step_model.model_state_bytes(workload.parameters, 0, 1)
+    room -= step_model.deepspeed_buffer_bytes(workload.parameters, 0)
+    return math.floor(room / (share * workload.activation_bytes_per_sample))
+
+
+def fit(rows: list[dict], workloads: dict) -> dict:
+    """The catalog's constants that best fit the calibration rows (least squares of log speed errors)."""
+    calibration = [r for r in rows if r["role"] == "calibration"]
+    kinds = sorted({r["kind"] for r in calibration})
+    best = None
+    saved = step_model.MATMUL_EFFICIENCY
+    for matmul in [x / 20 for x in range(10, 21)]:  # 0.50 ... 1.00 of the tensor-core peak
+        step_model.MATMUL_EFFICIENCY = matmul
+        fitted, total = {}, 0.0
+        for name in kinds:
+            rows_of = [r for r in calibration if r["kind"] == name]
+
+            def loss(efficiency: float) -> float:
+                kind = replace(catalog.lookup(name), bandwidth_efficiency=efficiency)
+                return sum(math.log(predicted(r, workloads[r["model"]], kind)[0] / r["samples_per_second"]) ** 2
+                           for r in rows_of)  # fmt: skip
+
+            low, high = 0.05, 1.5  # golden-section search: the loss is unimodal in the efficiency
+            for _ in range(40):
+                a, b = high - 0.618 * (high - low), low + 0.618 * (high - low)
+                low, high = (low, b) if loss(a) < loss(b) else (a, high)
+            fitted[name] = round((low + high) / 2, 2)
+            total += loss(fitted[name])
+        if best is None or total < best[0]:
+            best = (total, matmul, fitted)
+    step_model.MATMUL_EFFICIENCY = saved
+    # Mixed precision's share of the fp32 activations: the one that brings every calibration row's largest micro-batch
+    # closest to the largest batch its published runs show fits, never above it.
+    def worst(share: float) -> float:
+        ratios = [allowed_batch(r, workloads[r["model"]], share) / r["shown_to_fit"] for r in calibration]
+        return math.inf if max(ratios) > 1 else max(abs(math.log(max(ratio, 1e-9))) for ratio in ratios)
+
+    share = min((x / 1000 for x in range(400, 901, 5)), key=worst)
+    return {
+        "MATMUL_EFFICIENCY": best[1],
+        "BANDWIDTH_EFFICIENCY": best[2],
+        "DEFAULT_BANDWIDTH_EFFICIENCY": round(statistics.median(best[2].values()), 2),
+        # the most the calibration batches allow for every row (so that no planned batch exceeds what ran)
+        "HALF_PRECISION_ACTIVATIONS": share,
+    }
+
+
+def table(rows: list[dict], workloads: dict) -> list[dict]:
+    results = []
+    for row in rows:
+        speed, max_batch = predicted(row, workloads[row["model"]])
+        results.append({**{k: row[k] for k in ("role", "source", "model", "kind", "samples_per_second", "batch")},
+                        "predicted": speed, "error": speed / row["samples_per_second"] - 1, "max_batch": max_batch,
+                        "shown_to_fit": row["shown_to_fit"],
+                        "max_batch_ratio": max_batch / row["shown_to_fit"]})  # fmt: skip
+    for result in results:  # speed relative to the reference kind of the same source and model
+        reference = next((r for r in results if (r["source"], r["model"], r["kind"]) ==
+                          (result["source"], result["model"], REFERENCE_KIND)), None)  # fmt: skip
+        if reference is None or reference is result:
+            result["ratio_error"] = None
+            continue
+        published = result["samples_per_second"] / reference["samples_per_second"]
+        result["ratio_error"] = (result["predicted"] / reference["predicted"]) / published - 1
+    return results
+
+
+def split_check(rows: list[dict], workload) -> dict:
+    """The planner's split of 768 ResNet-50 samples over A100-80GB + V100-16GB + A10 against the published speeds'."""
+    cluster = load_cluster_text(SPLIT_CLUSTER)
+    plan = step_model.predict(cluster, workload, step_model.Options(global_batch_size=768, zero_stage=0))
+    speeds = {r["kind"]: r["samples_per_second"] for r in rows if r["source"] == "Lambda" and r["model"] == "resnet50"}
+    published = [speeds[d.kind.name] for d in cluster.devices]
+    # the published speeds as cost lines (no fixed part): the min-max split they imply
+    from lightning_hetero.measure.cost import CostModel
+
+    implied = plan_min_max([CostModel(0.0, 1 / s) for s in published], 768).batch_sizes
+    planned = [d.samples for d in plan.devices]
+    return {
+        "kinds": [d.kind.name for d in cluster.devices],
+        "planned": planned,
+        "implied": list(implied),
+        "error": [p / i - 1 for p, i in zip(planned, implied)],
+        # the step the planned split takes at the published speeds, against the best split's
+        "step_cost": max(n / s for n, s in zip(planned, published)) / max(n / s for n, s in zip(implied, published)) - 1,
+    }
+
+
+WITH_PEAK = """
+import resource, sys
+from lightning_hetero.simulate.command import main
+code = main(sys.argv[2:])
+print(f"peak KiB {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}", file=sys.stderr)
+sys.exit(code)
+"""
+
+
+def laptop_check() -> list[dict]:
+    """`lightning-hetero plan` for ResNet-50 and BERT-base at 1,024 over 3 GPUs: wall time and peak memory here."""
+    results = []
+    with tempfile.TemporaryDirectory() as directory:
+        cluster = os.path.join(directory, "cluster.yaml")
+        with open(cluster, "w") as handle:
+            handle.write(LAPTOP_CLUSTER)
+        for name in ("resnet50", "bert-base"):
+            arguments = ["plan", "--cluster", cluster, "--model", MODELS[name], "--global-batch-size", "1024", "--json"]
+            # the planner run in a child that prints its own peak resident set when it is done
+            command = [sys.executable, "-c", WITH_PEAK, *arguments]
+            started = time.perf_counter()
+            done = subprocess.run(command, cwd=HERE, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+            seconds = time.perf_counter() - started
+            peak = int(done.stderr.strip().splitlines()[-1].rpartition("peak KiB ")[2] or 0) if done.stderr else 0
+            if done.returncode != 0:
+                raise SystemExit(f"plan failed for {name}: {done.stderr[-2000:]}")
+            plan = json.loads(done.stdout)
+            results.append({"model": name, "seconds": seconds, "peak_rss_gib": peak / 2**20,
+                            "samples": [d["samples"] for d in plan["devices"]]})  # fmt: skip
+    return results
+
+
+def show(results: list[dict], split: dict, laptop: list[dict], fitted) -> str:
+    lines = []
+    for role in ("calibration", "held out"):
+        chosen = [r for r in results if r["role"] == role]
+        lines += [f"\n{role} rows", f"{'source':<7} {'model':<11} {'kind':<15} {'published':>9} {'predicted':>9} "
+                  f"{'error':>7} {'vs A100-80GB':>12}  {'batch':>6} {'fits':>6} {'max batch':>9} {'ratio':>6}"]  # fmt: skip
+        for r in chosen:
+            ratio = "" if r["ratio_error"] is None else f"{r['ratio_error']:+.0%}"
+            lines.append(
+                f"{r['source']:<7} {r['model']:<11} {r['kind']:<15} {r['samples_per_second']:>9.1f} {r['predicted']:>9.1f}"
+                f" {r['error']:>+7.0%} {ratio:>12}  {r['batch']:>6} {r['shown_to_fit']:>6} {r['max_batch']:>9}"
+                f" {r['max_batch_ratio']:>6.2f}"
+            )
+        errors = [abs(r["error"]) for r in chosen]
+        ratios = [abs(r["ratio_error"]) for r in chosen if r["ratio_error"] is not None]
+        batches = [r["max_batch_ratio"] for r in chosen]
+        lines.append(
+            f"{role}: |error| median {statistics.median(errors):.0%}, max {max(errors):.0%}; speed relative to the"
+            f" A100-80GB |error| median {statistics.median(ratios):.0%}, max {max(ratios):.0%}; the planner's largest"
+            f" micro-batch / the largest published runs show fits: {min(batches):.2f} to {max(batches):.2f}"
+        )
+    every = [abs(r["error"]) for r in results]
+    lines.append(f"\nall rows: |error| median {statistics.median(every):.0%}")
+    lines.append(
+        f"\nsplit of 768 ResNet-50 samples over {' + '.join(split['kinds'])}: planned {split['planned']}, the published"
+        f" speeds imply {split['implied']} ({', '.join(f'{e:+.1%}' for e in split['error'])}); the planned split's step"
+        f" at the published speeds is {split['step_cost']:+.1%} against the implied one's"
+    )
+    for run in laptop:
+        lines.append(
+            f"plan {run['model']} at a global batch of 1,024 over A100-80GB + V100-16GB + T4: {run['seconds']:.1f} s,"
+            f" peak memory {run['peak_rss_gib']:.2f} GiB here, split {run['samples']}"
+        )
+    if fitted:
+        lines.append("\nfitted on the calibration rows (paste into simulate/catalog.py and simulate/predict.py):")
+        lines += [f"  {key} = {value}" for key, value in fitted.items()]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--fit", action="store_true", help="re-fit the catalog's constants on the calibration rows")
+    parser.add_argument("--no-laptop", action="store_true", help="skip timing `lightning-hetero plan` itself")
+    parser.add_argument("--workloads", help="a pickle of the measured models to reuse (written if absent)")
+    args = parser.parse_args()
+    rows = load_rows()
+    # first, while this process is small: a child's peak memory counts what it inherits at the fork
+    laptop = [] if args.no_laptop else laptop_check()
+    started = time.perf_counter()
+    if args.workloads and os.path.exists(args.workloads):
+        with open(args.workloads, "rb") as handle:
+            workloads = pickle.load(handle)
+    else:
+        workloads = {name: measure(name) for name in MODELS}
+        if args.workloads:
+            with open(args.workloads, "wb") as handle:
+                pickle.dump(workloads, handle)
+    measured_in = time.perf_counter() - started
+    fitted = fit(rows, workloads) if args.fit else None
+    results = table(rows, workloads)
+    split = split_check(rows, workloads["resnet50"])
+    print(show(results, split, laptop, fitted))
+    print(f"\n(the three models measured here in {measured_in:.0f} s)")
+    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+    with open(os.path.join(HERE, "results", "planner_validation.json"), "w") as handle:
+        json.dump({"rows": results, "split": split, "laptop": laptop, "fitted": fitted,
+                   "workloads": {n: {"flops_per_sample": w.flops_per_sample, "activation_bytes_per_sample":
+                                     w.activation_bytes_per_sample, "operators": len(w.operators)}
+                                 for n, w in workloads.items()}}, handle, indent=1)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
