@@ -2,6 +2,7 @@
 
     python benchmarks/planner_validation.py          # the table: about 2 minutes here
     python benchmarks/planner_validation.py --fit    # also re-fit the catalog's constants on the calibration rows
+                                                     # (written to benchmarks/planner_fit.json)
 
 The published rows (benchmarks/published_figures.json, each with its source file at a commit) are per-GPU training
 throughput with mixed precision on one GPU: Lambda's deeplearning-benchmark (NVIDIA's PyTorch examples run by
@@ -263,6 +264,9 @@ def main() -> None:
     print(show(results, split, laptop, fitted))
     print(f"\n(the three models measured here in {measured_in:.0f} s)")
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+    if fitted:  # tracked: tests/simulate/test_predict.py checks that the catalog carries these figures
+        with open(os.path.join(HERE, "planner_fit.json"), "w") as handle:
+            json.dump(fitted, handle, indent=1)
     with open(os.path.join(HERE, "results", "planner_validation.json"), "w") as handle:
         json.dump({"rows": results, "split": split, "laptop": laptop, "fitted": fitted,
                    "workloads": {n: {"flops_per_sample": w.flops_per_sample, "activation_bytes_per_sample":

@@ -54,20 +54,21 @@ def _rows(devices: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def _fixed_cost_notes(devices: list[dict[str, Any]]) -> list[str]:
-    """Why a device got few samples when its step is mostly fixed cost: a tiny model on a GPU is bound by kernel
-    launches, so any other device finishes many samples in the time the GPU's step takes for one."""
+def _fixed_cost_notes(devices: list[dict[str, Any]], global_batch_size: int) -> list[str]:
+    """Why a device got almost no samples: its step is mostly fixed cost (a tiny model on a GPU is bound by kernel
+    launches), so the other devices finish many samples in the time its step takes for one."""
     notes, seen = [], set()
+    few = max(1, global_batch_size // (10 * len(devices)))  # under a tenth of the equal share
     for device in devices:
         fixed, compute = device.get("fixed_ms", 0.0), device["compute_ms"]
-        if device["kind"] in seen or compute <= 0 or fixed < 0.5 * compute:
+        if device["kind"] in seen or compute <= 0 or fixed < 0.5 * compute or device["samples"] > few:
             continue
         seen.add(device["kind"])
         notes.append(
-            f"note: a {device['kind']}'s step is {fixed / compute:.0%} fixed cost ({fixed:.2f} ms whatever its"
-            f" samples: kernel launches and the work that does not grow with the batch), so it gets"
-            f" {device['samples']} sample(s): the other devices finish theirs in that time. A model this small"
-            " gains little from it; a larger global batch moves samples onto it."
+            f"note: each {device['kind']} gets {device['samples']} sample(s): its step is {fixed / compute:.0%} fixed"
+            f" cost ({fixed:.2f} ms whatever its samples: kernel launches on a GPU, Python and operator overheads on"
+            " a CPU), in which the other devices finish theirs. A model this small gains little from it; a larger"
+            " global batch moves samples onto it."
         )
     return notes
 
@@ -89,7 +90,7 @@ def _section(result: dict[str, Any]) -> list[str]:
         f" {settings['gpu_context_bytes'] / GIB:.1f} GiB on a GPU for the CUDA context and workspaces; the"
         f" {settings['memory_headroom']:.0%} left is headroom for the allocator",
         *_rows(result["devices"]),
-        *_fixed_cost_notes(result["devices"]),
+        *_fixed_cost_notes(result["devices"], settings["global_batch_size"]),
         f"step: {_step(result['step_ms'])}",
         f"equal split (DDP): {_step(result['equal_split_step_ms'])}: this plan is"
         f" {result['speedup_over_equal']:.2f}x faster",

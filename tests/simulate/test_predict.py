@@ -274,3 +274,18 @@ def test_the_automatic_stage_is_the_lowest_that_holds_the_state_and_the_planned_
     # ZeRO-0, bf16 activations (mixed precision keeps 0.69 of the fp32 bytes)
     # (and DeepSpeed's gradient buffer: the 10 M fp32 gradients, 40 MB)
     assert device.memory_bytes == pytest.approx(160e6 + 40e6 + device.micro_batch * HALF_PRECISION_ACTIVATIONS * 1e6)
+
+
+def test_the_catalog_s_fitted_constants_are_the_validation_benchmark_s_last_fit():
+    # benchmarks/planner_validation.py --fit writes what the calibration rows give (benchmarks/planner_fit.json); the
+    # catalog must carry those figures, or the README's validation table describes another model than the one used.
+    import json
+    from pathlib import Path
+
+    from lightning_hetero.simulate import catalog
+
+    fitted = json.loads((Path(__file__).parents[2] / "benchmarks/planner_fit.json").read_text())
+    assert fitted["BANDWIDTH_EFFICIENCY"] == catalog.BANDWIDTH_EFFICIENCY
+    assert fitted["MATMUL_EFFICIENCY"] == catalog.MATMUL_EFFICIENCY
+    assert fitted["DEFAULT_BANDWIDTH_EFFICIENCY"] == catalog.DEFAULT_BANDWIDTH_EFFICIENCY
+    assert fitted["HALF_PRECISION_ACTIVATIONS"] == HALF_PRECISION_ACTIVATIONS

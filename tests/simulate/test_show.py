@@ -35,6 +35,9 @@ def test_identical_nodes_share_one_row_that_names_them():
 def test_a_device_bound_by_its_fixed_cost_is_said_to_be_and_why_it_gets_few_samples():
     launch_bound = {**_device("A100-80GB", 0, 1), "compute_ms": 0.62, "fixed_ms": 0.6}
     busy = {**_device("cpu-2c-avx2", 1, 253), "compute_ms": 0.6, "fixed_ms": 0.01}
-    notes = _fixed_cost_notes([launch_bound, dict(launch_bound, node=1), busy])
+    notes = _fixed_cost_notes([launch_bound, dict(launch_bound, node=1), busy], 255)
     assert len(notes) == 1  # one note per kind; the CPU, mostly per-sample cost, has none
-    assert "A100-80GB's step is 97% fixed cost (0.60 ms" in notes[0] and "1 sample(s)" in notes[0]
+    assert "each A100-80GB gets 1 sample(s): its step is 97% fixed cost (0.60 ms" in notes[0]
+    # a device that still gets a fair share is not noted, whatever its fixed cost
+    fair = {**_device("A100-80GB", 0, 849), "compute_ms": 4.1, "fixed_ms": 2.07}
+    assert _fixed_cost_notes([fair, busy], 4096) == []
