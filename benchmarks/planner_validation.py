@@ -70,6 +70,36 @@ def measure(name: str):
     return measure_workload(model, model.train_dataloader(), name, probe_sizes(1024, 3))
 
 
+def linearity(name: str, sizes: tuple[int, ...]) -> list[dict]:
+    """The counts at ``sizes`` against the lines `plan` extrapolates from micro-batches 2 and 4: FLOPs, bytes moved
+    and saved activations of a step (the laptop's extrapolation holds if these agree)."""
+    import published_models
+    from lightning_hetero.measure.operators import operator_lines
+    from lightning_hetero.simulate.workload import COUNT_SIZES, _step_counts
+
+    model = getattr(published_models, MODELS[name].split(":")[1])()
+    loader = model.train_dataloader()
+
+    def counts(size: int):
+        return _step_counts(model, loader.collate_fn([loader.dataset[i % len(loader.dataset)] for i in range(size)]))
+
+    small, large = COUNT_SIZES
+    at_small, at_large = counts(small), counts(large)
+    lines = operator_lines(at_small.records, at_large.records, small, large)
+    saved_slope = (at_large.saved_bytes - at_small.saved_bytes) / (large - small)
+    checks = []
+    for size in sizes:
+        measured = counts(size)
+        flops = sum(op.flops + op.flops_per_sample * size for op in lines)
+        moved = sum(op.bytes + op.bytes_per_sample * size for op in lines)
+        saved = at_small.saved_bytes + saved_slope * (size - small)
+        checks.append({"model": name, "batch": size,
+                       "flops_error": flops / measured.flops - 1,
+                       "bytes_error": moved / sum(r[1] for r in measured.records) - 1,
+                       "saved_error": saved / measured.saved_bytes - 1})  # fmt: skip
+    return checks
+
+
 def predicted(row: dict, workload, kind=None) -> tuple[float, int]:
     """(samples/s at the row's batch, the largest micro-batch the planner allows) for one device of the row's kind."""
     kind = kind or catalog.lookup(row["kind"])
@@ -200,7 +230,7 @@ def laptop_check() -> list[dict]:
     return results
 
 
-def show(results: list[dict], split: dict, laptop: list[dict], fitted) -> str:
+def show(results: list[dict], split: dict, laptop: list[dict], linearity_checks: list[dict], fitted) -> str:
     lines = []
     for role in ("calibration", "held out"):
         chosen = [r for r in results if r["role"] == role]
@@ -228,6 +258,11 @@ def show(results: list[dict], split: dict, laptop: list[dict], fitted) -> str:
         f" speeds imply {split['implied']} ({', '.join(f'{e:+.1%}' for e in split['error'])}); the planned split's step"
         f" at the published speeds is {split['step_cost']:+.1%} against the implied one's"
     )
+    for check in linearity_checks:
+        lines.append(
+            f"{check['model']} counted at a batch of {check['batch']} against the lines from 2 and 4: FLOPs"
+            f" {check['flops_error']:+.2%}, bytes {check['bytes_error']:+.2%}, saved activations {check['saved_error']:+.2%}"
+        )
     for run in laptop:
         lines.append(
             f"plan {run['model']} at a global batch of 1,024 over A100-80GB + V100-16GB + T4: {run['seconds']:.1f} s,"
@@ -261,14 +296,15 @@ def main() -> None:
     fitted = fit(rows, workloads) if args.fit else None
     results = table(rows, workloads)
     split = split_check(rows, workloads["resnet50"])
-    print(show(results, split, laptop, fitted))
+    linearity_checks = linearity("resnet50", (8, 32)) + linearity("bert-base", (8,))
+    print(show(results, split, laptop, linearity_checks, fitted))
     print(f"\n(the three models measured here in {measured_in:.0f} s)")
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     if fitted:  # tracked: tests/simulate/test_predict.py checks that the catalog carries these figures
         with open(os.path.join(HERE, "planner_fit.json"), "w") as handle:
             json.dump(fitted, handle, indent=1)
     with open(os.path.join(HERE, "results", "planner_validation.json"), "w") as handle:
-        json.dump({"rows": results, "split": split, "laptop": laptop, "fitted": fitted,
+        json.dump({"rows": results, "split": split, "laptop": laptop, "fitted": fitted, "linearity": linearity_checks,
                    "workloads": {n: {"flops_per_sample": w.flops_per_sample, "activation_bytes_per_sample":
                                      w.activation_bytes_per_sample, "operators": len(w.operators)}
                                  for n, w in workloads.items()}}, handle, indent=1)  # fmt: skip

@@ -23,6 +23,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+from lightning_hetero.runtime.internals import TORCH_STATE, patched
+
+DROPOUT, ATTENTION = (
+    next(i for i in TORCH_STATE if (i.module, i.name) == ("torch.nn.functional", name))
+    for name in ("dropout", "scaled_dot_product_attention")
+)
+
 
 @dataclass(frozen=True)
 class OperatorCost:
@@ -62,12 +69,8 @@ def launched_as_on_cuda() -> Iterator[None]:
     memory-efficient kernels never write it: counted as CPU's flash kernel without the dropout, whose bytes and FLOPs
     are CUDA's). ``torch.nn.functional``'s two functions are replaced for the duration, which reaches ``nn.Dropout``
     and ``nn.MultiheadAttention`` (they look them up there at each call). For counting only: values differ."""
-    saved = functional.dropout, functional.scaled_dot_product_attention
-    functional.dropout, functional.scaled_dot_product_attention = _dropout_as_on_cuda, _attention_as_on_cuda
-    try:
+    with patched(DROPOUT, _dropout_as_on_cuda), patched(ATTENTION, _attention_as_on_cuda):
         yield
-    finally:
-        functional.dropout, functional.scaled_dot_product_attention = saved
 
 
 # CPU kernels counted with the FLOP formula of the CUDA kernel they stand for (LaunchedAsOnCuda).

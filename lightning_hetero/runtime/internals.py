@@ -369,9 +369,23 @@ TORCH_STATE = (
     Internal("torch.nn", "Module()._modules", "read", "train/pipeline.py",
              "a chain's blocks by name, in order, and the place where a block another stage holds is replaced (a"
              " ModuleDict's keys and a Sequential's indices alike)"),
-    Internal("torch.utils._python_dispatch", "TorchDispatchMode", "called", "simulate/workload.py",
-             "subclassed to count the aten operators of one forward + backward (kernel launches on a GPU);"
-             " FlopCounterMode, the public counter, is one such mode"),
+    Internal("torch.utils._python_dispatch", "TorchDispatchMode", "called", "measure/operators.py",
+             "subclassed to record each aten operator of one forward + backward with its FLOPs and bytes (the GPU"
+             " roofline's inputs); FlopCounterMode, the public counter, is one such mode"),
+    Internal("torch.utils._pytree", "tree_flatten", "called", "measure/operators.py",
+             "the tensors among an operator's arguments and outputs (nested lists and dicts), to count their bytes"),
+    *(Internal("torch._ops", f"OpOverload#{name}", "read", "measure/operators.py", why) for name, why in (
+        ("_overloadpacket", "the operator's packet, the key of torch's FLOP formulas (flop_registry)"),
+        ("_schema", "which arguments an operator writes: an in-place operator moves bytes, a view none"))),
+    *(Internal("torch", f"ops.aten.{name}", "called", "measure/operators.py",
+               "counted as CUDA's flash attention: CPU's kernel of the same bytes and FLOPs (its formula is the CUDA"
+               " kernel's in flop_registry)") for name in (
+        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward")),
+    *(Internal("torch.nn.functional", name, "patched", "measure/operators.py",
+               "while counting a step's operators (launched_as_on_cuda), replaced by the fused kernel CUDA runs"
+               " (nn.Dropout and nn.MultiheadAttention look it up there at each call); public, but patched",
+               "at the end of the count") for name in ("dropout", "scaled_dot_product_attention")),
     *(Internal(_POWER_SGD, f"PowerSGDState#{name}", "patched", "comm/communication.py, comm/compression.py",
     _POWER_SGD_STATE,
                "restored from the checkpoint")
