@@ -177,6 +177,10 @@ def table(rows: list[dict], workloads: dict) -> list[dict]:
     return results
 
 
+def _slowest(samples, speeds) -> float:
+    return max(n / s for n, s in zip(samples, speeds))
+
+
 def split_check(rows: list[dict], workload) -> dict:
     """The planner's split of 768 ResNet-50 samples over A100-80GB + V100-16GB + A10 against the published speeds'."""
     cluster = load_cluster_text(SPLIT_CLUSTER)
@@ -194,7 +198,7 @@ def split_check(rows: list[dict], workload) -> dict:
         "implied": list(implied),
         "error": [p / i - 1 for p, i in zip(planned, implied)],
         # the step the planned split takes at the published speeds, against the best split's
-        "step_cost": max(n / s for n, s in zip(planned, published)) / max(n / s for n, s in zip(implied, published)) - 1,
+        "step_cost": _slowest(planned, published) / _slowest(implied, published) - 1,
     }
 
 
@@ -219,7 +223,8 @@ def laptop_check() -> list[dict]:
             # the planner run in a child that prints its own peak resident set when it is done
             command = [sys.executable, "-c", WITH_PEAK, *arguments]
             started = time.perf_counter()
-            done = subprocess.run(command, cwd=HERE, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+            environment = {**os.environ, "PYTHONPATH": ROOT}
+            done = subprocess.run(command, cwd=HERE, capture_output=True, text=True, env=environment)
             seconds = time.perf_counter() - started
             peak = int(done.stderr.strip().splitlines()[-1].rpartition("peak KiB ")[2] or 0) if done.stderr else 0
             if done.returncode != 0:
@@ -234,12 +239,14 @@ def show(results: list[dict], split: dict, laptop: list[dict], linearity_checks:
     lines = []
     for role in ("calibration", "held out"):
         chosen = [r for r in results if r["role"] == role]
-        lines += [f"\n{role} rows", f"{'source':<7} {'model':<11} {'kind':<15} {'published':>9} {'predicted':>9} "
-                  f"{'error':>7} {'vs A100-80GB':>12}  {'batch':>6} {'fits':>6} {'max batch':>9} {'ratio':>6}"]  # fmt: skip
+        header = f"{'source':<7} {'model':<11} {'kind':<15} {'published':>9} {'predicted':>9} {'error':>7}"
+        header += f" {'vs A100-80GB':>12}  {'batch':>6} {'fits':>6} {'max batch':>9} {'ratio':>6}"
+        lines += [f"\n{role} rows", header]
         for r in chosen:
             ratio = "" if r["ratio_error"] is None else f"{r['ratio_error']:+.0%}"
             lines.append(
-                f"{r['source']:<7} {r['model']:<11} {r['kind']:<15} {r['samples_per_second']:>9.1f} {r['predicted']:>9.1f}"
+                f"{r['source']:<7} {r['model']:<11} {r['kind']:<15} {r['samples_per_second']:>9.1f}"
+                f" {r['predicted']:>9.1f}"
                 f" {r['error']:>+7.0%} {ratio:>12}  {r['batch']:>6} {r['shown_to_fit']:>6} {r['max_batch']:>9}"
                 f" {r['max_batch_ratio']:>6.2f}"
             )
@@ -261,7 +268,8 @@ def show(results: list[dict], split: dict, laptop: list[dict], linearity_checks:
     for check in linearity_checks:
         lines.append(
             f"{check['model']} counted at a batch of {check['batch']} against the lines from 2 and 4: FLOPs"
-            f" {check['flops_error']:+.2%}, bytes {check['bytes_error']:+.2%}, saved activations {check['saved_error']:+.2%}"
+            f" {check['flops_error']:+.2%}, bytes {check['bytes_error']:+.2%}, saved activations"
+            f" {check['saved_error']:+.2%}"
         )
     for run in laptop:
         lines.append(

@@ -32,7 +32,9 @@ class _Bottleneck(nn.Module):
         self.relu = nn.ReLU(inplace=True)
         self.downsample = None
         if stride != 1 or inputs != outputs:
-            self.downsample = nn.Sequential(nn.Conv2d(inputs, outputs, 1, stride=stride, bias=False), nn.BatchNorm2d(outputs))
+            self.downsample = nn.Sequential(
+                nn.Conv2d(inputs, outputs, 1, stride=stride, bias=False), nn.BatchNorm2d(outputs)
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         identity = x if self.downsample is None else self.downsample(x)
@@ -100,8 +102,8 @@ class _RandomTokens(Dataset):
 
 class _BertLayer(nn.Module):
     """One BERT encoder layer as NVIDIA's PyTorch BERT (DeepLearningExamples, modeling.py) writes it, which the
-    published figures ran: attention written out (``softmax(q k^T / sqrt(d))``, dropout on the probabilities), post-norm,
-    GELU."""
+    published figures ran: attention written out (``softmax(q k^T / sqrt(d))``, dropout on the probabilities),
+    post-norm, GELU."""
 
     def __init__(self, hidden: int, heads: int) -> None:
         super().__init__()

@@ -73,7 +73,7 @@ def launched_as_on_cuda() -> Iterator[None]:
         yield
 
 
-# CPU kernels counted with the FLOP formula of the CUDA kernel they stand for (LaunchedAsOnCuda).
+# CPU kernels counted with the FLOP formula of the CUDA kernel they stand for (launched_as_on_cuda).
 _FORMULA_OF = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: torch.ops.aten._scaled_dot_product_flash_attention,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: (
@@ -95,7 +95,9 @@ def _storage_key(tensor: torch.Tensor) -> int:
 
 def _writes_an_argument(func: Any) -> bool:
     schema = getattr(func, "_schema", None)
-    return schema is not None and any(arg.alias_info is not None and arg.alias_info.is_write for arg in schema.arguments)
+    if schema is None:
+        return False
+    return any(argument.alias_info is not None and argument.alias_info.is_write for argument in schema.arguments)
 
 
 _ALLOCATIONS = {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.empty_strided}
@@ -130,7 +132,10 @@ class OperatorRecorder(TorchDispatchMode):
 
 
 def operator_lines(
-    small: Sequence[tuple[float, float, str]], large: Sequence[tuple[float, float, str]], small_batch: int, large_batch: int
+    small: Sequence[tuple[float, float, str]],
+    large: Sequence[tuple[float, float, str]],
+    small_batch: int,
+    large_batch: int,
 ) -> tuple[OperatorCost, ...]:
     """Each operator as a line in the batch, from its records at two micro-batch sizes. When the two steps ran
     different operators (a model whose control flow depends on the batch), the step's totals per kind make the

@@ -117,7 +117,9 @@ GPU_KINDS = {
 for _name, _kind in list(GPU_KINDS.items()):
     _fitted = BANDWIDTH_EFFICIENCY.get(_name, BANDWIDTH_EFFICIENCY.get(_name.replace("32GB", "16GB")))
     if _fitted is not None:
-        GPU_KINDS[_name] = replace(_kind, bandwidth_efficiency=_fitted, source=f"{_kind.source}; {BANDWIDTH_EFFICIENCY_SOURCE}")
+        GPU_KINDS[_name] = replace(
+            _kind, bandwidth_efficiency=_fitted, source=f"{_kind.source}; {BANDWIDTH_EFFICIENCY_SOURCE}"
+        )
 
 # FP32 FLOPs per cycle per core for each instruction set (two FMA units of the vector width), and the 16-bit rate
 # where the hardware computes it natively. Sources: Intel 64 and IA-32 Architectures Optimization Reference Manual

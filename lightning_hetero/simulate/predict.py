@@ -5,8 +5,9 @@ workload and the options.
 A step is ``max_r(compute_r) + exchange + max_r(optimizer_r) + loop overhead``: the ranks wait for the slowest
 before the exchange and DeepSpeed steps the optimizer after it (no overlap is assumed); the loop overhead is 0 unless
 a run calibrates it (:class:`LoopCalibration`). Compute is ``k_r * fixed_r + per_sample_r * n_r`` for ``n_r`` samples
-in ``k_r`` micro-batches (:mod:`~lightning_hetero.plan.micro_steps`); memory is the model's state for the ZeRO stage plus activations
-per sample, within the device's memory less ``PLANNING_HEADROOM`` and, on a GPU, its CUDA context.
+in ``k_r`` micro-batches (:mod:`~lightning_hetero.plan.micro_steps`); memory is the model's state for the ZeRO stage,
+DeepSpeed's gradient buffer and activations per sample, within the device's memory less ``PLANNING_HEADROOM`` and,
+on a GPU, its CUDA context.
 
 A GPU's compute is a roofline over the step's operators (:func:`gpu_seconds`), its achievable fractions fitted to
 published training speeds (:mod:`.catalog`); ``benchmarks/planner_validation.py`` holds it against them.
@@ -45,8 +46,8 @@ KERNEL_LAUNCH_SECONDS = 6e-6  # per operator on a GPU: the launch overhead that 
 HALF_PRECISION_BYTES = 0.5
 # What mixed precision keeps of the fp32 activations counted here: 0.5 if every saved tensor were 16-bit; soft-max
 # outputs, normalisation statistics and masks stay wider, and cuDNN's workspaces grow with the batch. Fitted by
-# `benchmarks/planner_validation.py` to the batch sizes of the calibration rows (Lambda's, near the most that fits):
-# ResNet-50 needs 0.65 of its fp32 bytes, BERT-base 0.63; BERT-large, held out, 0.67.
+# `benchmarks/planner_validation.py --fit`: the smallest share at which no calibration row's largest micro-batch
+# exceeds the largest batch its published runs used (the H100's ResNet-50 at 1,280 decides it).
 HALF_PRECISION_ACTIVATIONS = 0.69
 # The CUDA context with cuBLAS's and cuDNN's workspaces: 300-500 MiB for the context on recent drivers and a few
 # hundred MiB of workspaces once the first kernels ran (PyTorch's "CUDA semantics" notes on memory management).
@@ -248,8 +249,8 @@ def gpu_seconds(kind: DeviceKind, workload: Workload, options: Options) -> tuple
         byte_scale=1.0 if precision == FP32 else HALF_PRECISION_BYTES,
         launch_seconds=0.0,
     )
-    launches = workload.operators_per_step if not workload.operators else len(workload.operators)
-    return fixed + launches * KERNEL_LAUNCH_SECONDS / kind.speed, per_sample
+    # (the operators launched, not the lines: a model whose two counted steps differed has one line per kind)
+    return fixed + workload.operators_per_step * KERNEL_LAUNCH_SECONDS / kind.speed, per_sample
 
 
 def cpu_seconds(kind: DeviceKind, workload: Workload, options: Options) -> tuple[float, float]:

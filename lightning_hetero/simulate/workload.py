@@ -9,6 +9,7 @@ fits a laptop), which calibrates what fraction of its peak a CPU reaches on this
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import os
@@ -51,7 +52,7 @@ class Workload:
     flops_per_sample: float  # forward + backward
     fixed_flops: float
     operators_per_step: int  # aten operators one forward + backward runs (kernel launches on a GPU)
-    activation_bytes_per_sample: float
+    activation_bytes_per_sample: float  # saved for backward, each storage once, as a GPU runs the step (fused attention)
     # This machine's CPU measured on the same step: its cost model and the kind that describes it (its threads).
     here_fixed_seconds: float
     here_seconds_per_sample: float
@@ -92,7 +93,10 @@ class _StepCounts:
 def _step_counts(module: torch.nn.Module, batch: Any) -> _StepCounts:
     recorder, saved = OperatorRecorder(), DistinctSavedBytes()
     # (the kernels a GPU launches: CPU's split dropout and attention counted as CUDA's fused ones)
-    with preserved_training_state(module, torch.device("cpu")), training_step_in_isolation(module), launched_as_on_cuda(), recorder:
+    with contextlib.ExitStack() as counting:
+        for context in (preserved_training_state(module, torch.device("cpu")), training_step_in_isolation(module),
+                        launched_as_on_cuda(), recorder):  # fmt: skip
+            counting.enter_context(context)
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
             loss = loss_of(module.training_step(batch, 0))
         if loss is not None and loss.requires_grad:

@@ -29,7 +29,8 @@ def test_a_matrix_product_counts_its_flops_and_the_bytes_it_reads_and_writes():
 
 def test_views_launch_nothing_and_in_place_operators_count_what_they_read_and_write():
     x = torch.randn(32, 32)
-    records = _record(lambda: x.t().unsqueeze(0).view(-1, 32).relu_())  # t, unsqueeze, view: no kernel; relu_ reads and writes x
+    # t, unsqueeze and view launch no kernel; relu_ reads and writes x
+    records = _record(lambda: x.t().unsqueeze(0).view(-1, 32).relu_())
     assert records == [(0.0, 4.0 * 32 * 32 * 2, "other")]
     assert _record(lambda: torch.empty(1000)) == []  # an allocation, no kernel
 

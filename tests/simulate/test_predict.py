@@ -54,6 +54,7 @@ def test_a_gpu_s_cost_is_the_roofline_of_its_operators_and_its_memory_what_the_p
     # one matrix product (compute-bound) and one element-wise operator (memory-bound), each a line in the batch
     workload = replace(
         WORKLOAD,
+        operators_per_step=2,
         operators=(OperatorCost(0.0, 6e9, 2e6, 1e5, "matmul"), OperatorCost(0.0, 0.0, 1e6, 4e6, "other")),
     )
     cluster = load_cluster_text("nodes:\n  - devices: [{kind: A100-80GB}]\n")
@@ -67,6 +68,11 @@ def test_a_gpu_s_cost_is_the_roofline_of_its_operators_and_its_memory_what_the_p
     # (1 M fp32 gradients), at 0.69 of the fp32 activations
     room = 80 * GIB * (1 - PLANNING_HEADROOM) - GPU_CONTEXT_BYTES - 16e6 - 4e6
     assert cost.max_batch == int(room // (50e6 * HALF_PRECISION_ACTIVATIONS))
+    # every operator launched pays its launch, also when the lines are totals per kind (two steps that differed)
+    totals = replace(workload, operators_per_step=50)
+    assert device_cost(kind, totals, Options(global_batch_size=8), 1).fixed == pytest.approx(
+        cost.fixed + 48 * KERNEL_LAUNCH_SECONDS
+    )
     # fp32 on the same GPU: the product at the plain FP32 rate, the bytes as counted
     fp32 = device_cost(kind, workload, Options(global_batch_size=8, precision="32-true"), 1)
     assert fp32.per_sample == pytest.approx(max(6e9 / 19.5e12, 1e5 / bandwidth) + 4e6 / bandwidth)
