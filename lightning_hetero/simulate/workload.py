@@ -52,7 +52,7 @@ class Workload:
     flops_per_sample: float  # forward + backward
     fixed_flops: float
     operators_per_step: int  # aten operators one forward + backward runs (kernel launches on a GPU)
-    activation_bytes_per_sample: float  # saved for backward, each storage once, as a GPU runs the step (fused attention)
+    activation_bytes_per_sample: float  # saved for backward, each storage once, as a GPU runs it (fused attention)
     # This machine's CPU measured on the same step: its cost model and the kind that describes it (its threads).
     here_fixed_seconds: float
     here_seconds_per_sample: float
