@@ -107,13 +107,18 @@ def predicted(row: dict, workload, kind=None) -> tuple[float, int]:
     return row["batch"] / (cost.fixed + cost.per_sample * row["batch"]), cost.max_batch
 
 
+def room_bytes(row: dict, workload) -> float:
+    """What one device of the row's kind has for activations: its usable memory less the state and DeepSpeed's
+    buffer."""
+    kind = catalog.lookup(row["kind"])
+    room = step_model.usable_memory_bytes(kind) - step_model.model_state_bytes(workload.parameters, 0, 1)
+    return room - step_model.deepspeed_buffer_bytes(workload.parameters, 0)
+
+
 def allowed_batch(row: dict, workload, share: float) -> int:
     """The largest micro-batch one device of the row's kind allows if mixed precision keeps ``share`` of the fp32
     activation bytes (what :func:`~lightning_hetero.simulate.predict.device_cost` computes with its constant)."""
-    kind = catalog.lookup(row["kind"])
-    room = step_model.usable_memory_bytes(kind) - step_model.model_state_bytes(workload.parameters, 0, 1)
-    room -= step_model.deepspeed_buffer_bytes(workload.parameters, 0)
-    return math.floor(room / (share * workload.activation_bytes_per_sample))
+    return math.floor(room_bytes(row, workload) / (share * workload.activation_bytes_per_sample))
 
 
 def fit(rows: list[dict], workloads: dict) -> dict:
@@ -165,6 +170,7 @@ def table(rows: list[dict], workloads: dict) -> list[dict]:
         results.append({**{k: row[k] for k in ("role", "source", "model", "kind", "samples_per_second", "batch")},
                         "predicted": speed, "error": speed / row["samples_per_second"] - 1, "max_batch": max_batch,
                         "shown_to_fit": row["shown_to_fit"],
+                        "room_gib": room_bytes(row, workloads[row["model"]]) / 2**30,
                         "max_batch_ratio": max_batch / row["shown_to_fit"]})  # fmt: skip
     for result in results:  # speed relative to the reference kind of the same source and model
         reference = next((r for r in results if (r["source"], r["model"], r["kind"]) ==
@@ -257,6 +263,16 @@ def show(results: list[dict], split: dict, laptop: list[dict], linearity_checks:
             f"{role}: |error| median {statistics.median(errors):.0%}, max {max(errors):.0%}; speed relative to the"
             f" A100-80GB |error| median {statistics.median(ratios):.0%}, max {max(ratios):.0%}; the planner's largest"
             f" micro-batch / the largest published runs show fits: {min(batches):.2f} to {max(batches):.2f}"
+        )
+    # How consistent the published batches are with any memory model linear in the batch: the largest batch shown to
+    # fit per GiB left after the state, DeepSpeed's buffer and the context, across kinds (one model: one ratio).
+    for model in MODELS:
+        density = [r["shown_to_fit"] / r["room_gib"] for r in results
+                   if r["model"] == model and r["source"] == "Lambda"]  # fmt: skip
+        lines.append(
+            f"{model}: the largest published batch per GiB of room ranges {min(density):.1f} to {max(density):.1f}"
+            f" across kinds ({max(density) / min(density):.2f}x): no single bytes-per-sample puts every kind within"
+            f" {1 - min(density) / max(density):.0%} of it"
         )
     every = [abs(r["error"]) for r in results]
     lines.append(f"\nall rows: |error| median {statistics.median(every):.0%}")

@@ -240,12 +240,11 @@ def test_speed_one_adds_nothing(intra_op_threads):
 def test_blocking_wait_is_not_stretched(intra_op_threads, wait):
     """Time spent blocked (e.g. in a gloo collective, waiting for slower ranks) is not multiplied."""
     emulator = SlowdownEmulator(0.25, CPU)  # would add 150 ms if the 50 ms wait were counted
-    start = time.perf_counter()
     with emulator.slowed():
         wait()
-    elapsed = time.perf_counter() - start
+    # added_seconds is every second the emulator slept (catch_up is its one sleep): the decision, without a wall
+    # clock that a loaded machine stretches (the test asserted elapsed < 150 ms too)
     assert emulator.added_seconds < 0.01
-    assert elapsed < 0.05 + 0.1  # far below the 200 ms a stretched wait would take
 
 
 def test_waiting_for_another_thread_is_not_stretched():

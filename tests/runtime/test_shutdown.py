@@ -52,11 +52,34 @@ class NamedThread(threading.Thread):
         self.join(5)
 
 
-def test_no_gloo_workers_means_settled_at_once():
+class FakeClock:
+    """``time`` for shutdown.py: sleeping moves the clock, nothing waits (a loaded machine cannot stretch it)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def fake_clock(monkeypatch) -> FakeClock:
+    from lightning_hetero.runtime import shutdown
+
+    clock = FakeClock()
+    monkeypatch.setattr(shutdown, "time", clock)
+    return clock
+
+
+def test_no_gloo_workers_means_settled_at_once(fake_clock):
+    from lightning_hetero.runtime.shutdown import _POLL_SECONDS, _QUIET_CHECKS
+
     assert runnable_gloo_workers() == 0
-    started = time.monotonic()
     assert wait_for_gloo_workers_to_settle(max_wait=2.0)
-    assert time.monotonic() - started < 1.0
+    assert fake_clock.now == pytest.approx(_QUIET_CHECKS * _POLL_SECONDS)  # the quiet checks, no more
 
 
 def test_a_sleeping_worker_does_not_hold_up_the_exit():
@@ -66,14 +89,25 @@ def test_a_sleeping_worker_does_not_hold_up_the_exit():
         assert wait_for_gloo_workers_to_settle(max_wait=2.0)
 
 
-def test_a_runnable_worker_is_counted_and_waited_for_up_to_the_bound():
+def test_a_runnable_worker_is_counted():
     with NamedThread(spin=True):
         # A spinning thread is runnable whenever it is looked at, apart from the moments it waits for the GIL.
         assert any(runnable_gloo_workers() == 1 for _ in range(50))
-        started = time.monotonic()
-        assert not wait_for_gloo_workers_to_settle(max_wait=0.3)
-        assert 0.3 <= time.monotonic() - started < 2.0
     assert wait_for_gloo_workers_to_settle(max_wait=2.0)
+
+
+def test_a_worker_that_stays_runnable_is_waited_for_up_to_the_bound_and_no_longer(fake_clock, monkeypatch):
+    from lightning_hetero.runtime import shutdown
+
+    monkeypatch.setattr(shutdown, "runnable_gloo_workers", lambda: 1)
+    assert not wait_for_gloo_workers_to_settle(max_wait=0.3)
+    assert 0.3 <= fake_clock.now < 0.3 + 2 * shutdown._POLL_SECONDS
+    # one that settles after a while: waited for, then the quiet checks
+    states = iter([1, 1, 1])
+    monkeypatch.setattr(shutdown, "runnable_gloo_workers", lambda: next(states, 0))
+    fake_clock.now = 0.0
+    assert wait_for_gloo_workers_to_settle(max_wait=2.0)
+    assert fake_clock.now == pytest.approx((3 + shutdown._QUIET_CHECKS) * shutdown._POLL_SECONDS)
 
 
 SCRIPT = """
