@@ -271,8 +271,8 @@ def show(results: list[dict], split: dict, laptop: list[dict], linearity_checks:
                    if r["model"] == model and r["source"] == "Lambda"]  # fmt: skip
         lines.append(
             f"{model}: the largest published batch per GiB of room ranges {min(density):.1f} to {max(density):.1f}"
-            f" across kinds ({max(density) / min(density):.2f}x): no single bytes-per-sample puts every kind within"
-            f" {1 - min(density) / max(density):.0%} of it"
+            f" across kinds: any one bytes-per-sample that never allows more than a published run used allows at most"
+            f" {min(density) / max(density):.2f} of it on some kind"
         )
     every = [abs(r["error"]) for r in results]
     lines.append(f"\nall rows: |error| median {statistics.median(every):.0%}")
