@@ -77,3 +77,44 @@ def test_every_private_name_the_package_imports_from_a_library_is_listed():
                             f"{path.relative_to(package)}:{node.lineno} {node.module}.{alias.name}"
                         )
     assert not missing, "private names imported but not in lightning_hetero/runtime/internals.py: " + ", ".join(missing)
+
+
+# Private attributes of the standard library the package reads (the list covers Lightning, DeepSpeed and torch).
+STANDARD_LIBRARY_PRIVATES = {
+    "_exit": "os._exit: leave at once with a code, past atexit handlers (runtime/shutdown.py, recover/)",
+    "_mapping": "collections.abc.KeysView._mapping: the mapping a keys view reads (plan/deepspeed_config.py)",
+}
+
+
+def test_every_private_attribute_the_package_reads_is_its_own_or_listed():
+    """An attribute access ``x._name`` where nothing in the package defines ``_name`` (a function, class, variable,
+    attribute or argument of that name) reads another library's private: it must be in the list, by its last name
+    component, or be one of the standard library's above. (A new ``engine._foo`` fails here until it is listed.)"""
+    import ast
+    import re
+    from pathlib import Path
+
+    import lightning_hetero
+    from lightning_hetero.runtime.internals import INTERNALS
+
+    package = Path(lightning_hetero.__file__).parent
+    trees = {path: ast.parse(path.read_text()) for path in sorted(package.rglob("*.py"))}
+    defined = set()
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Store):
+                defined.add(node.id if isinstance(node, ast.Name) else node.attr)
+            elif isinstance(node, ast.arg):
+                defined.add(node.arg)
+    listed = {part for internal in INTERNALS for part in re.split(r"[.#()]", internal.name) if part}
+    unlisted = sorted(
+        f"{path.relative_to(package)}:{node.lineno} .{node.attr}"
+        for path, tree in trees.items()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+        and node.attr not in defined | listed | set(STANDARD_LIBRARY_PRIVATES)
+    )  # fmt: skip
+    where = "lightning_hetero/runtime/internals.py"
+    assert not unlisted, f"private attributes read but not listed in {where}: " + ", ".join(unlisted)
