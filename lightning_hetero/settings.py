@@ -40,7 +40,7 @@ from lightning_hetero.plan.stages import PipelineChoice, check_pipeline_argument
 from lightning_hetero.precision import choice as precision
 from lightning_hetero.precision.nonfinite import check_max_nonfinite_steps
 from lightning_hetero.recover import liveness
-from lightning_hetero.runtime.checks import check_loss_reduction, check_stage
+from lightning_hetero.runtime.checks import check_loss_reduction, check_one_per_rank, check_stage
 from lightning_hetero.train.loaders import loader_batch_size
 
 # Arguments of DeepSpeedStrategy that only build its default DeepSpeed config: a user config replaces them all.
@@ -271,12 +271,9 @@ class HeteroSettings:
         compression.check_zero_plus_plus(config, device_type)
         if trainer_precision is not None:
             precision.check_trainer_precision(self.device_precision, *trainer_precision)
-        if self.speed_schedule is not None and self.speed_schedule.world_size != world_size:
-            raise ValueError(
-                f"`emulate_speeds={self.speed_schedule.to_json()}` (or {EMULATE_ENV_VAR}) has"
-                f" {self.speed_schedule.world_size} entries but the job has {world_size} ranks. Give one speed per"
-                " rank."
-            )
+        if self.speed_schedule is not None:
+            check_one_per_rank(f"`emulate_speeds={self.speed_schedule.to_json()}` (or {EMULATE_ENV_VAR})",
+                               self.speed_schedule.world_size, world_size, "Give one speed per rank.")  # fmt: skip
         if sync_batchnorm and self.local:
             raise ValueError(
                 f"`Trainer(sync_batchnorm=True)` with `sync={self.sync!r}`: between two merges each rank trains its own"

@@ -17,6 +17,8 @@ import os
 from collections.abc import Sequence
 from typing import Optional
 
+from lightning_hetero.runtime.checks import check_one_per_rank
+
 ENV_VAR = "LIGHTNING_HETERO_EMULATE_MEMORY"
 UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
 
@@ -87,11 +89,9 @@ def emulated_ceilings_from_environment() -> Optional[tuple[Optional[int], ...]]:
 
 
 def check_ceilings(ceilings: Optional[Sequence[Optional[int]]], world_size: int) -> None:
-    if ceilings is not None and len(ceilings) != world_size:
-        raise ValueError(
-            f"`{ENV_VAR}={os.environ.get(ENV_VAR)!r}` has {len(ceilings)} entries but the job has {world_size} ranks."
-            " Give one ceiling per rank (- for none)."
-        )
+    if ceilings is not None:
+        check_one_per_rank(f"`{ENV_VAR}={os.environ.get(ENV_VAR)!r}`", len(ceilings), world_size,
+                           "Give one ceiling per rank (- for none).")  # fmt: skip
 
 
 def lower_ceiling(measured: Optional[int], emulated: Optional[int]) -> Optional[int]:

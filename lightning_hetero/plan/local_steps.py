@@ -23,7 +23,7 @@ from typing import Any, Optional
 from lightning_hetero.measure.cost import CostModel
 from lightning_hetero.plan.replan import Replan
 from lightning_hetero.plan.split import split_by_weights
-from lightning_hetero.runtime.checks import is_int, is_real, per_rank_list
+from lightning_hetero.runtime.checks import check_one_per_rank, is_int, is_real, per_rank_list
 
 SYNC_MODES = ("every_step", "local_sgd", "diloco")
 LOCAL_MODES = ("local_sgd", "diloco")
@@ -151,11 +151,9 @@ def is_sync_step(steps_done: int, sync_every: int, last_of_epoch: bool) -> bool:
 
 
 def check_inner_steps_length(inner_steps: Optional[Sequence[int]], world_size: int) -> None:
-    if inner_steps is not None and len(inner_steps) != world_size:
-        raise ValueError(
-            f"`inner_steps={list(inner_steps)}` has {len(inner_steps)} entries but the job has {world_size} ranks."
-            " Give one count per rank, in global rank order."
-        )
+    if inner_steps is not None:
+        check_one_per_rank(f"`inner_steps={list(inner_steps)}`", len(inner_steps), world_size,
+                           "Give one count per rank, in global rank order.")  # fmt: skip
 
 
 def describe_sync(sync: str, sync_every: int, inner_steps: Sequence[int], options: Optional[Mapping[str, Any]]) -> str:

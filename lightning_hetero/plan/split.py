@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Optional
 
+from lightning_hetero.runtime.checks import check_one_per_rank
 from lightning_hetero.runtime.checks import is_int as _is_int
 from lightning_hetero.runtime.checks import is_real as _is_real
 from lightning_hetero.runtime.checks import per_rank_list
@@ -207,22 +208,18 @@ def resolve_split(
     derived from weights or equal gives each rank its share in ``k_r`` micro-batches.
     """
     check_split_arguments(global_batch_size, batch_sizes, weights, micro_steps)
-    if micro_steps is not None and len(micro_steps) != world_size:
-        raise ValueError(
-            f"`micro_steps={list(micro_steps)}` has {len(micro_steps)} entries but the job has {world_size} ranks."
-            " Give exactly one micro-step count per rank, in global rank order."
-        )
+    if micro_steps is not None:
+        check_one_per_rank(f"`micro_steps={list(micro_steps)}`", len(micro_steps), world_size,
+                           "Give exactly one micro-step count per rank, in global rank order.")  # fmt: skip
     steps = tuple(int(k) for k in micro_steps) if micro_steps is not None else (1,) * world_size
-    if batch_sizes is not None and len(batch_sizes) != world_size:
-        raise ValueError(
-            f"`batch_sizes={list(batch_sizes)}` has {len(batch_sizes)} entries but the job has {world_size}"
-            " ranks. Give exactly one micro-batch size per rank (in global rank order), or use `weights`."
-        )
-    if weights is not None and len(weights) != world_size:
-        raise ValueError(
-            f"`weights={list(weights)}` has {len(weights)} entries but the job has {world_size} ranks."
-            " Give exactly one weight per rank, in global rank order."
-        )
+    if batch_sizes is not None:
+        check_one_per_rank(
+            f"`batch_sizes={list(batch_sizes)}`", len(batch_sizes), world_size,
+            "Give exactly one micro-batch size per rank (in global rank order), or use `weights`.",
+        )  # fmt: skip
+    if weights is not None:
+        check_one_per_rank(f"`weights={list(weights)}`", len(weights), world_size,
+                           "Give exactly one weight per rank, in global rank order.")  # fmt: skip
     if global_batch_size < world_size:
         raise ValueError(
             f"`global_batch_size={global_batch_size}` is smaller than the world size {world_size}: every rank needs"

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional, Union
 
 from lightning_hetero.measure.facts import DeviceFacts
-from lightning_hetero.runtime.checks import per_rank_list
+from lightning_hetero.runtime.checks import check_one_per_rank, per_rank_list
 
 BF16 = "bf16-mixed"
 FP16 = "16-mixed"
@@ -71,11 +71,9 @@ def check_device_precision(value: Any) -> DevicePrecision:
 
 
 def check_rank_count(setting: DevicePrecision, world_size: int) -> None:
-    if isinstance(setting, tuple) and len(setting) != world_size:
-        raise ValueError(
-            f"`device_precision={list(setting)}` has {len(setting)} entries but the job has {world_size} ranks. Give"
-            " one precision per rank in global rank order, or 'auto'."
-        )
+    if isinstance(setting, tuple):
+        check_one_per_rank(f"`device_precision={list(setting)}`", len(setting), world_size,
+                           "Give one precision per rank in global rank order, or 'auto'.")  # fmt: skip
 
 
 def check_trainer_precision(setting: DevicePrecision, trainer_precision: str, plugin_name: str) -> None:

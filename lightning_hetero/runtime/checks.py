@@ -46,6 +46,13 @@ def per_rank_list(name: str, value: Any, example: str) -> list[Any]:
     return list(value)
 
 
+def check_one_per_rank(named: str, entries: int, world_size: int, fix: str) -> None:
+    """A per-rank setting has one entry per rank: else a ValueError, "`named` has N entries but the job has M ranks.
+    ``fix``" (``named`` is the argument as the user wrote it, ``weights=[1.0, 0.4]``, backticks included)."""
+    if entries != world_size:
+        raise ValueError(f"{named} has {entries} entries but the job has {world_size} ranks. {fix}")
+
+
 def check_stage(stage: Any, name: str = "stage") -> None:
     if not is_int(stage) or stage not in ZERO_STAGES:
         raise ValueError(f"`{name}={stage!r}` is not a ZeRO stage: use the integer 0, 1, 2 or 3.")
