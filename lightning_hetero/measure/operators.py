@@ -52,9 +52,12 @@ def _dropout_as_on_cuda(input, p=0.5, training=True, inplace=False):
 def _attention_as_on_cuda(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
     if kwargs.get("enable_gqa") or query.dim() != 4 or query.shape[-1] != value.shape[-1]:
         return _PLAIN_ATTENTION(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs)
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale
-    )[0]
+    try:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale
+        )[0]
+    except (RuntimeError, TypeError):  # (a mask or dtype CPU's flash kernel refuses: counted as the step runs it)
+        return _PLAIN_ATTENTION(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs)
 
 
 _PLAIN_ATTENTION = functional.scaled_dot_product_attention

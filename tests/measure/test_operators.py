@@ -84,3 +84,13 @@ def test_the_roofline_takes_the_slower_of_compute_and_memory_for_each_operator()
     fixed, per_sample = roofline_seconds(operators, 1e12, 1e11, 1e9, 0.5, 1e-5)
     assert per_sample == pytest.approx(max(4e9 / 1e12, 0.5e6 / 1e9) + 0.5 * 8e6 / 1e9)
     assert fixed == pytest.approx(1e6 / 1e12 + 0.5e3 / 1e9 + 2e-5)
+
+
+def test_attention_the_flash_kernel_refuses_is_counted_as_the_step_runs_it():
+    # a boolean mask: CPU's flash kernel refuses it (it wants the query's dtype); the count falls back to the plain
+    # attention instead of failing the plan
+    q, mask = torch.randn(1, 2, 4, 8), torch.ones(4, 4, dtype=torch.bool).tril()
+    recorder = OperatorRecorder()
+    with launched_as_on_cuda(), recorder:
+        out = nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    assert out.shape == q.shape and recorder.records
