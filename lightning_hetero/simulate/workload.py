@@ -136,9 +136,10 @@ def here_cpu_kind() -> DeviceKind:
 
 
 def measure_workload(module: torch.nn.Module, loader: Any, name: str, sizes: Sequence[int] = PROBE_SIZES) -> Workload:
-    """The :class:`Workload` of ``module``'s training step on samples of ``loader`` (on this CPU), profiled at the
-    micro-batch ``sizes`` (the package profiles at ``probe_sizes(global batch, world size)``: give those, so that
-    the line fitted here is the one a run fits)."""
+    """The :class:`Workload` of ``module``'s training step on samples of ``loader`` (on this CPU): its operators
+    counted at :data:`COUNT_SIZES`, and this CPU's timing at the micro-batch ``sizes`` capped by :func:`timing_sizes`
+    (the package profiles at ``probe_sizes(global batch, world size)``: give those, so that the line fitted here is
+    the one a run fits, as far as this machine can time them)."""
     module = module.to("cpu")
     collate, dataset = loader.collate_fn, loader.dataset
 
