@@ -136,7 +136,13 @@ def test_a_requeued_job_saves_is_requeued_and_resumes_exactly(how, slurm, uninte
         return fields.get("Restarts") == "1" and fields["JobState"] in ("PENDING", "RUNNING", "COMPLETED")
 
     wait_for(requeued, "the requeue", 120, log)
-    # Slurm holds a requeued job pending (Reason=BeginTime) for about two minutes; release it now.
+    requeued_at = time.time()
+    # Slurm holds a requeued job pending (Reason=BeginTime) for about two minutes; release it now, but only once the
+    # first run has left the node and its revoked credential is in an earlier second than the new one's: slurmd
+    # compares them to the second, and a launch in the same second as the requeue's kill was refused ("Killing
+    # non-startable batch JobId=2: Job credential revoked" in slurmctld.log; the job then ended FAILED, 1 run in 6).
+    wait_for(lambda: slurm_run(slurm, "sinfo", "-h", "-o", "%T").split() == ["idle"], "the node's release", 120, log)
+    wait_for(lambda: time.time() - requeued_at > 2.0, "a later second", 10, log)
     if job_fields(slurm, job)["JobState"] == "PENDING":
         slurm_run(slurm, "scontrol", "update", f"jobid={job}", "StartTime=now")
     wait_for(lambda: job_fields(slurm, job)["JobState"] in ("COMPLETED", "FAILED"), "the second run's end", 400, log)
