@@ -38,6 +38,9 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=10, help="checkpoint every this many steps")
     parser.add_argument("--root", default="runs/fault_tolerant")
     parser.add_argument("--stage", type=int, help="ZeRO stage (default: HeteroStrategy's)")
+    parser.add_argument("--no-rebalance", action="store_true",
+                        help="keep the first plan's split: a resumed run then makes the updates of an uninterrupted"
+                        " one to the last bit (a re-plan driven by measured times changes the sum order)")
     args = parser.parse_args()
 
     seed_everything(0, verbose=False)  # the same data order on every attempt: a resume continues it exactly
@@ -47,7 +50,9 @@ def main() -> None:
         devices=devices,
         num_nodes=num_nodes,
         # A global batch that does not depend on the number of ranks: a resume on other devices keeps it.
-        strategy=HeteroStrategy(global_batch_size=256, stage=args.stage),
+        strategy=HeteroStrategy(
+            global_batch_size=256, stage=args.stage, rebalance=False if args.no_rebalance else None
+        ),
         max_epochs=args.epochs,
         default_root_dir=args.root,
         callbacks=[ModelCheckpoint(dirpath=Path(args.root) / "checkpoints", save_last=True,
