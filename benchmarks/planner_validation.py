@@ -111,8 +111,7 @@ def room_bytes(row: dict, workload) -> float:
     """What one device of the row's kind has for activations: its usable memory less the state and DeepSpeed's
     buffer."""
     kind = catalog.lookup(row["kind"])
-    room = step_model.usable_memory_bytes(kind) - step_model.model_state_bytes(workload.parameters, 0, 1)
-    return room - step_model.deepspeed_buffer_bytes(workload.parameters, 0)
+    return step_model.usable_memory_bytes(kind) - step_model.rank_state_bytes(workload.parameters, 0, 1)
 
 
 def allowed_batch(row: dict, workload, share: float) -> int:

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from lightning_hetero.plan.stages import BlockCosts, place_stages
 from lightning_hetero.simulate.cluster import Cluster
-from lightning_hetero.simulate.predict import Options, cpu_seconds, gpu_seconds, usable_memory_bytes
+from lightning_hetero.simulate.predict import Options, device_seconds, usable_memory_bytes
 from lightning_hetero.simulate.workload import Workload
 
 
@@ -56,7 +56,7 @@ def predict_pipeline(
     first = devices[:stages]
     seconds, before, after = [], [], []
     for device in first:
-        per_sample = (cpu_seconds if device.kind.type == "cpu" else gpu_seconds)(device.kind, workload, options)[1]
+        per_sample = device_seconds(device.kind, workload, options)[1]
         seconds.append(tuple(per_sample * share for share in chain.time_shares))
         before.append(per_sample * chain.before_share)
         after.append(per_sample * chain.after_share)

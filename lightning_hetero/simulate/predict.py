@@ -269,6 +269,16 @@ def deepspeed_buffer_bytes(parameters: int, zero_stage: int) -> float:
     return PARAMETER_BYTES * min(float(parameters), DEEPSPEED_BUCKET_ELEMENTS[zero_stage])
 
 
+def rank_state_bytes(parameters: int, zero_stage: int, world_size: int) -> float:
+    """What one rank holds before any activation: the model's state for the ZeRO stage and DeepSpeed's buffer."""
+    return model_state_bytes(parameters, zero_stage, world_size) + deepspeed_buffer_bytes(parameters, zero_stage)
+
+
+def device_seconds(kind: DeviceKind, workload: Workload, options: Options) -> tuple[float, float]:
+    """``(fixed, per_sample)`` seconds of the step on a device of ``kind``: a CPU's or a GPU's model."""
+    return (cpu_seconds if kind.type == "cpu" else gpu_seconds)(kind, workload, options)
+
+
 def usable_memory_bytes(kind: DeviceKind) -> float:
     """What a plan may fill on a device of ``kind``: its memory less the headroom left for the allocator
     (:data:`PLANNING_HEADROOM`, stated in the output) and, on a GPU, the CUDA context and library workspaces."""
@@ -279,9 +289,8 @@ def usable_memory_bytes(kind: DeviceKind) -> float:
 def device_cost(kind: DeviceKind, workload: Workload, options: Options, world_size: int) -> CostModel:
     """The cost model and memory ceiling of one device of ``kind`` for this workload."""
     precision = precision_of(kind, options)
-    fixed, per_sample = (cpu_seconds if kind.type == "cpu" else gpu_seconds)(kind, workload, options)
-    state = model_state_bytes(workload.parameters, options.zero_stage, world_size)
-    state += deepspeed_buffer_bytes(workload.parameters, options.zero_stage)
+    fixed, per_sample = device_seconds(kind, workload, options)
+    state = rank_state_bytes(workload.parameters, options.zero_stage, world_size)
     room = usable_memory_bytes(kind) - state
     per_sample_bytes = activation_bytes(workload, precision)
     max_batch = None if per_sample_bytes <= 0 else math.floor(max(0.0, room) / per_sample_bytes)
@@ -399,8 +408,7 @@ def predict(cluster: Cluster, workload: Workload, options: Options, equal: bool 
         equal_split(costs, options.global_batch_size) if equal else plan_micro_steps(costs, options.global_batch_size)
     )
     precisions = {key: precision_of(kind, options) for key, kind in kinds.items()}
-    state = model_state_bytes(workload.parameters, options.zero_stage, world)
-    state += deepspeed_buffer_bytes(workload.parameters, options.zero_stage)
+    state = rank_state_bytes(workload.parameters, options.zero_stage, world)
     devices = tuple(
         DevicePrediction(
             kind=device.kind.name,
