@@ -80,9 +80,9 @@ def fit(kind: str, out: Path) -> None:
     trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, enable_checkpointing=False,
                       logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[starts])  # fmt: skip
     trainer.fit(Chain(), DataLoader(data, batch_size=global_batch, shuffle=True))
-    pipeline_state = strategy.job.pipeline
+    pipeline_state = strategy.pipeline
     record = {"step_times": pipeline_state.step_times, "stage": pipeline_state.stage,
-              "replans": strategy.job.pipeline_replans,
+              "replans": strategy.pipeline_replans,
               "boundaries": list(pipeline_state.placement.boundaries),
               "stage_ranks": list(pipeline_state.placement.ranks)}  # fmt: skip
     if trainer.global_rank == 0:

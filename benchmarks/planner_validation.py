@@ -45,8 +45,10 @@ sys.path.insert(0, ROOT)
 
 from lightning_hetero.plan.planner import plan_min_max  # noqa: E402
 from lightning_hetero.simulate import catalog  # noqa: E402
+from lightning_hetero.simulate import device_model  # noqa: E402
 from lightning_hetero.simulate import predict as step_model  # noqa: E402
 from lightning_hetero.simulate.cluster import load_cluster_text  # noqa: E402
+from lightning_hetero.simulate.step_options import Options  # noqa: E402
 
 MODELS = {"resnet50": "published_models:ResNet50", "bert-base": "published_models:BertBase",
           "bert-large": "published_models:BertLarge"}  # fmt: skip
@@ -63,7 +65,7 @@ def load_rows() -> list[dict]:
 def measure(name: str):
     """The model's Workload, measured as `lightning-hetero plan` measures it (at its sizes for 1,024 over 3)."""
     import published_models
-    from lightning_hetero.measure.profiler import probe_sizes
+    from lightning_hetero.measure.rank_profile import probe_sizes
     from lightning_hetero.simulate.workload import measure_workload
 
     model = getattr(published_models, MODELS[name].split(":")[1])()
@@ -103,7 +105,7 @@ def linearity(name: str, sizes: tuple[int, ...]) -> list[dict]:
 def predicted(row: dict, workload, kind=None) -> tuple[float, int]:
     """(samples/s at the row's batch, the largest micro-batch the planner allows) for one device of the row's kind."""
     kind = kind or catalog.lookup(row["kind"])
-    cost = step_model.device_cost(kind, workload, step_model.Options(global_batch_size=row["batch"], zero_stage=0), 1)
+    cost = device_model.device_cost(kind, workload, Options(global_batch_size=row["batch"], zero_stage=0), 1)
     return row["batch"] / (cost.fixed + cost.per_sample * row["batch"]), cost.max_batch
 
 
@@ -111,12 +113,12 @@ def room_bytes(row: dict, workload) -> float:
     """What one device of the row's kind has for activations: its usable memory less the state and DeepSpeed's
     buffer."""
     kind = catalog.lookup(row["kind"])
-    return step_model.usable_memory_bytes(kind) - step_model.rank_state_bytes(workload.parameters, 0, 1)
+    return device_model.usable_memory_bytes(kind) - device_model.rank_state_bytes(workload.parameters, 0, 1)
 
 
 def allowed_batch(row: dict, workload, share: float) -> int:
     """The largest micro-batch one device of the row's kind allows if mixed precision keeps ``share`` of the fp32
-    activation bytes (what :func:`~lightning_hetero.simulate.predict.device_cost` computes with its constant)."""
+    activation bytes (what :func:`~lightning_hetero.simulate.device_model.device_cost` computes with its constant)."""
     return math.floor(room_bytes(row, workload) / (share * workload.activation_bytes_per_sample))
 
 
@@ -125,9 +127,9 @@ def fit(rows: list[dict], workloads: dict) -> dict:
     calibration = [r for r in rows if r["role"] == "calibration"]
     kinds = sorted({r["kind"] for r in calibration})
     best = None
-    saved = step_model.MATMUL_EFFICIENCY
+    saved = device_model.MATMUL_EFFICIENCY  # (gpu_seconds reads it as a global of device_model)
     for matmul in [x / 20 for x in range(10, 21)]:  # 0.50 ... 1.00 of the tensor-core peak
-        step_model.MATMUL_EFFICIENCY = matmul
+        device_model.MATMUL_EFFICIENCY = matmul
         fitted, total = {}, 0.0
         for name in kinds:
             rows_of = [r for r in calibration if r["kind"] == name]
@@ -145,7 +147,7 @@ def fit(rows: list[dict], workloads: dict) -> dict:
             total += loss(fitted[name])
         if best is None or total < best[0]:
             best = (total, matmul, fitted)
-    step_model.MATMUL_EFFICIENCY = saved
+    device_model.MATMUL_EFFICIENCY = saved
     # Mixed precision's share of the fp32 activations: the one that brings every calibration row's largest micro-batch
     # closest to the largest batch its published runs show fits, never above it.
     def worst(share: float) -> float:
@@ -189,7 +191,7 @@ def _slowest(samples, speeds) -> float:
 def split_check(rows: list[dict], workload) -> dict:
     """The planner's split of 768 ResNet-50 samples over A100-80GB + V100-16GB + A10 against the published speeds'."""
     cluster = load_cluster_text(SPLIT_CLUSTER)
-    plan = step_model.predict(cluster, workload, step_model.Options(global_batch_size=768, zero_stage=0))
+    plan = step_model.predict(cluster, workload, Options(global_batch_size=768, zero_stage=0))
     speeds = {r["kind"]: r["samples_per_second"] for r in rows if r["source"] == "Lambda" and r["model"] == "resnet50"}
     published = [speeds[d.kind.name] for d in cluster.devices]
     # the published speeds as cost lines (no fixed part): the min-max split they imply
@@ -292,7 +294,7 @@ def show(results: list[dict], split: dict, laptop: list[dict], linearity_checks:
             f" peak memory {run['peak_rss_gib']:.2f} GiB here, split {run['samples']}"
         )
     if fitted:
-        lines.append("\nfitted on the calibration rows (paste into simulate/catalog.py and simulate/predict.py):")
+        lines.append("\nfitted on the calibration rows (paste into simulate/catalog.py and simulate/device_model.py):")
         lines += [f"  {key} = {value}" for key, value in fitted.items()]
     return "\n".join(lines)
 

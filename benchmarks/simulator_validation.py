@@ -219,7 +219,8 @@ def cluster_text(configuration: dict[str, Any], kind: Any, link: tuple[float, fl
 def predict(configuration: dict[str, Any], workload: Any, link: tuple[float, float], loop: Any) -> tuple[str, Any]:
     """The configuration's cluster file and the simulator's prediction for it."""
     from lightning_hetero.simulate.cluster import load_cluster_text
-    from lightning_hetero.simulate.predict import Options, predict
+    from lightning_hetero.simulate.predict import predict
+    from lightning_hetero.simulate.step_options import Options
 
     text = cluster_text(configuration, workload.here_kind, link)
     options = Options(
@@ -257,7 +258,7 @@ def measure_here(world_size: int) -> Any:
 
     sys.path.insert(0, str(ROOT))
     from examples.spirals import SpiralClassifier, SpiralDataModule
-    from lightning_hetero.measure.profiler import probe_sizes
+    from lightning_hetero.measure.rank_profile import probe_sizes
     from lightning_hetero.simulate.workload import measure_workload, training_loader
 
     torch.set_num_threads(1)  # as each rank of the fits runs

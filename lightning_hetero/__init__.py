@@ -19,9 +19,11 @@ The layout follows a run's flow, one folder per stage, lowest first::
     recover/    checkpoints, resumes, lost or signalled ranks, failures said on every rank
     simulate/   the cluster planner: a mixed cluster described in YAML, planned and predicted before it is used
 
-A module imports only from its own folder and the folders listed above it; ``settings.py`` and ``strategy.py`` sit on
-top (the strategy calls each stage at Lightning's lifecycle points) and no stage imports them.
-``tests/test_layering.py`` keeps it so.
+A module imports only from its own folder and the folders listed above it. On top, imported by no stage:
+``strategy.py`` (Lightning's hook order and the DeepSpeed overrides) calls only ``job.py``'s HeteroJob, one method
+per lifecycle point, which hands each over to a stage's object (``job_setup.py``: the survey and the plan of each
+trainer call; ``job_pipeline.py``: pipeline parallelism); ``settings.py`` checks every argument, and holds every
+refusal. ``tests/test_layering.py`` keeps it so.
 """
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES

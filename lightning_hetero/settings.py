@@ -28,15 +28,16 @@ from lightning_hetero.plan.local_steps import (
     sync_refusal,
 )
 from lightning_hetero.plan.micro_steps import micro_steps_refusal
-from lightning_hetero.plan.deepspeed_config import (
-    check_user_config,
-    model_disagreement,
-    raise_if_arguments_differ,
-    user_config_stage,
-)
+from lightning_hetero.plan.deepspeed_config import check_user_config, raise_if_arguments_differ, user_config_stage
+from lightning_hetero.plan.model_agreement import model_disagreement
 from lightning_hetero.plan.replan import check_rebalance_arguments
 from lightning_hetero.plan.split import check_split_arguments, resolve_split
-from lightning_hetero.plan.stages import PipelineChoice, check_pipeline_argument, pipeline_argument_refusal
+from lightning_hetero.plan.pipeline_choice import (
+    PipelineChoice,
+    check_pipeline_argument,
+    check_pipeline_config,
+    pipeline_argument_refusal,
+)
 from lightning_hetero.precision import choice as precision
 from lightning_hetero.precision.nonfinite import check_max_nonfinite_steps
 from lightning_hetero.recover import liveness
@@ -85,6 +86,7 @@ class HeteroSettings:
     @classmethod
     def from_arguments(
         cls,
+        *,
         stage: Optional[int],
         global_batch_size: Optional[int],
         batch_sizes: Optional[Sequence[int]],
@@ -107,7 +109,8 @@ class HeteroSettings:
         sync_options: Optional[dict[str, Any]] = None,
         pipeline: Any = None,
     ) -> HeteroSettings:
-        """Every argument checked, each error naming the argument, its value and the fix."""
+        """Every argument checked, each error naming the argument, its value and the fix (keyword-only: twenty
+        arguments, two of which swapped would otherwise pass unnoticed)."""
         schedule, both_given = emulated_speeds(emulate_speeds)
         if both_given:
             rank_zero_warn(both_given)
@@ -242,6 +245,18 @@ class HeteroSettings:
         precision.check_config_precision(self.device_precision, config)
         compression.check_config_compression(self.compression, config)
 
+    def settle_config(
+        self, config: dict[str, Any], deepspeed_arguments: dict[str, Any], user_config: bool
+    ) -> Optional[tuple[int, ...]]:
+        """The DeepSpeed config the parent built (a user's, checked and its stage settled) against the arguments;
+        returns the ZeRO stages setup chooses among (:meth:`automatic_stages`), None when the stage is settled."""
+        if user_config:
+            self.reconcile_user_config(config, deepspeed_arguments)
+        if self.pipeline is not None:
+            check_pipeline_config(config)
+        compression.check_exchange(self.compression, self.hierarchical, config["zero_optimization"]["stage"], config)
+        return None if user_config else self.automatic_stages(deepspeed_arguments)
+
     def check_job(
         self,
         world_size: int,
@@ -281,6 +296,37 @@ class HeteroSettings:
                 " `sync_batchnorm=True` (each rank's BatchNorm then normalizes over its own micro-batches), or train"
                 " with `sync='every_step'`."
             )
+
+    def check_fit(
+        self,
+        *,
+        zero_stage: int,
+        precision: str,
+        automatic_optimization: bool,
+        sync_batchnorm: bool,
+        accumulate_grad_batches: int,
+    ) -> None:
+        """What a fit refuses once the module, the trainer and this rank's precision are known: at setup, inside the
+        survey's gather, so a refusal on one rank is raised on every rank. The same checks as the constructor's and
+        :meth:`check_job`'s, with what those could not know yet (the module's optimization, the stage a config set,
+        the rank's precision)."""
+        refusal = micro_steps_refusal(self.micro_steps, zero_stage, self.loss_reduction, automatic_optimization,
+                                      sync_batchnorm)  # fmt: skip
+        if refusal:
+            raise ValueError(refusal)
+        if not self.local:
+            return
+        if accumulate_grad_batches > 1:
+            raise ValueError(
+                f"`Trainer(accumulate_grad_batches={accumulate_grad_batches})` with `sync={self.sync!r}`: each rank"
+                " steps its own optimizer on every micro-batch. Raise `sync_every` (fewer synchronizations) or the"
+                " batch size instead."
+            )
+        refusal = sync_refusal(self.sync, zero_stage, self.compression.mode, [precision], self.micro_steps,
+                               self.weights, self.global_batch_size, self.hierarchical,
+                               automatic_optimization)  # fmt: skip
+        if refusal:
+            raise ValueError(refusal)
 
     def global_batch_size_for(self, loader: Any, world_size: int) -> int:
         """The argument, else the sum of ``batch_sizes``, else what DDP would use: the loader's batch per rank (per

@@ -20,12 +20,12 @@ from torch import Tensor, nn
 
 from lightning_hetero.emulate.slowdown import SlowdownEmulator, compute_clock
 from lightning_hetero.measure.profiler import (
-    MEMORY_HEADROOM,
     DistinctSavedBytes,
     loss_of,
     preserved_training_state,
     training_step_in_isolation,
 )
+from lightning_hetero.measure.rank_profile import MEMORY_HEADROOM
 
 ADAM_COPIES = 4  # parameters, gradients and Adam's two moments: what a block's parameters cost in training
 

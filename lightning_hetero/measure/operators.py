@@ -23,7 +23,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from lightning_hetero.runtime.internals import TORCH_STATE, patched
+from lightning_hetero.runtime.internal_access import patched
+from lightning_hetero.runtime.torch_internals import TORCH_STATE
 
 DROPOUT, ATTENTION = (
     next(i for i in TORCH_STATE if (i.module, i.name) == ("torch.nn.functional", name))

@@ -15,7 +15,8 @@ import torch
 
 from lightning_hetero.emulate.slowdown import SlowdownEmulator
 from lightning_hetero.measure.facts import DeviceFacts, same_model
-from lightning_hetero.measure.profiler import RankProfile, probe_sizes, profile_from_loader
+from lightning_hetero.measure.profiler import profile_from_loader
+from lightning_hetero.measure.rank_profile import RankProfile, probe_sizes
 
 
 @dataclass(frozen=True)

@@ -3,18 +3,22 @@
 Pure functions over plain dicts: DeepSpeed validates a config locally (``train_batch == micro * gas * world``), so
 ranks may carry different micro-batches, but everything else (stage, dtypes, buckets, clipping, optimizer) must be
 the same everywhere or the collectives mismatch, hang, or (per-rank fp16/bf16) finish silently wrong.
+
+The check of the config's keys against DeepSpeed's is in :mod:`.deepspeed_keys`; the check that the ranks' models
+agree is in :mod:`.model_agreement`.
 """
 
 from __future__ import annotations
 
 import copy
-import difflib
 import json
 import os
-from collections.abc import KeysView, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
-from lightning_hetero.runtime.checks import check_stage, is_int, is_real
+from lightning_hetero.plan.deepspeed_keys import check_deepspeed_keys
+
+from lightning_hetero.runtime.checks import check_stage
 
 # Keys that legitimately differ by rank: the micro-batch and what DeepSpeed derives from it.
 PER_RANK_KEYS = frozenset({"train_micro_batch_size_per_gpu", "train_batch_size"})
@@ -115,152 +119,6 @@ def default_config_stage(stage: Optional[int], deepspeed_arguments: dict[str, An
             " (`stage=0` is ZeRO off)."
         )
     return 0
-
-
-# Top-level keys DeepSpeed reads outside DeepSpeedConfig._initialize_params (deepspeed/__init__.py and the config's
-# warning check), so the recording below does not see them.
-_KEYS_READ_ELSEWHERE = frozenset({"sequence_parallel_size", "data_parallel_size", "vocabulary_size"})
-
-
-def check_deepspeed_keys(config: Mapping[str, Any]) -> None:
-    """Refuse a DeepSpeed config with a key DeepSpeed does not know, naming the closest valid key.
-
-    DeepSpeed ignores an unknown top-level key without a word (``"zero_optimisation": {"stage": 3}`` silently ran
-    ZeRO-2), while its sections are pydantic models that forbid extra keys. So this parses the config the way
-    DeepSpeed does (``DeepSpeedConfig._initialize_params``, which needs no process group) through a dict that records
-    which top-level keys DeepSpeed looks up: any other key is unknown. Section errors are rewritten to name the key
-    path. The same recording gives the default DeepSpeed reads each top-level scalar with (``get(key, default)``,
-    no type check of its own): a value of another type (``gradient_clipping: "1.0"``) is refused naming the key.
-    Without that private method (another DeepSpeed version) the check is skipped, and DeepSpeed's own validation
-    still runs at setup, on every rank alike.
-    """
-    try:
-        import pydantic
-        from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError, _reject_removed_config_keys
-    except ImportError:  # pragma: no cover - another DeepSpeed layout
-        return
-    parse = getattr(DeepSpeedConfig, "_initialize_params", None)
-    if parse is None:  # pragma: no cover
-        return
-    try:
-        _reject_removed_config_keys(config)  # DeepSpeed's own message for a removed feature
-    except DeepSpeedConfigError as error:
-        raise ValueError(f"The DeepSpeed config is invalid: {error}") from None
-    recorded = _RecordingDict(copy.deepcopy(dict(config)))
-    parsed = True
-    try:
-        parse(object.__new__(DeepSpeedConfig), recorded)
-    except pydantic.ValidationError as error:
-        raise ValueError(_section_error_message(recorded.last_key, error)) from None
-    except (DeepSpeedConfigError, AssertionError, ValueError, TypeError, KeyError):
-        parsed = False  # DeepSpeed raises it again at setup, unless a value of the wrong type (below) explains it
-    wrong = [line for key, default in recorded.defaults.items() if key in config
-             for line in [_wrong_scalar_type(key, config[key], default)] if line]  # fmt: skip
-    if wrong:
-        raise ValueError(
-            f"The DeepSpeed config has values of the wrong type: {'; '.join(wrong)}. DeepSpeed does not check these"
-            " and would fail later (at the first step) or compare a string as if it were a number. Fix the values"
-            " (in YAML or JSON, a number without quotes)."
-        )
-    if not parsed:
-        return  # only unknown keys are ours to find, and the keys after the failure were not looked up
-    known = recorded.looked_up | _KEYS_READ_ELSEWHERE
-    unknown = [key for key in config if key not in known]
-    if unknown:
-        lines = [f"`{key}`{_did_you_mean(key, known)}" for key in unknown]
-        raise ValueError(
-            f"The DeepSpeed config has keys DeepSpeed does not know: {', '.join(lines)}. DeepSpeed would ignore them"
-            " without a word, so those settings would have no effect. Fix the spelling or remove them."
-        )
-
-
-def _wrong_scalar_type(key: str, value: Any, default: Any) -> Optional[str]:
-    """Why ``value`` cannot stand where DeepSpeed's default for ``key`` is ``default``; None when it can.
-
-    DeepSpeed reads its top-level scalar settings with ``param_dict.get(name, default)`` and no type check, so the
-    default's type is the expected one (a default of None says nothing).
-    """
-    if default is None or value is None:
-        return None
-    if isinstance(default, bool):
-        expected, fits = "true or false", isinstance(value, bool)
-    elif isinstance(default, int):
-        expected, fits = "an integer", is_int(value)
-    elif isinstance(default, float):
-        expected, fits = "a number", is_real(value)
-    elif isinstance(default, str):
-        expected, fits = "a string", isinstance(value, str)
-    else:
-        return None
-    if fits:
-        return None
-    return f"`{key}={value!r}` ({type(value).__name__}) must be {expected} (DeepSpeed's default is {default!r})"
-
-
-class _RecordingDict(dict):
-    """A dict that remembers which keys were looked up (and the last one: the section being parsed)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.looked_up: set[str] = set()
-        self.last_key: Optional[str] = None
-        self.defaults: dict[str, Any] = {}  # key -> the default DeepSpeed reads it with (`get(key, default)`)
-
-    def _saw(self, key: Any) -> None:
-        self.looked_up.add(key)
-        self.last_key = key
-
-    def __getitem__(self, key: Any) -> Any:
-        self._saw(key)
-        return super().__getitem__(key)
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        self._saw(key)
-        self.defaults.setdefault(key, default)
-        return super().get(key, default)
-
-    def __contains__(self, key: object) -> bool:
-        self._saw(key)
-        return super().__contains__(key)
-
-    def keys(self) -> KeysView:  # DeepSpeed writes `KEY in param_dict.keys()` too
-        return _RecordingKeys(self)
-
-
-class _RecordingKeys(KeysView):
-    def __contains__(self, key: object) -> bool:
-        return key in self._mapping  # type: ignore[operator]  (records through _RecordingDict.__contains__)
-
-
-def _section_error_message(section: Optional[str], error: Any) -> str:
-    problems = []
-    for item in error.errors(include_url=False):
-        path = ".".join(str(part) for part in (section, *item["loc"]) if part is not None)
-        if item["type"] == "extra_forbidden":
-            hint = _did_you_mean(str(item["loc"][-1]), _model_fields(error.title)) if len(item["loc"]) == 1 else ""
-            problems.append(f"`{path}` is not a DeepSpeed setting{hint}")
-        else:
-            problems.append(f"`{path}={item.get('input')!r}`: {item['msg']}")
-    return f"The DeepSpeed config is invalid: {'; '.join(problems)}. Fix or remove those entries."
-
-
-def _model_fields(model_name: str) -> set[str]:
-    """The field names (and aliases) of the DeepSpeed config model called ``model_name``."""
-    from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-
-    pending, names = [DeepSpeedConfigModel], set()
-    while pending:
-        model = pending.pop()
-        pending.extend(model.__subclasses__())
-        if model.__name__ == model_name:
-            for name, field in model.model_fields.items():
-                names.add(field.alias or name)
-    return names
-
-
-def _did_you_mean(key: str, candidates: Any) -> str:
-    close = difflib.get_close_matches(key, sorted(str(c) for c in candidates), n=1, cutoff=0.6)
-    return f" (did you mean `{close[0]}`?)" if close else ""
 
 
 def rank_config(config: Mapping[str, Any], micro_batch_size: int) -> dict[str, Any]:
@@ -379,51 +237,3 @@ def raise_if_arguments_differ(arguments: list[dict[str, Any]]) -> None:
             f"HeteroStrategy was built with different arguments on different ranks: {'; '.join(lines)}. Every rank"
             " must run the same script with the same arguments (and the same training loader batch size)."
         )
-
-
-def model_signature(module: Any) -> list[tuple[str, str, tuple[int, ...], str, bool]]:
-    """What must be the same on every rank for their collectives to line up: each parameter's and buffer's name,
-    shape (the full one of a ZeRO-3 partitioned parameter), dtype and ``requires_grad``, in module order."""
-    entries = []
-    for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
-        for name, tensor in named:
-            shape = tuple(getattr(tensor, "ds_shape", None) or tensor.shape)
-            entries.append((kind, name, tuple(int(n) for n in shape), str(tensor.dtype), bool(tensor.requires_grad)))
-    return entries
-
-
-def model_disagreement(signatures: Sequence[Sequence[Sequence[Any]]]) -> Optional[str]:
-    """The first difference between rank 0's model and another rank's (see :func:`model_signature`), in words;
-    None when every rank has the same model."""
-    reference = [tuple(entry) for entry in signatures[0]]
-    for rank, signature in enumerate(signatures[1:], start=1):
-        other = [tuple(entry) for entry in signature]
-        if other != reference:
-            return (
-                f"HeteroStrategy: the ranks' models differ: {_first_difference(reference, other, rank)}. Every rank"
-                " must build the same model (a size or a layer that depends on the rank makes the gradient exchange"
-                " mismatch or hang); build it from the same arguments on every rank."
-            )
-    return None
-
-
-def _first_difference(reference: list[tuple], other: list[tuple], rank: int) -> str:
-    mine = {entry[:2]: entry for entry in reference}
-    theirs = {entry[:2]: entry for entry in other}
-    for holder, lacker, entries, others in ((0, rank, reference, theirs), (rank, 0, other, mine)):
-        for kind, name, *_ in entries:
-            if (kind, name) not in others:
-                return f"rank {holder} has {kind} `{name}`, which rank {lacker} lacks"
-    for key, entry in mine.items():
-        differs = [
-            f"{field} {a!r} on rank 0, {b!r} on rank {rank}"
-            for field, a, b in zip(("shape", "dtype", "requires_grad"), entry[2:], theirs[key][2:])
-            if a != b
-        ]
-        if differs:
-            return f"{key[0]} `{key[1]}` has {'; '.join(differs)}"
-    first = next(index for index, (a, b) in enumerate(zip(reference, other)) if a != b)
-    return (
-        f"the same tensors in another order: position {first} is {reference[first][0]} `{reference[first][1]}` on"
-        f" rank 0, {other[first][0]} `{other[first][1]}` on rank {rank}"
-    )

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from lightning_hetero.emulate.memory import lower_ceiling
 from lightning_hetero.measure.cost import CostModel
-from lightning_hetero.measure.profiler import RankProfile, loss_reduction_mismatch
+from lightning_hetero.measure.rank_profile import RankProfile, loss_reduction_mismatch
 from lightning_hetero.plan.micro_steps import plan_automatic_split_in_micro_steps, with_fixed_micro_steps
 from lightning_hetero.plan.planner import plan_automatic_split, required_gain
 from lightning_hetero.plan.replan import Rebalancer

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 from lightning_hetero.measure.cost import CostModel
 from lightning_hetero.plan.replan import Replan
-from lightning_hetero.plan.split import split_by_weights
+from lightning_hetero.plan.split import SplitPlan, split_by_weights
 from lightning_hetero.runtime.checks import check_one_per_rank, is_int, is_real, per_rank_list
 
 SYNC_MODES = ("every_step", "local_sgd", "diloco")
@@ -142,6 +142,27 @@ def plan_inner_steps(costs: Sequence[CostModel], micro_batches: Sequence[int]) -
     """Each rank's inner steps per training step: as many of its micro-batches as it computes while the slowest rank
     computes one (rounded to the nearest whole step, at least 1), from the ranks' cost models."""
     return inner_steps_for([cost.time(b) for cost, b in zip(costs, micro_batches)])
+
+
+def local_split(
+    sync: str,
+    world_size: int,
+    global_batch_size: int,
+    batch_sizes: Optional[Sequence[int]],
+    inner_steps: Optional[Sequence[int]],
+    costs: Optional[Sequence[CostModel]],
+) -> SplitPlan:
+    """Each rank's micro-batch (``batch_sizes``, else the loader's batch: the global batch over the ranks) taken
+    ``inner_steps[r]`` times per training step: the user's counts, else as many as its cost model says it computes
+    while the slowest rank computes one (``costs``: the ranks' profiles), else one each."""
+    micro = tuple(batch_sizes) if batch_sizes else (max(1, global_batch_size // world_size),) * world_size
+    if inner_steps is not None:
+        steps = tuple(inner_steps)
+    elif costs is not None:
+        steps = plan_inner_steps(costs, micro)
+    else:
+        steps = (1,) * world_size
+    return SplitPlan(tuple(b * k for b, k in zip(micro, steps)), sync, steps)
 
 
 def is_sync_step(steps_done: int, sync_every: int, last_of_epoch: bool) -> bool:

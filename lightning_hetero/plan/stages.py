@@ -13,19 +13,24 @@ the placement minimizes that stage's time per sample, within every device's memo
 Exact: a dynamic program over (stage, first block) for each order of the ranks (every order for up to
 :data:`MAX_ORDERS_SEARCHED` ranks, as a device's place in the chain changes which stage its memory must hold), tested
 against brute force. Pure functions (values in, values out; no process group, no clock).
+
+The same search places the stages again in training (:func:`replan_stages`, on the times scaled by what each rank
+measured), and prices a placement on other ranks (:func:`pipeline_shares`), so those stay here beside it. The
+``pipeline`` argument's checks are in :mod:`lightning_hetero.plan.pipeline_choice`, the plan as printed in
+:mod:`lightning_hetero.plan.pipeline_description`.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from lightning_hetero.plan.split import split_by_weights
 
+
 MAX_ORDERS_SEARCHED = 6  # 720 orders at most; beyond, the ranks keep their order (fast devices first is not better)
-SCHEDULES = ("1f1b", "gpipe")
 
 
 @dataclass(frozen=True)
@@ -93,7 +98,8 @@ class StagePlacement:
     @property
     def balance(self) -> float:
         """Mean stage time over the slowest: 1.0 when every stage takes as long (no stage waits for another)."""
-        return sum(self.stage_seconds) / (len(self.stage_seconds) * self.slowest_seconds) if self.slowest_seconds else 1.0
+        return (sum(self.stage_seconds) / (len(self.stage_seconds) * self.slowest_seconds) if self.slowest_seconds
+                else 1.0)  # fmt: skip
 
     def step_seconds(self, micro_batches: int, micro_batch: int) -> float:
         """A step of ``micro_batches`` micro-batches of ``micro_batch`` samples by GPipe's or 1F1B's schedule: the
@@ -242,154 +248,6 @@ def _mib(values: Sequence[Optional[int]]) -> list:
     return [None if v is None else round(v / 2**20, 1) for v in values]
 
 
-
-@dataclass(frozen=True)
-class PipelineChoice:
-    """The checked ``pipeline`` argument: ``stages`` per pipeline, the chain's attribute path ``blocks``, fixed
-    ``boundaries`` (None: placed by the blocks' measured costs), the ``schedule`` and ``micro_batches`` per step."""
-
-    stages: int
-    blocks: str
-    boundaries: Optional[tuple[int, ...]] = None
-    schedule: str = "1f1b"
-    micro_batches: Optional[int] = None  # None: twice the stages, so the bubble is at most a third of the step
-
-    def micro_batches_for(self, samples: int) -> int:
-        return max(1, min(samples, self.micro_batches or 2 * self.stages))
-
-    def describe(self) -> str:
-        where = f"boundaries {list(self.boundaries)}" if self.boundaries else "boundaries placed by speed and memory"
-        return f"{self.stages} stages of `{self.blocks}`, {where}, {self.schedule}"
-
-
-PIPELINE_KEYS = ("stages", "blocks", "boundaries", "schedule", "micro_batches")
-
-
-def check_pipeline_argument(value: Any) -> Optional[PipelineChoice]:
-    """``pipeline`` checked in the constructor, with a message naming the key, its value and the fix."""
-    if value is None:
-        return None
-    if isinstance(value, PipelineChoice):
-        return value
-    if not isinstance(value, Mapping):
-        raise ValueError(
-            f"HeteroStrategy(pipeline={value!r}): give a dict, e.g. `pipeline={{'stages': 2, 'blocks': 'net'}}`"
-            " (`blocks`: the attribute holding the chain of blocks, an nn.Sequential, ModuleList or ModuleDict)."
-        )
-    unknown = sorted(set(value) - set(PIPELINE_KEYS))
-    if unknown:
-        raise ValueError(f"HeteroStrategy(pipeline=...): unknown keys {unknown}; the keys are {list(PIPELINE_KEYS)}.")
-    stages = value.get("stages")
-    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 2:
-        raise ValueError(
-            f"HeteroStrategy(pipeline=...): `stages` {stages!r} must be an integer >= 2 (the model's parts per"
-            " pipeline); without a pipeline leave out `pipeline`."
-        )
-    blocks = value.get("blocks")
-    if not isinstance(blocks, str) or not blocks or any(not part.isidentifier() for part in blocks.split(".")):
-        raise ValueError(
-            f"HeteroStrategy(pipeline=...): `blocks` {blocks!r} must name the LightningModule's attribute that holds"
-            " the chain, e.g. 'net' or 'model.layers'."
-        )
-    boundaries = value.get("boundaries")
-    if boundaries is not None:
-        if not isinstance(boundaries, Sequence) or any(isinstance(b, bool) or not isinstance(b, int) for b in boundaries):
-            raise ValueError(
-                f"HeteroStrategy(pipeline=...): `boundaries` {boundaries!r} must be a list of {stages - 1} block"
-                " indices: the first block of each stage after the first."
-            )
-        if len(boundaries) != stages - 1 or list(boundaries) != sorted(set(boundaries)) or min(boundaries) < 1:
-            raise ValueError(
-                f"HeteroStrategy(pipeline=...): `boundaries` {list(boundaries)} must be {stages - 1} increasing block"
-                f" indices >= 1 for {stages} stages (the first block of each stage after the first)."
-            )
-        boundaries = tuple(boundaries)
-    schedule = value.get("schedule", "1f1b")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"HeteroStrategy(pipeline=...): `schedule` {schedule!r} must be one of {list(SCHEDULES)}.")
-    micro_batches = value.get("micro_batches")
-    if micro_batches is not None and (isinstance(micro_batches, bool) or not isinstance(micro_batches, int)
-                                      or micro_batches < 1):  # fmt: skip
-        raise ValueError(
-            f"HeteroStrategy(pipeline=...): `micro_batches` {micro_batches!r} must be an integer >= 1 (each"
-            " pipeline's batch is cut into that many micro-batches per step); leave it out for twice the stages."
-        )
-    return PipelineChoice(stages, blocks, boundaries, schedule, micro_batches)
-
-
-def replicas_of(choice: PipelineChoice, world_size: int) -> int:
-    """How many pipelines side by side ``world_size`` ranks form; raised at setup, before any collective."""
-    if world_size % choice.stages:
-        raise ValueError(
-            f"HeteroStrategy(pipeline=...): {world_size} ranks cannot form pipelines of `stages` {choice.stages};"
-            f" use a number of ranks that is a multiple of {choice.stages}, or `stages` that divides {world_size}."
-        )
-    return world_size // choice.stages
-
-
-def pipeline_argument_refusal(**arguments: Any) -> Optional[str]:
-    """Why the strategy's other arguments cannot go with ``pipeline`` (yet), or None. Checked in the constructor."""
-    refused = {
-        "stage": ("ZeRO-1/2/3 inside a stage are not built yet: each stage holds its own blocks whole (ZeRO-0)",
-                  lambda v: v not in (None, 0)),
-        "sync": ("local SGD / DiLoCo between pipelines is not built", lambda v: v != "every_step"),
-        "batch_sizes": ("the pipelines share the global batch equally for now", lambda v: v is not None),
-        "weights": ("the pipelines share the global batch equally for now", lambda v: v is not None),
-        "micro_steps": ("a pipeline cuts its batch into `micro_batches` itself", lambda v: v is not None),
-        "loss_reduction": ("a token mean needs each micro-batch's token count", lambda v: v == "token_mean"),
-        "compression": ("the pipeline sums its gradients itself, uncompressed", lambda v: v is not None),
-        "hierarchical": ("the pipeline sums its gradients itself, in flat groups", lambda v: v is True),
-    }  # fmt: skip
-    for name, (why, is_refused) in refused.items():
-        value = arguments.get(name)
-        if is_refused(value):
-            return (
-                f"HeteroStrategy(pipeline=..., {name}={value!r}): not with a pipeline: {why}. Leave out `{name}`,"
-                " or train without `pipeline`."
-            )
-    return None
-
-
-def check_pipeline_config(config: Mapping[str, Any]) -> None:
-    """A DeepSpeed config (the user's, or the one ``stage``/``offload_*`` made) that a pipeline cannot run: each
-    stage holds its blocks whole, at ZeRO-0, without offloading. Raised in the constructor."""
-    zero = config.get("zero_optimization") or {}
-    stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
-    offloaded = [key for key in ("offload_optimizer", "offload_param") if isinstance(zero, Mapping) and zero.get(key)]
-    if stage or offloaded:
-        what = f"`zero_optimization.stage={stage}`" if stage else f"`zero_optimization.{offloaded[0]}`"
-        raise ValueError(
-            f"HeteroStrategy(pipeline=...) with a DeepSpeed config that sets {what}: each stage holds its blocks"
-            " whole (ZeRO-0, nothing offloaded) for now. Leave the stage and offloading out of the config."
-        )
-
-
-def pipeline_job_refusal(
-    precision: str, gradient_clip_val: Any, accumulate_grad_batches: int, automatic_optimization: bool,
-    evaluating: bool,
-) -> Optional[str]:  # fmt: skip
-    """Why this trainer call cannot run with a pipeline (yet), or None; checked at setup on every rank, before any
-    collective (every rank sees the same trainer)."""
-    if precision not in ("32-true", "32"):
-        return (f"HeteroStrategy(pipeline=...) with `Trainer(precision={precision!r})`: the stages train in 32-bit"
-                " for now. Use `precision='32-true'`, or train without `pipeline`.")  # fmt: skip
-    if gradient_clip_val:
-        return (f"HeteroStrategy(pipeline=...) with `Trainer(gradient_clip_val={gradient_clip_val})`: the gradient"
-                " norm spans every stage, which the pipeline does not compute yet. Leave it out.")  # fmt: skip
-    if accumulate_grad_batches != 1:
-        return (f"HeteroStrategy(pipeline=...) with `Trainer(accumulate_grad_batches={accumulate_grad_batches})`:"
-                " raise the batch size instead (the pipeline's micro-batches are its accumulation).")  # fmt: skip
-    if not automatic_optimization:
-        return ("HeteroStrategy(pipeline=...) with manual optimization: the pipeline runs the backward of every"
-                " micro-batch itself. Use automatic optimization.")  # fmt: skip
-    if evaluating:
-        return ("HeteroStrategy(pipeline=...) runs `trainer.fit` (its validation included); `validate`, `test` and"
-                " `predict` do not run through the stages yet. Run them without `pipeline`, with the weights of a"
-                " pipeline checkpoint: `model.load_state_dict(lightning_hetero.recover.pipeline_state."
-                "whole_model_state(path))`.")  # fmt: skip
-    return None
-
-
 def block_costs(
     measured: Optional[Sequence[Any]], blocks: int, ranks: int, parameter_bytes: Sequence[int], outside_bytes: int,
     ceilings: Sequence[Optional[float]],
@@ -398,7 +256,7 @@ def block_costs(
     BlockMeasurement`), or without measurements (fixed ``boundaries``) one second per block and no activations.
     ``parameter_bytes``: each block's training state; ``ceilings``: each rank's emulated device memory (None: none),
     of which :data:`~lightning_hetero.measure.profiler.MEMORY_HEADROOM` may be planned, as of free memory."""
-    from lightning_hetero.measure.profiler import MEMORY_HEADROOM
+    from lightning_hetero.measure.rank_profile import MEMORY_HEADROOM
 
     capped = [None if c is None else int(MEMORY_HEADROOM * c) for c in ceilings]
     if not measured:
@@ -415,39 +273,6 @@ def block_costs(
         before_seconds=tuple(m.before_seconds for m in measured),
         outside_bytes=outside_bytes,
     )
-
-
-def describe_pipeline(
-    placement: StagePlacement, names: Sequence[str], choice: PipelineChoice, replicas: int, micro_batches: int,
-    micro_batch: int, measured: Optional[Sequence[Any]], memory_bytes: Optional[Sequence[Optional[int]]] = None,
-    shares: Sequence[int] = (),
-) -> str:  # fmt: skip
-    """The plan as printed at fit start: each stage's rank, blocks, time per micro-batch and memory."""
-    lines = [
-        f"HeteroStrategy pipeline: {choice.stages} stages x {replicas} pipeline(s), {choice.schedule}, {micro_batches}"
-        f" micro-batches of {micro_batch} samples per pipeline and step"
-        + (f" (the pipelines' shares of the global batch: {list(shares)})" if shares and replicas > 1 else "")
-    ]
-    for stage in range(choice.stages):
-        blocks = placement.blocks_of(stage)
-        shown = f"{names[blocks[0]]}..{names[blocks[-1]]}" if len(blocks) > 1 else names[blocks[0]]
-        line = f"  stage {stage} on rank {placement.ranks[stage]}: blocks {shown} ({len(blocks)})"
-        if measured:
-            line += f", {placement.stage_seconds[stage] * micro_batch * 1e3:.2f} ms per micro-batch"
-        line += f", {placement.stage_bytes[stage] / 2**20:.1f} MiB"
-        ceiling = memory_bytes[placement.ranks[stage]] if memory_bytes else None
-        if ceiling is not None:
-            line += f" of the {ceiling / 2**20:.1f} MiB it may use"
-        lines.append(line)
-    if measured:
-        predicted = placement.step_seconds(micro_batches, micro_batch)
-        lines.append(
-            f"  placed by measured speed and memory: balance {placement.balance:.2f} (1 = every stage as slow as the"
-            f" slowest), predicted step {predicted * 1e3:.1f} ms"
-        )
-    else:
-        lines.append("  boundaries as given (`boundaries`)")
-    return "\n".join(lines)
 
 
 def scaled_costs(costs: BlockCosts, factors: Sequence[float]) -> BlockCosts:

@@ -17,13 +17,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
-from lightning_hetero.measure.profiler import MEMORY_HEADROOM
+from lightning_hetero.measure.rank_profile import MEMORY_HEADROOM
 
 STAGES = (0, 1, 2, 3)
 FP32_BYTES, HALF_BYTES = 4, 2
 OPTIMIZER_STATE_BYTES = 8  # per trainable parameter: Adam's exp_avg and exp_avg_sq in fp32
 UNPROFILED_ACTIVATION_SHARE = 0.5  # of the room, kept for activations when no profile measured them
 
+
+# Trainer precisions in which DeepSpeed keeps half-precision parameters and gradients beside an fp32 master copy.
+HALF_PRECISION_ENGINES = ("16-mixed", "bf16-mixed", "16-true", "bf16-true")
 
 @dataclass(frozen=True)
 class ModelSize:
@@ -111,7 +114,11 @@ def choose_stage(
                 misfit = (
                     f"at ZeRO stage {stage} rank {rank} would need {_bytes(need)} of its {_bytes(limit)}"
                     f" ({_bytes(free_bytes[rank])} free x {MEMORY_HEADROOM:g}"  # type: ignore[arg-type]
-                    + (f" x {UNPROFILED_ACTIVATION_SHARE:g} kept from unmeasured activations)" if activation_bytes is None else ")")
+                    + (
+                        f" x {UNPROFILED_ACTIVATION_SHARE:g} kept from unmeasured activations)"
+                        if activation_bytes is None
+                        else ")"
+                    )
                 )
         if misfit is None:
             held = f"{what} ({_bytes(state)}{counted})"

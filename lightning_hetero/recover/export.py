@@ -22,7 +22,8 @@ from typing import Any, Callable
 import torch
 
 from lightning_hetero.recover import checkpoint
-from lightning_hetero.runtime import internals
+from lightning_hetero.runtime.internal_access import replace, resolve
+from lightning_hetero.runtime.lightning_internals import LIGHTNING_CHECKPOINT_LOAD
 
 # DeepSpeed's own entries in the model-states file; what remains is the client state Lightning saved.
 _DEEPSPEED_STATES = frozenset({
@@ -82,7 +83,7 @@ def _loading_hetero_checkpoints(load: Callable[..., Any]) -> Callable[..., Any]:
 
 def install() -> None:
     """Make ``LightningModule.load_from_checkpoint`` read HeteroStrategy checkpoint directories (idempotent)."""
-    internal = internals.LIGHTNING_CHECKPOINT_LOAD
-    current = internals.resolve(internal)
+    internal = LIGHTNING_CHECKPOINT_LOAD
+    current = resolve(internal)
     if getattr(current, "__wrapped__", None) is None:
-        internals.replace(internal, _loading_hetero_checkpoints(current))
+        replace(internal, _loading_hetero_checkpoints(current))

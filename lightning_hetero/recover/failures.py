@@ -19,8 +19,9 @@ from typing import Any, Optional
 import torch.distributed
 
 from lightning_hetero.recover.liveness import EXIT_CODE_PEER_LOST, call_with_deadline, store_host
-from lightning_hetero.runtime import internals
+from lightning_hetero.runtime.internal_access import resolve
 from lightning_hetero.runtime.collectives import describe_failure
+from lightning_hetero.runtime.torch_internals import DEFAULT_STORE
 
 KEY_PREFIX = "lightning_hetero/failure/"
 # How long a rank whose collective broke looks for its peers' errors: the failing rank wrote before leaving (before its
@@ -124,6 +125,6 @@ def _default_store() -> Optional[Any]:
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return None
     try:
-        return internals.resolve(internals.DEFAULT_STORE)()
+        return resolve(DEFAULT_STORE)()
     except (RuntimeError, ValueError):
         return None

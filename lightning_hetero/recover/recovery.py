@@ -21,7 +21,6 @@ from lightning_hetero.recover import from_deepspeed as resume_deepspeed
 from lightning_hetero.recover import from_lightning as resume_lightning
 from lightning_hetero.recover.stopping import (
     StopOnSigterm,
-    all_reduce_max,
     exit_code_for,
     requeue_slurm_job,
     slurm_job_id,
@@ -67,7 +66,7 @@ class Recovery:
 
     def stop_together_on_sigterm(self, trainer: Any, device: torch.device) -> None:
         """Before Lightning registers its signal handlers for this run (after the strategy's setup)."""
-        self._stop_on_sigterm = StopOnSigterm(all_reduce_max, device)
+        self._stop_on_sigterm = StopOnSigterm(lambda flag: self.collectives.reduce_in_place(flag, "max"), device)
         self._stop_on_sigterm.install(trainer)
 
     def on_exception(self, exception: BaseException, trainer: Any) -> None:

@@ -34,7 +34,6 @@ import sys
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 EXIT_CODE_INTERRUPTED = 128 + int(signal.SIGTERM)
@@ -142,7 +141,3 @@ def exit_code_for(exception: BaseException) -> None:
     """Give a ``SIGTERMException`` raised without a code (Lightning's own) the interrupted exit code."""
     if isinstance(exception, SIGTERMException) and not exception.code:
         exception.code = EXIT_CODE_INTERRUPTED
-
-
-def all_reduce_max(tensor: torch.Tensor) -> None:
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)

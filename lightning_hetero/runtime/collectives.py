@@ -43,11 +43,14 @@ class Collectives:
         torch.distributed.all_gather_object(gathered, obj)
         return gathered
 
-    def gather_tensor(self, tensor: Tensor) -> list[Tensor]:
-        """Every rank's ``tensor`` (the same shape and dtype on every rank), in rank order, on the CPU.
+    def gather_tensor(self, tensor: Tensor, catch_up: bool = False) -> list[Tensor]:
+        """Every rank's ``tensor`` (the same shape and dtype on every rank), in rank order, on the CPU (``catch_up``:
+        after :attr:`before_each`, for a gather inside a training step).
 
         Gathered on this rank's device: NCCL, the CUDA backend, only moves CUDA tensors (gloo takes either).
         """
+        if catch_up:
+            self.before_each()
         if self.world_size == 1:
             return [tensor]
         local = tensor.to(self.device)
@@ -67,6 +70,17 @@ class Collectives:
             self.before_each()
             torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM)
         return float(total.item())
+
+    def reduce_in_place(self, tensor: Tensor, op: str = "sum", group: Optional[Any] = None) -> None:
+        """``tensor`` becomes the elementwise ``op`` ("sum" or "max") of every rank's (the members of ``group``)."""
+        if self.world_size > 1:
+            reduce_op = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX}[op]
+            torch.distributed.all_reduce(tensor, op=reduce_op, group=group)
+
+    def broadcast_in_place(self, tensor: Tensor, source: int = 0) -> None:
+        """``tensor`` becomes rank ``source``'s on every rank."""
+        if self.world_size > 1:
+            torch.distributed.broadcast(tensor, src=source)
 
     def gather_or_raise(self, what: str, compute: Callable[[], tuple[T, Any]]) -> tuple[T, list[Any]]:
         """Run ``compute`` (local result, shared part) and gather the shared parts; a failure anywhere stops every rank.

@@ -22,12 +22,13 @@ import contextlib
 import sys
 from collections.abc import Iterator
 
-from lightning_hetero.runtime import internals
+from lightning_hetero.runtime.deepspeed_internals import SHM_OP_BUILDER
+from lightning_hetero.runtime.internal_access import patched
 
 
 def without_shared_memory_comm_op() -> contextlib.AbstractContextManager:
     """DeepSpeed's communication backend starts without building its shared-memory inference op (put back after)."""
-    return internals.patched(internals.SHM_OP_BUILDER, _no_op)
+    return patched(SHM_OP_BUILDER, _no_op)
 
 
 def _no_op() -> None:

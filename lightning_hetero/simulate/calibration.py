@@ -11,7 +11,9 @@ from typing import Any
 
 from lightning_hetero.simulate.catalog import with_overrides
 from lightning_hetero.simulate.cluster import Cluster, Link, SimulatedDevice
-from lightning_hetero.simulate.predict import LoopCalibration, Options, calibrate_loop, efficiency_from_profile, predict
+from lightning_hetero.simulate.device_model import efficiency_from_profile
+from lightning_hetero.simulate.predict import predict
+from lightning_hetero.simulate.step_options import LoopCalibration, Options, calibrate_loop
 from lightning_hetero.simulate.workload import Workload
 
 

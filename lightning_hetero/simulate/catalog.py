@@ -75,7 +75,7 @@ def _gpu(name, memory_gib, bandwidth_gbs, fp32, fp16, bf16, source, bandwidth_ef
     )
 
 
-# The roofline's achievable fractions (lightning_hetero.simulate.predict): matrix products at
+# The roofline's achievable fractions (lightning_hetero.simulate.device_model): matrix products at
 # MATMUL_EFFICIENCY of the tensor-core peak on every kind, memory-bound kernels at each kind's bandwidth efficiency
 # below. Both fitted by `python benchmarks/planner_validation.py --fit` to the calibration rows: Lambda's
 # deeplearning-benchmark, PyTorch training throughput, mixed precision, one GPU, ResNet-50 and BERT-base SQuAD

@@ -19,15 +19,9 @@ from lightning_hetero.simulate import catalog
 from lightning_hetero.simulate.cluster import Cluster, ClusterFileError, SimulatedDevice, load_cluster
 from lightning_hetero.simulate.calibration import efficiency_by_kind, loop_from_run
 from lightning_hetero.simulate.pipeline import ChainShares, chain_shares, describe_pipeline_prediction, predict_pipeline
-from lightning_hetero.simulate.predict import (
-    GPU_CONTEXT_BYTES,
-    PLANNING_HEADROOM,
-    LoopCalibration,
-    Options,
-    Prediction,
-    automatic_stage,
-    predict,
-)
+from lightning_hetero.simulate.device_model import GPU_CONTEXT_BYTES, PLANNING_HEADROOM
+from lightning_hetero.simulate.predict import Prediction, automatic_stage, predict
+from lightning_hetero.simulate.step_options import LoopCalibration, Options
 
 NO_LOOP = LoopCalibration()
 DESCRIPTION = (
@@ -152,7 +146,7 @@ def main(args: Optional[list[str]] = None) -> int:
 def _measure(options: argparse.Namespace, world_size: int) -> tuple[Any, int, Optional[ChainShares]]:
     """The model's workload, measured here at the sizes a run of ``world_size`` ranks would profile, and the global
     batch (``--global-batch-size``, or the loader's batch size on every device, as HeteroStrategy's default)."""
-    from lightning_hetero.measure.profiler import probe_sizes
+    from lightning_hetero.measure.rank_profile import probe_sizes
     from lightning_hetero.simulate.workload import load_object, measure_workload, training_loader
 
     try:

@@ -3,7 +3,7 @@
 The chain's blocks are measured here (:func:`lightning_hetero.measure.blocks.measure_blocks`: each block's share of
 the step's time on this CPU, its parameters and the activations it keeps), each share turned into FLOPs of the
 measured step, and each device's time for a block is those FLOPs at its rate, as the batch split's model has it
-(:func:`lightning_hetero.simulate.predict.device_cost`). The stages are placed as a run places them
+(:func:`lightning_hetero.simulate.device_model.device_cost`). The stages are placed as a run places them
 (:func:`lightning_hetero.plan.stages.place_stages`, within each device's memory), the first pipeline on the first
 ``stages`` devices. The step: the schedule over the micro-batches (the slowest stage for each, the others while the
 pipeline fills and drains) plus each boundary's activation and gradient over its node's link (the slower link between
@@ -19,7 +19,8 @@ from typing import Any, Optional
 
 from lightning_hetero.plan.stages import BlockCosts, place_stages
 from lightning_hetero.simulate.cluster import Cluster
-from lightning_hetero.simulate.predict import Options, device_seconds, usable_memory_bytes
+from lightning_hetero.simulate.device_model import device_seconds, usable_memory_bytes
+from lightning_hetero.simulate.step_options import Options
 from lightning_hetero.simulate.workload import Workload
 
 
@@ -126,7 +127,7 @@ def chain_shares(module: Any, path: str, batch: Any, samples: int, device: Any) 
 
     from lightning_hetero.measure.blocks import check_chain_order, measure_blocks, training_bytes
     from lightning_hetero.measure.profiler import preserved_training_state, training_step_in_isolation
-    from lightning_hetero.train.pipeline import find_chain
+    from lightning_hetero.train.pipeline_chain import find_chain
 
     chain, names = find_chain(module, path)
     blocks = [chain._modules[name] for name in names]

@@ -28,7 +28,7 @@ from lightning_hetero.train.loaders import (
     only_loader,
     rebuild_loader,
 )
-from lightning_hetero.train.order import local_seed
+from lightning_hetero.train.order import GlobalOrder, local_seed
 from lightning_hetero.train.streams import HeteroStreamLoader, is_stream
 
 SampleCounts = Callable[[int, int], None]  # (this rank's samples, the global batch's samples) of a batch
@@ -163,6 +163,13 @@ class DataSharding:
                 " in the same order (DDP's DistributedSampler would shuffle). Pass `shuffle=True` to the DataLoader to"
                 " shuffle."
             )
+
+    def training_order(self) -> Optional[GlobalOrder]:
+        """The global order the training loader will cut (a map-style loader's), to place a restored epoch."""
+        loader = self.requested_training_loader
+        if isinstance(loader, DataLoader) and not is_stream(loader):
+            return GlobalOrder(loader.batch_sampler.sampler, self.data_seed or 0)
+        return None
 
 
 def check_trainable(

@@ -201,6 +201,17 @@ def layer_sync_for(layer_sync: Optional[LayerSync], backend: str) -> Optional[La
     return layer_sync
 
 
+def with_layer_sync(layer_sync: Optional[LayerSync], model: nn.Module, fitting: bool) -> tuple[Any, nn.Module]:
+    """`Trainer(sync_batchnorm=True)` applied for a fit (the layer sync and the model it returns), where
+    DDPStrategy.setup applies it: after the profile (which must run the module's own BatchNorms: a SyncBatchNorm
+    would communicate from each rank's probe, with different batch sizes), before DeepSpeed wraps the module."""
+    if layer_sync is None or not fitting:
+        return layer_sync, model
+    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else "gloo"
+    layer_sync = layer_sync_for(layer_sync, backend)
+    return layer_sync, layer_sync.apply(model)  # type: ignore[union-attr]
+
+
 def has_batchnorm(module: nn.Module) -> bool:
     return any(isinstance(layer, _BatchNorm) for layer in module.modules())
 

@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed
 from torch import Tensor
 
 from lightning_hetero.plan.split import SplitPlan, loss_weight
@@ -27,6 +26,7 @@ class LossWeights:
         self.loss_reduction = loss_reduction
         self.rank, self.world_size = 0, 1
         self._sum_over_ranks: Callable[[float], float] = lambda value: value
+        self._reduce_in_place: Callable[..., None] = lambda tensor, op, group: None
         # (local, global) sample counts of the batch the loop is working on, told by the loader as it hands it over.
         self._batch_samples: Optional[tuple[int, int]] = None
         self._eval_batch_samples: Optional[tuple[int, int]] = None  # (those of a map-style evaluation loader)
@@ -36,9 +36,17 @@ class LossWeights:
         self.local = False
         self._sync_weight: Optional[int] = None
 
-    def join(self, rank: int, world_size: int, sum_over_ranks: Callable[[float], float]) -> None:
-        """The job this rank belongs to (known at setup)."""
+    def join(
+        self,
+        rank: int,
+        world_size: int,
+        sum_over_ranks: Callable[[float], float],
+        reduce_in_place: Callable[..., None] = lambda tensor, op, group: None,
+    ) -> None:
+        """The job this rank belongs to (known at setup); ``reduce_in_place(tensor, op, group)``: the job's
+        :meth:`~lightning_hetero.runtime.collectives.Collectives.reduce_in_place` (the default: one rank's own)."""
         self.rank, self.world_size, self._sum_over_ranks = rank, world_size, sum_over_ranks
+        self._reduce_in_place = reduce_in_place
 
     def training_batch(self, local_samples: int, global_samples: int) -> None:
         self._batch_samples = (local_samples, global_samples)
@@ -112,18 +120,12 @@ class LossWeights:
             # shards an integer mean truncates (11 samples on 3 ranks -> 3) and biases every epoch metric. Averaged
             # in torch's default dtype, as DDP's true division does, so the metric divided by it keeps its dtype.
             tensor = tensor.to(torch.get_default_dtype())
-        weighted = (
-            is_mean
-            and self._sync_weight is not None
-            and isinstance(tensor, Tensor)
-            and torch.distributed.is_available()
-            and torch.distributed.is_initialized()
-        )
+        weighted = is_mean and self._sync_weight is not None and isinstance(tensor, Tensor) and self.world_size > 1
         if not weighted:
             return plain_reduce(tensor, group=group, reduce_op=reduce_op)
         weight = float(self._sync_weight)  # type: ignore[arg-type]
         packed = torch.cat(
             [tensor.detach().double().reshape(-1) * weight, tensor.new_tensor([weight], dtype=torch.float64)]
         )
-        torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.SUM, group=group)
+        self._reduce_in_place(packed, "sum", group)
         return (packed[:-1] / packed[-1]).reshape(tensor.shape).to(tensor.dtype)

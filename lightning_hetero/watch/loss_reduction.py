@@ -2,7 +2,7 @@
 
 The weight that makes unequal micro-batches train like DDP depends on it (``b_r * W / B`` for a mean, 1 for a sum),
 and a wrong ``loss_reduction`` trains differently without any error. The automatic split learns it from its profile
-(the loss of a batch given twice: :func:`~lightning_hetero.measure.profiler.loss_reduction_mismatch`); with a fixed
+(the loss of a batch given twice: :func:`~lightning_hetero.measure.rank_profile.loss_reduction_mismatch`); with a fixed
 split (``batch_sizes``, ``weights``) nothing is profiled, so the first training steps tell instead: with a sum the
 ranks' losses grow in proportion to their micro-batches, with a mean they do not.
 

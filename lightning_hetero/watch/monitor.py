@@ -33,8 +33,8 @@ PIPELINE_EXCHANGE_STEPS = 20
 
 
 def _pipeline(trainer: Any) -> Any:
-    job = getattr(trainer.strategy, "job", None)
-    return getattr(job, "pipeline", None)
+    """This rank's stage of the pipeline (HeteroStrategy's ``pipeline``), or None."""
+    return getattr(trainer.strategy, "pipeline", None)
 
 
 class HeteroMonitor(Callback):

@@ -60,7 +60,7 @@ def plan_text(
     """The plan as rank 0 prints it at fit start: a row per rank, and the predicted gain when it was profiled.
 
     ``plan`` is a :class:`~lightning_hetero.plan.split.SplitPlan`, ``profiles`` the ranks'
-    :class:`~lightning_hetero.measure.profiler.RankProfile` (automatic split only).
+    :class:`~lightning_hetero.measure.rank_profile.RankProfile` (automatic split only).
     """
     rows = []
     for rank, (device, size, share) in enumerate(zip(devices, plan.batch_sizes, plan.shares())):

@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_hetero.emulate.slowdown import compute_clock
 from lightning_hetero.measure.facts import DeviceFacts
-from lightning_hetero.measure.profiler import RankProfile
+from lightning_hetero.measure.rank_profile import RankProfile
 from lightning_hetero.plan.replan import Rebalancer
 from lightning_hetero.train.split_in_force import SplitInForce
 from lightning_hetero.watch import report

@@ -19,13 +19,13 @@ from torch import nn
 
 from lightning_hetero.emulate.slowdown import SlowdownEmulator
 from lightning_hetero.measure.cost import CostModel
-from lightning_hetero.measure.profiler import (
+from lightning_hetero.measure.profiler import profile_training_step
+from lightning_hetero.measure.rank_profile import (
     MEMORY_HEADROOM,
     RankProfile,
     fit_linear_cost,
     memory_ceiling,
     probe_sizes,
-    profile_training_step,
 )
 
 FAST = settings(database=None, max_examples=100, deadline=None)
@@ -452,7 +452,7 @@ def test_memory_reserved_during_training_lowers_the_ceiling_and_never_raises_it(
 
 
 def test_a_summed_loss_doubles_with_its_batch_given_twice_and_a_mean_does_not():
-    from lightning_hetero.measure.profiler import doubled_loss_ratio, loss_reduction_mismatch
+    from lightning_hetero.measure.rank_profile import doubled_loss_ratio, loss_reduction_mismatch
 
     assert doubled_loss_ratio(3.0, 6.0) == 2.0 and doubled_loss_ratio(0.5, 0.5) == 1.0
     assert doubled_loss_ratio(0.0, 0.0) is None and doubled_loss_ratio(1.0, math.nan) is None

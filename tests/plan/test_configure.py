@@ -271,7 +271,7 @@ def test_format_plan_table_missing_keys_and_no_rows():
 def test_model_signatures_name_the_first_difference_between_ranks():
     from torch import nn
 
-    from lightning_hetero.plan.deepspeed_config import model_disagreement, model_signature
+    from lightning_hetero.plan.model_agreement import model_disagreement, model_signature
 
     def model(width=8, frozen=False, dtype=None, extra=False):
         network = nn.Sequential(nn.Linear(4, width), nn.BatchNorm1d(width), nn.Linear(width, 1))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_hetero.measure.profiler import RankProfile
+from lightning_hetero.measure.rank_profile import RankProfile
 from lightning_hetero.plan.initial import cost_models, initial_plan, rebalancer_for
 from lightning_hetero.plan.split import SplitPlan
 

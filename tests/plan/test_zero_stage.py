@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_hetero.measure.profiler import MEMORY_HEADROOM
+from lightning_hetero.measure.rank_profile import MEMORY_HEADROOM
 from lightning_hetero.plan.zero_stage import (
     ModelSize,
     UNPROFILED_ACTIVATION_SHARE,

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_hetero.runtime.internals import INTERNALS, resolve
+from lightning_hetero.runtime.internal_access import resolve
+from lightning_hetero.runtime.internals import INTERNALS
 
 
 @pytest.mark.parametrize("internal", INTERNALS, ids=lambda i: f"{i.module}.{i.name}")
@@ -45,7 +46,7 @@ def test_a_patch_is_put_back_even_when_the_block_fails():
 
 
 def test_an_instance_attribute_is_found_in_the_code_that_sets_it_and_a_missing_one_is_refused():
-    from lightning_hetero.runtime.internals import Internal
+    from lightning_hetero.runtime.internal_access import Internal
 
     def named(name):
         return Internal("deepspeed.runtime.zero.stage_1_and_2", name, "read", "-", "-")

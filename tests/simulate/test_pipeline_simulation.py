@@ -7,7 +7,9 @@ import pytest
 from lightning_hetero.simulate.cluster import load_cluster_text
 from lightning_hetero.simulate.pipeline import ChainShares, describe_pipeline_prediction, predict_pipeline
 from lightning_hetero.simulate.catalog import MATMUL_EFFICIENCY, lookup
-from lightning_hetero.simulate.predict import Options, predict, usable_memory_bytes
+from lightning_hetero.simulate.device_model import usable_memory_bytes
+from lightning_hetero.simulate.predict import predict
+from lightning_hetero.simulate.step_options import Options
 from lightning_hetero.simulate.workload import Workload
 from lightning_hetero.simulate.catalog import cpu_kind
 

@@ -10,21 +10,18 @@ import pytest
 from lightning_hetero.plan.planner import plan_min_max
 from lightning_hetero.simulate.catalog import GIB, cpu_kind, with_overrides
 from lightning_hetero.simulate.cluster import load_cluster_text
-from lightning_hetero.simulate.predict import (
+from lightning_hetero.simulate.device_model import (
     GPU_CONTEXT_BYTES,
     HALF_PRECISION_ACTIVATIONS,
     KERNEL_LAUNCH_SECONDS,
     PLANNING_HEADROOM,
-    LoopCalibration,
-    Options,
-    calibrate_loop,
     device_cost,
     efficiency_from_profile,
-    exchange,
-    gradient_payload_bytes,
     model_state_bytes,
-    predict,
 )
+from lightning_hetero.simulate.gradient_exchange import exchange, gradient_payload_bytes
+from lightning_hetero.simulate.predict import predict
+from lightning_hetero.simulate.step_options import LoopCalibration, Options, calibrate_loop
 from lightning_hetero.simulate.workload import Workload
 from lightning_hetero.measure.operators import OperatorCost
 

@@ -11,15 +11,14 @@ from torch import nn
 
 from lightning_hetero.comm.point_to_point import empty_from, header_of
 from lightning_hetero.measure.blocks import check_chain_order
-from lightning_hetero.plan.stages import PipelineChoice
-from lightning_hetero.train.pipeline import (
+from lightning_hetero.plan.pipeline_choice import PipelineChoice
+from lightning_hetero.train.pipeline import PipelineLayout, schedule_actions
+from lightning_hetero.train.pipeline_chain import (
     ElsewhereBlock,
     HandOff,
-    PipelineLayout,
     StageOfChain,
     check_chain_shape,
     find_chain,
-    schedule_actions,
 )
 
 

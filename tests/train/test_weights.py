@@ -39,8 +39,8 @@ def test_a_token_mean_is_weighted_by_this_ranks_tokens_over_every_ranks():
     assert loss_weights.current(None) == pytest.approx(10 * 2 / 40)
 
 
-def test_a_mean_outside_a_step_or_without_a_process_group_is_the_parents():
-    loss_weights, calls = weights("mean"), []
+def test_a_mean_outside_a_step_or_on_one_rank_is_the_parents():
+    loss_weights, calls = weights("mean", world_size=1), []
 
     def plain(tensor, group=None, reduce_op=None):
         calls.append(reduce_op)
@@ -50,7 +50,7 @@ def test_a_mean_outside_a_step_or_without_a_process_group_is_the_parents():
     assert loss_weights.reduce(value, None, "mean", plain) is value
     loss_weights.training_batch(10, 16)
     with loss_weights.weighted_sync():
-        loss_weights.reduce(value, None, "mean", plain)  # no process group: nothing to weight over
+        loss_weights.reduce(value, None, "mean", plain)  # one rank: nothing to weight over
     # Lightning's epoch mean of summed integer batch sizes: averaged in floating point, not truncated.
     assert loss_weights.reduce(torch.tensor([11]), None, "mean", plain).dtype == torch.get_default_dtype()
     assert calls == ["mean"] * 3

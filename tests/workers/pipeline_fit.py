@@ -173,8 +173,8 @@ def main() -> None:
     state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     torch.save(state, args.out / f"rank{rank}.pt")
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    stage = strategy.job.pipeline.stage if strategy.job.pipeline else None
-    record = {"stage": stage, "metrics": metrics, "replans": strategy.job.pipeline_replans}
+    stage = strategy.pipeline.stage if strategy.pipeline else None
+    record = {"stage": stage, "metrics": metrics, "replans": strategy.pipeline_replans}
     (args.out / f"rank{rank}.json").write_text(json.dumps(record))
 
 

@@ -1,0 +1,317 @@
+"""The job's pipeline parallelism, from the placement at setup to the report at the end.
+
+:class:`PipelineTraining` is the job's one object for a model split into stages (``HeteroStrategy(pipeline=...)``):
+it measures the blocks on every rank and places them by speed and memory (:mod:`lightning_hetero.plan.stages`),
+installs this rank's stage (:class:`~lightning_hetero.train.pipeline.Pipeline`), runs each step's schedule, moves
+blocks when the ranks' measured times say so, and saves and loads each rank's blocks by name
+(:mod:`lightning_hetero.recover.pipeline_state`). What it refuses before the process group exists is
+:func:`check_pipeline_job`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import statistics
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.utils.data import DataLoader
+
+from lightning_hetero.emulate import memory
+from lightning_hetero.measure.blocks import (
+    BlockMeasurement,
+    check_chain_order,
+    first_batch,
+    measure_blocks,
+    training_bytes,
+)
+from lightning_hetero.plan.split import micro_batch_sizes
+from lightning_hetero.plan.pipeline_choice import PipelineChoice, pipeline_job_refusal, replicas_of
+from lightning_hetero.plan.pipeline_description import describe_pipeline
+from lightning_hetero.plan.stages import block_costs, pipeline_shares, place_stages, replan_stages, stage_seconds_under
+from lightning_hetero.recover import pipeline_state
+from lightning_hetero.recover.refusal import ResumeRefused
+from lightning_hetero.train.loaders import loader_batch_size
+from lightning_hetero.train.last_stage_metrics import LastStageMetrics
+from lightning_hetero.train.pipeline import Pipeline
+from lightning_hetero.train.pipeline_chain import check_chain_shape
+from lightning_hetero.train.sharding import BatchListeners
+from lightning_hetero.train.streams import is_stream
+from lightning_hetero.watch.pipeline_report import describe_stages, summarize_stages
+from lightning_hetero.watch.publish import report_directory
+
+
+def check_pipeline_job(choice: PipelineChoice, trainer: Any, precision: str, world_size: int) -> None:
+    """What a pipeline cannot run (yet), raised at setup on every rank before the process group exists (the
+    trainer's precision, gradient clipping, accumulation, manual optimization, a chain that cannot be split)."""
+    replicas_of(choice, world_size)
+    if trainer is None:
+        return
+    module = trainer.lightning_module
+    evaluating = trainer.state.fn != TrainerFn.FITTING  # (a fit's validation runs through the stages)
+    refusal = pipeline_job_refusal(precision, trainer.gradient_clip_val, trainer.accumulate_grad_batches,
+                                   module.automatic_optimization, evaluating)  # fmt: skip
+    if refusal:
+        raise ValueError(refusal)
+    if not is_overridden("configure_model", module):  # (else the chain exists only later: checked at setup)
+        check_chain_shape(module, choice)
+    if not any(isinstance(c, LastStageMetrics) for c in trainer.callbacks):
+        # First, before the callbacks that read the metrics (Lightning runs checkpoint callbacks last).
+        trainer.callbacks.insert(0, LastStageMetrics())
+
+
+class PipelineTraining:
+    """This rank's part of the pipelines. ``job``: the :class:`~lightning_hetero.job.HeteroJob` (its settings, ranks,
+    collectives, emulation, device facts, data sharding and recovery are read when needed)."""
+
+    def __init__(self, job: Any, pipeline: Pipeline) -> None:
+        self._job = job
+        self.pipeline = pipeline
+        self.replans: list[dict[str, Any]] = []  # this fit's block moves (the report's)
+        self._samples = 0  # this pipeline's samples of the batch in hand
+        self._global_samples = 0  # the global batch's (short at an epoch's end)
+        self._replan: Any = None  # (re-planning on, block costs, micro-batches, micro-batch), from start()
+        self._replan_blocked = False
+        self._placed_at = 0
+
+    def start(self, global_batch_size: int, module: torch.nn.Module, device: torch.device) -> int:
+        """Pipeline parallelism (train/pipeline.py): the blocks measured on every rank (unless ``boundaries`` are
+        given), placed on the stages by speed and memory, and this rank's stage kept; then the plan is printed."""
+        pipeline, choice = self.pipeline, self.pipeline.choice
+        replicas = replicas_of(choice, self._job.world_size)
+        if "16-mixed" in self._job.precisions:  # (every rank has every rank's precision: every rank raises)
+            raise ValueError(
+                f"HeteroStrategy(pipeline=...) with ranks in '16-mixed' (precisions {list(self._job.precisions)}):"
+                " fp16's loss scaling is not built into the pipeline's backward. Give those ranks 'bf16-mixed' or"
+                " '32-true' in `device_precision`."
+            )
+        replica_batch = micro_batch_sizes(global_batch_size, replicas)[0]  # (until the shares are known)
+        micro_batches = choice.micro_batches_for(replica_batch)
+        micro_batch = -(-replica_batch // micro_batches)
+        chain, names = check_chain_shape(module, choice)
+        blocks = [chain._modules[name] for name in names]
+        loader = self._job.sharding.requested_training_loader
+        if is_stream(loader):  # (every rank has the same loader: every rank raises)
+            raise ValueError(
+                "HeteroStrategy(pipeline=...) with an IterableDataset: every stage of a pipeline must take the same"
+                " samples, which a stream per rank cannot give. Use a map-style Dataset (with `__getitem__`)."
+            )
+        emulator, rank = self._job.emulation.emulator, self._job.rank
+
+        def check() -> tuple[None, None]:
+            # The whole model runs here, before it is split: a chain that cannot be split fails on every rank.
+            probe = first_batch(loader, 1, device, move_data_to_device)
+            check_chain_order(module, blocks, names, choice.blocks, probe, device)
+            return None, None
+
+        def measure() -> dict[str, Any]:
+            batch = first_batch(loader, micro_batch, device, move_data_to_device)
+            return measure_blocks(module, blocks, batch, micro_batch, device, emulator).to_dict()
+
+        self._job.collectives.gather_or_raise("checking the chain of blocks", check)
+        measured = None
+        if choice.boundaries is None:
+            hosts = [facts.hostname for facts in self._job.device_facts]
+            if len(set(hosts)) == len(hosts):  # one rank per machine: all measure at once
+                gathered = self._job.collectives.gather_or_raise("measuring the blocks", lambda: (None, measure()))[1]
+            else:
+                # Ranks that share a machine measure in turns: at once, they slowed each other's block times
+                # unevenly (memory bandwidth, shared cores), which misplaced a block in one run of three.
+                gathered = [
+                    self._job.collectives.gather_or_raise(
+                        f"measuring the blocks (rank {turn})",
+                        lambda turn=turn: (None, measure() if turn == rank else None),
+                    )[1][turn]
+                    for turn in range(self._job.world_size)
+                ]  # fmt: skip
+            measured = [BlockMeasurement.from_dict(m) for m in gathered]
+        costs = block_costs(measured, len(names), self._job.world_size, [training_bytes(block) for block in blocks],
+                            training_bytes(module) - sum(training_bytes(block) for block in blocks),
+                            memory.capped_free_bytes([None] * self._job.world_size,
+                                                     self._job.memory_byte_ceilings))  # fmt: skip
+        placement = place_stages(costs, choice.stages, choice.schedule, micro_batches, micro_batch, choice.boundaries,
+                                 ranks=tuple(range(choice.stages)), search_orders=replicas == 1,
+                                 last_rank=0)  # fmt: skip
+        if measured is not None and replicas > 1:  # a faster pipeline takes more samples
+            pipeline.shares = pipeline_shares(costs, placement, replicas, global_batch_size)
+        else:
+            pipeline.shares = tuple(micro_batch_sizes(global_batch_size, replicas))
+        micro_batch = -(-max(pipeline.shares) // micro_batches)
+        pipeline.install(module, placement, replicas, global_batch_size)
+        settings = self._job.settings
+        # Blocks follow what the ranks measure, as the batch split does: on when placed by measurement, unless off.
+        self._replan = (choice.boundaries is None and settings.rebalance is not False, costs,
+                        micro_batches, micro_batch)  # fmt: skip
+        self._placed_at = 0
+        if self._job.rank == 0:
+            described = describe_pipeline(placement, names, choice, replicas, micro_batches, micro_batch, measured,
+                                          costs.memory_bytes if self._job.memory_byte_ceilings else None,
+                                          pipeline.shares)  # fmt: skip
+            rank_zero_info(described)
+        return micro_batch
+
+    @contextlib.contextmanager
+    def engine_built(self) -> Iterator[None]:
+        """Around ``deepspeed.initialize``: with a pipeline, the engine's broadcast of every parameter from rank 0 is
+        skipped (ranks hold different blocks; the pipeline broadcast each part within its own group already)."""
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
+        original = DeepSpeedEngine._broadcast_model
+        DeepSpeedEngine._broadcast_model = lambda engine: None  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            DeepSpeedEngine._broadcast_model = original  # type: ignore[method-assign]
+
+    def attach(self, engine: Any) -> None:
+        """DeepSpeed's engine exists: the pipeline sums the gradients itself (per stage, and the modules outside the
+        chain over every rank), so the engine's reduction is replaced by nothing."""
+        engine.allreduce_gradients = lambda *args, **kwargs: None
+
+    def detach(self) -> None:
+        self.pipeline.uninstall()
+
+    def shard(self, dataloader: DataLoader, trainer: Any) -> Any:
+        """Every stage of a pipeline takes the same samples: the split is over the pipelines."""
+        job, pipeline = self._job, self.pipeline
+        listeners = BatchListeners(self._batch_ready, job.loss_weights.evaluation_batch,
+                                   job.loss_weights.forget_evaluation_batch, lambda: None)  # fmt: skip
+        evaluation = [loader_batch_size(dataloader) or 1] * pipeline.replicas
+        return job.sharding.shard(dataloader, trainer, pipeline.replica_batch_sizes(), job.collectives,
+                                  pipeline.replica, listeners, evaluation_split=evaluation)  # fmt: skip
+
+    def _batch_ready(self, local_samples: int, global_samples: int) -> None:
+        self._samples, self._global_samples = local_samples, global_samples
+
+    def _move_blocks_if_due(self, global_step: int, optimizer: Any) -> None:
+        """Every ``rebalance_window`` steps: each rank's compute over the last window (the steps two after the last
+        move on) against what the placement predicted; the same decision on every rank from the gathered factors,
+        and the blocks moved, state and all, before this step (:mod:`lightning_hetero.plan.stages`)."""
+        pipeline, replan = self.pipeline, self._replan
+        assert pipeline.placement is not None and pipeline.layout is not None
+        window = self._job.settings.rebalance_window
+        if replan is None or not replan[0] or global_step == 0 or global_step % window or self._job.world_size == 1:
+            return
+        enabled, costs, micro_batches, micro_batch = replan
+        first = max(global_step - window, self._placed_at + 2)
+        recent = [compute for compute, _ in pipeline.step_times[first:global_step]]
+        stages = pipeline.layout.stages
+        own = replace(pipeline.placement, ranks=tuple(pipeline.replica * stages + r for r in pipeline.placement.ranks))
+        predicted = stage_seconds_under(costs, own)[pipeline.stage] * pipeline.shares[pipeline.replica]
+        factor = statistics.median(recent) / predicted if recent and predicted > 0 else None
+        factors = self._job.collectives.gather_objects(factor)
+        if any(f is None for f in factors):
+            return  # (too few steps under this placement yet)
+        if len(optimizer.param_groups) != 1:
+            if not self._replan_blocked:
+                self._replan_blocked = True
+                rank_zero_warn(
+                    f"HeteroStrategy(pipeline=...): the optimizer has {len(optimizer.param_groups)} parameter groups;"
+                    " blocks stay where they were placed (a moved block's parameters would not know their group)."
+                    " Pass `rebalance=False` to silence this, or use one parameter group."
+                )
+            return
+        layout = pipeline.layout
+        slots = [max(factors[layout.rank_of(p, s)] for p in range(layout.replicas)) for s in range(layout.stages)]
+        by_rank = [0.0] * layout.stages
+        for stage, slot_factor in enumerate(slots):
+            by_rank[layout.order[stage]] = slot_factor
+        decision = replan_stages(costs, pipeline.placement, by_rank, self._job.settings.rebalance_threshold,
+                                 pipeline.choice.schedule, micro_batches, micro_batch)  # fmt: skip
+        if decision.placement is None:
+            return
+        pipeline.move_blocks(decision.placement, optimizer)
+        self._placed_at = global_step
+        self.replans.append({"step": global_step, "boundaries": list(decision.placement.boundaries),
+                             "reason": decision.reason})  # fmt: skip
+        rank_zero_info(f"HeteroStrategy pipeline re-plan before step {global_step}: {decision.reason}")
+
+    def step(
+        self, batch: Any, forward: Any, backward: Any, module: torch.nn.Module, global_step: int, optimizer: Any
+    ) -> torch.Tensor:
+        """One training step through the stages: every micro-batch forward and backward, then the gradient sums.
+        Returns the global batch's loss (on every rank, for the progress bar)."""
+        pipeline = self.pipeline
+        self._job.emulation.at_step(global_step)
+        self._move_blocks_if_due(global_step, optimizer)
+        samples = self._samples
+        reduction = self._job.settings.loss_reduction
+        global_batch = self._global_samples or pipeline.global_batch  # (the last batch may be short)
+
+        def weight_of(micro_batch_samples: int) -> float:
+            return micro_batch_samples / global_batch if reduction == "mean" else 1.0
+
+        micro_batches = pipeline.micro_batches_of(batch, samples)
+        loss = pipeline.run_step(micro_batches, forward, weight_of, self._job.emulation.slowed, backward)
+        pipeline.reduce_gradients()
+        pipeline.hold_gradients(module)
+        return loss
+
+    def save_checkpoint(self, target: Path, saved: dict[str, Any], engine: Any) -> None:
+        """Each rank's blocks and optimizer state by name, rank 0's trainer state: staged, manifested, atomic."""
+        pipeline = self.pipeline
+        assert pipeline.placement is not None and pipeline.layout is not None
+
+        def write(directory: Path) -> None:
+            pipeline_state.save_stage(directory, self._job.rank, engine.module, engine.optimizer, saved)
+
+        def facts() -> dict[str, Any]:
+            return {
+                "world_size": self._job.world_size, "global_step": saved.get("global_step"),
+                "epoch": saved.get("epoch"),
+                "zero_stage": 0, "optimizer": type(engine.optimizer).__name__,
+                "devices": [facts.describe() for facts in self._job.device_facts],
+                "pipeline": {"stages": pipeline.choice.stages, "replicas": pipeline.layout.replicas,
+                             "boundaries": list(pipeline.placement.boundaries),
+                             "stage_ranks": list(pipeline.placement.ranks)},
+            }  # fmt: skip
+
+        self._job.recovery.save(target, write, facts)
+
+    def load_checkpoint(self, chosen: Path, manifest: dict[str, Any], engine: Any) -> dict[str, Any]:
+        """A pipeline checkpoint into this pipeline run, whatever its boundaries and number of pipelines."""
+        if not manifest.get("pipeline"):
+            raise ResumeRefused(
+                f"Checkpoint {chosen} was saved without `pipeline`: resume it without `pipeline`; a checkpoint of"
+                " data-parallel training into a pipeline is not built yet."
+            )
+        saved = manifest["pipeline"]
+        rank_zero_info(
+            f"HeteroStrategy: resuming the pipeline checkpoint {chosen} (boundaries {saved['boundaries']}, "
+            f"{saved['replicas']} pipeline(s)) on boundaries {list(self.pipeline.placement.boundaries)}"
+            f" and {self.pipeline.layout.replicas} pipeline(s), by parameter name."
+        )
+        return pipeline_state.load_stage(chosen, engine.module, engine.optimizer)
+
+    def evaluation_step(self, batch: Any, forward: Any) -> Any:
+        """A validation step through the stages (forward only); the last stage's output, None on the others."""
+        return self.pipeline.evaluation_step(batch, forward)
+
+    def backward(self) -> None:
+        """Lightning's backward of the step: the schedule ran it; its gradients go back on the parameters."""
+        self.pipeline.return_gradients()
+
+    def write_report(self, trainer: Any) -> None:
+        """Every rank's stage times gathered; rank 0 prints the per-stage summary and writes it as JSON."""
+        pipeline = self.pipeline
+        gathered = self._job.collectives.gather_objects((pipeline.stage, pipeline.step_times))
+        directory = self._job.report_directory or report_directory(trainer)
+        if self._job.rank != 0:
+            return
+        summary = summarize_stages([times for _, times in gathered], [stage for stage, _ in gathered])
+        assert pipeline.placement is not None
+        summary.update(boundaries=list(pipeline.placement.boundaries), stage_ranks=list(pipeline.placement.ranks),
+                       replans=self.replans)  # fmt: skip
+        rank_zero_info(describe_stages(summary))
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "pipeline_report.json").write_text(json.dumps(summary, indent=1))
+        rank_zero_info(f"written to {directory / 'pipeline_report.json'}")
+

@@ -1,0 +1,302 @@
+"""The job's setup: measure and plan each trainer call, from the ranks' survey to the split a fit starts with.
+
+:class:`JobSetup` runs the setup gather (every rank's arguments, data-order seed, model, device facts, precision and
+profile, checked to agree), keeps what it established (every rank holds the same), and plans from it: this rank's
+precision plugin, the ZeRO stage, the exchange's settings, the split (or local training's inner steps) and the
+re-planner that follows it. The decisions are the stages' pure functions (``measure/``, ``plan/``, ``precision/``);
+the refusals are :class:`~lightning_hetero.settings.HeteroSettings`'; this module orders them and does the gathers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_hetero.comm import topology
+from lightning_hetero.emulate import memory
+from lightning_hetero.measure.devices import collect_device_facts
+from lightning_hetero.measure.facts import DeviceFacts
+from lightning_hetero.measure.partitioned import partitioned_parameters, whole_parameters
+from lightning_hetero.measure.survey import JobSurvey, RankSurvey, profile_rank
+from lightning_hetero.plan.model_agreement import model_signature
+from lightning_hetero.plan.initial import InitialPlan, initial_plan, rebalancer_for, within_emulated_memory
+from lightning_hetero.plan.local_steps import InnerStepsRebalancer, describe_sync, local_split
+from lightning_hetero.plan.micro_steps import automatic_micro_steps_allowed
+from lightning_hetero.plan.split import SplitPlan, micro_batch_sizes
+from lightning_hetero.plan.zero_stage import ModelSize, StageChoice, choose_stage, shared_free_bytes
+from lightning_hetero.precision.choice import rank_precision
+from lightning_hetero.precision.job import gradient_bytes_held_until_step, job_plugin
+from lightning_hetero.precision.plugin import HeteroPrecision, autocast_for
+from lightning_hetero.recover.refusal import ResumeRefused
+from lightning_hetero.settings import check_ranks_agree
+from lightning_hetero.train.order import agreed_seed, local_seed
+from lightning_hetero.train.sharding import check_trainable
+from lightning_hetero.train.sync_batchnorm import small_batchnorm_warning
+from lightning_hetero.watch.publish import report_directory
+from lightning_hetero.watch.watcher import JobFacts
+
+
+def _mib_list(values: Any) -> list:
+    return ["-" if v is None else round(v / 2**20, 1) for v in values]
+
+
+class JobSetup:
+    """What the ranks established at setup, and the planning that reads it. ``job``: the
+    :class:`~lightning_hetero.job.HeteroJob` (its settings, ranks, collectives, sharding, split and watcher)."""
+
+    def __init__(self, job: Any) -> None:
+        self._job = job
+        self.device_facts: list[DeviceFacts] = []
+        self.precisions: list[str] = []
+        self.profiles: Optional[list[Any]] = None  # every rank's RankProfile (automatic split only)
+        self.identical_devices = True
+        self.memory_ceilings: Optional[list[Optional[int]]] = None  # emulated, per rank (emulate/memory.py)
+        self.memory_byte_ceilings: Optional[list[Optional[int]]] = None  # (the same, in bytes of device memory)
+        self.sync_batchnorm = False
+        self.stage_choice: Optional[StageChoice] = None  # the automatic ZeRO stage of this trainer call, and why
+        self._emulated_topology: tuple[Optional[int], Optional[topology.SlowLink]] = (None, None)
+        self._inner_steps_rebalancer: Optional[InnerStepsRebalancer] = None
+
+    # ------------------------------------------------------------------ measure
+
+    def survey(
+        self, trainer: Any, fitting: bool, module: Any, device: torch.device, trainer_precision: str, zero_stage: int
+    ) -> int:
+        """The setup gather: every rank's arguments, data-order seed, model, device facts, precision and (automatic
+        split) profile, checked to agree. Returns the global batch (0 outside fit)."""
+        job, settings = self._job, self._job.settings
+        # A ZeRO-3 model whose parameters are partitioned is profiled whole, once the ranks have agreed: gathering it
+        # is a collective (measure/partitioned.py).
+        profile_in_survey = fitting and settings.profiles_needed and not partitioned_parameters(module)
+
+        def survey_this_rank() -> tuple[None, dict[str, Any]]:
+            loader = job.sharding.request_training_loader(trainer) if fitting else None
+            global_batch_size = settings.global_batch_size_for(loader, job.world_size) if fitting else None
+            if fitting:
+                check_trainable(loader, global_batch_size, job.world_size, settings.loss_reduction,  # type: ignore[arg-type]
+                                module.automatic_optimization)  # fmt: skip
+            facts = collect_device_facts(device)
+            precision = trainer_precision
+            if settings.device_precision is not None:  # may refuse this rank's device: raised on every rank
+                precision = rank_precision(settings.device_precision, job.rank, facts)
+            if fitting:
+                settings.check_fit(zero_stage=zero_stage, precision=precision, sync_batchnorm=self.sync_batchnorm,
+                                   automatic_optimization=module.automatic_optimization,
+                                   accumulate_grad_batches=trainer.accumulate_grad_batches)  # fmt: skip
+            profile = None
+            if profile_in_survey:
+                profile = self._profile(module, loader, global_batch_size, device, precision)  # type: ignore[arg-type]
+            self._emulated_topology = settings.emulated_topology()
+            agreement = settings.agreement(global_batch_size, job.communication.arguments(), self._emulated_topology)
+            return None, RankSurvey(
+                agreement, local_seed(), model_signature(module), facts, precision, profile
+            ).to_dict()
+
+        gathered = job.collectives.gather_or_raise("setup", survey_this_rank)[1]
+        surveyed = JobSurvey([RankSurvey.from_dict(entry) for entry in gathered])
+        check_ranks_agree([rank.agreement for rank in surveyed.ranks], [rank.model for rank in surveyed.ranks])
+        if fitting and settings.profiles_needed and not profile_in_survey:
+            surveyed = self._profile_partitioned(surveyed, module, device)
+        job.sharding.data_seed = agreed_seed([rank.seed for rank in surveyed.ranks])
+        self.device_facts, self.precisions = surveyed.device_facts, surveyed.precisions
+        self.memory_ceilings = surveyed.ranks[job.rank].agreement["emulate_memory"]
+        self.memory_byte_ceilings = surveyed.ranks[job.rank].agreement.get("emulate_memory_bytes")
+        if fitting:
+            self.profiles = within_emulated_memory(surveyed.profiles, self.memory_ceilings)
+            self.identical_devices = surveyed.identical_devices(emulated=settings.speed_schedule is not None)
+        return surveyed.ranks[job.rank].agreement["global_batch_size"] or 0
+
+    def _profile(self, module: Any, loader: Any, global_batch_size: int, device: torch.device, precision: str) -> Any:
+        autocast = autocast_for(precision, device.type)  # measured as it will train
+        return profile_rank(module, loader, global_batch_size, self._job.world_size, device,
+                            self._job.emulation.emulator, autocast)  # fmt: skip
+
+    def _profile_partitioned(self, surveyed: JobSurvey, module: Any, device: torch.device) -> JobSurvey:
+        """Every rank's profile of a model ZeRO-3 has partitioned, its parameters gathered whole for it."""
+        job = self._job
+        loader = job.sharding.requested_training_loader
+        global_batch_size = surveyed.ranks[job.rank].agreement["global_batch_size"]
+        precision = surveyed.ranks[job.rank].precision
+        with whole_parameters(module):
+            profiles = job.collectives.gather_or_raise(
+                "profiling", lambda: (None, self._profile(module, loader, global_batch_size, device, precision))
+            )[1]
+        return JobSurvey([replace(rank, profile=profile) for rank, profile in zip(surveyed.ranks, profiles)])
+
+    # ------------------------------------------------------------------ configure
+
+    def plugin_for_this_rank(self, current: Any) -> Optional[HeteroPrecision]:
+        """This rank's plugin when ranks have their own precisions (``device_precision``); None: keep ``current``."""
+        job = self._job
+        return job_plugin(job.settings.device_precision, self.precisions, job.rank, self.device_facts,
+                          job.collectives.gather_tensor, current)  # fmt: skip
+
+    def configure_communication(self, config: dict[str, Any]) -> None:
+        """Nodes from the ranks' hosts (or the emulated ones), and the exchange's settings in the DeepSpeed config."""
+        hosts = [facts.hostname for facts in self.device_facts]
+        emulated_nodes, slow_link = self._emulated_topology
+        nodes = topology.topology_from_hosts(hosts, emulated_nodes)
+        stage = config["zero_optimization"]["stage"]
+        self._job.communication.setup(nodes, slow_link, config, stage, self._job.rank)
+        config.update(self._job.communication.deepspeed_entries())
+
+    def choose_zero_stage(self, global_batch_size: int, module: torch.nn.Module, fitting: bool,
+                          allowed: tuple[int, ...], half_precision_engine: bool) -> int:  # fmt: skip
+        """The lowest of ``allowed`` ZeRO stages at which every rank's model state and activations fit its memory
+        (:func:`~lightning_hetero.plan.zero_stage.choose_stage`; the same decision on every rank: what it reads was
+        gathered). Its reason goes into the plan output."""
+        parameters = list(module.parameters())
+        size = ModelSize(sum(p.numel() for p in parameters), sum(p.numel() for p in parameters if p.requires_grad),
+                         half_precision_engine)  # fmt: skip
+        profiles = self.profiles if fitting else None
+        free = [p.free_bytes for p in profiles] if profiles else [f.free_memory_bytes for f in self.device_facts]
+        devices = [(f.hostname, f.kind, f.index if f.kind == "cuda" else None) for f in self.device_facts]
+        activations = None
+        if profiles and all(p.bytes_per_sample is not None for p in profiles):
+            # The planned micro-batches (the planner's memory ceilings leave the model's state out).
+            plan = self._plan_start(global_batch_size, allowed[0], module).plan
+            largest = [max(micro_batch_sizes(b, k)) for b, k in zip(plan.batch_sizes, plan.micro_steps)]
+            activations = [p.bytes_per_sample * b for p, b in zip(profiles, largest)]
+        # (an emulated ceiling is one rank's own device: applied after the host's memory is shared among its ranks)
+        room = memory.capped_free_bytes(shared_free_bytes(free, devices), self.memory_byte_ceilings)
+        choice = choose_stage(size, self._job.world_size, room, activations, allowed, fitting)
+        if self.memory_byte_ceilings is not None and choice.spare_bytes is not None and choice.spare_bytes < 0:
+            # (an emulated device that a real run would overflow: refused, as a real one would fail)
+            raise ValueError(
+                f"HeteroStrategy: {choice.reason.split('; the fit may run out of memory')[0]}, with the device memory"
+                f" {memory.ENV_VAR} gives ({_mib_list(self.memory_byte_ceilings)} MiB): an out-of-memory error on a"
+                " real device. Split the model instead of only the batch: `pipeline={'stages': ..., 'blocks': ...}`"
+                " (each rank then holds only its stage's blocks), or give the ranks more memory."
+            )
+        self.stage_choice = choice
+        return choice.stage
+
+    # ------------------------------------------------------------------ plan
+
+    def _held_bytes(self, zero_stage: int, module: torch.nn.Module) -> float:
+        return gradient_bytes_held_until_step(self._job.settings.device_precision, self.precisions,
+                                              self.device_facts, zero_stage, module)  # fmt: skip
+
+    def _unequal_steps(self, zero_stage: int, module: torch.nn.Module) -> bool:
+        return automatic_micro_steps_allowed(zero_stage, self._job.settings.loss_reduction,
+                                             module.automatic_optimization, self.sync_batchnorm)  # fmt: skip
+
+    def _plan_start(self, global_batch_size: int, zero_stage: int, module: torch.nn.Module) -> InitialPlan:
+        settings = self._job.settings
+        return initial_plan(self._job.world_size, global_batch_size, settings.batch_sizes, settings.weights,
+                            self.profiles, settings.loss_reduction, self.identical_devices,
+                            self._held_bytes(zero_stage, module), settings.micro_steps,
+                            self._unequal_steps(zero_stage, module))  # fmt: skip
+
+    def start_the_split(self, global_batch_size: int, zero_stage: int, module: torch.nn.Module) -> None:
+        """The split this fit starts with and the re-planner that follows it (both planned again when a resume on
+        another number of ranks keeps the checkpoint's global batch)."""
+        job, settings = self._job, self._job.settings
+        if settings.local:
+            self._start_local_training(global_batch_size)
+            return
+        start = self._plan_start(global_batch_size, zero_stage, module)
+        if start.warning:
+            rank_zero_warn(start.warning)
+        smallest = [min(micro_batch_sizes(b, k)) for b, k in zip(start.plan.batch_sizes, start.plan.micro_steps)]
+        few_samples = small_batchnorm_warning(smallest, module, self.sync_batchnorm)
+        if few_samples:
+            rank_zero_warn(few_samples)
+        overflow = memory.describe_overflow(start.plan.batch_sizes, start.plan.micro_steps, self.memory_ceilings)
+        if overflow:  # (every rank holds the same plan and ceilings: every rank raises it)
+            raise ValueError(overflow)
+        job.split.start(start.plan, start.prediction)
+        # The profile's doubled batch already told mean from sum (start.warning); without it the first steps tell.
+        profiled = self.profiles is not None and all(p.loss_ratio is not None for p in self.profiles)
+        job.loss_check.start(job.world_size > 1 and not profiled and bool(module.automatic_optimization))
+        rebalancer = None
+        if settings.rebalancing(profiled=self.profiles is not None, world_size=job.world_size):
+            rebalancer = rebalancer_for(start.plan, self.profiles, self._held_bytes(zero_stage, module),
+                                        settings.rebalance_window, settings.rebalance_threshold,
+                                        fixed_micro_steps=settings.micro_steps is not None,
+                                        unequal_micro_steps=self._unequal_steps(zero_stage, module),
+                                        ceilings=self.memory_ceilings)  # fmt: skip
+        job.watcher.follow(job.split, rebalancer)
+
+    def _start_local_training(self, global_batch_size: int) -> None:
+        """Local SGD / DiLoCo: each rank's micro-batch taken ``inner_steps[r]`` times per training step
+        (:func:`~lightning_hetero.plan.local_steps.local_split`); unless given, the inner steps follow what the ranks
+        measure, as the split does (one decision on all)."""
+        job, settings = self._job, self._job.settings
+        costs = [profile.cost_model() for profile in self.profiles] if self.profiles is not None else None
+        plan = local_split(settings.sync, job.world_size, global_batch_size, settings.batch_sizes,
+                           settings.inner_steps, costs)  # fmt: skip
+        overflow = memory.describe_overflow(plan.batch_sizes, plan.micro_steps, self.memory_ceilings, True)
+        if overflow:  # (each inner step holds one micro-batch: it must fit, as in every-step training)
+            raise ValueError(overflow)
+        job.split.start(plan, None)
+        rebalancer = None
+        if settings.inner_steps is None and settings.rebalance is not False and job.world_size > 1:
+            micro = tuple(b // k for b, k in zip(plan.batch_sizes, plan.micro_steps))
+            rebalancer = InnerStepsRebalancer(micro, plan.micro_steps, settings.rebalance_window)
+        self._inner_steps_rebalancer = rebalancer
+        job.local.inner_steps = lambda: job.split.plan.micro_steps
+        job.watcher.follow(job.split, rebalancer)
+
+    def load_local_training(self, directory: Path) -> None:
+        """Local training resumes: each rank's own state, and the inner steps the checkpoint ran with."""
+        job = self._job
+        restored = job.local.load(directory, job.rank)
+        if restored is not None and self._inner_steps_rebalancer is not None:
+            self._inner_steps_rebalancer.restored = restored
+
+    def keep_the_checkpoints_global_batch(self, path: Path, manifest: dict[str, Any], zero_stage: int,
+                                          module: torch.nn.Module) -> None:  # fmt: skip
+        """A resume on another number of ranks continues the same optimisation: the checkpoint's global batch.
+
+        The default global batch (the loader's batch size times the ranks) follows the world size, so it is replaced
+        by the checkpoint's and the split is planned again for it; one the user fixed must agree.
+        """
+        job = self._job
+        assert job.split.plan is not None
+        saved, current = sum(manifest.get("batch_sizes") or []) or None, job.split.plan.global_batch_size
+        if saved is None or saved == current:
+            return
+        if job.settings.global_batch_size is not None or job.settings.batch_sizes is not None:
+            raise ResumeRefused(
+                f"Checkpoint {path} was trained with a global batch of {saved} samples; this job's is {current}."
+                f" Pass `global_batch_size={saved}` to continue the same optimisation (the split over this job's"
+                " ranks is planned for it)."
+            )
+        self.start_the_split(saved, zero_stage, module)
+        rank_zero_info(
+            f"HeteroStrategy: keeping the checkpoint's global batch of {saved} on {job.world_size} ranks:"
+            f" micro-batches {list(job.split.batch_sizes)}."
+        )
+
+    def plan_lines(self, plan: SplitPlan) -> str:
+        """The plan output's lines below the table: the ZeRO stage's reason, the exchange, local training's sync."""
+        settings = self._job.settings
+        line = self._job.communication.plan_line()
+        if self.stage_choice is not None:
+            line = f"{self.stage_choice.reason}\n{line}"
+        if settings.local:
+            line += "\n" + describe_sync(settings.sync, settings.sync_every, plan.micro_steps, settings.outer)
+        return line
+
+    def write_plan(self, trainer: Any, config: dict[str, Any]) -> Path:
+        """Rank 0 prints the plan table; every rank writes its config (and rank 0 the whole plan) as JSON, in the
+        directory returned (decided once per fit: a tracking logger's run name; the report lands beside it)."""
+        job = self._job
+        assert job.split.plan is not None and job.watcher is not None
+        schedule = job.settings.speed_schedule
+        facts = JobFacts(self.device_facts, self.precisions, self.profiles, schedule.to_json() if schedule else None,
+                         job.communication.summary(), self.plan_lines(job.split.plan))  # fmt: skip
+        reduction = job.settings.loss_reduction
+        # (a token mean's weight is taken from each batch's token counts)
+        weight = None if reduction == "token_mean" else job.split.plan.loss_weight(job.rank, reduction)
+        choice = self.stage_choice.reason if self.stage_choice else None
+        record = {"loss_weight": weight, "loss_reduction": reduction, "deepspeed_config": config,
+                  "zero_stage_choice": choice}  # fmt: skip
+        directory = report_directory(trainer)
+        job.watcher.write_plan(directory, job.split, facts, record)
+        return directory
