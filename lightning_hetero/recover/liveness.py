@@ -31,8 +31,9 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Optional, TypeVar
 
 T = TypeVar("T")
 
@@ -94,7 +95,7 @@ def lost_message(
     return (
         f"HeteroStrategy: {which} been lost: {why}, so its process is gone or frozen (killed,"
         f" out of memory, stopped, its machine down).{recorded} Rank {rank} exits with code {EXIT_CODE_PEER_LOST}"
-        " instead of waiting for it in a collective. Resume with `fit(ckpt_path=\"last\")`; under `torchrun"
+        ' instead of waiting for it in a collective. Resume with `fit(ckpt_path="last")`; under `torchrun'
         " --max-restarts` that happens by itself."
     )
 
@@ -111,7 +112,8 @@ class PeerWatchdog:
 
     Two daemon threads: the heartbeat talks to the store (``connect()`` gives a new connection) every ``interval``
     and may block in a call for as long as the store host is frozen; the decision runs every ``check_every`` from
-    the times the heartbeat recorded, and calls ``on_lost(message)`` (default: print it, exit 75).
+    the times the heartbeat recorded, and calls ``on_lost(message)`` (default: print it, exit 75). Each thread's
+    loop only waits and calls its round (:meth:`_beat_once`, :meth:`_decide_once`), which reads ``clock``.
     """
 
     def __init__(
@@ -142,12 +144,13 @@ class PeerWatchdog:
         self._last_heard: dict[int, float] = {}
         self._store_answered = 0.0
         self._finished_peers: set[int] = set()
+        # The decision's own: when it last decided, and when this process ran again after a pause (None: it did not).
+        self._checked = 0.0
+        self._resumed: float | None = None
         self.lost: list[int] = []
 
     def start(self) -> None:
-        now = self._clock()
-        self._last_heard = {peer: now for peer in self._peers}
-        self._store_answered = now
+        self._begin(self._clock())
         self._threads = [
             threading.Thread(target=self._beat, name="lightning_hetero-heartbeat", daemon=True),
             threading.Thread(target=self._watch, name="lightning_hetero-watchdog", daemon=True),
@@ -172,6 +175,12 @@ class PeerWatchdog:
         beat.join(timeout=_STORE_SECONDS + self._interval if finished else self._interval)
         self._threads = []
 
+    def _begin(self, now: float) -> None:
+        """Where both rounds start at clock time ``now``: every peer and the store just heard, a decision just taken."""
+        self._last_heard = {peer: now for peer in self._peers}
+        self._store_answered = now
+        self._checked, self._resumed = now, None
+
     def store_silent_for(self) -> float:
         """Seconds since the store last answered this rank's heartbeat (about one interval while all is well)."""
         with self._lock:
@@ -187,25 +196,7 @@ class PeerWatchdog:
         counts: dict[int, int] = {}
         store = None
         while not self._stop.is_set():
-            began = self._clock()
-            try:
-                if store is None:
-                    store = self._connect()
-                store.add(self._key(self.rank), 1)
-                heard, finished = {}, set()
-                for peer in self._peers:
-                    count = store.add(self._key(peer), 0)  # a read that never waits for a missing key
-                    if count != counts.get(peer):
-                        counts[peer] = count
-                        heard[peer] = began  # it beat after our previous round began at the latest
-                    if store.add(self._finished_key(peer), 0):
-                        finished.add(peer)
-                with self._lock:
-                    self._last_heard.update(heard)
-                    self._finished_peers |= finished
-                    self._store_answered = began
-            except Exception:  # noqa: BLE001 - any failure to reach the store counts as silence
-                store = None
+            store = self._beat_once(store, counts)
             self._stop.wait(self._interval)
         try:
             if store is not None and self._finished:
@@ -213,29 +204,58 @@ class PeerWatchdog:
         except Exception:  # noqa: BLE001 - the others then time out on this rank only if they are still running
             pass
 
-    def _watch(self) -> None:
-        checked = self._clock()
-        resumed: Optional[float] = None
-        while not self._stop.wait(self._check_every):
-            now = self._clock()
-            if now - checked > self._interval + self._check_every:
-                # This process did not run for a while (stopped, starved): the heartbeat has not had its turn either,
-                # so its times are stale. Decide again once it has had one round.
-                resumed = now
-            checked = now
-            if resumed is not None and now - resumed < self._interval + self._check_every:
-                continue
-            resumed = None
+    def _beat_once(self, store: Any, counts: dict[int, int]) -> Any:
+        """One heartbeat round: beat, read the peers' counters (``counts``: the last ones read, updated) and finished
+        flags, and record when they were heard. Returns the connection to use next round (``store``, or a new one),
+        or None after any failure: the next round reconnects. It may block as long as the store does."""
+        began = self._clock()
+        try:
+            if store is None:
+                store = self._connect()
+            store.add(self._key(self.rank), 1)
+            heard, finished = {}, set()
+            for peer in self._peers:
+                count = store.add(self._key(peer), 0)  # a read that never waits for a missing key
+                if count != counts.get(peer):
+                    counts[peer] = count
+                    heard[peer] = began  # it beat after our previous round began at the latest
+                if store.add(self._finished_key(peer), 0):
+                    finished.add(peer)
             with self._lock:
-                lost, store_lost = lost_ranks(
-                    self._last_heard, self._finished_peers, self._store_answered, now, self.timeout
-                )
-                store_silent = now - self._store_answered
-            if lost:
-                self.lost = lost
-                failures = {} if store_silent > 2 * self._interval else self._recorded_failures()
-                self._on_lost(lost_message(self.rank, lost, self.timeout, store_lost, failures, store_silent))
+                self._last_heard.update(heard)
+                self._finished_peers |= finished
+                self._store_answered = began
+            return store
+        except Exception:  # noqa: BLE001 - any failure to reach the store counts as silence
+            return None
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self._check_every):
+            if self._decide_once(self._clock()):
                 return
+
+    def _decide_once(self, now: float) -> bool:
+        """One decision at clock time ``now`` from the times the heartbeat recorded; it never touches the store. When
+        peers are lost it calls ``on_lost`` and returns True (the decision ends there)."""
+        if now - self._checked > self._interval + self._check_every:
+            # This process did not run for a while (stopped, starved): the heartbeat has not had its turn either,
+            # so its times are stale. Decide again once it has had one round.
+            self._resumed = now
+        self._checked = now
+        if self._resumed is not None and now - self._resumed < self._interval + self._check_every:
+            return False
+        self._resumed = None
+        with self._lock:
+            lost, store_lost = lost_ranks(
+                self._last_heard, self._finished_peers, self._store_answered, now, self.timeout
+            )
+            store_silent = now - self._store_answered
+        if not lost:
+            return False
+        self.lost = lost
+        failures = {} if store_silent > 2 * self._interval else self._recorded_failures()
+        self._on_lost(lost_message(self.rank, lost, self.timeout, store_lost, failures, store_silent))
+        return True
 
     def _recorded_failures(self) -> dict[int, str]:
         """What the lost ranks recorded before going, over a connection of its own, within a deadline."""
