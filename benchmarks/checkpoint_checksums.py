@@ -25,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -72,15 +73,14 @@ def main() -> None:
     for _ in range(args.repeats):
         with tempfile.TemporaryDirectory(dir=Path(__file__).resolve().parent) as name:
             directory = Path(name)
-            figures["write"].append(timed(lambda: write_files(directory, total)))
+            figures["write"].append(timed(partial(write_files, directory, total)))
             size = sum(checkpoint.list_files(directory).values())
-            figures["sizes"].append(timed(lambda: checkpoint.list_files(directory)))
-            figures["manifest"].append(timed(lambda: checkpoint.write_manifest(directory, {"global_step": 1})))
-            figures["verify"].append(timed(lambda: checkpoint.incompleteness(directory, verify_checksums=True)))
+            figures["sizes"].append(timed(partial(checkpoint.list_files, directory)))
+            figures["manifest"].append(timed(partial(checkpoint.write_manifest, directory, {"global_step": 1})))
+            verify = partial(checkpoint.incompleteness, directory, verify_checksums=True)
+            figures["verify"].append(timed(verify))
             if drop_page_cache():
-                figures["verify cold"].append(
-                    timed(lambda: checkpoint.incompleteness(directory, verify_checksums=True))
-                )
+                figures["verify cold"].append(timed(verify))
     for what, seconds in figures.items():
         if seconds:
             runs = "  ".join(f"{s:6.3f} s" for s in seconds)

@@ -134,10 +134,10 @@ def table(results: list[dict[str, dict[str, Any]]]) -> str:
     for name in results[0]:
         mode, reduction = name.split("/")
 
-        def each(key: str, scale: float = 1.0, digits: int = 3) -> str:
+        def each(key: str, scale: float = 1.0, digits: int = 3, name: str = name) -> str:
             return " / ".join(f"{run[name][key] * scale:.{digits}g}" for run in results)
 
-        def ratio(key: str) -> str:
+        def ratio(key: str, name: str = name) -> str:
             return " / ".join(f"{run[name][key] / run['none/flat'][key]:.3g}" for run in results)
 
         megabytes = each("inter_node_bytes_per_step", 1e-6)

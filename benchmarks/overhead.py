@@ -163,8 +163,13 @@ def run_plain(strategy: str, steps: int, out: Path) -> float:
     out.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
                "--plain-fit", strategy, "--steps", str(steps), "--fit-out", str(out)]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=FIT_TIMEOUT,
-                            env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    result = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=FIT_TIMEOUT,
+        env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
+    )
     if result.returncode != 0:
         raise RuntimeError(f"plain {strategy} failed:\n{(result.stdout + result.stderr)[-3000:]}")
     return json.loads((out / "timing.json").read_text())["step_seconds"]
@@ -173,8 +178,13 @@ def run_plain(strategy: str, steps: int, out: Path) -> float:
 def run_fit(strategy: str, steps: int, out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, __file__, "--fit", strategy, "--steps", str(steps), "--fit-out", str(out)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=FIT_TIMEOUT,
-                            env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    result = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=FIT_TIMEOUT,
+        env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
+    )
     if result.returncode != 0:
         raise RuntimeError(f"{strategy} failed ({result.returncode}):\n{(result.stdout + result.stderr)[-3000:]}")
     return json.loads((out / "timing.json").read_text())

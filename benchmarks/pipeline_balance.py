@@ -78,7 +78,8 @@ def fit(kind: str, out: Path) -> None:
     strategy = HeteroStrategy(pipeline=pipeline, emulate_speeds=[1.0, 0.4])
     starts = StepStarts()
     trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, enable_checkpointing=False,
-                      logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[starts])  # fmt: skip
+                      logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[starts])  # fmt: skip
     trainer.fit(Chain(), DataLoader(data, batch_size=global_batch, shuffle=True))
     pipeline_state = strategy.pipeline
     record = {"step_times": pipeline_state.step_times, "stage": pipeline_state.stage,
@@ -144,7 +145,8 @@ def main() -> None:
             f"pair {pair} ({', '.join(order)}): step ms equal {runs['equal']['step_ms']:.1f} (balance"
             f" {runs['equal']['balance']:.3f}), placed {placed['step_ms']:.1f} (balance {placed['balance']:.3f};"
             f" at the start {placed['first_step_ms']:.1f} ms, balance {placed['first_balance']:.3f}; final boundaries"
-            f" {placed['boundaries']} on ranks {placed['stage_ranks']}, re-plans {[r['step'] for r in placed['replans']]});"
+            f" {placed['boundaries']} on ranks {placed['stage_ranks']},"
+            f" re-plans {[r['step'] for r in placed['replans']]});"
             f" equal / placed {ratio:.3f} (slowest stage's compute {compute_ratio:.3f})",
             flush=True,
         )

@@ -39,7 +39,8 @@ def predict(scratch: Path) -> dict:
 def run(scratch: Path, index: int) -> dict:
     root = scratch / f"run{index}"
     command = [shutil.which("lightning-hetero") or "lightning-hetero", "fit", "--config",
-               "configs/spirals_pipeline.yaml", "--trainer.max_epochs=1", f"--trainer.default_root_dir={root}"]  # fmt: skip
+               "configs/spirals_pipeline.yaml", "--trainer.max_epochs=1",
+               f"--trainer.default_root_dir={root}"]  # fmt: skip
     subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600, check=True)
     (report,) = root.rglob("pipeline_report.json")
     return json.loads(report.read_text())

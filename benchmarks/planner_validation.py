@@ -44,8 +44,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
 
 from lightning_hetero.plan.planner import plan_min_max  # noqa: E402
-from lightning_hetero.simulate import catalog  # noqa: E402
-from lightning_hetero.simulate import device_model  # noqa: E402
+from lightning_hetero.simulate import catalog, device_model  # noqa: E402
 from lightning_hetero.simulate import predict as step_model  # noqa: E402
 from lightning_hetero.simulate.cluster import load_cluster_text  # noqa: E402
 from lightning_hetero.simulate.step_options import Options  # noqa: E402
@@ -65,6 +64,7 @@ def load_rows() -> list[dict]:
 def measure(name: str):
     """The model's Workload, measured as `lightning-hetero plan` measures it (at its sizes for 1,024 over 3)."""
     import published_models
+
     from lightning_hetero.measure.rank_profile import probe_sizes
     from lightning_hetero.simulate.workload import measure_workload
 
@@ -76,6 +76,7 @@ def linearity(name: str, sizes: tuple[int, ...]) -> list[dict]:
     """The counts at ``sizes`` against the lines `plan` extrapolates from micro-batches 2 and 4: FLOPs, bytes moved
     and saved activations of a step (the laptop's extrapolation holds if these agree)."""
     import published_models
+
     from lightning_hetero.measure.operators import operator_lines
     from lightning_hetero.simulate.workload import COUNT_SIZES, _step_counts
 
@@ -134,7 +135,7 @@ def fit(rows: list[dict], workloads: dict) -> dict:
         for name in kinds:
             rows_of = [r for r in calibration if r["kind"] == name]
 
-            def loss(efficiency: float) -> float:
+            def loss(efficiency: float, name: str = name, rows_of: list[dict] = rows_of) -> float:
                 kind = replace(catalog.lookup(name), bandwidth_efficiency=efficiency)
                 return sum(math.log(predicted(r, workloads[r["model"]], kind)[0] / r["samples_per_second"]) ** 2
                            for r in rows_of)  # fmt: skip
@@ -148,6 +149,7 @@ def fit(rows: list[dict], workloads: dict) -> dict:
         if best is None or total < best[0]:
             best = (total, matmul, fitted)
     device_model.MATMUL_EFFICIENCY = saved
+
     # Mixed precision's share of the fp32 activations: the one that brings every calibration row's largest micro-batch
     # closest to the largest batch its published runs show fits, never above it.
     def worst(share: float) -> float:

@@ -188,7 +188,7 @@ def launch(scenario: str, split: str, out: Path) -> dict[str, Any]:
             process.wait(timeout=FIT_TIMEOUT)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, 9)
-            raise RuntimeError(f"{scenario}/{split} did not finish in {FIT_TIMEOUT} s; see {out / 'log.txt'}")
+            raise RuntimeError(f"{scenario}/{split} did not finish in {FIT_TIMEOUT} s; see {out / 'log.txt'}") from None
     if process.returncode != 0:
         raise RuntimeError(f"{scenario}/{split} failed ({process.returncode}); see {out / 'log.txt'}")
     return json.loads((out / "hetero" / "report.json").read_text())
@@ -236,7 +236,7 @@ def table(results: dict[str, list[dict[str, Any]]]) -> str:
             ratios = runs_of([run["micro_over_capped"] for run in runs])
             lines.append(f"| {name} | micro-steps / capped (samples/s) | {ratios} | >= 1.3 |")
             for split in ("micro", "capped"):
-                speeds = ", ".join("%.0f" % run[split]["samples_per_second"] for run in runs)
+                speeds = ", ".join(f"{run[split]['samples_per_second']:.0f}" for run in runs)
                 lines.append(f"| {name} | {split} samples/s | {speeds} | |")
             splits = "; ".join(f"{run['micro']['final_split']} in {run['micro_steps']}" for run in runs)
             lines.append(f"| {name} | micro-steps: final split in micro-steps | {splits} | |")
@@ -269,7 +269,7 @@ def table(results: dict[str, list[dict[str, Any]]]) -> str:
         target = ">= 0.97 median" if name == "2-identical" else ""
         ratios = runs_of([run["auto_over_equal"] for run in runs])
         lines.append(f"| {name} | auto / equal (samples/s) | {ratios} | {target} |")
-        speeds = ", ".join("%.0f" % auto["samples_per_second"] for auto in autos)
+        speeds = ", ".join(f"{auto['samples_per_second']:.0f}" for auto in autos)
         lines.append(f"| {name} | auto samples/s | {speeds} | |")
         replans = ", ".join(str(len(auto["replans"])) for auto in autos)
         lines.append(f"| {name} | auto re-plans per run | {replans} | |")

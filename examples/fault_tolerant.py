@@ -38,9 +38,12 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=10, help="checkpoint every this many steps")
     parser.add_argument("--root", default="runs/fault_tolerant")
     parser.add_argument("--stage", type=int, help="ZeRO stage (default: HeteroStrategy's)")
-    parser.add_argument("--no-rebalance", action="store_true",
-                        help="keep the first plan's split: a resumed run then makes the updates of an uninterrupted"
-                        " one to the last bit (a re-plan driven by measured times changes the sum order)")
+    parser.add_argument(
+        "--no-rebalance",
+        action="store_true",
+        help="keep the first plan's split: a resumed run then makes the updates of an uninterrupted"
+        " one to the last bit (a re-plan driven by measured times changes the sum order)",
+    )
     args = parser.parse_args()
 
     seed_everything(0, verbose=False)  # the same data order on every attempt: a resume continues it exactly
@@ -55,8 +58,9 @@ def main() -> None:
         ),
         max_epochs=args.epochs,
         default_root_dir=args.root,
-        callbacks=[ModelCheckpoint(dirpath=Path(args.root) / "checkpoints", save_last=True,
-                                   every_n_train_steps=args.every)],  # fmt: skip
+        callbacks=[
+            ModelCheckpoint(dirpath=Path(args.root) / "checkpoints", save_last=True, every_n_train_steps=args.every)
+        ],  # fmt: skip
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,

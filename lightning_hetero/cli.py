@@ -14,7 +14,6 @@ import sys
 import lightning_hetero  # noqa: F401  (registers "hetero" in Lightning's StrategyRegistry)
 from lightning_hetero.runtime.quiet import third_party_noise_silenced
 
-
 DESCRIPTION = (
     "Lightning's CLI with HeteroStrategy registered (`trainer.strategy: hetero`): the subcommands below. And"
     " `lightning-hetero plan`: plan a mixed cluster before using it (`lightning-hetero plan --help`)."

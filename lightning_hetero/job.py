@@ -11,9 +11,9 @@ classes. The setup survey and the planning of a fit's start are :mod:`lightning_
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
@@ -23,6 +23,8 @@ from torch.utils.data import DataLoader
 
 from lightning_hetero.comm.communication import Communication
 from lightning_hetero.emulate.emulation import Emulation, NoEmulation, emulation_for
+from lightning_hetero.job_pipeline import PipelineTraining, check_pipeline_job
+from lightning_hetero.job_setup import JobSetup
 from lightning_hetero.plan.deepspeed_config import config_disagreements, disagreement_message
 from lightning_hetero.precision.job import loss_scale_value
 from lightning_hetero.precision.nonfinite import NonFiniteGuard
@@ -32,13 +34,11 @@ from lightning_hetero.recover.recovery import Recovery, manifest_facts
 from lightning_hetero.recover.resume import Route, file_route, resume_route
 from lightning_hetero.runtime.collectives import Collectives
 from lightning_hetero.settings import HeteroSettings
-from lightning_hetero.job_setup import JobSetup
 from lightning_hetero.train.buffers import BufferSync
-from lightning_hetero.train.local_sgd import LocalTraining
 from lightning_hetero.train.loaders import HeteroDataLoader
+from lightning_hetero.train.local_sgd import LocalTraining
 from lightning_hetero.train.micro_batches import MicroBatchGuard
 from lightning_hetero.train.pipeline import Pipeline
-from lightning_hetero.job_pipeline import PipelineTraining, check_pipeline_job
 from lightning_hetero.train.sharding import BatchListeners, DataSharding
 from lightning_hetero.train.split_in_force import SplitInForce
 from lightning_hetero.train.steps import Backward, TrainingSteps, UserStep
@@ -238,6 +238,7 @@ class HeteroJob:
         """Lightning's ``training_step``: through the pipeline's stages, else this rank's first micro-batch."""
         engine = self.engine
         if self.pipeline is not None:
+            assert engine is not None  # (attach() ran: Lightning steps only after setting the engine up)
             return self.pipeline.step(batch, user_step, engine.backward, engine.module, trainer.global_step,
                                       engine.optimizer)  # fmt: skip
         return self.steps.training_step(batch, user_step, trainer.global_step)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch import LightningModule
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -33,16 +34,16 @@ from lightning_hetero.measure.blocks import (
     measure_blocks,
     training_bytes,
 )
-from lightning_hetero.plan.split import micro_batch_sizes
 from lightning_hetero.plan.pipeline_choice import PipelineChoice, pipeline_job_refusal, replicas_of
 from lightning_hetero.plan.pipeline_description import describe_pipeline
+from lightning_hetero.plan.split import micro_batch_sizes
 from lightning_hetero.plan.stages import block_costs, pipeline_shares, place_stages, replan_stages, stage_seconds_under
 from lightning_hetero.recover import pipeline_state
 from lightning_hetero.recover.refusal import ResumeRefused
-from lightning_hetero.train.loaders import loader_batch_size
 from lightning_hetero.train.last_stage_metrics import LastStageMetrics
+from lightning_hetero.train.loaders import loader_batch_size
 from lightning_hetero.train.pipeline import Pipeline
-from lightning_hetero.train.pipeline_chain import check_chain_shape
+from lightning_hetero.train.pipeline_chain import block_of, check_chain_shape
 from lightning_hetero.train.sharding import BatchListeners
 from lightning_hetero.train.streams import is_stream
 from lightning_hetero.watch.pipeline_report import describe_stages, summarize_stages
@@ -82,7 +83,7 @@ class PipelineTraining:
         self._replan_blocked = False
         self._placed_at = 0
 
-    def start(self, global_batch_size: int, module: torch.nn.Module, device: torch.device) -> int:
+    def start(self, global_batch_size: int, module: LightningModule, device: torch.device) -> int:
         """Pipeline parallelism (train/pipeline.py): the blocks measured on every rank (unless ``boundaries`` are
         given), placed on the stages by speed and memory, and this rank's stage kept; then the plan is printed."""
         pipeline, choice = self.pipeline, self.pipeline.choice
@@ -97,7 +98,7 @@ class PipelineTraining:
         micro_batches = choice.micro_batches_for(replica_batch)
         micro_batch = -(-replica_batch // micro_batches)
         chain, names = check_chain_shape(module, choice)
-        blocks = [chain._modules[name] for name in names]
+        blocks = [block_of(chain, name) for name in names]
         loader = self._job.sharding.requested_training_loader
         if is_stream(loader):  # (every rank has the same loader: every rank raises)
             raise ValueError(
@@ -165,11 +166,11 @@ class PipelineTraining:
         from deepspeed.runtime.engine import DeepSpeedEngine
 
         original = DeepSpeedEngine._broadcast_model
-        DeepSpeedEngine._broadcast_model = lambda engine: None  # type: ignore[method-assign]
+        DeepSpeedEngine._broadcast_model = lambda engine: None
         try:
             yield
         finally:
-            DeepSpeedEngine._broadcast_model = original  # type: ignore[method-assign]
+            DeepSpeedEngine._broadcast_model = original
 
     def attach(self, engine: Any) -> None:
         """DeepSpeed's engine exists: the pipeline sums the gradients itself (per stage, and the modules outside the
@@ -258,7 +259,8 @@ class PipelineTraining:
     def save_checkpoint(self, target: Path, saved: dict[str, Any], engine: Any) -> None:
         """Each rank's blocks and optimizer state by name, rank 0's trainer state: staged, manifested, atomic."""
         pipeline = self.pipeline
-        assert pipeline.placement is not None and pipeline.layout is not None
+        placement, layout = pipeline.placement, pipeline.layout
+        assert placement is not None and layout is not None
 
         def write(directory: Path) -> None:
             pipeline_state.save_stage(directory, self._job.rank, engine.module, engine.optimizer, saved)
@@ -269,9 +271,8 @@ class PipelineTraining:
                 "epoch": saved.get("epoch"),
                 "zero_stage": 0, "optimizer": type(engine.optimizer).__name__,
                 "devices": [facts.describe() for facts in self._job.device_facts],
-                "pipeline": {"stages": pipeline.choice.stages, "replicas": pipeline.layout.replicas,
-                             "boundaries": list(pipeline.placement.boundaries),
-                             "stage_ranks": list(pipeline.placement.ranks)},
+                "pipeline": {"stages": pipeline.choice.stages, "replicas": layout.replicas,
+                             "boundaries": list(placement.boundaries), "stage_ranks": list(placement.ranks)},
             }  # fmt: skip
 
         self._job.recovery.save(target, write, facts)
@@ -284,6 +285,7 @@ class PipelineTraining:
                 " data-parallel training into a pipeline is not built yet."
             )
         saved = manifest["pipeline"]
+        assert self.pipeline.placement is not None and self.pipeline.layout is not None  # (installed at setup)
         rank_zero_info(
             f"HeteroStrategy: resuming the pipeline checkpoint {chosen} (boundaries {saved['boundaries']}, "
             f"{saved['replicas']} pipeline(s)) on boundaries {list(self.pipeline.placement.boundaries)}"
@@ -314,4 +316,3 @@ class PipelineTraining:
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "pipeline_report.json").write_text(json.dumps(summary, indent=1))
         rank_zero_info(f"written to {directory / 'pipeline_report.json'}")
-

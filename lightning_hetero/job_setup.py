@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_hetero.comm import topology
@@ -22,10 +23,10 @@ from lightning_hetero.measure.devices import collect_device_facts
 from lightning_hetero.measure.facts import DeviceFacts
 from lightning_hetero.measure.partitioned import partitioned_parameters, whole_parameters
 from lightning_hetero.measure.survey import JobSurvey, RankSurvey, profile_rank
-from lightning_hetero.plan.model_agreement import model_signature
 from lightning_hetero.plan.initial import InitialPlan, initial_plan, rebalancer_for, within_emulated_memory
 from lightning_hetero.plan.local_steps import InnerStepsRebalancer, describe_sync, local_split
 from lightning_hetero.plan.micro_steps import automatic_micro_steps_allowed
+from lightning_hetero.plan.model_agreement import model_signature
 from lightning_hetero.plan.split import SplitPlan, micro_batch_sizes
 from lightning_hetero.plan.zero_stage import ModelSize, StageChoice, choose_stage, shared_free_bytes
 from lightning_hetero.precision.choice import rank_precision
@@ -74,10 +75,11 @@ class JobSetup:
         profile_in_survey = fitting and settings.profiles_needed and not partitioned_parameters(module)
 
         def survey_this_rank() -> tuple[None, dict[str, Any]]:
-            loader = job.sharding.request_training_loader(trainer) if fitting else None
-            global_batch_size = settings.global_batch_size_for(loader, job.world_size) if fitting else None
+            loader, global_batch_size = None, None  # (outside fit: none)
             if fitting:
-                check_trainable(loader, global_batch_size, job.world_size, settings.loss_reduction,  # type: ignore[arg-type]
+                loader = job.sharding.request_training_loader(trainer)
+                global_batch_size = settings.global_batch_size_for(loader, job.world_size)
+                check_trainable(loader, global_batch_size, job.world_size, settings.loss_reduction,
                                 module.automatic_optimization)  # fmt: skip
             facts = collect_device_facts(device)
             precision = trainer_precision
@@ -88,8 +90,9 @@ class JobSetup:
                                    automatic_optimization=module.automatic_optimization,
                                    accumulate_grad_batches=trainer.accumulate_grad_batches)  # fmt: skip
             profile = None
-            if profile_in_survey:
-                profile = self._profile(module, loader, global_batch_size, device, precision)  # type: ignore[arg-type]
+            if profile_in_survey:  # (in a fit only)
+                assert global_batch_size is not None
+                profile = self._profile(module, loader, global_batch_size, device, precision)
             self._emulated_topology = settings.emulated_topology()
             agreement = settings.agreement(global_batch_size, job.communication.arguments(), self._emulated_topology)
             return None, RankSurvey(
@@ -144,7 +147,7 @@ class JobSetup:
         self._job.communication.setup(nodes, slow_link, config, stage, self._job.rank)
         config.update(self._job.communication.deepspeed_entries())
 
-    def choose_zero_stage(self, global_batch_size: int, module: torch.nn.Module, fitting: bool,
+    def choose_zero_stage(self, global_batch_size: int, module: LightningModule, fitting: bool,
                           allowed: tuple[int, ...], half_precision_engine: bool) -> int:  # fmt: skip
         """The lowest of ``allowed`` ZeRO stages at which every rank's model state and activations fit its memory
         (:func:`~lightning_hetero.plan.zero_stage.choose_stage`; the same decision on every rank: what it reads was
@@ -181,18 +184,18 @@ class JobSetup:
         return gradient_bytes_held_until_step(self._job.settings.device_precision, self.precisions,
                                               self.device_facts, zero_stage, module)  # fmt: skip
 
-    def _unequal_steps(self, zero_stage: int, module: torch.nn.Module) -> bool:
+    def _unequal_steps(self, zero_stage: int, module: LightningModule) -> bool:
         return automatic_micro_steps_allowed(zero_stage, self._job.settings.loss_reduction,
                                              module.automatic_optimization, self.sync_batchnorm)  # fmt: skip
 
-    def _plan_start(self, global_batch_size: int, zero_stage: int, module: torch.nn.Module) -> InitialPlan:
+    def _plan_start(self, global_batch_size: int, zero_stage: int, module: LightningModule) -> InitialPlan:
         settings = self._job.settings
         return initial_plan(self._job.world_size, global_batch_size, settings.batch_sizes, settings.weights,
                             self.profiles, settings.loss_reduction, self.identical_devices,
                             self._held_bytes(zero_stage, module), settings.micro_steps,
                             self._unequal_steps(zero_stage, module))  # fmt: skip
 
-    def start_the_split(self, global_batch_size: int, zero_stage: int, module: torch.nn.Module) -> None:
+    def start_the_split(self, global_batch_size: int, zero_stage: int, module: LightningModule) -> None:
         """The split this fit starts with and the re-planner that follows it (both planned again when a resume on
         another number of ranks keeps the checkpoint's global batch)."""
         job, settings = self._job, self._job.settings
@@ -250,7 +253,7 @@ class JobSetup:
             self._inner_steps_rebalancer.restored = restored
 
     def keep_the_checkpoints_global_batch(self, path: Path, manifest: dict[str, Any], zero_stage: int,
-                                          module: torch.nn.Module) -> None:  # fmt: skip
+                                          module: LightningModule) -> None:  # fmt: skip
         """A resume on another number of ranks continues the same optimisation: the checkpoint's global batch.
 
         The default global batch (the loader's batch size times the ranks) follows the world size, so it is replaced

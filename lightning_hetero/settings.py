@@ -21,6 +21,7 @@ from lightning_hetero.comm.compression import CompressionChoice
 from lightning_hetero.emulate import memory
 from lightning_hetero.emulate.slowdown import ENV_VAR as EMULATE_ENV_VAR
 from lightning_hetero.emulate.slowdown import SpeedSchedule, emulated_speeds
+from lightning_hetero.plan.deepspeed_config import check_user_config, raise_if_arguments_differ, user_config_stage
 from lightning_hetero.plan.local_steps import (
     LOCAL_MODES,
     check_inner_steps_length,
@@ -28,16 +29,15 @@ from lightning_hetero.plan.local_steps import (
     sync_refusal,
 )
 from lightning_hetero.plan.micro_steps import micro_steps_refusal
-from lightning_hetero.plan.deepspeed_config import check_user_config, raise_if_arguments_differ, user_config_stage
 from lightning_hetero.plan.model_agreement import model_disagreement
-from lightning_hetero.plan.replan import check_rebalance_arguments
-from lightning_hetero.plan.split import check_split_arguments, resolve_split
 from lightning_hetero.plan.pipeline_choice import (
     PipelineChoice,
     check_pipeline_argument,
     check_pipeline_config,
     pipeline_argument_refusal,
 )
+from lightning_hetero.plan.replan import check_rebalance_arguments
+from lightning_hetero.plan.split import check_split_arguments, resolve_split
 from lightning_hetero.precision import choice as precision
 from lightning_hetero.precision.nonfinite import check_max_nonfinite_steps
 from lightning_hetero.recover import liveness
@@ -175,7 +175,9 @@ class HeteroSettings:
             return self.stage
         if self.local or self._needs_stage_0 or self.pipeline is not None:
             return 0
-        return self.automatic_stages({})[0]  # type: ignore[index]
+        stages = self.automatic_stages({})
+        assert stages is not None  # (no stage, local training, hook or pipeline settles it: checked above)
+        return stages[0]
 
     @property
     def _needs_stage_0(self) -> bool:
@@ -192,7 +194,7 @@ class HeteroSettings:
             return None
         if deepspeed_arguments.get("offload_parameters"):
             return (3,)
-        stages = (2, 3) if deepspeed_arguments.get("offload_optimizer") else (0, 1, 2, 3)
+        stages: tuple[int, ...] = (2, 3) if deepspeed_arguments.get("offload_optimizer") else (0, 1, 2, 3)
         if self.micro_steps is not None and len(set(self.micro_steps)) > 1:
             stages = tuple(stage for stage in stages if stage < 3) or stages  # (ZeRO-3 offload: refused at setup)
         return stages

@@ -11,9 +11,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed
@@ -104,6 +104,8 @@ class HeteroStrategy(DeepSpeedStrategy):
     """
 
     strategy_name = "hetero"
+    # DeepSpeedStrategy types it Optional, but its __init__ always sets a dict (the user's or its default one).
+    config: dict[str, Any]
 
     def __init__(
         self,
@@ -239,6 +241,7 @@ class HeteroStrategy(DeepSpeedStrategy):
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         if type(self._launcher) is _SubprocessScriptLauncher:
+            assert self.cluster_environment is not None  # (the parent's launcher was built from it)
             # Each trainer call runs inside the launcher on every rank: the scope in which the noise is silenced.
             self._launcher = quiet.QuietLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
@@ -326,6 +329,7 @@ class HeteroStrategy(DeepSpeedStrategy):
     def init_deepspeed(self) -> None:
         # A ZeRO-3 engine of an earlier trainer call (a test before the fit) left its hooks on the modules; running
         # them beside the new engine's broke its first step ("pop from an empty deque", also under DeepSpeedStrategy).
+        assert self.lightning_module is not None
         drop_deepspeed_hooks(self.lightning_module)
         super().init_deepspeed()
         engine, plugin = self.deepspeed_engine, self.precision_plugin

@@ -6,6 +6,7 @@ a test that starts one carries the ``multiprocess`` or ``fault`` marker, and the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -13,7 +14,6 @@ import signal
 import subprocess
 import sys
 import threading
-import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path

@@ -100,16 +100,23 @@ CONSTRUCTOR = [
     ({"pipeline": {"stages": 3, "blocks": "net", "boundaries": [4, 2]}}, "`boundaries` [4, 2] must be 2 increasing"),
     ({"pipeline": {"stages": 2, "blocks": "net", "boundaries": [0]}}, "`boundaries` [0] must be 1 increasing block"),
     ({"pipeline": {"stages": 2, "blocks": "net", "boundaries": 3}}, "`boundaries` 3 must be a list of 1 block"),
-    ({"pipeline": {"stages": 2, "blocks": "net", "schedule": "zb"}}, "`schedule` 'zb' must be one of ['1f1b', 'gpipe']"),
+    (
+        {"pipeline": {"stages": 2, "blocks": "net", "schedule": "zb"}},
+        "`schedule` 'zb' must be one of ['1f1b', 'gpipe']",
+    ),
     ({"pipeline": {"stages": 2, "blocks": "net", "micro_batches": 0}}, "`micro_batches` 0 must be an integer >= 1"),
     ({"pipeline": {"stages": 2, "blocks": "net"}, "stage": 3}, "HeteroStrategy(pipeline=..., stage=3): not with a"),
     ({"pipeline": {"stages": 2, "blocks": "net"}, "batch_sizes": [4, 4]}, "(pipeline=..., batch_sizes=[4, 4]): not"),
     ({"pipeline": {"stages": 2, "blocks": "net"}, "sync": "diloco"}, "(pipeline=..., sync='diloco'): not with a"),
     ({"pipeline": {"stages": 2, "blocks": "net"}, "compression": "fp16"}, "(pipeline=..., compression='fp16')"),
-    ({"pipeline": {"stages": 2, "blocks": "net"}, "config": {"zero_optimization": {"stage": 2}}},
-     "a DeepSpeed config that sets `zero_optimization.stage=2`"),
-    ({"pipeline": {"stages": 2, "blocks": "net"}, "offload_optimizer": True},
-     "a DeepSpeed config that sets `zero_optimization.offload_optimizer`"),
+    (
+        {"pipeline": {"stages": 2, "blocks": "net"}, "config": {"zero_optimization": {"stage": 2}}},
+        "a DeepSpeed config that sets `zero_optimization.stage=2`",
+    ),
+    (
+        {"pipeline": {"stages": 2, "blocks": "net"}, "offload_optimizer": True},
+        "a DeepSpeed config that sets `zero_optimization.offload_optimizer`",
+    ),
 ]
 
 DEEPSPEED_CONFIG = [

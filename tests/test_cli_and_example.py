@@ -8,9 +8,9 @@ import shutil
 import sys
 
 import pytest
+from conftest import REPO, run_bounded
 
 from lightning_hetero.plan.planner import MIN_PREDICTED_GAIN
-from conftest import REPO, run_bounded
 
 pytestmark = pytest.mark.multiprocess
 

@@ -180,4 +180,3 @@ def test_a_refusal_in_the_survey_is_raised_through_the_gather_on_this_rank(tmp_p
     with pytest.raises(ValueError, match=r"accumulate_grad_batches=2\)` with `sync='local_sgd'`"):
         job.configure(config, trainer, module, torch.device("cpu"), plugin, None, False)
     assert collectives.calls == ["gather_objects"]  # the other rank learns of it in the same gather
-

@@ -257,7 +257,6 @@ def test_manual_optimization_with_own_accumulation_equals_ddp(stage, tmp_path):
     assert max_param_difference(run.result, reference) <= TOLERANCE
 
 
-
 @pytest.mark.parametrize("stage", [2, 3])
 def test_summed_loss_with_loss_reduction_sum_equals_ddp(stage, tmp_path):
     """`loss = sum over the batch` (Lightning's DemoModel): with `loss_reduction="sum"` the uneven split makes DDP's

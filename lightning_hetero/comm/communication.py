@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -291,7 +291,8 @@ class Communication:
         fresh = compress.restore_blocker(saved, self.checkpoint_facts(), same_world_size)
         if fresh is not None:
             if rank == 0:
-                warnings.warn(f"HeteroStrategy: the {self.choice.describe()} state starts afresh: {fresh}.")
+                message = f"HeteroStrategy: the {self.choice.describe()} state starts afresh: {fresh}."
+                warnings.warn(message, stacklevel=2)
             return
         # Our own file in the user's checkpoint, as DeepSpeed loads its own (PowerSGD keeps a numpy random state).
         state = torch.load(Path(directory) / STATE_DIRNAME / f"rank_{rank}.pt", map_location="cpu", weights_only=False)

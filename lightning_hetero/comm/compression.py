@@ -22,9 +22,9 @@ reachable: ZeRO-1/2/3 reduce inside DeepSpeed's optimizer (``average_tensor``, `
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist

@@ -16,8 +16,8 @@ import contextlib
 import inspect
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from typing import Any, Callable, Optional
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Optional
 
 import torch.distributed as dist
 from torch import Tensor

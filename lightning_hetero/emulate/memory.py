@@ -60,7 +60,13 @@ def capped_free_bytes(free: Sequence[Optional[float]], ceilings: Optional[Sequen
     """Each rank's free memory with its emulated ceiling in bytes applied (the lower of the two)."""
     if ceilings is None:
         return list(free)
-    return [c if f is None and c is not None else (f if c is None else min(f, c)) for f, c in zip(free, ceilings)]
+    return [_lower(f, c) for f, c in zip(free, ceilings)]
+
+
+def _lower(free: Optional[float], ceiling: Optional[int]) -> Optional[float]:
+    if ceiling is None:
+        return free
+    return ceiling if free is None else min(free, ceiling)
 
 
 def emulated_ceilings_from_environment() -> Optional[tuple[Optional[int], ...]]:

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import psutil
 import torch
+from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
 from lightning_hetero.emulate.slowdown import SlowdownEmulator, compute_clock
@@ -48,11 +49,12 @@ class BlockMeasurement:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BlockMeasurement:
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+        fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+        return cls(**fields)
 
 
 def measure_blocks(
-    module: nn.Module,
+    module: LightningModule,
     blocks: Sequence[nn.Module],
     batch: Any,
     samples: int,
@@ -133,9 +135,9 @@ def measure_blocks(
             best_forward[b] = min(best_forward[b], forward[b])
             best_backward[b] = min(best_backward[b], backward[b])
         last = count - 1
-        before = forward_start.get(0, end) - begin
-        after = (loss_at - forward_end.get(last, loss_at)) + (gradient_at.get(last, loss_at) - loss_at)
-        best_before, best_after = min(best_before, before), min(best_after, after)
+        before_chain = forward_start.get(0, end) - begin
+        after_chain = (loss_at - forward_end.get(last, loss_at)) + (gradient_at.get(last, loss_at) - loss_at)
+        best_before, best_after = min(best_before, before_chain), min(best_after, after_chain)
         saved[:] = saved_now
 
     with preserved_training_state(module, device), training_step_in_isolation(module):
@@ -156,7 +158,12 @@ def measure_blocks(
 
 
 def check_chain_order(
-    module: nn.Module, blocks: Sequence[nn.Module], names: Sequence[str], path: str, batch: Any, device: torch.device
+    module: LightningModule,
+    blocks: Sequence[nn.Module],
+    names: Sequence[str],
+    path: str,
+    batch: Any,
+    device: torch.device,
 ) -> None:
     """``training_step`` on ``batch`` (no backward, nothing kept) runs each block once, in the chain's order: what a
     pipeline needs (its stages hand their output to the next). Raises naming the attribute and the block."""
@@ -203,4 +210,3 @@ def first_batch(loader: Any, samples: int, device: torch.device, move: Callable[
     """``samples`` samples of the training loader's dataset (read directly: the data order is untouched)."""
     dataset, collate = loader.dataset, loader.collate_fn
     return move(collate([dataset[i % len(dataset)] for i in range(samples)]), device)
-

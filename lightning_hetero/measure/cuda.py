@@ -4,7 +4,8 @@ leaves fields ``None`` with a note instead of raising."""
 from __future__ import annotations
 
 import socket
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any, Optional, Union
 
 import torch
 
@@ -69,7 +70,7 @@ def _torch_cuda_fields(index: int, notes: list[str]) -> dict[str, Any]:
 
 
 def _torch_pci_bus_id(props: Any) -> Optional[str]:
-    parts = [getattr(props, name, None) for name in ("pci_domain_id", "pci_bus_id", "pci_device_id")]
+    parts: list[Any] = [getattr(props, name, None) for name in ("pci_domain_id", "pci_bus_id", "pci_device_id")]
     if any(part is None for part in parts):
         return None
     domain, bus, device = (int(part) for part in parts)

@@ -7,9 +7,9 @@ left ``None`` and explained in ``notes``, and ``sources`` says what the rest cam
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Callable, Optional, TypeVar, Union
+from typing import Any, Optional, TypeVar, Union
 
 _T = TypeVar("_T")
 
@@ -157,7 +157,7 @@ def isa_summary(flags: Iterable[str]) -> str:
     """The widest vector unit plus AMX when present, e.g. ``avx512f+amx``; ``baseline`` when none is known."""
     flags = set(flags)
     vector = next((name for name in ("avx512f", "avx2", "avx", "sve2", "sve", "asimd") if name in flags), None)
-    parts = [vector] if vector else []
+    parts: list[str] = [vector] if vector else []
     if "amx_tile" in flags:
         parts.append("amx")
     return "+".join(parts) or "baseline"

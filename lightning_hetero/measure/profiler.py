@@ -15,18 +15,18 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from collections.abc import Iterator, Sequence
-from typing import Any, Callable, Optional
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Optional
 
 import psutil
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch import LightningModule
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_hetero.emulate.slowdown import SlowdownEmulator, compute_clock
 from lightning_hetero.measure.rank_profile import RankProfile, doubled_loss_ratio, fit_linear_cost, memory_ceiling
-
 from lightning_hetero.runtime.randomness import preserved_random_state
 
 
@@ -136,7 +136,7 @@ def loss_of(output: Any) -> Optional[torch.Tensor]:
 
 
 def profile_training_step(
-    module: nn.Module,
+    module: LightningModule,
     make_batch: Callable[[int], Any],
     batch_sizes: Sequence[int],
     device: torch.device,
@@ -245,7 +245,7 @@ def profile_training_step(
 
 
 def _doubled_loss_ratio(
-    module: nn.Module, batch: Any, doubled: Any, autocast: Callable[[], contextlib.AbstractContextManager]
+    module: LightningModule, batch: Any, doubled: Any, autocast: Callable[[], contextlib.AbstractContextManager]
 ) -> Optional[float]:
     """The training step's loss on ``doubled`` (``batch``'s samples twice) over its loss on ``batch``, no backward.
 
@@ -261,7 +261,7 @@ def _doubled_loss_ratio(
 
 
 def profile_from_loader(
-    module: nn.Module,
+    module: LightningModule,
     loader: Any,
     batch_sizes: Sequence[int],
     device: torch.device,
@@ -275,7 +275,8 @@ def profile_from_loader(
             f"The automatic split profiles the model on samples of the training DataLoader, got"
             f" {type(loader).__name__}. Pass `batch_sizes=[...]` or `weights=[...]`."
         )
-    dataset, collate = loader.dataset, loader.collate_fn
+    dataset: Any = loader.dataset  # (a stream's first samples replace it below: a list)
+    collate = loader.collate_fn
     if isinstance(dataset, IterableDataset):
         # A stream has no indices: the first samples of a fresh iterator of it (each rank's own stream), repeated as
         # needed; the training's iterators are made later and are not touched.

@@ -7,9 +7,9 @@ plans from it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -22,7 +22,7 @@ from lightning_hetero.measure.rank_profile import RankProfile, probe_sizes
 @dataclass(frozen=True)
 class RankSurvey:
     agreement: dict[str, Any]  # what every rank must have been given alike (HeteroSettings.agreement)
-    seed: Optional[int]  # this rank's seed_everything seed
+    seed: int  # this rank's seed_everything seed (0 when none was set)
     model: Any  # the model's signature (parameter names, shapes, dtypes)
     facts: DeviceFacts
     precision: str  # the precision this rank trains in
@@ -68,8 +68,8 @@ class JobSurvey:
     @property
     def profiles(self) -> Optional[list[RankProfile]]:
         """Every rank's profile, or None when the split is not automatic (no rank profiled)."""
-        profiles = [rank.profile for rank in self.ranks]
-        return None if any(profile is None for profile in profiles) else profiles  # type: ignore[return-value]
+        profiles = [rank.profile for rank in self.ranks if rank.profile is not None]
+        return profiles if len(profiles) == len(self.ranks) else None
 
     def identical_devices(self, emulated: bool) -> bool:
         """Same-model devices computing in one precision, with no emulated speeds declaring them different."""

@@ -120,13 +120,16 @@ class _RecordingDict(dict):
         self._saw(key)
         return super().__contains__(key)
 
-    def keys(self) -> KeysView:  # DeepSpeed writes `KEY in param_dict.keys()` too
+    # DeepSpeed writes `KEY in param_dict.keys()` too; only `in` is used on the view (not dict_keys' `.mapping`).
+    def keys(self) -> KeysView:  # type: ignore[override]
         return _RecordingKeys(self)
 
 
 class _RecordingKeys(KeysView):
+    _mapping: _RecordingDict  # (KeysView's slot, which the stubs leave undeclared)
+
     def __contains__(self, key: object) -> bool:
-        return key in self._mapping  # type: ignore[operator]  (records through _RecordingDict.__contains__)
+        return key in self._mapping  # (records through _RecordingDict.__contains__)
 
 
 def _section_error_message(section: Optional[str], error: Any) -> str:

@@ -114,8 +114,9 @@ def check_plannable(costs: Sequence[CostModel], global_batch_size: int) -> int:
             f"`global_batch_size={global_batch_size}` is smaller than the world size {world_size}: every rank needs"
             f" at least one sample per step. Use a global batch of at least {world_size}, or fewer devices."
         )
-    if all(cost.max_batch is not None for cost in costs):
-        capacity = sum(cost.max_batch for cost in costs)
+    ceilings = [cost.max_batch for cost in costs if cost.max_batch is not None]
+    if len(ceilings) == world_size:
+        capacity = sum(ceilings)
         if global_batch_size > capacity:
             raise ValueError(
                 f"`global_batch_size={global_batch_size}` does not fit: the ranks' memory ceilings"

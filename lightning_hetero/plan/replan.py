@@ -214,11 +214,11 @@ class Rebalancer:
         decision = decide_split(costs, self.split, self.threshold, margin, self.micro_steps)
         if decision is None:
             return None
-        sizes, gain, steps = decision
-        steps = steps or self.fixed_micro_steps
-        if steps and any(n < k for n, k in zip(sizes, steps)):
+        sizes, gain, micro_steps = decision
+        micro_steps = micro_steps or self.fixed_micro_steps
+        if micro_steps and any(n < k for n, k in zip(sizes, micro_steps)):
             return None  # a rank would get fewer samples than its fixed micro-steps: keep the split that has them
-        replan = Replan(next_step, sizes, gain, steps)
+        replan = Replan(next_step, sizes, gain, micro_steps)
         self.adopt(replan.batch_sizes, next_step)
         self.replans.append(replan)
         return replan

@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Optional
 
-from lightning_hetero.runtime.checks import check_one_per_rank
+from lightning_hetero.runtime.checks import check_one_per_rank, per_rank_list
 from lightning_hetero.runtime.checks import is_int as _is_int
 from lightning_hetero.runtime.checks import is_real as _is_real
-from lightning_hetero.runtime.checks import per_rank_list
 
 
 @dataclass(frozen=True)
@@ -69,7 +68,7 @@ class SplitPlan:
         return loss_weight(self.batch_sizes[rank], self.global_batch_size, self.world_size, loss_reduction)
 
 
-def loss_weight(local_samples: int, global_samples: int, world_size: int, loss_reduction: str = "mean") -> float:
+def loss_weight(local_samples: float, global_samples: float, world_size: int, loss_reduction: str = "mean") -> float:
     """The factor on a rank's loss under which DeepSpeed's update is DDP's, whatever the split.
 
     DeepSpeed divides the summed gradients by the world size ``W`` whatever each rank's batch was. For a loss that is

@@ -29,7 +29,6 @@ from typing import Any, Optional
 
 from lightning_hetero.plan.split import split_by_weights
 
-
 MAX_ORDERS_SEARCHED = 6  # 720 orders at most; beyond, the ranks keep their order (fast devices first is not better)
 
 
@@ -237,9 +236,11 @@ def place_stages(
 def _raise_if_over(costs: BlockCosts, placement: StagePlacement) -> None:
     for stage, (rank, used) in enumerate(zip(placement.ranks, placement.stage_bytes)):
         if not _fits(costs, rank, used):
+            ceiling = costs.memory_bytes[rank]
+            assert ceiling is not None  # (an unknown ceiling fits)
             raise ValueError(
                 f"HeteroStrategy(pipeline=...): stage {stage} (blocks {list(placement.blocks_of(stage))}) needs"
-                f" {used / 2**20:.1f} MiB on rank {rank}, above its {costs.memory_bytes[rank] / 2**20:.1f} MiB"
+                f" {used / 2**20:.1f} MiB on rank {rank}, above its {ceiling / 2**20:.1f} MiB"
                 " (`boundaries`). Move blocks to another stage, or leave out `boundaries` to have them placed."
             )
 

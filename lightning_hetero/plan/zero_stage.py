@@ -28,6 +28,7 @@ UNPROFILED_ACTIVATION_SHARE = 0.5  # of the room, kept for activations when no p
 # Trainer precisions in which DeepSpeed keeps half-precision parameters and gradients beside an fp32 master copy.
 HALF_PRECISION_ENGINES = ("16-mixed", "bf16-mixed", "16-true", "bf16-true")
 
+
 @dataclass(frozen=True)
 class ModelSize:
     """What the model's state takes: parameters (all, and those that train) and how DeepSpeed holds them."""
@@ -94,7 +95,7 @@ def choose_stage(
         size = ModelSize(size.parameters, 0, size.half_precision_engine)
     what = "the model, its gradients and optimizer state" if training else "the model"
     counted = " per rank, counting Adam's state" if training else " per rank"
-    known = [r for r, free in enumerate(free_bytes) if free is not None]
+    known = [(r, free) for r, free in enumerate(free_bytes) if free is not None]
     if not known:
         stage = allowed[0]
         return StageChoice(stage, f"ZeRO stage {stage} (auto): no rank's free memory is known", None)
@@ -102,8 +103,8 @@ def choose_stage(
     for stage in allowed:
         state = model_state_bytes(size, stage, world_size)
         spare, misfit = None, None
-        for rank in known:
-            room = MEMORY_HEADROOM * free_bytes[rank]  # type: ignore[operator]
+        for rank, free in known:
+            room = MEMORY_HEADROOM * free
             if activation_bytes is None:
                 need, limit = state, UNPROFILED_ACTIVATION_SHARE * room
             else:
@@ -113,7 +114,7 @@ def choose_stage(
             if left < 0 and misfit is None:
                 misfit = (
                     f"at ZeRO stage {stage} rank {rank} would need {_bytes(need)} of its {_bytes(limit)}"
-                    f" ({_bytes(free_bytes[rank])} free x {MEMORY_HEADROOM:g}"  # type: ignore[arg-type]
+                    f" ({_bytes(free)} free x {MEMORY_HEADROOM:g}"
                     + (
                         f" x {UNPROFILED_ACTIVATION_SHARE:g} kept from unmeasured activations)"
                         if activation_bytes is None
@@ -121,13 +122,13 @@ def choose_stage(
                     )
                 )
         if misfit is None:
+            assert spare is not None  # (some rank's memory is known)
             held = f"{what} ({_bytes(state)}{counted})"
             activations = "" if activation_bytes is None else " and each rank's micro-batch activations"
             lower = f"; {first_misfit}" if first_misfit else ""
             return StageChoice(
                 stage,
-                f"ZeRO stage {stage} (auto): {held}{activations} fit every device with {_bytes(spare)} to spare"
-                f"{lower}",
+                f"ZeRO stage {stage} (auto): {held}{activations} fit every device with {_bytes(spare)} to spare{lower}",
                 spare,
             )
         first_misfit = first_misfit or misfit

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Optional, Union
+from typing import Any, Final, Optional, Union
 
 from lightning_hetero.measure.facts import DeviceFacts
 from lightning_hetero.runtime.checks import check_one_per_rank, per_rank_list
 
-BF16 = "bf16-mixed"
-FP16 = "16-mixed"
-FP32 = "32-true"
+BF16: Final = "bf16-mixed"  # (Final: typed as the literal Lightning's precision arguments take)
+FP16: Final = "16-mixed"
+FP32: Final = "32-true"
 PRECISIONS = (BF16, FP16, FP32)
 AUTO = "auto"
 # What a user may mean by another Lightning precision string, and why it is not offered per rank.

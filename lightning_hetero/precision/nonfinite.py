@@ -22,7 +22,8 @@ gradients; the loss flags are read only on skipped steps.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 from torch import Tensor

@@ -17,8 +17,8 @@ The loss scale's state is the plugin's ``state_dict``, which Lightning saves int
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
-from typing import Any, Callable, Optional
+from collections.abc import Callable, Iterable
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch.plugins.precision import DeepSpeedPrecision
@@ -144,12 +144,13 @@ def skip_agreed_overflows(optimizer: Any, should_skip: Callable[[], bool]) -> Ca
         return undo_zero12
     if isinstance(optimizer, torch.optim.Optimizer):  # ZeRO-0: DeepSpeed steps the user's optimizer itself
         step = optimizer.step
+        patched: Any = optimizer  # (given instance attributes: `overflow`, and a `step` that shadows the method)
 
         def skippable_step(*args: Any, **kwargs: Any) -> Any:
-            optimizer.overflow = should_skip()  # the engine reads it to count skipped steps
-            return None if optimizer.overflow else step(*args, **kwargs)
+            patched.overflow = should_skip()  # the engine reads it to count skipped steps
+            return None if patched.overflow else step(*args, **kwargs)
 
-        optimizer.step = skippable_step
+        patched.step = skippable_step
 
         def undo_zero0() -> None:
             optimizer.__dict__.pop("step", None)
@@ -325,7 +326,10 @@ class HeteroPrecision(DeepSpeedPrecision):
         return super().pre_backward(tensor, module)
 
     @override
-    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+    # (ignore: Lightning's own Precision.optimizer_step narrows Fabric's signature the same way, with the same ignore)
+    def optimizer_step(  # type: ignore[override]
+        self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
         if self.loss_scale is None and self._in_order is None:
             return super().optimizer_step(optimizer, model, closure, **kwargs)
 

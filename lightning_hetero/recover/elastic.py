@@ -22,13 +22,13 @@ import socket
 import time
 import uuid
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from lightning_hetero.recover import checkpoint, liveness, universal
 from lightning_hetero.recover.refusal import ResumeRefused
-
 
 SHARED_FOLDER_MARK = ".hetero_rank_0_prepared"  # in the staging folder while the ranks write
 

@@ -19,8 +19,8 @@ from typing import Any, Optional
 import torch.distributed
 
 from lightning_hetero.recover.liveness import EXIT_CODE_PEER_LOST, call_with_deadline, store_host
-from lightning_hetero.runtime.internal_access import resolve
 from lightning_hetero.runtime.collectives import describe_failure
+from lightning_hetero.runtime.internal_access import resolve
 from lightning_hetero.runtime.torch_internals import DEFAULT_STORE
 
 KEY_PREFIX = "lightning_hetero/failure/"

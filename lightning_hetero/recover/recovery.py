@@ -10,8 +10,9 @@ engine writes and reads the per-rank shards itself, so each method wraps the par
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -85,6 +86,7 @@ class Recovery:
             failures.publish_failure(self.rank, exception)
             return
         watchdog = self._watchdog
+        found: dict[int, str]
         if watchdog is not None and watchdog.store_silent_for() > 2 * liveness.HEARTBEAT_SECONDS:
             found, reachable = {}, False  # the heartbeat already waits on the store: do not wait on it here too
         else:

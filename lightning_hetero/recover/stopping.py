@@ -31,7 +31,8 @@ import re
 import signal
 import subprocess
 import sys
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException

@@ -61,7 +61,7 @@ def check_stage(stage: Any, name: str = "stage") -> None:
 def check_loss_reduction(loss_reduction: Any) -> None:
     if loss_reduction not in LOSS_REDUCTIONS:
         raise ValueError(
-            f"`loss_reduction={loss_reduction!r}` is not one of {list(LOSS_REDUCTIONS)}: use \"mean\" when"
+            f'`loss_reduction={loss_reduction!r}` is not one of {list(LOSS_REDUCTIONS)}: use "mean" when'
             ' `training_step` returns the mean over its batch (e.g. `F.cross_entropy(...)`), "sum" when it returns'
             ' the sum (e.g. `reduction="sum"`), "token_mean" when it returns the mean over its tokens together with'
             f' their count (`{{"loss": loss, "{TOKEN_COUNT_KEY}": n}}`).'
@@ -70,7 +70,7 @@ def check_loss_reduction(loss_reduction: Any) -> None:
 
 def token_count(output: Any) -> float:
     """The token count a ``training_step`` returned under :data:`TOKEN_COUNT_KEY` (loss_reduction="token_mean")."""
-    count = output.get(TOKEN_COUNT_KEY) if isinstance(output, Mapping) else None
+    count: Any = output.get(TOKEN_COUNT_KEY) if isinstance(output, Mapping) else None  # (whatever the step gave)
     if hasattr(count, "item") and getattr(count, "numel", lambda: 1)() == 1:
         count = count.item()
     if not is_real(count) or count < 0 or count != count:

@@ -7,7 +7,8 @@ every rank raises instead of the others waiting for the one that failed.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, TypeVar
+from collections.abc import Callable
+from typing import Any, Optional, TypeVar, cast
 
 import torch
 import torch.distributed
@@ -101,9 +102,10 @@ class Collectives:
         failed = [(rank, entry) for rank, entry in enumerate(gathered) if entry["failure"]]
         if failed:
             rank, entry = failed[0]
-            error = RuntimeError(f"HeteroStrategy: {what} failed on rank {rank} ({entry['failure']}); every rank stops"
-                                 " here.")  # fmt: skip
+            stopped = RuntimeError(f"HeteroStrategy: {what} failed on rank {rank} ({entry['failure']}); every rank"
+                                   " stops here.")  # fmt: skip
             if entry["exit_code"] is not None:  # (a refusal that every restart repeats: every rank exits alike)
-                exit_with_if_uncaught(error, entry["exit_code"])
-            raise error
-        return local, [entry["shared"] for entry in gathered]  # type: ignore[return-value]
+                exit_with_if_uncaught(stopped, entry["exit_code"])
+            raise stopped
+        # (None only after a failure, raised above; T may itself be None, so no assert)
+        return cast(T, local), [entry["shared"] for entry in gathered]

@@ -19,8 +19,8 @@ import contextlib
 import logging
 import os
 import warnings
-from collections.abc import Iterator
-from typing import Any, Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from lightning.fabric.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher

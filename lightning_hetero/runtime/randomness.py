@@ -23,7 +23,7 @@ def preserved_random_state(device: Optional[torch.device] = None) -> Iterator[No
     finally:
         random.setstate(python_rng)
         torch.set_rng_state(torch_rng)
-        if cuda_rng is not None:
+        if cuda_rng is not None and device is not None:  # (taken only for a CUDA device)
             torch.cuda.set_rng_state(cuda_rng, device)
         if numpy_rng is not None:
             import numpy

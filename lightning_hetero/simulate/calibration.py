@@ -7,7 +7,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Any
+from typing import Any, Optional
 
 from lightning_hetero.simulate.catalog import with_overrides
 from lightning_hetero.simulate.cluster import Cluster, Link, SimulatedDevice
@@ -17,7 +17,7 @@ from lightning_hetero.simulate.step_options import LoopCalibration, Options, cal
 from lightning_hetero.simulate.workload import Workload
 
 
-def read_run(directory: str, what: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def read_run(directory: str, what: str) -> tuple[Optional[dict[str, Any]], list[dict[str, Any]]]:
     """A run directory's report.json (or None) and its rank_<r>.json files, in rank order."""
     paths = sorted(glob.glob(os.path.join(directory, "rank_*.json")), key=lambda p: int(p.rsplit("_", 1)[1][:-5]))
     if not paths:

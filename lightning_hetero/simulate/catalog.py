@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Any, Optional, TypedDict
 
 from lightning_hetero.measure.facts import DeviceFacts
 from lightning_hetero.precision.choice import BF16, FP16, FP32, best_precision
@@ -130,8 +130,17 @@ CPU_ISAS: dict[str, tuple[float, Optional[float]]] = {
     "avx512_bf16": (64.0, 128.0),
     "amx": (64.0, 1024.0),
 }
+
+
+class _CpuDefaults(TypedDict):
+    isa: str
+    ghz: float
+    memory: float
+    memory_bandwidth: float
+
+
 # What a cluster file's cpu entry gets when it does not say (cpu_kind's defaults too).
-CPU_DEFAULTS = {"isa": "avx512", "ghz": 2.5, "memory": 64 * GIB, "memory_bandwidth": 100 * GIGA}
+CPU_DEFAULTS: _CpuDefaults = {"isa": "avx512", "ghz": 2.5, "memory": 64 * GIB, "memory_bandwidth": 100 * GIGA}
 
 
 def cpu_kind(

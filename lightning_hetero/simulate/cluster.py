@@ -194,7 +194,9 @@ class _ClusterReader:
         self.source = source
 
     def fail(self, where: Any, message: str, key: Optional[str] = None) -> ClusterFileError:
-        line = where.key_lines.get(key, where.line) if isinstance(where, _Located) else None
+        line = None
+        if isinstance(where, _Located):
+            line = where.line if key is None else where.key_lines.get(key, where.line)
         return ClusterFileError(f"{self.source}:{line}: {message}" if line else f"{self.source}: {message}")
 
     def mapping(self, value: Any, what: str, parent: Any, allowed: tuple[str, ...]) -> _Located:

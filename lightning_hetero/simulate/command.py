@@ -9,17 +9,17 @@ on the wire, and what-ifs (``--drop``, ``--add``, ``--stage``, ``--compression``
 from __future__ import annotations
 
 import argparse
-import textwrap
 import json
 import sys
+import textwrap
 from dataclasses import replace
 from typing import Any, Optional
 
 from lightning_hetero.simulate import catalog
-from lightning_hetero.simulate.cluster import Cluster, ClusterFileError, SimulatedDevice, load_cluster
 from lightning_hetero.simulate.calibration import efficiency_by_kind, loop_from_run
-from lightning_hetero.simulate.pipeline import ChainShares, chain_shares, describe_pipeline_prediction, predict_pipeline
+from lightning_hetero.simulate.cluster import Cluster, ClusterFileError, SimulatedDevice, load_cluster
 from lightning_hetero.simulate.device_model import GPU_CONTEXT_BYTES, PLANNING_HEADROOM
+from lightning_hetero.simulate.pipeline import ChainShares, chain_shares, describe_pipeline_prediction, predict_pipeline
 from lightning_hetero.simulate.predict import Prediction, automatic_stage, predict
 from lightning_hetero.simulate.step_options import LoopCalibration, Options
 
@@ -80,9 +80,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--drop", action="append", default=[], metavar="KIND", help="what if the devices of KIND left")
     p.add_argument("--add", action="append", default=[], metavar="KIND:N", help="what if N devices of KIND joined")
     p.add_argument("--json", action="store_true", help="print the documented JSON object instead of tables")
-    p.add_argument("--pipeline-blocks", metavar="NAME",
-                   help="also plan a pipeline: the model's attribute holding its chain of blocks (as `pipeline`'s"
-                   " `blocks`); the blocks are measured here")
+    p.add_argument(
+        "--pipeline-blocks",
+        metavar="NAME",
+        help="also plan a pipeline: the model's attribute holding its chain of blocks (as `pipeline`'s"
+        " `blocks`); the blocks are measured here",
+    )
     p.add_argument("--pipeline-stages", type=int, help="stages per pipeline (default: every device in one pipeline)")
     p.add_argument("--pipeline-schedule", choices=("1f1b", "gpipe"), default="1f1b")
     return p

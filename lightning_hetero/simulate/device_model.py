@@ -152,13 +152,15 @@ def device_cost(kind: DeviceKind, workload: Workload, options: Options, world_si
     """The cost model and memory ceiling of one device of ``kind`` for this workload."""
     precision = precision_of(kind, options)
     fixed, per_sample = device_seconds(kind, workload, options)
-    state = rank_state_bytes(workload.parameters, options.zero_stage, world_size)
+    stage = options.zero_stage
+    assert stage is not None  # (predict settles HeteroStrategy's automatic stage first)
+    state = rank_state_bytes(workload.parameters, stage, world_size)
     room = usable_memory_bytes(kind) - state
     per_sample_bytes = activation_bytes(workload, precision)
     max_batch = None if per_sample_bytes <= 0 else math.floor(max(0.0, room) / per_sample_bytes)
     if max_batch is not None and max_batch < 1:
         raise ValueError(
-            f"a {kind.name} cannot hold this model at ZeRO-{options.zero_stage}: its state takes"
+            f"a {kind.name} cannot hold this model at ZeRO-{stage}: its state takes"
             f" {state / 2**30:.1f} GiB of the {usable_memory_bytes(kind) / 2**30:.1f} GiB a plan may use of its"
             f" {kind.memory_bytes / 2**30:.1f} GiB. Use a higher `--stage`, or `--drop {kind.name}`."
         )

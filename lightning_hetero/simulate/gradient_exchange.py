@@ -58,13 +58,15 @@ def exchange(cluster: Cluster, workload: Workload, options: Options) -> Exchange
     """The gradient exchange of one step: seconds, bytes sent, and whether it is hierarchical (and why)."""
     world = len(cluster.devices)
     choice = check_compression(options.compression, options.compression_options or None)
-    check_exchange(choice, options.hierarchical, options.zero_stage)
+    stage = options.zero_stage
+    assert stage is not None  # (predict settles HeteroStrategy's automatic stage first)
+    check_exchange(choice, options.hierarchical, stage)
     payload = gradient_payload_bytes(workload, choice.mode, dict(choice.options))
     topology = Topology(tuple(device.node for device in cluster.devices))
-    if options.zero_stage > 0:
+    if stage > 0:
         hierarchical, reason = (
             False,
-            f"off: ZeRO-{options.zero_stage} reduces inside DeepSpeed's optimizer (stage 0 only)",
+            f"off: ZeRO-{stage} reduces inside DeepSpeed's optimizer (stage 0 only)",
         )
     else:
         hierarchical, reason = decide_hierarchical(options.hierarchical, topology)
@@ -74,6 +76,7 @@ def exchange(cluster: Cluster, workload: Workload, options: Options) -> Exchange
     nodes = sorted(ranks_per_node)
     used_links = [cluster.node_links[node] for node in nodes if ranks_per_node[node] > 1]
     if len(nodes) > 1:
+        assert cluster.inter_node is not None  # (a cluster of several nodes has one)
         used_links.append(cluster.inter_node)
     if world <= 1:
         return Exchange(0.0, 0.0, 0.0, False, "one rank: nothing to exchange")
@@ -87,9 +90,9 @@ def exchange(cluster: Cluster, workload: Workload, options: Options) -> Exchange
     # ZeRO-1/2 reduce-scatter the gradients and all-gather the updated parameters (fp32); ZeRO-3 also gathers the
     # parameters for forward and backward: the same ring traffic as one all-reduce of the sum.
     extra = {0: 0.0, 1: PARAMETER_BYTES * workload.parameters, 2: PARAMETER_BYTES * workload.parameters}.get(
-        options.zero_stage, 2 * PARAMETER_BYTES * workload.parameters
+        stage, 2 * PARAMETER_BYTES * workload.parameters
     )
-    volume = payload if options.zero_stage == 0 else (payload + extra) / 2
+    volume = payload if stage == 0 else (payload + extra) / 2
     if hierarchical:
         seconds, wire, crossing = _hierarchical(cluster, ranks_per_node, volume)
         return Exchange(seconds, wire, crossing, True, reason)
@@ -106,7 +109,10 @@ def _hierarchical(cluster: Cluster, ranks_per_node: Counter, volume: float) -> t
         (2 * volume / cluster.node_links[node].bandwidth + 2 * cluster.node_links[node].latency) if count > 1 else 0.0
         for node, count in ranks_per_node.items()
     )
-    between = _ring_seconds(len(ranks_per_node), volume, cluster.inter_node)
+    between = 0.0
+    if len(ranks_per_node) > 1:
+        assert cluster.inter_node is not None  # (a cluster of several nodes has one)
+        between = _ring_seconds(len(ranks_per_node), volume, cluster.inter_node)
     crossing = 2 * (len(ranks_per_node) - 1) * volume
     wire = crossing + sum(2 * (count - 1) * volume for count in ranks_per_node.values())
     return inside + between, wire, crossing

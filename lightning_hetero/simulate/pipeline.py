@@ -127,10 +127,10 @@ def chain_shares(module: Any, path: str, batch: Any, samples: int, device: Any) 
 
     from lightning_hetero.measure.blocks import check_chain_order, measure_blocks, training_bytes
     from lightning_hetero.measure.profiler import preserved_training_state, training_step_in_isolation
-    from lightning_hetero.train.pipeline_chain import find_chain
+    from lightning_hetero.train.pipeline_chain import block_of, find_chain
 
     chain, names = find_chain(module, path)
-    blocks = [chain._modules[name] for name in names]
+    blocks = [block_of(chain, name) for name in names]
     check_chain_order(module, blocks, names, path, batch, device)
     measured = measure_blocks(module, blocks, batch, samples, device)
     total = sum(measured.seconds) + measured.before_seconds + measured.after_seconds

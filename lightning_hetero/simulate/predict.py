@@ -22,8 +22,8 @@ from dataclasses import dataclass, replace
 from lightning_hetero.comm.compression import check_compression
 from lightning_hetero.measure.cost import CostModel
 from lightning_hetero.measure.rank_profile import MEMORY_HEADROOM
-from lightning_hetero.plan.micro_steps import MicroStepPlan, micro_steps_for, plan_micro_steps
 from lightning_hetero.plan import zero_stage as zero_stage_plan
+from lightning_hetero.plan.micro_steps import MicroStepPlan, micro_steps_for, plan_micro_steps
 from lightning_hetero.plan.split import split_by_weights
 from lightning_hetero.plan.zero_stage import ModelSize, StageChoice
 from lightning_hetero.simulate.cluster import Cluster
@@ -83,8 +83,10 @@ def automatic_stage(cluster: Cluster, workload: Workload, options: Options) -> S
 
 def predict(cluster: Cluster, workload: Workload, options: Options, equal: bool = False) -> Prediction:
     """The plan the package would make (or the equal split, with DDP's common accumulation) and its step time."""
-    if options.zero_stage is None:
-        options = replace(options, zero_stage=automatic_stage(cluster, workload, options).stage)
+    stage = options.zero_stage
+    if stage is None:
+        stage = automatic_stage(cluster, workload, options).stage
+        options = replace(options, zero_stage=stage)
     world = len(cluster.devices)
     # Devices of one entry share their kind object: one cost model each, so 10,000 devices cost a few entries.
     kinds = {id(device.kind): device.kind for device in cluster.devices}
@@ -94,7 +96,7 @@ def predict(cluster: Cluster, workload: Workload, options: Options, equal: bool 
         equal_split(costs, options.global_batch_size) if equal else plan_micro_steps(costs, options.global_batch_size)
     )
     precisions = {key: precision_of(kind, options) for key, kind in kinds.items()}
-    state = rank_state_bytes(workload.parameters, options.zero_stage, world)
+    state = rank_state_bytes(workload.parameters, stage, world)
     devices = tuple(
         DevicePrediction(
             kind=device.kind.name,
@@ -112,7 +114,7 @@ def predict(cluster: Cluster, workload: Workload, options: Options, equal: bool 
             cluster.devices, costs, plan.samples, plan.batch_sizes, plan.micro_steps, plan.predicted_times
         )
     )
-    optimizer = max(optimizer_seconds(kind, workload.parameters, options.zero_stage, world) for kind in kinds.values())
+    optimizer = max(optimizer_seconds(kind, workload.parameters, stage, world) for kind in kinds.values())
     return Prediction(
         devices, plan.predicted_step_time, exchange(cluster, workload, options), optimizer,
         options.loop.step_overhead_seconds,

@@ -127,7 +127,6 @@ def render_result(result: dict[str, Any], workload: Any) -> str:
             "",
             "what if:",
             *_section(what_if),
-            f"the what-if's step is {_faster_or_slower(change)} than the cluster's as"
-            " described",
+            f"the what-if's step is {_faster_or_slower(change)} than the cluster's as described",
         ]
     return "\n".join(lines)

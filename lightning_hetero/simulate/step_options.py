@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 from lightning_hetero.simulate.workload import Workload
 
@@ -78,7 +78,7 @@ class Options:
     zero_stage: Optional[int] = 0  # None: HeteroStrategy's default, the lowest stage that fits (automatic_stage)
     compression: Optional[str] = None
     compression_options: dict = field(default_factory=dict)
-    hierarchical: object = "auto"
+    hierarchical: Union[str, bool] = "auto"  # "auto", True or False, as HeteroStrategy takes it
     calibrated_efficiency: dict = field(default_factory=dict)  # kind name -> fraction of peak measured in a run
     loop: LoopCalibration = field(default_factory=LoopCalibration)
     precision: Optional[str] = None  # every device's precision; None: what device_precision="auto" chooses

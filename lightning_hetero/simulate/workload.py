@@ -20,10 +20,10 @@ from typing import Any
 
 import psutil
 import torch
+from lightning.pytorch import LightningModule
 
 from lightning_hetero.measure.cpu import cpu_facts
 from lightning_hetero.measure.operators import OperatorCost, OperatorRecorder, launched_as_on_cuda, operator_lines
-from lightning_hetero.precision.choice import FP32
 from lightning_hetero.measure.profiler import (
     DistinctSavedBytes,
     loss_of,
@@ -31,6 +31,7 @@ from lightning_hetero.measure.profiler import (
     profile_from_loader,
     training_step_in_isolation,
 )
+from lightning_hetero.precision.choice import FP32
 from lightning_hetero.simulate.catalog import CPU_DEFAULTS, DeviceKind, cpu_kind
 
 PROBE_SIZES = (8, 32)
@@ -90,7 +91,7 @@ class _StepCounts:
         return sum(record[0] for record in self.records)
 
 
-def _step_counts(module: torch.nn.Module, batch: Any) -> _StepCounts:
+def _step_counts(module: LightningModule, batch: Any) -> _StepCounts:
     recorder, saved = OperatorRecorder(), DistinctSavedBytes()
     # (the kernels a GPU launches: CPU's split dropout and attention counted as CUDA's fused ones)
     with contextlib.ExitStack() as counting:
@@ -135,7 +136,7 @@ def here_cpu_kind() -> DeviceKind:
     return cpu_kind(max(1, torch.get_num_threads()), isa, round(ghz, 2))
 
 
-def measure_workload(module: torch.nn.Module, loader: Any, name: str, sizes: Sequence[int] = PROBE_SIZES) -> Workload:
+def measure_workload(module: LightningModule, loader: Any, name: str, sizes: Sequence[int] = PROBE_SIZES) -> Workload:
     """The :class:`Workload` of ``module``'s training step on samples of ``loader`` (on this CPU): its operators
     counted at :data:`COUNT_SIZES`, and this CPU's timing at the micro-batch ``sizes`` capped by :func:`timing_sizes`
     (the package profiles at ``probe_sizes(global batch, world size)``: give those, so that the line fitted here is

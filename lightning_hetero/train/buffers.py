@@ -14,8 +14,7 @@ nothing for a model without buffers.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor

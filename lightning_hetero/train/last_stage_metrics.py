@@ -12,11 +12,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
-from lightning.pytorch import Callback
-from torch import nn
+from lightning.pytorch import Callback, LightningModule
 
 
-def log_synced_over(module: nn.Module, group: Any) -> Callable[[], None]:
+def log_synced_over(module: LightningModule, group: Any) -> Callable[[], None]:
     """``module.log`` and ``log_dict`` with ``sync_dist=True`` reduce over ``group`` (unless the call names its own
     ``sync_dist_group``); returns what undoes it. Instance attributes shadow the methods, as the profiler's stubs do."""
     original_log, original_log_dict = module.log, module.log_dict

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Iterator, Sequence
-from typing import Any, Callable, Optional
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Optional
 
 import torch
 from torch.utils.data import (
@@ -97,7 +97,7 @@ class HeteroDataLoader(DataLoader):
                 self.on_batch(step.sizes[sampler.rank], step.global_size)
             yield batch
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, Any]:
         order = self.hetero_batch_sampler.sampler
         return {
             STATE_EPOCH: self._epoch_of_position,
@@ -116,7 +116,7 @@ class HeteroDataLoader(DataLoader):
         split, self._checkpoint_split = self._checkpoint_split, None
         return split
 
-    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         missing = [key for key in _STATE_KEYS if key not in state_dict]
         if missing:
             raise ValueError(
@@ -194,9 +194,10 @@ def describe_unsupported_loader(dataloader: DataLoader, name: str) -> Optional[s
 def describe_empty_epoch(dataloader: DataLoader, global_batch: int, world_size: int, name: str) -> Optional[str]:
     """Why an epoch of this (map-style, batching) loader holds no step in which every rank gets a sample; None when
     it holds one. Without the check such a fit trains 0 steps and ends as if it had succeeded."""
-    sampler = dataloader.batch_sampler.sampler  # type: ignore[union-attr]  (checked by describe_unsupported_loader)
-    samples = len(sampler)  # type: ignore[arg-type]
-    drop_last = dataloader.batch_sampler.drop_last  # type: ignore[union-attr]
+    batch_sampler = dataloader.batch_sampler
+    assert isinstance(batch_sampler, BatchSampler)  # checked by describe_unsupported_loader
+    samples = len(batch_sampler.sampler)  # type: ignore[arg-type]  # (torch's Sampler declares no __len__)
+    drop_last = batch_sampler.drop_last
     if epoch_steps(samples, split_by_weights(global_batch, [1] * world_size), drop_last):
         return None
     if samples == 0:
@@ -290,15 +291,15 @@ def describe_order(loader: HeteroDataLoader) -> dict[str, Any]:
     order = GlobalOrder(batch_sampler.sampler.user_sampler, batch_sampler.sampler.seed)  # epoch 0, a fresh copy
     # A custom sampler is iterated itself: its own generator is put back too (other state it keeps cannot be).
     generator = getattr(order.user_sampler, "generator", None)
-    generator_state = generator.get_state() if isinstance(generator, torch.Generator) else None
+    saved = (generator, generator.get_state()) if isinstance(generator, torch.Generator) else None
     try:
         with preserved_random_state():
             first = [int(index) for index in itertools.islice(iter(order), FINGERPRINT_POSITIONS)]
     finally:
-        if generator_state is not None:
-            generator.set_state(generator_state)
+        if saved is not None:
+            saved[0].set_state(saved[1])
     return {
-        "dataset_length": len(loader.dataset),
+        "dataset_length": len(loader.dataset),  # type: ignore[arg-type]  # (torch's Dataset declares no __len__)
         "samples_per_epoch": len(order),
         "steps_per_epoch": len(batch_sampler),
         "order_fingerprint": hashlib.sha256(repr(first).encode()).hexdigest()[:16],

@@ -16,8 +16,9 @@ optimizer state and the count of training steps, restored by :meth:`load`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor

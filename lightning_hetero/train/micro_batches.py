@@ -70,8 +70,9 @@ def _split(value: Any, sizes: list[int], total: int, where: str) -> list[Any]:
 
 
 def _rebuild_mapping(original: Mapping, items: dict) -> Any:
+    factory: Any = type(original)  # (the user's mapping type: a dict, an OrderedDict, a BatchEncoding...)
     try:
-        return type(original)(items)
+        return factory(items)
     except TypeError:  # a mapping type whose constructor takes something else
         return items
 
@@ -90,7 +91,7 @@ def reduction_held_back(engine: Any) -> Iterator[None]:
     flags DeepSpeed's own ``coalesce_grad_reduction`` sets (its optimizer's guard in ``process_gradients``, and the
     engine's no-sync flag that skips the end-of-backward reduction, which would also clear the gradients). Other
     stages are left alone: ZeRO-0/1 reduce in the step anyway, and ZeRO-3 runs equal counts on every rank."""
-    optimizer = getattr(engine, "optimizer", None)
+    optimizer: Any = getattr(engine, "optimizer", None)
     if engine.zero_optimization_stage() != 2 or not hasattr(optimizer, "_coalesce_grad_reduction"):
         yield
         return

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -112,7 +112,7 @@ class GlobalOrder(Sampler[int]):
     repeating its first samples, as DDP's DistributedSampler pads (evaluation: every rank gets as many samples).
     """
 
-    def __init__(self, sampler: Sampler, seed: int = 0, pad_to: int = 1) -> None:
+    def __init__(self, sampler: Union[Sampler[int], Iterable[int]], seed: int = 0, pad_to: int = 1) -> None:
         self.user_sampler = sampler
         self.seed = seed
         self.pad_to = pad_to
@@ -120,8 +120,9 @@ class GlobalOrder(Sampler[int]):
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
-        if callable(getattr(self.user_sampler, "set_epoch", None)):
-            self.user_sampler.set_epoch(epoch)
+        forward = getattr(self.user_sampler, "set_epoch", None)
+        if callable(forward):
+            forward(epoch)
 
     @property
     def shuffles(self) -> bool:
@@ -132,16 +133,17 @@ class GlobalOrder(Sampler[int]):
         if isinstance(sampler, _SEEDED_SAMPLERS):
             generator = torch.Generator()
             generator.manual_seed(self.seed + self.epoch)
-            sampler = copy.copy(sampler)  # same settings, our generator; the user's sampler is left untouched
-            sampler.generator = generator
-        padding = len(self) - len(self.user_sampler)  # type: ignore[arg-type]
+            seeded = copy.copy(sampler)  # same settings, our generator; the user's sampler is left untouched
+            seeded.generator = generator
+            sampler = seeded
+        padding = len(self) - len(self.user_sampler)  # type: ignore[arg-type]  # (a map-style order: it has one)
         if not padding:
             return iter(sampler)
         order = list(sampler)
         return iter(order + (order * (padding // len(order) + 1))[:padding])
 
     def __len__(self) -> int:
-        samples = len(self.user_sampler)  # type: ignore[arg-type]
+        samples = len(self.user_sampler)  # type: ignore[arg-type]  # (a map-style order: it has one)
         return -(-samples // self.pad_to) * self.pad_to if samples else 0
 
 

@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
 from lightning_hetero.comm.point_to_point import PeerLink
@@ -31,8 +32,7 @@ from lightning_hetero.plan.split import micro_batch_sizes
 from lightning_hetero.plan.stages import StagePlacement
 from lightning_hetero.train.last_stage_metrics import log_synced_over
 from lightning_hetero.train.micro_batches import split_batch, step_loss
-from lightning_hetero.train.pipeline_chain import HandOff, StageOfChain, find_chain
-
+from lightning_hetero.train.pipeline_chain import HandOff, StageOfChain, block_of, find_chain
 
 
 def schedule_actions(schedule: str, stage: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:
@@ -74,7 +74,6 @@ class PipelineLayout:
     def stage_ranks(self, stage: int) -> list[int]:
         """The ranks holding ``stage``, one per pipeline: the group over which its blocks' gradients are summed."""
         return [self.rank_of(p, stage) for p in range(self.replicas)]
-
 
 
 class Pipeline:
@@ -123,7 +122,7 @@ class Pipeline:
         assert self.shares, "the plan sets the pipelines' shares before any loader is cut"
         return list(self.shares)
 
-    def install(self, module: nn.Module, placement: StagePlacement, replicas: int, global_batch: int) -> None:
+    def install(self, module: LightningModule, placement: StagePlacement, replicas: int, global_batch: int) -> None:
         """Keep this rank's stage of the chain; build the groups (every rank, the same calls in the same order)."""
         chain, names = find_chain(module, self.choice.blocks)
         self.layout = PipelineLayout(self.choice.stages, replicas, tuple(placement.ranks))
@@ -132,7 +131,7 @@ class Pipeline:
         self.outside = [p for p in module.parameters() if id(p) not in chain_parameters]
         owned = placement.blocks_of(self.stage)
         # The blocks other stages hold, kept without storage ("meta"): a re-plan that moves one here fills it in.
-        self._skeletons = {i: chain._modules[n] for i, n in enumerate(names) if i not in owned}
+        self._skeletons = {i: block_of(chain, n) for i, n in enumerate(names) if i not in owned}
         self.stage_of_chain = StageOfChain(chain, names, owned, self.stage, self.choice.stages, self.choice.blocks)
         self.stage_of_chain.install()
         for skeleton in self._skeletons.values():
@@ -280,7 +279,7 @@ class Pipeline:
         giving, taking = moved_blocks(old, new)
         outgoing = {}
         for index in giving:
-            block = chain._modules[names[index]]
+            block = block_of(chain, names[index])
             state = {local: _cpu(optimizer.state.get(p, {})) for local, p in block.named_parameters()}
             outgoing[index] = ({k: v.detach().cpu() for k, v in block.state_dict().items()}, state)
         everyone: list[Any] = [None] * self.world_size
@@ -289,7 +288,7 @@ class Pipeline:
         self.stage_of_chain.uninstall()
         group = optimizer.param_groups[0]
         for index in giving:
-            block = chain._modules[names[index]]
+            block = block_of(chain, names[index])
             lost = {id(p) for p in block.parameters()}
             for parameter in block.parameters():
                 optimizer.state.pop(parameter, None)

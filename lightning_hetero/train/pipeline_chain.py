@@ -68,6 +68,13 @@ def find_chain(module: nn.Module, path: str) -> tuple[nn.Module, list[str]]:
     return owner, names
 
 
+def block_of(chain: nn.Module, name: str) -> nn.Module:
+    """The block ``name`` of ``chain`` (torch types a module's children as Optional; a chain's blocks are set)."""
+    block = chain._modules[name]
+    assert block is not None
+    return block
+
+
 def check_chain_shape(module: nn.Module, choice: PipelineChoice) -> tuple[nn.Module, list[str]]:
     """The chain exists, and ``stages`` and ``boundaries`` fit its blocks; checked before any collective."""
     chain, names = find_chain(module, choice.blocks)
@@ -86,7 +93,6 @@ def check_chain_shape(module: nn.Module, choice: PipelineChoice) -> tuple[nn.Mod
     if choice.boundaries is not None:
         check_boundaries(choice.boundaries, choice.stages, len(names))
     return chain, names
-
 
 
 class ElsewhereBlock(nn.Module):
@@ -116,9 +122,9 @@ class StageOfChain:
         for index, name in enumerate(self.names):
             if index not in self.owned:
                 self.chain._modules[name] = ElsewhereBlock(name)
-            block = self.chain._modules[name]
+            block = block_of(self.chain, name)
             self._handles.append(block.register_forward_pre_hook(self._order_hook(index), with_kwargs=True))
-        first, last = self.chain._modules[self.names[self.owned[0]]], self.chain._modules[self.names[self.owned[-1]]]
+        first, last = block_of(self.chain, self.names[self.owned[0]]), block_of(self.chain, self.names[self.owned[-1]])
         if self.stage > 0:
             self._handles.append(first.register_forward_pre_hook(self._take_incoming, with_kwargs=True))
         if self.stage < self.stages - 1:
@@ -130,7 +136,7 @@ class StageOfChain:
         self._handles = []
 
     def parameters(self) -> list[nn.Parameter]:
-        return [p for i in self.owned for p in self.chain._modules[self.names[i]].parameters()]
+        return [p for i in self.owned for p in block_of(self.chain, self.names[i]).parameters()]
 
     def pass_starts(self) -> None:
         self._called = []

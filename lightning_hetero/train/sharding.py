@@ -7,14 +7,14 @@ split in force, evaluation loaders equally, as DDP splits them. Prediction keeps
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch.utils.data import DataLoader, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
 from lightning_hetero.plan.deepspeed_config import config_disagreements
 from lightning_hetero.runtime.collectives import Collectives
@@ -168,7 +168,9 @@ class DataSharding:
         """The global order the training loader will cut (a map-style loader's), to place a restored epoch."""
         loader = self.requested_training_loader
         if isinstance(loader, DataLoader) and not is_stream(loader):
-            return GlobalOrder(loader.batch_sampler.sampler, self.data_seed or 0)
+            batch_sampler = loader.batch_sampler
+            assert isinstance(batch_sampler, BatchSampler)  # checked when requested (describe_unsupported_loader)
+            return GlobalOrder(batch_sampler.sampler, self.data_seed or 0)
         return None
 
 

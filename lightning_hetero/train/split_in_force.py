@@ -9,8 +9,8 @@ the next global batch, and this rank's micro-batch in the DeepSpeed config and e
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
-from typing import Any, Callable, Optional
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
 
 from lightning_hetero.plan.split import SplitPlan
 from lightning_hetero.train.order import STATE_SAMPLES_CONSUMED

@@ -13,8 +13,8 @@ and the exchange inside is counted for the report (:mod:`~lightning_hetero.comm.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any, Callable, Optional
+from collections.abc import Callable, Iterator
+from typing import Any, Optional
 
 from torch import Tensor
 
@@ -23,8 +23,8 @@ from lightning_hetero.train.micro_batches import raise_if_unreduced, reduction_h
 
 # The user's training_step on one micro-batch and its sample count (None: the whole batch, no micro-steps).
 UserStep = Callable[[Any, Optional[int]], Any]
-# Lightning's backward (the engine's) of one loss, its optimizer and arguments bound.
-Backward = Callable[[Tensor], None]
+# Lightning's backward (the engine's) of one loss, its optimizer and arguments bound (what it returns is unused).
+Backward = Callable[[Tensor], object]
 
 
 class TrainingSteps:

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import collections
 import itertools
-from collections.abc import Iterator, Sequence
-from typing import Any, Callable, Optional
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Optional
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset, default_collate

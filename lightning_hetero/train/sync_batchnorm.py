@@ -13,7 +13,8 @@ ranks' i-th micro-batches normalize together); :func:`~lightning_hetero.plan.mic
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 import torch.distributed
@@ -111,8 +112,10 @@ class SampleWeightedSyncBatchNorm(_BatchNorm):
     def _synchronized(self) -> bool:
         if self.all_reduce is not _sum_over_ranks:
             return True  # (tests reduce over their own ranks)
-        return torch.distributed.is_available() and torch.distributed.is_initialized() and (
-            torch.distributed.get_world_size() > 1
+        return (
+            torch.distributed.is_available()
+            and torch.distributed.is_initialized()
+            and (torch.distributed.get_world_size() > 1)
         )
 
     def forward(self, input: Tensor) -> Tensor:
@@ -175,7 +178,9 @@ def revert_batchnorms(module: nn.Module) -> nn.Module:
     """:func:`convert_batchnorms` undone: each layer back to its own class, with the same tensors."""
     reverted = module
     if isinstance(module, SampleWeightedSyncBatchNorm):
-        reverted = module.replaced(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
+        reverted = module.replaced(
+            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats
+        )
         _take_tensors(reverted, module)
     for name, child in module.named_children():
         reverted.add_module(name, revert_batchnorms(child))

@@ -9,8 +9,8 @@ same way. The counts come from each batch as the loader hands it over, so a shor
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any, Callable, Optional
+from collections.abc import Callable, Iterator
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -123,7 +123,8 @@ class LossWeights:
         weighted = is_mean and self._sync_weight is not None and isinstance(tensor, Tensor) and self.world_size > 1
         if not weighted:
             return plain_reduce(tensor, group=group, reduce_op=reduce_op)
-        weight = float(self._sync_weight)  # type: ignore[arg-type]
+        assert self._sync_weight is not None  # (weighted)
+        weight = float(self._sync_weight)
         packed = torch.cat(
             [tensor.detach().double().reshape(-1) * weight, tensor.new_tensor([weight], dtype=torch.float64)]
         )

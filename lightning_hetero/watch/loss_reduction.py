@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -50,7 +50,7 @@ def _t_bound(degrees: int) -> float:
     return _T_995[max(known)] if known else math.inf
 
 
-def loss_scaling(steps: Sequence[Sequence[Sequence[float]]]) -> LossScaling:
+def loss_scaling(steps: Sequence[Sequence[tuple[float, ...]]]) -> LossScaling:
     """The verdict from ``steps[t][r] = (samples, loss)``: rank ``r``'s micro-batch size and loss at step ``t`` (NaN
     where unknown; a rank that took several micro-batches gives their geometric means).
 
@@ -59,12 +59,12 @@ def loss_scaling(steps: Sequence[Sequence[Sequence[float]]]) -> LossScaling:
     slopes: list[float] = []
     example = (math.nan,) * 4
     for ranks in steps:
-        if len(ranks) < 2 or any(not (math.isfinite(s) and math.isfinite(l) and s > 0 and l != 0) for s, l in ranks):
+        if len(ranks) < 2 or any(not (math.isfinite(s) and math.isfinite(v) and s > 0 and v != 0) for s, v in ranks):
             continue
-        if len({math.copysign(1.0, l) for _, l in ranks}) != 1:
+        if len({math.copysign(1.0, v) for _, v in ranks}) != 1:
             continue
         x = [math.log(s) for s, _ in ranks]
-        y = [math.log(abs(l)) for _, l in ranks]
+        y = [math.log(abs(v)) for _, v in ranks]
         mean_x, mean_y = statistics.fmean(x), statistics.fmean(y)
         spread = sum((a - mean_x) ** 2 for a in x)
         if spread < 1e-12:  # equal micro-batches: a mean and a sum train alike, and cannot be told apart
@@ -164,8 +164,8 @@ class LossReductionCheck:
             return
         micro = self._open
         self._open = None
-        usable = [(s, l) for s, l in micro if math.isfinite(s) and math.isfinite(l) and s > 0 and l != 0]
-        if not micro or len(usable) != len(micro) or len({math.copysign(1.0, l) for _, l in usable}) != 1:
+        usable = [(s, v) for s, v in micro if math.isfinite(s) and math.isfinite(v) and s > 0 and v != 0]
+        if not micro or len(usable) != len(micro) or len({math.copysign(1.0, v) for _, v in usable}) != 1:
             self._rows.append((math.nan, math.nan))
             return
         if len(usable) == 1:
@@ -174,7 +174,7 @@ class LossReductionCheck:
         # Several micro-batches: their geometric means (a sum's loss still scales with the samples, a mean's not).
         sign = math.copysign(1.0, usable[0][1])
         samples = math.exp(statistics.fmean(math.log(s) for s, _ in usable))
-        loss = sign * math.exp(statistics.fmean(math.log(abs(l)) for _, l in usable))
+        loss = sign * math.exp(statistics.fmean(math.log(abs(v)) for _, v in usable))
         self._rows.append((samples, loss))
 
     def _check(self) -> None:

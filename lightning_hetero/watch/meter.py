@@ -12,9 +12,9 @@ them, every ``window`` steps, in one small gather the strategy does; every rank 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -183,7 +183,9 @@ def pack_records(records: Sequence[StepRecord]) -> Tensor:
 
 
 def unpack_records(packed: Tensor) -> list[StepRecord]:
-    return [StepRecord(int(row[0]), int(row[1]), *row[2:6], int(row[6])) for row in packed.tolist()]
+    return [
+        StepRecord(int(row[0]), int(row[1]), row[2], row[3], row[4], row[5], int(row[6])) for row in packed.tolist()
+    ]
 
 
 def balance_efficiency(compute_seconds: Sequence[float]) -> float:

@@ -28,7 +28,6 @@ from typing_extensions import override
 from lightning_hetero.watch.meter import step_metrics
 from lightning_hetero.watch.watcher import Watcher
 
-
 PIPELINE_EXCHANGE_STEPS = 20
 
 

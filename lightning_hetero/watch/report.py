@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -54,7 +55,7 @@ def plan_text(
     stage: int,
     devices: list[str],
     precisions: list[str],
-    profiles: Optional[list[Any]] = None,
+    profiles: Optional[Sequence[Any]] = None,
     prediction: Optional[dict[str, Any]] = None,
 ) -> str:
     """The plan as rank 0 prints it at fit start: a row per rank, and the predicted gain when it was profiled.
@@ -113,7 +114,7 @@ def build_report(
 ) -> dict[str, Any]:
     """The run report; ``exchange_seconds`` (rank 0's time exchanging records) gives the measuring cost;
     ``nonfinite`` the optimizer steps skipped for non-finite gradients (see :mod:`~.precision.nonfinite`)."""
-    built = {
+    built: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "world_size": world_size,
         "steps": steps,

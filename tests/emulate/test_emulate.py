@@ -185,7 +185,7 @@ def test_cpu_work_is_stretched_to_one_over_speed(intra_op_threads):
     for _ in range(ATTEMPTS):
         emulator = SlowdownEmulator(0.5, CPU)
 
-        def emulated() -> None:
+        def emulated(emulator: SlowdownEmulator = emulator) -> None:
             with emulator.slowed():
                 _work(n)
 

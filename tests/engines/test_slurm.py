@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO
 
 pytestmark = [pytest.mark.engines]

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, kill_tree
+
 from lightning_hetero.recover import checkpoint
 
 pytestmark = [pytest.mark.engines]

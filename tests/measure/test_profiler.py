@@ -482,7 +482,9 @@ def test_a_manual_optimization_step_is_profiled_and_its_loss_measured_without_ba
     require grad" (every manual-optimization model under the automatic split; found by Lightning's DeepSpeed tests)."""
     batch = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
     doubled = lambda n: batch[:n].repeat(2, 1)  # noqa: E731
-    profile = profile_training_step(ManualNet(), lambda n: batch[:n], [2, 8], CPU, repeats=1, make_doubled_batch=doubled)
+    profile = profile_training_step(
+        ManualNet(), lambda n: batch[:n], [2, 8], CPU, repeats=1, make_doubled_batch=doubled
+    )
     assert profile.loss_ratio is not None
 
 

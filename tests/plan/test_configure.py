@@ -12,8 +12,8 @@ from lightning_hetero.plan.deepspeed_config import (
     PER_RANK_KEYS,
     check_user_config,
     config_disagreements,
-    default_config_stage,
     config_fingerprint,
+    default_config_stage,
     disagreement_message,
     format_plan_table,
     lightning_owns_accumulation,
@@ -229,9 +229,7 @@ def test_disagreement_message_not_fooled_by_precision_words_in_values():
 def test_config_fingerprint_is_order_independent():
     reordered = dict(reversed(list(BASE.items())))
     assert config_fingerprint(BASE) == config_fingerprint(reordered)
-    assert json.loads(config_fingerprint({**BASE, "train_micro_batch_size_per_gpu": 3})) == json.loads(
-        json.dumps(BASE)
-    )
+    assert json.loads(config_fingerprint({**BASE, "train_micro_batch_size_per_gpu": 3})) == json.loads(json.dumps(BASE))
 
 
 # ---------------------------------------------------------------------------------------------- format_plan_table

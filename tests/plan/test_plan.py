@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from fractions import Fraction
@@ -268,7 +269,7 @@ def test_split_plan_basics():
     assert plan.loss_weight(0) == pytest.approx(0.5)
     assert plan.loss_weight(1) == pytest.approx(1.5)
     assert loss_weight(8, 32, 2) == pytest.approx(0.5)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         plan.batch_sizes = (1, 1)  # frozen: every rank must keep the same plan
 
 

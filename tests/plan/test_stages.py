@@ -20,7 +20,9 @@ def brute_force(costs: BlockCosts, stages: int, holds: list[int]) -> float | Non
             for s in range(stages):
                 blocks = range(edges[s], edges[s + 1])
                 rank = order[s]
-                used = costs.outside_bytes + sum(costs.parameter_bytes[b] + holds[s] * costs.activation_bytes[b] for b in blocks)
+                used = costs.outside_bytes + sum(
+                    costs.parameter_bytes[b] + holds[s] * costs.activation_bytes[b] for b in blocks
+                )
                 ceiling = costs.memory_bytes[rank]
                 fits = fits and (ceiling is None or used <= ceiling)
                 seconds = sum(costs.seconds[rank][b] for b in blocks) + costs.before_seconds[rank]

@@ -6,8 +6,8 @@ import pytest
 
 from lightning_hetero.measure.rank_profile import MEMORY_HEADROOM
 from lightning_hetero.plan.zero_stage import (
-    ModelSize,
     UNPROFILED_ACTIVATION_SHARE,
+    ModelSize,
     choose_stage,
     model_state_bytes,
     shared_free_bytes,
@@ -44,7 +44,7 @@ def test_the_lowest_stage_that_fits_every_device_is_chosen(stage):
     assert choice.stage == stage and choice.spare_bytes >= 0
     assert choice.reason.startswith(f"ZeRO stage {stage} (auto): the model, its gradients and optimizer state")
     if stage > 0:  # the reason says why the stage below did not fit, naming the rank
-        assert f"at ZeRO stage 0 rank 1 would need" in choice.reason
+        assert "at ZeRO stage 0 rank 1 would need" in choice.reason
 
 
 def test_nothing_fits_gives_the_highest_allowed_stage_and_says_so():

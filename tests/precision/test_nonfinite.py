@@ -171,4 +171,3 @@ def test_skipped_steps_are_counted_in_the_report_and_by_the_monitor_when_the_run
     logged = {int(r["step"]): float(r["hetero/skipped_steps"]) for r in rows if r.get("hetero/skipped_steps")}
     assert logged[1] == 0 and logged[2] == 1 and logged[3] == 2 and logged[7] == 2
     assert all(math.isfinite(v) for v in run.result["params"]["network.0.weight"][0])
-

@@ -101,7 +101,7 @@ def test_the_refusal_names_the_checkpoint_the_optimizer_its_state_and_what_to_do
     assert universal.refusal(tmp_path, "SGD", 2, 2, 1, [universal.StateKeys(("momentum_buffer",), False, ())]) is None
 
 
-# ------------------------------------------------------------------------------ where a parameter lies in the partitions
+# ----------------------------------------------------------------------------- where a parameter lies in the partitions
 
 
 def zero12_layout(shapes, world_size, alignment=2):

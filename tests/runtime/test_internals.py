@@ -74,9 +74,7 @@ def test_every_private_name_the_package_imports_from_a_library_is_listed():
             if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in libraries:
                 for alias in node.names:
                     if alias.name.startswith("_") and (node.module, alias.name) not in listed:
-                        missing.append(
-                            f"{path.relative_to(package)}:{node.lineno} {node.module}.{alias.name}"
-                        )
+                        missing.append(f"{path.relative_to(package)}:{node.lineno} {node.module}.{alias.name}")
     assert not missing, "private names imported but not in lightning_hetero/runtime/internals.py: " + ", ".join(missing)
 
 

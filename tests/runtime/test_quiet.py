@@ -51,7 +51,7 @@ def test_known_warnings_are_dropped_at_their_source_only():
         warnings.warn_explicit(message, FutureWarning, "c10d_logger.py", 83, module="torch.distributed.c10d_logger")
         warnings.warn_explicit(message, FutureWarning, "mine.py", 1, module="my_project.train")
         warnings.warn_explicit(message, UserWarning, "c10d_logger.py", 83, module="torch.distributed.c10d_logger")
-        warnings.warn("the user's own warning", UserWarning)
+        warnings.warn("the user's own warning", UserWarning, stacklevel=1)  # (issued from this module)
     assert [(str(w.message), w.category) for w in caught] == [
         (message, FutureWarning),  # another module
         (message, UserWarning),  # another category

@@ -42,7 +42,7 @@ class NamedThread(threading.Thread):
                 self.stop.wait()
             # Spinning in Python keeps the thread runnable: it holds or waits for the GIL, or computes.
 
-    def __enter__(self) -> "NamedThread":
+    def __enter__(self) -> NamedThread:
         self.start()
         assert self.named.wait(5)
         return self

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from lightning_hetero.simulate.catalog import MATMUL_EFFICIENCY, cpu_kind, lookup
 from lightning_hetero.simulate.cluster import load_cluster_text
-from lightning_hetero.simulate.pipeline import ChainShares, describe_pipeline_prediction, predict_pipeline
-from lightning_hetero.simulate.catalog import MATMUL_EFFICIENCY, lookup
 from lightning_hetero.simulate.device_model import usable_memory_bytes
+from lightning_hetero.simulate.pipeline import ChainShares, describe_pipeline_prediction, predict_pipeline
 from lightning_hetero.simulate.predict import predict
 from lightning_hetero.simulate.step_options import Options
 from lightning_hetero.simulate.workload import Workload
-from lightning_hetero.simulate.catalog import cpu_kind
 
 GIB = 2**30
 # 8 equal blocks of 3 GiB of training state each (24 GiB in all, 1.5 G parameters counted with Adam's state).

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from lightning_hetero.measure.operators import OperatorCost
 from lightning_hetero.plan.planner import plan_min_max
 from lightning_hetero.simulate.catalog import GIB, cpu_kind, with_overrides
 from lightning_hetero.simulate.cluster import load_cluster_text
@@ -23,7 +24,6 @@ from lightning_hetero.simulate.gradient_exchange import exchange, gradient_paylo
 from lightning_hetero.simulate.predict import predict
 from lightning_hetero.simulate.step_options import LoopCalibration, Options, calibrate_loop
 from lightning_hetero.simulate.workload import Workload
-from lightning_hetero.measure.operators import OperatorCost
 
 WORKLOAD = Workload(
     name="test",
@@ -76,8 +76,9 @@ def test_a_gpu_s_cost_is_the_roofline_of_its_operators_and_its_memory_what_the_p
 
 
 def test_a_kind_without_a_fitted_bandwidth_efficiency_takes_the_median_of_those_fitted():
-    from lightning_hetero.simulate.catalog import BANDWIDTH_EFFICIENCY, DEFAULT_BANDWIDTH_EFFICIENCY, lookup
     import statistics
+
+    from lightning_hetero.simulate.catalog import BANDWIDTH_EFFICIENCY, DEFAULT_BANDWIDTH_EFFICIENCY, lookup
 
     assert DEFAULT_BANDWIDTH_EFFICIENCY == pytest.approx(statistics.median(BANDWIDTH_EFFICIENCY.values()), abs=0.005)
     assert lookup("T4").bandwidth_efficiency is None and lookup("V100-32GB").bandwidth_efficiency == 0.41

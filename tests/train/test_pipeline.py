@@ -62,7 +62,9 @@ BATCH = (torch.randn(4, 3, generator=torch.Generator().manual_seed(1)), torch.ra
 def test_every_schedule_runs_each_pass_once_and_never_deadlocks(schedule, stages, micro_batches):
     plans = [schedule_actions(schedule, s, stages, micro_batches) for s in range(stages)]
     for actions in plans:
-        assert sorted(actions) == sorted([("F", m) for m in range(micro_batches)] + [("B", m) for m in range(micro_batches)])
+        assert sorted(actions) == sorted(
+            [("F", m) for m in range(micro_batches)] + [("B", m) for m in range(micro_batches)]
+        )
         for m in range(micro_batches):
             assert actions.index(("F", m)) < actions.index(("B", m))
     # Run them against each other: a forward needs the previous stage's forward, a backward the next stage's
@@ -210,5 +212,7 @@ def test_a_model_split_by_an_earlier_fit_is_refused_for_another():
     model = Model()
     chain, names = find_chain(model, "net")
     StageOfChain(chain, names, range(0, 2), 0, 2, "net").install()
-    with pytest.raises(ValueError, match=r"was split by an earlier pipeline fit on this rank \(blocks \['2', '3', '4'\]"):
+    with pytest.raises(
+        ValueError, match=r"was split by an earlier pipeline fit on this rank \(blocks \['2', '3', '4'\]"
+    ):
         check_chain_shape(model, PipelineChoice(2, "net"))

@@ -63,7 +63,9 @@ def largest_difference(reference: dict[str, torch.Tensor], ranks: list[dict[str,
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("devices", "boundaries", "batch"), [(2, "4", 12), (4, "3", 6)], ids=["other-boundaries", "two-pipelines"])
+@pytest.mark.parametrize(
+    ("devices", "boundaries", "batch"), [(2, "4", 12), (4, "3", 6)], ids=["other-boundaries", "two-pipelines"]
+)
 def test_a_resume_in_the_middle_equals_the_uninterrupted_run(tmp_path, devices, boundaries, batch):
     """Adam, 2 stages: 4 steps on boundaries [2] with a checkpoint, then a resume to 8 steps on other boundaries, or
     as two pipelines of half the loader batch (the same global batch): one process's 8 steps."""
@@ -101,7 +103,8 @@ def test_a_model_that_fits_no_rank_with_data_parallelism_trains_as_a_pipeline(tm
     training, naming `pipeline`; the pipeline places one block on rank 1, says so in its plan, and trains exactly."""
     memory = {"LIGHTNING_HETERO_EMULATE_MEMORY": "-,2.5MiB"}
     code, output = run_bounded([sys.executable, str(WORKER), "--out", str(tmp_path / "dp"), "--stages", "0",
-                                "--width", "256", "--optimizer", "adam"], timeout=120, cwd=REPO, env=memory)  # fmt: skip
+                                "--width", "256", "--optimizer", "adam"],
+                               timeout=120, cwd=REPO, env=memory)  # fmt: skip
     assert code != 0
     assert output.count("do not fit at any stage") == 2 and "Split the model instead of only the batch" in output
     out = tmp_path / "pipeline"

@@ -32,7 +32,7 @@ def loader_for(items, batch_sizes, rank, other_counts, drop_last=False, epoch=la
 
 
 def test_each_step_takes_this_ranks_micro_batch_and_the_epoch_ends_at_the_first_empty_stream():
-    loader, steps = loader_for(range(10), [3, 5], 0, lambda step: [5, 5, 2, 0][step:step + 1])
+    loader, steps = loader_for(range(10), [3, 5], 0, lambda step: [5, 5, 2, 0][step : step + 1])
     batches = [batch.tolist() for batch in loader]
     assert batches == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]  # the third is a short one for rank 1 (2 of 5)
     assert steps[-1] == [1, 0]  # rank 1 had nothing left: the fourth step is not taken
@@ -42,13 +42,13 @@ def test_each_step_takes_this_ranks_micro_batch_and_the_epoch_ends_at_the_first_
 
 
 def test_drop_last_drops_a_short_step():
-    loader, _ = loader_for(range(10), [3, 5], 0, lambda step: [5, 2][step:step + 1], drop_last=True)
+    loader, _ = loader_for(range(10), [3, 5], 0, lambda step: [5, 2][step : step + 1], drop_last=True)
     assert [batch.tolist() for batch in loader] == [[0, 1, 2]]
 
 
 def test_the_counts_follow_the_batch_trained_not_the_one_drawn_ahead():
     """Lightning reads an unsized loader one batch ahead: the counts wait until the step that trains the batch."""
-    loader, _ = loader_for(range(7), [3, 5], 0, lambda step: [5, 1, 0][step:step + 1])
+    loader, _ = loader_for(range(7), [3, 5], 0, lambda step: [5, 1, 0][step : step + 1])
     iterator = iter(loader)
     first, second = next(iterator), next(iterator)  # the second drawn before the first is trained
     assert loader.batch_trained() == (3, 8) and loader.batch_trained() == (3, 4)

@@ -62,7 +62,6 @@ class ThreadRanks:
         return results
 
 
-
 def inputs(samples: int, image: bool, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     shape = (samples, 5, 2, 3) if image else (samples, 3)

@@ -36,8 +36,10 @@ def test_sync_batchnorm_equals_one_process_on_the_global_batch(stage, micro_step
     assert run.result["batchnorm_types"] == ["SampleWeightedSyncBatchNorm"]
     parameters, statistics = batchnorm_reference_training(dataset, steps, BATCH_SIZES, micro_steps)
     difference = max_param_difference(run.result, parameters)
-    trained = {name[len("network."):]: torch.tensor(v) for name, v in run.result["running_statistics"].items()}
-    statistics_difference = max((trained[name] - value.double()).abs().max().item() for name, value in statistics.items())
+    trained = {name[len("network.") :]: torch.tensor(v) for name, v in run.result["running_statistics"].items()}
+    statistics_difference = max(
+        (trained[name] - value.double()).abs().max().item() for name, value in statistics.items()
+    )
     print(f"from one process: parameters {difference:.1e}, running statistics {statistics_difference:.1e}")
     assert difference <= TOLERANCE and statistics_difference <= TOLERANCE
     assert "micro-batch is 3 samples" not in run.output  # synchronized: no warning about small micro-batches

@@ -245,7 +245,9 @@ def batchnorm_reference_training(
             (batch_loss(network, x, y, "sum") / len(indices)).backward()
         optimizer.step()
     parameters = {name: p.detach().clone() for name, p in network.named_parameters()}
-    statistics = {name: b.clone() for name, b in network.named_buffers() if name.endswith(("running_mean", "running_var"))}
+    statistics = {
+        name: b.clone() for name, b in network.named_buffers() if name.endswith(("running_mean", "running_var"))
+    }
     return parameters, statistics
 
 

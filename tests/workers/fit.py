@@ -308,8 +308,11 @@ class WriteResult(Callback):
                 "emulated_delay": emulated_delay,
                 "buffer_traces": buffer_traces,
                 "batchnorm_types": self.batchnorm_types,
-                "running_statistics": {name: b.double().tolist() for name, b in pl_module.named_buffers()
-                                       if name.endswith(("running_mean", "running_var"))},
+                "running_statistics": {
+                    name: b.double().tolist()
+                    for name, b in pl_module.named_buffers()
+                    if name.endswith(("running_mean", "running_var"))
+                },
                 "global_step": trainer.global_step,
                 "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
                 "metric_dtypes": {k: str(v.dtype) for k, v in trainer.callback_metrics.items()},
@@ -328,8 +331,12 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--record-autocast", action="store_true", help="autocast.json: what training_step ran under")
-    parser.add_argument("--stage", type=lambda v: None if v == "auto" else int(v), default=2,
-                        help="ZeRO stage; auto: HeteroStrategy's default (no stage given)")
+    parser.add_argument(
+        "--stage",
+        type=lambda v: None if v == "auto" else int(v),
+        default=2,
+        help="ZeRO stage; auto: HeteroStrategy's default (no stage given)",
+    )
     parser.add_argument("--batch-sizes", type=int, nargs="*")
     parser.add_argument("--global-batch-size", type=int)
     parser.add_argument("--samples", type=int, default=64)
@@ -375,8 +382,11 @@ def main() -> None:
     parser.add_argument("--two-loaders", action="store_true", help="a dict of two training loaders")
     parser.add_argument("--tokens", action="store_true", help="padded token sequences and a token-mean loss")
     parser.add_argument("--ddp", action="store_true", help="train with Lightning's DDPStrategy instead (a reference)")
-    parser.add_argument("--deepspeed-strategy", action="store_true",
-                        help="train with Lightning's DeepSpeedStrategy (made to run on CPU) at --stage instead")
+    parser.add_argument(
+        "--deepspeed-strategy",
+        action="store_true",
+        help="train with Lightning's DeepSpeedStrategy (made to run on CPU) at --stage instead",
+    )
     parser.add_argument("--configure-model", action="store_true", help="the network is built in configure_model()")
     parser.add_argument("--test-first", action="store_true", help="trainer.test on --test-samples before the fit")
     parser.add_argument("--loader-in-hook", action="store_true", help="the model's train_dataloader() builds it")

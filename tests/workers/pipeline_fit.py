@@ -38,7 +38,9 @@ def dataset() -> TensorDataset:
 class ChainModel(LightningModule):
     """An embedding before the chain, blocks of unequal width, a head and the loss after it."""
 
-    def __init__(self, optimizer: str = "sgd", container: str = "sequential", kill: str = "", width: int = WIDTH) -> None:
+    def __init__(
+        self, optimizer: str = "sgd", container: str = "sequential", kill: str = "", width: int = WIDTH
+    ) -> None:
         super().__init__()
         self.optimizer_name = optimizer
         self.sync_dist = False
@@ -147,9 +149,13 @@ def main() -> None:
     if args.save_every:
         callbacks.append(ModelCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=args.save_every, save_top_k=-1))
     # (--stages 0: data parallel, no pipeline, as a reference)
-    strategy = HeteroStrategy(pipeline=pipeline if args.stages else None, emulate_speeds=speeds,
-                              peer_timeout=args.peer_timeout, rebalance_window=args.rebalance_window,
-                              device_precision=args.device_precision.split(",") if args.device_precision else None)
+    strategy = HeteroStrategy(
+        pipeline=pipeline if args.stages else None,
+        emulate_speeds=speeds,
+        peer_timeout=args.peer_timeout,
+        rebalance_window=args.rebalance_window,
+        device_precision=args.device_precision.split(",") if args.device_precision else None,
+    )
     trainer = Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
                       enable_checkpointing=args.checkpointing or bool(callbacks), callbacks=callbacks,
                       logger=logger, enable_progress_bar=False,

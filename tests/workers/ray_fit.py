@@ -36,7 +36,6 @@ from ray.train.lightning import RayLightningEnvironment, RayTrainReportCallback,
 from ray.train.torch import TorchTrainer  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-
 # The two-node cluster listens on this loopback address: ray.init rewrites 127.0.0.1 to the machine's network address
 # when it connects to a running cluster, where nothing listens.
 LOOPBACK = "127.0.0.2"

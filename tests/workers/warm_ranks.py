@@ -36,8 +36,9 @@ sys.path.insert(0, str(WORKERS))
 
 STARTUP_FILTERS = list(warnings.filters)  # what a fresh interpreter starts with, before any module adds its own
 
-import fit  # noqa: E402  (torch, Lightning, the package and the test models, imported once for every rank)
 import deepspeed  # noqa: E402, F401
+import fit  # noqa: E402  (torch, Lightning, the package and the test models, imported once for every rank)
+
 import lightning_hetero.strategy  # noqa: E402, F401
 
 # The filters that imports added (each inserted in front of the startup ones): a fresh rank has them in front of those
@@ -158,7 +159,7 @@ def serve(path: str) -> None:
         reap(jobs)
         try:
             connection, _ = server.accept()
-        except socket.timeout:
+        except TimeoutError:
             continue
         with connection:
             request = json.loads(connection.makefile().readline())
