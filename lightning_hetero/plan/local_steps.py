@@ -23,7 +23,7 @@ from typing import Any, Optional
 from lightning_hetero.measure.cost import CostModel
 from lightning_hetero.plan.replan import Replan
 from lightning_hetero.plan.split import SplitPlan, split_by_weights
-from lightning_hetero.runtime.checks import check_one_per_rank, is_int, is_real, per_rank_list
+from lightning_hetero.runtime.checks import check_one_per_rank, check_positive_int, is_int, is_real, per_rank_list
 
 SYNC_MODES = ("every_step", "local_sgd", "diloco")
 LOCAL_MODES = ("local_sgd", "diloco")
@@ -40,10 +40,7 @@ def check_sync_arguments(sync: Any, sync_every: Any, inner_steps: Any, sync_opti
             f"`sync={sync!r}` is not one of {list(SYNC_MODES)}: 'every_step' (default) exchanges gradients at every"
             " step; 'local_sgd' and 'diloco' train locally and synchronize every `sync_every` steps."
         )
-    if not is_int(sync_every) or sync_every < 1:
-        raise ValueError(
-            f"`sync_every={sync_every!r}` must be a positive integer: the training steps between two synchronizations."
-        )
+    check_positive_int("sync_every", sync_every, ": the training steps between two synchronizations.")
     local = sync in LOCAL_MODES
     if not local and (sync_every != 1 or inner_steps is not None or sync_options is not None):
         given = "sync_every" if sync_every != 1 else "inner_steps" if inner_steps is not None else "sync_options"

@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_hetero.measure.cost import CostModel
-from lightning_hetero.plan.split import split_by_weights
+from lightning_hetero.plan.split import check_global_batch_covers_ranks, split_by_weights
+from lightning_hetero.runtime.checks import check_positive_int
 from lightning_hetero.runtime.checks import is_int as _is_int
 
 
@@ -107,13 +108,8 @@ def check_plannable(costs: Sequence[CostModel], global_batch_size: int) -> int:
     not_models = [c for c in costs if not isinstance(c, CostModel)]
     if not_models:
         raise ValueError(f"plan_min_max needs one CostModel per rank, got {not_models[:3]!r}.")
-    if not _is_int(global_batch_size) or global_batch_size < 1:
-        raise ValueError(f"`global_batch_size={global_batch_size!r}` must be a positive integer.")
-    if global_batch_size < world_size:
-        raise ValueError(
-            f"`global_batch_size={global_batch_size}` is smaller than the world size {world_size}: every rank needs"
-            f" at least one sample per step. Use a global batch of at least {world_size}, or fewer devices."
-        )
+    check_positive_int("global_batch_size", global_batch_size)
+    check_global_batch_covers_ranks(global_batch_size, world_size)
     ceilings = [cost.max_batch for cost in costs if cost.max_batch is not None]
     if len(ceilings) == world_size:
         capacity = sum(ceilings)

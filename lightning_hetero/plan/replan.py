@@ -34,7 +34,7 @@ from typing import Any, Optional
 from lightning_hetero.measure.cost import CostModel
 from lightning_hetero.plan.micro_steps import micro_steps_for, plan_micro_steps, rank_time
 from lightning_hetero.plan.planner import plan_min_max, predicted_step_time
-from lightning_hetero.runtime.checks import is_int, is_real
+from lightning_hetero.runtime.checks import check_positive_int, is_real
 
 DEFAULT_THRESHOLD = 0.05
 # Windows of records a refit looks back at, at most (their weights halve every window, so older ones hardly count).
@@ -59,11 +59,8 @@ def check_rebalance_arguments(rebalance: Any, window: Any, threshold: Any) -> No
             f"`rebalance={rebalance!r}` must be True, False or None (None: on for the automatic split, off when"
             " `batch_sizes` or `weights` fix it)."
         )
-    if not is_int(window) or window < 1:
-        raise ValueError(
-            f"`rebalance_window={window!r}` must be a positive integer: the training steps between two exchanges of"
-            f" the ranks' measurements (default {DEFAULT_WINDOW})."
-        )
+    check_positive_int("rebalance_window", window, ": the training steps between two exchanges of the ranks'"
+                       f" measurements (default {DEFAULT_WINDOW}).")  # fmt: skip
     if not is_real(threshold) or not math.isfinite(threshold) or threshold < 0:
         raise ValueError(
             f"`rebalance_threshold={threshold!r}` must be a finite number >= 0: the predicted gain a new split needs"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Optional
 
-from lightning_hetero.runtime.checks import check_one_per_rank, per_rank_list
+from lightning_hetero.runtime.checks import check_one_per_rank, check_positive_int, per_rank_list
 from lightning_hetero.runtime.checks import is_int as _is_int
 from lightning_hetero.runtime.checks import is_real as _is_real
 
@@ -152,11 +152,9 @@ def check_split_arguments(
             f"HeteroStrategy got both `batch_sizes={batch_sizes!r}` and `weights={weights!r}`."
             " Pass one of them: `batch_sizes` fixes each rank's micro-batch, `weights` derives them."
         )
-    if global_batch_size is not None and (not _is_int(global_batch_size) or global_batch_size < 1):
-        raise ValueError(
-            f"`global_batch_size={global_batch_size!r}` must be a positive integer (samples per optimizer step"
-            " across all ranks), or None to use the training loader's batch_size times the world size."
-        )
+    if global_batch_size is not None:
+        check_positive_int("global_batch_size", global_batch_size, " (samples per optimizer step across all ranks), or"
+                           " None to use the training loader's batch_size times the world size.")  # fmt: skip
     if batch_sizes is not None:
         batch_sizes = positive_integers_per_rank(
             "batch_sizes", batch_sizes, "[8, 24]", "one micro-batch size",
@@ -194,6 +192,15 @@ def positive_integers_per_rank(name: str, value: Any, example: str, what: str, r
     return list(values)
 
 
+def check_global_batch_covers_ranks(global_batch_size: int, world_size: int) -> None:
+    """Every rank needs at least one sample of each global batch."""
+    if global_batch_size < world_size:
+        raise ValueError(
+            f"`global_batch_size={global_batch_size}` is smaller than the world size {world_size}: every rank needs"
+            f" at least one sample per step. Use a global batch of at least {world_size}, or fewer devices."
+        )
+
+
 def resolve_split(
     world_size: int,
     global_batch_size: int,
@@ -219,11 +226,7 @@ def resolve_split(
     if weights is not None:
         check_one_per_rank(f"`weights={list(weights)}`", len(weights), world_size,
                            "Give exactly one weight per rank, in global rank order.")  # fmt: skip
-    if global_batch_size < world_size:
-        raise ValueError(
-            f"`global_batch_size={global_batch_size}` is smaller than the world size {world_size}: every rank needs"
-            f" at least one sample per step. Use a global batch of at least {world_size}, or fewer devices."
-        )
+    check_global_batch_covers_ranks(global_batch_size, world_size)
     if batch_sizes is not None:
         return SplitPlan(tuple(int(b) * k for b, k in zip(batch_sizes, steps)), "batch_sizes", steps)
     source = "weights" if weights is not None else "equal"

@@ -29,18 +29,16 @@ import torch
 from torch import Tensor
 
 from lightning_hetero.precision.plugin import skip_agreed_overflows
-from lightning_hetero.runtime.checks import is_int
+from lightning_hetero.runtime.checks import check_positive_int
 
 DEFAULT_MAX_NONFINITE_STEPS = 3
 
 
 def check_max_nonfinite_steps(value: Any) -> None:
-    if value is not None and (not is_int(value) or value < 1):
-        raise ValueError(
-            f"`max_nonfinite_steps={value!r}` must be a positive integer (optimizer steps in a row skipped for"
-            " non-finite gradients before the run stops, when there is no loss scale to lower) or None to never"
-            f" stop. The default is {DEFAULT_MAX_NONFINITE_STEPS}."
-        )
+    if value is not None:
+        check_positive_int("max_nonfinite_steps", value, " (optimizer steps in a row skipped for non-finite gradients"
+                           " before the run stops, when there is no loss scale to lower) or None to never stop. The"
+                           f" default is {DEFAULT_MAX_NONFINITE_STEPS}.")  # fmt: skip
 
 
 def gradients_are_finite(parameters: Any) -> bool:

@@ -26,6 +26,13 @@ def is_real(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+def check_positive_int(name: str, value: Any, meaning: str = ".") -> None:
+    """``value`` is an integer >= 1 (numpy integers too; not a bool): else a ValueError "`name=value` must be a
+    positive integer" followed by ``meaning`` (what the argument counts, and the fix)."""
+    if not is_int(value) or value < 1:
+        raise ValueError(f"`{name}={value!r}` must be a positive integer{meaning}")
+
+
 def per_rank_list(name: str, value: Any, example: str) -> list[Any]:
     """``value`` as a list with one entry per rank, in global rank order.
 
