@@ -44,6 +44,13 @@ def main() -> None:
         help="keep the first plan's split: a resumed run then makes the updates of an uninterrupted"
         " one to the last bit (a re-plan driven by measured times changes the sum order)",
     )
+    parser.add_argument(
+        "--batch-sizes",
+        type=int,
+        nargs="+",
+        help="each rank's micro-batch, summing to 256 (a fixed split: no profile, no re-plan, so a resumed run makes"
+        " the updates of an uninterrupted one to the last bit)",
+    )
     args = parser.parse_args()
 
     seed_everything(0, verbose=False)  # the same data order on every attempt: a resume continues it exactly
@@ -54,7 +61,10 @@ def main() -> None:
         num_nodes=num_nodes,
         # A global batch that does not depend on the number of ranks: a resume on other devices keeps it.
         strategy=HeteroStrategy(
-            global_batch_size=256, stage=args.stage, rebalance=False if args.no_rebalance else None
+            global_batch_size=256,
+            batch_sizes=args.batch_sizes,
+            stage=args.stage,
+            rebalance=False if args.no_rebalance else None,
         ),
         max_epochs=args.epochs,
         default_root_dir=args.root,

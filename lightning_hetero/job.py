@@ -335,10 +335,10 @@ class HeteroJob:
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, target: Path, saved: dict[str, Any], write: Callable[[Path], None],
-                        zero_stage: int) -> None:  # fmt: skip
+                        zero_stage: int, engine: Any) -> None:  # fmt: skip
         """Complete or ignored: staged, listed in a manifest, published atomically (:mod:`~.recover.checkpoint`).
-        ``write(directory)``: DeepSpeed's save of this rank's files (the parent strategy's)."""
-        engine = self.engine
+        ``write(directory)``: DeepSpeed's save of this rank's files (the parent strategy's); ``engine``: the
+        strategy's (it outlives the trainer call: `trainer.save_checkpoint` after a fit)."""
         if self.pipeline is not None:  # each rank's blocks by name (recover/pipeline_state.py)
             self.pipeline.save_checkpoint(target, saved, engine)
             return
@@ -365,10 +365,9 @@ class HeteroJob:
         self.recovery.remove(path, remove)  # (rank 0 alone, and never the only complete checkpoint)
 
     def load_checkpoint(self, path: Path, load: Callable[[str], Any], module: Any, trainer: Optional[Any],
-                        zero_stage: int, stage_is_automatic: bool) -> dict[str, Any]:  # fmt: skip
+                        zero_stage: int, stage_is_automatic: bool, engine: Any) -> dict[str, Any]:  # fmt: skip
         """Resume ``path`` the way its manifest says (:func:`~lightning_hetero.recover.resume.resume_route`);
         ``load(directory)``: DeepSpeed's load (the parent strategy's)."""
-        engine = self.engine
         # DeepSpeed restores the checkpoint after the strategy's setup, where the training loader was requested:
         # the model or datamodule state it restores may change what `train_dataloader()` returns, so the fit loop
         # asks again, as under DDP.

@@ -11,12 +11,13 @@ blocks when the ranks' measured times say so, and saves and loads each rank's bl
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import statistics
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
@@ -49,6 +50,9 @@ from lightning_hetero.train.streams import is_stream
 from lightning_hetero.watch.pipeline_report import describe_stages, summarize_stages
 from lightning_hetero.watch.publish import report_directory
 
+if TYPE_CHECKING:  # (job.py imports this module: the type only, for the checker)
+    from lightning_hetero.job import HeteroJob
+
 
 def check_pipeline_job(choice: PipelineChoice, trainer: Any, precision: str, world_size: int) -> None:
     """What a pipeline cannot run (yet), raised at setup on every rank before the process group exists (the
@@ -73,7 +77,7 @@ class PipelineTraining:
     """This rank's part of the pipelines. ``job``: the :class:`~lightning_hetero.job.HeteroJob` (its settings, ranks,
     collectives, emulation, device facts, data sharding and recovery are read when needed)."""
 
-    def __init__(self, job: Any, pipeline: Pipeline) -> None:
+    def __init__(self, job: HeteroJob, pipeline: Pipeline) -> None:
         self._job = job
         self.pipeline = pipeline
         self.replans: list[dict[str, Any]] = []  # this fit's block moves (the report's)
@@ -113,6 +117,9 @@ class PipelineTraining:
             check_chain_order(module, blocks, names, choice.blocks, probe, device)
             return None, None
 
+        def measure_in_turn(turn: int) -> tuple[None, Optional[dict[str, Any]]]:
+            return None, measure() if turn == rank else None
+
         def measure() -> dict[str, Any]:
             batch = first_batch(loader, micro_batch, device, move_data_to_device)
             return measure_blocks(module, blocks, batch, micro_batch, device, emulator).to_dict()
@@ -128,8 +135,7 @@ class PipelineTraining:
                 # unevenly (memory bandwidth, shared cores), which misplaced a block in one run of three.
                 gathered = [
                     self._job.collectives.gather_or_raise(
-                        f"measuring the blocks (rank {turn})",
-                        lambda turn=turn: (None, measure() if turn == rank else None),
+                        f"measuring the blocks (rank {turn})", functools.partial(measure_in_turn, turn)
                     )[1][turn]
                     for turn in range(self._job.world_size)
                 ]  # fmt: skip
@@ -137,7 +143,7 @@ class PipelineTraining:
         costs = block_costs(measured, len(names), self._job.world_size, [training_bytes(block) for block in blocks],
                             training_bytes(module) - sum(training_bytes(block) for block in blocks),
                             memory.capped_free_bytes([None] * self._job.world_size,
-                                                     self._job.memory_byte_ceilings))  # fmt: skip
+                                                     self._job.setup.memory_byte_ceilings))  # fmt: skip
         placement = place_stages(costs, choice.stages, choice.schedule, micro_batches, micro_batch, choice.boundaries,
                                  ranks=tuple(range(choice.stages)), search_orders=replicas == 1,
                                  last_rank=0)  # fmt: skip
@@ -154,7 +160,7 @@ class PipelineTraining:
         self._placed_at = 0
         if self._job.rank == 0:
             described = describe_pipeline(placement, names, choice, replicas, micro_batches, micro_batch, measured,
-                                          costs.memory_bytes if self._job.memory_byte_ceilings else None,
+                                          costs.memory_bytes if self._job.setup.memory_byte_ceilings else None,
                                           pipeline.shares)  # fmt: skip
             rank_zero_info(described)
         return micro_batch

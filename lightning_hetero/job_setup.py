@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from lightning.pytorch import LightningModule
@@ -40,6 +40,9 @@ from lightning_hetero.train.sync_batchnorm import small_batchnorm_warning
 from lightning_hetero.watch.publish import report_directory
 from lightning_hetero.watch.watcher import JobFacts
 
+if TYPE_CHECKING:  # (job.py imports this module: the type only, for the checker)
+    from lightning_hetero.job import HeteroJob
+
 
 def _mib_list(values: Any) -> list:
     return ["-" if v is None else round(v / 2**20, 1) for v in values]
@@ -49,7 +52,7 @@ class JobSetup:
     """What the ranks established at setup, and the planning that reads it. ``job``: the
     :class:`~lightning_hetero.job.HeteroJob` (its settings, ranks, collectives, sharding, split and watcher)."""
 
-    def __init__(self, job: Any) -> None:
+    def __init__(self, job: HeteroJob) -> None:
         self._job = job
         self.device_facts: list[DeviceFacts] = []
         self.precisions: list[str] = []
@@ -223,6 +226,7 @@ class JobSetup:
                                         fixed_micro_steps=settings.micro_steps is not None,
                                         unequal_micro_steps=self._unequal_steps(zero_stage, module),
                                         ceilings=self.memory_ceilings)  # fmt: skip
+        assert job.watcher is not None  # (joined)
         job.watcher.follow(job.split, rebalancer)
 
     def _start_local_training(self, global_batch_size: int) -> None:
@@ -242,12 +246,19 @@ class JobSetup:
             micro = tuple(b // k for b, k in zip(plan.batch_sizes, plan.micro_steps))
             rebalancer = InnerStepsRebalancer(micro, plan.micro_steps, settings.rebalance_window)
         self._inner_steps_rebalancer = rebalancer
-        job.local.inner_steps = lambda: job.split.plan.micro_steps
+        assert job.local is not None and job.watcher is not None  # (local training, joined)
+
+        def inner_steps_in_force() -> tuple[int, ...]:  # (what a checkpoint records)
+            assert job.split.plan is not None
+            return job.split.plan.micro_steps
+
+        job.local.inner_steps = inner_steps_in_force
         job.watcher.follow(job.split, rebalancer)
 
     def load_local_training(self, directory: Path) -> None:
         """Local training resumes: each rank's own state, and the inner steps the checkpoint ran with."""
         job = self._job
+        assert job.local is not None
         restored = job.local.load(directory, job.rank)
         if restored is not None and self._inner_steps_rebalancer is not None:
             self._inner_steps_rebalancer.restored = restored

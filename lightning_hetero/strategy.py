@@ -51,23 +51,18 @@ from lightning_hetero.train.sync_batchnorm import with_layer_sync
 class HeteroStrategy(DeepSpeedStrategy):
     """DeepSpeed ZeRO data parallelism where every rank has its own micro-batch.
 
-    With neither ``batch_sizes`` nor ``weights`` the split is automatic: every rank benchmarks its own training step
-    at fit start, the planner picks the integer split that minimises the slowest rank's predicted step time within
-    each device's memory, and every ``rebalance_window`` steps the split follows what the ranks measure. Each topic
-    page of the documentation (``docs/``) says more of the arguments below.
+    Without ``batch_sizes`` or ``weights`` every rank benchmarks its step at fit start, the planner picks the split
+    that minimises the slowest rank's step within each device's memory, and the split follows what the ranks measure.
 
     Args:
-        stage: ZeRO stage 0-3. Default None: at setup, the lowest stage at which the model, its gradients and
-            optimizer state and the planned activations fit every device (the plan output says why); 0 with local
-            SGD / DiLoCo and with a compression hook. A ``config`` dict's ``zero_optimization.stage`` wins (a config
-            without one is ZeRO-0, as DeepSpeed reads it); ``zero_optimization=False`` is ``stage=0``.
+        stage: ZeRO stage 0-3. Default: at setup, the lowest that fits every device (the plan says why); 0 with local
+            SGD / DiLoCo and compression hooks. A ``config``'s ``zero_optimization.stage`` wins (none there: ZeRO-0).
         global_batch_size: samples per step across all ranks. Default: the training loader's ``batch_size`` times
             the world size (what DDP would use), or the sum of ``batch_sizes``.
         batch_sizes: each rank's micro-batch, in global rank order; they sum to the global batch.
         weights: relative capability per rank; the global batch is split in proportion (each rank >= 1 sample).
-        micro_steps: forward/backward passes per optimizer step on each rank, e.g. ``[3, 1]``, so a fast device with
-            little memory still takes the share its speed deserves; the update is the full-batch one. Default: 1,
-            unless a memory ceiling binds (the planner picks them). ZeRO-3 needs the same count everywhere.
+        micro_steps: forward/backward passes per optimizer step on each rank, e.g. ``[3, 1]``, for a fast device with
+            little memory; the update is the full-batch one. Default: planned where memory binds (ZeRO-3: equal).
         loss_reduction: what ``training_step`` returns: ``"mean"`` (default) or ``"sum"`` over its batch, or
             ``"token_mean"``; each rank's loss is weighted so that the update is DDP's whatever the split.
         emulate_speeds: a test and demo aid: one speed in (0, 1] per rank (a rank with speed ``f`` stretches its
@@ -427,7 +422,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         parent_save = super().save_checkpoint
         target = Path(self.broadcast(str(filepath)))  # (rank 0's path: a timestamped name differs between ranks)
         write = lambda directory: parent_save(checkpoint, directory, storage_options)  # noqa: E731
-        self.job.save_checkpoint(target, checkpoint, write, self._zero_stage())
+        self.job.save_checkpoint(target, checkpoint, write, self._zero_stage(), self.deepspeed_engine)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
@@ -438,7 +433,8 @@ class HeteroStrategy(DeepSpeedStrategy):
         parent_load = super().load_checkpoint
         load = lambda directory: parent_load(directory, *args, **kwargs)  # noqa: E731
         return self.job.load_checkpoint(Path(checkpoint_path), load, self.lightning_module, self._trainer(),
-                                        self._zero_stage(), self._automatic_stages is not None)  # fmt: skip
+                                        self._zero_stage(), self._automatic_stages is not None,
+                                        self.deepspeed_engine)  # fmt: skip
 
     @override
     def teardown(self) -> None:

@@ -11,10 +11,11 @@ recorded first, when re-planning is on.
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Optional, Union
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_hetero.plan.local_steps import InnerStepsRebalancer
 from lightning_hetero.plan.replan import Rebalancer, Replan
 from lightning_hetero.train.split_in_force import SplitInForce
 from lightning_hetero.watch.meter import RunWatch, TensorGather
@@ -27,7 +28,11 @@ class SplitFollower:
     """
 
     def __init__(
-        self, watch: RunWatch, all_gather: TensorGather, rebalancer: Optional[Rebalancer], split: SplitInForce
+        self,
+        watch: RunWatch,
+        all_gather: TensorGather,
+        rebalancer: Optional[Union[Rebalancer, InnerStepsRebalancer]],
+        split: SplitInForce,
     ) -> None:
         self.watch = watch
         self.rebalancer = rebalancer

@@ -11,7 +11,7 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -19,6 +19,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_hetero.emulate.slowdown import compute_clock
 from lightning_hetero.measure.facts import DeviceFacts
 from lightning_hetero.measure.rank_profile import RankProfile
+from lightning_hetero.plan.local_steps import InnerStepsRebalancer
 from lightning_hetero.plan.replan import Rebalancer
 from lightning_hetero.train.split_in_force import SplitInForce
 from lightning_hetero.watch import report
@@ -58,7 +59,7 @@ class Watcher:
         self.skipped_steps: Callable[[], list[int]] = list
         self.loss_scale: Callable[[], Optional[float]] = lambda: None
 
-    def follow(self, split: SplitInForce, rebalancer: Optional[Rebalancer]) -> None:
+    def follow(self, split: SplitInForce, rebalancer: Optional[Union[Rebalancer, InnerStepsRebalancer]]) -> None:
         """Re-plan ``split`` with ``rebalancer`` (None: measure and exchange only, for the report)."""
         if self.follower is None:
             self.follower = SplitFollower(self.run, self._gather_tensor, rebalancer, split)
