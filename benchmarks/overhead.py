@@ -159,10 +159,8 @@ def plain_loop(strategy: str, steps: int, out: Path) -> None:
         (out / "timing.json").write_text(json.dumps({"step_seconds": statistics.median(seconds)}))
 
 
-def run_plain(strategy: str, steps: int, out: Path) -> float:
-    out.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-               "--plain-fit", strategy, "--steps", str(steps), "--fit-out", str(out)]  # fmt: skip
+def timed_child(command: list[str], what: str, out: Path) -> dict[str, Any]:
+    """Run one measured fit in a process of its own (bounded by FIT_TIMEOUT); the timing.json it wrote in ``out``."""
     result = subprocess.run(
         command,
         capture_output=True,
@@ -171,23 +169,21 @@ def run_plain(strategy: str, steps: int, out: Path) -> float:
         env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
     )
     if result.returncode != 0:
-        raise RuntimeError(f"plain {strategy} failed:\n{(result.stdout + result.stderr)[-3000:]}")
-    return json.loads((out / "timing.json").read_text())["step_seconds"]
+        raise RuntimeError(f"{what} failed ({result.returncode}):\n{(result.stdout + result.stderr)[-3000:]}")
+    return json.loads((out / "timing.json").read_text())
+
+
+def run_plain(strategy: str, steps: int, out: Path) -> float:
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
+               "--plain-fit", strategy, "--steps", str(steps), "--fit-out", str(out)]  # fmt: skip
+    return timed_child(command, f"plain {strategy}", out)["step_seconds"]
 
 
 def run_fit(strategy: str, steps: int, out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, __file__, "--fit", strategy, "--steps", str(steps), "--fit-out", str(out)]
-    result = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        timeout=FIT_TIMEOUT,
-        env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
-    )
-    if result.returncode != 0:
-        raise RuntimeError(f"{strategy} failed ({result.returncode}):\n{(result.stdout + result.stderr)[-3000:]}")
-    return json.loads((out / "timing.json").read_text())
+    return timed_child(command, strategy, out)
 
 
 def main() -> None:

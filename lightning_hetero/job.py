@@ -98,8 +98,8 @@ class HeteroJob:
                   plugin: Any, trainer: Optional[Any]) -> None:  # fmt: skip
         """What the world size, the device and the trainer refuse, on every rank before the process group exists
         (``plugin``: the strategy's precision plugin; ours, from an earlier trainer call, is not the Trainer's)."""
-        trainers = None if isinstance(plugin, HeteroPrecision) else (str(plugin.precision), type(plugin).__name__)
-        self.settings.check_job(world_size, device_type, config, sync_batchnorm, trainers)
+        given = None if isinstance(plugin, HeteroPrecision) else (str(plugin.precision), type(plugin).__name__)
+        self.settings.check_job(world_size, device_type, config, sync_batchnorm, trainer_precision=given)
         if self.settings.pipeline is not None:
             check_pipeline_job(self.settings.pipeline, trainer, str(plugin.precision), world_size)
         if trainer is not None:

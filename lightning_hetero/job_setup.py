@@ -164,7 +164,9 @@ class JobSetup:
         activations = None
         if profiles and all(p.bytes_per_sample is not None for p in profiles):
             # The planned micro-batches (the planner's memory ceilings leave the model's state out).
-            plan = self._plan_start(global_batch_size, allowed[0], module).plan
+            stage = allowed[0]
+            held, unequal = self._held_bytes(stage, module), self._unequal_steps(stage, module)
+            plan = self._plan_start(global_batch_size, held, unequal).plan
             largest = [max(micro_batch_sizes(b, k)) for b, k in zip(plan.batch_sizes, plan.micro_steps)]
             activations = [p.bytes_per_sample * b for p, b in zip(profiles, largest)]
         # (an emulated ceiling is one rank's own device: applied after the host's memory is shared among its ranks)
@@ -191,12 +193,13 @@ class JobSetup:
         return automatic_micro_steps_allowed(zero_stage, self._job.settings.loss_reduction,
                                              module.automatic_optimization, self.sync_batchnorm)  # fmt: skip
 
-    def _plan_start(self, global_batch_size: int, zero_stage: int, module: LightningModule) -> InitialPlan:
+    def _plan_start(self, global_batch_size: int, held_bytes: float, unequal_steps: bool) -> InitialPlan:
+        """The split a fit starts with (``held_bytes``: :meth:`_held_bytes`; ``unequal_steps``:
+        :meth:`_unequal_steps`, both at the fit's ZeRO stage)."""
         settings = self._job.settings
         return initial_plan(self._job.world_size, global_batch_size, settings.batch_sizes, settings.weights,
-                            self.profiles, settings.loss_reduction, self.identical_devices,
-                            self._held_bytes(zero_stage, module), settings.micro_steps,
-                            self._unequal_steps(zero_stage, module))  # fmt: skip
+                            self.profiles, settings.loss_reduction, self.identical_devices, held_bytes,
+                            settings.micro_steps, unequal_steps)  # fmt: skip
 
     def start_the_split(self, global_batch_size: int, zero_stage: int, module: LightningModule) -> None:
         """The split this fit starts with and the re-planner that follows it (both planned again when a resume on
@@ -205,7 +208,8 @@ class JobSetup:
         if settings.local:
             self._start_local_training(global_batch_size)
             return
-        start = self._plan_start(global_batch_size, zero_stage, module)
+        held, unequal = self._held_bytes(zero_stage, module), self._unequal_steps(zero_stage, module)
+        start = self._plan_start(global_batch_size, held, unequal)
         if start.warning:
             rank_zero_warn(start.warning)
         smallest = [min(micro_batch_sizes(b, k)) for b, k in zip(start.plan.batch_sizes, start.plan.micro_steps)]
@@ -221,10 +225,10 @@ class JobSetup:
         job.loss_check.start(job.world_size > 1 and not profiled and bool(module.automatic_optimization))
         rebalancer = None
         if settings.rebalancing(profiled=self.profiles is not None, world_size=job.world_size):
-            rebalancer = rebalancer_for(start.plan, self.profiles, self._held_bytes(zero_stage, module),
+            rebalancer = rebalancer_for(start.plan, self.profiles, held,
                                         settings.rebalance_window, settings.rebalance_threshold,
                                         fixed_micro_steps=settings.micro_steps is not None,
-                                        unequal_micro_steps=self._unequal_steps(zero_stage, module),
+                                        unequal_micro_steps=unequal,
                                         ceilings=self.memory_ceilings)  # fmt: skip
         assert job.watcher is not None  # (joined)
         job.watcher.follow(job.split, rebalancer)

@@ -32,6 +32,10 @@ from unittest.mock import ANY, Mock
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics import Accuracy
+
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
@@ -42,9 +46,6 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies.deepspeed import DeepSpeedStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.imports import _TORCHMETRICS_GREATER_EQUAL_0_11 as _TM_GE_0_11
-from torch import Tensor, nn
-from torch.utils.data import DataLoader, TensorDataset
-from torchmetrics import Accuracy
 
 HETERO = os.environ.get("LT_STRATEGY", "hetero") == "hetero"
 STANDALONE = pytest.mark.skipif(os.environ.get("LT_STANDALONE") != "1", reason="standalone")
@@ -203,10 +204,7 @@ def test_deepspeed_strategy_env(tmp_path, monkeypatch, deepspeed_config):
 
 def test_deepspeed_precision_choice(cuda_count_1, tmp_path):
     trainer = Trainer(
-        fast_dev_run=True,
-        default_root_dir=tmp_path,
-        accelerator="gpu",
-        strategy=name("deepspeed"),
+        fast_dev_run=True, default_root_dir=tmp_path, accelerator="gpu", strategy=name("deepspeed"),
         precision="16-mixed",
     )
     assert isinstance(trainer.strategy, Strategy)
@@ -338,14 +336,8 @@ def test_warn_deepspeed_ignored(tmp_path):
 
     model = TestModel()
     trainer = Trainer(
-        fast_dev_run=True,
-        default_root_dir=tmp_path,
-        strategy=CPUStrategy(),
-        accelerator="cpu",
-        devices=1,
-        precision="bf16-mixed",
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        fast_dev_run=True, default_root_dir=tmp_path, strategy=CPUStrategy(), accelerator="cpu", devices=1,
+        precision="bf16-mixed", enable_progress_bar=False, enable_model_summary=False,
     )
     with pytest.warns(UserWarning, match="will be ignored since DeepSpeed handles the backward"):
         trainer.fit(model)
@@ -374,10 +366,7 @@ def test_deepspeed_auto_batch_size_config_select(_, __, tmp_path, dataset_cls, v
 
     model = TestModel()
     trainer = Trainer(
-        default_root_dir=tmp_path,
-        fast_dev_run=True,
-        accelerator="cpu",
-        devices=1,
+        default_root_dir=tmp_path, fast_dev_run=True, accelerator="cpu", devices=1,
         strategy=CPUStrategy(logging_batch_size_per_gpu=value, zero_optimization=False),
     )
     with pytest.raises(SystemExit):
@@ -403,16 +392,9 @@ def test_deepspeed_run_configure_optimizers(tmp_path):
     model = TestModel()
     lr_monitor = LearningRateMonitor()
     trainer = Trainer(
-        strategy=CPUStrategy(),
-        default_root_dir=tmp_path,
-        accelerator="cpu",
-        devices=1,
-        fast_dev_run=True,
-        precision="bf16-mixed",
-        callbacks=[TestCB(), lr_monitor],
-        logger=CSVLogger(tmp_path),
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        strategy=CPUStrategy(), default_root_dir=tmp_path, accelerator="cpu", devices=1, fast_dev_run=True,
+        precision="bf16-mixed", callbacks=[TestCB(), lr_monitor], logger=CSVLogger(tmp_path),
+        enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.fit(model)
     assert lr_monitor.lrs == {"Sean": [0.1]}
@@ -435,20 +417,10 @@ def test_deepspeed_config(tmp_path, deepspeed_zero_config):
     model = BoringModel()
     lr_monitor = LearningRateMonitor()
     trainer = Trainer(
-        strategy=CPUStrategy(config=deepspeed_zero_config),
-        default_root_dir=tmp_path,
-        accelerator="cpu",
-        devices=1,
-        log_every_n_steps=1,
-        limit_train_batches=4,
-        limit_val_batches=4,
-        limit_test_batches=4,
-        max_epochs=2,
-        precision="bf16-mixed",
-        callbacks=[TestCB(), lr_monitor],
-        logger=CSVLogger(tmp_path),
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        strategy=CPUStrategy(config=deepspeed_zero_config), default_root_dir=tmp_path, accelerator="cpu", devices=1,
+        log_every_n_steps=1, limit_train_batches=4, limit_val_batches=4, limit_test_batches=4, max_epochs=2,
+        precision="bf16-mixed", callbacks=[TestCB(), lr_monitor], logger=CSVLogger(tmp_path),
+        enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.fit(model)
     trainer.test(model)
@@ -470,14 +442,8 @@ def test_deepspeed_custom_precision_params(tmp_path):
     model = BoringModel()
     ds = CPUStrategy(loss_scale=10, initial_scale_power=11, loss_scale_window=12, hysteresis=13, min_loss_scale=14)
     trainer = Trainer(
-        default_root_dir=tmp_path,
-        strategy=ds,
-        precision="16-mixed",
-        accelerator="cpu",
-        devices=1,
-        callbacks=[TestCB()],
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        default_root_dir=tmp_path, strategy=ds, precision="16-mixed", accelerator="cpu", devices=1,
+        callbacks=[TestCB()], enable_progress_bar=False, enable_model_summary=False,
     )
     with pytest.raises(SystemExit):
         trainer.fit(model)
@@ -494,11 +460,7 @@ def test_deepspeed_inference_precision_during_inference(precision, tmp_path):
     model = BoringModel()
     strategy = CPUStrategy(config={precision: {"enabled": True}})
     trainer = Trainer(
-        default_root_dir=tmp_path,
-        strategy=strategy,
-        accelerator="cpu",
-        devices=1,
-        callbacks=[TestCB()],
+        default_root_dir=tmp_path, strategy=strategy, accelerator="cpu", devices=1, callbacks=[TestCB()],
         barebones=True,
     )
     with pytest.raises(SystemExit):
@@ -510,21 +472,13 @@ def test_deepspeed_custom_activation_checkpointing_params_forwarded(tmp_path):
     import deepspeed
 
     ds = CPUStrategy(
-        partition_activations=True,
-        cpu_checkpointing=True,
-        contiguous_memory_optimization=True,
+        partition_activations=True, cpu_checkpointing=True, contiguous_memory_optimization=True,
         synchronize_checkpoint_boundary=True,
     )
     model = BoringModel()
     trainer = Trainer(
-        default_root_dir=tmp_path,
-        fast_dev_run=1,
-        strategy=ds,
-        precision="bf16-mixed",
-        accelerator="cpu",
-        devices=1,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        default_root_dir=tmp_path, fast_dev_run=1, strategy=ds, precision="bf16-mixed", accelerator="cpu", devices=1,
+        enable_progress_bar=False, enable_model_summary=False,
     )
     with mock.patch(
         "deepspeed.checkpointing.configure", wraps=deepspeed.checkpointing.configure
@@ -546,13 +500,8 @@ def test_deepspeed_assert_config_zero_offload_disabled(tmp_path, deepspeed_zero_
 
     model = BoringModel()
     trainer = Trainer(
-        default_root_dir=tmp_path,
-        enable_progress_bar=False,
-        max_epochs=1,
-        strategy=CPUStrategy(config=deepspeed_zero_config),
-        precision="bf16-mixed",
-        accelerator="cpu",
-        devices=1,
+        default_root_dir=tmp_path, enable_progress_bar=False, max_epochs=1,
+        strategy=CPUStrategy(config=deepspeed_zero_config), precision="bf16-mixed", accelerator="cpu", devices=1,
         callbacks=[TestCallback()],
     )
     with pytest.raises(SystemExit):
@@ -565,14 +514,8 @@ def test_deepspeed_multigpu(tmp_path):
 
     model = BoringModel()
     trainer = Trainer(
-        default_root_dir=tmp_path,
-        strategy=CPUStrategy(stage=3),
-        accelerator="cpu",
-        devices=2,
-        fast_dev_run=True,
-        precision="bf16-mixed",
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        default_root_dir=tmp_path, strategy=CPUStrategy(stage=3), accelerator="cpu", devices=2, fast_dev_run=True,
+        precision="bf16-mixed", enable_progress_bar=False, enable_model_summary=False,
     )
     with mock.patch.object(
         model, "configure_optimizers", wraps=model.configure_optimizers
@@ -589,13 +532,8 @@ def test_deepspeed_multigpu(tmp_path):
 def test_deepspeed_fp32_works(tmp_path):
     model = BoringModel()
     trainer = Trainer(
-        default_root_dir=tmp_path,
-        accelerator="cpu",
-        devices=1,
-        strategy=cpu_name("deepspeed_stage_3"),
-        fast_dev_run=True,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        default_root_dir=tmp_path, accelerator="cpu", devices=1, strategy=cpu_name("deepspeed_stage_3"),
+        fast_dev_run=True, enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.fit(model)
 
@@ -604,21 +542,15 @@ def test_deepspeed_fp32_works(tmp_path):
 def test_deepspeed_stage_3_save_warning(tmp_path):
     model = BoringModel()
     trainer = Trainer(
-        default_root_dir=tmp_path,
-        strategy=CPUStrategy(stage=3),
-        accelerator="cpu",
-        devices=2,
-        fast_dev_run=True,
-        precision="bf16-mixed",
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        default_root_dir=tmp_path, strategy=CPUStrategy(stage=3), accelerator="cpu", devices=2, fast_dev_run=True,
+        precision="bf16-mixed", enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.fit(model)
     checkpoint_path = os.path.join(tmp_path, "model.pt")
     context_manager = (
         pytest.warns(UserWarning, match="each worker will save a shard of the checkpoint within a directory.")
         if trainer.is_global_zero
-        else contextlib.nullcontext()
+        else contextlib.suppress()
     )
     with context_manager:
         trainer.save_checkpoint(checkpoint_path)
@@ -633,14 +565,8 @@ def test_deepspeed_multigpu_single_file(tmp_path):
     trainer.save_checkpoint(checkpoint_path)
 
     trainer = Trainer(
-        default_root_dir=tmp_path,
-        strategy=CPUStrategy(stage=3),
-        accelerator="cpu",
-        devices=1,
-        fast_dev_run=True,
-        precision="bf16-mixed",
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        default_root_dir=tmp_path, strategy=CPUStrategy(stage=3), accelerator="cpu", devices=1, fast_dev_run=True,
+        precision="bf16-mixed", enable_progress_bar=False, enable_model_summary=False,
     )
     strategy = trainer.strategy
     assert isinstance(strategy, DeepSpeedStrategy)
@@ -649,14 +575,8 @@ def test_deepspeed_multigpu_single_file(tmp_path):
         trainer.test(model, ckpt_path=checkpoint_path)
 
     trainer = Trainer(
-        default_root_dir=tmp_path,
-        strategy=CPUStrategy(stage=3, load_full_weights=True),
-        accelerator="cpu",
-        devices=1,
-        fast_dev_run=True,
-        precision="bf16-mixed",
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        default_root_dir=tmp_path, strategy=CPUStrategy(stage=3, load_full_weights=True), accelerator="cpu",
+        devices=1, fast_dev_run=True, precision="bf16-mixed", enable_progress_bar=False, enable_model_summary=False,
     )
     strategy = trainer.strategy
     assert isinstance(strategy, DeepSpeedStrategy)
@@ -682,14 +602,8 @@ def test_deepspeed_strategy_exclude_frozen_parameters_integration(tmp_path):
 
     model = TestModelWithFrozenParams()
     trainer = Trainer(
-        default_root_dir=tmp_path,
-        strategy=CPUStrategy(exclude_frozen_parameters=True),
-        accelerator="cpu",
-        devices=1,
-        fast_dev_run=True,
-        precision="bf16-mixed",
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        default_root_dir=tmp_path, strategy=CPUStrategy(exclude_frozen_parameters=True), accelerator="cpu",
+        devices=1, fast_dev_run=True, precision="bf16-mixed", enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.fit(model)
     checkpoint_path = os.path.join(tmp_path, "checkpoint_exclude_frozen.ckpt")
@@ -781,14 +695,8 @@ class ManualModelParallelClassificationModel(ModelParallelClassificationModel):
 def test_deepspeed_multigpu_stage_3(tmp_path):
     model = ModelParallelBoringModel()
     trainer = Trainer(
-        default_root_dir=tmp_path,
-        strategy=CPUStrategy(stage=3),
-        accelerator="cpu",
-        devices=2,
-        fast_dev_run=True,
-        precision="bf16-mixed",
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        default_root_dir=tmp_path, strategy=CPUStrategy(stage=3), accelerator="cpu", devices=2, fast_dev_run=True,
+        precision="bf16-mixed", enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.test(model)
     trainer.fit(model)
@@ -799,14 +707,8 @@ def test_deepspeed_multigpu_stage_3(tmp_path):
 def test_deepspeed_multigpu_stage_3_manual_optimization(tmp_path, deepspeed_config):
     model = ModelParallelBoringModelManualOptim()
     trainer = Trainer(
-        default_root_dir=tmp_path,
-        strategy=CPUStrategy(stage=3),
-        accelerator="cpu",
-        devices=2,
-        fast_dev_run=True,
-        precision="bf16-mixed",
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        default_root_dir=tmp_path, strategy=CPUStrategy(stage=3), accelerator="cpu", devices=2, fast_dev_run=True,
+        precision="bf16-mixed", enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.test(model)
     trainer.fit(model)
@@ -821,16 +723,9 @@ def test_deepspeed_multigpu_stage_3_checkpointing(tmp_path, automatic_optimizati
     dm = ClassifDataModule()
     ck = ModelCheckpoint(monitor="val_acc", mode="max", save_last=True, save_top_k=-1)
     trainer = Trainer(
-        default_root_dir=tmp_path,
-        max_epochs=10,
-        strategy=CPUStrategy(stage=3),
-        accelerator="cpu",
-        devices=2,
-        precision="bf16-mixed",
-        accumulate_grad_batches=accumulate_grad_batches,
-        callbacks=[ck],
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        default_root_dir=tmp_path, max_epochs=10, strategy=CPUStrategy(stage=3), accelerator="cpu", devices=2,
+        precision="bf16-mixed", accumulate_grad_batches=accumulate_grad_batches, callbacks=[ck],
+        enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.fit(model, datamodule=dm)
     results = trainer.test(datamodule=dm)
@@ -838,13 +733,8 @@ def test_deepspeed_multigpu_stage_3_checkpointing(tmp_path, automatic_optimizati
     assert saved_results == results
     model = ModelParallelClassificationModel() if automatic_optimization else ManualModelParallelClassificationModel()
     trainer = Trainer(
-        default_root_dir=tmp_path,
-        accelerator="cpu",
-        devices=2,
-        strategy=CPUStrategy(stage=3),
-        precision="bf16-mixed",
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        default_root_dir=tmp_path, accelerator="cpu", devices=2, strategy=CPUStrategy(stage=3),
+        precision="bf16-mixed", enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.test(model, datamodule=dm, ckpt_path=ck.best_model_path)
 
@@ -855,24 +745,14 @@ def test_deepspeed_multigpu_stage_3_warns_resume_training(tmp_path):
     model = BoringModel()
     checkpoint_path = os.path.join(tmp_path, "model.pt")
     trainer = Trainer(
-        default_root_dir=tmp_path,
-        fast_dev_run=True,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        devices=1,
+        default_root_dir=tmp_path, fast_dev_run=True, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu", devices=1,
     )
     trainer.fit(model)
     trainer.save_checkpoint(checkpoint_path)
     trainer = Trainer(
-        default_root_dir=tmp_path,
-        fast_dev_run=True,
-        strategy=CPUStrategy(stage=3, load_full_weights=True),
-        accelerator="cpu",
-        devices=1,
-        precision="bf16-mixed",
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        default_root_dir=tmp_path, fast_dev_run=True, strategy=CPUStrategy(stage=3, load_full_weights=True),
+        accelerator="cpu", devices=1, precision="bf16-mixed", enable_progress_bar=False, enable_model_summary=False,
     )
     with pytest.warns(
         UserWarning,
@@ -889,18 +769,9 @@ def test_deepspeed_multigpu_stage_3_resume_training(tmp_path):
     dm = ClassifDataModule()
     ck = ModelCheckpoint(monitor="val_acc", mode="max", save_last=True, save_top_k=-1)
     initial_trainer = Trainer(
-        default_root_dir=tmp_path,
-        max_epochs=1,
-        limit_train_batches=2,
-        limit_val_batches=2,
-        limit_test_batches=2,
-        strategy=CPUStrategy(stage=3),
-        accelerator="cpu",
-        devices=1,
-        precision="bf16-mixed",
-        callbacks=[ck],
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        default_root_dir=tmp_path, max_epochs=1, limit_train_batches=2, limit_val_batches=2, limit_test_batches=2,
+        strategy=CPUStrategy(stage=3), accelerator="cpu", devices=1, precision="bf16-mixed", callbacks=[ck],
+        enable_progress_bar=False, enable_model_summary=False,
     )
     initial_trainer.fit(initial_model, datamodule=dm)
 
@@ -925,17 +796,9 @@ def test_deepspeed_multigpu_stage_3_resume_training(tmp_path):
 
     model = ModelParallelClassificationModel()
     trainer = Trainer(
-        default_root_dir=tmp_path,
-        strategy=CPUStrategy(stage=3),
-        accelerator="cpu",
-        devices=1,
-        max_epochs=2,
-        limit_train_batches=1,
-        limit_val_batches=0,
-        precision="bf16-mixed",
-        callbacks=TestCallback(),
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        default_root_dir=tmp_path, strategy=CPUStrategy(stage=3), accelerator="cpu", devices=1, max_epochs=2,
+        limit_train_batches=1, limit_val_batches=0, precision="bf16-mixed", callbacks=TestCallback(),
+        enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.fit(model, datamodule=dm, ckpt_path=ck.best_model_path)
 
@@ -958,18 +821,9 @@ def test_deepspeed_multigpu_stage_2_accumulated_grad_batches(tmp_path, offload_o
     strategy = CPUStrategy(stage=2, offload_optimizer=offload_optimizer)
     strategy.config["zero_force_ds_cpu_optimizer"] = False
     trainer = Trainer(
-        default_root_dir=tmp_path,
-        max_epochs=1,
-        strategy=strategy,
-        accelerator="cpu",
-        devices=2,
-        limit_train_batches=5,
-        limit_val_batches=2,
-        precision="bf16-mixed",
-        accumulate_grad_batches=2,
-        callbacks=[verification_callback],
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        default_root_dir=tmp_path, max_epochs=1, strategy=strategy, accelerator="cpu", devices=2,
+        limit_train_batches=5, limit_val_batches=2, precision="bf16-mixed", accumulate_grad_batches=2,
+        callbacks=[verification_callback], enable_progress_bar=False, enable_model_summary=False,
     )
     assert trainer.limit_train_batches % trainer.accumulate_grad_batches != 0, "leftover batches should be tested"
     trainer.fit(model, datamodule=dm)
@@ -980,14 +834,8 @@ def test_deepspeed_multigpu_stage_2_accumulated_grad_batches(tmp_path, offload_o
 def test_deepspeed_multigpu_test(tmp_path):
     model = ModelParallelBoringModel()
     trainer = Trainer(
-        default_root_dir=tmp_path,
-        strategy=CPUStrategy(stage=3),
-        accelerator="cpu",
-        devices=2,
-        fast_dev_run=True,
-        precision="bf16-mixed",
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        default_root_dir=tmp_path, strategy=CPUStrategy(stage=3), accelerator="cpu", devices=2, fast_dev_run=True,
+        precision="bf16-mixed", enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.test(model)
 
@@ -1013,14 +861,8 @@ def test_deepspeed_multigpu_partial_partition_parameters(tmp_path):
 
     model = TestModel()
     trainer = Trainer(
-        default_root_dir=tmp_path,
-        strategy=CPUStrategy(stage=3),
-        accelerator="cpu",
-        devices=1,
-        fast_dev_run=True,
-        precision="bf16-mixed",
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        default_root_dir=tmp_path, strategy=CPUStrategy(stage=3), accelerator="cpu", devices=1, fast_dev_run=True,
+        precision="bf16-mixed", enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.fit(model)
 
@@ -1037,14 +879,8 @@ def test_deepspeed_multigpu_test_rnn(tmp_path):
 
     model = TestModel()
     trainer = Trainer(
-        default_root_dir=tmp_path,
-        strategy=CPUStrategy(stage=3),
-        accelerator="cpu",
-        devices=1,
-        fast_dev_run=True,
-        precision="bf16-mixed",
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        default_root_dir=tmp_path, strategy=CPUStrategy(stage=3), accelerator="cpu", devices=1, fast_dev_run=True,
+        precision="bf16-mixed", enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.fit(model)
 
@@ -1072,14 +908,8 @@ def _assert_save_model_is_equal(model, tmp_path, trainer):
 def test_deepspeed_multigpu_no_schedulers(tmp_path):
     model = ModelParallelBoringModelNoSchedulers()
     trainer = Trainer(
-        default_root_dir=tmp_path,
-        strategy=CPUStrategy(stage=3),
-        accelerator="cpu",
-        devices=2,
-        fast_dev_run=True,
-        precision="bf16-mixed",
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        default_root_dir=tmp_path, strategy=CPUStrategy(stage=3), accelerator="cpu", devices=2, fast_dev_run=True,
+        precision="bf16-mixed", enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.fit(model)
     _assert_save_model_is_equal(model, tmp_path, trainer)
@@ -1093,14 +923,8 @@ def test_deepspeed_skip_backward_raises(tmp_path):
 
     model = TestModel()
     trainer = Trainer(
-        default_root_dir=tmp_path,
-        strategy=CPUStrategy(),
-        accelerator="cpu",
-        devices=1,
-        fast_dev_run=True,
-        precision="bf16-mixed",
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        default_root_dir=tmp_path, strategy=CPUStrategy(), accelerator="cpu", devices=1, fast_dev_run=True,
+        precision="bf16-mixed", enable_progress_bar=False, enable_model_summary=False,
     )
     with pytest.raises(MisconfigurationException, match="returning `None` .* is not supported"):
         trainer.fit(model)
@@ -1120,15 +944,9 @@ def test_scheduler_step_count(mock_step, tmp_path, max_epoch, limit_train_batche
 
     model = TestModel()
     trainer = Trainer(
-        default_root_dir=tmp_path,
-        limit_train_batches=limit_train_batches,
-        limit_val_batches=0,
-        max_epochs=max_epoch,
-        accelerator="cpu",
-        devices=1,
-        strategy=cpu_name("deepspeed"),
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        default_root_dir=tmp_path, limit_train_batches=limit_train_batches, limit_val_batches=0,
+        max_epochs=max_epoch, accelerator="cpu", devices=1, strategy=cpu_name("deepspeed"),
+        enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.fit(model)
     if interval == "epoch":
@@ -1145,13 +963,8 @@ def test_deepspeed_configure_gradient_clipping(tmp_path):
 
     model = TestModel()
     trainer = Trainer(
-        default_root_dir=tmp_path,
-        accelerator="cpu",
-        devices=1,
-        strategy=cpu_name("deepspeed"),
-        fast_dev_run=True,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        default_root_dir=tmp_path, accelerator="cpu", devices=1, strategy=cpu_name("deepspeed"), fast_dev_run=True,
+        enable_progress_bar=False, enable_model_summary=False,
     )
     with pytest.warns(UserWarning, match="handles gradient clipping internally"):
         trainer.fit(model)
@@ -1161,13 +974,8 @@ def test_deepspeed_configure_gradient_clipping(tmp_path):
 def test_deepspeed_gradient_clip_by_value(tmp_path):
     model = BoringModel()
     trainer = Trainer(
-        default_root_dir=tmp_path,
-        accelerator="cpu",
-        devices=1,
-        strategy=cpu_name("deepspeed"),
-        gradient_clip_algorithm="value",
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        default_root_dir=tmp_path, accelerator="cpu", devices=1, strategy=cpu_name("deepspeed"),
+        gradient_clip_algorithm="value", enable_progress_bar=False, enable_model_summary=False,
     )
     with pytest.raises(MisconfigurationException, match="does not support clipping gradients by value"):
         trainer.fit(model)
@@ -1182,16 +990,9 @@ def test_deepspeed_multi_save_same_filepath(tmp_path):
 
     model = CustomModel()
     trainer = Trainer(
-        default_root_dir=tmp_path,
-        strategy=cpu_name("deepspeed"),
-        accelerator="cpu",
-        devices=2,
-        callbacks=[ModelCheckpoint(filename="{epoch}_{step}_{grank}", save_top_k=1)],
-        limit_train_batches=1,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        max_epochs=2,
-        enable_progress_bar=False,
+        default_root_dir=tmp_path, strategy=cpu_name("deepspeed"), accelerator="cpu", devices=2,
+        callbacks=[ModelCheckpoint(filename="{epoch}_{step}_{grank}", save_top_k=1)], limit_train_batches=1,
+        limit_val_batches=0, num_sanity_val_steps=0, max_epochs=2, enable_progress_bar=False,
         enable_model_summary=False,
     )
     trainer.fit(model)
@@ -1207,14 +1008,8 @@ def test_deepspeed_multi_save_same_filepath(tmp_path):
 def test_deepspeed_with_bfloat16_precision(tmp_path):
     model = BoringModel()
     trainer = Trainer(
-        default_root_dir=tmp_path,
-        strategy=cpu_name("deepspeed_stage_3"),
-        accelerator="cpu",
-        devices=2,
-        fast_dev_run=True,
-        precision="bf16-mixed",
-        num_sanity_val_steps=0,
-        enable_progress_bar=False,
+        default_root_dir=tmp_path, strategy=cpu_name("deepspeed_stage_3"), accelerator="cpu", devices=2,
+        fast_dev_run=True, precision="bf16-mixed", num_sanity_val_steps=0, enable_progress_bar=False,
         enable_model_summary=False,
     )
     trainer.fit(model)
@@ -1235,11 +1030,7 @@ def test_deepspeed_configure_optimizer_device_set(tmp_path):
 
     model = TestModel()
     trainer = Trainer(
-        default_root_dir=tmp_path,
-        fast_dev_run=True,
-        accelerator="cpu",
-        devices=2,
-        strategy=CPUStrategy(),
+        default_root_dir=tmp_path, fast_dev_run=True, accelerator="cpu", devices=2, strategy=CPUStrategy(),
     )
     with pytest.raises(SystemExit):
         trainer.fit(model)
@@ -1248,12 +1039,8 @@ def test_deepspeed_configure_optimizer_device_set(tmp_path):
 @STANDALONE
 def test_deepspeed_init_module_with_stage_3(tmp_path):
     trainer = Trainer(
-        default_root_dir=tmp_path,
-        accelerator="cpu",
-        devices=2,
-        strategy=cpu_name("deepspeed_stage_3"),
-        precision="bf16-mixed",
-        fast_dev_run=1,
+        default_root_dir=tmp_path, accelerator="cpu", devices=2, strategy=cpu_name("deepspeed_stage_3"),
+        precision="bf16-mixed", fast_dev_run=1,
     )
     model = ModelParallelBoringModel()
     with mock.patch("deepspeed.zero.Init") as zero_init_mock:
@@ -1266,11 +1053,7 @@ def test_deepspeed_init_module_with_stage_3(tmp_path):
 def test_deepspeed_init_module_with_stages_1_2(stage, tmp_path):
     strategy = CPUStrategy(stage=stage)
     trainer = Trainer(
-        default_root_dir=tmp_path,
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        precision="bf16-mixed",
+        default_root_dir=tmp_path, accelerator="cpu", devices=2, strategy=strategy, precision="bf16-mixed",
         fast_dev_run=1,
     )
     model = ModelParallelBoringModel()
