@@ -217,11 +217,15 @@ def devices_in(args: tuple[str, ...]) -> int:
     return int(args[args.index("--devices") + 1]) if "--devices" in args else 2
 
 
-def run_warm_job(out: Path, args: tuple[str, ...], timeout: float, env: dict[str, str]) -> tuple[int, str]:
-    """`fit.py ARGS` on each rank, forked from the warm server (see tests/workers/warm_ranks.py); like run_bounded:
-    (the job's code, every rank's output), and the test fails when the job outlives ``timeout``."""
+def run_warm_job(
+    out: Path, args: tuple[str, ...], timeout: float, env: dict[str, str], script: str = "fit"
+) -> tuple[int, str]:
+    """`SCRIPT.py --out OUT ARGS` (a worker in tests/workers) on each rank, forked from the warm server (see
+    tests/workers/warm_ranks.py); like run_bounded: (the job's code, every rank's output), and the test fails when
+    the job outlives ``timeout``."""
     log, result = WARM_RANKS.job_files()
     request = {
+        "script": script,
         "argv": ["--out", str(out), *args],
         "env": {**os.environ, "PYTHONWARNINGS": "ignore", **env},
         "cwd": str(REPO),
@@ -237,7 +241,7 @@ def run_warm_job(out: Path, args: tuple[str, ...], timeout: float, env: dict[str
                 os.killpg(job, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            pytest.fail(f"fit.py {' '.join(args)} did not finish within {timeout} s (a hang?). Output:\n"
+            pytest.fail(f"{script}.py {' '.join(args)} did not finish within {timeout} s (a hang?). Output:\n"
                         f"{log.read_text()[-4000:]}")  # fmt: skip
         time.sleep(0.05)
     return json.loads(result.read_text())["returncode"], log.read_text()

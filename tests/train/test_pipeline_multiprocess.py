@@ -12,10 +12,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
-from conftest import REPO, run_bounded, sigterm_mid_training
+from conftest import REPO, run_bounded, run_warm_job, sigterm_mid_training
 from lightning.pytorch import seed_everything
 
 sys.path.insert(0, str(REPO / "tests" / "workers"))
@@ -43,9 +44,20 @@ def one_process(optimizer: str, steps: int, global_batch: int, width: int = WIDT
     return {name: tensor.detach() for name, tensor in model.state_dict().items()}
 
 
-def run_pipeline(tmp_path: Path, *arguments: str) -> list[dict[str, torch.Tensor]]:
+def run_worker(out: Path, *arguments: str, timeout: float = 240, env: Optional[dict[str, str]] = None,
+               launcher: str = "warm") -> tuple[int, str]:
+    """`pipeline_fit.py --out OUT ARGUMENTS`: (the job's code, every rank's output). ``launcher``: "warm" forks the
+    ranks from the warm server (tests/workers/warm_ranks.py), as torchrun starts them; "lightning" runs the script,
+    whose rank 0 starts the others through Lightning's launcher, as a user's `python train.py` does."""
+    if launcher == "warm":
+        return run_warm_job(out, arguments, timeout, env or {}, script="pipeline_fit")
+    assert launcher == "lightning", launcher
+    return run_bounded([sys.executable, str(WORKER), "--out", str(out), *arguments], timeout=timeout, env=env)
+
+
+def run_pipeline(tmp_path: Path, *arguments: str, launcher: str = "warm") -> list[dict[str, torch.Tensor]]:
     out = tmp_path / "out"
-    code, output = run_bounded([sys.executable, str(WORKER), "--out", str(out), *arguments], timeout=240, cwd=REPO)
+    code, output = run_worker(out, *arguments, launcher=launcher)
     assert code == 0, output[-4000:]
     return [torch.load(path) for path in sorted(out.glob("rank*.pt"))]
 
@@ -102,14 +114,12 @@ def test_a_model_that_fits_no_rank_with_data_parallelism_trains_as_a_pipeline(tm
     of which 2 MiB may be planned: below even ZeRO-3's share (3.2 MiB). Data parallelism (Adam) is refused before
     training, naming `pipeline`; the pipeline places one block on rank 1, says so in its plan, and trains exactly."""
     memory = {"LIGHTNING_HETERO_EMULATE_MEMORY": "-,2.5MiB"}
-    code, output = run_bounded([sys.executable, str(WORKER), "--out", str(tmp_path / "dp"), "--stages", "0",
-                                "--width", "256", "--optimizer", "adam"],
-                               timeout=120, cwd=REPO, env=memory)  # fmt: skip
+    code, output = run_worker(tmp_path / "dp", "--stages", "0", "--width", "256", "--optimizer", "adam",
+                              timeout=120, env=memory)  # fmt: skip
     assert code != 0
     assert output.count("do not fit at any stage") == 2 and "Split the model instead of only the batch" in output
     out = tmp_path / "pipeline"
-    code, output = run_bounded([sys.executable, str(WORKER), "--out", str(out), "--width", "256", "--steps", "3"],
-                               timeout=180, cwd=REPO, env=memory)  # fmt: skip
+    code, output = run_worker(out, "--width", "256", "--steps", "3", timeout=180, env=memory)
     assert code == 0, output[-4000:]
     (rank1_stage,) = [line for line in output.splitlines() if line.startswith("  stage 0 on rank 1")]
     assert "blocks 0 (1)" in rank1_stage and "of the 2.0 MiB it may use" in rank1_stage
@@ -163,9 +173,8 @@ def test_a_faster_pipeline_takes_more_of_the_batch_and_the_update_stays_exact(tm
     """Two pipelines of two stages, the second (ranks 2, 3) emulated at 0.4: placed by measurement, each pipeline's
     share follows its measured throughput (the fast one more than half of the 24 samples), and 4 Adam steps equal
     one process's on the whole batch."""
-    code, output = run_bounded([sys.executable, str(WORKER), "--out", str(tmp_path / "out"), "--devices", "4",
-                                "--speeds", "1.0,1.0,0.4,0.4", "--optimizer", "adam", "--steps", "4"], timeout=240,
-                               cwd=REPO)  # fmt: skip
+    code, output = run_worker(tmp_path / "out", "--devices", "4", "--speeds", "1.0,1.0,0.4,0.4", "--optimizer",
+                              "adam", "--steps", "4")  # fmt: skip
     assert code == 0, output[-4000:]
     shares = json.loads(re.search(r"the pipelines' shares of the global batch: (\[\d+, \d+\])", output).group(1))
     assert sum(shares) == 24 and shares[0] > 12 > shares[1]
@@ -182,17 +191,22 @@ def test_an_epoch_s_short_last_batch_is_weighted_by_its_own_size(tmp_path):
 
 
 CASES = [
-    # (devices, stages, boundaries, schedule, optimizer, speeds, micro-batches)
-    pytest.param(2, 2, "2", "1f1b", "sgd", None, None, id="2-stages-uneven-1f1b-sgd"),
-    pytest.param(2, 2, "4", "gpipe", "adam", None, None, id="2-stages-uneven-gpipe-adam"),
-    pytest.param(3, 3, "1,4", "1f1b", "adam", None, 5, id="3-stages-1f1b-adam-5-micro"),
-    pytest.param(4, 2, "3", "1f1b", "sgd", "1.0,1.0,0.5,0.5", None, id="2-pipelines-unequal-speed-sgd"),
+    # (devices, stages, boundaries, schedule, optimizer, speeds, micro-batches, launcher); the first as a user's
+    # `python train.py` starts it (Lightning's launcher), the others forked from the warm server
+    pytest.param(2, 2, "2", "1f1b", "sgd", None, None, "lightning", id="2-stages-uneven-1f1b-sgd"),
+    pytest.param(2, 2, "4", "gpipe", "adam", None, None, "warm", id="2-stages-uneven-gpipe-adam"),
+    pytest.param(3, 3, "1,4", "1f1b", "adam", None, 5, "warm", id="3-stages-1f1b-adam-5-micro"),
+    pytest.param(4, 2, "3", "1f1b", "sgd", "1.0,1.0,0.5,0.5", None, "warm", id="2-pipelines-unequal-speed-sgd"),
 ]
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("devices", "stages", "boundaries", "schedule", "optimizer", "speeds", "micro"), CASES)
-def test_a_pipeline_updates_as_one_process(tmp_path, devices, stages, boundaries, schedule, optimizer, speeds, micro):
+@pytest.mark.parametrize(
+    ("devices", "stages", "boundaries", "schedule", "optimizer", "speeds", "micro", "launcher"), CASES
+)
+def test_a_pipeline_updates_as_one_process(
+    tmp_path, devices, stages, boundaries, schedule, optimizer, speeds, micro, launcher
+):
     steps, batch = 4, 12
     arguments = ["--devices", str(devices), "--stages", str(stages), "--boundaries", boundaries, "--schedule",
                  schedule, "--optimizer", optimizer, "--steps", str(steps), "--batch", str(batch)]  # fmt: skip
@@ -200,7 +214,7 @@ def test_a_pipeline_updates_as_one_process(tmp_path, devices, stages, boundaries
         arguments += ["--speeds", speeds]
     if micro:
         arguments += ["--micro-batches", str(micro)]
-    ranks = run_pipeline(tmp_path, *arguments)
+    ranks = run_pipeline(tmp_path, *arguments, launcher=launcher)
     assert len(ranks) == devices
     pipelines = devices // stages
     reference = one_process(optimizer, steps, batch * pipelines)
@@ -223,7 +237,7 @@ SETUP = [
 @pytest.mark.parametrize(("arguments", "ranks", "message"), SETUP)
 def test_a_pipeline_mistake_stops_every_rank_with_the_message(tmp_path, arguments, ranks, message):
     started = time.monotonic()
-    code, output = run_bounded([sys.executable, str(WORKER), "--out", str(tmp_path), *arguments], timeout=90)
+    code, output = run_worker(tmp_path, *arguments, timeout=90)
     assert code != 0
     assert output.count(message) == ranks, output[-3000:]
     assert time.monotonic() - started < 90

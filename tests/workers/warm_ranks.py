@@ -13,7 +13,7 @@ rank 0's; when another rank ends with a non-zero code it kills the rest (SIGKILL
 does every 5 s; it waits for every rank (as the test waited for the end of the output every rank wrote to).
 
 Protocol: ``python warm_ranks.py SOCKET``. The socket appears once the imports are done. A client sends one JSON line
-``{"argv", "env", "cwd", "log", "ranks", "result"}`` and gets back one line, the job's pid, which is also its process
+``{"script", "argv", "env", "cwd", "log", "ranks", "result"}`` (``script``: a key of ``ENTRIES``) and gets back one line, the job's pid, which is also its process
 group (kill that group to stop the job). Every rank writes its stdout and stderr into ``log``; when the last rank has
 ended, the job writes ``{"returncode": rank 0's code, "codes": every rank's}`` to ``result`` (atomically). Codes are
 as `subprocess` reports them (-N: killed by signal N). The server exits when its parent (pytest) is gone, killing the
@@ -22,12 +22,16 @@ jobs it started, and so it does on SIGTERM.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import json
 import os
 import signal
 import socket
 import sys
+import threading
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -38,8 +42,17 @@ STARTUP_FILTERS = list(warnings.filters)  # what a fresh interpreter starts with
 
 import deepspeed  # noqa: E402, F401
 import fit  # noqa: E402  (torch, Lightning, the package and the test models, imported once for every rank)
+import matplotlib  # noqa: E402
+import pipeline_fit  # noqa: E402
 
 import lightning_hetero.strategy  # noqa: E402, F401
+
+# The run report's plot (rank 0, at the end of every fit) imports pyplot with this backend: a second of a 2-second job.
+matplotlib.use("Agg")
+import matplotlib.pyplot  # noqa: E402, F401
+
+# The worker scripts a job may run, by name: what each runs after its imports.
+ENTRIES = {"fit": fit.entry, "pipeline_fit": pipeline_fit.main}
 
 # The filters that imports added (each inserted in front of the startup ones): a fresh rank has them in front of those
 # from PYTHONWARNINGS, which it reads before importing anything.
@@ -86,7 +99,7 @@ def become_rank(request: dict, rank: int, port: int) -> None:
         WORLD_SIZE=str(request["ranks"]),
     )
     os.chdir(request["cwd"])
-    sys.argv = [str(WORKERS / "fit.py"), *request["argv"]]
+    sys.argv = [str(WORKERS / f"{request['script']}.py"), *request["argv"]]
     warnings.filters[:] = warning_filters_for(os.environ.get("PYTHONWARNINGS", ""))
     warnings._filters_mutated()
     # Lightning reads the rank from the environment when it is imported, which happened here before there was a rank
@@ -103,9 +116,9 @@ def exit_code(status: int) -> int:
     return os.waitstatus_to_exitcode(status)
 
 
-def run_job(request: dict) -> None:
+def run_job(request: dict) -> dict:
     """In the job's process (its own process group): fork the ranks, watch them as Lightning's launcher would, write
-    the result. Returns only in a rank's child, which then runs the rank (see ``__main__``)."""
+    the result. Returns (the request) only in a rank's child, which then runs the rank (see ``__main__``)."""
     port = free_port()
     Path(request["log"]).touch()
     ranks = {}
@@ -113,7 +126,7 @@ def run_job(request: dict) -> None:
         pid = os.fork()
         if pid == 0:
             become_rank(request, rank, port)
-            return
+            return request
         ranks[pid] = rank
     codes: dict[int, int] = {}
     started = time.monotonic()
@@ -144,8 +157,8 @@ def reap(jobs: set[int]) -> None:
             jobs.discard(job)
 
 
-def serve(path: str) -> None:
-    """Accept jobs until the parent is gone. Returns only in a rank's child."""
+def serve(path: str) -> dict:
+    """Accept jobs until the parent is gone. Returns (the job's request) only in a rank's child."""
     parent = os.getppid()
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path + ".binding")
@@ -171,8 +184,7 @@ def serve(path: str) -> None:
                 connection.close()
                 os.setsid()
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                run_job(request)
-                return  # a rank
+                return run_job(request)  # a rank
             jobs.add(pid)
             connection.sendall(f"{pid}\n".encode())
     reap(jobs)
@@ -184,6 +196,41 @@ def serve(path: str) -> None:
     os._exit(0)
 
 
+def run_rank(entry) -> None:
+    """Run the rank (what `python SCRIPT.py ARGS` runs after its imports), then end as the interpreter ends, less its
+    teardown: wait for the threads that are not daemons, run the exit handlers, flush, exit with the code Python would
+    give. Why: the interpreter's teardown of everything imported before the fork writes to every page the ranks share
+    with this server, a copy of hundreds of MB per rank: 1.5 to 2 s of a 2-second job (measured), while a fresh
+    process's teardown leaves nothing behind that a test could see (the exit handlers close Lightning's loggers and
+    the process group)."""
+    code: int = 0
+    try:
+        entry()
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            code = stop.code or 0
+        else:  # `sys.exit("message")`: Python prints it and exits with 1
+            print(stop.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:  # Python ends such a process by SIGINT itself (exit code -2 to its parent)
+        traceback.print_exc()
+        code = -signal.SIGINT
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    threading._shutdown()  # type: ignore[attr-defined]  # (what Py_FinalizeEx calls first: join non-daemon threads)
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code & 0xFF)
+
+
 if __name__ == "__main__":
-    serve(sys.argv[1])
-    fit.entry()  # this process is now a rank: the rest is what `python fit.py ARGS` runs after its imports
+    # Every object imported so far lives as long as the server: out of the collector's sight, a rank's collections do
+    # not touch (and so copy) the pages it shares with this process.
+    gc.freeze()
+    job = serve(sys.argv[1])
+    run_rank(ENTRIES[job["script"]])  # this process is now a rank
