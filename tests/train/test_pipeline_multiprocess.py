@@ -44,8 +44,9 @@ def one_process(optimizer: str, steps: int, global_batch: int, width: int = WIDT
     return {name: tensor.detach() for name, tensor in model.state_dict().items()}
 
 
-def run_worker(out: Path, *arguments: str, timeout: float = 240, env: Optional[dict[str, str]] = None,
-               launcher: str = "warm") -> tuple[int, str]:
+def run_worker(
+    out: Path, *arguments: str, timeout: float = 240, env: Optional[dict[str, str]] = None, launcher: str = "warm"
+) -> tuple[int, str]:
     """`pipeline_fit.py --out OUT ARGUMENTS`: (the job's code, every rank's output). ``launcher``: "warm" forks the
     ranks from the warm server (tests/workers/warm_ranks.py), as torchrun starts them; "lightning" runs the script,
     whose rank 0 starts the others through Lightning's launcher, as a user's `python train.py` does."""

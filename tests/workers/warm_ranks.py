@@ -13,11 +13,14 @@ rank 0's; when another rank ends with a non-zero code it kills the rest (SIGKILL
 does every 5 s; it waits for every rank (as the test waited for the end of the output every rank wrote to).
 
 Protocol: ``python warm_ranks.py SOCKET``. The socket appears once the imports are done. A client sends one JSON line
-``{"script", "argv", "env", "cwd", "log", "ranks", "result"}`` (``script``: a key of ``ENTRIES``) and gets back one line, the job's pid, which is also its process
-group (kill that group to stop the job). Every rank writes its stdout and stderr into ``log``; when the last rank has
-ended, the job writes ``{"returncode": rank 0's code, "codes": every rank's}`` to ``result`` (atomically). Codes are
-as `subprocess` reports them (-N: killed by signal N). The server exits when its parent (pytest) is gone, killing the
-jobs it started, and so it does on SIGTERM.
+``{"script", "argv", "env", "cwd", "log", "ranks", "result"}`` (``script``: a key of ``ENTRIES``) and gets back one
+line, the job's pid, which is also its process group (kill that group to stop the job). Every rank writes its stdout
+and stderr into ``log``; when the last rank has ended, the job writes ``{"returncode": rank 0's code, "codes": every
+rank's}`` to ``result`` (atomically). Codes are as `subprocess` reports them (-N: killed by signal N). The server
+exits when its parent (pytest) is gone, killing the jobs it started, and so it does on SIGTERM.
+
+A rank ends as a fresh process does, less the interpreter's teardown (see ``run_rank``); the tests that start fresh
+processes (the CLI, the example, torchrun, Ray, Slurm, one pipeline case) keep that teardown covered.
 """
 
 from __future__ import annotations
