@@ -45,6 +45,10 @@ def no_package_thread_outlives_its_test():
 
 
 PROCESS_TIERS = ("multiprocess", "fault")
+# With `pytest -n 2` (pytest-xdist, the README's test command) the engine tests run on one worker, one after the
+# other: each starts a cluster's daemons (Ray's, Slurm's, torchrun agents in two network namespaces) that would
+# otherwise compete with another cluster's for the same two cores; the other worker takes the rest.
+ENGINES_ONE_AT_A_TIME = pytest.mark.xdist_group("engines")
 
 
 @pytest.fixture(autouse=True)
@@ -218,19 +222,19 @@ def devices_in(args: tuple[str, ...]) -> int:
 
 
 def run_warm_job(
-    out: Path, args: tuple[str, ...], timeout: float, env: dict[str, str], script: str = "fit"
+    argv: list[str], ranks: int, timeout: float, env: dict[str, str], script: str = "fit"
 ) -> tuple[int, str]:
-    """`SCRIPT.py --out OUT ARGS` (a worker in tests/workers) on each rank, forked from the warm server (see
-    tests/workers/warm_ranks.py); like run_bounded: (the job's code, every rank's output), and the test fails when
+    """`SCRIPT ARGV` on each of ``ranks`` ranks, forked from the warm server (see tests/workers/warm_ranks.py, whose
+    ``ENTRIES`` name the scripts); like run_bounded: (the job's code, every rank's output), and the test fails when
     the job outlives ``timeout``."""
     log, result = WARM_RANKS.job_files()
     request = {
         "script": script,
-        "argv": ["--out", str(out), *args],
+        "argv": argv,
         "env": {**os.environ, "PYTHONWARNINGS": "ignore", **env},
         "cwd": str(REPO),
         "log": str(log),
-        "ranks": devices_in(args),
+        "ranks": ranks,
         "result": str(result),
     }
     job = WARM_RANKS.submit(request)
@@ -241,7 +245,7 @@ def run_warm_job(
                 os.killpg(job, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            pytest.fail(f"{script}.py {' '.join(args)} did not finish within {timeout} s (a hang?). Output:\n"
+            pytest.fail(f"{script} {' '.join(argv)} did not finish within {timeout} s (a hang?). Output:\n"
                         f"{log.read_text()[-4000:]}")  # fmt: skip
         time.sleep(0.05)
     return json.loads(result.read_text())["returncode"], log.read_text()
@@ -263,7 +267,7 @@ def run_fit(
     user's `python train.py` does. Python warnings are hidden unless ``warnings`` (the test asserts one)."""
     env = {**(env or {}), **({"PYTHONWARNINGS": "default"} if warnings else {})}
     if launcher == "warm":
-        returncode, output = run_warm_job(out, args, timeout, env)
+        returncode, output = run_warm_job(["--out", str(out), *args], devices_in(args), timeout, env)
     else:
         assert launcher == "lightning", launcher
         command = [sys.executable, str(WORKERS / "fit.py"), "--out", str(out), *args]

@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from re import escape
 from typing import Any
 from unittest import mock
@@ -67,7 +66,7 @@ import lightning.pytorch
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import run_bounded
+from conftest import run_warm_job
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor
@@ -951,8 +950,11 @@ TWO_RANKS = [
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("cases", [ONE_DEVICE, *([case] for case in TWO_RANKS)], ids=["one_device", *TWO_RANKS])
 def test_standalone_cases(cases):
-    """Lightning's standalone tests above, in a pytest process of their own (Lightning's launcher starts rank 1 as
-    the same pytest command); the one-device ones one after the other in one process."""
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *(f"{__file__}::{c}" for c in cases)]
-    code, output = run_bounded(command, timeout=240 if len(cases) > 1 else 150, env={STANDALONE: "1"})
-    assert code == 0 and f"{len(cases)} passed" in output, output[-6000:]
+    """Lightning's standalone tests above, in a pytest process of their own on each rank, the ranks started at once as
+    torchrun starts them (forked from the warm server, tests/workers/warm_ranks.py); the one-device ones one after the
+    other in one process."""
+    ranks = 1 if len(cases) > 1 else 2
+    argv = ["-q", "-p", "no:cacheprovider", *(f"{__file__}::{c}" for c in cases)]
+    code, output = run_warm_job(argv, ranks, timeout=240 if len(cases) > 1 else 150, env={STANDALONE: "1"},
+                                script="pytest")  # fmt: skip
+    assert code == 0 and output.count(f"{len(cases)} passed") == ranks, output[-6000:]

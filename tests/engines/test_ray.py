@@ -19,10 +19,10 @@ pytest.importorskip("ray.train", reason="the Ray extra is not installed: pip ins
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "workers"))
 from common import IndexedRegression, max_param_difference, reference_training  # noqa: E402
-from conftest import WORKERS, run_bounded  # noqa: E402
+from conftest import ENGINES_ONE_AT_A_TIME, WORKERS, run_bounded  # noqa: E402
 from test_strategy_multiprocess import rank_slices  # noqa: E402
 
-pytestmark = [pytest.mark.engines]
+pytestmark = [pytest.mark.engines, ENGINES_ONE_AT_A_TIME]
 
 TOLERANCE = 1e-5
 BATCH_SIZES = [6, 2]  # rank 0 carries 3/4 of every step

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import ENGINES_ONE_AT_A_TIME, REPO
 
-pytestmark = [pytest.mark.engines]
+pytestmark = [pytest.mark.engines, ENGINES_ONE_AT_A_TIME]
 
 SBATCH = REPO / "examples" / "slurm" / "train.sbatch"
 CLUSTER = REPO / "examples" / "slurm" / "cluster.sh"

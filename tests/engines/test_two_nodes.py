@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, kill_tree
+from conftest import ENGINES_ONE_AT_A_TIME, REPO, kill_tree
 
 from lightning_hetero.recover import checkpoint
 
-pytestmark = [pytest.mark.engines]
+pytestmark = [pytest.mark.engines, ENGINES_ONE_AT_A_TIME]
 
 SUBNET = "10.77.0"
 PORT = 29417

@@ -16,7 +16,7 @@ from typing import Optional
 
 import pytest
 import torch
-from conftest import REPO, run_bounded, run_warm_job, sigterm_mid_training
+from conftest import REPO, devices_in, run_bounded, run_warm_job, sigterm_mid_training
 from lightning.pytorch import seed_everything
 
 sys.path.insert(0, str(REPO / "tests" / "workers"))
@@ -51,7 +51,8 @@ def run_worker(
     ranks from the warm server (tests/workers/warm_ranks.py), as torchrun starts them; "lightning" runs the script,
     whose rank 0 starts the others through Lightning's launcher, as a user's `python train.py` does."""
     if launcher == "warm":
-        return run_warm_job(out, arguments, timeout, env or {}, script="pipeline_fit")
+        argv = ["--out", str(out), *arguments]
+        return run_warm_job(argv, devices_in(arguments), timeout, env or {}, script="pipeline_fit")
     assert launcher == "lightning", launcher
     return run_bounded([sys.executable, str(WORKER), "--out", str(out), *arguments], timeout=timeout, env=env)
 

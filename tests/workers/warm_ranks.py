@@ -54,8 +54,16 @@ import lightning_hetero.strategy  # noqa: E402, F401
 matplotlib.use("Agg")
 import matplotlib.pyplot  # noqa: E402, F401
 
+
+def run_pytest() -> None:
+    """`python -m pytest ARGS` on a rank (Lightning's standalone tests, each rank running the same ones)."""
+    import pytest
+
+    raise SystemExit(pytest.main(sys.argv[1:]))
+
+
 # The worker scripts a job may run, by name: what each runs after its imports.
-ENTRIES = {"fit": fit.entry, "pipeline_fit": pipeline_fit.main}
+ENTRIES = {"fit": fit.entry, "pipeline_fit": pipeline_fit.main, "pytest": run_pytest}
 
 # The filters that imports added (each inserted in front of the startup ones): a fresh rank has them in front of those
 # from PYTHONWARNINGS, which it reads before importing anything.
@@ -102,7 +110,7 @@ def become_rank(request: dict, rank: int, port: int) -> None:
         WORLD_SIZE=str(request["ranks"]),
     )
     os.chdir(request["cwd"])
-    sys.argv = [str(WORKERS / f"{request['script']}.py"), *request["argv"]]
+    sys.argv = [str(WORKERS / f"{request['script']}.py"), *request["argv"]]  # (pytest: argv[0] is not read)
     warnings.filters[:] = warning_filters_for(os.environ.get("PYTHONWARNINGS", ""))
     warnings._filters_mutated()
     # Lightning reads the rank from the environment when it is imported, which happened here before there was a rank
