@@ -273,7 +273,7 @@ class HeteroJob:
         if self.local is not None and self.local.steps_since_sync > 0:
             with self.communication.counting() if counted else contextlib.nullcontext():
                 self.collectives.before_each()
-                self.local.synchronize(self.collectives.reduce_in_place)
+                self.local.synchronize(self.collectives.reduce_in_place, self.collectives.gather_tensor)
 
     def validation_starts(self, trainer: Any) -> None:
         """Local SGD / DiLoCo: validation during a fit sees one model, the ranks' merged parameters (at an epoch's

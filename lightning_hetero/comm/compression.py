@@ -10,6 +10,8 @@
   ``PowerSGDState``'s arguments.
 * ``"topk"``: each rank sends the largest ``ratio`` of its entries (values and int32 indices) and keeps what it did not
   send as error feedback for the next step (:func:`topk_hook`, torch's hook signature; no maintained library has it).
+* ``"int8"`` / ``"int4"``: with ``sync="local_sgd"`` or ``"diloco"`` only, the pseudo-gradient of a merge travels as
+  8- or 4-bit integers with a scale per block and error feedback (:mod:`~.comm.quantize`).
 * any callable ``hook(state, bucket) -> Future[Tensor]`` with torch's DDP comm-hook signature, or a ``(hook, state)``
   pair. Without a state it is given the exchange's process group, as torch's default hooks expect.
 
@@ -32,7 +34,8 @@ from torch import Tensor
 
 HALF_MODES = {"fp16": "fp16", "bf16": "bf16"}  # DeepSpeed's communication_data_type names
 HOOK_MODES = ("powersgd", "topk")
-MODES = (*HALF_MODES, *HOOK_MODES)
+QUANTIZED_MODES = ("int8", "int4")  # the local modes' merges only (comm/quantize.py)
+MODES = (*HALF_MODES, *HOOK_MODES, *QUANTIZED_MODES)
 HOOK_STAGES = (0,)  # ZeRO stages whose gradient exchange can be hooked
 # PowerSGD's defaults here: torch's, except a warm-up of 10 uncompressed steps instead of 1000, which would hide the
 # compression in all but long runs (torch suggests about 10 % of training); pass start_powerSGD_iter to change it.
@@ -88,7 +91,7 @@ def check_compression(compression: Any, options: Optional[Mapping[str, Any]] = N
         _no_options("a custom hook", given)
         return CompressionChoice("custom", {}, compression)
     mode = compression.lower() if isinstance(compression, str) else None
-    if mode in HALF_MODES:
+    if mode in HALF_MODES or mode in QUANTIZED_MODES:
         _no_options(f"compression={compression!r}", given)
         return CompressionChoice(mode)
     if mode == "powersgd":

@@ -101,17 +101,23 @@ def sync_refusal(
 ) -> Optional[str]:
     """Why the job cannot train with ``sync`` (None when it can). Checked on every rank before any collective."""
     if sync not in LOCAL_MODES:
+        if compression_mode in ("int8", "int4"):
+            return (
+                f"`compression={compression_mode!r}` with `sync={sync!r}`: int8 and int4 quantize the pseudo-gradient"
+                " of a merge (sync='local_sgd' or 'diloco'), not the gradient exchange of every step. Set `sync`, or"
+                " for every step use compression='fp16', 'bf16', 'powersgd' or 'topk'."
+            )
         return None
     if stage != 0:
         return (
             f"`sync={sync!r}` needs `stage=0`: ZeRO stage {stage} shards the optimizer states (and from stage 2 the"
             " gradients) across the ranks, and a rank that trains on its own needs all of its own."
         )
-    if compression_mode not in (None, "fp16", "bf16"):
+    if compression_mode not in (None, "fp16", "bf16", "int8", "int4"):
         return (
             f"`sync={sync!r}` with `compression={compression_mode!r}`: between synchronizations no gradient is"
-            " exchanged, and the pseudo-gradient travels in fp32, fp16 or bf16 only. Use compression=None, 'fp16' or"
-            " 'bf16'."
+            " exchanged, and the pseudo-gradient travels in fp32, fp16, bf16, int8 or int4 only. Use compression=None,"
+            " 'fp16', 'bf16', 'int8' or 'int4'."
         )
     if hierarchical is True:
         return f"`sync={sync!r}` with `hierarchical=True`: the synchronization is one all-reduce. Drop `hierarchical`."

@@ -82,7 +82,7 @@ def test_a_custom_hook_and_a_hook_with_its_state():
 @pytest.mark.parametrize(
     ("value", "options", "message"),
     [
-        ("gzip", None, "`compression='gzip'` is not one of ['fp16', 'bf16', 'powersgd', 'topk']"),
+        ("gzip", None, "`compression='gzip'` is not one of ['fp16', 'bf16', 'powersgd', 'topk', 'int8', 'int4']"),
         (16, None, "`compression=16` is not one of"),
         (None, {"ratio": 0.1}, "was given without `compression`"),
         ("fp16", {"ratio": 0.1}, "has nothing to set for compression='fp16'"),
