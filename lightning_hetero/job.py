@@ -68,7 +68,9 @@ class HeteroJob:
         self.local: Optional[LocalTraining] = None  # local SGD / DiLoCo (train/local_sgd.py)
         self.pipeline: Optional[PipelineTraining] = None  # the model split into stages, from join()
         if settings.local:
-            self.local = LocalTraining(settings.sync, settings.sync_every, settings.outer, settings.compression.mode)
+            self.local = LocalTraining(
+                settings.sync, settings.sync_every, settings.outer, settings.compression.mode, settings.fragments
+            )
             self.loss_weights.local = True
         self.recovery = Recovery(settings.peer_timeout)
         self.nonfinite = NonFiniteGuard(settings.max_nonfinite_steps, lambda t: self.collectives.gather_tensor(t))

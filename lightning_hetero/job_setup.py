@@ -298,7 +298,9 @@ class JobSetup:
         if self.stage_choice is not None:
             line = f"{self.stage_choice.reason}\n{line}"
         if settings.local:
-            line += "\n" + describe_sync(settings.sync, settings.sync_every, plan.micro_steps, settings.outer)
+            line += "\n" + describe_sync(
+                settings.sync, settings.sync_every, plan.micro_steps, settings.outer, settings.fragments
+            )
         return line
 
     def write_plan(self, trainer: Any, config: dict[str, Any]) -> Path:

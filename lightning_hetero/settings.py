@@ -26,6 +26,7 @@ from lightning_hetero.plan.local_steps import (
     LOCAL_MODES,
     check_inner_steps_length,
     check_sync_arguments,
+    sync_fragments,
     sync_refusal,
 )
 from lightning_hetero.plan.micro_steps import micro_steps_refusal
@@ -81,6 +82,7 @@ class HeteroSettings:
     sync_every: int = 1
     inner_steps: Optional[tuple[int, ...]] = None
     outer: Optional[dict[str, Any]] = None  # DiLoCo's outer optimizer settings
+    fragments: int = 1  # the streaming merge: fragments of the parameters merged in turn
     pipeline: Optional[PipelineChoice] = None  # the model split into stages (train/pipeline.py)
 
     @classmethod
@@ -163,6 +165,7 @@ class HeteroSettings:
             sync_every=int(sync_every),
             inner_steps=tuple(int(k) for k in inner_steps) if inner_steps is not None else None,
             outer=outer,
+            fragments=sync_fragments(sync_options, int(sync_every)) if sync in LOCAL_MODES else 1,
             pipeline=pipeline_choice,
         )
 
@@ -372,7 +375,7 @@ class HeteroSettings:
             "batch_sizes": list(self.batch_sizes) if self.batch_sizes is not None else None,
             "weights": list(self.weights) if self.weights is not None else None,
             "micro_steps": list(self.micro_steps) if self.micro_steps is not None else None,
-            "sync": [self.sync, self.sync_every, list(self.inner_steps or []), self.outer],
+            "sync": [self.sync, self.sync_every, list(self.inner_steps or []), self.outer, self.fragments],
             "emulate_memory": memory.emulated_ceilings_from_environment(),
             "emulate_memory_bytes": memory.emulated_byte_ceilings_from_environment(),
             "emulate_speeds": self.speed_schedule.to_json() if self.speed_schedule else None,

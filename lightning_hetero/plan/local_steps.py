@@ -29,7 +29,10 @@ SYNC_MODES = ("every_step", "local_sgd", "diloco")
 LOCAL_MODES = ("local_sgd", "diloco")
 # DiLoCo's outer optimizer as its paper tuned it (outer SGD with Nesterov momentum, lr 0.7, momentum 0.9).
 DILOCO_DEFAULTS = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
-SYNC_OPTION_KEYS = tuple(DILOCO_DEFAULTS)
+# Streaming (Douillard et al. 2025): the parameters in ``fragments`` groups, merged in turn, one every
+# sync_every / fragments steps, so that 1/fragments of the model is on the wire at a time; 1 merges all at once.
+STREAMING_KEYS = ("fragments",)
+SYNC_OPTION_KEYS = (*DILOCO_DEFAULTS, *STREAMING_KEYS)
 
 
 def check_sync_arguments(sync: Any, sync_every: Any, inner_steps: Any, sync_options: Any) -> Optional[dict[str, Any]]:
@@ -63,8 +66,11 @@ def check_sync_arguments(sync: Any, sync_every: Any, inner_steps: Any, sync_opti
     if unknown:
         raise ValueError(
             f"`sync_options={sync_options!r}` has {unknown}; the keys are {list(SYNC_OPTION_KEYS)} (DiLoCo's outer"
-            " optimizer)."
+            " optimizer, and the streaming merge's `fragments`)."
         )
+    sync_fragments(options, sync_every)
+    for key in STREAMING_KEYS:
+        options.pop(key, None)
     if sync == "local_sgd":
         if options:
             raise ValueError(
@@ -168,6 +174,54 @@ def local_split(
     return SplitPlan(tuple(b * k for b, k in zip(micro, steps)), sync, steps)
 
 
+def sync_fragments(sync_options: Optional[Mapping[str, Any]], sync_every: int) -> int:
+    """``sync_options['fragments']`` checked (1 when not given): a whole number that divides ``sync_every``."""
+    fragments = (sync_options or {}).get("fragments", 1)
+    if not is_int(fragments) or fragments < 1 or sync_every % fragments:
+        raise ValueError(
+            f"`sync_options['fragments']={fragments!r}` must be a whole number >= 1 that divides `sync_every="
+            f"{sync_every}`: one fragment of the parameters merges every sync_every / fragments training steps"
+            " (e.g. fragments=4 with sync_every=8: one every 2 steps)."
+        )
+    return int(fragments)
+
+
+def due_fragments(steps_done: int, sync_every: int, fragments: int, last_of_epoch: bool) -> tuple[int, ...]:
+    """The fragments that merge after ``steps_done`` training steps of the fit: fragment f every ``sync_every`` steps,
+    ``sync_every / fragments`` steps after fragment f - 1; all of them at the end of each epoch (so that evaluation
+    and the epoch's checkpoint see one model). With one fragment: :func:`is_sync_step`."""
+    if last_of_epoch:
+        return tuple(range(fragments))
+    interval = sync_every // fragments
+    if steps_done % interval:
+        return ()
+    return ((steps_done // interval - 1) % fragments,)
+
+
+def fragment_bounds(sizes: Sequence[int], fragments: int) -> list[tuple[int, int]]:
+    """The parameter tensors (of ``sizes`` values each, in the model's order) cut into ``fragments`` contiguous
+    groups ``[begin, end)``, each non-empty, with as equal a number of values as whole tensors allow."""
+    if not 1 <= fragments <= len(sizes):
+        raise ValueError(
+            f"`sync_options['fragments']={fragments}`: the model trains {len(sizes)} parameter tensors, and each"
+            f" fragment needs at least one. Use at most {len(sizes)} fragments."
+        )
+    total = sum(sizes)
+    bounds, begin, done = [], 0, 0
+    for fragment in range(fragments):
+        left_after = fragments - fragment - 1  # fragments still to fill, a tensor each at least
+        end, done = begin + 1, done + sizes[begin]
+        target = total * (fragment + 1) / fragments
+        while end < len(sizes) - left_after and (
+            left_after == 0 or abs(done + sizes[end] - target) < abs(done - target)
+        ):
+            done += sizes[end]
+            end += 1
+        bounds.append((begin, end))
+        begin = end
+    return bounds
+
+
 def is_sync_step(steps_done: int, sync_every: int, last_of_epoch: bool) -> bool:
     """Whether the ranks synchronize after ``steps_done`` training steps of the fit: every ``sync_every``, and at the
     end of each epoch (so that evaluation and the epoch's checkpoint see one model)."""
@@ -180,7 +234,13 @@ def check_inner_steps_length(inner_steps: Optional[Sequence[int]], world_size: i
                            "Give one count per rank, in global rank order.")  # fmt: skip
 
 
-def describe_sync(sync: str, sync_every: int, inner_steps: Sequence[int], options: Optional[Mapping[str, Any]]) -> str:
+def describe_sync(
+    sync: str,
+    sync_every: int,
+    inner_steps: Sequence[int],
+    options: Optional[Mapping[str, Any]],
+    fragments: int = 1,
+) -> str:
     """One line for the plan: how the ranks synchronize."""
     if sync not in LOCAL_MODES:
         return "gradients exchanged at every step"
@@ -190,9 +250,15 @@ def describe_sync(sync: str, sync_every: int, inner_steps: Sequence[int], option
         else f"an outer SGD (lr {options['outer_lr']}, momentum {options['outer_momentum']}"  # type: ignore[index]
         f"{', Nesterov' if options['nesterov'] else ''}) on the sample-weighted pseudo-gradient"  # type: ignore[index]
     )
+    when = (
+        f"every {sync_every} training steps"
+        if fragments == 1
+        else f"every {sync_every // fragments} training steps, one of {fragments} fragments of the parameters in turn"
+        f" (each every {sync_every}),"
+    )
     return (
-        f"{sync}: each rank trains on its own, inner steps per training step {list(inner_steps)}; every {sync_every}"
-        f" training steps and at each epoch's end the ranks synchronize with {outer}"
+        f"{sync}: each rank trains on its own, inner steps per training step {list(inner_steps)}; {when} and at each"
+        f" epoch's end the ranks synchronize with {outer}"
     )
 
 

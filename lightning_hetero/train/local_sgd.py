@@ -8,7 +8,10 @@ sends its pseudo-gradient ``anchor - parameters`` weighted by its share of the s
 ``compression="int8"``/``"int4"`` a gather of each rank's quantized delta instead, see :mod:`~.comm.quantize`), and
 every rank applies the same outer step to the anchor: ``anchor - average`` for local SGD (the sample-weighted average
 of the ranks' parameters), an outer SGD step with the average as its gradient for DiLoCo. Every rank then holds the
-same parameters, which become the next anchor.
+same parameters, which become the next anchor. With ``sync_options={"fragments": F}`` (streaming) the parameter
+tensors are cut into F contiguous fragments that merge in turn, one every ``sync_every / F`` steps, each weighted by
+the samples since its own last merge; between its merges a fragment trains on, so 1/F of the model crosses the wire
+at a time.
 
 A checkpoint is a synchronization (the strategy synchronizes before saving), so what it must add to DeepSpeed's files
 is per rank: each rank's inner optimizer state (DeepSpeed's ZeRO-0 checkpoint holds rank 0's only), the outer
@@ -17,7 +20,7 @@ optimizer state, the count of training steps and a quantized merge's error feedb
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -25,25 +28,38 @@ import torch
 from torch import Tensor
 
 from lightning_hetero.comm import quantize
-from lightning_hetero.plan.local_steps import is_sync_step
+from lightning_hetero.plan.local_steps import due_fragments, fragment_bounds
 
 STATE_DIRNAME = "hetero_local_sgd"
 _DTYPES = {None: torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class LocalTraining:
-    """This rank's side of local SGD / DiLoCo for one strategy (``outer``: DiLoCo's settings, None for local SGD)."""
+    """This rank's side of local SGD / DiLoCo for one strategy (``outer``: DiLoCo's settings, None for local SGD;
+    ``fragments``: the streaming merge's, 1 merges every parameter at once)."""
 
-    def __init__(self, mode: str, sync_every: int, outer: Optional[dict[str, Any]], compression: Optional[str]) -> None:
+    def __init__(
+        self,
+        mode: str,
+        sync_every: int,
+        outer: Optional[dict[str, Any]],
+        compression: Optional[str],
+        fragments: int = 1,
+    ) -> None:
         self.mode, self.sync_every, self.outer_settings = mode, sync_every, outer
+        self.fragments = fragments
         self.wire_dtype = _DTYPES.get(compression, torch.float32)
         self.quantized_bits: Optional[int] = quantize.BITS.get(compression or "")
-        # What rounding left out of this rank's quantized deltas so far: added to its next one (None: nothing yet).
+        # What rounding left out of this rank's quantized deltas so far, one value per parameter value in the model's
+        # order: added to its next merge (None: nothing yet).
         self.error_feedback: Optional[Tensor] = None
         self.steps_done = 0  # training steps of this fit (Lightning batches, the same count on every rank)
-        self.samples_since_sync = 0
-        self.steps_since_sync = 0  # (the same on every rank: what decides an extra synchronization)
-        self.synchronizations = 0
+        self.synchronizations = 0  # merges (of one fragment or more)
+        # Per fragment, since its last merge: the samples this rank trained on, and the training steps (the same on
+        # every rank: what decides an extra synchronization).
+        self._samples: list[int] = [0] * fragments
+        self._steps: list[int] = [0] * fragments
+        self._bounds: list[tuple[int, int]] = [(0, 0)]  # each fragment's parameter tensors [begin, end)
         self._parameters: list[torch.nn.Parameter] = []
         self._anchor: list[Tensor] = []
         self._outer: Optional[torch.optim.SGD] = None
@@ -52,8 +68,29 @@ class LocalTraining:
         # Reads the inner steps in force (the split's), which a checkpoint records: set by the job.
         self.inner_steps: Optional[Callable[[], tuple[int, ...]]] = None
 
+    @property
+    def samples_since_sync(self) -> int:
+        """The samples this rank trained on since the least recently merged fragment's merge."""
+        return max(self._samples)
+
+    @samples_since_sync.setter
+    def samples_since_sync(self, samples: int) -> None:
+        self._samples = [samples] * self.fragments
+
+    @property
+    def steps_since_sync(self) -> int:
+        """Training steps since the least recently merged fragment's merge (0: every rank holds the same model)."""
+        return max(self._steps)
+
+    @steps_since_sync.setter
+    def steps_since_sync(self, steps: int) -> None:
+        self._steps = [steps] * self.fragments
+
     def attach(self, parameters: list[torch.nn.Parameter], inner_optimizer: Any) -> None:
-        """DeepSpeed's engine exists: anchor the parameters it trains, create the outer optimizer over the anchor."""
+        """DeepSpeed's engine exists: anchor the parameters it trains, create the outer optimizer over the anchor.
+        The fragments are cut here, the same on every rank (the same model); too many for its tensors is refused
+        before any collective."""
+        self._bounds = fragment_bounds([p.numel() for p in parameters], self.fragments)
         self._parameters, self._inner = parameters, inner_optimizer
         self._anchor = [p.detach().clone() for p in parameters]
         self.samples_since_sync = self.steps_since_sync = 0
@@ -79,62 +116,87 @@ class LocalTraining:
         all_reduce: Callable[[Tensor], None],
         gather: Optional[Callable[[Tensor], list[Tensor]]] = None,
     ) -> bool:
-        """A training step ended on this rank after ``samples`` samples: synchronize when it is time (every
-        ``sync_every`` steps and at the end of an epoch, the same decision on every rank). True if it did."""
+        """A training step ended on this rank after ``samples`` samples: merge the fragments that are due (every
+        ``sync_every`` steps each, in turn, and all at the end of an epoch; the same decision on every rank). True if
+        any did."""
         self.steps_done += 1
-        self.steps_since_sync += 1
-        self.samples_since_sync += samples
-        if not is_sync_step(self.steps_done, self.sync_every, last_of_epoch):
+        self._steps = [steps + 1 for steps in self._steps]
+        self._samples = [done + samples for done in self._samples]
+        due = due_fragments(self.steps_done, self.sync_every, self.fragments, last_of_epoch)
+        if not due:
             return False
-        self.synchronize(all_reduce, gather)
+        self.synchronize(all_reduce, gather, due)
         return True
 
     def synchronize(
-        self, all_reduce: Callable[[Tensor], None], gather: Optional[Callable[[Tensor], list[Tensor]]] = None
+        self,
+        all_reduce: Callable[[Tensor], None],
+        gather: Optional[Callable[[Tensor], list[Tensor]]] = None,
+        fragments: Optional[Sequence[int]] = None,
     ) -> None:
-        """The outer step on every rank (``all_reduce`` sums a tensor over the ranks in place; ``gather`` returns
-        every rank's tensor in rank order, needed by a quantized merge)."""
+        """The outer step of ``fragments`` (all of them when None) on every rank (``all_reduce`` sums a tensor over
+        the ranks in place; ``gather`` returns every rank's tensor in rank order, needed by a quantized merge)."""
         if not self._parameters:
             return
-        counts = torch.tensor([float(self.samples_since_sync)], dtype=torch.float64)
+        merging = sorted(range(self.fragments) if fragments is None else fragments)
+        tensors = [index for fragment in merging for index in range(*self._bounds[fragment])]
+        counts = torch.tensor([float(self._samples[fragment]) for fragment in merging], dtype=torch.float64)
         all_reduce(counts)
-        total = float(counts.item())
-        share = self.samples_since_sync / total if total > 0 else 0.0
         with torch.no_grad():
-            deltas = torch.cat([(anchor - p.detach()).reshape(-1) for anchor, p in zip(self._anchor, self._parameters)])
+            weighted_parts = []
+            for fragment, total in zip(merging, counts.tolist()):
+                share = self._samples[fragment] / total if total > 0 else 0.0
+                begin, end = self._bounds[fragment]
+                delta = torch.cat(
+                    [(self._anchor[i] - self._parameters[i].detach()).reshape(-1) for i in range(begin, end)]
+                )
+                weighted_parts.append(delta.double() * share)
+            weighted = torch.cat(weighted_parts)
+            dtype = self._anchor[0].dtype
             if self.quantized_bits is None:
-                weighted = (deltas.double() * share).to(self.wire_dtype)
-                all_reduce(weighted)
-                average = weighted.to(deltas.dtype)
+                on_wire = weighted.to(self.wire_dtype)
+                all_reduce(on_wire)
+                average = on_wire.to(dtype)
             else:
                 assert gather is not None, "a quantized merge gathers the ranks' deltas"
-                average = self._quantized_sum((deltas.double() * share).float(), gather).to(deltas.dtype)
+                average = self._quantized_sum(weighted.float(), tensors, gather).to(dtype)
             offset = 0
-            for index, anchor in enumerate(self._anchor):
-                size = anchor.numel()
-                pseudo_gradient = average[offset : offset + size].view_as(anchor)
-                offset += size
+            for index in tensors:
+                anchor = self._anchor[index]
+                pseudo_gradient = average[offset : offset + anchor.numel()].view_as(anchor)
+                offset += anchor.numel()
                 if self._outer is None:
                     anchor.sub_(pseudo_gradient)
                 else:
                     self._outer_parameters[index].grad = pseudo_gradient.clone()
             if self._outer is not None:
-                self._outer.step()
+                self._outer.step()  # (SGD leaves the parameters without a gradient, the other fragments', as they are)
                 self._outer.zero_grad(set_to_none=True)
-            for anchor, parameter in zip(self._anchor, self._parameters):
-                parameter.copy_(anchor)
-        self.samples_since_sync = self.steps_since_sync = 0
+            for index in tensors:
+                self._parameters[index].copy_(self._anchor[index])
+        for fragment in merging:
+            self._samples[fragment] = self._steps[fragment] = 0
         self.synchronizations += 1
 
-    def _quantized_sum(self, weighted: Tensor, gather: Callable[[Tensor], list[Tensor]]) -> Tensor:
-        """The sum over the ranks of their weighted deltas, each sent quantized with this rank's error feedback; the
-        same sum, in the same order, on every rank."""
+    def _quantized_sum(self, weighted: Tensor, tensors: list[int], gather: Callable[[Tensor], list[Tensor]]) -> Tensor:
+        """The sum over the ranks of their weighted deltas of ``tensors``, each sent quantized with this rank's error
+        feedback; the same sum, in the same order, on every rank."""
         assert self.quantized_bits is not None
         bits, numel = self.quantized_bits, weighted.numel()
-        if self.error_feedback is not None:
-            weighted = weighted + self.error_feedback
+        if self.error_feedback is None:
+            self.error_feedback = torch.zeros(sum(p.numel() for p in self._parameters), dtype=torch.float32)
+        starts = [0]
+        for parameter in self._parameters:
+            starts.append(starts[-1] + parameter.numel())
+        feedback = torch.cat([self.error_feedback[starts[i] : starts[i + 1]] for i in tensors])
+        weighted = weighted + feedback
         payload, scales = quantize.quantize(weighted, bits)
-        self.error_feedback = weighted - quantize.dequantize(payload, scales, bits, numel)
+        left = weighted - quantize.dequantize(payload, scales, bits, numel)
+        offset = 0
+        for index in tensors:
+            size = starts[index + 1] - starts[index]
+            self.error_feedback[starts[index] : starts[index + 1]] = left[offset : offset + size]
+            offset += size
         total = torch.zeros(numel, dtype=torch.float64)
         for rank_payload, rank_scales in zip(gather(payload), gather(scales)):
             total += quantize.dequantize(rank_payload, rank_scales, bits, numel).double()
