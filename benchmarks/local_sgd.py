@@ -2,6 +2,7 @@
 
     python benchmarks/local_sgd.py                 # 3 runs of 5 fits each (about 15 minutes on 2 cores)
     python benchmarks/local_sgd.py --runs 1 --epochs 4
+    python benchmarks/local_sgd.py --sync-every 8 --variants   # DiLoCo with int8, int4 and 4 streaming fragments too
 
 Two ranks at emulated speeds [1.0, 0.4], each its own emulated node, joined by an emulated 1 Gbit/s link with 0.5 ms
 latency (``LIGHTNING_HETERO_EMULATE_NODES=2``, ``LIGHTNING_HETERO_EMULATE_LINK=1,0.5``): every collective between
@@ -16,7 +17,12 @@ Fits, run back to back in each run (their order alternates between runs):
     local_sgd     micro-batches of 64 per inner step, inner steps planned from the profiles, synchronized every H
     diloco        the same with DiLoCo's outer step (SGD, lr 0.7, Nesterov momentum 0.9)
 
-for H in --sync-every (default 8 and 32). Each fit trains the same number of epochs (every sample once per epoch in
+for H in --sync-every (default 8 and 32); with --variants also
+
+    diloco H int8 / int4       the pseudo-gradient quantized (compression="int8" / "int4", error feedback)
+    diloco H fragments 4       streaming: 4 fragments merged in turn, one every H/4 steps
+
+Each fit trains the same number of epochs (every sample once per epoch in
 every mode). From each fit: the wall-clock time from the start of training to each validation and its loss and
 accuracy; the bytes on the wire from the run report. The figures: the time to reach every_step's final validation
 loss (the first validation at or below it), its ratio to every_step's time, and the final loss against every_step's.
@@ -46,7 +52,7 @@ TRAIN_SAMPLES, VAL_SAMPLES, MICRO_BATCH = 8192, 2048, 64
 FIT_TIMEOUT = 900
 
 
-def fit(mode: str, sync_every: int, epochs: int, out: Path) -> None:
+def fit(mode: str, sync_every: int, epochs: int, out: Path, options: Optional[dict[str, Any]] = None) -> None:
     """One Trainer.fit on every rank; rank 0 writes ``out/curve.json`` (time, loss, accuracy per validation)."""
     import torch
     from lightning.pytorch import Callback, Trainer, seed_everything
@@ -99,7 +105,7 @@ def fit(mode: str, sync_every: int, epochs: int, out: Path) -> None:
         strategy = HeteroStrategy(stage=0, emulate_speeds=SPEEDS)
         batch = 2 * MICRO_BATCH  # the loader's batch per rank: a global batch of 128, split by the planner
     else:
-        strategy = HeteroStrategy(sync=mode, sync_every=sync_every, emulate_speeds=SPEEDS)
+        strategy = HeteroStrategy(sync=mode, sync_every=sync_every, emulate_speeds=SPEEDS, **(options or {}))
         batch = MICRO_BATCH
     data = SpiralDataModule(batch_size=batch // 2 if mode == "every_step" else batch,
                             train_samples=TRAIN_SAMPLES, val_samples=VAL_SAMPLES)  # fmt: skip
@@ -127,6 +133,11 @@ def wire_megabytes(report: dict[str, Any]) -> float:
     return sum(sum(step.get("inter_node_bytes", ())) for step in report["steps"]) / 1e6
 
 
+def peak_megabytes(report: dict[str, Any]) -> float:
+    """The most bytes the ranks put on the wire between nodes in one training step, in MB."""
+    return max(sum(step.get("inter_node_bytes", ())) for step in report["steps"]) / 1e6
+
+
 def analyse_run(fits: dict[str, dict[str, Any]]) -> dict[str, Any]:
     baseline = fits["every_step"]
     target = baseline["curve"][-1]["val_loss"]
@@ -142,6 +153,7 @@ def analyse_run(fits: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "final_loss_over_every_step": curve[-1]["val_loss"] / target,
             "train_seconds": curve[-1]["seconds"],
             "wire_mb": wire_megabytes(result["report"]),
+            "peak_step_mb": peak_megabytes(result["report"]),
             "inner_steps": result["report"]["steps"][-1].get("micro_steps"),
             "curve": curve,
         }
@@ -151,9 +163,12 @@ def analyse_run(fits: dict[str, dict[str, Any]]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- driver
 
 
-def launch(name: str, mode: str, sync_every: int, epochs: int, out: Path) -> dict[str, Any]:
+def launch(
+    name: str, mode: str, sync_every: int, epochs: int, out: Path, options: Optional[dict[str, Any]] = None
+) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, __file__, "--fit", mode, str(sync_every), str(epochs), str(out)]
+    command += ["--fit-options", json.dumps(options or {})]
     run_job(command, out / "log.txt", dict(os.environ), FIT_TIMEOUT, name)
     return {
         "curve": json.loads((out / "curve.json").read_text()),
@@ -161,21 +176,24 @@ def launch(name: str, mode: str, sync_every: int, epochs: int, out: Path) -> dic
     }
 
 
-def run_all(runs: int, epochs: int, sync_every: list[int], work: Path) -> list[dict[str, Any]]:
-    fits = [("every_step", "every_step", 1)]
-    fits += [(f"{mode} H={h}", mode, h) for mode in ("local_sgd", "diloco") for h in sync_every]
+def run_all(runs: int, epochs: int, sync_every: list[int], work: Path, variants: bool = False) -> list[dict[str, Any]]:
+    fits: list[tuple[str, str, int, dict[str, Any]]] = [("every_step", "every_step", 1, {})]
+    fits += [(f"{mode} H={h}", mode, h, {}) for mode in ("local_sgd", "diloco") for h in sync_every]
+    if variants:
+        fits += [(f"diloco H={h} {c}", "diloco", h, {"compression": c}) for h in sync_every for c in ("int8", "int4")]
+        fits += [(f"diloco H={h} fragments 4", "diloco", h, {"sync_options": {"fragments": 4}}) for h in sync_every]
     results = []
     for run in range(runs):
         order = fits if run % 2 == 0 else list(reversed(fits))
         started = time.perf_counter()
         outcome = {
-            name: launch(name, mode, h, epochs, work / f"run{run}" / name.replace(" ", "_").replace("=", ""))
-            for name, mode, h in order
+            name: launch(name, mode, h, epochs, work / f"run{run}" / name.replace(" ", "_").replace("=", ""), options)
+            for name, mode, h, options in order
         }
         figures = analyse_run(outcome)
         results.append(figures)
         print(f"run {run + 1}/{runs} ({time.perf_counter() - started:.0f} s): target {figures['target_val_loss']:.4f}")
-        for name, _, _ in fits:
+        for name, *_ in fits:
             print(f"  {describe(name, figures[name])}")
     return results
 
@@ -188,7 +206,8 @@ def describe(name: str, fit_figures: dict[str, Any]) -> str:
         f"{'' if speedup is None else f' ({speedup:.2f}x)'}, final val loss {fit_figures['final_val_loss']:.4f}"
         f" ({fit_figures['final_loss_over_every_step']:.3f} of every_step's),"
         f" accuracy {fit_figures['final_val_acc']:.3f},"
-        f" {fit_figures['train_seconds']:.1f} s, {fit_figures['wire_mb']:.0f} MB between nodes,"
+        f" {fit_figures['train_seconds']:.1f} s, {fit_figures['wire_mb']:.0f} MB between nodes"
+        f" (at most {fit_figures['peak_step_mb']:.2f} MB in a step),"
         f" inner steps {fit_figures['inner_steps']}"
     )
 
@@ -204,14 +223,14 @@ def table(results: list[dict[str, Any]]) -> str:
 
     lines = [
         "| fit | speedup to every_step's final loss | seconds to it | final val loss / every_step's | final accuracy"
-        " | MB between nodes |",
-        "|---|---|---|---|---|---|",
+        " | MB between nodes | peak MB in a step |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name in names:
         lines.append(
             f"| {name} | {values(name, 'speedup_to_target', '%.2f')} | {values(name, 'seconds_to_target', '%.1f')}"
             f" | {values(name, 'final_loss_over_every_step', '%.3f')} | {values(name, 'final_val_acc', '%.3f')}"
-            f" | {values(name, 'wire_mb', '%.0f')} |"
+            f" | {values(name, 'wire_mb', '%.0f')} | {values(name, 'peak_step_mb', '%.2f')} |"
         )
     return "\n".join(lines)
 
@@ -222,14 +241,16 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--sync-every", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--variants", action="store_true", help="DiLoCo with int8, int4 and 4 fragments too")
     parser.add_argument("--fit", nargs=4, metavar=("MODE", "H", "EPOCHS", "DIR"), help=argparse.SUPPRESS)
+    parser.add_argument("--fit-options", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.fit:
         mode, sync_every, epochs, out = args.fit
-        fit(mode, int(sync_every), int(epochs), Path(out))
+        fit(mode, int(sync_every), int(epochs), Path(out), json.loads(args.fit_options))
         return
     work = args.out.parent / "local_sgd_runs"
-    results = run_all(args.runs, args.epochs, args.sync_every, work)
+    results = run_all(args.runs, args.epochs, args.sync_every, work, args.variants)
     text = table(results)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
