@@ -134,11 +134,15 @@ class LocalTraining:
         gather: Optional[Callable[[Tensor], list[Tensor]]] = None,
         fragments: Optional[Sequence[int]] = None,
     ) -> None:
-        """The outer step of ``fragments`` (all of them when None) on every rank (``all_reduce`` sums a tensor over
-        the ranks in place; ``gather`` returns every rank's tensor in rank order, needed by a quantized merge)."""
-        if not self._parameters:
+        """The outer step of ``fragments`` on every rank; when None, of every fragment trained since its last merge
+        (before a checkpoint or an evaluation: a fragment just merged is not merged again, which would move DiLoCo's
+        anchor by its momentum alone). ``all_reduce`` sums a tensor over the ranks in place; ``gather`` returns every
+        rank's tensor in rank order, needed by a quantized merge."""
+        if fragments is None:
+            fragments = [fragment for fragment in range(self.fragments) if self._steps[fragment] > 0]
+        if not self._parameters or not fragments:
             return
-        merging = sorted(range(self.fragments) if fragments is None else fragments)
+        merging = sorted(fragments)
         tensors = [index for fragment in merging for index in range(*self._bounds[fragment])]
         counts = torch.tensor([float(self._samples[fragment]) for fragment in merging], dtype=torch.float64)
         all_reduce(counts)

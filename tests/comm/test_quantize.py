@@ -123,7 +123,7 @@ def test_a_quantized_merge_leaves_every_rank_the_same_parameters_near_the_fp32_m
             with torch.no_grad():
                 for parameter, value in zip(own, moved[rank]):
                     parameter.copy_(value)
-            training.samples_since_sync = [3, 1][rank]
+            training.samples_since_sync, training.steps_since_sync = [3, 1][rank], 1
             trainings.append(training)
             parameters.append(own)
         merge_on_two_threads(trainings, parameters, ThreadGather(2), SumOfTwo())
@@ -154,9 +154,33 @@ def test_error_feedback_sends_what_rounding_left_at_the_next_merge():
         anchor = parameter.detach().clone()
         with torch.no_grad():
             parameter.sub_(delta)  # anchor - parameters = delta
-        training.samples_since_sync = 1
+        training.samples_since_sync = training.steps_since_sync = 1
         training.synchronize(lambda tensor: None, lambda tensor: [tensor])
         sent += (anchor - parameter.detach()).double()  # what the merge applied
     total = 20 * delta.double()
     assert torch.allclose(sent + training.error_feedback.double(), total, atol=1e-6)
     assert training.error_feedback.abs().max().item() <= delta.abs().max().item() / 7  # one int4 step of a block
+
+
+def test_a_merge_before_a_checkpoint_leaves_a_fragment_just_merged_alone():
+    """Streaming DiLoCo (outer momentum 0.9), 2 fragments, sync_every 2, one rank: after step 2 fragment 1 has just
+    merged and fragment 0 trained a step since its merge at step 1. The merge a checkpoint asks for merges fragment 0
+    only: merging fragment 1 again would move it by the outer momentum alone."""
+    outer = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
+    parameters = [torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4))]
+    training = LocalTraining("diloco", 2, outer, None, fragments=2)
+    training.attach(parameters, None)
+    merged_steps = []
+    for _ in range(2):
+        with torch.no_grad():
+            for parameter in parameters:
+                parameter.sub_(0.1)  # a training step moves every tensor
+        if training.step_done(1, False, lambda tensor: None):
+            merged_steps.append(training.steps_done)
+    assert merged_steps == [1, 2] and training.steps_since_sync == 1
+    just_merged = parameters[1].detach().clone()
+    before = parameters[0].detach().clone()
+    training.synchronize(lambda tensor: None)
+    assert torch.equal(parameters[1].detach(), just_merged)
+    assert not torch.equal(parameters[0].detach(), before) and training.steps_since_sync == 0
+    assert training.synchronizations == 3

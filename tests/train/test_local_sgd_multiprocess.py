@@ -194,17 +194,22 @@ def test_the_pseudo_gradient_travels_quantized_with_error_feedback(mode, bits, t
     assert 0 < max_param_difference(quantized.result, reference) <= tolerance
 
 
-def test_a_quantized_resume_carries_each_ranks_error_feedback_and_equals_the_uninterrupted_run(tmp_path):
-    """int8 DiLoCo: the checkpoint after the merge at step 2 holds what each rank's rounding left out, and the resumed
-    run ends bit-near the uninterrupted one (without it, the resumed merges would send less and end elsewhere)."""
-    arguments = local_args("diloco", [4, 4], sync_every=2, inner_steps=[2, 1], compression="int8")
-    whole = run_fit(tmp_path / "whole", *arguments, "--samples", "60")
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_a_quantized_resume_carries_each_ranks_error_feedback_and_equals_the_uninterrupted_run(fragments, tmp_path):
+    """int8 DiLoCo, whole or in 2 streaming fragments: the checkpoint after step 2 (every fragment merged first) holds
+    what each rank's rounding left out, and the resumed run ends bit-near the uninterrupted one, which saved at step 2
+    too (without the error feedback, the resumed merges would send less and end elsewhere)."""
+    arguments = local_args("diloco", [4, 4], sync_every=2, inner_steps=[2, 1], compression="int8",
+                           sync_options={"fragments": fragments})  # fmt: skip
+    whole = run_fit(tmp_path / "whole", *arguments, "--samples", "60", "--checkpoint-every", "2")
     first = run_fit(tmp_path / "first", *arguments, "--samples", "60", "--max-steps", "2", "--checkpoint-every", "2")
     assert whole.returncode == 0 and first.returncode == 0, (whole.output + first.output)[-4000:]
     (checkpoint,) = (tmp_path / "first" / "ckpt").iterdir()
     saved = [torch.load(part, weights_only=True) for part in sorted((checkpoint / "hetero_local_sgd").glob("*.pt"))]
     assert len(saved) == 2 and all(state["error_feedback"].abs().max() > 0 for state in saved)
-    resumed = run_fit(tmp_path / "resumed", *arguments, "--samples", "60", "--ckpt-path", str(checkpoint))
+    resumed = run_fit(
+        tmp_path / "resumed", *arguments, "--samples", "60", "--ckpt-path", str(checkpoint), "--checkpoint-every", "2"
+    )  # (each checkpoint merges every fragment first: the same ones)
     assert resumed.returncode == 0, resumed.output[-4000:]
     assert resumed.result["global_step"] == whole.result["global_step"] == 5
     uninterrupted = {
