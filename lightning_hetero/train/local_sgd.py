@@ -20,6 +20,7 @@ optimizer state, the count of training steps and a quantized merge's error feedb
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Optional
@@ -144,7 +145,10 @@ class LocalTraining:
             return
         merging = sorted(fragments)
         tensors = [index for fragment in merging for index in range(*self._bounds[fragment])]
-        counts = torch.tensor([float(self._samples[fragment]) for fragment in merging], dtype=torch.float64)
+        device = self._anchor[0].device  # (NCCL reduces CUDA tensors only)
+        counts = torch.tensor(
+            [float(self._samples[fragment]) for fragment in merging], dtype=torch.float64, device=device
+        )
         all_reduce(counts)
         with torch.no_grad():
             weighted_parts = []
@@ -156,14 +160,15 @@ class LocalTraining:
                 )
                 weighted_parts.append(delta.double() * share)
             weighted = torch.cat(weighted_parts)
-            dtype = self._anchor[0].dtype
+            dtype = functools.reduce(torch.promote_types, [self._anchor[index].dtype for index in tensors])
             if self.quantized_bits is None:
                 on_wire = weighted.to(self.wire_dtype)
                 all_reduce(on_wire)
                 average = on_wire.to(dtype)
             else:
                 assert gather is not None, "a quantized merge gathers the ranks' deltas"
-                average = self._quantized_sum(weighted.float(), tensors, gather).to(dtype)
+                # (quantized on the CPU: the gather returns CPU tensors; the feedback stays there, as it is saved)
+                average = self._quantized_sum(weighted.float().cpu(), tensors, gather).to(device, dtype)
             offset = 0
             for index in tensors:
                 anchor = self._anchor[index]
@@ -195,7 +200,9 @@ class LocalTraining:
         feedback = torch.cat([self.error_feedback[starts[i] : starts[i + 1]] for i in tensors])
         weighted = weighted + feedback
         payload, scales = quantize.quantize(weighted, bits)
-        left = weighted - quantize.dequantize(payload, scales, bits, numel)
+        # (a non-finite delta makes its block's scale non-finite; the merge carries it as fp32 would, but what is
+        # left for the next merge must not carry it on for good)
+        left = torch.nan_to_num(weighted - quantize.dequantize(payload, scales, bits, numel), 0.0, 0.0, 0.0)
         offset = 0
         for index in tensors:
             size = starts[index + 1] - starts[index]
@@ -242,5 +249,12 @@ class LocalTraining:
         if self._outer is not None and state["outer"] is not None:
             self._outer.load_state_dict(state["outer"])
         self.error_feedback = state.get("error_feedback")  # (None in a checkpoint of an unquantized run)
+        values = sum(parameter.numel() for parameter in self._parameters)
+        if self.error_feedback is not None and self.error_feedback.numel() != values:
+            raise ValueError(
+                f"Checkpoint {directory} holds rank {rank}'s quantized-merge error feedback for"
+                f" {self.error_feedback.numel()} parameter values, and the model trains {values}: it was written"
+                " for another model. Resume it with the model it was trained with."
+            )
         self.samples_since_sync = self.steps_since_sync = 0
         return tuple(state["inner_steps"]) if state.get("inner_steps") else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 
 import pytest
@@ -184,3 +185,53 @@ def test_a_merge_before_a_checkpoint_leaves_a_fragment_just_merged_alone():
     assert torch.equal(parameters[1].detach(), just_merged)
     assert not torch.equal(parameters[0].detach(), before) and training.steps_since_sync == 0
     assert training.synchronizations == 3
+
+
+def test_a_non_finite_delta_is_merged_as_fp32_would_and_not_kept_in_the_error_feedback():
+    """An inf in one rank's delta reaches the merge (as an fp32 all-reduce would carry it; the non-finite guard stops
+    the run), but what rounding left for the next merge stays finite."""
+    parameter = torch.nn.Parameter(torch.zeros(300))
+    training = LocalTraining("local_sgd", 1, None, "int8")
+    training.attach([parameter], None)
+    with torch.no_grad():
+        parameter[5] = -math.inf
+        parameter[260:] = -0.01
+    training.samples_since_sync = training.steps_since_sync = 1
+    training.synchronize(lambda tensor: None, lambda tensor: [tensor])
+    assert not torch.isfinite(parameter.detach()[:256]).all()
+    assert torch.isfinite(training.error_feedback).all()
+
+
+def test_error_feedback_of_another_model_is_refused_at_load(tmp_path):
+    saved = LocalTraining("local_sgd", 1, None, "int8")
+    saved.attach([torch.nn.Parameter(torch.zeros(10))], None)
+    saved.error_feedback = torch.ones(10)
+    saved.save(tmp_path, 0)
+    other = LocalTraining("local_sgd", 1, None, "int8")
+    other.attach([torch.nn.Parameter(torch.zeros(12))], None)
+    with pytest.raises(ValueError, match="error feedback for 10 parameter values, and the model trains 12"):
+        other.load(tmp_path, 0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run benchmarks/gpu_check.sh there)")
+@pytest.mark.parametrize("compression", [None, "int8"])
+def test_a_merge_of_cuda_parameters_stays_on_the_gpu(compression):
+    """The counts, the deltas and the merged parameters on the parameters' device (NCCL reduces CUDA tensors only);
+    a quantized merge's error feedback on the CPU, as it is saved."""
+    parameter = torch.nn.Parameter(torch.zeros(300, device="cuda"))
+    training = LocalTraining("local_sgd", 1, None, compression)
+    training.attach([parameter], None)
+    with torch.no_grad():
+        parameter.sub_(0.5)
+    devices = []
+
+    def all_reduce(tensor):
+        devices.append(tensor.device.type)
+
+    training.samples_since_sync = training.steps_since_sync = 1
+    training.synchronize(all_reduce, lambda tensor: [tensor.cpu()])
+    assert parameter.device.type == "cuda" and torch.allclose(parameter.detach().cpu(), torch.full((300,), -0.5))
+    assert set(devices) == {"cuda"}
+    if compression:
+        assert training.error_feedback.device.type == "cpu"

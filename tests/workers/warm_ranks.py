@@ -26,6 +26,7 @@ processes (the CLI, the example, torchrun, Ray, Slurm, one pipeline case) keep t
 from __future__ import annotations
 
 import atexit
+import ctypes
 import gc
 import json
 import os
@@ -34,7 +35,6 @@ import socket
 import sys
 import threading
 import time
-import traceback
 import warnings
 from pathlib import Path
 
@@ -215,6 +215,7 @@ def run_rank(entry) -> None:
     process's teardown leaves nothing behind that a test could see (the exit handlers close Lightning's loggers and
     the process group)."""
     code: int = 0
+    interrupted = False
     try:
         entry()
     except SystemExit as stop:
@@ -223,9 +224,9 @@ def run_rank(entry) -> None:
         else:  # `sys.exit("message")`: Python prints it and exits with 1
             print(stop.code, file=sys.stderr)
             code = 1
-    except KeyboardInterrupt:  # Python ends such a process by SIGINT itself (exit code -2 to its parent)
-        traceback.print_exc()
-        code = -signal.SIGINT
+    except KeyboardInterrupt:  # Python prints it and ends such a process by SIGINT itself (-2 to its parent)
+        sys.excepthook(*sys.exc_info())
+        interrupted = True
     except BaseException:
         sys.excepthook(*sys.exc_info())
         code = 1
@@ -233,10 +234,11 @@ def run_rank(entry) -> None:
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
-    os._exit(code & 0xFF)
+    ctypes.CDLL(None).fflush(None)  # what C and C++ code printed into its stdio buffers (teardown would flush them)
+    if interrupted:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(code & 0xFF)  # (as a fresh process: sys.exit(-1) is 255)
 
 
 if __name__ == "__main__":
