@@ -7,8 +7,6 @@ stops the cluster; if it dies instead, the test kills the daemons it started by 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import sys
 from pathlib import Path
 from typing import Optional
@@ -19,7 +17,7 @@ pytest.importorskip("ray.train", reason="the Ray extra is not installed: pip ins
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "workers"))
 from common import IndexedRegression, max_param_difference, reference_training  # noqa: E402
-from conftest import ENGINES_ONE_AT_A_TIME, WORKERS, run_bounded  # noqa: E402
+from conftest import ENGINES_ONE_AT_A_TIME, WORKERS, kill_tree, run_bounded  # noqa: E402
 from test_strategy_multiprocess import rank_slices  # noqa: E402
 
 pytestmark = [pytest.mark.engines, ENGINES_ONE_AT_A_TIME]
@@ -39,13 +37,11 @@ def run_ray(out: Path, *args: str, timeout: float = 240, env: Optional[dict[str,
     try:
         returncode, output = run_bounded(command, timeout, env={"RAY_DEDUP_LOGS": "0", **(env or {})})
     finally:
-        # Ray's daemons run in their own sessions: the driver stops them, or, if it died, these PIDs are theirs.
+        # Ray's daemons run in their own sessions: the driver stops them, or, if it died, these PIDs are theirs; with
+        # the processes under them (the raylet's workers, which outlive a killed raylet for a while).
         pids = (out / "ray_pids").read_text().split() if (out / "ray_pids").exists() else []
         for pid in map(int, pids):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_tree(pid)
     assert returncode == 0, output[-6000:]
     result = json.loads((out / "result.json").read_text())
     assert result["error"] is None, result["error"]
