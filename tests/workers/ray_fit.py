@@ -196,10 +196,7 @@ def main() -> None:
             train_loop_config=config,
             scaling_config=ScalingConfig(num_workers=(1, 2) if args.elastic else args.workers, use_gpu=False),
             run_config=RunConfig(
-                # (Ray's RayTrainReportCallback stages each epoch's checkpoint in /tmp under the job id, this name and
-                # the rank: every fresh cluster's first job has the same id, so a name of its own keeps this run out of
-                # a folder that a previous run's worker, still ending, may hold)
-                name=f"hetero-{os.getpid()}",
+                name="hetero",  # (the storage folder the kill waits in: ray_storage/hetero)
                 storage_path=str(args.out / "ray_storage"),
                 failure_config=FailureConfig(max_failures=args.max_failures),
             ),
