@@ -16,6 +16,7 @@ the one worker that fits what is left.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import signal
@@ -46,6 +47,13 @@ def _text(path: Path) -> str:
     return path.read_text() if path.exists() else ""
 
 
+def experiment_name(out: Path) -> str:
+    """The run's Ray experiment name, one per test (its --out): Ray's RayTrainReportCallback stages each epoch's
+    checkpoint in /tmp under the job id, this name and the rank, and every fresh cluster's first job has the same id,
+    so a shared name put a test into the folder a previous test's worker, still ending, held."""
+    return f"hetero-{hashlib.sha1(str(out).encode()).hexdigest()[:10]}"
+
+
 class Record(Callback):
     """Each rank appends what it trained on to `attempts.jsonl` when the fit ends; rank R may die at step S."""
 
@@ -58,7 +66,7 @@ class Record(Callback):
         # report not yet registered is lost with the worker group. Fail once Ray holds one, as a worker that dies
         # later in a real epoch would.
         deadline = time.monotonic() + 60
-        while "checkpoint_dir_name" not in _text(self.out / "ray_storage" / "hetero" / SNAPSHOT):
+        while "checkpoint_dir_name" not in _text(self.out / "ray_storage" / experiment_name(self.out) / SNAPSHOT):
             if time.monotonic() > deadline:
                 raise RuntimeError("Ray registered no checkpoint within 60 s")
             time.sleep(0.2)
@@ -196,7 +204,7 @@ def main() -> None:
             train_loop_config=config,
             scaling_config=ScalingConfig(num_workers=(1, 2) if args.elastic else args.workers, use_gpu=False),
             run_config=RunConfig(
-                name="hetero",  # (the storage folder the kill waits in: ray_storage/hetero)
+                name=experiment_name(args.out),
                 storage_path=str(args.out / "ray_storage"),
                 failure_config=FailureConfig(max_failures=args.max_failures),
             ),
