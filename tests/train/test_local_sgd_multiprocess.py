@@ -33,6 +33,31 @@ pytestmark = pytest.mark.multiprocess
 TOLERANCE = 1e-5
 
 
+def inner_training_step(
+    dataset: IndexedRegression,
+    step: list[int],
+    micro: list[int],
+    inner: list[int],
+    nets: list[torch.nn.Module],
+    inner_optimizers: list[torch.optim.Optimizer],
+) -> list[int]:
+    """One training step of the references: each rank takes its contiguous slice of the global batch in ``inner[r]``
+    SGD steps of its own. Returns the samples each rank trained on."""
+    trained, begin = [], 0
+    for rank, (net, optimizer) in enumerate(zip(nets, inner_optimizers)):
+        share = step[begin : begin + micro[rank] * inner[rank]]
+        begin += len(share)
+        offset = 0
+        for size in micro_batch_sizes(len(share), inner[rank]):
+            indices = share[offset : offset + size]
+            offset += size
+            optimizer.zero_grad()
+            batch_loss(net, dataset.x[indices], dataset.y[indices]).backward()
+            optimizer.step()
+        trained.append(len(share))
+    return trained
+
+
 def local_reference(
     dataset: IndexedRegression,
     steps: list[list[int]],
@@ -55,18 +80,8 @@ def local_reference(
                                           nesterov=outer["nesterov"])  # fmt: skip
     samples = [0] * len(micro)
     for number, step in enumerate(steps, start=1):
-        begin = 0
-        for rank, (net, optimizer) in enumerate(zip(nets, inner_optimizers)):
-            share = step[begin : begin + micro[rank] * inner[rank]]
-            begin += len(share)
-            offset = 0
-            for size in micro_batch_sizes(len(share), inner[rank]):
-                indices = share[offset : offset + size]
-                offset += size
-                optimizer.zero_grad()
-                batch_loss(net, dataset.x[indices], dataset.y[indices]).backward()
-                optimizer.step()
-            samples[rank] += len(share)
+        for rank, trained in enumerate(inner_training_step(dataset, step, micro, inner, nets, inner_optimizers)):
+            samples[rank] += trained
         if number in sync_at:
             total = sum(samples)
             with torch.no_grad():
@@ -241,19 +256,9 @@ def streaming_reference(
     bounds = fragment_bounds([p.numel() for p in anchor], fragments)
     samples = [[0] * len(micro) for _ in range(fragments)]  # per fragment, per rank, since its last merge
     for number, step in enumerate(steps, start=1):
-        begin = 0
-        for rank, (net, optimizer) in enumerate(zip(nets, inner_optimizers)):
-            share = step[begin : begin + micro[rank] * inner[rank]]
-            begin += len(share)
-            offset = 0
-            for size in micro_batch_sizes(len(share), inner[rank]):
-                indices = share[offset : offset + size]
-                offset += size
-                optimizer.zero_grad()
-                batch_loss(net, dataset.x[indices], dataset.y[indices]).backward()
-                optimizer.step()
+        for rank, trained in enumerate(inner_training_step(dataset, step, micro, inner, nets, inner_optimizers)):
             for fragment in range(fragments):
-                samples[fragment][rank] += len(share)
+                samples[fragment][rank] += trained
         for fragment in due_fragments(number, sync_every, fragments, number == len(steps)):
             total = sum(samples[fragment])
             with torch.no_grad():
