@@ -2,7 +2,7 @@
 
     python benchmarks/local_sgd.py                 # 3 runs of 5 fits each (about 15 minutes on 2 cores)
     python benchmarks/local_sgd.py --runs 1 --epochs 4
-    python benchmarks/local_sgd.py --sync-every 8 --variants   # DiLoCo with int8, int4 and 4 streaming fragments too
+    python benchmarks/local_sgd.py --sync-every 8 --variants   # DiLoCo with int8, int4, 4 fragments, overlap too
 
 Two ranks at emulated speeds [1.0, 0.4], each its own emulated node, joined by an emulated 1 Gbit/s link with 0.5 ms
 latency (``LIGHTNING_HETERO_EMULATE_NODES=2``, ``LIGHTNING_HETERO_EMULATE_LINK=1,0.5``): every collective between
@@ -21,6 +21,7 @@ for H in --sync-every (default 8 and 32); with --variants also
 
     diloco H int8 / int4       the pseudo-gradient quantized (compression="int8" / "int4", error feedback)
     diloco H fragments 4       streaming: 4 fragments merged in turn, one every H/4 steps
+    diloco H overlap [int8|int4]   each merge sent in the background, its outer step applied at the next merge
 
 Each fit trains the same number of epochs (every sample once per epoch in
 every mode). From each fit: the wall-clock time from the start of training to each validation and its loss and
@@ -138,6 +139,12 @@ def peak_megabytes(report: dict[str, Any]) -> float:
     return max(sum(step.get("inter_node_bytes", ())) for step in report["steps"]) / 1e6
 
 
+def merge_wait_share(report: dict[str, Any]) -> Optional[float]:
+    """The most any rank spent in merges (the link, and waiting for the other rank there), over its compute."""
+    shares = report["summary"].get("merge_wait_over_compute")
+    return max(share for share in shares if share is not None) if shares else None
+
+
 def analyse_run(fits: dict[str, dict[str, Any]]) -> dict[str, Any]:
     baseline = fits["every_step"]
     target = baseline["curve"][-1]["val_loss"]
@@ -155,6 +162,7 @@ def analyse_run(fits: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "wire_mb": wire_megabytes(result["report"]),
             "peak_step_mb": peak_megabytes(result["report"]),
             "inner_steps": result["report"]["steps"][-1].get("micro_steps"),
+            "merge_wait_over_compute": merge_wait_share(result["report"]),
             "curve": curve,
         }
     return figures
@@ -182,6 +190,16 @@ def run_all(runs: int, epochs: int, sync_every: list[int], work: Path, variants:
     if variants:
         fits += [(f"diloco H={h} {c}", "diloco", h, {"compression": c}) for h in sync_every for c in ("int8", "int4")]
         fits += [(f"diloco H={h} fragments 4", "diloco", h, {"sync_options": {"fragments": 4}}) for h in sync_every]
+        fits += [
+            (
+                f"diloco H={h} overlap{' ' + c if c else ''}",
+                "diloco",
+                h,
+                {"sync_options": {"overlap": True}, "compression": c},
+            )
+            for h in sync_every
+            for c in (None, "int8", "int4")
+        ]
     results = []
     for run in range(runs):
         order = fits if run % 2 == 0 else list(reversed(fits))
@@ -209,6 +227,11 @@ def describe(name: str, fit_figures: dict[str, Any]) -> str:
         f" {fit_figures['train_seconds']:.1f} s, {fit_figures['wire_mb']:.0f} MB between nodes"
         f" (at most {fit_figures['peak_step_mb']:.2f} MB in a step),"
         f" inner steps {fit_figures['inner_steps']}"
+        + (
+            f", time in merges {fit_figures['merge_wait_over_compute']:.1%} of compute"
+            if fit_figures.get("merge_wait_over_compute") is not None
+            else ""
+        )
     )
 
 
@@ -223,14 +246,15 @@ def table(results: list[dict[str, Any]]) -> str:
 
     lines = [
         "| fit | speedup to every_step's final loss | seconds to it | final val loss / every_step's | final accuracy"
-        " | MB between nodes | peak MB in a step |",
-        "|---|---|---|---|---|---|---|",
+        " | MB between nodes | peak MB in a step | time in merges / compute |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name in names:
         lines.append(
             f"| {name} | {values(name, 'speedup_to_target', '%.2f')} | {values(name, 'seconds_to_target', '%.1f')}"
             f" | {values(name, 'final_loss_over_every_step', '%.3f')} | {values(name, 'final_val_acc', '%.3f')}"
-            f" | {values(name, 'wire_mb', '%.0f')} | {values(name, 'peak_step_mb', '%.2f')} |"
+            f" | {values(name, 'wire_mb', '%.0f')} | {values(name, 'peak_step_mb', '%.2f')}"
+            f" | {values(name, 'merge_wait_over_compute', '%.3f')} |"
         )
     return "\n".join(lines)
 

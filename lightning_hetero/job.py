@@ -68,9 +68,8 @@ class HeteroJob:
         self.local: Optional[LocalTraining] = None  # local SGD / DiLoCo (train/local_sgd.py)
         self.pipeline: Optional[PipelineTraining] = None  # the model split into stages, from join()
         if settings.local:
-            self.local = LocalTraining(
-                settings.sync, settings.sync_every, settings.outer, settings.compression.mode, settings.fragments
-            )
+            self.local = LocalTraining(settings.sync, settings.sync_every, settings.outer, settings.compression.mode,
+                                       settings.fragments, settings.overlap)  # fmt: skip
             self.loss_weights.local = True
         self.recovery = Recovery(settings.peer_timeout)
         self.nonfinite = NonFiniteGuard(settings.max_nonfinite_steps, lambda t: self.collectives.gather_tensor(t))
@@ -122,7 +121,8 @@ class HeteroJob:
         self.split.rank = rank
         self.loss_weights.join(rank, world_size, self.collectives.sum, self.collectives.reduce_in_place)
         self.watcher = Watcher(device, self.settings.rebalance_window, lambda: self.emulation.added_seconds,
-                               self.communication.reading, self.collectives.gather_tensor)  # fmt: skip
+                               self.communication.reading, self.collectives.gather_tensor,
+                               lambda: self.local.merge_wait_seconds if self.local is not None else 0.0)  # fmt: skip
         self.watcher.skipped_steps = lambda: list(self.nonfinite.skipped)
         self.watcher.loss_scale = lambda: loss_scale_value(plugin())
         if trainer is not None:
@@ -272,7 +272,7 @@ class HeteroJob:
         """Local training: synchronize now if any rank trained since the last synchronization (before a checkpoint,
         a validation inside a fit, the end of a fit); every rank calls it at the same point and decides alike.
         ``counted``: the exchange counts in the report (a checkpoint's does not: it is not training's)."""
-        if self.local is not None and self.local.steps_since_sync > 0:
+        if self.local is not None and self.local.merge_pending:
             with self.communication.counting() if counted else contextlib.nullcontext():
                 self.collectives.before_each()
                 self.local.synchronize(self.collectives.reduce_in_place, self.collectives.gather_tensor)
@@ -297,11 +297,10 @@ class HeteroJob:
         with self.loss_weights.weighted_sync(evaluating=True):
             return user_step(batch)
 
-    # An emulated slow rank reaches a collective (e.g. a `self.log(..., sync_dist=True)` inside training_step) only
-    # after its stretched compute, as a slower device would; paying later would let its peers run ahead.
-
     def before_collective(self, name: str) -> None:
-        """The user's ``all_gather``, ``broadcast`` or ``barrier``: refused in a micro-batch before the rank's last."""
+        """The user's ``all_gather``, ``broadcast`` or ``barrier``: refused in a micro-batch before the rank's last.
+        An emulated slow rank reaches any collective (a ``sync_dist`` log too) after its stretched compute, as a
+        slower device would; paying later would let its peers run ahead."""
         self.micro_batch_guard.refuse_collective(name)
         self.collectives.before_each()
 
@@ -367,19 +366,19 @@ class HeteroJob:
         self.recovery.remove(path, remove)  # (rank 0 alone, and never the only complete checkpoint)
 
     def load_checkpoint(self, path: Path, load: Callable[[str], Any], module: Any, trainer: Optional[Any],
-                        zero_stage: int, stage_is_automatic: bool, engine: Any) -> dict[str, Any]:  # fmt: skip
+                        zero_stage: int, stage_is_automatic: bool, engine: Any,
+                        weights_only: Optional[bool] = None) -> dict[str, Any]:  # fmt: skip
         """Resume ``path`` the way its manifest says (:func:`~lightning_hetero.recover.resume.resume_route`);
-        ``load(directory)``: DeepSpeed's load (the parent strategy's)."""
-        # DeepSpeed restores the checkpoint after the strategy's setup, where the training loader was requested:
-        # the model or datamodule state it restores may change what `train_dataloader()` returns, so the fit loop
-        # asks again, as under DDP.
+        ``load(directory)``: DeepSpeed's load (the parent strategy's); ``weights_only``: Lightning's, for a file."""
+        # DeepSpeed restores the checkpoint after setup requested the training loader, and the state it restores may
+        # change what `train_dataloader()` returns: the fit loop asks again, as under DDP.
         self.sharding.forget_served_loader(trainer)
         if path.is_file():  # a .ckpt file another strategy (DDP...) wrote
             file_route(path, pipeline=self.pipeline is not None)
-            plan = self.split.plan
-            return self.recovery.resume_from_lightning_file(path, module, engine, self._optimizer_parameters,
-                                                            self.sharding.training_order(),
-                                                            plan.global_batch_size if plan else None)  # fmt: skip
+            batch = self.split.plan.global_batch_size if self.split.plan else None
+            return self.recovery.resume_from_lightning_file(
+                path, module, engine, self._optimizer_parameters, self.sharding.training_order(), batch, weights_only
+            )
         chosen, manifest = self.recovery.choose(path)
         route = resume_route(chosen, manifest, pipeline=self.pipeline is not None,
                              local=self.settings.sync if self.local is not None else None,
@@ -392,8 +391,7 @@ class HeteroJob:
         self.communication.load(chosen, self.rank, manifest, same_world_size)
         if same_world_size:
             client_state = load(str(chosen))
-            if self.local is not None:
-                self.setup.load_local_training(chosen)
+            self.setup.load_local_training(chosen)  # (local SGD / DiLoCo only)
         else:
             self.setup.keep_the_checkpoints_global_batch(chosen, manifest, zero_stage, module)
             client_state = self.recovery.load_on_another_world_size(chosen, manifest, engine, load)

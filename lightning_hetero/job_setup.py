@@ -260,9 +260,11 @@ class JobSetup:
         job.watcher.follow(job.split, rebalancer)
 
     def load_local_training(self, directory: Path) -> None:
-        """Local training resumes: each rank's own state, and the inner steps the checkpoint ran with."""
+        """Local training resumes: each rank's own state, and the inner steps the checkpoint ran with (nothing to do
+        without local training)."""
         job = self._job
-        assert job.local is not None
+        if job.local is None:
+            return
         restored = job.local.load(directory, job.rank)
         if restored is not None and self._inner_steps_rebalancer is not None:
             self._inner_steps_rebalancer.restored = restored
@@ -299,7 +301,12 @@ class JobSetup:
             line = f"{self.stage_choice.reason}\n{line}"
         if settings.local:
             line += "\n" + describe_sync(
-                settings.sync, settings.sync_every, plan.micro_steps, settings.outer, settings.fragments
+                settings.sync,
+                settings.sync_every,
+                plan.micro_steps,
+                settings.outer,
+                settings.fragments,
+                settings.overlap,
             )
         return line
 

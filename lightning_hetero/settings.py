@@ -27,6 +27,7 @@ from lightning_hetero.plan.local_steps import (
     check_inner_steps_length,
     check_sync_arguments,
     sync_fragments,
+    sync_overlap,
     sync_refusal,
 )
 from lightning_hetero.plan.micro_steps import micro_steps_refusal
@@ -83,6 +84,7 @@ class HeteroSettings:
     inner_steps: Optional[tuple[int, ...]] = None
     outer: Optional[dict[str, Any]] = None  # DiLoCo's outer optimizer settings
     fragments: int = 1  # the streaming merge: fragments of the parameters merged in turn
+    overlap: bool = False  # merges sent in the background, their outer step applied one merge late
     pipeline: Optional[PipelineChoice] = None  # the model split into stages (train/pipeline.py)
 
     @classmethod
@@ -166,6 +168,7 @@ class HeteroSettings:
             inner_steps=tuple(int(k) for k in inner_steps) if inner_steps is not None else None,
             outer=outer,
             fragments=sync_fragments(sync_options, int(sync_every)) if sync in LOCAL_MODES else 1,
+            overlap=sync_overlap(sync_options) if sync in LOCAL_MODES else False,
             pipeline=pipeline_choice,
         )
 
@@ -220,8 +223,7 @@ class HeteroSettings:
         return self.batch_sizes is None and self.weights is None
 
     def rebalancing(self, profiled: bool, world_size: int) -> bool:
-        """Re-plan during the fit: on for the automatic split unless turned off, off for a fixed one unless on. (Local
-        training re-plans its inner steps instead: HeteroJob._start_local_training.)"""
+        """Re-plan the split during the fit: on for the automatic split unless off, off for a fixed one unless on."""
         wanted = self.rebalance if self.rebalance is not None else profiled
         return wanted and world_size > 1 and not self.local and self.pipeline is None
 
@@ -375,7 +377,7 @@ class HeteroSettings:
             "batch_sizes": list(self.batch_sizes) if self.batch_sizes is not None else None,
             "weights": list(self.weights) if self.weights is not None else None,
             "micro_steps": list(self.micro_steps) if self.micro_steps is not None else None,
-            "sync": [self.sync, self.sync_every, list(self.inner_steps or []), self.outer, self.fragments],
+            "sync": [self.sync, self.sync_every, [*(self.inner_steps or [])], self.outer, self.fragments, self.overlap],
             "emulate_memory": memory.emulated_ceilings_from_environment(),
             "emulate_memory_bytes": memory.emulated_byte_ceilings_from_environment(),
             "emulate_speeds": self.speed_schedule.to_json() if self.speed_schedule else None,

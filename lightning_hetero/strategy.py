@@ -433,8 +433,8 @@ class HeteroStrategy(DeepSpeedStrategy):
         parent_load = super().load_checkpoint
         load = lambda directory: parent_load(directory, *args, **kwargs)  # noqa: E731
         return self.job.load_checkpoint(Path(checkpoint_path), load, self.lightning_module, self._trainer(),
-                                        self._zero_stage(), self._automatic_stages is not None,
-                                        self.deepspeed_engine)  # fmt: skip
+                                        self._zero_stage(), self._automatic_stages is not None, self.deepspeed_engine,
+                                        kwargs.get("weights_only", args[0] if args else None))  # fmt: skip
 
     @override
     def teardown(self) -> None:

@@ -170,8 +170,9 @@ class WarmRanks:
         deadline = time.monotonic() + SERVER_START_SECONDS
         while not self.socket_path.exists():
             if self.process.poll() is not None or time.monotonic() > deadline:
+                log = (self.directory / "server.log").read_text()[-3000:]  # (stop() removes the directory)
                 self.stop()
-                pytest.fail(f"warm_ranks.py did not start: {(self.directory / 'server.log').read_text()[-3000:]}")
+                pytest.fail(f"warm_ranks.py did not start within {SERVER_START_SECONDS} s: {log}")
             time.sleep(0.05)
 
     def stop(self) -> None:

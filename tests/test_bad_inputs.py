@@ -88,6 +88,7 @@ CONSTRUCTOR = [
     ({"sync": "diloco", "compression": "topk", "stage": 0}, "`sync='diloco'` with `compression='topk'`"),
     ({"compression": "int8"}, "`compression='int8'` with `sync='every_step'`: int8 and int4 quantize the pseudo-grad"),
     ({"sync": "diloco", "sync_every": 6, "sync_options": {"fragments": 4}}, "`sync_options['fragments']=4` must be a"),
+    ({"sync": "diloco", "sync_options": {"overlap": "yes"}}, "`sync_options['overlap']='yes'` must be True or False"),
     ({"sync": "diloco", "compression": "int4", "compression_options": {"block": 64}}, "has nothing to set for"),
     ({"sync": "diloco", "stage": 1}, "`sync='diloco'` needs `stage=0`: ZeRO stage 1 shards"),
     ({"sync": "local_sgd", "micro_steps": [2, 1]}, "`sync='local_sgd'` with `micro_steps`"),

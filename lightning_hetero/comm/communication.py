@@ -32,6 +32,7 @@ from torch import Tensor
 from lightning_hetero.comm import compression as compress
 from lightning_hetero.comm.topology import SlowLink, Topology, decide_hierarchical
 from lightning_hetero.comm.wire import WireMeter
+from lightning_hetero.runtime.safe_load import load_package_file
 
 BUCKET_CAP_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
 STATE_DIRNAME = "compression"  # per-rank hook state inside a checkpoint directory
@@ -235,6 +236,10 @@ class Communication:
     def counting(self) -> contextlib.AbstractContextManager:
         return self.meter.counting() if self.meter is not None else contextlib.nullcontext()
 
+    def in_background(self) -> contextlib.AbstractContextManager:
+        """Asynchronous collectives issued inside pay an emulated slow link at their wait (see wire.py)."""
+        return self.meter.in_background() if self.meter is not None else contextlib.nullcontext()
+
     def attach(self, engine: Any, rank: int, should_skip: Callable[[], bool]) -> None:
         """After DeepSpeed's init, on every rank: the hooked exchange replaces DeepSpeed's (creates process groups)."""
         if self.hooked is None:
@@ -294,8 +299,7 @@ class Communication:
                 message = f"HeteroStrategy: the {self.choice.describe()} state starts afresh: {fresh}."
                 warnings.warn(message, stacklevel=2)
             return
-        # Our own file in the user's checkpoint, as DeepSpeed loads its own (PowerSGD keeps a numpy random state).
-        state = torch.load(Path(directory) / STATE_DIRNAME / f"rank_{rank}.pt", map_location="cpu", weights_only=False)
+        state = load_package_file(Path(directory) / STATE_DIRNAME / f"rank_{rank}.pt")
         device = self.exchange.parameters[0].device if self.exchange.parameters else torch.device("cpu")
         compress.load_hook_state_dict(self.exchange.state, move_data_to_device(state, device))
 

@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -343,10 +344,28 @@ def hook_state_dict(state: Any) -> Optional[dict[str, Any]]:
     """What of a hook's state survives a checkpoint: PowerSGD's and top-k's slots (error feedback, warm start, step
     count, random state), or a custom state's own ``state_dict()``; None when there is nothing to keep."""
     if hasattr(state, "__slots__") and not isinstance(state, dist.ProcessGroup):
-        return {slot: getattr(state, slot) for slot in state.__slots__ if slot in PROGRESS_SLOTS}
+        saved = {slot: getattr(state, slot) for slot in state.__slots__ if slot in PROGRESS_SLOTS}
+        if isinstance(saved.get("rng"), np.random.RandomState):  # (as plain data: the file loads weights-only)
+            saved["rng"] = random_state_as_data(saved["rng"])
+        return saved
     if callable(getattr(state, "state_dict", None)):
         return state.state_dict()
     return None
+
+
+def random_state_as_data(generator: np.random.RandomState) -> dict[str, Any]:
+    """A numpy ``RandomState`` (PowerSGD's) as tensors and numbers, which ``torch.load(weights_only=True)`` reads."""
+    kind, keys, position, has_gauss, cached_gaussian = generator.get_state(legacy=True)
+    assert isinstance(keys, np.ndarray)  # (the legacy form: a tuple)
+    return {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
+            "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}  # fmt: skip
+
+
+def random_state_from_data(data: dict[str, Any]) -> np.random.RandomState:
+    generator = np.random.RandomState()
+    keys = data["keys"].numpy().astype(np.uint32)
+    generator.set_state((data["kind"], keys, data["position"], data["has_gauss"], data["cached_gaussian"]))
+    return generator
 
 
 def load_hook_state_dict(state: Any, saved: dict[str, Any]) -> None:
@@ -354,6 +373,8 @@ def load_hook_state_dict(state: Any, saved: dict[str, Any]) -> None:
     if hasattr(state, "__slots__") and not isinstance(state, dist.ProcessGroup):
         for slot, value in saved.items():
             if slot in PROGRESS_SLOTS and slot in state.__slots__:
+                if slot == "rng" and isinstance(value, dict):
+                    value = random_state_from_data(value)
                 setattr(state, slot, value)
     elif callable(getattr(state, "load_state_dict", None)):
         state.load_state_dict(saved)

@@ -7,7 +7,9 @@ go through a wrapper that adds up each rank's payload: what the rank contributes
 an all-gather, its tensor to a reduce unless it is the destination, a broadcast's tensor on the source only). A
 payload to a group that spans nodes counts as between nodes; the algorithm gloo or NCCL picks (ring, tree) is not
 modelled. With an emulated slow link (:class:`lightning_hetero.comm.topology.SlowLink`) each collective that spans nodes
-is charged ``latency + crossing bytes / bandwidth`` right after it is issued, on every rank in its group.
+is charged ``latency + crossing bytes / bandwidth`` right after it is issued, on every rank in its group; inside
+:meth:`WireMeter.in_background`, a collective issued with ``async_op=True`` is charged at its ``wait()`` instead, what
+is left of that time since it was issued (the link carries it while the rank computes).
 """
 
 from __future__ import annotations
@@ -67,11 +69,12 @@ class WireMeter:
         topology: Topology,
         link: Optional[SlowLink] = None,
         sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.rank = rank
         self.topology = topology
         self.link = link
-        self._sleep = sleep
+        self._sleep, self._clock = sleep, clock
         self.intra_node_bytes = 0.0
         self.inter_node_bytes = 0.0
         self.link_seconds = 0.0
@@ -81,6 +84,7 @@ class WireMeter:
         # counted once, at the outer call.
         self._inside = threading.local()
         self._wrappers: dict[str, tuple[Any, Callable[..., Any]]] = {}  # name -> (torch's function, its wrapper)
+        self._background = 0  # inside in_background(): asynchronous collectives are charged at their wait
         self._restore: Optional[Callable[[], None]] = None  # while installed
 
     def reading(self) -> tuple[float, float]:
@@ -113,6 +117,16 @@ class WireMeter:
             yield
         finally:
             self._depth -= 1
+
+    @contextlib.contextmanager
+    def in_background(self) -> Iterator[None]:
+        """Inside, a collective issued with ``async_op=True`` returns at once and pays the emulated link at its
+        ``wait()``, for the part of the link's time that has not passed since it was issued."""
+        self._background += 1
+        try:
+            yield
+        finally:
+            self._background -= 1
 
     def install(self) -> None:
         """Wrap torch's collectives (and those DeepSpeed's backend bound) to count while :meth:`counting`."""
@@ -179,6 +193,8 @@ class WireMeter:
             if root is None and group_root is not None:
                 root = group_ranks[group_root]
             seconds = self.record(group_ranks, senders(who, group_ranks, root), payload_bytes(bound.get(argument)))
+            if seconds > 0 and self._background and bound.get("async_op") and work is not None:
+                return LinkDelayedWork(work, self._clock() + seconds, self._sleep, self._clock)
             if seconds > 0:
                 self._sleep(seconds)
             return work
@@ -191,6 +207,24 @@ class WireMeter:
         if group not in self._group_ranks:
             self._group_ranks[group] = tuple(dist.get_process_group_ranks(group))
         return self._group_ranks[group]
+
+
+class LinkDelayedWork:
+    """An asynchronous collective on an emulated slow link: its ``wait()`` returns once torch's work is done and the
+    link's time since it was issued has passed (``arrives``, on ``clock``)."""
+
+    def __init__(self, work: Any, arrives: float, sleep: Callable[[float], None], clock: Callable[[], float]) -> None:
+        self._work, self._arrives, self._sleep, self._clock = work, arrives, sleep, clock
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        done = self._work.wait(*args, **kwargs)
+        left = self._arrives - self._clock()
+        if left > 0:
+            self._sleep(left)
+        return done
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
 
 
 def _deepspeed_backend() -> Optional[Any]:

@@ -31,7 +31,9 @@ LOCAL_MODES = ("local_sgd", "diloco")
 DILOCO_DEFAULTS = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
 # Streaming (Douillard et al. 2025): the parameters in ``fragments`` groups, merged in turn, one every
 # sync_every / fragments steps, so that 1/fragments of the model is on the wire at a time; 1 merges all at once.
-STREAMING_KEYS = ("fragments",)
+# ``overlap``: a merge's exchange runs in the background while the ranks train on, and its outer step is applied one
+# merge late (see train/local_sgd.py).
+STREAMING_KEYS = ("fragments", "overlap")
 SYNC_OPTION_KEYS = (*DILOCO_DEFAULTS, *STREAMING_KEYS)
 
 
@@ -69,6 +71,7 @@ def check_sync_arguments(sync: Any, sync_every: Any, inner_steps: Any, sync_opti
             " optimizer, and the streaming merge's `fragments`)."
         )
     sync_fragments(options, sync_every)
+    sync_overlap(options)
     for key in STREAMING_KEYS:
         options.pop(key, None)
     if sync == "local_sgd":
@@ -186,6 +189,17 @@ def sync_fragments(sync_options: Optional[Mapping[str, Any]], sync_every: int) -
     return int(fragments)
 
 
+def sync_overlap(sync_options: Optional[Mapping[str, Any]]) -> bool:
+    """``sync_options['overlap']`` checked (False when not given)."""
+    overlap = (sync_options or {}).get("overlap", False)
+    if not isinstance(overlap, bool):
+        raise ValueError(
+            f"`sync_options['overlap']={overlap!r}` must be True or False: True sends each merge in the background"
+            " while the ranks train on, and applies its outer step one merge later."
+        )
+    return overlap
+
+
 def due_fragments(steps_done: int, sync_every: int, fragments: int, last_of_epoch: bool) -> tuple[int, ...]:
     """The fragments that merge after ``steps_done`` training steps of the fit: fragment f every ``sync_every`` steps,
     ``sync_every / fragments`` steps after fragment f - 1; all of them at the end of each epoch (so that evaluation
@@ -240,6 +254,7 @@ def describe_sync(
     inner_steps: Sequence[int],
     options: Optional[Mapping[str, Any]],
     fragments: int = 1,
+    overlap: bool = False,
 ) -> str:
     """One line for the plan: how the ranks synchronize."""
     if sync not in LOCAL_MODES:
@@ -256,9 +271,15 @@ def describe_sync(
         else f"every {sync_every // fragments} training steps, one of {fragments} fragments of the parameters in turn"
         f" (each every {sync_every}),"
     )
+    overlapped = (
+        "; each merge is sent in the background while the ranks train on, its outer step applied at the next one"
+        " (at an epoch's end, a checkpoint and a validation the ranks wait for both)"
+        if overlap
+        else ""
+    )
     return (
         f"{sync}: each rank trains on its own, inner steps per training step {list(inner_steps)}; {when} and at each"
-        f" epoch's end the ranks synchronize with {outer}"
+        f" epoch's end the ranks synchronize with {outer}{overlapped}"
     )
 
 

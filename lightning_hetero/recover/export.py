@@ -18,13 +18,14 @@ import io
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from lightning_hetero.recover import checkpoint
 from lightning_hetero.runtime.internal_access import replace, resolve
 from lightning_hetero.runtime.lightning_internals import LIGHTNING_CHECKPOINT_LOAD
+from lightning_hetero.runtime.safe_load import load_lightning_file
 
 # DeepSpeed's own entries in the model-states file; what remains is the client state Lightning saved.
 _DEEPSPEED_STATES = frozenset({
@@ -42,8 +43,10 @@ def is_hetero_checkpoint(path: Any) -> bool:
     return (Path(path) / checkpoint.MANIFEST_NAME).is_file()
 
 
-def lightning_checkpoint(path: Any) -> dict[str, Any]:
-    """The checkpoint directory ``path`` as the dict of a Lightning ``.ckpt`` file (weights in fp32, on the CPU)."""
+def lightning_checkpoint(path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    """The checkpoint directory ``path`` as the dict of a Lightning ``.ckpt`` file (weights in fp32, on the CPU).
+    ``weights_only``: Lightning's argument for the file holding Lightning's state (None: weights-only; see
+    :mod:`~lightning_hetero.runtime.safe_load`; ZeRO 1-3's shards are read by DeepSpeed's own loader)."""
     path = Path(path)
     damage = checkpoint.incompleteness(path, verify_checksums=True)
     if damage is not None:
@@ -52,7 +55,7 @@ def lightning_checkpoint(path: Any) -> dict[str, Any]:
 
     tag = (path / "latest").read_text().strip()
     stage = (checkpoint.read_manifest(path) or {}).get("zero_stage", 0)
-    client = torch.load(get_model_state_file(str(path / tag), stage), map_location="cpu", weights_only=False)
+    client = load_lightning_file(Path(get_model_state_file(str(path / tag), stage)), weights_only)
     if stage == 0:
         state_dict = client["module"]  # ZeRO-0 saves the whole module as it is
     else:
@@ -75,7 +78,8 @@ def save_as_lightning_checkpoint(path: Any, output_file: Any) -> Path:
 def _loading_hetero_checkpoints(load: Callable[..., Any]) -> Callable[..., Any]:
     def load_checkpoint(path_or_url: Any, map_location: Any = None, weights_only: Any = None) -> Any:
         if is_hetero_checkpoint(path_or_url):
-            return lightning_checkpoint(path_or_url)  # (CPU tensors; load_from_checkpoint moves the model after)
+            # (CPU tensors; load_from_checkpoint moves the model after)
+            return lightning_checkpoint(path_or_url, weights_only)
         return load(path_or_url, map_location=map_location, weights_only=weights_only)
 
     load_checkpoint.__wrapped__ = load  # type: ignore[attr-defined]

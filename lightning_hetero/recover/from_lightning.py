@@ -27,16 +27,21 @@ from typing import Any, Optional
 import torch
 
 from lightning_hetero.recover.refusal import ResumeRefused
+from lightning_hetero.runtime.safe_load import UnsafeCheckpointFile, load_lightning_file
 from lightning_hetero.train.order import STATE_EPOCH, STATE_NUM_SAMPLES, STATE_SAMPLES_CONSUMED, STATE_SEED
 
 # Where Lightning keeps the fit loop's state, and the training loader's state inside it (lightning 2.x).
 _LOOPS, _FIT_LOOP = "loops", "fit_loop"
 
 
-def read_lightning_checkpoint(path: Path) -> dict[str, Any]:
-    """The dict of a Lightning ``.ckpt`` file; a clear error when the file is not one."""
+def read_lightning_checkpoint(path: Path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    """The dict of a Lightning ``.ckpt`` file, loaded as Lightning's ``weights_only`` asks (None: weights-only, see
+    :mod:`~lightning_hetero.runtime.safe_load`); a clear error when the file is not one, or holds what weights-only
+    loading refuses."""
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        checkpoint = load_lightning_file(path, weights_only)
+    except UnsafeCheckpointFile as error:
+        raise ResumeRefused(str(error)) from None
     except Exception as error:  # noqa: BLE001 - reported with the path
         message = f"`ckpt_path` {path} is a file that does not load as a Lightning checkpoint: {error}."
         raise ResumeRefused(message) from None

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_hetero.runtime.safe_load import load_package_file
+
 RANK_FILE = "pipeline_rank{rank}.pt"
 CLIENT_FILE = "pipeline_trainer_state.pt"
 EXCLUDED = ("state_dict", "optimizer_states")  # (as DeepSpeedStrategy leaves them out of its client state)
@@ -60,7 +62,7 @@ def load_stage(directory: Path, module: nn.Module, optimizer: Any) -> dict[str, 
     state: dict[str, Any] = {}
     groups: list[dict[str, Any]] = []
     for path in files:
-        part = torch.load(path, map_location="cpu", weights_only=False)
+        part = load_package_file(path)
         for name, tensor in part["model"].items():
             model.setdefault(name, tensor)  # (the modules outside the chain are in every file, equal)
         for name, value in part["optimizer"]["state"].items():
@@ -75,7 +77,7 @@ def load_stage(directory: Path, module: nn.Module, optimizer: Any) -> dict[str, 
         )
     module.load_state_dict({name: model[name] for name in wanted})
     _load_optimizer(module, optimizer, state, groups)
-    return torch.load(directory / CLIENT_FILE, map_location="cpu", weights_only=False)
+    return load_package_file(directory / CLIENT_FILE)
 
 
 def _load_optimizer(module: nn.Module, optimizer: Any, state: dict[str, Any], groups: list[dict[str, Any]]) -> None:
@@ -102,7 +104,7 @@ def whole_model_state(directory: Path) -> dict[str, Any]:
     without ``pipeline`` loads, e.g. ``model.load_state_dict(whole_model_state(path))`` before ``trainer.test``."""
     merged: dict[str, Any] = {}
     for path in sorted(Path(directory).glob(RANK_FILE.format(rank="*"))):
-        for name, tensor in torch.load(path, map_location="cpu", weights_only=False)["model"].items():
+        for name, tensor in load_package_file(path)["model"].items():
             merged.setdefault(name, tensor)
     if not merged:
         raise ValueError(f"{directory} holds no pipeline checkpoint ({RANK_FILE.format(rank='N')}).")

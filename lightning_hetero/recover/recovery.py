@@ -199,11 +199,14 @@ class Recovery:
         optimizer_parameters: list[tuple[str, Any]],
         order: Optional[Any],
         global_batch_size: Optional[int],
+        weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
         """Continue from a Lightning checkpoint file another strategy wrote (see :mod:`.from_lightning`).
-        ``order``: the training loader's global order (None for a stream or no loader), to place the epoch."""
+        ``order``: the training loader's global order (None for a stream or no loader), to place the epoch;
+        ``weights_only``: Lightning's argument (None: weights-only, see :mod:`~lightning_hetero.runtime.safe_load`)."""
         resume_deepspeed.explain_a_file_inside_a_checkpoint(path)  # (a DeepSpeed folder's part: not a Lightning file)
-        saved = resume_lightning.read_lightning_checkpoint(path)  # every rank reads it: none waits for another
+        # (every rank reads it: none waits for another)
+        saved = resume_lightning.read_lightning_checkpoint(path, weights_only)
         resume_lightning.load_module_weights(module, saved["state_dict"], strict=module.strict_loading)
         optimizer_states = saved.get("optimizer_states") or []
         if optimizer_states and engine.optimizer is not None and optimizer_parameters:

@@ -78,6 +78,29 @@ class Collectives:
             reduce_op = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX}[op]
             torch.distributed.all_reduce(tensor, op=reduce_op, group=group)
 
+    def start_in_background(self, tensor: Tensor, gathered: bool = False) -> Callable[[], Any]:
+        """Start the sum of ``tensor`` over the ranks in place (``gathered``: the gather of every rank's ``tensor``
+        instead) without waiting; returns the wait, which returns the gather's tensors in rank order, on the CPU.
+        The process group's timeout bounds the wait, as it bounds a collective that blocks."""
+        if self.world_size == 1:
+            return (lambda: [tensor]) if gathered else (lambda: None)
+        if not gathered:
+            summing = torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM, async_op=True)
+
+            def summed() -> None:
+                summing.wait()
+
+            return summed
+        local = tensor.to(self.device)
+        parts = [torch.empty_like(local) for _ in range(self.world_size)]
+        work = torch.distributed.all_gather(parts, local, async_op=True)
+
+        def wait() -> list[Tensor]:
+            work.wait()
+            return [part.cpu() for part in parts]
+
+        return wait
+
     def broadcast_in_place(self, tensor: Tensor, source: int = 0) -> None:
         """``tensor`` becomes rank ``source``'s on every rank."""
         if self.world_size > 1:

@@ -13,6 +13,15 @@ tensors are cut into F contiguous fragments that merge in turn, one every ``sync
 the samples since its own last merge; between its merges a fragment trains on, so 1/F of the model crosses the wire
 at a time.
 
+With ``sync_options={"overlap": True}`` a merge inside an epoch does not wait for the link. The ranks sum their
+sample counts (a few bytes), start the exchange of their weighted progress in the background and train on; at the
+next merge each rank waits for it and applies its outer step one merge late (stale by one, as eager and streaming
+DiLoCo do). Until then each rank's own progress stands in for the average it sent: after the outer step the rank's
+parameters are the new anchor, the same on every rank, plus what the rank trained since it sent. So the anchor is
+the same on every rank at every merge, and the parameters too at an epoch's end, a checkpoint and a validation, where
+the ranks wait for the merge in flight and then merge what they trained since, as without overlap. It keeps one more
+copy of the parameters (what each rank trained from since it last sent).
+
 A checkpoint is a synchronization (the strategy synchronizes before saving), so what it must add to DeepSpeed's files
 is per rank: each rank's inner optimizer state (DeepSpeed's ZeRO-0 checkpoint holds rank 0's only), the outer
 optimizer state, the count of training steps and a quantized merge's error feedback, restored by :meth:`load`.
@@ -21,7 +30,9 @@ optimizer state, the count of training steps and a quantized merge's error feedb
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -30,9 +41,23 @@ from torch import Tensor
 
 from lightning_hetero.comm import quantize
 from lightning_hetero.plan.local_steps import due_fragments, fragment_bounds
+from lightning_hetero.runtime.safe_load import load_package_file
 
 STATE_DIRNAME = "hetero_local_sgd"
 _DTYPES = {None: torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+# Starts one exchange of a merge in the background: ``(tensor, quantized)`` -> a wait. Unquantized, the tensor is
+# summed over the ranks in place and the wait returns None; quantized, the wait returns every rank's tensor in rank
+# order (a gather).
+Background = Callable[[Tensor, bool], Callable[[], Any]]
+
+
+@dataclass
+class InFlightMerge:
+    """A merge sent and not yet applied: the parameter tensors it merges, and a wait for the ranks' average."""
+
+    tensors: list[int]
+    average: Callable[[], Tensor]
 
 
 class LocalTraining:
@@ -46,9 +71,10 @@ class LocalTraining:
         outer: Optional[dict[str, Any]],
         compression: Optional[str],
         fragments: int = 1,
+        overlap: bool = False,
     ) -> None:
         self.mode, self.sync_every, self.outer_settings = mode, sync_every, outer
-        self.fragments = fragments
+        self.fragments, self.overlap = fragments, overlap
         self.wire_dtype = _DTYPES.get(compression, torch.float32)
         self.quantized_bits: Optional[int] = quantize.BITS.get(compression or "")
         # What rounding left out of this rank's quantized deltas so far, one value per parameter value in the model's
@@ -63,6 +89,10 @@ class LocalTraining:
         self._bounds: list[tuple[int, int]] = [(0, 0)]  # each fragment's parameter tensors [begin, end)
         self._parameters: list[torch.nn.Parameter] = []
         self._anchor: list[Tensor] = []
+        # Overlap: what each parameter tensor trained from since its last merge was sent (without overlap, the anchor)
+        self._base: list[Tensor] = []
+        self._in_flight: Optional[InFlightMerge] = None
+        self.merge_wait_seconds = 0.0  # wall time this rank spent in merges (the exchanges and waits for them)
         self._outer: Optional[torch.optim.SGD] = None
         self._outer_parameters: list[torch.nn.Parameter] = []  # DiLoCo: the anchor as the outer optimizer's
         self._inner: Any = None
@@ -94,6 +124,8 @@ class LocalTraining:
         self._bounds = fragment_bounds([p.numel() for p in parameters], self.fragments)
         self._parameters, self._inner = parameters, inner_optimizer
         self._anchor = [p.detach().clone() for p in parameters]
+        self._base = [p.detach().clone() for p in parameters] if self.overlap else []
+        self._in_flight = None
         self.samples_since_sync = self.steps_since_sync = 0
         self.error_feedback = None  # (a resume restores its own, in load)
         self._outer = None
@@ -107,8 +139,15 @@ class LocalTraining:
             )  # fmt: skip
 
     def detach(self) -> None:
+        """The fit ended (a merge still in flight after a failure is dropped: its peers may be gone)."""
         self._parameters, self._anchor, self._outer, self._inner = [], [], None, None
-        self._outer_parameters = []
+        self._outer_parameters, self._base, self._in_flight = [], [], None
+
+    @property
+    def merge_pending(self) -> bool:
+        """Whether a synchronization would change anything: a rank trained since a fragment's merge, or a merge is
+        still in flight (overlap)."""
+        return self.steps_since_sync > 0 or self._in_flight is not None
 
     def step_done(
         self,
@@ -116,16 +155,25 @@ class LocalTraining:
         last_of_epoch: bool,
         all_reduce: Callable[[Tensor], None],
         gather: Optional[Callable[[Tensor], list[Tensor]]] = None,
+        start: Optional[Background] = None,
     ) -> bool:
         """A training step ended on this rank after ``samples`` samples: merge the fragments that are due (every
         ``sync_every`` steps each, in turn, and all at the end of an epoch; the same decision on every rank). True if
-        any did."""
+        any did. With overlap, a merge inside an epoch is sent through ``start`` and applied at the next one."""
         self.steps_done += 1
         self._steps = [steps + 1 for steps in self._steps]
         self._samples = [done + samples for done in self._samples]
         due = due_fragments(self.steps_done, self.sync_every, self.fragments, last_of_epoch)
         if not due:
             return False
+        if self.overlap and not last_of_epoch:
+            assert start is not None, "an overlapped merge starts its exchange in the background"
+            started = time.perf_counter()
+            self._finish_in_flight()
+            if self._parameters:
+                self._in_flight = self._send(sorted(due), all_reduce, start)
+            self.merge_wait_seconds += time.perf_counter() - started
+            return True
         self.synchronize(all_reduce, gather, due)
         return True
 
@@ -135,15 +183,32 @@ class LocalTraining:
         gather: Optional[Callable[[Tensor], list[Tensor]]] = None,
         fragments: Optional[Sequence[int]] = None,
     ) -> None:
-        """The outer step of ``fragments`` on every rank; when None, of every fragment trained since its last merge
-        (before a checkpoint or an evaluation: a fragment just merged is not merged again, which would move DiLoCo's
-        anchor by its momentum alone). ``all_reduce`` sums a tensor over the ranks in place; ``gather`` returns every
-        rank's tensor in rank order, needed by a quantized merge."""
+        """The outer step of ``fragments`` on every rank, waited for; when None, of every fragment trained since its
+        last merge (before a checkpoint or an evaluation: a fragment just merged is not merged again, which would
+        move DiLoCo's anchor by its momentum alone). A merge in flight is applied first. ``all_reduce`` sums a
+        tensor over the ranks in place; ``gather`` returns every rank's tensor in rank order, needed by a quantized
+        merge."""
+        started = time.perf_counter()
+        self._finish_in_flight()
         if fragments is None:
             fragments = [fragment for fragment in range(self.fragments) if self._steps[fragment] > 0]
-        if not self._parameters or not fragments:
-            return
-        merging = sorted(fragments)
+        if self._parameters and fragments:
+
+            def blocking(tensor: Tensor, quantized: bool) -> Callable[[], Any]:
+                if not quantized:
+                    all_reduce(tensor)
+                    return lambda: None
+                assert gather is not None, "a quantized merge gathers the ranks' deltas"
+                gathered = gather(tensor)
+                return lambda: gathered
+
+            self._in_flight = self._send(sorted(fragments), all_reduce, blocking)
+            self._finish_in_flight()
+        self.merge_wait_seconds += time.perf_counter() - started
+
+    def _send(self, merging: list[int], all_reduce: Callable[[Tensor], None], start: Background) -> InFlightMerge:
+        """Start the merge of the fragments ``merging``: the ranks' sample counts (summed now: they weigh what is
+        sent), then this rank's weighted progress since each fragment was last sent, through ``start``."""
         tensors = [index for fragment in merging for index in range(*self._bounds[fragment])]
         device = self._anchor[0].device  # (NCCL reduces CUDA tensors only)
         counts = torch.tensor(
@@ -155,22 +220,47 @@ class LocalTraining:
             for fragment, total in zip(merging, counts.tolist()):
                 share = self._samples[fragment] / total if total > 0 else 0.0
                 begin, end = self._bounds[fragment]
-                delta = torch.cat(
-                    [(self._anchor[i] - self._parameters[i].detach()).reshape(-1) for i in range(begin, end)]
-                )
+                delta = torch.cat([self._progress(index).reshape(-1) for index in range(begin, end)])
                 weighted_parts.append(delta.double() * share)
             weighted = torch.cat(weighted_parts)
+            if self.overlap:  # what trains on from here is the next merge's
+                for index in tensors:
+                    self._base[index].copy_(self._parameters[index].detach())
             dtype = functools.reduce(torch.promote_types, [self._anchor[index].dtype for index in tensors])
             if self.quantized_bits is None:
                 on_wire = weighted.to(self.wire_dtype)
-                all_reduce(on_wire)
-                average = on_wire.to(dtype)
+                wait = start(on_wire, False)
+
+                def average() -> Tensor:
+                    wait()
+                    return on_wire.to(dtype)
+
             else:
-                assert gather is not None, "a quantized merge gathers the ranks' deltas"
                 # (quantized on the CPU: the gather returns CPU tensors; the feedback stays there, as it is saved)
-                average = self._quantized_sum(weighted.float().cpu(), tensors, gather).to(device, dtype)
+                payload, scales = self._quantize(weighted.float().cpu(), tensors)
+                payloads, scale_lists = start(payload, True), start(scales, True)
+                numel, bits = weighted.numel(), self.quantized_bits
+
+                def average() -> Tensor:
+                    total = torch.zeros(numel, dtype=torch.float64)
+                    for rank_payload, rank_scales in zip(payloads(), scale_lists()):
+                        total += quantize.dequantize(rank_payload, rank_scales, bits, numel).double()
+                    return total.to(device, dtype)
+
+        for fragment in merging:
+            self._samples[fragment] = self._steps[fragment] = 0
+        return InFlightMerge(tensors, average)
+
+    def _finish_in_flight(self) -> None:
+        """Wait for the merge in flight, if any, and apply its outer step: the anchor moves on every rank alike; each
+        rank's parameters become the new anchor with what the rank trained since the merge was sent on top."""
+        merge, self._in_flight = self._in_flight, None
+        if merge is None:
+            return
+        average = merge.average()
+        with torch.no_grad():
             offset = 0
-            for index in tensors:
+            for index in merge.tensors:
                 anchor = self._anchor[index]
                 pseudo_gradient = average[offset : offset + anchor.numel()].view_as(anchor)
                 offset += anchor.numel()
@@ -181,15 +271,24 @@ class LocalTraining:
             if self._outer is not None:
                 self._outer.step()  # (SGD leaves the parameters without a gradient, the other fragments', as they are)
                 self._outer.zero_grad(set_to_none=True)
-            for index in tensors:
-                self._parameters[index].copy_(self._anchor[index])
-        for fragment in merging:
-            self._samples[fragment] = self._steps[fragment] = 0
+            for index in merge.tensors:
+                parameter, anchor = self._parameters[index], self._anchor[index]
+                if self.overlap:
+                    trained_since = self._base[index] - parameter.detach()
+                    parameter.copy_(anchor - trained_since)
+                    self._base[index].copy_(anchor)
+                else:
+                    parameter.copy_(anchor)
         self.synchronizations += 1
 
-    def _quantized_sum(self, weighted: Tensor, tensors: list[int], gather: Callable[[Tensor], list[Tensor]]) -> Tensor:
-        """The sum over the ranks of their weighted deltas of ``tensors``, each sent quantized with this rank's error
-        feedback; the same sum, in the same order, on every rank."""
+    def _progress(self, index: int) -> Tensor:
+        """What parameter tensor ``index`` trained since it was last sent (the anchor is its base without overlap)."""
+        base = self._base[index] if self.overlap else self._anchor[index]
+        return base - self._parameters[index].detach()
+
+    def _quantize(self, weighted: Tensor, tensors: list[int]) -> tuple[Tensor, Tensor]:
+        """This rank's weighted deltas of ``tensors`` with its error feedback added, quantized; what rounding left out
+        becomes the feedback of those tensors for their next merge."""
         assert self.quantized_bits is not None
         bits, numel = self.quantized_bits, weighted.numel()
         if self.error_feedback is None:
@@ -208,14 +307,12 @@ class LocalTraining:
             size = starts[index + 1] - starts[index]
             self.error_feedback[starts[index] : starts[index + 1]] = left[offset : offset + size]
             offset += size
-        total = torch.zeros(numel, dtype=torch.float64)
-        for rank_payload, rank_scales in zip(gather(payload), gather(scales)):
-            total += quantize.dequantize(rank_payload, rank_scales, bits, numel).double()
-        return total.float()
+        return payload, scales
 
     # ------------------------------------------------------------------ checkpoints (taken at a synchronization)
 
     def state(self) -> dict[str, Any]:
+        assert self._in_flight is None, "a checkpoint is taken at a synchronization, with no merge in flight"
         return {
             "inner_steps": list(self.inner_steps()) if self.inner_steps is not None else None,
             "steps_done": self.steps_done,
@@ -239,13 +336,15 @@ class LocalTraining:
                 " was not written by a run with the same `sync` on as many ranks. Resume it with the settings it was"
                 " trained with."
             )
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = load_package_file(path)
         self.steps_done, self.synchronizations = state["steps_done"], state["synchronizations"]
         if self._inner is not None and state["inner"] is not None:
             self._inner.load_state_dict(state["inner"])
         with torch.no_grad():
             for anchor, parameter in zip(self._anchor, self._parameters):
                 anchor.copy_(parameter.detach())
+            for base, parameter in zip(self._base, self._parameters):
+                base.copy_(parameter.detach())
         if self._outer is not None and state["outer"] is not None:
             self._outer.load_state_dict(state["outer"])
         self.error_feedback = state.get("error_feedback")  # (None in a checkpoint of an unquantized run)

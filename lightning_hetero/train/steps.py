@@ -98,12 +98,14 @@ class TrainingSteps:
         # The ranks synchronize when it is time (one decision on all); an emulated slow rank reaches the
         # synchronization when a slow device would.
         job.collectives.before_each()
-        job.local.step_done(
-            job.loss_weights.batch_samples() or 0,
-            last_batch_of_epoch,
-            job.collectives.reduce_in_place,
-            job.collectives.gather_tensor,
-        )
+        with job.communication.in_background():  # (an overlapped merge's exchange pays the link at its wait)
+            job.local.step_done(
+                job.loss_weights.batch_samples() or 0,
+                last_batch_of_epoch,
+                job.collectives.reduce_in_place,
+                job.collectives.gather_tensor,
+                job.collectives.start_in_background,
+            )
 
     def _step_starts(self, global_step: int) -> None:
         job = self._job

@@ -33,6 +33,7 @@ from lightning_hetero.comm.topology import (
     topology_from_hosts,
 )
 from lightning_hetero.comm.wire import WireMeter, senders
+from lightning_hetero.runtime.safe_load import load_package_file
 
 
 @pytest.fixture
@@ -240,7 +241,8 @@ def test_hook_state_round_trips_through_a_checkpoint_dict(mode, one_rank_group, 
     torch.save(saved, tmp_path / "state.pt")
     assert not set(saved) - compress.PROGRESS_SLOTS  # progress only: settings come from the job's arguments
     _, fresh = compress.builtin_hook(choice, None)
-    compress.load_hook_state_dict(fresh, torch.load(tmp_path / "state.pt", weights_only=False))
+    # (weights-only: PowerSGD's numpy random state is saved as tensors and numbers)
+    compress.load_hook_state_dict(fresh, load_package_file(tmp_path / "state.pt"))
     assert set(fresh.error_dict) == set(state.error_dict) and fresh.error_dict
     for index, error in state.error_dict.items():
         assert torch.equal(fresh.error_dict[index], error)
@@ -354,6 +356,32 @@ def test_counting_sees_torch_and_restores_it_and_charges_the_link(one_rank_group
         pytest.approx(1e-3 + 40 * 8 / 1e9),
         pytest.approx(1e-3 + 12 * 8 / 1e9),
     ]
+
+
+def test_an_asynchronous_collective_in_the_background_pays_the_link_at_its_wait_for_what_is_left(one_rank_group):
+    """Inside in_background an overlapped merge's async all-reduce returns at once; its wait sleeps what is left of
+    the link's time after the compute done since (on a fake clock); outside, an async collective pays at issue."""
+    slept, now = [], [100.0]
+    meter = WireMeter(0, Topology((0, 1)), SlowLink(1.0, 1.0), sleep=slept.append, clock=lambda: now[0])
+    charge = 1e-3 + 4000 * 8 / 1e9
+    try:
+        with meter.counting(), meter.in_background():
+            work = dist.all_reduce(torch.zeros(1000), async_op=True)
+            assert slept == []
+            now[0] += 0.4 * charge  # the rank computes while the link carries the bytes
+            work.wait()
+            assert slept == [pytest.approx(0.6 * charge)]
+            late = dist.all_reduce(torch.zeros(1000), async_op=True)
+            now[0] += 2 * charge  # computed longer than the link took: nothing left to wait for
+            late.wait()
+            assert len(slept) == 1
+            dist.all_reduce(torch.zeros(1000))  # (a blocking one pays at issue, as always)
+        with meter.counting():
+            dist.all_reduce(torch.zeros(1000), async_op=True).wait()
+    finally:
+        meter.uninstall()
+    assert slept == [pytest.approx(0.6 * charge), pytest.approx(charge), pytest.approx(charge)]
+    assert meter.link_seconds == pytest.approx(4 * charge)
 
 
 def test_deepspeeds_bound_collectives_are_counted_and_put_back(one_rank_group, monkeypatch):

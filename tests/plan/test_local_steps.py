@@ -19,6 +19,7 @@ from lightning_hetero.plan.local_steps import (
     is_sync_step,
     plan_inner_steps,
     sync_fragments,
+    sync_overlap,
     sync_refusal,
 )
 
@@ -185,6 +186,21 @@ def test_fragments_must_divide_sync_every(fragments):
     with pytest.raises(ValueError, match="must be a whole number >= 1 that divides `sync_every=8`"):
         sync_fragments({"fragments": fragments}, 8)
     assert sync_fragments({"fragments": 4}, 8) == 4 and sync_fragments(None, 8) == 1
+
+
+@pytest.mark.parametrize("value", [1, "yes", None, 0.0])
+def test_overlap_must_be_true_or_false(value):
+    with pytest.raises(ValueError, match=rf"`sync_options\['overlap'\]={value!r}` must be True or False"):
+        check_sync_arguments("diloco", 4, None, {"overlap": value})
+
+
+def test_overlap_is_a_sync_option_of_both_local_modes_and_the_plan_says_what_it_does():
+    assert check_sync_arguments("local_sgd", 4, None, {"overlap": True}) is None
+    assert check_sync_arguments("diloco", 4, None, {"overlap": False, "fragments": 2}) == DILOCO_DEFAULTS
+    assert sync_overlap(None) is False and sync_overlap({"overlap": True}) is True
+    line = describe_sync("diloco", 4, [2, 1], DILOCO_DEFAULTS, fragments=2, overlap=True)
+    assert "each merge is sent in the background while the ranks train on" in line
+    assert "background" not in describe_sync("diloco", 4, [2, 1], DILOCO_DEFAULTS, fragments=2)
 
 
 def test_fragments_are_a_sync_option_of_both_local_modes_and_not_an_outer_setting():

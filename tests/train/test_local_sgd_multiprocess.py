@@ -209,13 +209,16 @@ def test_the_pseudo_gradient_travels_quantized_with_error_feedback(mode, bits, t
     assert 0 < max_param_difference(quantized.result, reference) <= tolerance
 
 
-@pytest.mark.parametrize("fragments", [1, 2])
-def test_a_quantized_resume_carries_each_ranks_error_feedback_and_equals_the_uninterrupted_run(fragments, tmp_path):
-    """int8 DiLoCo, whole or in 2 streaming fragments: the checkpoint after step 2 (every fragment merged first) holds
-    what each rank's rounding left out, and the resumed run ends bit-near the uninterrupted one, which saved at step 2
-    too (without the error feedback, the resumed merges would send less and end elsewhere)."""
+@pytest.mark.parametrize(("fragments", "overlap"), [(1, False), (2, False), (2, True)])
+def test_a_quantized_resume_carries_each_ranks_error_feedback_and_equals_the_uninterrupted_run(
+    fragments, overlap, tmp_path
+):
+    """int8 DiLoCo, whole or in 2 streaming fragments, with or without overlap: the checkpoint after step 2 (the
+    merge in flight applied and every fragment merged first) holds what each rank's rounding left out, and the
+    resumed run ends bit-near the uninterrupted one, which saved at step 2 too (without the error feedback, the
+    resumed merges would send less and end elsewhere)."""
     arguments = local_args("diloco", [4, 4], sync_every=2, inner_steps=[2, 1], compression="int8",
-                           sync_options={"fragments": fragments})  # fmt: skip
+                           sync_options={"fragments": fragments, "overlap": overlap})  # fmt: skip
     whole = run_fit(tmp_path / "whole", *arguments, "--samples", "60", "--checkpoint-every", "2")
     first = run_fit(tmp_path / "first", *arguments, "--samples", "60", "--max-steps", "2", "--checkpoint-every", "2")
     assert whole.returncode == 0 and first.returncode == 0, (whole.output + first.output)[-4000:]
@@ -243,37 +246,66 @@ def streaming_reference(
     outer: dict[str, Any],
     lr: float = 0.05,
     momentum: float = 0.9,
+    overlap: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Streaming DiLoCo in plain torch: as local_reference, but after step s only the fragments due then merge (each
     a group of parameter tensors, weighted by the samples each rank trained on since that fragment's last merge); the
-    others train on. The last step is the epoch's end, where every fragment merges."""
+    others train on. The last step is the epoch's end, where every fragment merges.
+
+    ``overlap``: each rank sends what it trained since it last sent, and a merge's outer step is applied at the next
+    merge (the epoch's end waits for both); each rank's parameters then become the anchor plus what it trained since
+    it sent."""
     start = make_network()
     nets = [copy.deepcopy(start) for _ in micro]
     inner_optimizers = [torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum) for net in nets]
     anchor = [torch.nn.Parameter(p.detach().clone()) for p in start.parameters()]
+    sent_from = [[p.detach().clone() for p in start.parameters()] for _ in micro]
     outer_optimizer = torch.optim.SGD(anchor, lr=outer["outer_lr"], momentum=outer["outer_momentum"],
                                       nesterov=outer["nesterov"])  # fmt: skip
     bounds = fragment_bounds([p.numel() for p in anchor], fragments)
     samples = [[0] * len(micro) for _ in range(fragments)]  # per fragment, per rank, since its last merge
+    pending: Optional[tuple[list[int], list[torch.Tensor]]] = None
+
+    def apply(indices: list[int], averages: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for index, average in zip(indices, averages):
+                anchor[index].grad = average.clone()
+        outer_optimizer.step()
+        outer_optimizer.zero_grad()
+        with torch.no_grad():
+            for rank, net in enumerate(nets):
+                own = list(net.parameters())
+                for index in indices:
+                    trained_since = sent_from[rank][index] - own[index]
+                    own[index].copy_(anchor[index] - trained_since)
+                    sent_from[rank][index] = anchor[index].detach().clone()
+
     for number, step in enumerate(steps, start=1):
         for rank, trained in enumerate(inner_training_step(dataset, step, micro, inner, nets, inner_optimizers)):
             for fragment in range(fragments):
                 samples[fragment][rank] += trained
-        for fragment in due_fragments(number, sync_every, fragments, number == len(steps)):
+        last = number == len(steps)
+        due = due_fragments(number, sync_every, fragments, last)
+        if not due:
+            continue
+        if pending is not None:
+            apply(*pending)
+            pending = None
+        indices, averages = [], []
+        for fragment in due:
             total = sum(samples[fragment])
-            with torch.no_grad():
-                for index in range(*bounds[fragment]):
-                    anchor[index].grad = sum(
-                        (n / total) * (anchor[index] - list(net.parameters())[index])
-                        for n, net in zip(samples[fragment], nets)
-                    ).clone()
-            outer_optimizer.step()
-            outer_optimizer.zero_grad()
-            with torch.no_grad():
-                for net in nets:
-                    for index in range(*bounds[fragment]):
-                        list(net.parameters())[index].copy_(anchor[index])
+            for index in range(*bounds[fragment]):
+                indices.append(index)
+                with torch.no_grad():
+                    averages.append(sum((n / total) * (sent_from[rank][index] - list(net.parameters())[index])
+                                        for rank, (n, net) in enumerate(zip(samples[fragment], nets))))  # fmt: skip
+                    for rank, net in enumerate(nets):
+                        sent_from[rank][index] = list(net.parameters())[index].detach().clone()
             samples[fragment] = [0] * len(micro)
+        if overlap and not last:
+            pending = (indices, averages)
+        else:
+            apply(indices, averages)
     names = [name for name, _ in start.named_parameters()]
     return {name: parameter.detach().clone() for name, parameter in zip(names, anchor)}
 
@@ -304,6 +336,31 @@ def test_streaming_fragments_merge_in_turn_as_the_plain_torch_reference_with_a_f
     others = sent[0] - 4 * fragment_values[0]  # (the sample counts and the step's other small exchanges)
     assert sent[:4] == [others + 4 * fragment_values[(s - 1) % fragments] for s in range(1, 5)]
     assert sent[4] == others + 4 * sum(sizes) + 8  # the epoch's end: both fragments (a count each)
+
+
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_an_overlapped_merge_is_applied_one_merge_late_as_the_plain_torch_reference(fragments, tmp_path):
+    """DiLoCo with `overlap=True`, inner steps [2, 1], sync_every 2 (merges sent after steps 2 and 4, or one fragment
+    after each of steps 1-4): each merge's outer step is applied at the next one and the epoch's end waits for both;
+    the parameters are the stale-by-one reference's, and not the reference's without overlap. The report names each
+    rank's time in merges."""
+    options = {"fragments": fragments, "overlap": True}
+    arguments = local_args("diloco", [4, 4], sync_every=2, inner_steps=[2, 1], sync_options=options)
+    run = run_fit(tmp_path, *arguments, "--samples", "60")
+    assert run.returncode == 0, run.output[-4000:]
+    assert sorted(sum(run.result["seen"], [])) == list(range(60))  # every sample once
+    steps = [list(range(b, b + 12)) for b in range(0, 60, 12)]
+    outer = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
+    dataset = IndexedRegression(60)
+    reference = streaming_reference(dataset, steps, [4, 4], [2, 1], 2, fragments, outer, overlap=True)
+    assert max_param_difference(run.result, reference) <= TOLERANCE
+    waited = streaming_reference(dataset, steps, [4, 4], [2, 1], 2, fragments, outer)
+    assert max_param_difference(run.result, waited) > 1e-4
+    assert "each merge is sent in the background while the ranks train on" in run.output
+    report = json.loads((tmp_path / "hetero" / "report.json").read_text())
+    assert all(len(step["merge_wait_seconds"]) == 2 for step in report["steps"])
+    assert len(report["summary"]["merge_wait_seconds_per_step"]) == 2
+    assert "time in merges per step, per rank" in run.output
 
 
 def test_an_inner_micro_batch_over_the_emulated_memory_is_refused_on_every_rank(tmp_path):

@@ -106,17 +106,53 @@ def test_run_watch_exchanges_every_window_and_at_the_end():
 
 
 def test_records_travel_as_one_float64_tensor_exactly():
-    records = [StepRecord(0, 7, 0.0123456789, 0.02, 5e6, 123.0), StepRecord(1, 300, 1e-6, 2.5, micro_steps=3)]
+    records = [
+        StepRecord(0, 7, 0.0123456789, 0.02, 5e6, 123.0, merge_wait_seconds=0.0031),
+        StepRecord(1, 300, 1e-6, 2.5, micro_steps=3),
+    ]
     packed = pack_records(records)
-    assert packed.dtype == torch.float64 and packed.shape == (2, 7)  # with the bytes on the wire and micro-steps
+    # with the bytes on the wire, the micro-steps and the time in merges
+    assert packed.dtype == torch.float64 and packed.shape == (2, 8)
     assert unpack_records(packed) == records
-    assert pack_records([]).shape == (0, 7) and unpack_records(pack_records([])) == []
+    assert pack_records([]).shape == (0, 8) and unpack_records(pack_records([])) == []
     # The monitor's metrics say each rank's micro-steps and its largest micro-batch.
     step = job_steps([[records[1]], [StepRecord(1, 10, 1e-3, 2.5)]])[0]
     assert step["micro_steps"] == [3, 1]
     metrics = step_metrics(step)
     assert metrics["hetero/rank_0/micro_steps"] == 3.0 and metrics["hetero/rank_0/micro_batch"] == 100.0
     assert metrics["hetero/rank_1/micro_steps"] == 1.0 and metrics["hetero/rank_0/share"] == 300 / 310
+
+
+def test_the_time_in_merges_is_recorded_per_step_and_summed_against_compute_in_the_report():
+    """Local SGD: the meter takes each step's share of the rank's time in merges; the report gives each rank's mean
+    per step and its ratio to the rank's compute, and says so in its line; without merges it says nothing."""
+    clocks, merged = FakeClocks(), [0.0]
+    meter = StepMeter(
+        lambda: clocks.compute, lambda: clocks.emulated, lambda: clocks.wall, merge_wait=lambda: merged[0]
+    )
+    for wait in (0.0, 0.004):
+        meter.fetch_started()
+        meter.batch_ready(8)
+        clocks.advance(compute=0.010, wall=0.010)
+        meter.backward_ended()
+        merged[0] += wait
+        clocks.advance(wall=wait)
+        meter.optimizer_step_ended()
+    meter.training_ended()
+    mine = meter.take()
+    assert [record.merge_wait_seconds for record in mine] == [0.0, pytest.approx(0.004)]
+    other = [StepRecord(0, 8, 0.02, 0.02), StepRecord(1, 8, 0.02, 0.022, merge_wait_seconds=0.002)]
+    steps = job_steps([mine, other])
+    assert steps[1]["merge_wait_seconds"] == [pytest.approx(0.004), 0.002]
+    assert step_metrics(steps[1])["hetero/rank_0/merge_wait_ms"] == pytest.approx(4.0)
+    summary = report.summarize(steps, [])
+    assert summary["merge_wait_seconds_per_step"] == [pytest.approx(0.002), pytest.approx(0.001)]
+    assert summary["merge_wait_over_compute"] == [pytest.approx(0.2), pytest.approx(0.05)]
+    line = report.summary_text(report.build_report(steps, [], 2))
+    assert "time in merges per step, per rank: 2.0 ms (20% of its compute), 1.0 ms (5% of its compute)" in line
+    plain = job_steps([[StepRecord(0, 8, 0.01, 0.01)], [StepRecord(0, 8, 0.01, 0.01)]])
+    assert "merge_wait_seconds_per_step" not in report.summarize(plain, [])
+    assert "time in merges" not in report.summary_text(report.build_report(plain, [], 2))
 
 
 def test_job_steps_refuses_ranks_with_different_step_counts():

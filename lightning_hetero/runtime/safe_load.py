@@ -1,0 +1,58 @@
+"""Runtime: checkpoint files are read without running code from them.
+
+``torch.load(weights_only=False)`` unpickles anything, and unpickling can call any function the file names: a
+checkpoint from elsewhere (a shared volume, a download) could run code on every rank that resumes it. So:
+
+* :func:`load_package_file` reads the files the package writes itself (local training's and the exchange hooks'
+  per-rank state, the pipeline's files, Lightning's state inside them) with ``weights_only=True``: tensors, numbers,
+  strings and containers, nothing else (Lightning saves its hyper-parameters as a plain dict).
+* :func:`load_lightning_file` reads a user's Lightning ``.ckpt`` the way
+  ``Trainer.fit(ckpt_path=..., weights_only=...)`` asks: ``weights_only=None`` is torch's default (weights-only since
+  torch 2.6), as Lightning loads it, and only an explicit ``weights_only=False`` unpickles everything, as Lightning
+  does then.
+
+A file refused here is named with the way to load it anyway (:class:`UnsafeCheckpointFile`). DeepSpeed's own files
+(its optimizer states pickle its loss scaler and fragment addresses) are read as DeepSpeed reads them, in full: its
+engine unpickles them at every resume whatever this package does, so a checkpoint directory must come from a source
+you trust.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+
+class UnsafeCheckpointFile(ValueError):
+    """A checkpoint file holds objects that ``weights_only`` loading refuses (it could run code)."""
+
+
+def load_package_file(path: Path, mmap: bool = False) -> Any:
+    """A file this package wrote, on the CPU, weights-only."""
+    return _load(Path(path), True, mmap, "a file HeteroStrategy writes holds tensors and plain containers only")
+
+
+def load_lightning_file(path: Path, weights_only: Optional[bool] = None) -> Any:
+    """A Lightning ``.ckpt`` file, on the CPU, as Lightning's ``weights_only`` argument asks (None: weights-only)."""
+    return _load(Path(path), weights_only is not False, False, "`weights_only` was not False")
+
+
+def _load(path: Path, weights_only: bool, mmap: bool, why: str) -> Any:
+    if not weights_only:
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as error:
+        try:
+            names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        except Exception:  # noqa: BLE001 - the names only help the message
+            names = []
+        held = f" ({', '.join(names[:5])})" if names else ""
+        raise UnsafeCheckpointFile(
+            f"Checkpoint file {path} holds objects that loading it could run code from{held}, and {why}: it was"
+            " refused. If you trust where it came from, pass `weights_only=False` to `Trainer.fit`, or allow those"
+            " classes with `torch.serialization.add_safe_globals([...])` before the fit."
+        ) from error

@@ -1,0 +1,91 @@
+"""Checkpoint files are read without running code from them (lightning_hetero/runtime/safe_load.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_hetero.recover.from_lightning import read_lightning_checkpoint
+from lightning_hetero.recover.refusal import ResumeRefused
+from lightning_hetero.runtime.safe_load import UnsafeCheckpointFile, load_lightning_file, load_package_file
+from lightning_hetero.train.local_sgd import STATE_DIRNAME, LocalTraining
+
+
+class RunsCode:
+    """Unpickling this calls exec: what a crafted checkpoint does with `torch.load(weights_only=False)`."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').write('ran')",)
+
+
+def crafted(path: Path, marker: Path, **rest) -> Path:
+    torch.save({"state_dict": {"w": torch.zeros(2)}, "payload": RunsCode(marker), **rest}, path)
+    return path
+
+
+def test_the_crafted_file_does_run_code_when_everything_is_unpickled(tmp_path):
+    """(What the refusals below guard against: the same file, loaded as the package loaded it before.)"""
+    marker = tmp_path / "ran"
+    torch.load(crafted(tmp_path / "a.ckpt", marker), weights_only=False)
+    assert marker.read_text() == "ran"
+
+
+def test_a_crafted_package_file_is_refused_naming_it_and_runs_nothing(tmp_path):
+    marker = tmp_path / "ran"
+    path = crafted(tmp_path / "rank_0.pt", marker)
+    with pytest.raises(UnsafeCheckpointFile, match=r"rank_0.pt holds objects that loading it could run code from"):
+        load_package_file(path)
+    assert not marker.exists()
+
+
+def test_a_crafted_local_sgd_state_in_a_checkpoint_is_refused_at_resume(tmp_path):
+    """The per-rank file local SGD adds to a checkpoint, replaced by a crafted one: the resume stops, nothing ran."""
+    marker = tmp_path / "ran"
+    (tmp_path / STATE_DIRNAME).mkdir()
+    crafted(tmp_path / STATE_DIRNAME / "rank_0.pt", marker, steps_done=1, synchronizations=1)
+    training = LocalTraining("local_sgd", 1, None, None)
+    training.attach([torch.nn.Parameter(torch.zeros(2))], None)
+    with pytest.raises(UnsafeCheckpointFile, match="weights_only=False"):
+        training.load(tmp_path, 0)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("weights_only", [None, True])
+def test_a_crafted_lightning_file_is_refused_unless_weights_only_is_false(weights_only, tmp_path):
+    """A `.ckpt` resumed under `strategy="hetero"` (a DDP run's file): refused as Lightning's `weights_only=None` or
+    `True` asks, with the fix named; only an explicit `weights_only=False` (the user trusts the file) unpickles it."""
+    marker = tmp_path / "ran"
+    path = crafted(tmp_path / "ddp.ckpt", marker)
+    with pytest.raises(ResumeRefused, match=r"ddp.ckpt holds objects .* pass `weights_only=False` to `Trainer.fit`"):
+        read_lightning_checkpoint(path, weights_only)
+    assert not marker.exists()
+    read_lightning_checkpoint(path, weights_only=False)
+    assert marker.read_text() == "ran"
+
+
+def test_what_lightning_and_the_package_write_loads_weights_only(tmp_path):
+    """A Lightning checkpoint's plain data (hyper-parameters, which Lightning saves as a dict, loops) and the
+    package's local-SGD state (its optimizers' states, the error feedback) load without `weights_only=False`."""
+    path = tmp_path / "plain.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(2)}, "hyper_parameters": {"lr": 0.1},
+                "loops": {"fit_loop": {"epoch_progress": {"current": {"completed": 1}}}}}, path)  # fmt: skip
+    loaded = load_lightning_file(path)
+    assert loaded["hyper_parameters"] == {"lr": 0.1} and torch.equal(loaded["state_dict"]["w"], torch.ones(2))
+    parameter = torch.nn.Parameter(torch.zeros(3))
+    optimizer = torch.optim.Adam([parameter])
+    parameter.grad = torch.ones(3)
+    optimizer.step()
+    saved = LocalTraining("diloco", 2, {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}, "int8")
+    saved.attach([parameter], optimizer)
+    saved.error_feedback = torch.full((3,), 0.5)
+    saved.save(tmp_path, 0)
+    restored = LocalTraining("diloco", 2, {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}, "int8")
+    restored.attach([parameter], torch.optim.Adam([parameter]))
+    restored.load(tmp_path, 0)
+    assert torch.equal(restored.error_feedback, torch.full((3,), 0.5))
+    assert restored._inner.state_dict()["state"][0]["step"] == 1

@@ -1,0 +1,226 @@
+"""Overlapped merges (``sync_options={"overlap": True}``): the exchange of a merge runs while the ranks train on,
+and its outer step is applied one merge late, against a plain-torch reference of that stale-by-one algorithm.
+
+Two ranks are threads of this process here; their collectives meet at a barrier (see tests/comm/test_quantize.py).
+The strategy's path, on two processes, is in test_local_sgd_multiprocess.py.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "comm"))
+
+from test_quantize import SumOfTwo, ThreadGather  # noqa: E402
+
+from lightning_hetero.plan.local_steps import due_fragments, fragment_bounds  # noqa: E402
+from lightning_hetero.train.local_sgd import LocalTraining  # noqa: E402
+
+OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
+SAMPLES = [3, 1]  # each rank's samples per training step
+SHAPES = [(40,), (6, 5), (7,)]
+
+
+def start_values() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(shape, generator=generator) for shape in SHAPES]
+
+
+def targets() -> list[list[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [[torch.randn(shape, generator=generator) for shape in SHAPES] for _ in SAMPLES]
+
+
+def train_step(values: list[torch.Tensor], rank: int, step: int) -> None:
+    """A rank's training step: a pull towards its own target, from where it is (so a late outer step matters)."""
+    for value, target in zip(values, targets()[rank]):
+        value.sub_((0.1 + 0.01 * step) * (value - target))
+
+
+def stale_by_one_reference(steps: int, sync_every: int, fragments: int, overlap: bool) -> list[list[torch.Tensor]]:
+    """Every rank's parameters after ``steps`` training steps (the last ends the epoch), DiLoCo in plain torch.
+
+    At a merge of fragment set D every rank sends the progress of D's tensors since it last sent them, weighted by its
+    samples since; with overlap the outer step of that merge is applied at the next merge (before D' is sent), and
+    each rank's parameters then become the new anchor plus what the rank trained since it sent; the epoch's end
+    waits for both."""
+    anchor = [torch.nn.Parameter(value.clone()) for value in start_values()]
+    outer = torch.optim.SGD(anchor, lr=OUTER["outer_lr"], momentum=OUTER["outer_momentum"], nesterov=True)
+    params = [[value.clone() for value in start_values()] for _ in SAMPLES]
+    sent_from = [[value.clone() for value in start_values()] for _ in SAMPLES]
+    bounds = fragment_bounds([value.numel() for value in anchor], fragments)
+    samples = [[0] * len(SAMPLES) for _ in range(fragments)]
+    pending = None
+
+    def apply(merge):
+        indices, averages = merge
+        with torch.no_grad():
+            for index, average in zip(indices, averages):
+                anchor[index].grad = average
+            outer.step()
+            outer.zero_grad(set_to_none=True)
+            for rank in range(len(SAMPLES)):
+                for index in indices:
+                    trained_since = sent_from[rank][index] - params[rank][index]
+                    params[rank][index] = anchor[index].detach() - trained_since
+                    sent_from[rank][index] = anchor[index].detach().clone()
+
+    for step in range(1, steps + 1):
+        for rank in range(len(SAMPLES)):
+            train_step(params[rank], rank, step)
+            for fragment in range(fragments):
+                samples[fragment][rank] += SAMPLES[rank]
+        last = step == steps
+        due = due_fragments(step, sync_every, fragments, last)
+        if not due:
+            continue
+        if pending is not None:
+            apply(pending)
+            pending = None
+        indices, averages = [], []
+        for fragment in sorted(due):
+            total = sum(samples[fragment])
+            for index in range(*bounds[fragment]):
+                indices.append(index)
+                averages.append(
+                    sum((n / total) * (sent_from[r][index] - params[r][index]) for r, n in enumerate(samples[fragment]))
+                )
+                for rank in range(len(SAMPLES)):
+                    sent_from[rank][index] = params[rank][index].clone()
+            samples[fragment] = [0] * len(SAMPLES)
+        pending = (indices, averages)
+        if last or not overlap:
+            apply(pending)
+            pending = None
+    return params
+
+
+def run_two_ranks(steps: int, sync_every: int, fragments: int, overlap: bool) -> list[list[torch.Tensor]]:
+    gather, sum_of_two = ThreadGather(2), SumOfTwo()
+    parameters = [[torch.nn.Parameter(value.clone()) for value in start_values()] for _ in SAMPLES]
+    errors: list[BaseException] = []
+    started_in_background = [0, 0]
+
+    def run(rank: int) -> None:
+        try:
+            training = LocalTraining("diloco", sync_every, OUTER, None, fragments=fragments, overlap=overlap)
+            training.attach(parameters[rank], None)
+            all_reduce = sum_of_two(rank)
+
+            def start(tensor, quantized):
+                started_in_background[rank] += 1
+                all_reduce(tensor)  # (summed at once here; the merge applies it one merge late all the same)
+                return lambda: None
+
+            for step in range(1, steps + 1):
+                with torch.no_grad():
+                    train_step([p.data for p in parameters[rank]], rank, step)
+                training.step_done(SAMPLES[rank], step == steps, all_reduce, gather.for_rank(rank), start)
+            assert not training.merge_pending
+        except BaseException as error:  # (a failed assertion in a thread would otherwise pass silently)
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not errors, errors
+    merges_inside_the_epoch = sum(1 for step in range(1, steps) if due_fragments(step, sync_every, fragments, False))
+    assert started_in_background == [merges_inside_the_epoch if overlap else 0] * 2
+    return [[p.detach() for p in rank_parameters] for rank_parameters in parameters]
+
+
+@pytest.mark.parametrize("fragments", [1, 3])
+def test_an_overlapped_merge_is_the_stale_by_one_reference_and_leaves_the_ranks_equal_at_the_epochs_end(fragments):
+    """DiLoCo, sync_every 3, 10 steps (merges inside the epoch after steps 3, 6, 9; or one fragment every step with
+    3 fragments): with overlap both ranks end with the same parameters, the reference's within 1e-5; they differ
+    from the run without overlap (whose own reference it also matches), so the late outer step is what was tested."""
+    overlapped = run_two_ranks(10, 3, fragments, overlap=True)
+    for a, b in zip(*overlapped):
+        assert torch.equal(a, b)
+    reference = stale_by_one_reference(10, 3, fragments, overlap=True)
+    assert max((a - b).abs().max().item() for a, b in zip(overlapped[0], reference[0])) <= 1e-5
+    waited = run_two_ranks(10, 3, fragments, overlap=False)
+    without = stale_by_one_reference(10, 3, fragments, overlap=False)
+    assert max((a - b).abs().max().item() for a, b in zip(waited[0], without[0])) <= 1e-5
+    assert max((a - b).abs().max().item() for a, b in zip(overlapped[0], waited[0])) > 1e-3
+
+
+def test_between_merges_each_rank_holds_the_common_anchor_plus_its_own_progress():
+    """Overlap, one fragment, sync_every 2, 4 steps: after step 4's merge (merge 1 applied, merge 2 sent) the ranks'
+    anchors are the same, bit for bit, and each rank's parameters are that anchor minus exactly what it trained in
+    steps 3 and 4 (its stand-in for merge 2's average), so the ranks' parameters differ until the next merge."""
+    gather, sum_of_two = ThreadGather(2), SumOfTwo()
+    parameters = [[torch.nn.Parameter(value.clone()) for value in start_values()] for _ in SAMPLES]
+    trainings = [LocalTraining("diloco", 2, OUTER, None, overlap=True) for _ in SAMPLES]
+    seen: dict[int, dict[str, list]] = {0: {}, 1: {}}
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            training = trainings[rank]
+            training.attach(parameters[rank], None)
+            all_reduce = sum_of_two(rank)
+
+            def start(tensor, quantized):
+                all_reduce(tensor)
+                return lambda: None
+
+            for step in range(1, 5):
+                with torch.no_grad():
+                    train_step([p.data for p in parameters[rank]], rank, step)
+                if step == 4:
+                    seen[rank]["before"] = [p.detach().clone() for p in parameters[rank]]
+                training.step_done(SAMPLES[rank], False, all_reduce, gather.for_rank(rank), start)
+                if step == 2:
+                    seen[rank]["sent"] = [p.detach().clone() for p in parameters[rank]]
+            assert training.merge_pending and training.steps_since_sync == 0 and training.synchronizations == 1
+            seen[rank]["after"] = [p.detach().clone() for p in parameters[rank]]
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not errors, errors
+    for a, b in zip(trainings[0]._anchor, trainings[1]._anchor):
+        assert torch.equal(a, b)
+    for rank in range(2):
+        trained = [sent - before for sent, before in zip(seen[rank]["sent"], seen[rank]["before"])]
+        for after, anchor, progress in zip(seen[rank]["after"], trainings[rank]._anchor, trained):
+            assert torch.allclose(after, anchor - progress, atol=1e-6)
+    assert max((a - b).abs().max().item() for a, b in zip(seen[0]["after"], seen[1]["after"])) > 1e-3
+
+
+def test_a_flush_waits_for_the_merge_in_flight_then_merges_what_trained_since():
+    """One rank: a merge sent in the background at step 2 and one more step trained; `synchronize` (a checkpoint's
+    or a validation's) applies the one in flight and merges step 3's progress: nothing is pending after it, and the
+    parameters are the anchor."""
+    parameter = torch.nn.Parameter(torch.zeros(5))
+    training = LocalTraining("local_sgd", 2, None, None, overlap=True)
+    training.attach([parameter], None)
+    waited = []
+
+    def start(tensor, quantized):
+        return lambda: waited.append(tensor.clone())
+
+    for _ in range(3):
+        with torch.no_grad():
+            parameter.sub_(0.1)
+        training.step_done(1, False, lambda tensor: None, None, start)
+    assert training.merge_pending and training.steps_since_sync == 1 and not waited
+    training.synchronize(lambda tensor: None)
+    assert len(waited) == 1 and not training.merge_pending and training.synchronizations == 2
+    # one rank: local SGD's average is its own progress, so nothing is lost: three steps of -0.1
+    assert torch.allclose(parameter.detach(), torch.full((5,), -0.3))
+    with pytest.raises(AssertionError, match="no merge in flight"):
+        training._in_flight = training._send([0], lambda tensor: None, start)
+        training.state()
