@@ -122,7 +122,7 @@ class HeteroJob:
         self.loss_weights.join(rank, world_size, self.collectives.sum, self.collectives.reduce_in_place)
         self.watcher = Watcher(device, self.settings.rebalance_window, lambda: self.emulation.added_seconds,
                                self.communication.reading, self.collectives.gather_tensor,
-                               lambda: self.local.merge_wait_seconds if self.local is not None else 0.0)  # fmt: skip
+                               lambda: self.local.link_wait_seconds if self.local is not None else 0.0)  # fmt: skip
         self.watcher.skipped_steps = lambda: list(self.nonfinite.skipped)
         self.watcher.loss_scale = lambda: loss_scale_value(plugin())
         if trainer is not None:

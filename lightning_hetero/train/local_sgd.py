@@ -92,7 +92,8 @@ class LocalTraining:
         # Overlap: what each parameter tensor trained from since its last merge was sent (without overlap, the anchor)
         self._base: list[Tensor] = []
         self._in_flight: Optional[InFlightMerge] = None
-        self.merge_wait_seconds = 0.0  # wall time this rank spent in merges (the exchanges and waits for them)
+        # Wall time this rank waited for its merges' exchanges (the link), not for the other ranks to reach a merge
+        self.link_wait_seconds = 0.0
         self._outer: Optional[torch.optim.SGD] = None
         self._outer_parameters: list[torch.nn.Parameter] = []  # DiLoCo: the anchor as the outer optimizer's
         self._inner: Any = None
@@ -168,11 +169,9 @@ class LocalTraining:
             return False
         if self.overlap and not last_of_epoch:
             assert start is not None, "an overlapped merge starts its exchange in the background"
-            started = time.perf_counter()
             self._finish_in_flight()
             if self._parameters:
                 self._in_flight = self._send(sorted(due), all_reduce, start)
-            self.merge_wait_seconds += time.perf_counter() - started
             return True
         self.synchronize(all_reduce, gather, due)
         return True
@@ -188,7 +187,6 @@ class LocalTraining:
         move DiLoCo's anchor by its momentum alone). A merge in flight is applied first. ``all_reduce`` sums a
         tensor over the ranks in place; ``gather`` returns every rank's tensor in rank order, needed by a quantized
         merge."""
-        started = time.perf_counter()
         self._finish_in_flight()
         if fragments is None:
             fragments = [fragment for fragment in range(self.fragments) if self._steps[fragment] > 0]
@@ -204,7 +202,6 @@ class LocalTraining:
 
             self._in_flight = self._send(sorted(fragments), all_reduce, blocking)
             self._finish_in_flight()
-        self.merge_wait_seconds += time.perf_counter() - started
 
     def _send(self, merging: list[int], all_reduce: Callable[[Tensor], None], start: Background) -> InFlightMerge:
         """Start the merge of the fragments ``merging``: the ranks' sample counts (summed now: they weigh what is
@@ -229,7 +226,7 @@ class LocalTraining:
             dtype = functools.reduce(torch.promote_types, [self._anchor[index].dtype for index in tensors])
             if self.quantized_bits is None:
                 on_wire = weighted.to(self.wire_dtype)
-                wait = start(on_wire, False)
+                wait = self._timed_exchange(start, on_wire, False)
 
                 def average() -> Tensor:
                     wait()
@@ -238,7 +235,8 @@ class LocalTraining:
             else:
                 # (quantized on the CPU: the gather returns CPU tensors; the feedback stays there, as it is saved)
                 payload, scales = self._quantize(weighted.float().cpu(), tensors)
-                payloads, scale_lists = start(payload, True), start(scales, True)
+                payloads = self._timed_exchange(start, payload, True)
+                scale_lists = self._timed_exchange(start, scales, True)
                 numel, bits = weighted.numel(), self.quantized_bits
 
                 def average() -> Tensor:
@@ -250,6 +248,21 @@ class LocalTraining:
         for fragment in merging:
             self._samples[fragment] = self._steps[fragment] = 0
         return InFlightMerge(tensors, average)
+
+    def _timed_exchange(self, start: Background, tensor: Tensor, quantized: bool) -> Callable[[], Any]:
+        """``start(tensor, quantized)``, with the time spent in it and in its wait added to :attr:`link_wait_seconds`
+        (every rank has reached the merge by then: the sum of the sample counts waited for the last one)."""
+        started = time.perf_counter()
+        wait = start(tensor, quantized)
+        self.link_wait_seconds += time.perf_counter() - started
+
+        def waited() -> Any:
+            started = time.perf_counter()
+            result = wait()
+            self.link_wait_seconds += time.perf_counter() - started
+            return result
+
+        return waited
 
     def _finish_in_flight(self) -> None:
         """Wait for the merge in flight, if any, and apply its outer step: the anchor moves on every rank alike; each

@@ -36,7 +36,7 @@ class StepRecord:
     intra_node_bytes: float = 0.0  # what this rank put on the wire in the step, inside its node (see wire.py)
     inter_node_bytes: float = 0.0  # ... and to groups spanning nodes
     micro_steps: int = 1  # the micro-batches it took them in
-    merge_wait_seconds: float = 0.0  # local SGD / DiLoCo: its wall time in merges (exchanges, waits for them)
+    link_wait_seconds: float = 0.0  # local SGD / DiLoCo: its wall time waiting for merges' exchanges
 
     @property
     def wait_seconds(self) -> float:
@@ -57,15 +57,15 @@ class StepMeter:
         emulated_seconds: Callable[[], float] = lambda: 0.0,
         wall_clock: Callable[[], float] = time.perf_counter,
         wire_bytes: Callable[[], tuple[float, float]] = lambda: (0.0, 0.0),
-        merge_wait: Callable[[], float] = lambda: 0.0,
+        link_wait: Callable[[], float] = lambda: 0.0,
     ) -> None:
         self._compute_clock = compute_clock
         self._emulated_seconds = emulated_seconds
         self._wall_clock = wall_clock
         self._wire_bytes = wire_bytes
         self._wire_at_fetch = (0.0, 0.0)
-        self._merge_wait = merge_wait
-        self._merge_wait_at_fetch = 0.0
+        self._link_wait = link_wait
+        self._link_wait_at_fetch = 0.0
         # The open step: wall, compute clock and emulated delay at its fetch; its compute so far; its last activity.
         self._open: Optional[list[float]] = None
         self._batch_size = 0
@@ -78,7 +78,7 @@ class StepMeter:
         self._close()
         self._open = [self._wall_clock(), self._compute_clock(), self._emulated_seconds(), 0.0, 0.0]
         self._wire_at_fetch = self._wire_bytes()
-        self._merge_wait_at_fetch = self._merge_wait()
+        self._link_wait_at_fetch = self._link_wait()
 
     def batch_ready(self, batch_size: int, micro_steps: int = 1) -> None:
         self._batch_size, self._micro_steps = batch_size, micro_steps
@@ -117,7 +117,7 @@ class StepMeter:
                 intra - intra_start,
                 inter - inter_start,
                 self._micro_steps,
-                self._merge_wait() - self._merge_wait_at_fetch,
+                self._link_wait() - self._link_wait_at_fetch,
             )  # fmt: skip
         )
         self._steps += 1
@@ -182,7 +182,7 @@ def pack_records(records: Sequence[StepRecord]) -> Tensor:
             r.intra_node_bytes,
             r.inter_node_bytes,
             r.micro_steps,
-            r.merge_wait_seconds,
+            r.link_wait_seconds,
         ]  # fmt: skip
         for r in records
     ]
@@ -217,7 +217,7 @@ def job_steps(records_by_rank: Sequence[Sequence[StepRecord]]) -> list[dict[str,
             "step_seconds": max(record.step_seconds for record in same_step),
             "intra_node_bytes": [record.intra_node_bytes for record in same_step],
             "inter_node_bytes": [record.inter_node_bytes for record in same_step],
-            "merge_wait_seconds": [record.merge_wait_seconds for record in same_step],
+            "link_wait_seconds": [record.link_wait_seconds for record in same_step],
         }
         for same_step in zip(*records_by_rank)
     ]
@@ -241,8 +241,8 @@ def step_metrics(step: dict[str, Any], prefix: str = "hetero") -> dict[str, floa
         metrics[f"{prefix}/rank_{rank}/compute_ms"] = compute * 1e3
         metrics[f"{prefix}/rank_{rank}/wait_ms"] = wait * 1e3
         metrics[f"{prefix}/rank_{rank}/samples_per_second"] = size / compute if compute > 0 else 0.0
-    for rank, waited in enumerate(step.get("merge_wait_seconds", ())):
-        metrics[f"{prefix}/rank_{rank}/merge_wait_ms"] = waited * 1e3
+    for rank, waited in enumerate(step.get("link_wait_seconds", ())):
+        metrics[f"{prefix}/rank_{rank}/link_wait_ms"] = waited * 1e3
     for kind in WIRE_KINDS:
         for rank, sent in enumerate(step.get(kind, ())):
             metrics[f"{prefix}/rank_{rank}/{kind}"] = float(sent)

@@ -159,21 +159,21 @@ def summarize(
     }
     if exchange_seconds is not None and seconds > 0:
         summary["measurement_share"] = exchange_seconds / seconds
-    summary.update(merge_wait_summary(steps))
+    summary.update(link_wait_summary(steps))
     return summary
 
 
-def merge_wait_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
-    """Local SGD / DiLoCo: each rank's mean wall time per training step in merges (their exchanges and the waits
-    for them: the link, and the slowest rank at a merge) and its ratio to the rank's compute; empty without merges."""
-    if not steps or not any(any(step.get("merge_wait_seconds", ())) for step in steps):
+def link_wait_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Local SGD / DiLoCo: each rank's mean wall time per training step waiting for its merges' exchanges (the link:
+    counted once every rank has reached the merge) and its ratio to the rank's compute; empty without merges."""
+    if not steps or not any(any(step.get("link_wait_seconds", ())) for step in steps):
         return {}
-    ranks = range(len(steps[0]["merge_wait_seconds"]))
-    waits = [sum(step["merge_wait_seconds"][rank] for step in steps) for rank in ranks]
+    ranks = range(len(steps[0]["link_wait_seconds"]))
+    waits = [sum(step["link_wait_seconds"][rank] for step in steps) for rank in ranks]
     computes = [sum(step["compute_seconds"][rank] for step in steps) for rank in ranks]
     return {
-        "merge_wait_seconds_per_step": [wait / len(steps) for wait in waits],
-        "merge_wait_over_compute": [wait / compute if compute > 0 else None for wait, compute in zip(waits, computes)],
+        "link_wait_seconds_per_step": [wait / len(steps) for wait in waits],
+        "link_wait_over_compute": [wait / compute if compute > 0 else None for wait, compute in zip(waits, computes)],
     }
 
 
@@ -189,7 +189,7 @@ def summary_text(report: dict[str, Any]) -> str:
         f" {summary['replans']} re-plan{'' if summary['replans'] == 1 else 's'}"
         + (f"; measuring cost {cost:.2%} of the step time" if cost is not None else "")
         + _micro_steps_text(report["steps"])
-        + _merge_wait_text(summary)
+        + _link_wait_text(summary)
         + _skipped_text(report.get("nonfinite"))
         + _precision_text(report.get("precision"))
         + _communication_text(report.get("communication"))
@@ -204,14 +204,14 @@ def _micro_steps_text(steps: list[dict[str, Any]]) -> str:
     return f"; micro-steps per rank at the end {last}"
 
 
-def _merge_wait_text(summary: dict[str, Any]) -> str:
-    if "merge_wait_seconds_per_step" not in summary:
+def _link_wait_text(summary: dict[str, Any]) -> str:
+    if "link_wait_seconds_per_step" not in summary:
         return ""
     per_rank = ", ".join(
         f"{wait * 1e3:.1f} ms" + (f" ({share:.0%} of its compute)" if share is not None else "")
-        for wait, share in zip(summary["merge_wait_seconds_per_step"], summary["merge_wait_over_compute"])
+        for wait, share in zip(summary["link_wait_seconds_per_step"], summary["link_wait_over_compute"])
     )
-    return f"; time in merges per step, per rank: {per_rank}"
+    return f"; waiting on the link in merges per step, per rank: {per_rank}"
 
 
 def _skipped_text(nonfinite: Optional[dict[str, Any]]) -> str:

@@ -51,9 +51,9 @@ class Watcher:
         added_seconds: Callable[[], float],
         wire_bytes: Callable[[], Any],
         gather_tensor: TensorGather,
-        merge_wait: Callable[[], float] = lambda: 0.0,
+        link_wait: Callable[[], float] = lambda: 0.0,
     ) -> None:
-        self.meter = StepMeter(compute_clock(device), added_seconds, wire_bytes=wire_bytes, merge_wait=merge_wait)
+        self.meter = StepMeter(compute_clock(device), added_seconds, wire_bytes=wire_bytes, link_wait=link_wait)
         self.run = RunWatch(self.meter, window=window)
         self._gather_tensor = gather_tensor
         self.follower: Optional[SplitFollower] = None

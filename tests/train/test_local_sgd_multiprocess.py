@@ -343,7 +343,7 @@ def test_an_overlapped_merge_is_applied_one_merge_late_as_the_plain_torch_refere
     """DiLoCo with `overlap=True`, inner steps [2, 1], sync_every 2 (merges sent after steps 2 and 4, or one fragment
     after each of steps 1-4): each merge's outer step is applied at the next one and the epoch's end waits for both;
     the parameters are the stale-by-one reference's, and not the reference's without overlap. The report names each
-    rank's time in merges."""
+    rank's wait on the link."""
     options = {"fragments": fragments, "overlap": True}
     arguments = local_args("diloco", [4, 4], sync_every=2, inner_steps=[2, 1], sync_options=options)
     run = run_fit(tmp_path, *arguments, "--samples", "60")
@@ -358,9 +358,9 @@ def test_an_overlapped_merge_is_applied_one_merge_late_as_the_plain_torch_refere
     assert max_param_difference(run.result, waited) > 1e-4
     assert "each merge is sent in the background while the ranks train on" in run.output
     report = json.loads((tmp_path / "hetero" / "report.json").read_text())
-    assert all(len(step["merge_wait_seconds"]) == 2 for step in report["steps"])
-    assert len(report["summary"]["merge_wait_seconds_per_step"]) == 2
-    assert "time in merges per step, per rank" in run.output
+    assert all(len(step["link_wait_seconds"]) == 2 for step in report["steps"])
+    assert len(report["summary"]["link_wait_seconds_per_step"]) == 2
+    assert "waiting on the link in merges per step, per rank" in run.output
 
 
 def test_an_inner_micro_batch_over_the_emulated_memory_is_refused_on_every_rank(tmp_path):

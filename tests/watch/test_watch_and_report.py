@@ -107,11 +107,11 @@ def test_run_watch_exchanges_every_window_and_at_the_end():
 
 def test_records_travel_as_one_float64_tensor_exactly():
     records = [
-        StepRecord(0, 7, 0.0123456789, 0.02, 5e6, 123.0, merge_wait_seconds=0.0031),
+        StepRecord(0, 7, 0.0123456789, 0.02, 5e6, 123.0, link_wait_seconds=0.0031),
         StepRecord(1, 300, 1e-6, 2.5, micro_steps=3),
     ]
     packed = pack_records(records)
-    # with the bytes on the wire, the micro-steps and the time in merges
+    # with the bytes on the wire, the micro-steps and the wait on the link in merges
     assert packed.dtype == torch.float64 and packed.shape == (2, 8)
     assert unpack_records(packed) == records
     assert pack_records([]).shape == (0, 8) and unpack_records(pack_records([])) == []
@@ -124,12 +124,10 @@ def test_records_travel_as_one_float64_tensor_exactly():
 
 
 def test_the_time_in_merges_is_recorded_per_step_and_summed_against_compute_in_the_report():
-    """Local SGD: the meter takes each step's share of the rank's time in merges; the report gives each rank's mean
+    """Local SGD: the meter takes each step's share of the rank's wait on the link; the report gives each rank's mean
     per step and its ratio to the rank's compute, and says so in its line; without merges it says nothing."""
     clocks, merged = FakeClocks(), [0.0]
-    meter = StepMeter(
-        lambda: clocks.compute, lambda: clocks.emulated, lambda: clocks.wall, merge_wait=lambda: merged[0]
-    )
+    meter = StepMeter(lambda: clocks.compute, lambda: clocks.emulated, lambda: clocks.wall, link_wait=lambda: merged[0])
     for wait in (0.0, 0.004):
         meter.fetch_started()
         meter.batch_ready(8)
@@ -140,19 +138,20 @@ def test_the_time_in_merges_is_recorded_per_step_and_summed_against_compute_in_t
         meter.optimizer_step_ended()
     meter.training_ended()
     mine = meter.take()
-    assert [record.merge_wait_seconds for record in mine] == [0.0, pytest.approx(0.004)]
-    other = [StepRecord(0, 8, 0.02, 0.02), StepRecord(1, 8, 0.02, 0.022, merge_wait_seconds=0.002)]
+    assert [record.link_wait_seconds for record in mine] == [0.0, pytest.approx(0.004)]
+    other = [StepRecord(0, 8, 0.02, 0.02), StepRecord(1, 8, 0.02, 0.022, link_wait_seconds=0.002)]
     steps = job_steps([mine, other])
-    assert steps[1]["merge_wait_seconds"] == [pytest.approx(0.004), 0.002]
-    assert step_metrics(steps[1])["hetero/rank_0/merge_wait_ms"] == pytest.approx(4.0)
+    assert steps[1]["link_wait_seconds"] == [pytest.approx(0.004), 0.002]
+    assert step_metrics(steps[1])["hetero/rank_0/link_wait_ms"] == pytest.approx(4.0)
     summary = report.summarize(steps, [])
-    assert summary["merge_wait_seconds_per_step"] == [pytest.approx(0.002), pytest.approx(0.001)]
-    assert summary["merge_wait_over_compute"] == [pytest.approx(0.2), pytest.approx(0.05)]
+    assert summary["link_wait_seconds_per_step"] == [pytest.approx(0.002), pytest.approx(0.001)]
+    assert summary["link_wait_over_compute"] == [pytest.approx(0.2), pytest.approx(0.05)]
     line = report.summary_text(report.build_report(steps, [], 2))
-    assert "time in merges per step, per rank: 2.0 ms (20% of its compute), 1.0 ms (5% of its compute)" in line
+    expected = "waiting on the link in merges per step, per rank: 2.0 ms (20% of its compute), 1.0 ms (5% of its"
+    assert expected in line
     plain = job_steps([[StepRecord(0, 8, 0.01, 0.01)], [StepRecord(0, 8, 0.01, 0.01)]])
-    assert "merge_wait_seconds_per_step" not in report.summarize(plain, [])
-    assert "time in merges" not in report.summary_text(report.build_report(plain, [], 2))
+    assert "link_wait_seconds_per_step" not in report.summarize(plain, [])
+    assert "waiting on the link" not in report.summary_text(report.build_report(plain, [], 2))
 
 
 def test_job_steps_refuses_ranks_with_different_step_counts():
