@@ -16,8 +16,10 @@ at a time.
 With ``sync_options={"overlap": True}`` a merge inside an epoch does not wait for the link. The ranks sum their
 sample counts (a few bytes), start the exchange of their weighted progress in the background and train on; at the
 next merge each rank waits for it and applies its outer step one merge late (stale by one, as eager and streaming
-DiLoCo do). Until then each rank's own progress stands in for the average it sent: after the outer step the rank's
-parameters are the new anchor, the same on every rank, plus what the rank trained since it sent. So the anchor is
+DiLoCo do). Until then each rank's own progress stands in for the average it sent: the rank takes the outer step it
+would take if its progress were the average (eager DiLoCo, Kale et al. 2025; the outer optimizer's state is left
+alone), and when the average arrives, its parameters become the new anchor, the same on every rank, plus what the
+rank trained since it sent. So the anchor is
 the same on every rank at every merge, and the parameters too at an epoch's end, a checkpoint and a validation, where
 the ranks wait for the merge in flight and then merge what they trained since, as without overlap. It keeps one more
 copy of the parameters (what each rank trained from since it last sent).
@@ -220,9 +222,11 @@ class LocalTraining:
                 delta = torch.cat([self._progress(index).reshape(-1) for index in range(begin, end)])
                 weighted_parts.append(delta.double() * share)
             weighted = torch.cat(weighted_parts)
-            if self.overlap:  # what trains on from here is the next merge's
+            if self.overlap:  # an eager outer step on this rank's own progress; what trains on is the next merge's
                 for index in tensors:
-                    self._base[index].copy_(self._parameters[index].detach())
+                    eager = self._eager_anchor(index, self._progress(index))
+                    self._parameters[index].copy_(eager)
+                    self._base[index].copy_(eager)
             dtype = functools.reduce(torch.promote_types, [self._anchor[index].dtype for index in tensors])
             if self.quantized_bits is None:
                 on_wire = weighted.to(self.wire_dtype)
@@ -293,6 +297,21 @@ class LocalTraining:
                 else:
                     parameter.copy_(anchor)
         self.synchronizations += 1
+
+    def _eager_anchor(self, index: int, progress: Tensor) -> Tensor:
+        """The anchor of tensor ``index`` after the outer step this rank would take if its own ``progress`` were the
+        ranks' average (eager DiLoCo: the stand-in until the average arrives); the outer optimizer's state is left
+        as it is. The step is torch's SGD (no dampening, no weight decay), as the outer optimizer's."""
+        anchor = self._anchor[index]
+        if self._outer is None:
+            return anchor - progress  # local SGD's outer step is the average itself
+        group = self._outer.param_groups[0]
+        step, momentum = progress, group["momentum"]
+        if momentum:
+            buffer = self._outer.state.get(self._outer_parameters[index], {}).get("momentum_buffer")
+            buffer = progress.clone() if buffer is None else buffer * momentum + progress
+            step = progress + momentum * buffer if group["nesterov"] else buffer
+        return anchor - group["lr"] * step
 
     def _progress(self, index: int) -> Tensor:
         """What parameter tensor ``index`` trained since it was last sent (the anchor is its base without overlap)."""

@@ -252,9 +252,9 @@ def streaming_reference(
     a group of parameter tensors, weighted by the samples each rank trained on since that fragment's last merge); the
     others train on. The last step is the epoch's end, where every fragment merges.
 
-    ``overlap``: each rank sends what it trained since it last sent, and a merge's outer step is applied at the next
-    merge (the epoch's end waits for both); each rank's parameters then become the anchor plus what it trained since
-    it sent."""
+    ``overlap``: each rank sends what it trained since it last sent and meanwhile takes the outer step its own progress
+    would give (on a copy of the outer optimizer); the merge's outer step is applied at the next merge (the epoch's
+    end waits for both), and each rank's parameters then become the anchor plus what it trained since it sent."""
     start = make_network()
     nets = [copy.deepcopy(start) for _ in micro]
     inner_optimizers = [torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum) for net in nets]
@@ -291,17 +291,31 @@ def streaming_reference(
         if pending is not None:
             apply(*pending)
             pending = None
-        indices, averages = [], []
+        indices = [index for fragment in due for index in range(*bounds[fragment])]
+        with torch.no_grad():
+            progress = [{i: sent_from[rank][i] - list(net.parameters())[i] for i in indices}
+                        for rank, net in enumerate(nets)]  # fmt: skip
+        averages = []
         for fragment in due:
             total = sum(samples[fragment])
             for index in range(*bounds[fragment]):
-                indices.append(index)
-                with torch.no_grad():
-                    averages.append(sum((n / total) * (sent_from[rank][index] - list(net.parameters())[index])
-                                        for rank, (n, net) in enumerate(zip(samples[fragment], nets))))  # fmt: skip
-                    for rank, net in enumerate(nets):
-                        sent_from[rank][index] = list(net.parameters())[index].detach().clone()
+                averages.append(sum((n / total) * progress[rank][index] for rank, n in enumerate(samples[fragment])))
             samples[fragment] = [0] * len(micro)
+        for rank, net in enumerate(nets):
+            own = list(net.parameters())
+            if overlap and not last:  # the outer step of its own progress (a copy of the outer optimizer's)
+                copies = [torch.nn.Parameter(value.detach().clone()) for value in anchor]
+                tentative = torch.optim.SGD(copies, lr=outer["outer_lr"], momentum=outer["outer_momentum"],
+                                            nesterov=outer["nesterov"])  # fmt: skip
+                tentative.load_state_dict(copy.deepcopy(outer_optimizer.state_dict()))
+                for index in indices:
+                    copies[index].grad = progress[rank][index].detach().clone()
+                tentative.step()
+                with torch.no_grad():
+                    for index in indices:
+                        own[index].copy_(copies[index])
+            for index in indices:
+                sent_from[rank][index] = own[index].detach().clone()
         if overlap and not last:
             pending = (indices, averages)
         else:
