@@ -22,6 +22,9 @@ for H in --sync-every (default 8 and 32); with --variants also
     diloco H int8 / int4       the pseudo-gradient quantized (compression="int8" / "int4", error feedback)
     diloco H fragments 4       streaming: 4 fragments merged in turn, one every H/4 steps
     diloco H overlap [int8|int4]   each merge sent in the background, its outer step applied at the next merge
+    diloco H overlap-1 [int8]      the same, applied one training step after it was sent (overlap_steps=1)
+
+``--only NAME ...`` runs those fits alone (and every_step, whose final loss is the target).
 
 Each fit trains the same number of epochs (every sample once per epoch in
 every mode). From each fit: the wall-clock time from the start of training to each validation and its loss and
@@ -194,7 +197,9 @@ def launch(
     }
 
 
-def run_all(runs: int, epochs: int, sync_every: list[int], work: Path, variants: bool = False) -> list[dict[str, Any]]:
+def run_all(
+    runs: int, epochs: int, sync_every: list[int], work: Path, variants: bool = False, only: Optional[list[str]] = None
+) -> list[dict[str, Any]]:
     fits: list[tuple[str, str, int, dict[str, Any]]] = [("every_step", "every_step", 1, {})]
     fits += [(f"{mode} H={h}", mode, h, {}) for mode in ("local_sgd", "diloco") for h in sync_every]
     if variants:
@@ -210,6 +215,14 @@ def run_all(runs: int, epochs: int, sync_every: list[int], work: Path, variants:
             for h in sync_every
             for c in (None, "int8", "int4")
         ]
+        fits += [
+            (f"diloco H={h} overlap-1{' ' + c if c else ''}", "diloco", h,
+             {"sync_options": {"overlap": True, "overlap_steps": 1}, "compression": c})
+            for h in sync_every
+            for c in (None, "int8")
+        ]  # fmt: skip
+    if only:
+        fits = [fit for fit in fits if fit[0] == "every_step" or fit[0] in only]
     results = []
     for run in range(runs):
         order = fits if run % 2 == 0 else list(reversed(fits))
@@ -277,7 +290,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--sync-every", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--variants", action="store_true", help="DiLoCo with int8, int4 and 4 fragments too")
+    parser.add_argument("--variants", action="store_true", help="DiLoCo with int8, int4, 4 fragments, overlap too")
+    parser.add_argument("--only", nargs="+", help="run these fits alone (with every_step, the target)")
     parser.add_argument("--fit", nargs=4, metavar=("MODE", "H", "EPOCHS", "DIR"), help=argparse.SUPPRESS)
     parser.add_argument("--fit-options", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -286,7 +300,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         fit(mode, int(sync_every), int(epochs), Path(out), json.loads(args.fit_options))
         return
     work = args.out.parent / "local_sgd_runs"
-    results = run_all(args.runs, args.epochs, args.sync_every, work, args.variants)
+    results = run_all(args.runs, args.epochs, args.sync_every, work, args.variants, args.only)
     text = table(results)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -84,7 +84,7 @@ class HeteroSettings:
     inner_steps: Optional[tuple[int, ...]] = None
     outer: Optional[dict[str, Any]] = None  # DiLoCo's outer optimizer settings
     fragments: int = 1  # the streaming merge: fragments of the parameters merged in turn
-    overlap: bool = False  # merges sent in the background, their outer step applied one merge late
+    overlap: Optional[int] = None  # merges sent in the background, applied this many training steps later
     pipeline: Optional[PipelineChoice] = None  # the model split into stages (train/pipeline.py)
 
     @classmethod
@@ -168,7 +168,7 @@ class HeteroSettings:
             inner_steps=tuple(int(k) for k in inner_steps) if inner_steps is not None else None,
             outer=outer,
             fragments=sync_fragments(sync_options, int(sync_every)) if sync in LOCAL_MODES else 1,
-            overlap=sync_overlap(sync_options) if sync in LOCAL_MODES else False,
+            overlap=sync_overlap(sync_options, int(sync_every)) if sync in LOCAL_MODES else None,
             pipeline=pipeline_choice,
         )
 

@@ -32,8 +32,8 @@ DILOCO_DEFAULTS = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
 # Streaming (Douillard et al. 2025): the parameters in ``fragments`` groups, merged in turn, one every
 # sync_every / fragments steps, so that 1/fragments of the model is on the wire at a time; 1 merges all at once.
 # ``overlap``: a merge's exchange runs in the background while the ranks train on, and its outer step is applied one
-# merge late (see train/local_sgd.py).
-STREAMING_KEYS = ("fragments", "overlap")
+# merge late, or ``overlap_steps`` training steps after it was sent (see train/local_sgd.py).
+STREAMING_KEYS = ("fragments", "overlap", "overlap_steps")
 SYNC_OPTION_KEYS = (*DILOCO_DEFAULTS, *STREAMING_KEYS)
 
 
@@ -70,8 +70,7 @@ def check_sync_arguments(sync: Any, sync_every: Any, inner_steps: Any, sync_opti
             f"`sync_options={sync_options!r}` has {unknown}; the keys are {list(SYNC_OPTION_KEYS)} (DiLoCo's outer"
             " optimizer, and the streaming merge's `fragments`)."
         )
-    sync_fragments(options, sync_every)
-    sync_overlap(options)
+    sync_overlap(options, sync_every)
     for key in STREAMING_KEYS:
         options.pop(key, None)
     if sync == "local_sgd":
@@ -189,15 +188,26 @@ def sync_fragments(sync_options: Optional[Mapping[str, Any]], sync_every: int) -
     return int(fragments)
 
 
-def sync_overlap(sync_options: Optional[Mapping[str, Any]]) -> bool:
-    """``sync_options['overlap']`` checked (False when not given)."""
-    overlap = (sync_options or {}).get("overlap", False)
+def sync_overlap(sync_options: Optional[Mapping[str, Any]], sync_every: int) -> Optional[int]:
+    """``sync_options['overlap']`` and ``['overlap_steps']`` checked: None without overlap, else the training steps
+    after which a merge sent in the background is applied (by default at the next merge: ``sync_every / fragments``)."""
+    options = sync_options or {}
+    overlap, steps = options.get("overlap", False), options.get("overlap_steps")
     if not isinstance(overlap, bool):
         raise ValueError(
             f"`sync_options['overlap']={overlap!r}` must be True or False: True sends each merge in the background"
             " while the ranks train on, and applies its outer step one merge later."
         )
-    return overlap
+    interval = sync_every // sync_fragments(options, sync_every)
+    if steps is not None and (not overlap or not is_int(steps) or not 1 <= steps <= interval):
+        raise ValueError(
+            f"`sync_options['overlap_steps']={steps!r}` must be a whole number from 1 to {interval} (the steps"
+            f" between two merges) given with `overlap=True`: a merge sent in the background is applied that many"
+            " training steps later (fewer: a fresher model, the link's time hidden behind fewer steps)."
+        )
+    if not overlap:
+        return None
+    return int(steps) if steps is not None else interval
 
 
 def due_fragments(steps_done: int, sync_every: int, fragments: int, last_of_epoch: bool) -> tuple[int, ...]:
@@ -254,7 +264,7 @@ def describe_sync(
     inner_steps: Sequence[int],
     options: Optional[Mapping[str, Any]],
     fragments: int = 1,
-    overlap: bool = False,
+    overlap: Optional[int] = None,
 ) -> str:
     """One line for the plan: how the ranks synchronize."""
     if sync not in LOCAL_MODES:
@@ -271,10 +281,11 @@ def describe_sync(
         else f"every {sync_every // fragments} training steps, one of {fragments} fragments of the parameters in turn"
         f" (each every {sync_every}),"
     )
+    applied = "at the next one" if overlap == sync_every // fragments else f"{overlap} training steps later"
     overlapped = (
-        "; each merge is sent in the background while the ranks train on, its outer step applied at the next one"
-        " (at an epoch's end, a checkpoint and a validation the ranks wait for both)"
-        if overlap
+        f"; each merge is sent in the background while the ranks train on, its outer step applied {applied}"
+        " (at an epoch's end, a checkpoint and a validation the ranks wait for it)"
+        if overlap is not None
         else ""
     )
     return (

@@ -22,7 +22,9 @@ alone), and when the average arrives, its parameters become the new anchor, the 
 rank trained since it sent. So the anchor is
 the same on every rank at every merge, and the parameters too at an epoch's end, a checkpoint and a validation, where
 the ranks wait for the merge in flight and then merge what they trained since, as without overlap. It keeps one more
-copy of the parameters (what each rank trained from since it last sent).
+copy of the parameters (what each rank trained from since it last sent). With ``"overlap_steps": k`` a merge is applied
+k training steps after it was sent instead (at most the steps between two merges): a fresher model, the link hidden
+behind fewer steps. The step is counted, not the arrival, so every rank applies it at the same step.
 
 A checkpoint is a synchronization (the strategy synchronizes before saving), so what it must add to DeepSpeed's files
 is per rank: each rank's inner optimizer state (DeepSpeed's ZeRO-0 checkpoint holds rank 0's only), the outer
@@ -60,11 +62,13 @@ class InFlightMerge:
 
     tensors: list[int]
     average: Callable[[], Tensor]
+    sent_at: int  # the training step (of the fit) it was sent after
 
 
 class LocalTraining:
     """This rank's side of local SGD / DiLoCo for one strategy (``outer``: DiLoCo's settings, None for local SGD;
-    ``fragments``: the streaming merge's, 1 merges every parameter at once)."""
+    ``fragments``: the streaming merge's, 1 merges every parameter at once; ``overlap``: None waits for each merge,
+    else the training steps after which a merge sent in the background is applied)."""
 
     def __init__(
         self,
@@ -73,10 +77,11 @@ class LocalTraining:
         outer: Optional[dict[str, Any]],
         compression: Optional[str],
         fragments: int = 1,
-        overlap: bool = False,
+        overlap: Optional[int] = None,
     ) -> None:
         self.mode, self.sync_every, self.outer_settings = mode, sync_every, outer
-        self.fragments, self.overlap = fragments, overlap
+        self.fragments, self.overlap_steps = fragments, overlap
+        self.overlap = overlap is not None
         self.wire_dtype = _DTYPES.get(compression, torch.float32)
         self.quantized_bits: Optional[int] = quantize.BITS.get(compression or "")
         # What rounding left out of this rank's quantized deltas so far, one value per parameter value in the model's
@@ -166,6 +171,9 @@ class LocalTraining:
         self.steps_done += 1
         self._steps = [steps + 1 for steps in self._steps]
         self._samples = [done + samples for done in self._samples]
+        in_flight = self._in_flight
+        if in_flight is not None and self.steps_done - in_flight.sent_at >= (self.overlap_steps or 0):
+            self._finish_in_flight()  # (the same step on every rank: a count of steps, not the arrival)
         due = due_fragments(self.steps_done, self.sync_every, self.fragments, last_of_epoch)
         if not due:
             return False
@@ -251,7 +259,7 @@ class LocalTraining:
 
         for fragment in merging:
             self._samples[fragment] = self._steps[fragment] = 0
-        return InFlightMerge(tensors, average)
+        return InFlightMerge(tensors, average, self.steps_done)
 
     def _timed_exchange(self, start: Background, tensor: Tensor, quantized: bool) -> Callable[[], Any]:
         """``start(tensor, quantized)``, with the time spent in it and in its wait added to :attr:`link_wait_seconds`

@@ -197,10 +197,29 @@ def test_overlap_must_be_true_or_false(value):
 def test_overlap_is_a_sync_option_of_both_local_modes_and_the_plan_says_what_it_does():
     assert check_sync_arguments("local_sgd", 4, None, {"overlap": True}) is None
     assert check_sync_arguments("diloco", 4, None, {"overlap": False, "fragments": 2}) == DILOCO_DEFAULTS
-    assert sync_overlap(None) is False and sync_overlap({"overlap": True}) is True
-    line = describe_sync("diloco", 4, [2, 1], DILOCO_DEFAULTS, fragments=2, overlap=True)
-    assert "each merge is sent in the background while the ranks train on" in line
+    # None: off; else the steps after which a merge is applied, by default the steps between two merges
+    assert sync_overlap(None, 8) is None and sync_overlap({"overlap": True}, 8) == 8
+    assert sync_overlap({"overlap": True, "fragments": 4}, 8) == 2
+    assert sync_overlap({"overlap": True, "overlap_steps": 1}, 8) == 1
+    line = describe_sync("diloco", 4, [2, 1], DILOCO_DEFAULTS, fragments=2, overlap=2)
+    assert "each merge is sent in the background while the ranks train on, its outer step applied at the next" in line
+    assert "applied 1 training steps later" in describe_sync("diloco", 4, [2, 1], DILOCO_DEFAULTS, overlap=1)
     assert "background" not in describe_sync("diloco", 4, [2, 1], DILOCO_DEFAULTS, fragments=2)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"overlap_steps": 1}, {"overlap": False, "overlap_steps": 1}, {"overlap": True, "overlap_steps": 0},
+     {"overlap": True, "overlap_steps": 5}, {"overlap": True, "overlap_steps": 1.5},
+     {"overlap": True, "fragments": 2, "overlap_steps": 3}],
+)  # fmt: skip
+def test_overlap_steps_are_refused_outside_1_to_the_steps_between_merges_or_without_overlap(options):
+    interval = 4 // options.get("fragments", 1)
+    message = (
+        rf"`sync_options\['overlap_steps'\]={options['overlap_steps']!r}` must be a whole number from 1 to {interval}"
+    )
+    with pytest.raises(ValueError, match=message):
+        check_sync_arguments("diloco", 4, None, options)
 
 
 def test_fragments_are_a_sync_option_of_both_local_modes_and_not_an_outer_setting():

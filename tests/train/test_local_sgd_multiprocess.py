@@ -246,15 +246,16 @@ def streaming_reference(
     outer: dict[str, Any],
     lr: float = 0.05,
     momentum: float = 0.9,
-    overlap: bool = False,
+    overlap: Optional[int] = None,
 ) -> dict[str, torch.Tensor]:
     """Streaming DiLoCo in plain torch: as local_reference, but after step s only the fragments due then merge (each
     a group of parameter tensors, weighted by the samples each rank trained on since that fragment's last merge); the
     others train on. The last step is the epoch's end, where every fragment merges.
 
-    ``overlap``: each rank sends what it trained since it last sent and meanwhile takes the outer step its own progress
-    would give (on a copy of the outer optimizer); the merge's outer step is applied at the next merge (the epoch's
-    end waits for both), and each rank's parameters then become the anchor plus what it trained since it sent."""
+    ``overlap`` (training steps; None: off): each rank sends what it trained since it last sent and meanwhile takes
+    the outer step its own progress would give (on a copy of the outer optimizer); the merge's outer step is applied
+    ``overlap`` steps later (the epoch's end waits for it), and each rank's parameters then become the anchor plus
+    what it trained since it sent."""
     start = make_network()
     nets = [copy.deepcopy(start) for _ in micro]
     inner_optimizers = [torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum) for net in nets]
@@ -285,12 +286,12 @@ def streaming_reference(
             for fragment in range(fragments):
                 samples[fragment][rank] += trained
         last = number == len(steps)
+        if pending is not None and (last or number - pending[2] >= (overlap or 0)):
+            apply(*pending[:2])
+            pending = None
         due = due_fragments(number, sync_every, fragments, last)
         if not due:
             continue
-        if pending is not None:
-            apply(*pending)
-            pending = None
         indices = [index for fragment in due for index in range(*bounds[fragment])]
         with torch.no_grad():
             progress = [{i: sent_from[rank][i] - list(net.parameters())[i] for i in indices}
@@ -303,7 +304,7 @@ def streaming_reference(
             samples[fragment] = [0] * len(micro)
         for rank, net in enumerate(nets):
             own = list(net.parameters())
-            if overlap and not last:  # the outer step of its own progress (a copy of the outer optimizer's)
+            if overlap is not None and not last:  # the outer step of its own progress (a copy of the outer optimizer's)
                 copies = [torch.nn.Parameter(value.detach().clone()) for value in anchor]
                 tentative = torch.optim.SGD(copies, lr=outer["outer_lr"], momentum=outer["outer_momentum"],
                                             nesterov=outer["nesterov"])  # fmt: skip
@@ -316,8 +317,8 @@ def streaming_reference(
                         own[index].copy_(copies[index])
             for index in indices:
                 sent_from[rank][index] = own[index].detach().clone()
-        if overlap and not last:
-            pending = (indices, averages)
+        if overlap is not None and not last:
+            pending = (indices, averages, number)
         else:
             apply(indices, averages)
     names = [name for name, _ in start.named_parameters()]
@@ -352,13 +353,15 @@ def test_streaming_fragments_merge_in_turn_as_the_plain_torch_reference_with_a_f
     assert sent[4] == others + 4 * sum(sizes) + 8  # the epoch's end: both fragments (a count each)
 
 
-@pytest.mark.parametrize("fragments", [1, 2])
-def test_an_overlapped_merge_is_applied_one_merge_late_as_the_plain_torch_reference(fragments, tmp_path):
+@pytest.mark.parametrize(("fragments", "overlap_steps"), [(1, None), (2, None), (1, 1)])
+def test_an_overlapped_merge_is_applied_one_merge_late_as_the_plain_torch_reference(fragments, overlap_steps, tmp_path):
     """DiLoCo with `overlap=True`, inner steps [2, 1], sync_every 2 (merges sent after steps 2 and 4, or one fragment
-    after each of steps 1-4): each merge's outer step is applied at the next one and the epoch's end waits for both;
-    the parameters are the stale-by-one reference's, and not the reference's without overlap. The report names each
-    rank's wait on the link."""
+    after each of steps 1-4): each merge's outer step is applied at the next one (or, with `overlap_steps=1`, one
+    step after it was sent) and the epoch's end waits for it; the parameters are the stale-by-one reference's, and
+    not the reference's without overlap. The report names each rank's wait on the link."""
     options = {"fragments": fragments, "overlap": True}
+    if overlap_steps is not None:
+        options["overlap_steps"] = overlap_steps
     arguments = local_args("diloco", [4, 4], sync_every=2, inner_steps=[2, 1], sync_options=options)
     run = run_fit(tmp_path, *arguments, "--samples", "60")
     assert run.returncode == 0, run.output[-4000:]
@@ -366,11 +369,15 @@ def test_an_overlapped_merge_is_applied_one_merge_late_as_the_plain_torch_refere
     steps = [list(range(b, b + 12)) for b in range(0, 60, 12)]
     outer = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
     dataset = IndexedRegression(60)
-    reference = streaming_reference(dataset, steps, [4, 4], [2, 1], 2, fragments, outer, overlap=True)
+    applied_after = overlap_steps or 2 // fragments
+    reference = streaming_reference(dataset, steps, [4, 4], [2, 1], 2, fragments, outer, overlap=applied_after)
     assert max_param_difference(run.result, reference) <= TOLERANCE
     waited = streaming_reference(dataset, steps, [4, 4], [2, 1], 2, fragments, outer)
     assert max_param_difference(run.result, waited) > 1e-4
     assert "each merge is sent in the background while the ranks train on" in run.output
+    if overlap_steps is not None:
+        assert max_param_difference(run.result, streaming_reference(dataset, steps, [4, 4], [2, 1], 2, fragments,
+                                                                    outer, overlap=2)) > 1e-4  # fmt: skip
     report = json.loads((tmp_path / "hetero" / "report.json").read_text())
     assert all(len(step["link_wait_seconds"]) == 2 for step in report["steps"])
     assert len(report["summary"]["link_wait_seconds_per_step"]) == 2

@@ -11,6 +11,7 @@ import copy
 import sys
 import threading
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -45,14 +46,16 @@ def train_step(values: list[torch.Tensor], rank: int, step: int) -> None:
         value.sub_((0.1 + 0.01 * step) * torch.tanh(2 * (value - target)))
 
 
-def stale_by_one_reference(steps: int, sync_every: int, fragments: int, overlap: bool) -> list[list[torch.Tensor]]:
+def stale_by_one_reference(
+    steps: int, sync_every: int, fragments: int, overlap: Optional[int]
+) -> list[list[torch.Tensor]]:
     """Every rank's parameters after ``steps`` training steps (the last ends the epoch), DiLoCo in plain torch.
 
     At a merge of fragment set D every rank sends the progress of D's tensors since it last sent them, weighted by its
-    samples since; with overlap each rank meanwhile takes the outer step its own progress would give (on a copy of
-    the outer optimizer), the merge's real outer step is applied at the next merge (before D' is sent), and each
-    rank's parameters then become the new anchor plus what the rank trained since it sent; the epoch's end waits for
-    both."""
+    samples since; with overlap (None: off) each rank meanwhile takes the outer step its own progress would give (on a
+    copy of the outer optimizer), the merge's real outer step is applied ``overlap`` training steps later (before
+    anything else is sent), and each rank's parameters then become the new anchor plus what the rank trained since it
+    sent; the epoch's end waits for both."""
     anchor = [torch.nn.Parameter(value.clone()) for value in start_values()]
     outer = torch.optim.SGD(anchor, lr=OUTER["outer_lr"], momentum=OUTER["outer_momentum"], nesterov=True)
     params = [[value.clone() for value in start_values()] for _ in SAMPLES]
@@ -62,7 +65,7 @@ def stale_by_one_reference(steps: int, sync_every: int, fragments: int, overlap:
     pending = None
 
     def apply(merge):
-        indices, averages = merge
+        indices, averages, _ = merge
         with torch.no_grad():
             for index, average in zip(indices, averages):
                 anchor[index].grad = average
@@ -80,12 +83,12 @@ def stale_by_one_reference(steps: int, sync_every: int, fragments: int, overlap:
             for fragment in range(fragments):
                 samples[fragment][rank] += SAMPLES[rank]
         last = step == steps
+        if pending is not None and (step - pending[2] >= overlap or last):
+            apply(pending)
+            pending = None
         due = due_fragments(step, sync_every, fragments, last)
         if not due:
             continue
-        if pending is not None:
-            apply(pending)
-            pending = None
         indices = [index for fragment in sorted(due) for index in range(*bounds[fragment])]
         progress = [{i: sent_from[r][i] - params[r][i] for i in indices} for r in range(len(SAMPLES))]
         averages = []
@@ -95,13 +98,13 @@ def stale_by_one_reference(steps: int, sync_every: int, fragments: int, overlap:
                 averages.append(sum((n / total) * progress[r][index] for r, n in enumerate(samples[fragment])))
             samples[fragment] = [0] * len(SAMPLES)
         for rank in range(len(SAMPLES)):
-            eager = eager_step(anchor, outer, progress[rank]) if overlap and not last else None
+            eager = eager_step(anchor, outer, progress[rank]) if overlap is not None and not last else None
             for index in indices:
                 if eager is not None:  # (overlap: the outer step of its own progress, until the average arrives)
                     params[rank][index] = eager[index].clone()
                 sent_from[rank][index] = params[rank][index].clone()
-        pending = (indices, averages)
-        if last or not overlap:
+        pending = (indices, averages, step)
+        if last or overlap is None:
             apply(pending)
             pending = None
     return params
@@ -118,7 +121,7 @@ def eager_step(anchor, outer, progress):
     return [value.detach() for value in copies]
 
 
-def run_two_ranks(steps: int, sync_every: int, fragments: int, overlap: bool) -> list[list[torch.Tensor]]:
+def run_two_ranks(steps: int, sync_every: int, fragments: int, overlap: Optional[int]) -> list[list[torch.Tensor]]:
     gather, sum_of_two = ThreadGather(2), SumOfTwo()
     parameters = [[torch.nn.Parameter(value.clone()) for value in start_values()] for _ in SAMPLES]
     errors: list[BaseException] = []
@@ -150,22 +153,28 @@ def run_two_ranks(steps: int, sync_every: int, fragments: int, overlap: bool) ->
         thread.join(timeout=30)
     assert not errors, errors
     merges_inside_the_epoch = sum(1 for step in range(1, steps) if due_fragments(step, sync_every, fragments, False))
-    assert started_in_background == [merges_inside_the_epoch if overlap else 0] * 2
+    assert started_in_background == [merges_inside_the_epoch if overlap is not None else 0] * 2
     return [[p.detach() for p in rank_parameters] for rank_parameters in parameters]
 
 
-@pytest.mark.parametrize("fragments", [1, 3])
-def test_an_overlapped_merge_is_the_stale_by_one_reference_and_leaves_the_ranks_equal_at_the_epochs_end(fragments):
+@pytest.mark.parametrize(("fragments", "overlap"), [(1, 3), (1, 1), (1, 2), (3, 1)])
+def test_an_overlapped_merge_is_the_stale_by_one_reference_and_leaves_the_ranks_equal_at_the_epochs_end(
+    fragments, overlap
+):
     """DiLoCo, sync_every 3, 10 steps (merges inside the epoch after steps 3, 6, 9; or one fragment every step with
-    3 fragments): with overlap both ranks end with the same parameters, the reference's within 1e-5; they differ
-    from the run without overlap (whose own reference it also matches), so the late outer step is what was tested."""
-    overlapped = run_two_ranks(10, 3, fragments, overlap=True)
+    3 fragments), each applied ``overlap`` steps after it was sent (3 or, with 3 fragments, 1: at the next merge):
+    both ranks end with the same parameters, the reference's within 1e-5; they differ from the run without overlap
+    (whose own reference it also matches), so the late outer step is what was tested."""
+    overlapped = run_two_ranks(10, 3, fragments, overlap)
     for a, b in zip(*overlapped):
         assert torch.equal(a, b)
-    reference = stale_by_one_reference(10, 3, fragments, overlap=True)
+    reference = stale_by_one_reference(10, 3, fragments, overlap)
     assert max((a - b).abs().max().item() for a, b in zip(overlapped[0], reference[0])) <= 1e-5
-    waited = run_two_ranks(10, 3, fragments, overlap=False)
-    without = stale_by_one_reference(10, 3, fragments, overlap=False)
+    if overlap < 3 // fragments:  # (applied before the next merge: not the same run as applying it at the next one)
+        at_next_merge = stale_by_one_reference(10, 3, fragments, 3 // fragments)
+        assert max((a - b).abs().max().item() for a, b in zip(overlapped[0], at_next_merge[0])) > 1e-4
+    waited = run_two_ranks(10, 3, fragments, None)
+    without = stale_by_one_reference(10, 3, fragments, None)
     assert max((a - b).abs().max().item() for a, b in zip(waited[0], without[0])) <= 1e-5
     assert max((a - b).abs().max().item() for a, b in zip(overlapped[0], waited[0])) > 1e-3
 
@@ -177,7 +186,7 @@ def test_between_merges_each_rank_holds_the_common_anchor_plus_its_own_progress(
     parameters differ until the next merge."""
     gather, sum_of_two = ThreadGather(2), SumOfTwo()
     parameters = [[torch.nn.Parameter(value.clone()) for value in start_values()] for _ in SAMPLES]
-    trainings = [LocalTraining("diloco", 2, OUTER, None, overlap=True) for _ in SAMPLES]
+    trainings = [LocalTraining("diloco", 2, OUTER, None, overlap=2) for _ in SAMPLES]
     seen: dict[int, dict[str, list]] = {0: {}, 1: {}}
     errors: list[BaseException] = []
 
@@ -226,7 +235,7 @@ def test_a_flush_waits_for_the_merge_in_flight_then_merges_what_trained_since():
     or a validation's) applies the one in flight and merges step 3's progress: nothing is pending after it, and the
     parameters are the anchor."""
     parameter = torch.nn.Parameter(torch.zeros(5))
-    training = LocalTraining("local_sgd", 2, None, None, overlap=True)
+    training = LocalTraining("local_sgd", 2, None, None, overlap=2)
     training.attach([parameter], None)
     waited = []
 
