@@ -21,8 +21,8 @@ for H in --sync-every (default 8 and 32); with --variants also
 
     diloco H int8 / int4       the pseudo-gradient quantized (compression="int8" / "int4", error feedback)
     diloco H fragments 4       streaming: 4 fragments merged in turn, one every H/4 steps
-    diloco H overlap [int8|int4]   each merge sent in the background, its outer step applied at the next merge
-    diloco H overlap-1 [int8]      the same, applied one training step after it was sent (overlap_steps=1)
+    diloco H overlap [int8|int4]   each merge sent in the background, its outer step applied one training step later
+    diloco H overlap-H [int8]      the same, applied at the next merge (overlap_steps=H)
 
 ``--only NAME ...`` runs those fits alone (and every_step, whose final loss is the target).
 
@@ -216,8 +216,8 @@ def run_all(
             for c in (None, "int8", "int4")
         ]
         fits += [
-            (f"diloco H={h} overlap-1{' ' + c if c else ''}", "diloco", h,
-             {"sync_options": {"overlap": True, "overlap_steps": 1}, "compression": c})
+            (f"diloco H={h} overlap-H{' ' + c if c else ''}", "diloco", h,
+             {"sync_options": {"overlap": True, "overlap_steps": h}, "compression": c})
             for h in sync_every
             for c in (None, "int8")
         ]  # fmt: skip

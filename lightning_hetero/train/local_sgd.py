@@ -22,9 +22,10 @@ alone), and when the average arrives, its parameters become the new anchor, the 
 rank trained since it sent. So the anchor is
 the same on every rank at every merge, and the parameters too at an epoch's end, a checkpoint and a validation, where
 the ranks wait for the merge in flight and then merge what they trained since, as without overlap. It keeps one more
-copy of the parameters (what each rank trained from since it last sent). With ``"overlap_steps": k`` a merge is applied
-k training steps after it was sent instead (at most the steps between two merges): a fresher model, the link hidden
-behind fewer steps. The step is counted, not the arrival, so every rank applies it at the same step.
+copy of the parameters (what each rank trained from since it last sent). ``"overlap_steps": k`` (1 by default, at
+most the steps between two merges) applies a merge k training steps after it was sent rather than at the next merge:
+the fresher the model, the less loss the stale outer step costs, and k steps must outlast the link's time for the
+wait to stay hidden. The step is counted, not the arrival, so every rank applies it at the same step.
 
 A checkpoint is a synchronization (the strategy synchronizes before saving), so what it must add to DeepSpeed's files
 is per rank: each rank's inner optimizer state (DeepSpeed's ZeRO-0 checkpoint holds rank 0's only), the outer

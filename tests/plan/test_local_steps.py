@@ -197,10 +197,10 @@ def test_overlap_must_be_true_or_false(value):
 def test_overlap_is_a_sync_option_of_both_local_modes_and_the_plan_says_what_it_does():
     assert check_sync_arguments("local_sgd", 4, None, {"overlap": True}) is None
     assert check_sync_arguments("diloco", 4, None, {"overlap": False, "fragments": 2}) == DILOCO_DEFAULTS
-    # None: off; else the steps after which a merge is applied, by default the steps between two merges
-    assert sync_overlap(None, 8) is None and sync_overlap({"overlap": True}, 8) == 8
-    assert sync_overlap({"overlap": True, "fragments": 4}, 8) == 2
-    assert sync_overlap({"overlap": True, "overlap_steps": 1}, 8) == 1
+    # None: off; else the steps after which a merge is applied: 1 by default, at most the steps between two merges
+    assert sync_overlap(None, 8) is None and sync_overlap({"overlap": True}, 8) == 1
+    assert sync_overlap({"overlap": True, "fragments": 4, "overlap_steps": 2}, 8) == 2
+    assert sync_overlap({"overlap": True, "overlap_steps": 8}, 8) == 8
     line = describe_sync("diloco", 4, [2, 1], DILOCO_DEFAULTS, fragments=2, overlap=2)
     assert "each merge is sent in the background while the ranks train on, its outer step applied at the next" in line
     assert "applied 1 training steps later" in describe_sync("diloco", 4, [2, 1], DILOCO_DEFAULTS, overlap=1)

@@ -353,12 +353,13 @@ def test_streaming_fragments_merge_in_turn_as_the_plain_torch_reference_with_a_f
     assert sent[4] == others + 4 * sum(sizes) + 8  # the epoch's end: both fragments (a count each)
 
 
-@pytest.mark.parametrize(("fragments", "overlap_steps"), [(1, None), (2, None), (1, 1)])
+@pytest.mark.parametrize(("fragments", "overlap_steps"), [(1, 2), (2, None), (1, None)])
 def test_an_overlapped_merge_is_applied_one_merge_late_as_the_plain_torch_reference(fragments, overlap_steps, tmp_path):
     """DiLoCo with `overlap=True`, inner steps [2, 1], sync_every 2 (merges sent after steps 2 and 4, or one fragment
-    after each of steps 1-4): each merge's outer step is applied at the next one (or, with `overlap_steps=1`, one
-    step after it was sent) and the epoch's end waits for it; the parameters are the stale-by-one reference's, and
-    not the reference's without overlap. The report names each rank's wait on the link."""
+    after each of steps 1-4): each merge's outer step is applied one step after it was sent (the default; with 2
+    fragments that is the next merge) or, with `overlap_steps=2`, at the next merge, and the epoch's end waits for
+    it; the parameters are the stale-by-one reference's, and not the reference's without overlap. The report names
+    each rank's wait on the link."""
     options = {"fragments": fragments, "overlap": True}
     if overlap_steps is not None:
         options["overlap_steps"] = overlap_steps
@@ -369,15 +370,16 @@ def test_an_overlapped_merge_is_applied_one_merge_late_as_the_plain_torch_refere
     steps = [list(range(b, b + 12)) for b in range(0, 60, 12)]
     outer = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
     dataset = IndexedRegression(60)
-    applied_after = overlap_steps or 2 // fragments
+    applied_after = overlap_steps or 1
     reference = streaming_reference(dataset, steps, [4, 4], [2, 1], 2, fragments, outer, overlap=applied_after)
     assert max_param_difference(run.result, reference) <= TOLERANCE
     waited = streaming_reference(dataset, steps, [4, 4], [2, 1], 2, fragments, outer)
     assert max_param_difference(run.result, waited) > 1e-4
     assert "each merge is sent in the background while the ranks train on" in run.output
-    if overlap_steps is not None:
+    if fragments == 1:  # (one step or two later: not the same run)
+        other = 1 if applied_after == 2 else 2
         assert max_param_difference(run.result, streaming_reference(dataset, steps, [4, 4], [2, 1], 2, fragments,
-                                                                    outer, overlap=2)) > 1e-4  # fmt: skip
+                                                                    outer, overlap=other)) > 1e-4  # fmt: skip
     report = json.loads((tmp_path / "hetero" / "report.json").read_text())
     assert all(len(step["link_wait_seconds"]) == 2 for step in report["steps"])
     assert len(report["summary"]["link_wait_seconds_per_step"]) == 2
