@@ -30,21 +30,28 @@ class UnsafeCheckpointFile(ValueError):
     """A checkpoint file holds objects that ``weights_only`` loading refuses (it could run code)."""
 
 
-def load_package_file(path: Path, mmap: bool = False) -> Any:
+def load_package_file(path: Path) -> Any:
     """A file this package wrote, on the CPU, weights-only."""
-    return _load(Path(path), True, mmap, "a file HeteroStrategy writes holds tensors and plain containers only")
+    return _load(
+        Path(path), True, "a file HeteroStrategy writes holds tensors and plain containers only, so this one was"
+        " altered or comes from elsewhere. Resume from a copy of the checkpoint you trust."
+    )  # fmt: skip
 
 
 def load_lightning_file(path: Path, weights_only: Optional[bool] = None) -> Any:
     """A Lightning ``.ckpt`` file, on the CPU, as Lightning's ``weights_only`` argument asks (None: weights-only)."""
-    return _load(Path(path), weights_only is not False, False, "`weights_only` was not False")
+    return _load(
+        Path(path), weights_only is not False, "`weights_only` was not False. If you trust where it came from, pass"
+        " `weights_only=False` to `Trainer.fit`, or allow those classes with"
+        " `torch.serialization.add_safe_globals([...])` before the fit."
+    )  # fmt: skip
 
 
-def _load(path: Path, weights_only: bool, mmap: bool, why: str) -> Any:
+def _load(path: Path, weights_only: bool, why_and_fix: str) -> Any:
     if not weights_only:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+        return torch.load(path, map_location="cpu", weights_only=False)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         try:
             names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
@@ -52,7 +59,6 @@ def _load(path: Path, weights_only: bool, mmap: bool, why: str) -> Any:
             names = []
         held = f" ({', '.join(names[:5])})" if names else ""
         raise UnsafeCheckpointFile(
-            f"Checkpoint file {path} holds objects that loading it could run code from{held}, and {why}: it was"
-            " refused. If you trust where it came from, pass `weights_only=False` to `Trainer.fit`, or allow those"
-            " classes with `torch.serialization.add_safe_globals([...])` before the fit."
+            f"Checkpoint file {path} holds objects that loading it could run code from{held}, so it was refused:"
+            f" {why_and_fix}"
         ) from error

@@ -14,18 +14,17 @@ the samples since its own last merge; between its merges a fragment trains on, s
 at a time.
 
 With ``sync_options={"overlap": True}`` a merge inside an epoch does not wait for the link. The ranks sum their
-sample counts (a few bytes), start the exchange of their weighted progress in the background and train on; at the
-next merge each rank waits for it and applies its outer step one merge late (stale by one, as eager and streaming
-DiLoCo do). Until then each rank's own progress stands in for the average it sent: the rank takes the outer step it
-would take if its progress were the average (eager DiLoCo, Kale et al. 2025; the outer optimizer's state is left
-alone), and when the average arrives, its parameters become the new anchor, the same on every rank, plus what the
-rank trained since it sent. So the anchor is
-the same on every rank at every merge, and the parameters too at an epoch's end, a checkpoint and a validation, where
-the ranks wait for the merge in flight and then merge what they trained since, as without overlap. It keeps one more
-copy of the parameters (what each rank trained from since it last sent). ``"overlap_steps": k`` (1 by default, at
-most the steps between two merges) applies a merge k training steps after it was sent rather than at the next merge:
-the fresher the model, the less loss the stale outer step costs, and k steps must outlast the link's time for the
-wait to stay hidden. The step is counted, not the arrival, so every rank applies it at the same step.
+sample counts (a few bytes), start the exchange of their weighted progress in the background and train on;
+``"overlap_steps": k`` training steps later (1 by default, at most the next merge) each rank waits for it and applies
+its outer step, stale by k steps (as streaming DiLoCo's overlap). Until then each rank's own progress stands in for
+the average it sent: the rank takes the outer step it would take if its progress were the average (eager DiLoCo, Kale
+et al. 2025; the outer optimizer's state is left alone), and when the average arrives, its parameters become the new
+anchor, the same on every rank, plus what the rank trained since it sent. So the anchor is the same on every rank
+after every merge, and the parameters too at an epoch's end, a checkpoint and a validation, where the ranks wait for
+the merge in flight and then merge what they trained since, as without overlap. The staler the outer step, the more
+loss it costs, and k steps must outlast the link's time for the wait to stay hidden; the step is counted, not the
+arrival, so every rank applies it at the same step. It keeps one more copy of the parameters (what each rank trained
+from since it last sent).
 
 A checkpoint is a synchronization (the strategy synchronizes before saving), so what it must add to DeepSpeed's files
 is per rank: each rank's inner optimizer state (DeepSpeed's ZeRO-0 checkpoint holds rank 0's only), the outer
@@ -51,9 +50,8 @@ from lightning_hetero.runtime.safe_load import load_package_file
 STATE_DIRNAME = "hetero_local_sgd"
 _DTYPES = {None: torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
-# Starts one exchange of a merge in the background: ``(tensor, quantized)`` -> a wait. Unquantized, the tensor is
-# summed over the ranks in place and the wait returns None; quantized, the wait returns every rank's tensor in rank
-# order (a gather).
+# Starts one exchange of a merge in the background: ``(tensor, quantized)`` -> a wait; the tensor is summed over the
+# ranks in place (the wait returns None), or quantized, gathered (the wait returns every rank's, in rank order).
 Background = Callable[[Tensor, bool], Callable[[], Any]]
 
 
@@ -168,7 +166,7 @@ class LocalTraining:
     ) -> bool:
         """A training step ended on this rank after ``samples`` samples: merge the fragments that are due (every
         ``sync_every`` steps each, in turn, and all at the end of an epoch; the same decision on every rank). True if
-        any did. With overlap, a merge inside an epoch is sent through ``start`` and applied at the next one."""
+        any did. With overlap, a merge inside an epoch is sent through ``start`` and applied ``overlap`` steps later."""
         self.steps_done += 1
         self._steps = [steps + 1 for steps in self._steps]
         self._samples = [done + samples for done in self._samples]
@@ -182,7 +180,7 @@ class LocalTraining:
             assert start is not None, "an overlapped merge starts its exchange in the background"
             self._finish_in_flight()
             if self._parameters:
-                self._in_flight = self._send(sorted(due), all_reduce, start)
+                self._in_flight = self._send(sorted(due), all_reduce, start, background=True)
             return True
         self.synchronize(all_reduce, gather, due)
         return True
@@ -214,9 +212,12 @@ class LocalTraining:
             self._in_flight = self._send(sorted(fragments), all_reduce, blocking)
             self._finish_in_flight()
 
-    def _send(self, merging: list[int], all_reduce: Callable[[Tensor], None], start: Background) -> InFlightMerge:
+    def _send(
+        self, merging: list[int], all_reduce: Callable[[Tensor], None], start: Background, background: bool = False
+    ) -> InFlightMerge:
         """Start the merge of the fragments ``merging``: the ranks' sample counts (summed now: they weigh what is
-        sent), then this rank's weighted progress since each fragment was last sent, through ``start``."""
+        sent), then this rank's weighted progress since each fragment was last sent, through ``start``
+        (``background``: applied later, the rank taking the eager step meanwhile)."""
         tensors = [index for fragment in merging for index in range(*self._bounds[fragment])]
         device = self._anchor[0].device  # (NCCL reduces CUDA tensors only)
         counts = torch.tensor(
@@ -231,11 +232,10 @@ class LocalTraining:
                 delta = torch.cat([self._progress(index).reshape(-1) for index in range(begin, end)])
                 weighted_parts.append(delta.double() * share)
             weighted = torch.cat(weighted_parts)
-            if self.overlap:  # an eager outer step on this rank's own progress; what trains on is the next merge's
-                for index in tensors:
-                    eager = self._eager_anchor(index, self._progress(index))
-                    self._parameters[index].copy_(eager)
-                    self._base[index].copy_(eager)
+            for index in tensors if self.overlap else ():  # what trains on from here is the next merge's
+                if background:  # until the average arrives: the outer step of this rank's own progress
+                    self._parameters[index].copy_(self._eager_anchor(index, self._progress(index)))
+                self._base[index].copy_(self._parameters[index].detach())
             dtype = functools.reduce(torch.promote_types, [self._anchor[index].dtype for index in tensors])
             if self.quantized_bits is None:
                 on_wire = weighted.to(self.wire_dtype)
@@ -308,9 +308,8 @@ class LocalTraining:
         self.synchronizations += 1
 
     def _eager_anchor(self, index: int, progress: Tensor) -> Tensor:
-        """The anchor of tensor ``index`` after the outer step this rank would take if its own ``progress`` were the
-        ranks' average (eager DiLoCo: the stand-in until the average arrives); the outer optimizer's state is left
-        as it is. The step is torch's SGD (no dampening, no weight decay), as the outer optimizer's."""
+        """Tensor ``index``'s anchor after the outer step (torch's SGD, the outer optimizer's, its state untouched)
+        this rank would take if its own ``progress`` were the ranks' average: eager DiLoCo's stand-in."""
         anchor = self._anchor[index]
         if self._outer is None:
             return anchor - progress  # local SGD's outer step is the average itself
