@@ -74,12 +74,13 @@ class ThreadGather:
         return gather
 
 
-def merge_on_two_threads(trainings, parameters, gather: ThreadGather, all_reduce):
+def on_two_threads(body, timeout: float = 30) -> None:
+    """``body(rank)`` on two threads, the two ranks; a failure in either is raised here."""
     errors: list[BaseException] = []
 
     def run(rank):
         try:
-            trainings[rank].synchronize(all_reduce(rank), gather.for_rank(rank))
+            body(rank)
         except BaseException as error:  # (a failed assertion in a thread would otherwise pass silently)
             errors.append(error)
 
@@ -87,8 +88,12 @@ def merge_on_two_threads(trainings, parameters, gather: ThreadGather, all_reduce
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=20)
+        thread.join(timeout=timeout)
     assert not errors, errors
+
+
+def merge_on_two_threads(trainings, parameters, gather: ThreadGather, all_reduce):
+    on_two_threads(lambda rank: trainings[rank].synchronize(all_reduce(rank), gather.for_rank(rank)), timeout=20)
 
 
 class SumOfTwo:

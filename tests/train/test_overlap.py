@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import sys
-import threading
 from pathlib import Path
 from typing import Optional
 
@@ -18,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "comm"))
 
-from test_quantize import SumOfTwo, ThreadGather  # noqa: E402
+from test_quantize import SumOfTwo, ThreadGather, on_two_threads  # noqa: E402
 
 from lightning_hetero.plan.local_steps import due_fragments, fragment_bounds  # noqa: E402
 from lightning_hetero.train.local_sgd import LocalTraining  # noqa: E402
@@ -124,34 +123,25 @@ def eager_step(anchor, outer, progress):
 def run_two_ranks(steps: int, sync_every: int, fragments: int, overlap: Optional[int]) -> list[list[torch.Tensor]]:
     gather, sum_of_two = ThreadGather(2), SumOfTwo()
     parameters = [[torch.nn.Parameter(value.clone()) for value in start_values()] for _ in SAMPLES]
-    errors: list[BaseException] = []
     started_in_background = [0, 0]
 
     def run(rank: int) -> None:
-        try:
-            training = LocalTraining("diloco", sync_every, OUTER, None, fragments=fragments, overlap=overlap)
-            training.attach(parameters[rank], None)
-            all_reduce = sum_of_two(rank)
+        training = LocalTraining("diloco", sync_every, OUTER, None, fragments=fragments, overlap=overlap)
+        training.attach(parameters[rank], None)
+        all_reduce = sum_of_two(rank)
 
-            def start(tensor, quantized):
-                started_in_background[rank] += 1
-                all_reduce(tensor)  # (summed at once here; the merge applies it one merge late all the same)
-                return lambda: None
+        def start(tensor, quantized):
+            started_in_background[rank] += 1
+            all_reduce(tensor)  # (summed at once here; the merge applies it later all the same)
+            return lambda: None
 
-            for step in range(1, steps + 1):
-                with torch.no_grad():
-                    train_step([p.data for p in parameters[rank]], rank, step)
-                training.step_done(SAMPLES[rank], step == steps, all_reduce, gather.for_rank(rank), start)
-            assert not training.merge_pending
-        except BaseException as error:  # (a failed assertion in a thread would otherwise pass silently)
-            errors.append(error)
+        for step in range(1, steps + 1):
+            with torch.no_grad():
+                train_step([p.data for p in parameters[rank]], rank, step)
+            training.step_done(SAMPLES[rank], step == steps, all_reduce, gather.for_rank(rank), start)
+        assert not training.merge_pending
 
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
-    assert not errors, errors
+    on_two_threads(run)
     merges_inside_the_epoch = sum(1 for step in range(1, steps) if due_fragments(step, sync_every, fragments, False))
     assert started_in_background == [merges_inside_the_epoch if overlap is not None else 0] * 2
     return [[p.detach() for p in rank_parameters] for rank_parameters in parameters]
@@ -188,37 +178,28 @@ def test_between_merges_each_rank_holds_the_common_anchor_plus_its_own_progress(
     parameters = [[torch.nn.Parameter(value.clone()) for value in start_values()] for _ in SAMPLES]
     trainings = [LocalTraining("diloco", 2, OUTER, None, overlap=2) for _ in SAMPLES]
     seen: dict[int, dict[str, list]] = {0: {}, 1: {}}
-    errors: list[BaseException] = []
 
     def run(rank: int) -> None:
-        try:
-            training = trainings[rank]
-            training.attach(parameters[rank], None)
-            all_reduce = sum_of_two(rank)
+        training = trainings[rank]
+        training.attach(parameters[rank], None)
+        all_reduce = sum_of_two(rank)
 
-            def start(tensor, quantized):
-                all_reduce(tensor)
-                return lambda: None
+        def start(tensor, quantized):
+            all_reduce(tensor)
+            return lambda: None
 
-            for step in range(1, 5):
-                with torch.no_grad():
-                    train_step([p.data for p in parameters[rank]], rank, step)
-                if step == 4:
-                    seen[rank]["before"] = [p.detach().clone() for p in parameters[rank]]
-                training.step_done(SAMPLES[rank], False, all_reduce, gather.for_rank(rank), start)
-                if step == 2:
-                    seen[rank]["sent"] = [p.detach().clone() for p in parameters[rank]]
-            assert training.merge_pending and training.steps_since_sync == 0 and training.synchronizations == 1
-            seen[rank]["after"] = [p.detach().clone() for p in parameters[rank]]
-        except BaseException as error:
-            errors.append(error)
+        for step in range(1, 5):
+            with torch.no_grad():
+                train_step([p.data for p in parameters[rank]], rank, step)
+            if step == 4:
+                seen[rank]["before"] = [p.detach().clone() for p in parameters[rank]]
+            training.step_done(SAMPLES[rank], False, all_reduce, gather.for_rank(rank), start)
+            if step == 2:
+                seen[rank]["sent"] = [p.detach().clone() for p in parameters[rank]]
+        assert training.merge_pending and training.steps_since_sync == 0 and training.synchronizations == 1
+        seen[rank]["after"] = [p.detach().clone() for p in parameters[rank]]
 
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
-    assert not errors, errors
+    on_two_threads(run)
     for a, b in zip(trainings[0]._anchor, trainings[1]._anchor):
         assert torch.equal(a, b)
     for rank in range(2):
