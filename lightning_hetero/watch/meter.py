@@ -172,7 +172,7 @@ _FIELDS = 8
 
 def pack_records(records: Sequence[StepRecord]) -> Tensor:
     """Records as one ``[n, 8]`` float64 tensor (step, batch size, compute, step seconds, intra- and inter-node
-    bytes, micro-steps, merge wait) for a tensor gather."""
+    bytes, micro-steps, the wait on the link in merges) for a tensor gather."""
     rows = [
         [
             r.step,
