@@ -107,6 +107,30 @@ def test_a_lost_rank_never_leaves_the_others_waiting(victim, how, tmp_path):
 
 
 @pytest.mark.fault
+def test_a_frozen_rank_never_leaves_the_other_waiting_for_an_overlapped_merge(tmp_path):
+    """DiLoCo with overlapped merges every 2 steps: rank 0 waits on rank 1 either in a merge's exchange started in
+    the background or in the blocking sum of the sample counts. Rank 1 frozen (SIGSTOP: no collective ever breaks),
+    the heartbeat names it within peer_timeout=5 and rank 0 exits, as for the every-step exchange above."""
+    arguments = json.dumps({"peer_timeout": 5, "sync": "diloco", "sync_every": 2, "sync_options": {"overlap": True}})
+    process = start_fit(tmp_path, "--stage", "0", "--batch-sizes", "8", "8", "--max-epochs", "100000",
+                        "--signal-test", "--strategy-args", arguments)  # fmt: skip
+    try:
+        pids = wait_for_pids(tmp_path, process, [0, 1])
+        stopped_at = time.monotonic()
+        os.kill(pids[1], signal.SIGSTOP)
+        while alive([pids[0]]) and time.monotonic() - stopped_at < 60:
+            process.poll()
+            time.sleep(0.1)
+        assert not alive([pids[0]]), f"rank 0 still running {time.monotonic() - stopped_at:.0f} s after the stop"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    output = process.communicate()[0]
+    assert "rank 1 has been lost: no heartbeat came for 5 s" in output, output[-3000:]
+    assert "each merge is sent in the background" in output, output[-3000:]
+
+
+@pytest.mark.fault
 def test_a_frozen_torchrun_agent_stops_both_workers_naming_the_store(tmp_path):
     """The agent hosts the store under torchrun: frozen (SIGSTOP), every store call to it blocks until it runs again,
     whatever the store's timeout. Both workers notice within the peer timeout all the same and exit naming it."""
