@@ -34,7 +34,8 @@ def load_package_file(path: Path) -> Any:
     """A file this package wrote, on the CPU, weights-only."""
     return _load(
         Path(path), True, "a file HeteroStrategy writes holds tensors and plain containers only, so this one was"
-        " altered or comes from elsewhere. Resume from a copy of the checkpoint you trust."
+        " altered or comes from elsewhere (or from a version before 2026-11-26, which pickled PowerSGD's random"
+        " state). Resume from a copy of the checkpoint you trust."
     )  # fmt: skip
 
 

@@ -50,7 +50,7 @@ def test_a_crafted_local_sgd_state_in_a_checkpoint_is_refused_at_resume(tmp_path
     crafted(tmp_path / STATE_DIRNAME / "rank_0.pt", marker, steps_done=1, synchronizations=1)
     training = LocalTraining("local_sgd", 1, None, None)
     training.attach([torch.nn.Parameter(torch.zeros(2))], None)
-    with pytest.raises(UnsafeCheckpointFile, match="altered or comes from elsewhere. Resume from a copy of the"):
+    with pytest.raises(UnsafeCheckpointFile, match="altered or comes from elsewhere"):
         training.load(tmp_path, 0)
     assert not marker.exists()
 
