@@ -52,12 +52,7 @@ class Collectives:
         """
         if catch_up:
             self.before_each()
-        if self.world_size == 1:
-            return [tensor]
-        local = tensor.to(self.device)
-        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
-        torch.distributed.all_gather(gathered, local)
-        return [part.cpu() for part in gathered]
+        return self.start_in_background(tensor, gathered=True)()  # (started and waited for at once)
 
     def gather_counts(self, count: int) -> list[int]:
         """Every rank's integer ``count`` (one small gather)."""
