@@ -188,6 +188,13 @@ def compute_clock(device: torch.device) -> Callable[[], float]:
     return time.thread_time if torch.get_num_threads() == 1 else time.process_time
 
 
+def host_clock(device: torch.device) -> Callable[[], float]:
+    """The CPU time of the thread that fetches the batches: the time it waited for its loader does not advance it.
+
+    On CPU that is the compute clock; on CUDA the compute clock is wall time, so it is the thread's own CPU time."""
+    return time.thread_time if device.type == "cuda" else compute_clock(device)
+
+
 class SlowdownEmulator:
     """Stretches the local compute inside :meth:`slowed` blocks to ``1/speed`` of its duration."""
 

@@ -76,11 +76,12 @@ class Replan:
     batch_sizes: tuple[int, ...]
     predicted_gain: float  # predicted step time of the old split / the new one - 1
     micro_steps: tuple[int, ...] = ()  # each rank's micro-steps under the new split (() : one each)
+    data_waits: tuple[float, ...] = ()  # each rank's wait for its data per step, counted in its time
 
     def to_dict(self) -> dict[str, Any]:
         steps = list(self.micro_steps) or [1] * len(self.batch_sizes)
         return {"step": self.step, "batch_sizes": list(self.batch_sizes), "micro_steps": steps,
-                "predicted_gain": self.predicted_gain}  # fmt: skip
+                "predicted_gain": self.predicted_gain, "data_wait_seconds": list(self.data_waits)}  # fmt: skip
 
 
 def weighted_median(values: Sequence[float], weights: Sequence[float]) -> float:
@@ -99,49 +100,77 @@ def weighted_median(values: Sequence[float], weights: Sequence[float]) -> float:
 
 @dataclass(frozen=True)
 class RankFit:
-    """A rank's refitted cost model and the relative standard error of its level."""
+    """A rank's refitted cost model (its wait for data included) and the relative standard error of its level."""
 
     cost: CostModel
     relative_error: float
+    data_wait: float = 0.0  # seconds per step the rank waited for its loader, counted in ``cost.fixed``
 
 
 def refit_cost_models(
     base: Sequence[CostModel], steps: Sequence[dict[str, Any]], window: int, micro_steps: bool = False
 ) -> Optional[list[RankFit]]:
-    """Each rank's ``base`` model scaled to the level its ``steps`` (report entries, oldest first) measured.
+    """Each rank's ``base`` model scaled to the level its ``steps`` (report entries, oldest first) measured, plus the
+    time it waited for its data per step.
 
     Weights halve every ``window`` steps; the newest ``window`` steps alone decide when they show a drift. None when
     some rank has no step with a measured compute (nothing to fit it to). ``micro_steps``: a rank's time is
     :func:`~lightning_hetero.plan.micro_steps.rank_time` (its samples in as many micro-batches as memory needs).
+
+    A wait for data is paid once per step whatever the rank's share (a loader with too few workers, slow storage): it
+    is added to the model's fixed cost, so the planner gives that rank fewer samples until its compute plus its wait
+    matches the others'. (A wait that grows with the share is under-corrected once and measured again.)
     """
     predict = rank_time if micro_steps else CostModel.time
     refitted = []
     for rank, model in enumerate(base):
-        ratios, weights, newest = [], [], 0
+        ratios, waits, weights, newest, per_fixed = [], [], [], 0, 1
         for age, step in enumerate(reversed(steps)):
             compute = step["compute_seconds"][rank]
             if compute > 0:
                 ratios.append(compute / predict(model, step["batch_sizes"][rank]))
+                waits.append(step.get("data_wait_seconds", (0.0,) * len(base))[rank])
                 weights.append(0.5 ** (age / window))
                 newest += age < window
+                if len(ratios) == 1 and micro_steps:  # the fixed cost is paid per micro-step, the wait per step
+                    per_fixed = step.get("micro_steps", (1,) * len(base))[rank]
         if not ratios:
             return None
-        scale, error = _level(ratios, weights)
-        if 0 < newest < len(ratios):
-            new_scale, new_error = _level(ratios[:newest], weights[:newest])
-            old_scale, old_error = _level(ratios[newest:], weights[newest:])
-            if abs(new_scale / old_scale - 1) > NOISE_MARGIN_SIGMAS * math.hypot(new_error, old_error):
-                scale, error = new_scale, new_error
-        refitted.append(RankFit(CostModel(model.fixed * scale, model.per_sample * scale, model.max_batch), error))
+        scale, error = _recent_level(ratios, weights, newest, relative=True)
+        wait, wait_error = _recent_level(waits, weights, newest, relative=False)
+        predicted = scale * predict(model, steps[-1]["batch_sizes"][rank])
+        total_error = math.hypot(error * predicted, wait_error) / (predicted + wait)
+        cost = CostModel(model.fixed * scale + wait / per_fixed, model.per_sample * scale, model.max_batch)
+        refitted.append(RankFit(cost, total_error, wait))
     return refitted
 
 
-def _level(ratios: Sequence[float], weights: Sequence[float]) -> tuple[float, float]:
-    """The weighted median of ``ratios`` and its relative standard error (from the median absolute deviation)."""
-    scale = weighted_median(ratios, weights)
-    spread = _MAD_TO_SIGMA * weighted_median([abs(ratio - scale) for ratio in ratios], weights)
+def _recent_level(
+    values: Sequence[float], weights: Sequence[float], newest: int, relative: bool
+) -> tuple[float, float]:
+    """The level of ``values`` (newest first) and its standard error (relative or in the values' unit): the newest
+    ``newest`` values' alone when they differ from the older ones' by more than the noise allows (a drift)."""
+    level, error = _level(values, weights, relative)
+    if 0 < newest < len(values):
+        new_level, new_error = _level(values[:newest], weights[:newest], relative)
+        old_level, old_error = _level(values[newest:], weights[newest:], relative)
+        if relative:
+            drifted = abs(new_level / old_level - 1) > NOISE_MARGIN_SIGMAS * math.hypot(new_error, old_error)
+        else:
+            drifted = abs(new_level - old_level) > NOISE_MARGIN_SIGMAS * math.hypot(new_error, old_error)
+        if drifted:
+            return new_level, new_error
+    return level, error
+
+
+def _level(values: Sequence[float], weights: Sequence[float], relative: bool = True) -> tuple[float, float]:
+    """The weighted median of ``values`` and its standard error (from the median absolute deviation), relative to
+    the median or in the values' unit."""
+    level = weighted_median(values, weights)
+    spread = _MAD_TO_SIGMA * weighted_median([abs(value - level) for value in values], weights)
     effective_count = sum(weights) ** 2 / sum(weight * weight for weight in weights)
-    return scale, _MEDIAN_EFFICIENCY * spread / scale / math.sqrt(effective_count)
+    error = _MEDIAN_EFFICIENCY * spread / math.sqrt(effective_count)
+    return level, (error / level if relative else error)
 
 
 def gain_uncertainty(fits: Sequence[RankFit]) -> float:
@@ -215,7 +244,7 @@ class Rebalancer:
         micro_steps = micro_steps or self.fixed_micro_steps
         if micro_steps and any(n < k for n, k in zip(sizes, micro_steps)):
             return None  # a rank would get fewer samples than its fixed micro-steps: keep the split that has them
-        replan = Replan(next_step, sizes, gain, micro_steps)
+        replan = Replan(next_step, sizes, gain, micro_steps, tuple(fit.data_wait for fit in fits))
         self.adopt(replan.batch_sizes, next_step)
         self.replans.append(replan)
         return replan

@@ -20,6 +20,21 @@ from lightning_hetero.plan.replan import Rebalancer, Replan
 from lightning_hetero.train.split_in_force import SplitInForce
 from lightning_hetero.watch.meter import RunWatch, TensorGather
 
+# A wait for data per step worth naming in a re-plan's line (below it, timer noise of a loader that keeps up).
+STALL_SECONDS = 1e-3
+
+
+def data_wait_text(replan: Replan) -> str:
+    """The ranks whose wait for their loader counted in the re-plan, with what removes it."""
+    stalled = [(rank, wait) for rank, wait in enumerate(replan.data_waits) if wait >= STALL_SECONDS]
+    if not stalled:
+        return ""
+    each = ", ".join(f"rank {rank} {wait * 1e3:.1f} ms" for rank, wait in stalled)
+    return (
+        f"; it counts the ranks' wait for their data loader per step ({each}): more DataLoader workers on that host,"
+        " or a larger prefetch_factor, would remove it"
+    )
+
 
 class SplitFollower:
     """Called by the training loader before each batch (its ``on_fetch``); see the module docstring.
@@ -64,6 +79,7 @@ class SplitFollower:
             rank_zero_info(
                 f"HeteroStrategy re-plan before step {replan.step}: samples per rank {list(replan.batch_sizes)}"
                 f"{in_steps} (predicted {replan.predicted_gain:.0%} better than {list(self.split.batch_sizes)})"
+                + data_wait_text(replan)
             )
             self.split.use(replan.batch_sizes, micro_steps=steps)
         self.decision_seconds += time.perf_counter() - started

@@ -4,9 +4,12 @@ For each training step a rank records its local compute and the step's wall time
 (:func:`~.emulate.slowdown.compute_clock`: the thread's CPU time on CPU, synchronised wall time on CUDA) from
 the moment its loader starts fetching the batch to the end of backward, plus the delay an emulated slower device
 paid in between; the clock stands still while the thread waits in a gloo collective. The step's wall time runs from
-that fetch to the end of its last backward or optimizer step: what is not compute is waiting for the slowest rank in
-the gradient exchange and the host's own work (the optimizer update). Records are kept until the ranks exchange
-them, every ``window`` steps, in one small gather the strategy does; every rank then holds the same numbers.
+that fetch to the end of its last backward or optimizer step. The fetch's wall time that the host thread did not spend
+computing (the loader's worker processes were behind, storage was slow, the dataset slept) is the rank's wait for its
+data: counted apart from compute, because more workers or a prefetch removes it where a faster device would not. What
+is neither is waiting for the slowest rank in the gradient exchange and the host's own work (the optimizer update).
+Records are kept until the ranks exchange them, every ``window`` steps, in one small gather the strategy does; every
+rank then holds the same numbers.
 """
 
 from __future__ import annotations
@@ -37,10 +40,12 @@ class StepRecord:
     inter_node_bytes: float = 0.0  # ... and to groups spanning nodes
     micro_steps: int = 1  # the micro-batches it took them in
     link_wait_seconds: float = 0.0  # local SGD / DiLoCo: its wall time waiting for merges' exchanges
+    data_wait_seconds: float = 0.0  # its wall time waiting for its loader to produce the batch
 
     @property
     def wait_seconds(self) -> float:
-        return max(0.0, self.step_seconds - self.compute_seconds)
+        """The step's wall time waiting for the other ranks (and in the host's own work)."""
+        return max(0.0, self.step_seconds - self.compute_seconds - self.data_wait_seconds)
 
 
 class StepMeter:
@@ -48,7 +53,9 @@ class StepMeter:
 
     ``compute_clock`` is the rank's compute clock; ``emulated_seconds`` the emulated delay paid so far (it advances
     the wall clock, not the compute clock, and counts as compute of the emulated device); ``wire_bytes`` the bytes
-    this rank has put on the wire so far (inside its node, between nodes).
+    this rank has put on the wire so far (inside its node, between nodes); ``host_clock`` the CPU time of the thread
+    that fetches (None: the compute clock, which is that on CPU; on CUDA the compute clock is wall time, so a stalled
+    fetch would count as compute without it).
     """
 
     def __init__(
@@ -58,15 +65,18 @@ class StepMeter:
         wall_clock: Callable[[], float] = time.perf_counter,
         wire_bytes: Callable[[], tuple[float, float]] = lambda: (0.0, 0.0),
         link_wait: Callable[[], float] = lambda: 0.0,
+        host_clock: Optional[Callable[[], float]] = None,
     ) -> None:
         self._compute_clock = compute_clock
+        self._host_clock = host_clock or compute_clock
         self._emulated_seconds = emulated_seconds
         self._wall_clock = wall_clock
         self._wire_bytes = wire_bytes
         self._wire_at_fetch = (0.0, 0.0)
         self._link_wait = link_wait
         self._link_wait_at_fetch = 0.0
-        # The open step: wall, compute clock and emulated delay at its fetch; its compute so far; its last activity.
+        # The open step: wall, compute clock and emulated delay at its fetch; its compute so far; its last activity;
+        # the host clock at its fetch; its wait for data; the part of that wait the compute clock counted.
         self._open: Optional[list[float]] = None
         self._batch_size = 0
         self._micro_steps = 1
@@ -76,16 +86,23 @@ class StepMeter:
     def fetch_started(self) -> None:
         """The loader starts producing the next batch: the previous step (if any) is complete."""
         self._close()
-        self._open = [self._wall_clock(), self._compute_clock(), self._emulated_seconds(), 0.0, 0.0]
+        self._open = [self._wall_clock(), self._compute_clock(), self._emulated_seconds(), 0.0, 0.0,
+                      self._host_clock(), 0.0, 0.0]  # fmt: skip
         self._wire_at_fetch = self._wire_bytes()
         self._link_wait_at_fetch = self._link_wait()
 
     def batch_ready(self, batch_size: int, micro_steps: int = 1) -> None:
+        """The loader handed over the batch: the fetch's wall time the host did not compute was a wait for data."""
         self._batch_size, self._micro_steps = batch_size, micro_steps
+        if self._open is not None:
+            host = self._host_clock() - self._open[5]
+            emulated = self._emulated_seconds() - self._open[2]  # a delay an emulated device paid is compute
+            self._open[6] = max(0.0, self._wall_clock() - self._open[0] - host - emulated)
+            self._open[7] = min(self._open[6], max(0.0, self._compute_clock() - self._open[1] - host))
 
     def backward_ended(self) -> None:
         if self._open is not None:
-            compute = self._compute_clock() - self._open[1] + self._emulated_seconds() - self._open[2]
+            compute = self._compute_clock() - self._open[1] + self._emulated_seconds() - self._open[2] - self._open[7]
             self._open[3] = max(self._open[3], compute)  # manual optimization: several backward passes per step
             self._open[4] = self._wall_clock()
 
@@ -103,10 +120,10 @@ class StepMeter:
     def _close(self) -> None:
         if self._open is None:
             return
-        wall_start, _, _, compute, wall_end = self._open
+        wall_start, _, _, compute, wall_end, _, data_wait, _ = self._open
         self._open = None
         # Every batch gets a record (compute 0 if no backward ran), so every rank holds as many as the others.
-        step_seconds = max(compute, wall_end - wall_start) if wall_end else compute
+        step_seconds = max(compute + data_wait, wall_end - wall_start) if wall_end else compute + data_wait
         (intra_start, inter_start), (intra, inter) = self._wire_at_fetch, self._wire_bytes()
         self.pending.append(
             StepRecord(
@@ -118,6 +135,7 @@ class StepMeter:
                 inter - inter_start,
                 self._micro_steps,
                 self._link_wait() - self._link_wait_at_fetch,
+                data_wait,
             )  # fmt: skip
         )
         self._steps += 1
@@ -167,12 +185,12 @@ class RunWatch:
         self.exchange_seconds += time.perf_counter() - start
 
 
-_FIELDS = 8
+_FIELDS = 9
 
 
 def pack_records(records: Sequence[StepRecord]) -> Tensor:
-    """Records as one ``[n, 8]`` float64 tensor (step, batch size, compute, step seconds, intra- and inter-node
-    bytes, micro-steps, the wait on the link in merges) for a tensor gather."""
+    """Records as one ``[n, 9]`` float64 tensor (step, batch size, compute, step seconds, intra- and inter-node
+    bytes, micro-steps, the wait on the link in merges, the wait for data) for a tensor gather."""
     rows = [
         [
             r.step,
@@ -183,6 +201,7 @@ def pack_records(records: Sequence[StepRecord]) -> Tensor:
             r.inter_node_bytes,
             r.micro_steps,
             r.link_wait_seconds,
+            r.data_wait_seconds,
         ]  # fmt: skip
         for r in records
     ]
@@ -191,7 +210,7 @@ def pack_records(records: Sequence[StepRecord]) -> Tensor:
 
 def unpack_records(packed: Tensor) -> list[StepRecord]:
     return [
-        StepRecord(int(row[0]), int(row[1]), row[2], row[3], row[4], row[5], int(row[6]), row[7])
+        StepRecord(int(row[0]), int(row[1]), row[2], row[3], row[4], row[5], int(row[6]), row[7], row[8])
         for row in packed.tolist()
     ]
 
@@ -218,6 +237,7 @@ def job_steps(records_by_rank: Sequence[Sequence[StepRecord]]) -> list[dict[str,
             "intra_node_bytes": [record.intra_node_bytes for record in same_step],
             "inter_node_bytes": [record.inter_node_bytes for record in same_step],
             "link_wait_seconds": [record.link_wait_seconds for record in same_step],
+            "data_wait_seconds": [record.data_wait_seconds for record in same_step],
         }
         for same_step in zip(*records_by_rank)
     ]
@@ -243,6 +263,8 @@ def step_metrics(step: dict[str, Any], prefix: str = "hetero") -> dict[str, floa
         metrics[f"{prefix}/rank_{rank}/samples_per_second"] = size / compute if compute > 0 else 0.0
     for rank, waited in enumerate(step.get("link_wait_seconds", ())):
         metrics[f"{prefix}/rank_{rank}/link_wait_ms"] = waited * 1e3
+    for rank, waited in enumerate(step.get("data_wait_seconds", ())):
+        metrics[f"{prefix}/rank_{rank}/data_wait_ms"] = waited * 1e3
     for kind in WIRE_KINDS:
         for rank, sent in enumerate(step.get(kind, ())):
             metrics[f"{prefix}/rank_{rank}/{kind}"] = float(sent)

@@ -12,7 +12,8 @@ At the end of fit rank 0 writes into the run's ``hetero/`` directory:
          "batch_sizes": [b_0, ...],   # each rank's samples of the global batch
          "micro_steps": [k_0, ...],   # ... taken in this many micro-batches (HeteroStrategy(micro_steps=...))
          "compute_seconds": [...],    # each rank's local compute (see lightning_hetero.watch.meter)
-         "wait_seconds": [...],       # each rank's step time that was not compute (waiting, host work)
+         "data_wait_seconds": [...],  # each rank's wait for its loader to produce the batch
+         "wait_seconds": [...],       # each rank's step time that was neither (waiting for others, host work)
          "step_seconds": s},          # the step's wall time: the slowest rank's
         ...],
       "replans": [                    # each change of split during the fit (empty while the split is fixed)
@@ -48,6 +49,8 @@ from lightning_hetero.watch.meter import WIRE_KINDS, balance_efficiency
 FORMAT_VERSION = 1
 # The start and the end of a run, for the summary: this share of its steps (at least one step each).
 _EDGE_SHARE = 0.1
+# A rank whose wait for its data is at least this share of its compute is named as stalled, with the fix.
+DATA_STALL_SHARE = 0.1
 
 
 def plan_text(
@@ -160,7 +163,22 @@ def summarize(
     if exchange_seconds is not None and seconds > 0:
         summary["measurement_share"] = exchange_seconds / seconds
     summary.update(link_wait_summary(steps))
+    summary.update(data_wait_summary(steps))
     return summary
+
+
+def data_wait_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each rank's median wait for its data per step and its ratio to the rank's median compute, and the ranks whose
+    wait is at least ``DATA_STALL_SHARE`` of their compute; empty when no rank waited. Medians: the first batch of an
+    epoch waits for the loader's workers to start, which no fix removes."""
+    if not steps or not any(any(step.get("data_wait_seconds", ())) for step in steps):
+        return {}
+    ranks = range(len(steps[0]["data_wait_seconds"]))
+    waits = [statistics.median(step["data_wait_seconds"][rank] for step in steps) for rank in ranks]
+    computes = [statistics.median(step["compute_seconds"][rank] for step in steps) for rank in ranks]
+    shares = [wait / compute if compute > 0 else None for wait, compute in zip(waits, computes)]
+    stalled = [rank for rank, share in enumerate(shares) if share is not None and share >= DATA_STALL_SHARE]
+    return {"data_wait_seconds_per_step": waits, "data_wait_over_compute": shares, "data_stalled_ranks": stalled}
 
 
 def link_wait_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
@@ -190,6 +208,7 @@ def summary_text(report: dict[str, Any]) -> str:
         + (f"; measuring cost {cost:.2%} of the step time" if cost is not None else "")
         + _micro_steps_text(report["steps"])
         + _link_wait_text(summary)
+        + data_stall_text(summary)
         + _skipped_text(report.get("nonfinite"))
         + _precision_text(report.get("precision"))
         + _communication_text(report.get("communication"))
@@ -212,6 +231,23 @@ def _link_wait_text(summary: dict[str, Any]) -> str:
         for wait, share in zip(summary["link_wait_seconds_per_step"], summary["link_wait_over_compute"])
     )
     return f"; waiting on the link in merges per step, per rank: {per_rank}"
+
+
+def data_stall_text(summary: dict[str, Any]) -> str:
+    """The ranks that waited for their data, and what removes the wait."""
+    stalled = summary.get("data_stalled_ranks")
+    if not stalled:
+        return ""
+    each = ", ".join(
+        f"rank {rank} {summary['data_wait_seconds_per_step'][rank] * 1e3:.1f} ms"
+        f" ({summary['data_wait_over_compute'][rank]:.0%} of its compute)"
+        for rank in stalled
+    )
+    return (
+        f"; waiting for the data loader per step: {each}. That loader is a bottleneck (re-planning counts the wait in"
+        " the rank's time and gives it fewer samples): more workers on that host (DataLoader(num_workers=...)), a"
+        " larger prefetch_factor, or faster storage removes it"
+    )
 
 
 def _skipped_text(nonfinite: Optional[dict[str, Any]]) -> str:

@@ -16,7 +16,7 @@ from typing import Any, Optional, Union
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_hetero.emulate.slowdown import compute_clock
+from lightning_hetero.emulate.slowdown import compute_clock, host_clock
 from lightning_hetero.measure.facts import DeviceFacts
 from lightning_hetero.measure.rank_profile import RankProfile
 from lightning_hetero.plan.local_steps import InnerStepsRebalancer
@@ -53,7 +53,8 @@ class Watcher:
         gather_tensor: TensorGather,
         link_wait: Callable[[], float] = lambda: 0.0,
     ) -> None:
-        self.meter = StepMeter(compute_clock(device), added_seconds, wire_bytes=wire_bytes, link_wait=link_wait)
+        self.meter = StepMeter(compute_clock(device), added_seconds, wire_bytes=wire_bytes, link_wait=link_wait,
+                               host_clock=host_clock(device))  # fmt: skip
         self.run = RunWatch(self.meter, window=window)
         self._gather_tensor = gather_tensor
         self.follower: Optional[SplitFollower] = None

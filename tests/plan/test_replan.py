@@ -28,20 +28,29 @@ from lightning_hetero.plan.split import split_by_weights
 WINDOW = 20
 
 
-def simulate(truth, rebalancer, steps, seed, noise=0.15, outliers=0.03):
-    """Run ``steps`` steps; ``truth(step)`` gives every rank's true CostModel. Returns the rebalancer's replans."""
+def simulate(truth, rebalancer, steps, seed, noise=0.15, outliers=0.03, data_waits=None):
+    """Run ``steps`` steps; ``truth(step)`` gives every rank's true CostModel, ``data_waits(step)`` (optional) every
+    rank's true wait for its loader per step, whatever its share. Returns the rebalancer's replans."""
     rng = random.Random(seed)
     history = []
     for step in range(steps):
         if step and step % rebalancer.window == 0:
             rebalancer.consider(history, step)
         costs = truth(step)
-        compute = []
-        for cost, size in zip(costs, rebalancer.split):
+        compute, waits = [], []
+        for rank, (cost, size) in enumerate(zip(costs, rebalancer.split)):
             factor = rng.lognormvariate(0, noise) * (rng.uniform(3, 10) if rng.random() < outliers else 1)
             compute.append(cost.time(size) * factor)
-        history.append({"step": step, "batch_sizes": list(rebalancer.split), "compute_seconds": compute})
+            wait = data_waits(step)[rank] if data_waits else 0.0
+            waits.append(wait * rng.lognormvariate(0, noise) + rng.uniform(0, 2e-5))  # plus a timer's jitter
+        history.append({"step": step, "batch_sizes": list(rebalancer.split), "compute_seconds": compute,
+                        "data_wait_seconds": waits})  # fmt: skip
     return rebalancer.replans
+
+
+def with_waits(costs, waits):
+    """The true cost models with each rank's wait per step counted as a fixed cost: what the best split balances."""
+    return [CostModel(cost.fixed + wait, cost.per_sample, cost.max_batch) for cost, wait in zip(costs, waits)]
 
 
 def equal(world, global_batch=64):
@@ -202,6 +211,35 @@ def test_a_drift_is_followed_and_the_split_stays_after_it(seed):
     assert relative_to_best(after, rebalancer.split) < 0.10
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_a_rank_that_waits_for_its_data_gets_fewer_samples_until_compute_plus_wait_is_balanced(seed):
+    """Two equal devices, rank 1's loader 5 ms behind every step: the split that ignores the wait (equal) is 24 %
+    slower than the best one; the re-planner moves to the best split (compute + wait balanced) and stays."""
+    truth, waits = [CostModel(0.001, 0.0002)] * 2, (0.0, 0.005)
+    rebalancer = Rebalancer(truth, equal(2), window=WINDOW, threshold=0.05)
+    replans = simulate(lambda step: truth, rebalancer, steps=1000, seed=seed, data_waits=lambda step: waits)
+    assert relative_to_best(with_waits(truth, waits), equal(2)) > 0.2
+    assert 1 <= len(replans) <= 2 and replans[0].step == MIN_INTERVAL_WINDOWS * WINDOW
+    assert replans[0].data_waits[1] == pytest.approx(0.005, rel=0.2) and replans[0].data_waits[0] < 1e-4
+    assert rebalancer.split[1] < rebalancer.split[0]
+    assert relative_to_best(with_waits(truth, waits), rebalancer.split) < 0.10
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_stall_that_starts_mid_run_is_followed_at_the_next_exchange(seed):
+    truth = [CostModel(0.001, 0.0002)] * 2
+    stall_at = 400
+
+    def waits(step):
+        return (0.0, 0.0) if step < stall_at else (0.006, 0.0)
+
+    rebalancer = Rebalancer(truth, equal(2), window=WINDOW, threshold=0.05)
+    replans = simulate(lambda step: truth, rebalancer, steps=1200, seed=seed, data_waits=waits)
+    assert [replan.step for replan in replans][:1] == [stall_at + WINDOW]
+    assert rebalancer.split[0] < rebalancer.split[1]
+    assert relative_to_best(with_waits(truth, waits(stall_at)), rebalancer.split) < 0.10
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_switches_are_never_closer_than_the_minimum_interval(seed):
     # An adversary: the slow rank alternates every window, so there is always a gain to chase.
@@ -254,4 +292,5 @@ def test_adopting_a_checkpoints_split_restarts_the_interval():
         "batch_sizes": [14, 2],
         "micro_steps": [1, 1],
         "predicted_gain": pytest.approx(30 / 14 - 1),
+        "data_wait_seconds": [0.0, 0.0],  # steps without a measured wait for data (a report from before it)
     }

@@ -108,13 +108,13 @@ def test_run_watch_exchanges_every_window_and_at_the_end():
 def test_records_travel_as_one_float64_tensor_exactly():
     records = [
         StepRecord(0, 7, 0.0123456789, 0.02, 5e6, 123.0, link_wait_seconds=0.0031),
-        StepRecord(1, 300, 1e-6, 2.5, micro_steps=3),
+        StepRecord(1, 300, 1e-6, 2.5, micro_steps=3, data_wait_seconds=0.0051),
     ]
     packed = pack_records(records)
-    # with the bytes on the wire, the micro-steps and the wait on the link in merges
-    assert packed.dtype == torch.float64 and packed.shape == (2, 8)
+    # with the bytes on the wire, the micro-steps, the wait on the link in merges and the wait for data
+    assert packed.dtype == torch.float64 and packed.shape == (2, 9)
     assert unpack_records(packed) == records
-    assert pack_records([]).shape == (0, 8) and unpack_records(pack_records([])) == []
+    assert pack_records([]).shape == (0, 9) and unpack_records(pack_records([])) == []
     # The monitor's metrics say each rank's micro-steps and its largest micro-batch.
     step = job_steps([[records[1]], [StepRecord(1, 10, 1e-3, 2.5)]])[0]
     assert step["micro_steps"] == [3, 1]
@@ -152,6 +152,65 @@ def test_the_time_in_merges_is_recorded_per_step_and_summed_against_compute_in_t
     plain = job_steps([[StepRecord(0, 8, 0.01, 0.01)], [StepRecord(0, 8, 0.01, 0.01)]])
     assert "link_wait_seconds_per_step" not in report.summarize(plain, [])
     assert "waiting on the link" not in report.summary_text(report.build_report(plain, [], 2))
+
+
+def test_a_fetch_the_host_did_not_compute_is_a_wait_for_data_apart_from_compute_and_from_waiting_for_others():
+    """On CPU the compute clock is the host's: a fetch that sleeps (a loader behind) is wall time only. The wait is
+    the record's data_wait_seconds, not compute and not wait_seconds (which is waiting for the other ranks)."""
+    clocks = FakeClocks()
+    meter = make_meter(clocks)
+    meter.fetch_started()
+    clocks.advance(compute=0.001, wall=0.001)  # the fetch's own work (collating)
+    clocks.advance(wall=0.005)  # waiting for the loader's workers
+    meter.batch_ready(8)
+    clocks.advance(compute=0.010, wall=0.010)
+    meter.backward_ended()
+    clocks.advance(wall=0.003)  # the exchange: waiting for the slower rank
+    meter.optimizer_step_ended()
+    meter.training_ended()
+    (record,) = meter.take()
+    assert record.data_wait_seconds == pytest.approx(0.005)
+    assert record.compute_seconds == pytest.approx(0.011)
+    assert record.step_seconds == pytest.approx(0.019) and record.wait_seconds == pytest.approx(0.003)
+
+
+def test_on_cuda_the_wall_clock_compute_does_not_count_the_wait_for_data():
+    """On CUDA the compute clock is (synchronised) wall time, so the stalled fetch advanced it: the host clock (the
+    thread's CPU time) tells the wait apart, and compute leaves it out."""
+    clocks, host = FakeClocks(), [0.0]
+    meter = StepMeter(lambda: clocks.wall, lambda: clocks.emulated, lambda: clocks.wall, host_clock=lambda: host[0])
+    meter.fetch_started()
+    clocks.advance(compute=0.001, wall=0.001)
+    host[0] += 0.001
+    clocks.advance(wall=0.005)  # the stall
+    meter.batch_ready(8)
+    clocks.advance(compute=0.010, wall=0.010)
+    host[0] += 0.0002  # launching kernels; the device computes
+    meter.backward_ended()
+    meter.training_ended()
+    (record,) = meter.take()
+    assert record.data_wait_seconds == pytest.approx(0.005)
+    assert record.compute_seconds == pytest.approx(0.011)
+    assert record.step_seconds == pytest.approx(0.016) and record.wait_seconds == pytest.approx(0.0)
+
+
+def test_the_report_and_the_monitor_name_the_rank_that_waits_for_its_data_with_the_fix():
+    stalled = [StepRecord(i, 8, 0.010, 0.016, data_wait_seconds=0.005 if i else 0.050) for i in range(5)]
+    fine = [StepRecord(i, 8, 0.010, 0.016, data_wait_seconds=0.0002) for i in range(5)]
+    steps = job_steps([fine, stalled])
+    assert steps[1]["data_wait_seconds"] == [0.0002, 0.005]
+    assert step_metrics(steps[1])["hetero/rank_1/data_wait_ms"] == pytest.approx(5.0)
+    summary = report.summarize(steps, [])
+    # Medians: the first batch of an epoch (its workers starting) does not count as the loader's pace.
+    assert summary["data_wait_seconds_per_step"] == [0.0002, 0.005]
+    assert summary["data_wait_over_compute"] == [pytest.approx(0.02), pytest.approx(0.5)]
+    assert summary["data_stalled_ranks"] == [1]
+    line = report.summary_text(report.build_report(steps, [], 2))
+    assert "waiting for the data loader per step: rank 1 5.0 ms (50% of its compute)" in line
+    assert "num_workers" in line and "rank 0" not in line.split("waiting for the data loader")[1]
+    plain = job_steps([[StepRecord(0, 8, 0.01, 0.01)], [StepRecord(0, 8, 0.01, 0.01)]])
+    assert "data_wait_seconds_per_step" not in report.summarize(plain, [])
+    assert "data loader" not in report.summary_text(report.build_report(plain, [], 2))
 
 
 def test_job_steps_refuses_ranks_with_different_step_counts():

@@ -53,3 +53,13 @@ def test_the_follower_is_built_once_per_fit_and_takes_a_new_re_planner_and_split
     watching.follow(split, rebalancer)
     assert watching.follower is follower and follower.rebalancer is rebalancer and follower.split is split
     assert watching.skipped_steps() == [] and watching.loss_scale() is None
+
+
+def test_a_re_plan_line_names_the_ranks_that_wait_for_their_data_and_the_fix():
+    from lightning_hetero.plan.replan import Replan
+    from lightning_hetero.watch.follower import data_wait_text
+
+    line = data_wait_text(Replan(40, (44, 20), 0.24, (), (0.0002, 0.0051)))
+    assert "rank 1 5.1 ms" in line and "rank 0" not in line and "workers" in line
+    assert data_wait_text(Replan(40, (44, 20), 0.24, (), (0.0002, 0.0004))) == ""  # a loader that keeps up
+    assert data_wait_text(Replan(40, (44, 20), 0.24)) == ""

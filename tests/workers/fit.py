@@ -61,6 +61,16 @@ def failing_step(batch, batch_idx):
     raise RuntimeError("training_step failed on this rank only")
 
 
+def stalled_collate(collate, seconds):
+    """The loader's collate_fn, ``seconds`` late on every batch: a loader that cannot keep up (a sleep, not compute)."""
+
+    def collate_fn(samples):
+        time.sleep(seconds)
+        return collate(samples)
+
+    return collate_fn
+
+
 def failing_collate(collate):
     """The loader's collate_fn, raising from the second batch on."""
     calls = []
@@ -378,6 +388,7 @@ def main() -> None:
     parser.add_argument("--wandb", type=Path, help="a WandbLogger, offline, saving its runs in this directory")
     parser.add_argument("--signal-test", action="store_true", help="write PIDs at step 3 and every rank's exit code")
     parser.add_argument("--fail-in", choices=["training_step", "collate_fn"], default="training_step")
+    parser.add_argument("--stall-on-rank-1", type=float, help="SECONDS: rank 1's collate_fn sleeps that long per batch")
     parser.add_argument("--iterable", action="store_true", help="train on an IterableDataset")
     parser.add_argument("--two-loaders", action="store_true", help="a dict of two training loaders")
     parser.add_argument("--tokens", action="store_true", help="padded token sequences and a token-mean loss")
@@ -518,6 +529,8 @@ def fit(args: argparse.Namespace) -> None:
             model.training_step = failing_step
         else:
             train.collate_fn = failing_collate(train.collate_fn)
+    if args.stall_on_rank_1 and rank == 1:
+        train.collate_fn = stalled_collate(train.collate_fn, args.stall_on_rank_1)
     if args.record_autocast:
         model.training_step = recording_autocast(model, args.out, args.accelerator)
     if args.overflow:
