@@ -160,8 +160,7 @@ class HeteroJob:
 
     def write_plan(self, trainer: Any, config: dict[str, Any]) -> None:
         """Rank 0 prints the plan table; every rank writes its config (and rank 0 the whole plan) as JSON."""
-        if self.pipeline is None:  # (a pipeline printed its own plan)
-            self.report_directory = self.setup.write_plan(trainer, config)
+        self.report_directory = self.setup.write_plan(trainer, config) if self.pipeline is None else None  # (its own)
 
     @contextlib.contextmanager
     def engine_built(self, module: Any, optimizer: Any) -> Iterator[None]:
@@ -259,6 +258,7 @@ class HeteroJob:
         inside is counted, the watch told, and a run of non-finite steps stops every rank together."""
         if self.pipeline is not None:
             return step()
+        self.setup.scale_learning_rate(trainer)  # (once, after a resume that changed the global batch)
         with self.communication.counting():  # (the closure, training_step and backward, runs inside)
             result = step()
             if self.local is not None:
@@ -375,10 +375,9 @@ class HeteroJob:
         self.sharding.forget_served_loader(trainer)
         if path.is_file():  # a .ckpt file another strategy (DDP...) wrote
             file_route(path, pipeline=self.pipeline is not None)
-            batch = self.split.plan.global_batch_size if self.split.plan else None
-            return self.recovery.resume_from_lightning_file(
-                path, module, engine, self._optimizer_parameters, self.sharding.training_order(), batch, weights_only
-            )
+            self.setup.settle_the_global_batch(path, {}, zero_stage, module, same_world_size=True)  # (none recorded)
+            return self.recovery.resume_from_lightning_file(path, module, engine, self._optimizer_parameters,
+                self.sharding.training_order(), self.split.global_batch_size, weights_only)  # fmt: skip
         chosen, manifest = self.recovery.choose(path)
         route = resume_route(chosen, manifest, pipeline=self.pipeline is not None,
                              local=self.settings.sync if self.local is not None else None,
@@ -389,11 +388,11 @@ class HeteroJob:
             return self.pipeline.load_checkpoint(chosen, manifest, engine)
         same_world_size = route is Route.SAME_WORLD_SIZE
         self.communication.load(chosen, self.rank, manifest, same_world_size)
+        self.setup.settle_the_global_batch(chosen, manifest, zero_stage, module, same_world_size)
         if same_world_size:
             client_state = load(str(chosen))
             self.setup.load_local_training(chosen)  # (local SGD / DiLoCo only)
         else:
-            self.setup.keep_the_checkpoints_global_batch(chosen, manifest, zero_stage, module)
             client_state = self.recovery.load_on_another_world_size(chosen, manifest, engine, load)
         if from_deepspeed.is_deepspeed_strategys(manifest):  # Lightning's DeepSpeedStrategy wrote it (no manifest)
             return from_deepspeed.with_data_position(client_state, manifest, self.sharding.training_order())

@@ -25,6 +25,7 @@ from lightning_hetero.measure.partitioned import partitioned_parameters, whole_p
 from lightning_hetero.measure.survey import JobSurvey, RankSurvey, profile_rank
 from lightning_hetero.plan.initial import InitialPlan, initial_plan, rebalancer_for, within_emulated_memory
 from lightning_hetero.plan.local_steps import InnerStepsRebalancer, describe_sync, local_split
+from lightning_hetero.plan.lr_scaling import LrScaling, lr_scaling_for
 from lightning_hetero.plan.micro_steps import automatic_micro_steps_allowed
 from lightning_hetero.plan.model_agreement import model_signature
 from lightning_hetero.plan.split import SplitPlan, micro_batch_sizes
@@ -34,6 +35,7 @@ from lightning_hetero.precision.job import gradient_bytes_held_until_step, job_p
 from lightning_hetero.precision.plugin import HeteroPrecision, autocast_for
 from lightning_hetero.recover.refusal import ResumeRefused
 from lightning_hetero.settings import check_ranks_agree
+from lightning_hetero.train.lr_scaling import scale_optimizers
 from lightning_hetero.train.order import agreed_seed, local_seed
 from lightning_hetero.train.sharding import check_trainable
 from lightning_hetero.train.sync_batchnorm import small_batchnorm_warning
@@ -64,6 +66,7 @@ class JobSetup:
         self.stage_choice: Optional[StageChoice] = None  # the automatic ZeRO stage of this trainer call, and why
         self._emulated_topology: tuple[Optional[int], Optional[topology.SlowLink]] = (None, None)
         self._inner_steps_rebalancer: Optional[InnerStepsRebalancer] = None
+        self.pending_lr_scaling: Optional[LrScaling] = None  # decided at a resume, applied at the fit's first step
 
     # ------------------------------------------------------------------ measure
 
@@ -269,29 +272,54 @@ class JobSetup:
         if restored is not None and self._inner_steps_rebalancer is not None:
             self._inner_steps_rebalancer.restored = restored
 
-    def keep_the_checkpoints_global_batch(self, path: Path, manifest: dict[str, Any], zero_stage: int,
-                                          module: LightningModule) -> None:  # fmt: skip
-        """A resume on another number of ranks continues the same optimisation: the checkpoint's global batch.
+    def settle_the_global_batch(self, path: Path, manifest: dict[str, Any], zero_stage: int, module: LightningModule,
+                                same_world_size: bool) -> None:  # fmt: skip
+        """A resume whose global batch differs from the checkpoint's (``manifest``'s split; none: a file).
 
-        The default global batch (the loader's batch size times the ranks) follows the world size, so it is replaced
-        by the checkpoint's and the split is planned again for it; one the user fixed must agree.
+        By default a resume on another number of ranks continues the same optimisation: the default global batch (the
+        loader's batch size times the ranks) follows the world size, so it is replaced by the checkpoint's and the
+        split planned again for it; one the user fixed must agree. With ``lr_scaling`` the job's own global batch is
+        kept and the learning rate follows it at the fit's first step (:meth:`scale_learning_rate`). On the same ranks
+        a changed global batch is the user's: it is kept, and said.
         """
         job = self._job
-        assert job.split.plan is not None
+        if job.split.plan is None:
+            return
         saved, current = sum(manifest.get("batch_sizes") or []) or None, job.split.plan.global_batch_size
+        rule = job.settings.lr_scaling
+        if saved is None and rule is not None:
+            rank_zero_info(f"HeteroStrategy: checkpoint {path} does not record its global batch (a file another"
+                           f" strategy wrote): lr_scaling={rule!r} has nothing to scale from.")  # fmt: skip
         if saved is None or saved == current:
+            return
+        if rule is not None or same_world_size:
+            self.pending_lr_scaling = lr_scaling_for(rule, saved, current)
+            if rule is None:
+                rank_zero_info(f"HeteroStrategy: the global batch is {current} samples, the checkpoint's {saved};"
+                               " the learning rate is the checkpoint's (`lr_scaling='linear'` or `'sqrt'` scales"
+                               " it).")  # fmt: skip
             return
         if job.settings.global_batch_size is not None or job.settings.batch_sizes is not None:
             raise ResumeRefused(
                 f"Checkpoint {path} was trained with a global batch of {saved} samples; this job's is {current}."
                 f" Pass `global_batch_size={saved}` to continue the same optimisation (the split over this job's"
-                " ranks is planned for it)."
+                f" ranks is planned for it), or `lr_scaling='linear'` or `'sqrt'` to train on with {current} and the"
+                " learning rate scaled to it."
             )
         self.start_the_split(saved, zero_stage, module)
         rank_zero_info(
             f"HeteroStrategy: keeping the checkpoint's global batch of {saved} on {job.world_size} ranks:"
             f" micro-batches {list(job.split.batch_sizes)}."
         )
+
+    def scale_learning_rate(self, trainer: Any) -> None:
+        """Before the resumed fit's first optimizer step (the optimizers' and schedulers' states are restored by
+        then): the scaling :meth:`settle_the_global_batch` decided, on every rank's optimizers, said once."""
+        scaling, self.pending_lr_scaling = self.pending_lr_scaling, None
+        if scaling is not None and trainer is not None:
+            schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+            decoupled = scale_optimizers(trainer.optimizers, schedulers, scaling)
+            rank_zero_info(scaling.describe(decoupled))
 
     def plan_lines(self, plan: SplitPlan) -> str:
         """The plan output's lines below the table: the ZeRO stage's reason, the exchange, local training's sync."""

@@ -30,6 +30,7 @@ from lightning_hetero.plan.local_steps import (
     sync_overlap,
     sync_refusal,
 )
+from lightning_hetero.plan.lr_scaling import check_lr_scaling
 from lightning_hetero.plan.micro_steps import micro_steps_refusal
 from lightning_hetero.plan.model_agreement import model_disagreement
 from lightning_hetero.plan.pipeline_choice import (
@@ -86,6 +87,7 @@ class HeteroSettings:
     fragments: int = 1  # the streaming merge: fragments of the parameters merged in turn
     overlap: Optional[int] = None  # merges sent in the background, applied this many training steps later
     pipeline: Optional[PipelineChoice] = None  # the model split into stages (train/pipeline.py)
+    lr_scaling: Optional[str] = None  # a resume with another global batch scales the learning rate (plan/lr_scaling.py)
 
     @classmethod
     def from_arguments(
@@ -112,6 +114,7 @@ class HeteroSettings:
         inner_steps: Optional[Sequence[int]] = None,
         sync_options: Optional[dict[str, Any]] = None,
         pipeline: Any = None,
+        lr_scaling: Optional[str] = None,
     ) -> HeteroSettings:
         """Every argument checked, each error naming the argument, its value and the fix (keyword-only: twenty
         arguments, two of which swapped would otherwise pass unnoticed)."""
@@ -125,7 +128,7 @@ class HeteroSettings:
         check_rebalance_arguments(rebalance, rebalance_window, rebalance_threshold)
         liveness.check_peer_timeout(peer_timeout)
         check_max_nonfinite_steps(max_nonfinite_steps)
-        outer = check_sync_arguments(sync, sync_every, inner_steps, sync_options)
+        outer = check_sync_arguments(sync, sync_every, inner_steps, sync_options, rebalance)
         # What the arguments alone refuse (the stage a user config sets, precisions and the module are checked at
         # setup, in the survey).
         refusal = sync_refusal(sync, stage if stage is not None else 0, compression.check_compression(
@@ -142,11 +145,6 @@ class HeteroSettings:
             )  # fmt: skip
             if refusal:
                 raise ValueError(refusal)
-        if sync in LOCAL_MODES and rebalance and inner_steps is not None:
-            raise ValueError(
-                f"`rebalance=True` with `inner_steps={list(inner_steps)}`: inner steps you give are kept. Drop one"
-                " (without `inner_steps` they are planned from the profiles and follow what the ranks measure)."
-            )
         return cls(
             stage=stage,
             global_batch_size=global_batch_size,
@@ -170,6 +168,7 @@ class HeteroSettings:
             fragments=sync_fragments(sync_options, int(sync_every)) if sync in LOCAL_MODES else 1,
             overlap=sync_overlap(sync_options, int(sync_every)) if sync in LOCAL_MODES else None,
             pipeline=pipeline_choice,
+            lr_scaling=check_lr_scaling(lr_scaling, sync, pipeline_choice),
         )
 
     @property
@@ -383,6 +382,7 @@ class HeteroSettings:
             "emulate_speeds": self.speed_schedule.to_json() if self.speed_schedule else None,
             "loss_reduction": self.loss_reduction,
             "rebalance": [self.rebalance, self.rebalance_window, self.rebalance_threshold],
+            "lr_scaling": self.lr_scaling,
             "peer_timeout": self.peer_timeout,
             "max_nonfinite_steps": self.max_nonfinite_steps,
             "device_precision": self.device_precision,

@@ -67,9 +67,8 @@ class HeteroStrategy(DeepSpeedStrategy):
             ``"token_mean"``; each rank's loss is weighted so that the update is DDP's whatever the split.
         emulate_speeds: a test and demo aid: one speed in (0, 1] per rank (a rank with speed ``f`` stretches its
             compute to ``1/f``), or a drift ``{global step: speeds}``; also ``LIGHTNING_HETERO_EMULATE_SPEEDS``.
-        rebalance: re-plan the split from what each rank measures (default: on unless the split is fixed).
-        rebalance_window: training steps between two exchanges of the ranks' measurements (default 20).
-        rebalance_threshold: the predicted gain a new split needs over the current one (default 0.05: 5 % faster).
+        rebalance: re-plan the split from what each rank measures (default: on unless the split is fixed), every
+            ``rebalance_window`` steps (20), to a split predicted ``rebalance_threshold`` (0.05: 5 %) faster.
         peer_timeout: seconds without a heartbeat from a rank after which the others stop, naming it, with exit code
             75 (default 30; None: the process group's timeout; see :mod:`lightning_hetero.recover.liveness`).
         device_precision: each rank's own precision: ``"auto"`` (bf16 where the device computes in bf16, fp16 on
@@ -88,6 +87,8 @@ class HeteroStrategy(DeepSpeedStrategy):
         sync_every: training steps between two synchronizations (local SGD / DiLoCo).
         inner_steps: each rank's inner steps per training step, e.g. ``[2, 1]``; default: planned from the profiles.
         sync_options: DiLoCo's outer optimizer, ``{"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}``.
+        lr_scaling: ``"linear"`` or ``"sqrt"``: a resume whose global batch differs from the checkpoint's keeps it and
+            scales the learning rate (default None: keep the checkpoint's; see :mod:`lightning_hetero.plan.lr_scaling`).
         pipeline: split the model, not only the batch: ``{"stages": 2, "blocks": "net"}`` runs the chain of blocks
             at the module's attribute ``net`` as ``stages`` stages placed by speed and memory; optional
             ``boundaries``, ``schedule`` (``"1f1b"`` or ``"gpipe"``) and ``micro_batches`` (see
@@ -126,6 +127,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         inner_steps: Optional[Sequence[int]] = None,
         sync_options: Optional[dict[str, Any]] = None,
         pipeline: Optional[dict[str, Any]] = None,
+        lr_scaling: Optional[str] = None,
         **kwargs: Any,
     ) -> None:
         user_config = config is not None or self.DEEPSPEED_ENV_VAR in os.environ
@@ -138,7 +140,7 @@ class HeteroStrategy(DeepSpeedStrategy):
             peer_timeout=peer_timeout, device_precision=device_precision, compression_mode=compression,
             compression_options=compression_options, hierarchical=hierarchical,
             max_nonfinite_steps=max_nonfinite_steps, sync=sync, sync_every=sync_every, inner_steps=inner_steps,
-            sync_options=sync_options, pipeline=pipeline,
+            sync_options=sync_options, pipeline=pipeline, lr_scaling=lr_scaling,
         )  # fmt: skip
         config = check_config_argument(config)
         quiet.install_lasting_filters()
@@ -175,9 +177,8 @@ class HeteroStrategy(DeepSpeedStrategy):
     @property
     @override
     def handles_gradient_accumulation(self) -> bool:
-        # False, as for DDP: Lightning's loop accumulates (each loss divided by k, the optimizer stepped after k batches
-        # and at the end of an epoch), so global_step, LR schedulers and checkpoints count optimizer updates. The
-        # DeepSpeed config follows it (plan/deepspeed_config.lightning_owns_accumulation).
+        # False, as for DDP: Lightning's loop accumulates, so global_step, LR schedulers and checkpoints count optimizer
+        # updates. The DeepSpeed config follows it (plan/deepspeed_config.lightning_owns_accumulation).
         return False
 
     @contextlib.contextmanager
@@ -190,9 +191,8 @@ class HeteroStrategy(DeepSpeedStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        # Our own names, Lightning's DeepSpeed presets with the prefix "hetero" (the parent's "deepspeed*" names
-        # belong to DeepSpeedStrategy): `Trainer(strategy="hetero_stage_3")`, or `strategy: hetero_stage_3` in a CLI
-        # YAML once the package is imported.
+        # Lightning's DeepSpeed presets with the prefix "hetero" (the "deepspeed*" names are DeepSpeedStrategy's):
+        # `Trainer(strategy="hetero_stage_3")`, or `strategy: hetero_stage_3` in a CLI YAML (the package imported).
         for name, description, arguments in PRESETS:
             strategy_registry.register(name, cls, description=description, override=True, **arguments)
 

@@ -43,6 +43,8 @@ CONSTRUCTOR = [
     ({"rebalance": "auto"}, "`rebalance='auto'` must be True, False or None"),
     ({"rebalance_window": 0}, "`rebalance_window=0` must be a positive integer"),
     ({"rebalance_threshold": -0.05}, "`rebalance_threshold=-0.05` must be a finite number >= 0"),
+    ({"lr_scaling": "square_root"}, "`lr_scaling='square_root'` must be None (default: a resume keeps"),
+    ({"lr_scaling": "linear", "sync": "local_sgd"}, "`lr_scaling='linear'` with `sync='local_sgd'`: each rank steps"),
     ({"device_precision": "bf16-mixed"}, "`device_precision='bf16-mixed'` is neither 'auto' nor a list"),
     ({"device_precision": ["bf16-true", "32-true"]}, "`device_precision[0]='bf16-true'` is not a per-rank precision"),
     ({"device_precision": ["bf16-mixed", "fp8"]}, "`device_precision[1]='fp8'` is not a per-rank precision: use one"),

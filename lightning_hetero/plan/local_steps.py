@@ -37,9 +37,11 @@ STREAMING_KEYS = ("fragments", "overlap", "overlap_steps")
 SYNC_OPTION_KEYS = (*DILOCO_DEFAULTS, *STREAMING_KEYS)
 
 
-def check_sync_arguments(sync: Any, sync_every: Any, inner_steps: Any, sync_options: Any) -> Optional[dict[str, Any]]:
-    """Constructor checks of ``sync``, ``sync_every``, ``inner_steps`` and ``sync_options``; returns the outer
-    optimizer's settings (None for local SGD and every-step training)."""
+def check_sync_arguments(
+    sync: Any, sync_every: Any, inner_steps: Any, sync_options: Any, rebalance: Any = None
+) -> Optional[dict[str, Any]]:
+    """Constructor checks of ``sync``, ``sync_every``, ``inner_steps`` and ``sync_options`` (and ``rebalance`` with
+    them); returns the outer optimizer's settings (None for local SGD and every-step training)."""
     if sync not in SYNC_MODES:
         raise ValueError(
             f"`sync={sync!r}` is not one of {list(SYNC_MODES)}: 'every_step' (default) exchanges gradients at every"
@@ -63,6 +65,11 @@ def check_sync_arguments(sync: Any, sync_every: Any, inner_steps: Any, sync_opti
             )
     if not local:
         return None
+    if rebalance and inner_steps is not None:
+        raise ValueError(
+            f"`rebalance=True` with `inner_steps={list(inner_steps)}`: inner steps you give are kept. Drop one"
+            " (without `inner_steps` they are planned from the profiles and follow what the ranks measure)."
+        )
     options = dict(sync_options or {})
     unknown = sorted(set(options) - set(SYNC_OPTION_KEYS))
     if unknown:

@@ -63,6 +63,11 @@ class SplitInForce:
         return self.plan.batch_sizes
 
     @property
+    def global_batch_size(self) -> Optional[int]:
+        """The samples of one optimizer step across the ranks (None outside fit)."""
+        return self.plan.global_batch_size if self.plan is not None else None
+
+    @property
     def micro_batch(self) -> int:
         """This rank's largest micro-batch; 1 outside fit (no plan: evaluation and prediction use their loaders'
         batch)."""

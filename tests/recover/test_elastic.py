@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import random
 import re
@@ -309,6 +310,38 @@ def test_checkpoints_of_2_ranks_resume_on_1_and_on_3_ranks_as_the_uninterrupted_
                " again, but the NAdam optimizer keeps state that is not per parameter: 'mu_product' (a number that is"
                " not the step). Resume on 2 ranks")  # fmt: skip
     assert refusal in one.output and "exits with code 78 (retrying cannot help)" in one.output, one.output[-3000:]
+
+
+@pytest.mark.fault
+def test_lr_scaling_on_a_resize_scales_the_learning_rate_and_adamw_decay_by_its_rule(tmp_path):
+    """2 ranks x 8 (global batch 16) train AdamW (lr 0.01, weight decay 0.01) and save at step 3. 1 rank resumes,
+    whose default global batch is 8 (k = 1/2). With `lr_scaling="sqrt"` it trains on with 8: lr x sqrt(k), and the
+    decoupled weight decay x k / sqrt(k), so that lr x weight decay scales by k; with "linear": lr x k, the decay kept;
+    without it (the default) the checkpoint's global batch of 16 and its rates are kept. Each says so."""
+    common = ["--samples", "96", "--max-epochs", "1", "--optimizer", "adamw"]
+    first = run_fit(tmp_path / "two", *common, "--batch-sizes", "8", "8", "--checkpoint-every", "3")
+    assert first.returncode == 0, first.output[-3000:]
+    saved = str(tmp_path / "two" / "ckpt" / "epoch=0-step=3.ckpt")
+    cases = {"sqrt": {"lr_scaling": "sqrt"}, "linear": {"lr_scaling": "linear"}, "default": {}}
+    one = run_fit(tmp_path / "one", *common, "--devices", "1", "--each", json.dumps([
+        ["--out", str(tmp_path / "one" / name), "--ckpt-path", saved, "--strategy-args", json.dumps(arguments)]
+        for name, arguments in cases.items()]), timeout=300)  # fmt: skip
+    assert one.returncode == 0, one.output[-3000:]
+    lr, decay, k = 0.05 / 5, 0.01, 8 / 16  # (tests/workers/common.py's AdamW)
+    expected = {"sqrt": (lr * math.sqrt(k), decay * math.sqrt(k), 9), "linear": (lr * k, decay, 9),
+                "default": (lr, decay, 6)}  # fmt: skip
+    for name, (scaled_lr, scaled_decay, steps) in expected.items():
+        result = json.loads((tmp_path / "one" / name / "result.json").read_text())
+        (group,) = result["param_groups"]
+        assert group["lr"] == pytest.approx(scaled_lr, rel=1e-12), name
+        assert group["weight_decay"] == pytest.approx(scaled_decay, rel=1e-12), name
+        assert group["lr"] * group["weight_decay"] == pytest.approx(lr * decay * (k if name != "default" else 1))
+        assert result["global_step"] == steps, name  # 3 steps of 16, then 6 of 8 (or 3 of 16)
+        assert sorted(sum(result["seen"], [])) == list(range(48, 96)), name  # the rest of the epoch, once
+    line = "HeteroStrategy: the global batch changed from the checkpoint's 16 to 8 samples (x0.5); lr_scaling="
+    assert f"{line}'sqrt': learning rate x0.7071, decoupled weight decay x0.7071" in one.output
+    assert f"{line}'linear': learning rate x0.5, decoupled weight decay x1 " in one.output
+    assert "keeping the checkpoint's global batch of 16 on 1 ranks" in one.output
 
 
 @pytest.mark.fault

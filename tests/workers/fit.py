@@ -32,6 +32,7 @@ from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from torch.utils.data import DataLoader, IterableDataset  # noqa: E402
 
 from lightning_hetero import HeteroMonitor, HeteroStrategy, launched_layout  # noqa: E402
+from lightning_hetero.train.lr_scaling import base_optimizer  # noqa: E402
 
 
 class ShardedStream(IterableDataset):
@@ -327,6 +328,12 @@ class WriteResult(Callback):
                 "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
                 "metric_dtypes": {k: str(v.dtype) for k, v in trainer.callback_metrics.items()},
                 "train_dataloader_calls": getattr(pl_module, "train_dataloader_calls", None),
+                "param_groups": [
+                    {key: group.get(key) for key in ("lr", "weight_decay")}
+                    for group in base_optimizer(trainer.optimizers[0]).param_groups
+                ]  # fmt: skip
+                if trainer.optimizers
+                else None,
             }
             (self.out / "result.json").write_text(json.dumps(result))
 
