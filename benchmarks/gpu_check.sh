@@ -16,7 +16,7 @@ print('GPU:', torch.cuda.get_device_name(0), 'capability', torch.cuda.get_device
   > "$log/gpu.txt" 2>&1
 gpu_status=$?
 
-python -m pytest -m cuda -v -rs tests/test_cuda.py tests/comm/test_quantize.py > "$log/tests.txt" 2>&1
+python -m pytest -m cuda -v -rs tests/test_cuda.py tests/comm/test_quantize.py tests/watch/test_trace.py > "$log/tests.txt" 2>&1
 tests_status=$?
 
 python examples/train_spirals.py --accelerator cuda --devices 1 --epochs 2 --no-baseline --device-precision auto \

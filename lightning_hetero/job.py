@@ -33,6 +33,7 @@ from lightning_hetero.recover import from_deepspeed
 from lightning_hetero.recover.recovery import Recovery, manifest_facts
 from lightning_hetero.recover.resume import Route, file_route, resume_route
 from lightning_hetero.runtime.collectives import Collectives
+from lightning_hetero.runtime.tracing import phase
 from lightning_hetero.settings import HeteroSettings
 from lightning_hetero.train.buffers import BufferSync
 from lightning_hetero.train.loaders import HeteroDataLoader
@@ -122,7 +123,8 @@ class HeteroJob:
         self.loss_weights.join(rank, world_size, self.collectives.sum, self.collectives.reduce_in_place)
         self.watcher = Watcher(device, self.settings.rebalance_window, lambda: self.emulation.added_seconds,
                                self.communication.reading, self.collectives.gather_tensor,
-                               lambda: self.local.link_wait_seconds if self.local is not None else 0.0)  # fmt: skip
+                               lambda: self.local.link_wait_seconds if self.local is not None else 0.0,
+                               self.settings.trace)  # fmt: skip
         self.watcher.skipped_steps = lambda: list(self.nonfinite.skipped)
         self.watcher.loss_scale = lambda: loss_scale_value(plugin())
         if trainer is not None:
@@ -259,7 +261,7 @@ class HeteroJob:
         if self.pipeline is not None:
             return step()
         self.setup.scale_learning_rate(trainer)  # (once, after a resume that changed the global batch)
-        with self.communication.counting():  # (the closure, training_step and backward, runs inside)
+        with self.communication.counting(), phase("optimizer step (its closure: training_step and backward)"):
             result = step()
             if self.local is not None:
                 self.steps.inner_steps(backward, self.engine, trainer.is_last_batch)
@@ -324,10 +326,9 @@ class HeteroJob:
         sections = {"precision": plugin.summary() if isinstance(plugin, HeteroPrecision) else None,
                     "communication": self.communication.summary(), "nonfinite": self.nonfinite.summary()}  # fmt: skip
         self.watcher.write_report(directory, self.rank, self.world_size, **sections)
-        if self.rank == 0:
-            published = publish_to_loggers(trainer, directory)
-            if published:
-                rank_zero_info(f"HeteroStrategy: the plan and run report are in the {' and '.join(published)} run too.")
+        published = publish_to_loggers(trainer, directory) if self.rank == 0 else []
+        if published:
+            rank_zero_info(f"HeteroStrategy: the plan and run report are in the {' and '.join(published)} run too.")
 
     def on_exception(self, exception: BaseException, trainer: Any) -> None:
         """Say on every rank which rank failed and how (see :mod:`lightning_hetero.recover.failures`)."""

@@ -99,7 +99,7 @@ class JobSetup:
             if profile_in_survey:  # (in a fit only)
                 assert global_batch_size is not None
                 profile = self._profile(module, loader, global_batch_size, device, precision)
-            self._emulated_topology = settings.emulated_topology()
+            self._emulated_topology = topology.emulated_topology()
             agreement = settings.agreement(global_batch_size, job.communication.arguments(), self._emulated_topology)
             return None, RankSurvey(
                 agreement, local_seed(), model_signature(module), facts, precision, profile

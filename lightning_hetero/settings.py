@@ -46,6 +46,7 @@ from lightning_hetero.precision.nonfinite import check_max_nonfinite_steps
 from lightning_hetero.recover import liveness
 from lightning_hetero.runtime.checks import check_loss_reduction, check_one_per_rank, check_stage
 from lightning_hetero.train.loaders import loader_batch_size
+from lightning_hetero.watch.trace import check_trace
 
 # Arguments of DeepSpeedStrategy that only build its default DeepSpeed config: a user config replaces them all.
 DEFAULT_CONFIG_ARGUMENTS = frozenset(
@@ -88,6 +89,7 @@ class HeteroSettings:
     overlap: Optional[int] = None  # merges sent in the background, applied this many training steps later
     pipeline: Optional[PipelineChoice] = None  # the model split into stages (train/pipeline.py)
     lr_scaling: Optional[str] = None  # a resume with another global batch scales the learning rate (plan/lr_scaling.py)
+    trace: Optional[tuple[int, ...]] = None  # the training steps a profiler trace records (watch/trace.py)
 
     @classmethod
     def from_arguments(
@@ -115,6 +117,7 @@ class HeteroSettings:
         sync_options: Optional[dict[str, Any]] = None,
         pipeline: Any = None,
         lr_scaling: Optional[str] = None,
+        trace: Any = None,
     ) -> HeteroSettings:
         """Every argument checked, each error naming the argument, its value and the fix (keyword-only: twenty
         arguments, two of which swapped would otherwise pass unnoticed)."""
@@ -169,6 +172,7 @@ class HeteroSettings:
             overlap=sync_overlap(sync_options, int(sync_every)) if sync in LOCAL_MODES else None,
             pipeline=pipeline_choice,
             lr_scaling=check_lr_scaling(lr_scaling, sync, pipeline_choice),
+            trace=check_trace(trace),
         )
 
     @property
@@ -358,12 +362,6 @@ class HeteroSettings:
         steps = self.micro_steps or (1,) * len(self.batch_sizes)
         return sum(b * k for b, k in zip(self.batch_sizes, steps))
 
-    @staticmethod
-    def emulated_topology() -> tuple[Optional[int], Optional[topology.SlowLink]]:
-        """The emulated nodes and slow link between them, read from the environment once per trainer call (in the
-        setup gather, so that a bad value is raised on every rank and one rank's different value is named)."""
-        return topology.emulated_nodes_from_environment(), topology.slow_link_from_environment()
-
     def agreement(
         self,
         global_batch_size: Optional[int],
@@ -383,6 +381,7 @@ class HeteroSettings:
             "loss_reduction": self.loss_reduction,
             "rebalance": [self.rebalance, self.rebalance_window, self.rebalance_threshold],
             "lr_scaling": self.lr_scaling,
+            "trace": list(self.trace or []),
             "peer_timeout": self.peer_timeout,
             "max_nonfinite_steps": self.max_nonfinite_steps,
             "device_precision": self.device_precision,

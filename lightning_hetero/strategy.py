@@ -69,14 +69,13 @@ class HeteroStrategy(DeepSpeedStrategy):
             compute to ``1/f``), or a drift ``{global step: speeds}``; also ``LIGHTNING_HETERO_EMULATE_SPEEDS``.
         rebalance: re-plan the split from what each rank measures (default: on unless the split is fixed), every
             ``rebalance_window`` steps (20), to a split predicted ``rebalance_threshold`` (0.05: 5 %) faster.
-        peer_timeout: seconds without a heartbeat from a rank after which the others stop, naming it, with exit code
-            75 (default 30; None: the process group's timeout; see :mod:`lightning_hetero.recover.liveness`).
+        peer_timeout: seconds without a heartbeat from a rank after which the others stop, naming it, exit code 75
+            (default 30; None: the process group's timeout; :mod:`lightning_hetero.recover.liveness`).
         device_precision: each rank's own precision: ``"auto"`` (bf16 where the device computes in bf16, fp16 on
             other CUDA devices, fp32 otherwise) or one of ``"bf16-mixed"``, ``"16-mixed"``, ``"32-true"`` per rank
             (see :mod:`lightning_hetero.precision.choice`). Needs the Trainer's default ``precision="32-true"``.
-        compression: how gradients travel: None (default), ``"fp16"`` / ``"bf16"``, ``"powersgd"``, ``"topk"``, or
-            a DDP comm hook ``hook(state, bucket)`` / ``(hook, state)``; hooks need ``stage=0`` (see
-            :mod:`lightning_hetero.comm.compression`).
+        compression: how gradients travel: None (default), ``"fp16"``, ``"bf16"``, ``"powersgd"``, ``"topk"``, or a DDP
+            comm hook (``hook(state, bucket)`` or ``(hook, state)``, ZeRO-0): :mod:`lightning_hetero.comm.compression`.
         compression_options: the mode's settings (``PowerSGDState``'s arguments; ``{"ratio": 0.01}`` for top-k).
         hierarchical: reduce inside each node first (``"auto"``, default: at ZeRO-0 with several multi-rank nodes).
         max_nonfinite_steps: optimizer steps in a row skipped for non-finite gradients after which the run stops on
@@ -84,11 +83,13 @@ class HeteroStrategy(DeepSpeedStrategy):
         sync: ``"every_step"`` (default), or ``"local_sgd"`` / ``"diloco"``: each rank trains on its own and every
             ``sync_every`` steps the ranks merge their parameter deltas weighted by samples, a fast rank taking more
             inner steps (see :mod:`lightning_hetero.plan.local_steps`). Needs ``stage=0``.
-        sync_every: training steps between two synchronizations (local SGD / DiLoCo).
-        inner_steps: each rank's inner steps per training step, e.g. ``[2, 1]``; default: planned from the profiles.
+        sync_every, inner_steps: training steps between two synchronizations (local SGD / DiLoCo); each rank's inner
+            steps per training step, e.g. ``[2, 1]`` (default: planned from the profiles).
         sync_options: DiLoCo's outer optimizer, ``{"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}``.
         lr_scaling: ``"linear"`` or ``"sqrt"``: a resume whose global batch differs from the checkpoint's keeps it and
             scales the learning rate (default None: keep the checkpoint's; see :mod:`lightning_hetero.plan.lr_scaling`).
+        trace: ``{"steps": [20, 21, 22]}``: those training steps recorded by ``torch.profiler`` on every rank, the
+            package's phases named, into ``trace_*.json`` beside the run report (:mod:`lightning_hetero.watch.trace`).
         pipeline: split the model, not only the batch: ``{"stages": 2, "blocks": "net"}`` runs the chain of blocks
             at the module's attribute ``net`` as ``stages`` stages placed by speed and memory; optional
             ``boundaries``, ``schedule`` (``"1f1b"`` or ``"gpipe"``) and ``micro_batches`` (see
@@ -128,6 +129,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         sync_options: Optional[dict[str, Any]] = None,
         pipeline: Optional[dict[str, Any]] = None,
         lr_scaling: Optional[str] = None,
+        trace: Optional[dict[str, Any]] = None,
         **kwargs: Any,
     ) -> None:
         user_config = config is not None or self.DEEPSPEED_ENV_VAR in os.environ
@@ -140,7 +142,7 @@ class HeteroStrategy(DeepSpeedStrategy):
             peer_timeout=peer_timeout, device_precision=device_precision, compression_mode=compression,
             compression_options=compression_options, hierarchical=hierarchical,
             max_nonfinite_steps=max_nonfinite_steps, sync=sync, sync_every=sync_every, inner_steps=inner_steps,
-            sync_options=sync_options, pipeline=pipeline, lr_scaling=lr_scaling,
+            sync_options=sync_options, pipeline=pipeline, lr_scaling=lr_scaling, trace=trace,
         )  # fmt: skip
         config = check_config_argument(config)
         quiet.install_lasting_filters()
@@ -228,8 +230,7 @@ class HeteroStrategy(DeepSpeedStrategy):
                       lambda: self.precision_plugin, sync_batchnorm=self._layer_sync is not None)  # fmt: skip
 
     def _launched_world_size(self) -> int:
-        """The job's number of ranks before the process group exists: nodes times processes per node (Lightning's
-        launcher, torchrun, Slurm); an engine starting each worker itself (Ray Train) overrides it."""
+        """Nodes times processes per node, before the process group exists (Ray Train's strategy overrides it)."""
         return self.num_nodes * self.num_processes
 
     @override
@@ -322,8 +323,7 @@ class HeteroStrategy(DeepSpeedStrategy):
 
     @override
     def init_deepspeed(self) -> None:
-        # A ZeRO-3 engine of an earlier trainer call (a test before the fit) left its hooks on the modules; running
-        # them beside the new engine's broke its first step ("pop from an empty deque", also under DeepSpeedStrategy).
+        # Hooks a ZeRO-3 engine of an earlier trainer call left on the modules broke the new engine's first step.
         assert self.lightning_module is not None
         drop_deepspeed_hooks(self.lightning_module)
         super().init_deepspeed()

@@ -45,6 +45,8 @@ CONSTRUCTOR = [
     ({"rebalance_threshold": -0.05}, "`rebalance_threshold=-0.05` must be a finite number >= 0"),
     ({"lr_scaling": "square_root"}, "`lr_scaling='square_root'` must be None (default: a resume keeps"),
     ({"lr_scaling": "linear", "sync": "local_sgd"}, "`lr_scaling='linear'` with `sync='local_sgd'`: each rank steps"),
+    ({"trace": [20, 21]}, "`trace=[20, 21]` must be a dict with the key 'steps'"),
+    ({"trace": {"steps": [3, 3]}}, "`trace['steps']=[3, 3]` must hold distinct whole numbers >= 0"),
     ({"device_precision": "bf16-mixed"}, "`device_precision='bf16-mixed'` is neither 'auto' nor a list"),
     ({"device_precision": ["bf16-true", "32-true"]}, "`device_precision[0]='bf16-true'` is not a per-rank precision"),
     ({"device_precision": ["bf16-mixed", "fp8"]}, "`device_precision[1]='fp8'` is not a per-rank precision: use one"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from torch.utils.data import DataLoader
 
+from lightning_hetero.comm import topology
 from lightning_hetero.settings import HeteroSettings, check_ranks_agree
 
 DEFAULTS = dict(
@@ -90,7 +91,7 @@ def test_what_needs_the_world_size_is_checked_before_any_collective(changes, wor
 def test_the_agreement_holds_every_argument_and_the_environment_and_differing_ranks_are_named(monkeypatch):
     monkeypatch.setenv("LIGHTNING_HETERO_EMULATE_NODES", "2")
     checked = settings(weights=[1.0, 0.5])
-    agreement = checked.agreement(24, {"compression": None}, checked.emulated_topology())
+    agreement = checked.agreement(24, {"compression": None}, topology.emulated_topology())
     assert agreement["global_batch_size"] == 24 and agreement["weights"] == [1.0, 0.5]
     assert agreement["emulate_nodes"] == 2 and agreement["compression"] is None
     check_ranks_agree([agreement, dict(agreement)], [[("w", "float32")], [("w", "float32")]])

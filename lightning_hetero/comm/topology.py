@@ -159,3 +159,9 @@ def decide_hierarchical(requested: Union[str, bool], topology: Topology) -> tupl
     if requested is True:
         return True, f"on (hierarchical=True): {why}"
     return True, f"on (auto): {why}"
+
+
+def emulated_topology() -> tuple[Optional[int], Optional[SlowLink]]:
+    """The emulated nodes and slow link between them, read from the environment once per trainer call (in the setup
+    gather, so that a bad value is raised on every rank and one rank's different value is named)."""
+    return emulated_nodes_from_environment(), slow_link_from_environment()

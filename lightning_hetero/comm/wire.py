@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_hetero.comm.topology import SlowLink, Topology, link_crossing_bytes
+from lightning_hetero.runtime.tracing import phase
 
 # (name, the argument holding the payload, who sends it: "all", "not_dst" or "src")
 _COLLECTIVES = (
@@ -180,7 +181,8 @@ class WireMeter:
                 return original(*args, **kwargs)
             self._inside.active = True
             try:
-                work = original(*args, **kwargs)
+                with phase(f"exchange: {original.__name__} (waits there for the slowest rank)"):
+                    work = original(*args, **kwargs)
             finally:
                 self._inside.active = False
             try:

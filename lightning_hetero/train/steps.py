@@ -19,6 +19,7 @@ from typing import Any, Optional
 from torch import Tensor
 
 from lightning_hetero.plan.split import micro_batch_sizes
+from lightning_hetero.runtime.tracing import phase
 from lightning_hetero.train.micro_batches import raise_if_unreduced, reduction_held_back, split_batch, step_loss
 
 # The user's training_step on one micro-batch and its sample count (None: the whole batch, no micro-steps).
@@ -98,7 +99,8 @@ class TrainingSteps:
         # The ranks synchronize when it is time (one decision on all); an emulated slow rank reaches the
         # synchronization when a slow device would.
         job.collectives.before_each()
-        with job.communication.in_background():  # (an overlapped merge's exchange pays the link at its wait)
+        # (In the background an overlapped merge's exchange pays the emulated link at its wait.)
+        with job.communication.in_background(), phase("local step end (the merge, when due)"):
             job.local.step_done(
                 job.loss_weights.batch_samples() or 0,
                 last_batch_of_epoch,
@@ -139,12 +141,14 @@ class TrainingSteps:
         job, user_step = self._job, self._user_step
         assert user_step is not None
         if samples is None:
-            output = user_step(batch, None)
+            with phase("training_step (forward)"):
+                output = user_step(batch, None)
             self._micro_batch_returned(None, output)
             return output
         job.loss_weights.micro_batch(samples)
         with contextlib.nullcontext() if last else job.micro_batch_guard.early_micro_batch():
-            output = user_step(batch, samples)
+            with phase(f"training_step (forward) of a micro-batch of {samples} samples"):
+                output = user_step(batch, samples)
         self._micro_batch_returned(samples, output)
         if step_loss(output) is None:
             raise RuntimeError(
@@ -160,6 +164,6 @@ class TrainingSteps:
         job = self._job
         job.nonfinite.loss_computed(loss)
         held_back = contextlib.nullcontext() if last else reduction_held_back(job.engine)
-        with job.emulation.slowed(), job.communication.counting(), held_back:
+        with job.emulation.slowed(), job.communication.counting(), held_back, phase("backward"):
             backward(loss * job.current_loss_weight())
         job.watcher.meter.backward_ended()

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from lightning_hetero.plan.replan import DEFAULT_WINDOW
+from lightning_hetero.runtime.tracing import Span, open_span
 
 # A step's bytes on the wire, per rank: inside its node, and to groups that span nodes (see wire.py).
 WIRE_KINDS = ("intra_node_bytes", "inter_node_bytes")
@@ -82,18 +83,21 @@ class StepMeter:
         self._micro_steps = 1
         self._steps = 0
         self.pending: list[StepRecord] = []
+        self._fetching: Optional[Span] = None  # the fetch, as a range of a profiler trace (only while one records)
 
     def fetch_started(self) -> None:
         """The loader starts producing the next batch: the previous step (if any) is complete."""
         self._close()
         self._open = [self._wall_clock(), self._compute_clock(), self._emulated_seconds(), 0.0, 0.0,
                       self._host_clock(), 0.0, 0.0]  # fmt: skip
+        self._fetching = open_span("fetch the batch (its wall time not computed: the wait for data)")
         self._wire_at_fetch = self._wire_bytes()
         self._link_wait_at_fetch = self._link_wait()
 
     def batch_ready(self, batch_size: int, micro_steps: int = 1) -> None:
         """The loader handed over the batch: the fetch's wall time the host did not compute was a wait for data."""
         self._batch_size, self._micro_steps = batch_size, micro_steps
+        self._end_fetching()
         if self._open is not None:
             host = self._host_clock() - self._open[5]
             emulated = self._emulated_seconds() - self._open[2]  # a delay an emulated device paid is compute
@@ -117,7 +121,13 @@ class StepMeter:
         records, self.pending = self.pending, []
         return records
 
+    def _end_fetching(self) -> None:
+        if self._fetching is not None:
+            self._fetching.end()
+            self._fetching = None
+
     def _close(self) -> None:
+        self._end_fetching()
         if self._open is None:
             return
         wall_start, _, _, compute, wall_end, _, data_wait, _ = self._open
@@ -155,6 +165,7 @@ class RunWatch:
         self.steps: list[dict[str, Any]] = []
         self.exchange_seconds = 0.0
         self.fetched = 0  # training batches fetched so far in this fit: the index of the step about to start
+        self.tracer: Optional[Any] = None  # a StepTracer (watch/trace.py) with HeteroStrategy(trace=...)
 
     def before_fetch(self, all_gather: TensorGather, after_exchange: Optional[Callable[[], None]] = None) -> bool:
         """Close the previous step, exchange every ``window`` steps (then call ``after_exchange``), open the next.
@@ -162,17 +173,23 @@ class RunWatch:
         True when an exchange ran. Both happen between two steps' measurements: their cost is counted apart.
         """
         self.meter.training_ended()
+        if self.tracer is not None and self.fetched > 0:
+            self.tracer.step_closed(self.fetched - 1)
         exchanged = self.fetched > 0 and self.fetched % self.window == 0
         if exchanged:
             self._exchange(all_gather)
             if after_exchange is not None:
                 after_exchange()
+        if self.tracer is not None:
+            self.tracer.step_opens(self.fetched)
         self.meter.fetch_started()
         self.fetched += 1
         return exchanged
 
     def finish(self, all_gather: TensorGather) -> list[dict[str, Any]]:
         self.meter.training_ended()
+        if self.tracer is not None:
+            self.tracer.stop()  # (a fit shorter than the chosen steps: what it recorded)
         self._exchange(all_gather)
         return self.steps
 

@@ -25,6 +25,7 @@ from lightning_hetero.train.split_in_force import SplitInForce
 from lightning_hetero.watch import report
 from lightning_hetero.watch.follower import SplitFollower
 from lightning_hetero.watch.meter import RunWatch, StepMeter, TensorGather
+from lightning_hetero.watch.trace import StepTracer, traces_text, write_merged
 
 PLAN_DIRNAME = "hetero"  # under the run's log directory: the plan records and the run report
 
@@ -52,10 +53,13 @@ class Watcher:
         wire_bytes: Callable[[], Any],
         gather_tensor: TensorGather,
         link_wait: Callable[[], float] = lambda: 0.0,
+        trace: Optional[tuple[int, ...]] = None,
     ) -> None:
         self.meter = StepMeter(compute_clock(device), added_seconds, wire_bytes=wire_bytes, link_wait=link_wait,
                                host_clock=host_clock(device))  # fmt: skip
         self.run = RunWatch(self.meter, window=window)
+        self.tracer = StepTracer(trace, device) if trace else None
+        self.run.tracer = self.tracer
         self._gather_tensor = gather_tensor
         self.follower: Optional[SplitFollower] = None
         self.skipped_steps: Callable[[], list[int]] = list
@@ -86,6 +90,8 @@ class Watcher:
         assert split.plan is not None
         rank = split.rank
         directory.mkdir(parents=True, exist_ok=True)
+        if self.tracer is not None:  # (its file goes beside the report, at the last chosen step)
+            self.tracer.directory, self.tracer.rank, self.tracer.written = directory, rank, None
         plan = {
             "source": split.plan.source,
             "global_batch_size": split.plan.global_batch_size,
@@ -129,5 +135,8 @@ class Watcher:
             return
         measuring = self.run.exchange_seconds + (self.follower.decision_seconds if self.follower else 0.0)
         run_report = report.build_report(steps, self.replans, world_size, exchange_seconds=measuring, **sections)
+        if self.tracer is not None:
+            run_report["traces"] = write_merged(directory, world_size)
         json_path, png_path = report.write_report(run_report, directory)
-        rank_zero_info(f"{report.summary_text(run_report)}\nwritten to {json_path} and {png_path.name}")
+        summary = report.summary_text(run_report) + traces_text(run_report.get("traces"))
+        rank_zero_info(f"{summary}\nwritten to {json_path} and {png_path.name}")

@@ -1,0 +1,89 @@
+"""Runtime: the package's phases as named ranges in a profiler trace (``HeteroStrategy(trace=...)``).
+
+While a trace records (:class:`lightning_hetero.watch.trace.StepTracer` turns it on for the chosen steps), each
+phase runs inside ``torch.profiler.record_function("hetero: <phase>")``, which torch's profiler writes into the
+Chrome/Perfetto trace, and, on CUDA, inside an NVTX range of the same name, which Nsight Systems shows. Outside a
+recording a phase costs one flag test: nothing is recorded.
+
+The phases: fetching the batch (the wait for data), ``training_step`` (the forward), the backward, each collective
+of the exchange, the optimizer step, what follows the backward (waiting for the slowest rank in the exchange, and the
+update: the run report's ``wait_seconds``), and local SGD's merges.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import torch
+
+PREFIX = "hetero: "
+_state = {"recording": False, "nvtx": False}
+
+
+def start_recording(nvtx: bool) -> None:
+    """Phases are recorded from now on (``nvtx``: also as NVTX ranges, on CUDA)."""
+    _state.update(recording=True, nvtx=nvtx)
+
+
+def stop_recording() -> None:
+    _state.update(recording=False, nvtx=False)
+
+
+def recording() -> bool:
+    return _state["recording"]
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """The block as the range ``hetero: <name>`` while a trace records."""
+    if not _state["recording"]:
+        yield
+        return
+    span = Span(name)
+    try:
+        yield
+    finally:
+        span.end()
+
+
+class Span:
+    """A range opened now and closed by :meth:`end` (at another hook than the one that opened it)."""
+
+    def __init__(self, name: str) -> None:
+        self._nvtx = _state["nvtx"]
+        self._range: Optional[Any] = torch.profiler.record_function(PREFIX + name)
+        self._range.__enter__()
+        if self._nvtx:
+            torch.cuda.nvtx.range_push(PREFIX + name)
+
+    def end(self) -> None:
+        if self._range is None:
+            return
+        if self._nvtx:
+            torch.cuda.nvtx.range_pop()
+        self._range.__exit__(None, None, None)
+        self._range = None
+
+
+def open_span(name: str) -> Optional[Span]:
+    """A :class:`Span` while a trace records; None otherwise."""
+    return Span(name) if _state["recording"] else None
+
+
+@contextlib.contextmanager
+def native_stderr_silenced() -> Iterator[None]:
+    """Around the profiler's start and stop: Kineto prints its stages ("USDT: ... profiler_start") to the process's
+    stderr from C++, whatever its log level; a person reading the job's output wants the plan and the result."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
