@@ -204,9 +204,10 @@ class HeteroJob:
             self.local.detach()
         if self.pipeline is not None:
             self.pipeline.detach()
+        if self.watcher is not None:  # (a rank that raised while a trace recorded: what it has is written)
+            self.watcher.stop_tracing()
         self.recovery.teardown(finished=trainer is not None and trainer.state.status != TrainerStatus.INTERRUPTED)
-        # A fit that failed before its loop asked for the training loader must not hand it to the next fit.
-        self.sharding.forget_served_loader(trainer)
+        self.sharding.forget_served_loader(trainer)  # (a fit that failed before its loop asked for it: not the next's)
         self.report_directory, self.engine, self.steps.buffer_sync = None, None, None
 
     # ------------------------------------------------------------------ data and steps
@@ -286,9 +287,8 @@ class HeteroJob:
             self.synchronize_local_training()
 
     def training_ends(self) -> None:
-        """The fit's training loop ends on every rank: local training synchronizes a last time (every rank ends with
-        the same parameters); then the loss check decides on the steps it has, if it has not yet (its gathers are
-        bookkeeping, not the exchange the report counts)."""
+        """The fit's training loop ends on every rank: local training synchronizes a last time (one model on every
+        rank); then the loss check decides on the steps it has, if not yet (bookkeeping gathers, not counted)."""
         self.synchronize_local_training()
         self.loss_check.fit_ends()
 

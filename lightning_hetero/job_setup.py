@@ -67,6 +67,7 @@ class JobSetup:
         self._emulated_topology: tuple[Optional[int], Optional[topology.SlowLink]] = (None, None)
         self._inner_steps_rebalancer: Optional[InnerStepsRebalancer] = None
         self.pending_lr_scaling: Optional[LrScaling] = None  # decided at a resume, applied at the fit's first step
+        self.fitting = False  # whether this trainer call fits (set by the survey)
 
     # ------------------------------------------------------------------ measure
 
@@ -76,6 +77,10 @@ class JobSetup:
         """The setup gather: every rank's arguments, data-order seed, model, device facts, precision and (automatic
         split) profile, checked to agree. Returns the global batch (0 outside fit)."""
         job, settings = self._job, self._job.settings
+        self.fitting, self.pending_lr_scaling = (
+            fitting,
+            None,
+        )  # (a scaling a resumed fit never applied: not this call's)
         # A ZeRO-3 model whose parameters are partitioned is profiled whole, once the ranks have agreed: gathering it
         # is a collective (measure/partitioned.py).
         profile_in_survey = fitting and settings.profiles_needed and not partitioned_parameters(module)
@@ -283,18 +288,19 @@ class JobSetup:
         a changed global batch is the user's: it is kept, and said.
         """
         job = self._job
-        if job.split.plan is None:
+        self.pending_lr_scaling = None
+        if job.split.plan is None or not self.fitting:  # (validate/test(ckpt_path=...) keep the last fit's plan)
             return
         saved, current = sum(manifest.get("batch_sizes") or []) or None, job.split.plan.global_batch_size
         rule = job.settings.lr_scaling
         if saved is None and rule is not None:
-            rank_zero_info(f"HeteroStrategy: checkpoint {path} does not record its global batch (a file another"
-                           f" strategy wrote): lr_scaling={rule!r} has nothing to scale from.")  # fmt: skip
+            rank_zero_info(f"HeteroStrategy: checkpoint {path} does not record its global batch: lr_scaling={rule!r}"
+                           " has nothing to scale from.")  # fmt: skip
         if saved is None or saved == current:
             return
         if rule is not None or same_world_size:
             self.pending_lr_scaling = lr_scaling_for(rule, saved, current)
-            if rule is None:
+            if rule is None and job.local is None:  # (local SGD's plan: micro-batch x inner steps, re-planned)
                 rank_zero_info(f"HeteroStrategy: the global batch is {current} samples, the checkpoint's {saved};"
                                " the learning rate is the checkpoint's (`lr_scaling='linear'` or `'sqrt'` scales"
                                " it).")  # fmt: skip

@@ -172,7 +172,7 @@ class HeteroSettings:
             overlap=sync_overlap(sync_options, int(sync_every)) if sync in LOCAL_MODES else None,
             pipeline=pipeline_choice,
             lr_scaling=check_lr_scaling(lr_scaling, sync, pipeline_choice),
-            trace=check_trace(trace),
+            trace=check_trace(trace, pipeline_choice),
         )
 
     @property

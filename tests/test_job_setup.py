@@ -16,11 +16,13 @@ from lightning_hetero.recover.refusal import ResumeRefused
 CHECKPOINT = Path("/checkpoints/epoch=0-step=3.ckpt")
 
 
-def setup_for(current=8, rule=None, fixed=None):
+def setup_for(current=8, rule=None, fixed=None, fitting=True, local=None):
     settings = SimpleNamespace(lr_scaling=rule, global_batch_size=fixed, batch_sizes=None)
     plan = SimpleNamespace(global_batch_size=current, batch_sizes=(current,))
-    job = SimpleNamespace(settings=settings, world_size=1, split=SimpleNamespace(plan=plan, batch_sizes=(current,)))
+    job = SimpleNamespace(settings=settings, world_size=1, local=local,
+                          split=SimpleNamespace(plan=plan, batch_sizes=(current,)))  # fmt: skip
     setup = JobSetup(job)
+    setup.fitting = fitting
     setup.started = []
     setup.start_the_split = lambda size, stage, module: setup.started.append(size)
     return setup
@@ -68,3 +70,14 @@ def test_a_checkpoint_that_records_no_batch_is_named_when_a_rule_was_asked_for(s
     assert f"checkpoint {CHECKPOINT} does not record its global batch" in said[-1]
     setup_for().settle_the_global_batch(CHECKPOINT, {}, 0, None, same_world_size=True)
     assert len(said) == 1  # without a rule there is nothing to say
+
+
+def test_outside_fit_and_with_local_sgd_nothing_is_pending_or_said(said):
+    """validate/test(ckpt_path=...) after a fit keep its plan: no scaling, no line; a scaling left from before goes.
+    Local SGD's plan (micro-batch x inner steps, re-planned) differs from its checkpoint's as a rule: no line."""
+    setup = setup_for(rule="sqrt", fitting=False)
+    setup.pending_lr_scaling = LrScaling("sqrt", 16, 8)
+    setup.settle_the_global_batch(CHECKPOINT, {"batch_sizes": [8, 8]}, 0, None, same_world_size=True)
+    assert setup.pending_lr_scaling is None
+    setup_for(local=object()).settle_the_global_batch(CHECKPOINT, {"batch_sizes": [8, 8]}, 0, None, True)
+    assert said == []

@@ -57,4 +57,11 @@ TORCH_STATE = (
                    "total_numel_after_compression", "next_stats_report")),
 )  # fmt: skip
 
-TORCH_INTERNALS = (DEFAULT_STORE, *TORCH_STATE)
+NESTED_SCHEDULERS = tuple(
+    Internal("torch.optim.lr_scheduler", f"{owner}#_schedulers", "read", "train/lr_scaling.py",
+             "the schedulers a SequentialLR or ChainedScheduler steps, each from its own base_lrs, which lr_scaling"
+             " scales too (scaling the outer one's alone was undone at the next step)")
+    for owner in ("SequentialLR", "ChainedScheduler")
+)  # fmt: skip
+
+TORCH_INTERNALS = (DEFAULT_STORE, *TORCH_STATE, *NESTED_SCHEDULERS)

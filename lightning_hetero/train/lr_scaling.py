@@ -19,6 +19,8 @@ from lightning_hetero.plan.lr_scaling import LrScaling
 GROUP_RATES = ("lr", "initial_lr", "max_lr", "min_lr")
 # Learning rates a scheduler holds (public attributes): what it computes the next rate from.
 SCHEDULER_RATES = ("base_lrs", "max_lrs", "min_lrs")
+# ... and a single floor (CosineAnnealingLR, CosineAnnealingWarmRestarts).
+SCHEDULER_FLOORS = ("eta_min",)
 
 
 def base_optimizer(optimizer: Any) -> Any:
@@ -50,8 +52,18 @@ def scale_optimizers(optimizers: Iterable[Any], schedulers: Iterable[Any], scali
                 group["weight_decay"] = group["weight_decay"] * scaling.decoupled_decay_factor
                 decoupled_any = True
     for scheduler in schedulers:
-        for key in SCHEDULER_RATES:
-            rates = getattr(scheduler, key, None)
-            if isinstance(rates, list) and all(isinstance(rate, (int, float)) for rate in rates):
-                setattr(scheduler, key, [rate * scaling.lr_factor for rate in rates])
+        _scale_scheduler(scheduler, scaling.lr_factor)
     return decoupled_any
+
+
+def _scale_scheduler(scheduler: Any, factor: float) -> None:
+    for key in SCHEDULER_RATES:
+        rates = getattr(scheduler, key, None)
+        if isinstance(rates, list) and all(isinstance(rate, (int, float)) for rate in rates):
+            setattr(scheduler, key, [rate * factor for rate in rates])
+    for key in SCHEDULER_FLOORS:
+        if isinstance(getattr(scheduler, key, None), (int, float)):
+            setattr(scheduler, key, getattr(scheduler, key) * factor)
+    # SequentialLR and ChainedScheduler step the schedulers they hold, each from its own base_lrs: scaled too.
+    for inner in getattr(scheduler, "_schedulers", None) or ():
+        _scale_scheduler(inner, factor)

@@ -88,8 +88,9 @@ class StepMeter:
     def fetch_started(self) -> None:
         """The loader starts producing the next batch: the previous step (if any) is complete."""
         self._close()
-        self._open = [self._wall_clock(), self._compute_clock(), self._emulated_seconds(), 0.0, 0.0,
-                      self._host_clock(), 0.0, 0.0]  # fmt: skip
+        # The compute clock first: on CUDA it waits for the device, whose work of the last step is not this fetch's.
+        compute = self._compute_clock()
+        self._open = [self._wall_clock(), compute, self._emulated_seconds(), 0.0, 0.0, self._host_clock(), 0.0, 0.0]
         self._fetching = open_span("fetch the batch (its wall time not computed: the wait for data)")
         self._wire_at_fetch = self._wire_bytes()
         self._link_wait_at_fetch = self._link_wait()

@@ -169,8 +169,8 @@ def summarize(
 
 def data_wait_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
     """Each rank's median wait for its data per step and its ratio to the rank's median compute, and the ranks whose
-    wait is at least ``DATA_STALL_SHARE`` of their compute; empty when no rank waited. Medians: the first batch of an
-    epoch waits for the loader's workers to start, which no fix removes."""
+    wait is at least ``DATA_STALL_SHARE`` of their compute; empty when no rank waited. Medians, so that the first batch
+    of an epoch (waiting for the loader's workers to start, which no fix removes) weighs little."""
     if not steps or not any(any(step.get("data_wait_seconds", ())) for step in steps):
         return {}
     ranks = range(len(steps[0]["data_wait_seconds"]))

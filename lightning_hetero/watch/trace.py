@@ -23,13 +23,19 @@ from lightning_hetero.runtime.checks import is_int
 TRACE_KEYS = ("steps",)
 MAX_TRACED_STEPS = 50  # a trace grows with every step: a few steps show the pattern
 MERGED_NAME = "trace_all_ranks.json"
+_ID_STRIDE = 1 << 40  # each rank's flow ids moved into a range of their own (every rank's count from similar values)
 
 
-def check_trace(trace: Any) -> Optional[tuple[int, ...]]:
+def check_trace(trace: Any, pipeline: Any = None) -> Optional[tuple[int, ...]]:
     """Constructor check of ``trace``: None, or ``{"steps": [...]}`` with training step indices (0 is the fit's first
     step), each at most once. Returns the steps, sorted."""
     if trace is None:
         return None
+    if pipeline is not None:
+        raise ValueError(
+            f"`trace={trace!r}` with `pipeline=...`: a pipeline's stages run their own schedule, which the trace does"
+            " not follow yet. Drop `trace` (or profile a pipeline with torch.profiler around `trainer.fit`)."
+        )
     example = "e.g. `trace={'steps': [20, 21, 22]}` (training steps of the fit, counted from 0)"
     if not isinstance(trace, dict) or set(trace) - set(TRACE_KEYS) or "steps" not in trace:
         raise ValueError(f"`trace={trace!r}` must be a dict with the key 'steps': {example}.")
@@ -59,6 +65,7 @@ class StepTracer:
         self.directory: Optional[Path] = None
         self.rank = 0
         self.written: Optional[Path] = None
+        self.recorded: list[int] = []  # the steps recorded (fewer than chosen when the fit ends first)
         self._profiler: Optional[torch.profiler.profile] = None
 
     def step_opens(self, index: int) -> None:
@@ -67,9 +74,13 @@ class StepTracer:
             if self.device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self._profiler = torch.profiler.profile(activities=activities)
+            # Kineto prints its stages from C++ on stderr. Only the start is silenced: a peer watchdog's last line
+            # may come during a stop, which takes longer.
             with tracing.native_stderr_silenced():
                 self._profiler.start()
             tracing.start_recording(nvtx=self.device.type == "cuda")
+        if self._profiler is not None:
+            self.recorded.append(index)
 
     def step_closed(self, index: int) -> None:
         if index == self.steps[-1]:
@@ -81,14 +92,13 @@ class StepTracer:
         if profiler is None:
             return
         tracing.stop_recording()
-        with tracing.native_stderr_silenced():
-            profiler.stop()
+        profiler.stop()
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
             path = self.directory / f"trace_rank_{self.rank}.json"
             profiler.export_chrome_trace(str(path))
             trace = json.loads(path.read_text())
-            trace["hetero"] = {"rank": self.rank, "steps": list(self.steps)}
+            trace["hetero"] = {"rank": self.rank, "steps": self.recorded}
             path.write_text(json.dumps(trace))
             self.written = path
 
@@ -110,6 +120,8 @@ def merge_rank_traces(traces: Sequence[dict[str, Any]]) -> dict[str, Any]:
             moved = {**event, "pid": rank}
             if "ts" in moved:
                 moved["ts"] = moved["ts"] + shift
+            if isinstance(moved.get("id"), int):  # flow arrows (a launch to its kernel) stay inside their rank
+                moved["id"] = moved["id"] + rank * _ID_STRIDE
             events.append(moved)
     steps = traces[0]["hetero"]["steps"] if traces else []
     ranks = [trace["hetero"]["rank"] for trace in traces]
@@ -120,10 +132,13 @@ def _base_microseconds(trace: dict[str, Any]) -> float:
     return float(trace.get("baseTimeNanoseconds", 0)) / 1e3
 
 
-def write_merged(directory: Path, world_size: int) -> dict[str, Any]:
-    """Rank 0 at the end of the fit: the ranks' files it finds, merged. The report's ``"traces"`` section."""
+def write_merged(directory: Path, world_size: int, chosen: Sequence[int] = ()) -> dict[str, Any]:
+    """Rank 0 at the end of the fit: the ranks' files it finds, merged. The report's ``"traces"`` section; without
+    any file (the fit ended before the first ``chosen`` step), what was asked for."""
     found = [directory / f"trace_rank_{rank}.json" for rank in range(world_size)]
     readable = [path for path in found if path.is_file()]
+    if not readable:
+        return {"requested": list(chosen), "steps": []}
     section: dict[str, Any] = {"ranks": [path.name for path in readable]}
     missing = [path.name for path in found if not path.is_file()]
     if missing:
@@ -136,7 +151,12 @@ def write_merged(directory: Path, world_size: int) -> dict[str, Any]:
     return section
 
 
-def traces_text(section: Optional[dict[str, Any]]) -> str:
+def traces_text(section: Optional[dict[str, Any]], trained_steps: int = 0) -> str:
+    if section and "requested" in section:
+        return (
+            f"; no profiler trace: the fit trained {trained_steps} steps, before step {section['requested'][0]} of"
+            f" `trace={{'steps': {section['requested']}}}` (steps count from 0 in each fit)"
+        )
     if not section or "merged" not in section:
         return ""
     missing = f" ({', '.join(section['missing'])} not found here)" if section.get("missing") else ""

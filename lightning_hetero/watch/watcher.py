@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_hetero.emulate.slowdown import compute_clock, host_clock
 from lightning_hetero.measure.facts import DeviceFacts
@@ -70,6 +70,14 @@ class Watcher:
         if self.follower is None:
             self.follower = SplitFollower(self.run, self._gather_tensor, rebalancer, split)
         self.follower.split, self.follower.rebalancer = split, rebalancer
+
+    def stop_tracing(self) -> None:
+        """The trainer call ends (a rank that raised included): a trace still recording stops and is written."""
+        if self.tracer is not None:
+            try:
+                self.tracer.stop()
+            except Exception as error:  # (in teardown: never in place of the error that ended the call)
+                rank_zero_warn(f"HeteroStrategy: the profiler trace could not be written: {error!r}")
 
     def before_fetch(self) -> None:
         if self.follower is not None:
@@ -136,7 +144,7 @@ class Watcher:
         measuring = self.run.exchange_seconds + (self.follower.decision_seconds if self.follower else 0.0)
         run_report = report.build_report(steps, self.replans, world_size, exchange_seconds=measuring, **sections)
         if self.tracer is not None:
-            run_report["traces"] = write_merged(directory, world_size)
+            run_report["traces"] = write_merged(directory, world_size, self.tracer.steps)
         json_path, png_path = report.write_report(run_report, directory)
-        summary = report.summary_text(run_report) + traces_text(run_report.get("traces"))
+        summary = report.summary_text(run_report) + traces_text(run_report.get("traces"), len(steps))
         rank_zero_info(f"{summary}\nwritten to {json_path} and {png_path.name}")

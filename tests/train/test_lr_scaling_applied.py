@@ -72,3 +72,24 @@ def test_one_cycle_bounds_and_a_step_schedule_scale_too():
 def test_the_torch_optimizer_is_found_under_its_wrappers():
     optimizer = torch.optim.SGD(parameters(), lr=0.1)
     assert base_optimizer(Wrapper(Wrapper(optimizer))) is optimizer and base_optimizer(optimizer) is optimizer
+
+
+def test_the_schedulers_a_sequential_or_chained_schedule_holds_and_a_cosine_floor_scale_too():
+    """A warm-up then a decay (SequentialLR): each inner scheduler computes from its own base_lrs, so scaling the
+    outer one alone was undone at the next step."""
+    optimizer = torch.optim.AdamW(parameters(), lr=1.0)
+    warm = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=10, eta_min=0.1)
+    schedule = torch.optim.lr_scheduler.SequentialLR(optimizer, [warm, cosine], milestones=[2])
+    scale_optimizers([optimizer], [schedule], LrScaling("linear", 8, 16))
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(2.0) and cosine.eta_min == pytest.approx(0.2)
+    optimizer.step()
+    schedule.step()  # still the warm-up: from its (scaled) base
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(2.0)
+    optimizer.step()
+    schedule.step()  # the cosine's first step, from its scaled base down to its scaled floor
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(2.0)
+    for _ in range(10):
+        optimizer.step()
+        schedule.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.2)

@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from lightning_hetero.runtime import tracing
-from lightning_hetero.watch.trace import MERGED_NAME, StepTracer, check_trace, merge_rank_traces, write_merged
+from lightning_hetero.watch.trace import (
+    MERGED_NAME,
+    StepTracer,
+    check_trace,
+    merge_rank_traces,
+    traces_text,
+    write_merged,
+)
 
 
 @pytest.mark.parametrize(
@@ -28,6 +35,11 @@ from lightning_hetero.watch.trace import MERGED_NAME, StepTracer, check_trace, m
 def test_bad_trace_arguments_are_named_with_an_example(value, message):
     with pytest.raises(ValueError, match=message):
         check_trace(value)
+
+
+def test_a_trace_with_a_pipeline_is_refused_not_ignored():
+    with pytest.raises(ValueError, match=r"with `pipeline=...`: a pipeline's stages run their own schedule"):
+        check_trace({"steps": [1]}, pipeline={"stages": 2})
 
 
 def test_good_trace_arguments_give_the_sorted_steps():
@@ -59,6 +71,22 @@ def test_a_phase_is_a_no_op_outside_a_recording_and_a_named_range_inside_one(tmp
     assert trace["hetero"] == {"rank": 3, "steps": [1, 2]}
 
 
+def test_a_fit_that_ends_inside_or_before_the_chosen_steps_says_what_it_recorded(tmp_path):
+    tracer = StepTracer((1, 2, 3), torch.device("cpu"))
+    tracer.directory = tmp_path
+    for index in range(3):  # the fit has 3 steps: 0, 1, 2
+        tracer.step_opens(index)
+        tracer.step_closed(index)
+    tracer.stop()  # the fit's end
+    assert json.loads(tracer.written.read_text())["hetero"]["steps"] == [1, 2] and not tracing.recording()
+    assert write_merged(tmp_path, 1, (1, 2, 3))["steps"] == [1, 2]
+    empty = tmp_path / "none"
+    empty.mkdir()
+    section = write_merged(empty, 2, (40, 41))
+    assert section == {"requested": [40, 41], "steps": []} and not (empty / MERGED_NAME).exists()
+    assert "no profiler trace: the fit trained 30 steps, before step 40 of" in traces_text(section, 30)
+
+
 def trace_of(rank, base_ns, events):
     spans = [{"ph": "X", "name": name, "pid": 900 + rank, "tid": 1, "ts": ts, "dur": dur} for name, ts, dur in events]
     own_name = {"ph": "M", "name": "process_name", "pid": 900 + rank, "tid": 0, "args": {"name": "python"}}
@@ -84,6 +112,11 @@ def test_the_ranks_traces_share_one_time_axis_one_process_each():
     names = [(e["pid"], e["args"]["name"]) for e in merged["traceEvents"] if e.get("name") == "process_name"]
     assert names == [(0, "rank 0"), (1, "rank 1")]
     assert merged["hetero"] == {"ranks": [0, 1], "steps": [4, 5]}
+    flows = [trace_of(rank, 0, []) for rank in (0, 1)]
+    for flow in flows:  # a launch-to-kernel arrow, numbered alike on every rank
+        flow["traceEvents"].append({"ph": "s", "name": "ac2g", "pid": 0, "tid": 1, "ts": 1.0, "id": 7})
+    arrows = [e["id"] for e in merge_rank_traces(flows)["traceEvents"] if e.get("ph") == "s"]
+    assert len(set(arrows)) == 2  # each rank's stays its own
 
 
 def test_rank_0_merges_the_files_it_finds_and_names_the_missing(tmp_path):
