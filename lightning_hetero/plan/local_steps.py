@@ -309,25 +309,29 @@ MIN_WINDOWS_BEFORE_CHANGE = 2
 MIN_BALANCE_GAIN = 0.05
 
 
-def balance(inner_steps: Sequence[int], step_seconds: Sequence[float]) -> float:
+def balance(inner_steps: Sequence[int], step_seconds: Sequence[float], waits: Sequence[float] = ()) -> float:
     """Predicted ``sum(work) / (W * max(work))`` of a training step when rank r takes ``inner_steps[r]`` inner
-    steps of ``step_seconds[r]`` each: 1.0 when no rank waits."""
-    work = [k * t for k, t in zip(inner_steps, step_seconds)]
+    steps of ``step_seconds[r]`` each, after waiting ``waits[r]`` for its batch: 1.0 when no rank waits for another."""
+    work = [k * t + w for k, t, w in zip(inner_steps, step_seconds, waits or [0.0] * len(inner_steps))]
     return sum(work) / (len(work) * max(work)) if max(work) > 0 else 1.0
 
 
-def inner_steps_for(step_seconds: Sequence[float]) -> tuple[int, ...]:
-    """Inner steps from each rank's measured seconds per inner step: as many as it takes while the slowest takes one."""
-    slowest = max(step_seconds)
-    return tuple(max(1, math.floor(slowest / t + 0.5)) if t > 0 else 1 for t in step_seconds)
+def inner_steps_for(step_seconds: Sequence[float], waits: Sequence[float] = ()) -> tuple[int, ...]:
+    """Inner steps from each rank's measured seconds per inner step: as many as it takes while the slowest takes one.
+    ``waits``: each rank's wait for its batch per training step (one fetch whatever its inner steps), which the
+    others fill with inner steps."""
+    waits = waits or [0.0] * len(step_seconds)
+    slowest = max(t + w for t, w in zip(step_seconds, waits))
+    return tuple(max(1, math.floor((slowest - w) / t + 0.5)) if t > 0 else 1 for t, w in zip(step_seconds, waits))
 
 
 class InnerStepsRebalancer:
     """Re-plans the inner steps of local training from what the ranks measure, like the split's re-planner
     (:class:`~lightning_hetero.plan.replan.Rebalancer`, same interface for the watch): every exchange of step records,
     each rank's seconds per sample is the median over the steps since the last change of its compute divided by its
-    samples, and the counts change when the new ones are predicted to balance the step at least ``MIN_BALANCE_GAIN``
-    better. Pure arithmetic on the exchanged records: every rank takes the same decision.
+    samples (its wait for data per step likewise, which the other ranks fill with inner steps), and the counts change
+    when the new ones are predicted to balance the step at least ``MIN_BALANCE_GAIN`` better. Pure arithmetic on the
+    exchanged records: every rank takes the same decision.
 
     The samples of a training step stay the same (the loader's epoch keeps its number of steps, which Lightning
     counted at the start): new counts share them out in proportion to ``inner_steps[r] * micro_batches[r]``, so the
@@ -346,24 +350,25 @@ class InnerStepsRebalancer:
         if next_step - self.changed_at < MIN_WINDOWS_BEFORE_CHANGE * self.window:
             return None
         recent = [step for step in steps if step["step"] >= self.changed_at]
-        per_step = []  # seconds per inner step of the rank's initial micro-batch
+        per_step, waits = [], []  # seconds per inner step of the rank's initial micro-batch; its wait for data
         for rank, micro in enumerate(self.micro_batches):
-            seconds = [
-                step["compute_seconds"][rank] / step["batch_sizes"][rank] * micro
-                for step in recent
-                if step["compute_seconds"][rank] > 0
-            ]
-            if not seconds:
+            measured = [step for step in recent if step["compute_seconds"][rank] > 0]
+            if not measured:
                 return None
-            per_step.append(statistics.median(seconds))
-        proposed = inner_steps_for(per_step)
-        gain = balance(proposed, per_step) - balance(self.inner_steps, per_step)
+            per_step.append(
+                statistics.median(s["compute_seconds"][rank] / s["batch_sizes"][rank] * micro for s in measured)
+            )
+            waits.append(
+                statistics.median(s.get("data_wait_seconds", [0.0] * len(self.micro_batches))[rank] for s in measured)
+            )
+        proposed = inner_steps_for(per_step, waits)
+        gain = balance(proposed, per_step, waits) - balance(self.inner_steps, per_step, waits)
         if proposed == self.inner_steps or gain < MIN_BALANCE_GAIN:
             return None
         samples = self.samples_of(proposed)
         if any(n < k for n, k in zip(samples, proposed)):
             return None  # the step's samples cannot give every inner step one
-        replan = Replan(next_step, samples, gain, proposed)
+        replan = Replan(next_step, samples, gain, proposed, tuple(waits))
         self.inner_steps, self.changed_at = proposed, next_step
         self.replans.append(replan)
         return replan

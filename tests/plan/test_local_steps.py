@@ -16,6 +16,7 @@ from lightning_hetero.plan.local_steps import (
     describe_sync,
     due_fragments,
     fragment_bounds,
+    inner_steps_for,
     is_sync_step,
     plan_inner_steps,
     sync_fragments,
@@ -107,6 +108,22 @@ def test_the_ranks_synchronize_every_h_steps_and_at_each_epochs_end():
     assert describe_sync("every_step", 1, [1, 1], None) == "gradients exchanged at every step"
     streaming = describe_sync("local_sgd", 8, [2, 1], None, fragments=4)
     assert "every 2 training steps, one of 4 fragments of the parameters in turn (each every 8)" in streaming
+
+
+def test_a_rank_that_waits_for_its_data_gets_fewer_inner_steps_and_the_others_fill_the_wait():
+    """Equal devices (20 ms per inner step), rank 1's loader 30 ms behind per training step: rank 0 takes the inner
+    steps that fill rank 1's wait plus its one step (50 ms: 3 of 20 ms after rounding), where compute alone saw a
+    balanced [1, 1]."""
+    assert inner_steps_for([0.02, 0.02]) == (1, 1)
+    assert inner_steps_for([0.02, 0.02], [0.0, 0.03]) == (3, 1)
+    assert balance((3, 1), [0.02, 0.02], [0.0, 0.03]) > balance((1, 1), [0.02, 0.02], [0.0, 0.03])
+    rebalancer = InnerStepsRebalancer([64, 64], (1, 1), window=2)
+    steps = [{"step": s, "batch_sizes": [64, 64], "compute_seconds": [0.02, 0.02], "data_wait_seconds": [0.0, 0.03]}
+             for s in range(4)]  # fmt: skip
+    replan = rebalancer.consider(steps, 4)
+    assert replan is not None and replan.micro_steps == (3, 1) and replan.data_waits == (0.0, 0.03)
+    no_wait = [{**step, "data_wait_seconds": [0.0, 0.0]} for step in steps]
+    assert InnerStepsRebalancer([64, 64], (1, 1), window=2).consider(no_wait, 4) is None
 
 
 def test_inner_steps_follow_what_the_ranks_measure():
