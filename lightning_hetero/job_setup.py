@@ -77,10 +77,8 @@ class JobSetup:
         """The setup gather: every rank's arguments, data-order seed, model, device facts, precision and (automatic
         split) profile, checked to agree. Returns the global batch (0 outside fit)."""
         job, settings = self._job, self._job.settings
-        self.fitting, self.pending_lr_scaling = (
-            fitting,
-            None,
-        )  # (a scaling a resumed fit never applied: not this call's)
+        # (A scaling that an earlier resumed fit never applied is not this call's.)
+        self.fitting, self.pending_lr_scaling = fitting, None
         # A ZeRO-3 model whose parameters are partitioned is profiled whole, once the ranks have agreed: gathering it
         # is a collective (measure/partitioned.py).
         profile_in_survey = fitting and settings.profiles_needed and not partitioned_parameters(module)

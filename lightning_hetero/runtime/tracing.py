@@ -76,8 +76,8 @@ def open_span(name: str) -> Optional[Span]:
 
 @contextlib.contextmanager
 def native_stderr_silenced() -> Iterator[None]:
-    """Around the profiler's start and stop: Kineto prints its stages ("USDT: ... profiler_start") to the process's
-    stderr from C++, whatever its log level; a person reading the job's output wants the plan and the result."""
+    """Around the profiler's start: Kineto prints its stages ("USDT: ... profiler_start") to the process's stderr from
+    C++, whatever its log level; a person reading the job's output wants the plan and the result."""
     sys.stderr.flush()
     saved = os.dup(2)
     try:

@@ -46,7 +46,9 @@ def scale_optimizers(optimizers: Iterable[Any], schedulers: Iterable[Any], scali
         optimizer = base_optimizer(wrapped)
         for group in optimizer.param_groups:
             for key in GROUP_RATES:
-                if isinstance(group.get(key), (int, float)):
+                if isinstance(group.get(key), torch.Tensor):  # a tensor rate (capturable, fused): kept in place
+                    group[key].mul_(scaling.lr_factor)
+                elif isinstance(group.get(key), (int, float)):
                     group[key] = group[key] * scaling.lr_factor
             if group.get("weight_decay") and is_decoupled(optimizer, group):
                 group["weight_decay"] = group["weight_decay"] * scaling.decoupled_decay_factor

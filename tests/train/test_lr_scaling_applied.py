@@ -93,3 +93,10 @@ def test_the_schedulers_a_sequential_or_chained_schedule_holds_and_a_cosine_floo
         optimizer.step()
         schedule.step()
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.2)
+
+
+def test_a_tensor_learning_rate_is_scaled_in_place():
+    rate = torch.tensor(0.01)
+    optimizer = torch.optim.Adam(parameters(), lr=rate)
+    scale_optimizers([optimizer], [], LrScaling("linear", 4, 8))
+    assert optimizer.param_groups[0]["lr"] is rate and float(rate) == pytest.approx(0.02)
