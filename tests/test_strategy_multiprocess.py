@@ -357,16 +357,16 @@ def test_a_drift_schedule_slows_a_rank_from_the_given_step(tmp_path):
 
 def test_a_rank_whose_loader_stalls_is_named_and_given_fewer_samples_and_training_stays_exact(tmp_path):
     """Rank 1's collate_fn sleeps 40 ms per batch (a loader that cannot keep up); compute is the same on both ranks,
-    emulated 4x slower (10-30 ms a step, by the machine's load), so that moving samples off rank 1 hides up to half the
-    stall: a predicted gain of 40-60 %, above the noise margin even on a loaded machine (with a compute of 2 ms the
-    best split gains 7 %, and with 30 ms against a 20 ms stall under 25 %, which the margin of 6 noisy steps held back).
+    emulated 4x slower (10-40 ms a step, by the machine's load), so that moving samples off rank 1 hides up to half the
+    stall: a predicted gain of 25-60 % (with a compute of 2 ms the best split gains 7 %).
 
     Each rank measures its wait for data apart from its compute; the re-planner (every 3 steps) counts it in rank 1's
-    time and moves samples to rank 0 at step 6, its line and the report name the stall and the fix, HeteroMonitor logs
-    it; and the run still equals one process on the same global batches, every sample used once.
+    time and moves samples to rank 0 at one of its first decisions (step 6; under the full suite's load the noise
+    margin of 6 noisy steps held it back to step 9 once), its line and the report name the stall and the fix,
+    HeteroMonitor logs it; and the run still equals one process on the same global batches, every sample used once.
     """
-    dataset = IndexedRegression(160)
-    common = ["--samples", "160", "--batch-sizes", "8", "8", "--stall-on-rank-1", "0.04", "--emulate-speeds", "0.25",
+    dataset = IndexedRegression(320)
+    common = ["--samples", "320", "--batch-sizes", "8", "8", "--stall-on-rank-1", "0.04", "--emulate-speeds", "0.25",
               "0.25", "--monitor"]  # fmt: skip
     run = run_fit(tmp_path, *common, "--strategy-args", '{"rebalance": true, "rebalance_window": 3}')
     assert run.returncode == 0, run.output[-4000:]
@@ -376,7 +376,9 @@ def test_a_rank_whose_loader_stalls_is_named_and_given_fewer_samples_and_trainin
     waits = [step["data_wait_seconds"] for step in run_report["steps"]]
     assert all(0.038 <= rank_1 <= 0.3 and rank_0 < 0.01 for rank_0, rank_1 in waits[1:]), waits
     replan = run_report["replans"][0]
-    assert replan["step"] == 6 and splits[6][1] < 8 < splits[6][0], (run_report["replans"], splits)
+    assert replan["step"] in (6, 9, 12), (run_report["replans"], splits)  # within the first three decisions
+    assert splits[: replan["step"]] == [(8, 8)] * replan["step"], splits
+    assert all(rank_1 < 8 < rank_0 for rank_0, rank_1 in splits[replan["step"] :]), (run_report["replans"], splits)
     assert replan["data_wait_seconds"][1] >= 0.038
     assert "counts the ranks' wait for their data loader per step (rank 1 " in run.output
     assert run_report["summary"]["data_stalled_ranks"] == [1]
@@ -385,8 +387,8 @@ def test_a_rank_whose_loader_stalls_is_named_and_given_fewer_samples_and_trainin
         logged = [float(row["hetero/rank_1/data_wait_ms"]) for row in csv.DictReader(metrics_file)
                   if row.get("hetero/rank_1/data_wait_ms")]  # fmt: skip
     assert logged and max(logged) >= 38.0
-    assert sorted(sum(run.result["seen"], [])) == list(range(160))  # each sample once
-    steps = contiguous_steps(160, 16, 10)
+    assert sorted(sum(run.result["seen"], [])) == list(range(320))  # each sample once
+    steps = contiguous_steps(320, 16, 20)
     assert max_param_difference(run.result, reference_training(dataset, steps)) <= TOLERANCE
 
 
