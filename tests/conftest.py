@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -74,6 +75,13 @@ def a_test_that_starts_a_process_is_marked_for_its_tier(request, monkeypatch):
 
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse_python)
     yield
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a rendezvous a test starts)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def kill_tree(pid: int) -> None:

@@ -13,8 +13,6 @@ update: the run report's ``wait_seconds``), and local SGD's merges.
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -72,18 +70,3 @@ class Span:
 def open_span(name: str) -> Optional[Span]:
     """A :class:`Span` while a trace records; None otherwise."""
     return Span(name) if _state["recording"] else None
-
-
-@contextlib.contextmanager
-def native_stderr_silenced() -> Iterator[None]:
-    """Around the profiler's start: Kineto prints its stages ("USDT: ... profiler_start") to the process's stderr from
-    C++, whatever its log level; a person reading the job's output wants the plan and the result."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_hetero.runtime import tracing
+from lightning_hetero.runtime import quiet, tracing
 from lightning_hetero.runtime.checks import is_int
 
 TRACE_KEYS = ("steps",)
@@ -76,7 +76,7 @@ class StepTracer:
             self._profiler = torch.profiler.profile(activities=activities)
             # Kineto prints its stages from C++ on stderr. Only the start is silenced: a peer watchdog's last line
             # may come during a stop, which takes longer.
-            with tracing.native_stderr_silenced():
+            with quiet.native_stderr_silenced():
                 self._profiler.start()
             tracing.start_recording(nvtx=self.device.type == "cuda")
         if self._profiler is not None:
@@ -143,11 +143,10 @@ def write_merged(directory: Path, world_size: int, chosen: Sequence[int] = ()) -
     missing = [path.name for path in found if not path.is_file()]
     if missing:
         section["missing"] = missing  # (their ranks wrote them on another host's disk)
-    if readable:
-        merged = merge_rank_traces([json.loads(path.read_text()) for path in readable])
-        (directory / MERGED_NAME).write_text(json.dumps(merged))
-        section["merged"] = MERGED_NAME
-        section["steps"] = merged["hetero"]["steps"]
+    merged = merge_rank_traces([json.loads(path.read_text()) for path in readable])
+    (directory / MERGED_NAME).write_text(json.dumps(merged))
+    section["merged"] = MERGED_NAME
+    section["steps"] = merged["hetero"]["steps"]
     return section
 
 

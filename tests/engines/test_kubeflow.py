@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import ENGINES_ONE_AT_A_TIME, REPO, kill_tree
+from conftest import ENGINES_ONE_AT_A_TIME, REPO, free_port, kill_tree
 
 from lightning_hetero.recover import checkpoint
 
@@ -36,12 +35,6 @@ pytestmark = [pytest.mark.engines, pytest.mark.fault, ENGINES_ONE_AT_A_TIME]
 MANIFESTS = REPO / "configs" / "kubeflow"
 MOUNT = "/shared"  # the volume both manifests mount
 POD_TIMEOUT = 240
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def trainjob_pods(manifest: dict, shared: Path, port: int) -> list[tuple[list[str], dict[str, str]]]:

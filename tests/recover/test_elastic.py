@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import REPO, WORKERS, kill_tree, run_bounded, run_fit
+from conftest import REPO, WORKERS, free_port, kill_tree, run_bounded, run_fit
 
 sys.path.insert(0, str(WORKERS))
 from common import IndexedRegression, max_param_difference, reference_training  # noqa: E402
@@ -521,11 +521,3 @@ def test_an_elastic_sgd_job_at_zero_2_loses_an_agent_and_finishes_on_the_other_a
     print(f"2 agents -> 1: largest parameter difference from the uninterrupted run {difference:.1e}")
     assert difference <= TOLERANCE, difference
     assert checkpoint.read_manifest(last)["world_size"] == 1
-
-
-def free_port():
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
