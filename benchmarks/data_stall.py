@@ -41,7 +41,8 @@ sys.path.insert(0, str(HERE))
 from jobs import run_job  # noqa: E402
 
 DEFAULT_OUT = HERE / "results" / "data_stall.json"
-GLOBAL_BATCH, TRAIN_SAMPLES = 128, 12800  # 100 steps per epoch
+GLOBAL_BATCH = 128
+STEPS_PER_EPOCH = 100
 STALLED_RANK = 1
 FIT_TIMEOUT = 600
 WINDOW = 10  # steps between exchanges of the ranks' records, and so between re-plan points
@@ -58,7 +59,7 @@ def kind_of_step(step: int) -> str:
     return KINDS[(step // PHASE_STEPS) % 2]
 
 
-def fit(epochs: int, stall_seconds: float, hidden: int, out: Path) -> None:
+def fit(epochs: int, stall_seconds: float, hidden: int, global_batch: int, out: Path) -> None:
     """One Trainer.fit on every rank, its phases taking turns; the run report is written to ``out/hetero``."""
     import torch
     import torch.distributed as dist
@@ -106,7 +107,7 @@ def fit(epochs: int, stall_seconds: float, hidden: int, out: Path) -> None:
 
     seed_everything(0)
     strategy = HeteroStrategy(stage=0, rebalance_window=WINDOW)
-    data = StalledSpirals(batch_size=GLOBAL_BATCH // 2, train_samples=TRAIN_SAMPLES, val_samples=512)
+    data = StalledSpirals(batch_size=global_batch // 2, train_samples=global_batch * STEPS_PER_EPOCH, val_samples=512)
     trainer = Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
@@ -165,19 +166,21 @@ def main() -> None:
     parser.add_argument("--phases", type=int, default=6, help="phases per fit (an even number: pairs)")
     parser.add_argument("--stall-ms", type=float, default=5.0)
     parser.add_argument("--hidden", type=int, default=HIDDEN)
+    parser.add_argument("--global-batch", type=int, default=GLOBAL_BATCH)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--fit", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--fit", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.fit:
-        epochs, stall, hidden, out = args.fit
-        fit(int(epochs), float(stall), int(hidden), Path(out))
+        epochs, stall, hidden, global_batch, out = args.fit
+        fit(int(epochs), float(stall), int(hidden), int(global_batch), Path(out))
         return
-    epochs = -(-args.phases * PHASE_STEPS // (TRAIN_SAMPLES // GLOBAL_BATCH))
+    epochs = -(-args.phases * PHASE_STEPS // STEPS_PER_EPOCH)
     runs = []
     for run in range(args.runs):
         out = args.out.parent / "data_stall_runs" / f"run{run}"
         out.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, __file__, "--fit", str(epochs), str(args.stall_ms / 1e3), str(args.hidden), str(out)]
+        setting = [str(epochs), str(args.stall_ms / 1e3), str(args.hidden), str(args.global_batch), str(out)]
+        command = [sys.executable, __file__, "--fit", *setting]
         run_job(command, out / "log.txt", dict(os.environ), FIT_TIMEOUT, f"run {run}")
         figures = run_figures(json.loads((out / "hetero" / "report.json").read_text()))
         runs.append(figures)
@@ -200,7 +203,7 @@ def main() -> None:
             "stalled_rank": STALLED_RANK,
             "stall_ms": args.stall_ms,
             "hidden": args.hidden,
-            "global_batch": GLOBAL_BATCH,
+            "global_batch": args.global_batch,
             "window": WINDOW,
             "phase_steps": PHASE_STEPS,
             "measured_steps": MEASURED_STEPS,

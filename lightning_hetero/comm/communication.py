@@ -30,6 +30,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor
 
 from lightning_hetero.comm import compression as compress
+from lightning_hetero.comm.error_bound import ErrorBoundState
 from lightning_hetero.comm.topology import SlowLink, Topology, decide_hierarchical
 from lightning_hetero.comm.wire import WireMeter
 from lightning_hetero.runtime.safe_load import load_package_file
@@ -83,6 +84,9 @@ class GradientBucket:
 
 def forget_bucket_state(state: Any) -> None:
     """Drop per-bucket state (error feedback, PowerSGD's P and Q) when the buckets change."""
+    if isinstance(state, ErrorBoundState):  # its byte budget counts the buckets it sees; the rest is the inner state's
+        state.shapes.clear()
+        state = state.inner_state
     for slot in ("error_dict", "p_memory_dict", "q_memory_dict"):
         if isinstance(getattr(state, slot, None), dict):
             getattr(state, slot).clear()
@@ -303,9 +307,16 @@ class Communication:
         device = self.exchange.parameters[0].device if self.exchange.parameters else torch.device("cpu")
         compress.load_hook_state_dict(self.exchange.state, move_data_to_device(state, device))
 
+    def error_bound(self) -> Optional[ErrorBoundState]:
+        """The compression's error bound (``max_error``), where this rank runs the hook; else None."""
+        state = self.exchange.state if self.exchange is not None else None
+        return state if isinstance(state, ErrorBoundState) else None
+
     def summary(self) -> dict[str, Any]:
+        bound = self.error_bound()
         return {
             "compression": self.choice.describe(),
+            "error_bound": bound.summary() if bound is not None else None,
             "exchange": self.hooked or "DeepSpeed's",
             "hierarchical": self.hierarchical,
             "hierarchical_reason": self.hierarchical_reason,

@@ -9,7 +9,10 @@
   warm start, an uncompressed warm-up of ``start_powerSGD_iter`` steps); ``compression_options`` are
   ``PowerSGDState``'s arguments.
 * ``"topk"``: each rank sends the largest ``ratio`` of its entries (values and int32 indices) and keeps what it did not
-  send as error feedback for the next step (:func:`topk_hook`, torch's hook signature; no maintained library has it).
+  send as error feedback for the next step (:func:`~lightning_hetero.comm.topk.topk_hook`).
+* Both keep their loss (:mod:`~lightning_hetero.comm.error_bound`): every few steps the compressed average is checked
+  against the exact one on a sample, and the rank (ratio) doubles while the error is above ``max_error`` (default
+  0.1; None for a fixed setting), within ``max_bytes_fraction`` of uncompressed bytes.
 * ``"int8"`` / ``"int4"``: with ``sync="local_sgd"`` or ``"diloco"`` only, the pseudo-gradient of a merge travels as
   8- or 4-bit integers with a scale per block and error feedback (:mod:`~.comm.quantize`).
 * any callable ``hook(state, bucket) -> Future[Tensor]`` with torch's DDP comm-hook signature, or a ``(hook, state)``
@@ -23,7 +26,6 @@ reachable: ZeRO-1/2/3 reduce inside DeepSpeed's optimizer (``average_tensor``, `
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -33,6 +35,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_hetero.comm.error_bound import (
+    ERROR_BOUND_KEYS,
+    ErrorBoundState,
+    check_error_bound_options,
+    error_bounded_hook,
+)
+from lightning_hetero.comm.topk import TOPK_DEFAULTS, TopKState, topk_hook
+
 HALF_MODES = {"fp16": "fp16", "bf16": "bf16"}  # DeepSpeed's communication_data_type names
 HOOK_MODES = ("powersgd", "topk")
 QUANTIZED_MODES = ("int8", "int4")  # the local modes' merges only (comm/quantize.py)
@@ -41,7 +51,6 @@ HOOK_STAGES = (0,)  # ZeRO stages whose gradient exchange can be hooked
 # PowerSGD's defaults here: torch's, except a warm-up of 10 uncompressed steps instead of 1000, which would hide the
 # compression in all but long runs (torch suggests about 10 % of training); pass start_powerSGD_iter to change it.
 POWERSGD_DEFAULTS: dict[str, Any] = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 10}
-TOPK_DEFAULTS: dict[str, Any] = {"ratio": 0.01}
 Hook = Callable[[Any, Any], "torch.futures.Future[Tensor]"]
 
 
@@ -118,29 +127,46 @@ def _powersgd_options(given: dict[str, Any]) -> dict[str, Any]:
             "`compression_options` sets `process_group`; the strategy gives PowerSGD its group (all ranks, or the"
             " node leaders in a hierarchical reduction). Drop it."
         )
-    options = {**POWERSGD_DEFAULTS, **given}
+    bound = _bound_options("powersgd", given)
+    options = {**POWERSGD_DEFAULTS, **{key: value for key, value in given.items() if key not in ERROR_BOUND_KEYS}}
     try:
         PowerSGDState(process_group=None, **options)  # torch's own checks, with no process group needed
     except (TypeError, ValueError) as error:
         raise ValueError(
             f"`compression_options={given}` is not valid for compression='powersgd' ({error}). The keys are"
-            " PowerSGDState's arguments, e.g. `{'matrix_approximation_rank': 2, 'start_powerSGD_iter': 10}`."
+            " PowerSGDState's arguments, e.g. `{'matrix_approximation_rank': 2, 'start_powerSGD_iter': 10}`, and"
+            f" the error bound's {sorted(ERROR_BOUND_KEYS)}."
         ) from None
-    return options
+    return {**options, **bound}
+
+
+def _bound_options(mode: str, given: dict[str, Any]) -> dict[str, Any]:
+    """The error bound's part of the options: its settings, or ``max_error: None`` when it is off."""
+    return check_error_bound_options(mode, given) or {"max_error": None}
+
+
+def split_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A hook mode's options as (its state's arguments, the error bound's settings; empty when off)."""
+    inner = {key: value for key, value in options.items() if key not in ERROR_BOUND_KEYS}
+    bound = {key: value for key, value in options.items() if key in ERROR_BOUND_KEYS}
+    return inner, bound if bound.get("max_error") is not None else {}
 
 
 def _topk_options(given: dict[str, Any]) -> dict[str, Any]:
-    unknown = sorted(set(given) - set(TOPK_DEFAULTS))
+    unknown = sorted(set(given) - set(TOPK_DEFAULTS) - ERROR_BOUND_KEYS)
     if unknown:
-        raise ValueError(f"`compression_options` has {unknown} for compression='topk'; its only option is `ratio`.")
-    options = {**TOPK_DEFAULTS, **given}
+        raise ValueError(
+            f"`compression_options` has {unknown} for compression='topk'; its options are `ratio` and the error"
+            f" bound's {sorted(ERROR_BOUND_KEYS)}."
+        )
+    options = {**TOPK_DEFAULTS, **{key: value for key, value in given.items() if key not in ERROR_BOUND_KEYS}}
     ratio = options["ratio"]
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
         raise ValueError(
             f"`compression_options={{'ratio': {ratio!r}}}` for compression='topk' must be a fraction in (0, 1]: the"
             " share of each bucket's entries every rank sends, e.g. 0.01."
         )
-    return options
+    return {**options, **_bound_options("topk", given)}
 
 
 def check_exchange(
@@ -273,63 +299,20 @@ def check_zero_plus_plus(config: Mapping[str, Any], device_type: str) -> None:
 # ------------------------------------------------------------------ hooks
 
 
-class TopKState:
-    """Top-k's settings and error feedback (what was not sent yet, per bucket); picklable without its group."""
-
-    __slots__ = ("process_group", "ratio", "error_dict")
-
-    def __init__(self, process_group: Optional[Any], ratio: float = TOPK_DEFAULTS["ratio"]) -> None:
-        self.process_group = process_group
-        self.ratio = float(ratio)
-        self.error_dict: dict[int, Tensor] = {}
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"ratio": self.ratio, "error_dict": self.error_dict}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.process_group = None
-        self.ratio = state["ratio"]
-        self.error_dict = state["error_dict"]
-
-
-def topk_hook(state: TopKState, bucket: Any) -> torch.futures.Future[Tensor]:
-    """Average the bucket over ``state.process_group`` from each rank's largest entries, with error feedback.
-
-    Every rank adds what it held back last time, sends its ``ceil(ratio * n)`` largest-magnitude entries (fp32
-    values and int32 indices, one all-gather each), and keeps the rest for the next step. The sum of the sparse
-    contributions, divided by the group size, replaces the bucket.
-    """
-    group = state.process_group if state.process_group is not None else dist.group.WORLD
-    world_size = dist.get_world_size(group)
-    buffer = bucket.buffer()
-    index = bucket.index()
-    corrected = buffer.float() + state.error_dict[index] if index in state.error_dict else buffer.float()
-    count = max(1, math.ceil(state.ratio * corrected.numel()))
-    indices = corrected.abs().topk(count, sorted=False).indices
-    values = corrected[indices]
-    state.error_dict[index] = corrected.index_fill(0, indices, 0.0)
-    index_dtype = torch.int32 if corrected.numel() < 2**31 else torch.int64
-    all_values = values.new_empty(world_size * count)
-    all_indices = torch.empty(world_size * count, dtype=index_dtype, device=values.device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (the new name in torch 2.13)
-    gather(all_values, values, group=group)
-    gather(all_indices, indices.to(index_dtype), group=group)
-    dense = torch.zeros_like(corrected).index_add_(0, all_indices.long(), all_values).div_(world_size)
-    buffer.copy_(dense)
-    future: torch.futures.Future[Tensor] = torch.futures.Future()
-    future.set_result(buffer)
-    return future
-
-
 def builtin_hook(choice: CompressionChoice, hooked_group: Optional[Any]) -> tuple[Hook, Any]:
     """The hook and its state for ``choice`` on ``hooked_group`` (None: every rank; else the node leaders)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
-    if choice.mode == "powersgd":
-        return powerSGD_hook, PowerSGDState(process_group=hooked_group, **choice.options)
-    if choice.mode == "topk":
-        return topk_hook, TopKState(hooked_group, **choice.options)
+    if choice.mode in HOOK_MODES:
+        inner, bound = split_options(choice.options)
+        hook: Hook
+        state: Any
+        if choice.mode == "powersgd":
+            hook, state = powerSGD_hook, PowerSGDState(process_group=hooked_group, **inner)
+        else:
+            hook, state = topk_hook, TopKState(hooked_group, **inner)
+        return (error_bounded_hook, ErrorBoundState(choice.mode, hook, state, bound)) if bound else (hook, state)
     if choice.mode == "fp16":
         return default_hooks.fp16_compress_hook, hooked_group
     if choice.mode == "bf16":
@@ -342,7 +325,10 @@ def builtin_hook(choice: CompressionChoice, hooked_group: Optional[Any]) -> tupl
 
 def hook_state_dict(state: Any) -> Optional[dict[str, Any]]:
     """What of a hook's state survives a checkpoint: PowerSGD's and top-k's slots (error feedback, warm start, step
-    count, random state), or a custom state's own ``state_dict()``; None when there is nothing to keep."""
+    count, random state), or a custom state's own ``state_dict()``; None when there is nothing to keep. An error
+    bound's progress (its checks, the setting it raised) is kept around its inner state's."""
+    if isinstance(state, ErrorBoundState):
+        return {**state.progress(), "inner": hook_state_dict(state.inner_state)}
     if hasattr(state, "__slots__") and not isinstance(state, dist.ProcessGroup):
         saved = {slot: getattr(state, slot) for slot in state.__slots__ if slot in PROGRESS_SLOTS}
         if isinstance(saved.get("rng"), np.random.RandomState):  # (as plain data: the file loads weights-only)
@@ -370,6 +356,10 @@ def random_state_from_data(data: dict[str, Any]) -> np.random.RandomState:
 
 def load_hook_state_dict(state: Any, saved: dict[str, Any]) -> None:
     """Restore :func:`hook_state_dict`'s result into ``state``, keeping its process group."""
+    if isinstance(state, ErrorBoundState):
+        state.restore_progress(saved)
+        load_hook_state_dict(state.inner_state, saved["inner"])
+        return
     if hasattr(state, "__slots__") and not isinstance(state, dist.ProcessGroup):
         for slot, value in saved.items():
             if slot in PROGRESS_SLOTS and slot in state.__slots__:

@@ -55,6 +55,12 @@ TORCH_STATE = (
                "restored from the checkpoint")
       for name in ("error_dict", "p_memory_dict", "q_memory_dict", "iter", "rng", "total_numel_before_compression",
                    "total_numel_after_compression", "next_stats_report")),
+    *(Internal(_POWER_SGD, f"PowerSGDState#{name}", "read", "comm/error_bound.py", why) for name, why in (
+        ("start_powerSGD_iter", "the steps of plain all-reduce before PowerSGD compresses (no check before)"),
+        ("min_compression_rate", "which matrices PowerSGD compresses, for the payload within max_bytes_fraction"))),
+    Internal(_POWER_SGD, "PowerSGDState#matrix_approximation_rank", "patched", "comm/error_bound.py",
+             "raised by the error bound (max_error) while the compression's error is above it; the warm-started P and"
+             " Q are dropped with it (their shapes follow the rank)", "restored from the checkpoint"),
 )  # fmt: skip
 
 NESTED_SCHEDULERS = tuple(

@@ -10,6 +10,9 @@ re-plan is logged at the step it takes effect as ``hetero/replan_predicted_gain`
 ``micro_batch`` from that step on). With fp16 ranks (``device_precision``), ``hetero/loss_scale`` is the job's loss
 scale after each optimizer step (the same on every rank; a halving marks a step skipped for an overflow).
 ``hetero/skipped_steps`` counts the optimizer steps skipped so far for non-finite gradients, after each step.
+With PowerSGD or top-k under an error bound (``compression_options={"max_error": ...}``, the default),
+``hetero/compression_error`` is each check's relative error, logged at its step with ``hetero/compression_rank``
+(PowerSGD) or ``hetero/compression_ratio`` (top-k) the step ran with.
 
 With ``pipeline``, each stage's times instead: ``hetero/stage_<s>/compute_ms`` and ``wait_ms`` (the slowest of the
 ranks holding it) and ``hetero/pipeline_balance`` per step, exchanged every 20 steps and at the end of fit.
@@ -54,6 +57,7 @@ class HeteroMonitor(Callback):
         self._replans_logged = 0
         self._scale_logged_at = -1
         self._skipped_logged_at = -1
+        self._checks_logged = 0
         self._first_step = 0  # the trainer's global step when this fit started (a resume starts past 0)
 
     @override
@@ -67,6 +71,8 @@ class HeteroMonitor(Callback):
         self._replans_logged = 0
         self._scale_logged_at = -1
         self._skipped_logged_at = -1
+        bound = trainer.strategy.communication.error_bound()
+        self._checks_logged = len(bound.checks) if bound is not None else 0  # (a resume's were logged before)
         self._first_step = trainer.global_step
 
     @override
@@ -80,6 +86,19 @@ class HeteroMonitor(Callback):
             self._make_latest_available_to_callbacks(pl_module, latest)
         self._log_loss_scale(trainer)
         self._log_skipped_steps(trainer)
+        self._log_compression_checks(trainer)
+
+    def _log_compression_checks(self, trainer: Any) -> None:
+        """Each new check of the compression's error (``max_error``), at its step, with the setting it ran at."""
+        bound = trainer.strategy.communication.error_bound()
+        if bound is None or not trainer.is_global_zero:
+            return
+        name = f"{self.prefix}/compression_{'rank' if bound.mode == 'powersgd' else 'ratio'}"
+        for check in bound.checks[self._checks_logged :]:
+            metrics = {f"{self.prefix}/compression_error": check.relative_error, name: check.setting}
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=check.step)
+        self._checks_logged = len(bound.checks)
 
     def _log_skipped_steps(self, trainer: Any) -> None:
         step = trainer.global_step - 1  # the optimizer step that just ended (none yet while accumulating)

@@ -277,6 +277,18 @@ def _communication_text(communication: Optional[dict[str, Any]]) -> str:
     return (
         f"; on the wire per step: {_megabytes(between)} between nodes, {_megabytes(inside)} inside nodes"
         f" ({communication['compression'] or 'uncompressed'}, hierarchical {hierarchical})"
+        + error_bound_text(communication.get("error_bound"))
+    )
+
+
+def error_bound_text(bound: Optional[dict[str, Any]]) -> str:
+    """The compression's error at its last check against ``max_error``, and the setting it ended at."""
+    if not bound or bound["last_error"] is None:
+        return ""
+    raised = f" (raised from {bound['start']:g})" if bound["current"] != bound["start"] else ""
+    return (
+        f"; compression error {bound['last_error']:.3f} at the last of {len(bound['checks'])} checks (max_error"
+        f" {bound['max_error']:g}) at {bound['setting']} {bound['current']:g}{raised}"
     )
 
 

@@ -69,14 +69,25 @@ def test_half_precision_on_the_wire_stays_close_to_uncompressed(compression, sta
     assert compression in run.output  # the plan's communication line
 
 
-HOOKS = [("powersgd", {"start_powerSGD_iter": 2}), ("topk", {"ratio": 0.3})]
+# The error bound (on by default) checks every compressed step here, so that it raises within these 8 steps: every
+# rank must raise alike, and a resume must continue at the raised setting.
+HOOKS = [("powersgd", {"start_powerSGD_iter": 2, "error_check_every": 1, "max_bytes_fraction": 1.0}),
+         ("topk", {"ratio": 0.1, "error_check_every": 1, "max_bytes_fraction": 1.0})]  # fmt: skip
+
+
+def error_bound(out: Path) -> dict:
+    return json.loads(next(out.rglob("report.json")).read_text())["communication"]["error_bound"]
 
 
 @pytest.mark.parametrize(("compression", "options"), HOOKS)
 def test_powersgd_and_topk_keep_ranks_in_sync_and_train(compression, options, uncompressed, tmp_path):
-    fit(tmp_path, 0, {"compression": compression, "compression_options": options}, "--max-epochs", "4")
+    run = fit(tmp_path, 0, {"compression": compression, "compression_options": options}, "--max-epochs", "4")
     records = per_step(tmp_path)
-    assert max(record["spread"] for record in records) == 0.0
+    assert max(record["spread"] for record in records) == 0.0  # the same raises on every rank, at the same step
+    checks = error_bound(tmp_path)["checks"]
+    assert [check["step"] for check in checks] == list(range(2 if compression == "powersgd" else 0, 8))
+    assert any(check["raised_to"] for check in checks), checks
+    assert f"HeteroStrategy: {compression}'s relative error" in run.output  # said when raised
     assert (params(records[-1]) - params(uncompressed[-1])).abs().max().item() > 1e-4  # it did compress
     dataset = IndexedRegression(SAMPLES)
     start = full_data_loss(dataset, params(uncompressed[0]))
@@ -101,6 +112,7 @@ def test_compression_state_survives_a_checkpoint_and_the_resume_continues_exactl
     assert [r["step"] for r in continued] == [r["step"] for r in after] and len(after) == 8
     for ours, theirs in zip(continued, after):
         assert (params(ours) - params(theirs)).abs().max().item() < 1e-6
+    assert error_bound(resumed)["checks"] == error_bound(uninterrupted)["checks"]  # the raised setting continues
 
 
 def test_hierarchical_reduction_equals_flat_with_half_the_bytes_between_nodes(tmp_path):

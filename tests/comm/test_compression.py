@@ -10,7 +10,6 @@ the emulated link are what the environment says; the bytes counted are each rank
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -19,7 +18,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
 from lightning_hetero.comm import compression as compress
+from lightning_hetero.comm import topk
 from lightning_hetero.comm.communication import GradientBucket, HookedExchange, bucket_parameters
+from lightning_hetero.comm.error_bound import ERROR_BOUND_DEFAULTS, ErrorBoundState
 from lightning_hetero.comm.topology import (
     LINK_ENV_VAR,
     NODES_ENV_VAR,
@@ -35,23 +36,6 @@ from lightning_hetero.comm.topology import (
 from lightning_hetero.comm.wire import WireMeter, senders
 from lightning_hetero.runtime.safe_load import load_package_file
 
-
-@pytest.fixture
-def one_rank_group(tmp_path):
-    """A real gloo process group of one rank, so hooks can run their collectives in this process."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    group = dist.group.WORLD
-    yield
-    dist.destroy_process_group()
-    # Torch's hooks chain callbacks that hold the group (PowerSGD's capture it), and gloo releases a finished
-    # callback on its own run-loop thread, just after the future is set. Had that callback held the last reference,
-    # ~ProcessGroupGloo would run there and join its own thread: std::system_error, abort (exit 134, or 139; about 1
-    # run of this file in 10, seen under gdb). Holding the group here until those releases are done makes this
-    # thread's reference the last one.
-    time.sleep(0.2)
-    del group
-
-
 # ---------------------------------------------------------------------------------------------- the argument
 
 
@@ -65,10 +49,15 @@ def test_accepted_compression_values(value, mode):
 
 
 def test_defaults_are_filled_in_and_options_override_them():
-    assert compress.check_compression("powersgd").options == compress.POWERSGD_DEFAULTS
+    bound = ERROR_BOUND_DEFAULTS  # on by default: the error is checked and the rank raised
+    assert compress.check_compression("powersgd").options == {**compress.POWERSGD_DEFAULTS, **bound}
     options = compress.check_compression("powersgd", {"matrix_approximation_rank": 4}).options
-    assert options == {**compress.POWERSGD_DEFAULTS, "matrix_approximation_rank": 4}
-    assert compress.check_compression("topk", {"ratio": 0.1}).options == {"ratio": 0.1}
+    assert options == {**compress.POWERSGD_DEFAULTS, "matrix_approximation_rank": 4, **bound}
+    assert compress.check_compression("topk", {"ratio": 0.1}).options == {"ratio": 0.1, **bound}
+    fixed = compress.check_compression("powersgd", {"max_error": None}).options
+    assert fixed == {**compress.POWERSGD_DEFAULTS, "max_error": None}
+    assert compress.split_options(fixed) == (compress.POWERSGD_DEFAULTS, {})
+    assert compress.split_options(options) == ({**compress.POWERSGD_DEFAULTS, "matrix_approximation_rank": 4}, bound)
 
 
 def test_a_custom_hook_and_a_hook_with_its_state():
@@ -93,7 +82,7 @@ def test_a_custom_hook_and_a_hook_with_its_state():
         ("topk", {"ratio": 0}, "must be a fraction in (0, 1]"),
         ("topk", {"ratio": 1.5}, "must be a fraction in (0, 1]"),
         ("topk", {"ratio": True}, "must be a fraction in (0, 1]"),
-        ("topk", {"k": 3}, "its only option is `ratio`"),
+        ("topk", {"k": 3}, "its options are `ratio` and the error bound's"),
         ("topk", [("ratio", 0.1)], "must be a dict"),
     ],
 )
@@ -156,13 +145,13 @@ def test_zero_plus_plus_quantization_is_refused_off_cuda(key):
 def test_topk_error_feedback_sends_every_gradient_eventually(one_rank_group):
     """Conservation: what was sent over the steps plus what is held back equals every gradient given."""
     torch.manual_seed(0)
-    state = compress.TopKState(None, ratio=0.1)
+    state = topk.TopKState(None, ratio=0.1)
     given, sent = torch.zeros(50), torch.zeros(50)
     for _ in range(6):
         gradient = torch.randn(50)
         given += gradient
         bucket = FakeBucket(gradient.clone())
-        result = compress.topk_hook(state, bucket).wait()
+        result = topk.topk_hook(state, bucket).wait()
         assert int((result != 0).sum()) <= math.ceil(0.1 * 50)  # at most k entries travel
         sent += result
     assert torch.allclose(sent + state.error_dict[0], given, atol=1e-5)
@@ -227,9 +216,11 @@ def test_the_hooked_exchange_runs_the_hook_once_per_step_and_not_on_skipped_step
 
 
 @pytest.mark.parametrize("mode", ["powersgd", "topk"])
-def test_hook_state_round_trips_through_a_checkpoint_dict(mode, one_rank_group, tmp_path):
+@pytest.mark.parametrize("bounded", [False, True])
+def test_hook_state_round_trips_through_a_checkpoint_dict(mode, bounded, one_rank_group, tmp_path):
     torch.manual_seed(0)
-    choice = compress.check_compression(mode, {"start_powerSGD_iter": 2} if mode == "powersgd" else None)
+    options = {"start_powerSGD_iter": 2} if mode == "powersgd" else {}
+    choice = compress.check_compression(mode, {**options, "max_error": 0.1 if bounded else None})
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
     hook, state = compress.builtin_hook(choice, None)
     exchange = HookedExchange(list(model.parameters()), hook, state)
@@ -239,10 +230,14 @@ def test_hook_state_round_trips_through_a_checkpoint_dict(mode, one_rank_group, 
         exchange()
     saved = compress.hook_state_dict(state)
     torch.save(saved, tmp_path / "state.pt")
-    assert not set(saved) - compress.PROGRESS_SLOTS  # progress only: settings come from the job's arguments
     _, fresh = compress.builtin_hook(choice, None)
     # (weights-only: PowerSGD's numpy random state is saved as tensors and numbers)
     compress.load_hook_state_dict(fresh, load_package_file(tmp_path / "state.pt"))
+    if bounded:  # the bound's progress (checks, the setting it raised) around the compression's own
+        assert isinstance(state, ErrorBoundState) and isinstance(fresh, ErrorBoundState)
+        assert fresh.checks == state.checks and fresh.setting == state.setting and fresh.steps_done == 4
+        saved, state, fresh = saved["inner"], state.inner_state, fresh.inner_state
+    assert not set(saved) - compress.PROGRESS_SLOTS  # progress only: settings come from the job's arguments
     assert set(fresh.error_dict) == set(state.error_dict) and fresh.error_dict
     for index, error in state.error_dict.items():
         assert torch.equal(fresh.error_dict[index], error)
@@ -454,8 +449,9 @@ def test_scalar_and_empty_parameters_and_a_freeze_during_training(one_rank_group
     scale, empty, weight = (torch.nn.Parameter(torch.tensor(2.0)), torch.nn.Parameter(torch.zeros(0)),
                             torch.nn.Parameter(torch.zeros(8, 8)))  # fmt: skip
     choice = compress.check_compression("powersgd", {"start_powerSGD_iter": 2})
-    hook, state = compress.builtin_hook(choice, None)
-    exchange = HookedExchange([scale, empty, weight], hook, state, cap_bytes=4)  # one bucket per parameter
+    hook, bounded = compress.builtin_hook(choice, None)
+    exchange = HookedExchange([scale, empty, weight], hook, bounded, cap_bytes=4)  # one bucket per parameter
+    state = bounded.inner_state  # (PowerSGD's, inside the error bound's)
     for _ in range(3):
         scale.grad, weight.grad = torch.tensor(0.5), torch.randn(8, 8)
         exchange()
@@ -465,6 +461,7 @@ def test_scalar_and_empty_parameters_and_a_freeze_during_training(one_rank_group
     exchange()
     assert [[p.numel() for p in bucket] for bucket in exchange.buckets] == [[1]]
     assert {index: error.numel() for index, error in state.error_dict.items()} == {0: 1}  # the old buckets' are gone
+    assert set(bounded.shapes) == {0}  # and the bound's byte budget counts the new buckets only
 
 
 def test_a_hook_may_replace_the_buffer_as_with_ddp(one_rank_group):
