@@ -76,7 +76,7 @@ class HeteroStrategy(DeepSpeedStrategy):
             (see :mod:`lightning_hetero.precision.choice`). Needs the Trainer's default ``precision="32-true"``.
         compression: how gradients travel: None (default), ``"fp16"``, ``"bf16"``, ``"powersgd"``, ``"topk"``, or a DDP
             comm hook (``hook(state, bucket)`` or ``(hook, state)``, ZeRO-0): :mod:`lightning_hetero.comm.compression`.
-        compression_options: the mode's settings (``PowerSGDState``'s arguments; ``{"ratio": 0.01}`` for top-k).
+        compression_options: the mode's settings (PowerSGDState's, top-k's ``ratio``), and ``max_error`` (error_bound).
         hierarchical: reduce inside each node first (``"auto"``, default: at ZeRO-0 with several multi-rank nodes).
         max_nonfinite_steps: optimizer steps in a row skipped for non-finite gradients after which the run stops on
             every rank, naming the ranks, when no loss scale can be lowered (default 3; None: never stop).

@@ -1,15 +1,22 @@
 """Compression that keeps its loss: ``compression_options={"max_error": ...}`` for ``"powersgd"`` and ``"topk"``.
 
-Every ``error_check_every`` optimizer steps (once the compression is on: after PowerSGD's uncompressed warm-up), the
-compressed average of every bucket is compared with the exact average on a sample of its entries: each rank
-all-reduces only those entries, uncompressed, before the hook runs. The step's relative error is
-``||compressed - exact|| / ||exact||`` over the samples, each bucket's sums scaled by its size over its sample: the
-error in the gradient the optimizer stepped with, error feedback included. When it is above ``max_error``, PowerSGD's
-rank (top-k's ratio) doubles from the next step on, as long as the compressed payload stays within
-``max_bytes_fraction`` of the uncompressed one (the largest setting that fits when doubling would not).
+At the first compressed step (after PowerSGD's uncompressed warm-up), then every ``error_check_every`` optimizer steps
+and at the step after each raise, the compressed average of every bucket is compared with the exact average on a
+sample of its entries: each rank all-reduces only those entries, uncompressed, before the hook runs. The step's
+relative error is ``||compressed - exact|| / ||exact||`` over the samples, each bucket's sums scaled by its size over
+its sample. "Exact" is what the compression was given: the gradient plus the error feedback it carries from earlier
+steps (both hooks keep what they did not send and add it to the next step's). So the figure is how much of this step's
+input the setting fails to carry, without the spike that the feedback's release after a raise would add to an error
+against the gradient alone. When it is above ``max_error``, PowerSGD's rank (top-k's ratio) doubles from the next step
+on, as long as the compressed payload stays within ``max_bytes_fraction`` of the uncompressed one (the largest
+setting that fits when doubling would not).
 
-Every rank computes the error from the same all-reduced numbers (the hook's result and the exact sample), so every
-rank raises at the same step without another collective. Raising PowerSGD's rank drops its warm-started P and Q
+Before the first compressed step, on PowerSGD's last uncompressed one (whose result is the exact average), the bound
+estimates what PowerSGD's first step would lose at the rank and at each doubling up to the largest, locally, and starts
+at the smallest within ``max_error``: the steps compressed at too low a rank until checks raise it are what cost loss
+(and raising releases the error feedback those steps held back, all at once). Each check and each calibration ends
+with one small all-reduce of its sums, so every rank decides on the same numbers (devices of different kinds round
+differently) and raises at the same step. Raising PowerSGD's rank drops its warm-started P and Q
 (their shapes change; new ones start from its seeded generator, the same on every rank) and keeps the error feedback
 (shaped like the bucket).
 
@@ -130,6 +137,26 @@ def raised_setting(current: float, relative_error: float, max_error: float, larg
     return int(raised) if isinstance(current, int) else raised
 
 
+def first_power_step_error(matrix: Tensor, rank: int, generator: torch.Generator) -> float:
+    """The squared error of PowerSGD's first step on ``matrix`` (one power iteration from a random Q, no warm start,
+    no error feedback): what compressing it at ``rank`` would lose, computed locally."""
+    rows, cols = matrix.shape
+    start = torch.randn(cols, min(rows, cols, rank), generator=generator).to(matrix)
+    p = torch.linalg.qr(matrix @ start).Q
+    q = matrix.T @ p
+    return float((matrix - p @ q.T).square().sum())
+
+
+def candidate_settings(start: float, largest: float) -> list[float]:
+    """The settings a calibration compares: ``start`` doubled until ``largest``, which ends the list."""
+    settings = [start]
+    while settings[-1] < largest:
+        raised = raised_setting(settings[-1], 1.0, 0.0, largest)
+        assert raised is not None  # (below the largest, a check above the bound always raises)
+        settings.append(raised)
+    return settings
+
+
 def sample_indices(numel: int, step: int, bucket: int, count: int = ERROR_SAMPLE_ENTRIES) -> Tensor:
     """The entries a check compares: the same on every rank (seeded by the step and the bucket), all when few."""
     if numel <= count:
@@ -144,6 +171,7 @@ class ErrorCheck:
     relative_error: float
     setting: float  # the rank (ratio) the step was compressed with
     raised_to: Optional[float] = None  # the setting from the next step on, when this check raised it
+    estimated: bool = False  # before compressing: PowerSGD's first step on the exact average, without sending it
 
 
 # ---------------------------------------------------------------------------------------------- the hook
@@ -161,9 +189,12 @@ class ErrorBoundState:
         self.max_bytes_fraction = float(options["max_bytes_fraction"])
         self.start_setting = self.setting
         self.steps_done = 0  # exchanges completed, over the fit and the resumes
+        self.next_check = 0  # the first step compressed, then every `every` steps; the next one after a raise
         self.checks: list[ErrorCheck] = []
         self.shapes: dict[int, list[tuple[int, int]]] = {}  # bucket index -> its gradients as matrices
-        self._checking = False
+        self.device = torch.device("cpu")  # the gradients' (a collective of this state's runs there: NCCL needs CUDA)
+        self._checking = self._calibrating = False
+        self._estimates: dict[float, float] = {}  # a calibration's squared errors per candidate setting, so far
         self._capped_said = False  # (said once per fit: the error stays above the bound at the largest setting)
         self._sums = [0.0, 0.0]  # this step's scaled squared error and squared exact norm, over the buckets so far
 
@@ -186,13 +217,67 @@ class ErrorBoundState:
             if isinstance(getattr(self.inner_state, slot, None), dict):
                 getattr(self.inner_state, slot).clear()
 
+    def calibrates_now(self) -> bool:
+        """PowerSGD's last uncompressed step: its result is the exact average, on which the first compressed step's
+        setting is chosen (so that a model whose gradients need rank 8 does not take its first steps at rank 1)."""
+        return self.mode == "powersgd" and self.inner_state.iter == self.inner_state.start_powerSGD_iter - 1
+
+    def estimate(self, index: int, averaged: Tensor) -> None:
+        """Add this bucket's squared error at every candidate setting, and its squared norm, to the calibration."""
+        rate = getattr(self.inner_state, "min_compression_rate", POWERSGD_MIN_COMPRESSION_RATE)
+        self._sums[1] += float(averaged.float().square().sum())
+        offset, settings = 0, candidate_settings(self.setting, self.largest())
+        for rows, cols in self.shapes[index]:
+            matrix = averaged[offset : offset + rows * cols].view(rows, cols).float()
+            offset += rows * cols
+            for setting in settings:
+                if should_compress(rows, cols, int(setting), rate):  # (else it travels whole: no error)
+                    generator = torch.Generator().manual_seed(self.steps_done)
+                    error = first_power_step_error(matrix, int(setting), generator)
+                    self._estimates[setting] = self._estimates.get(setting, 0.0) + error
+
+    def _agreed(self, values: Sequence[float]) -> list[float]:
+        """The ranks' mean of ``values``: the same numbers on every rank, however each computed its own (devices of
+        different kinds round differently), so every rank takes the same decision."""
+        group = getattr(self.inner_state, "process_group", None) or dist.group.WORLD
+        tensor = torch.tensor(list(values), dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, group=group)
+        return (tensor / dist.get_world_size(group)).tolist()
+
+    def _end_calibration(self) -> None:
+        settings = candidate_settings(self.setting, self.largest())
+        *errors, norm = self._agreed([*(self._estimates.get(setting, 0.0) for setting in settings), self._sums[1]])
+        relative = [math.sqrt(error / norm) if norm > 0 else 0.0 for error in errors]
+        chosen = next((s for s, e in zip(settings, relative) if e <= self.max_error), settings[-1])
+        self.checks.append(ErrorCheck(self.steps_done, relative[0], self.setting,
+                                      chosen if chosen != self.setting else None, estimated=True))  # fmt: skip
+        if chosen != self.setting:
+            estimate = ", ".join(f"{s:g}: {e:.3f}" for s, e in zip(settings, relative))
+            why = (
+                f"the first within max_error {self.max_error:g}"
+                if relative[settings.index(chosen)] <= self.max_error
+                else f"none is within max_error {self.max_error:g}, and this is the most that max_bytes_fraction"
+                f" {self.max_bytes_fraction:g} allows"
+            )
+            rank_zero_info(
+                f"HeteroStrategy: {self.mode} starts at {SETTING[self.mode]} {chosen:g}, not {self.setting:g}: its"
+                f" estimated relative error on step {self.steps_done}'s averaged gradient per"
+                f" {SETTING[self.mode]} ({estimate}): {why}."
+            )
+            self.change_setting(chosen)
+
     def end_step(self) -> None:
+        if self._calibrating:
+            self._end_calibration()
         if self._checking:
-            error_sq, exact_sq = self._sums
+            error_sq, exact_sq = self._agreed(self._sums)
             relative = math.sqrt(error_sq / exact_sq) if exact_sq > 0 else 0.0
             largest = self.largest()
             raised = raised_setting(self.setting, relative, self.max_error, largest)
             self.checks.append(ErrorCheck(self.steps_done, relative, self.setting, raised))
+            # After a raise the next step is checked too: the steps compressed too coarsely in a row, until the
+            # setting holds the bound, are what cost loss (at every 5 steps, 1 -> 8 took 15 steps of a 60-step run).
+            self.next_check = self.steps_done + (1 if raised is not None else self.every)
             if raised is not None:
                 rank_zero_info(
                     f"HeteroStrategy: {self.mode}'s relative error {relative:.3f} at step {self.steps_done} is above"
@@ -210,7 +295,7 @@ class ErrorBoundState:
                     " or accept the error."
                 )
         self.steps_done += 1
-        self._checking = False
+        self._checking = self._calibrating = False
 
     def bytes_fraction(self, setting: float) -> float:
         """What the exchange sends at ``setting``, relative to uncompressed (as far as the buckets seen so far go)."""
@@ -239,33 +324,40 @@ class ErrorBoundState:
     def progress(self) -> dict[str, Any]:
         """What a checkpoint keeps of the bound (the inner state's progress is saved beside it, by
         :func:`~lightning_hetero.comm.compression.hook_state_dict`)."""
-        return {"setting": self.setting, "steps_done": self.steps_done,
+        return {"setting": self.setting, "steps_done": self.steps_done, "next_check": self.next_check,
                 "checks": [asdict(check) for check in self.checks]}  # fmt: skip
 
     def restore_progress(self, saved: Mapping[str, Any]) -> None:
         setattr(self.inner_state, SETTING[self.mode], saved["setting"])
-        self.steps_done = int(saved["steps_done"])
+        self.steps_done, self.next_check = int(saved["steps_done"]), int(saved["next_check"])
         self.checks = [ErrorCheck(**check) for check in saved["checks"]]
 
 
 def error_bounded_hook(state: ErrorBoundState, bucket: Any) -> torch.futures.Future[Tensor]:
     """The inner hook on ``bucket``, checked against the exact average of a sample at a check step."""
     index = bucket.index()
+    state.device = bucket.buffer().device
     state.shapes[index] = [matrix_shape(gradient.shape) for gradient in bucket.gradients()]
     if index == 0:
-        state._checking = state.compressing() and state.steps_done % state.every == 0
-        state._sums = [0.0, 0.0]
+        state._checking = state.compressing() and state.steps_done >= state.next_check
+        state._calibrating = state.calibrates_now()
+        state._sums, state._estimates = [0.0, 0.0], {}
     sample = exact = None
     if state._checking:
         buffer = bucket.buffer()
         sample = sample_indices(buffer.numel(), state.steps_done, index).to(buffer.device)
         exact = buffer.index_select(0, sample).float()  # before the hook: PowerSGD adds its error feedback in place
+        feedback = getattr(state.inner_state, "error_dict", {}).get(index)
+        if feedback is not None:  # (what the hook will add to this rank's input; none before its first step)
+            exact += feedback.index_select(0, sample).float()
         group = getattr(state.inner_state, "process_group", None) or dist.group.WORLD
         dist.all_reduce(exact, group=group)
         exact.div_(dist.get_world_size(group))
     result = state.inner_hook(state.inner_state, bucket).wait()
     if isinstance(result, (list, tuple)):
         result = result[0]
+    if state._calibrating:
+        state.estimate(index, result)
     if sample is not None and exact is not None:
         scale = bucket.buffer().numel() / sample.numel()
         compressed = result.index_select(0, sample).float()

@@ -109,6 +109,11 @@ def _exchange(options, parameters, mode="powersgd"):
     return HookedExchange(parameters, hook, state), state
 
 
+def _drifting(step, rows=40, cols=30):
+    """Rank 1 while PowerSGD warms up (so its calibration keeps rank 1), then without low-rank structure."""
+    return torch.outer(torch.randn(rows), torch.randn(cols)) if step < 2 else torch.randn(rows, cols)
+
+
 def _step(exchange, parameters, gradients):
     for parameter, gradient in zip(parameters, gradients):
         parameter.grad = gradient.clone()
@@ -117,30 +122,64 @@ def _step(exchange, parameters, gradients):
 
 
 def test_the_measured_error_is_the_true_one_and_the_rank_doubles_while_above(one_rank_group):
-    """A random 40x30 gradient (no low-rank structure): rank 1 is far from it. Checks every 2 steps after a warm-up
-    of 2; the sample covers the whole bucket (under 2048 entries), so the error is exact."""
+    """A 40x30 gradient of rank 1 during a warm-up of 2 steps (the calibration keeps rank 1), then random (no low-rank
+    structure: rank 1 is far from it). Checks at the first compressed step, every 3 steps, and at the step after each
+    raise; the sample covers the whole bucket (under 2048 entries), so the error is exact: against what the hook was
+    given, the gradient plus its feedback."""
     torch.manual_seed(0)
     parameters = [torch.nn.Parameter(torch.zeros(40, 30)), torch.nn.Parameter(torch.zeros(30))]
-    exchange, state = _exchange({"start_powerSGD_iter": 2, "error_check_every": 2, "max_bytes_fraction": 1.0},
+    exchange, state = _exchange({"start_powerSGD_iter": 2, "error_check_every": 3, "max_bytes_fraction": 1.0},
                                 parameters)  # fmt: skip
     ranks, errors = [], {}
-    for step in range(12):
-        gradients = [torch.randn(40, 30), torch.randn(30)]
+    for step in range(16):
+        gradients = [_drifting(step), torch.randn(30)]
+        feedback = state.inner_state.error_dict.get(0, torch.zeros(1230)).clone()
         ranks.append(state.setting)
         averaged = _step(exchange, parameters, gradients)
-        exact = torch.cat([g.reshape(-1) for g in gradients])
+        given = torch.cat([g.reshape(-1) for g in gradients]) + feedback
         got = torch.cat([g.reshape(-1) for g in averaged])
-        errors[step] = float((got - exact).norm() / exact.norm())
-    assert [check.step for check in state.checks] == [2, 4, 6, 8, 10]  # none in the warm-up
-    for check in state.checks:
-        assert check.relative_error == pytest.approx(errors[check.step], rel=1e-5)
+        errors[step] = float((got - given).norm() / given.norm())
+    calibration, *checks = state.checks
+    assert calibration.step == 1 and calibration.estimated and calibration.raised_to is None
+    assert checks[0].step == 2 and not checks[0].estimated  # the first compressed step; none in the warm-up
+    for check, following in zip(checks, checks[1:]):
+        assert following.step == check.step + (1 if check.raised_to else 3)
+    largest = bound.largest_setting("powersgd", [(40, 30), (30, 1)], 1.0, 2.0)
+    assert largest == 9  # from rank 9 the 40x30 matrix travels whole ((40 + 30) * 9 * 2 > 1200)
+    for check in checks:
+        assert check.relative_error == pytest.approx(errors[check.step], rel=1e-5, abs=1e-6)
         assert check.setting == ranks[check.step]
-    # Doubled after each check above 0.1, from the next step, up to rank 9, where the 40x30 matrix travels whole
-    # ((40 + 30) * 9 * 2 > 1200), which the budget of 1.0 allows; whole, the exchange is exact and the bound is met.
-    assert ranks == [1, 1, 1, 2, 2, 4, 4, 8, 8, 9, 9, 9]
-    assert [check.raised_to for check in state.checks] == [2, 4, 8, 9, None]
-    assert all(check.relative_error > 0.1 for check in state.checks[:4]) and state.checks[4].relative_error < 1e-6
+        assert check.raised_to == bound.raised_setting(check.setting, check.relative_error, 0.1, largest)
+        if check.raised_to:
+            assert ranks[check.step + 1] == check.raised_to  # from the next step on
+    # Doubled while above 0.1: 1 -> 2 -> 4 -> 8 -> 9 (whole, so exact: the bound holds and the rank stays).
+    assert [check.raised_to for check in checks][:4] == [2, 4, 8, 9] and ranks[-1] == 9
+    assert all(check.relative_error < 1e-5 for check in checks[4:])
     assert state.inner_state.error_dict  # the error feedback survives the raises
+
+
+def test_before_compressing_the_rank_is_chosen_on_the_exact_average(one_rank_group, caplog):
+    """A rank-4 signal plus 1 % noise in a 60x50 gradient: on PowerSGD's last uncompressed step the calibration
+    estimates ranks 1, 2, 4, 8... on the exact average and starts at 4, the first within 0.1; its figure for rank 1 is
+    PowerSGD's first step on that average. With a budget below rank 4, it starts at the most the budget allows."""
+    torch.manual_seed(0)
+    signal = lambda: torch.randn(60, 4) @ torch.randn(4, 50) + 0.01 * torch.randn(60, 50)  # noqa: E731
+    for fraction, expected in ((1.0, 4), (0.05, 1)):  # (0.05 of 3000 entries: (60 + 50) * 2 > 150, so rank 1)
+        parameters = [torch.nn.Parameter(torch.zeros(60, 50))]
+        exchange, state = _exchange({"start_powerSGD_iter": 3, "max_bytes_fraction": fraction}, parameters)
+        gradients = [signal() for _ in range(4)]
+        for step in gradients:
+            _step(exchange, parameters, [step])
+        calibration = state.checks[0]
+        assert calibration.estimated and calibration.step == 2 and calibration.setting == 1
+        assert calibration.raised_to == (expected if expected != 1 else None) and state.setting == expected
+        averaged = gradients[2]  # (one rank: the average is its gradient)
+        direct = bound.first_power_step_error(averaged, 1, torch.Generator().manual_seed(2))
+        assert calibration.relative_error == pytest.approx(math.sqrt(direct) / float(averaged.norm()), rel=1e-6)
+        assert state.checks[1].step == 3 and not state.checks[1].estimated  # the first compressed step is checked
+        assert state.checks[1].relative_error < 0.1 or fraction < 1.0
+    assert "HeteroStrategy: powersgd starts at matrix_approximation_rank 4, not 1: its estimated" in caplog.text
+    assert "8: 0.0" in caplog.text and "the first within max_error 0.1." in caplog.text
 
 
 def test_a_gradient_the_compression_carries_is_left_alone(one_rank_group):
@@ -150,7 +189,7 @@ def test_a_gradient_the_compression_carries_is_left_alone(one_rank_group):
     exchange, state = _exchange({"start_powerSGD_iter": 2, "error_check_every": 1}, parameters)
     for _ in range(8):
         _step(exchange, parameters, [torch.outer(torch.randn(40), torch.randn(30))])
-    assert len(state.checks) == 6 and state.setting == 1
+    assert len(state.checks) == 7 and state.checks[0].estimated and state.setting == 1
     assert max(check.relative_error for check in state.checks) < 0.01
 
 
@@ -159,10 +198,10 @@ def test_the_byte_budget_caps_the_rank(one_rank_group):
     parameters = [torch.nn.Parameter(torch.zeros(64, 64))]
     exchange, state = _exchange({"start_powerSGD_iter": 2, "error_check_every": 1, "max_bytes_fraction": 0.1},
                                 parameters)  # fmt: skip
-    for _ in range(10):
-        _step(exchange, parameters, [torch.randn(64, 64)])
+    for step in range(10):
+        _step(exchange, parameters, [_drifting(step, 64, 64)])
     # A tenth of 4096 entries allows rank 3 ((64 + 64) * 3 = 384 <= 409.6): 1 -> 2 -> 3, then held.
-    assert [check.raised_to for check in state.checks][:3] == [2, 3, None] and state.setting == 3
+    assert [check.raised_to for check in state.checks][:4] == [None, 2, 3, None] and state.setting == 3
     summary = state.summary()
     assert summary["start"] == 1 and summary["current"] == summary["largest"] == 3
     assert summary["last_error"] == state.checks[-1].relative_error > 0.1
@@ -182,7 +221,7 @@ def test_a_checkpoint_continues_the_uninterrupted_run(one_rank_group, tmp_path):
     """Saved after a raise, restored into a fresh state: the next steps' gradients, rank and checks are the
     uninterrupted run's (weights-only load)."""
     torch.manual_seed(0)
-    gradients = [[torch.randn(40, 30)] for _ in range(10)]
+    gradients = [[_drifting(step)] for step in range(10)]
     options = {"start_powerSGD_iter": 2, "error_check_every": 2, "max_bytes_fraction": 1.0}
     parameters = [torch.nn.Parameter(torch.zeros(40, 30))]
     exchange, state = _exchange(options, parameters)
@@ -194,7 +233,7 @@ def test_a_checkpoint_continues_the_uninterrupted_run(one_rank_group, tmp_path):
     torch.save(compress.hook_state_dict(state_before), tmp_path / "state.pt")
     resumed, fresh = _exchange(options, parameters)
     compress.load_hook_state_dict(fresh, load_package_file(tmp_path / "state.pt"))
-    assert fresh.setting == state_before.setting == 4
+    assert fresh.setting == state_before.setting == 8  # (raised at steps 2, 3 and 4, after a calibration at 1)
     after = [_step(resumed, parameters, step) for step in gradients[5:]]
     for expected, got in zip(through[5:], after):
         assert torch.equal(expected[0], got[0])
@@ -208,8 +247,9 @@ def test_a_large_bucket_is_checked_on_a_sample(one_rank_group):
     exchange, state = _exchange({"start_powerSGD_iter": 2, "error_check_every": 1, "max_error": 0.9999}, parameters)
     for _ in range(4):
         gradient = torch.randn(300, 200)
+        given = gradient + state.inner_state.error_dict.get(0, torch.zeros(60_000)).view(300, 200)
         averaged = _step(exchange, parameters, [gradient])
-    true_error = float((averaged[0] - gradient).norm() / gradient.norm())
+    true_error = float((averaged[0] - given).norm() / given.norm())
     assert state.checks[-1].relative_error == pytest.approx(true_error, rel=0.05)
     assert math.isfinite(state.checks[-1].relative_error) and state.setting == 1  # below 0.99: kept
 
@@ -222,7 +262,13 @@ def _checked_state(steps=7):
     parameters = [torch.nn.Parameter(torch.zeros(40, 30))]
     exchange, state = _exchange({"start_powerSGD_iter": 2, "error_check_every": 2, "max_bytes_fraction": 1.0},
                                 parameters)  # fmt: skip
-    run = lambda count: [_step(exchange, parameters, [torch.randn(40, 30)]) for _ in range(count)]  # noqa: E731
+    done: list[int] = []
+
+    def run(count):
+        for _ in range(count):
+            _step(exchange, parameters, [_drifting(len(done))])
+            done.append(1)
+
     run(steps)
     return state, run
 
@@ -230,12 +276,12 @@ def _checked_state(steps=7):
 def test_the_report_says_the_error_and_the_setting_it_ended_at(one_rank_group, capsys):
     from lightning_hetero.watch import report
 
-    state, _ = _checked_state()
+    state, _ = _checked_state(steps=5)
     summary = state.summary()
-    assert [check["step"] for check in summary["checks"]] == [2, 4, 6] and summary["current"] == 8
+    assert [check["step"] for check in summary["checks"]] == [1, 2, 3, 4] and summary["current"] == 8
     assert summary["bytes_fraction"] == pytest.approx(bound.powersgd_payload([(40, 30)], 8, 2.0) / 1200)
     text = report.error_bound_text(summary)
-    assert text == (f"; compression error {state.checks[-1].relative_error:.3f} at the last of 3 checks (max_error"
+    assert text == (f"; compression error {state.checks[-1].relative_error:.3f} at the last of 4 checks (max_error"
                     " 0.1) at matrix_approximation_rank 8 (raised from 1)")  # fmt: skip
     assert report.error_bound_text(None) == "" and report.error_bound_text({**summary, "last_error": None}) == ""
 
@@ -265,7 +311,7 @@ def test_the_monitor_logs_each_check_at_its_step_once(one_rank_group):
     monitor.on_train_batch_end(trainer, None, None, None, 0)
     monitor.on_train_batch_end(trainer, None, None, None, 1)  # nothing new: nothing logged twice
     checks = [(step, metrics) for step, metrics in logger.logged if "hetero/compression_error" in metrics]
-    assert len(state.checks) == 3 and checks == [
+    assert len(state.checks) == 6 and checks == [
         (check.step, {"hetero/compression_error": check.relative_error, "hetero/compression_rank": check.setting})
         for check in state.checks
     ]
