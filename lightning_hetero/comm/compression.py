@@ -12,7 +12,7 @@
   send as error feedback for the next step (:func:`~lightning_hetero.comm.topk.topk_hook`).
 * Both keep their loss (:mod:`~lightning_hetero.comm.error_bound`): every few steps the compressed average is checked
   against the exact one on a sample, and the rank (ratio) doubles while the error is above ``max_error`` (default
-  0.1; None for a fixed setting), within ``max_bytes_fraction`` of uncompressed bytes.
+  0.02; None for a fixed setting), within ``max_bytes_fraction`` of uncompressed bytes.
 * ``"int8"`` / ``"int4"``: with ``sync="local_sgd"`` or ``"diloco"`` only, the pseudo-gradient of a merge travels as
   8- or 4-bit integers with a scale per block and error feedback (:mod:`~.comm.quantize`).
 * any callable ``hook(state, bucket) -> Future[Tensor]`` with torch's DDP comm-hook signature, or a ``(hook, state)``

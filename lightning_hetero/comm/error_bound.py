@@ -20,9 +20,11 @@ differently) and raises at the same step. Raising PowerSGD's rank drops its warm
 (their shapes change; new ones start from its seeded generator, the same on every rank) and keeps the error feedback
 (shaped like the bucket).
 
-Why per step and with a fixed default: PowerSGD's rank 1, the usual default, ended 14-19 % above the uncompressed
-loss in 60-step runs here, while rank 4-8 kept it within 2 %; which rank a model needs is not known before its
-gradients are (a noisy high-rank gradient needs more than a smooth one), so it is measured.
+Why measured: PowerSGD's rank 1, the usual default, ended 18-19 % above the uncompressed loss in 60-step runs here
+(2.9x on the wide spiral classifier), while rank 4-8 kept it within 2 %; which rank a model needs is not known before
+its gradients are (a noisy high-rank gradient needs more than a smooth one). Why 0.02 by default: at 0.1 the
+examples' default spiral classifier settled at rank 4 (error 0.04) and ended 28 % above uncompressed after 60 steps;
+at 0.02 it took rank 9 and ended 3 % above (benchmarks/communication.py).
 
 Kept from torch's hook (``_should_compress``): a matrix is compressed only when ``min_compression_rate`` times its
 compressed size is below its size; vectors and small matrices travel whole.
@@ -40,7 +42,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
-ERROR_BOUND_DEFAULTS: dict[str, Any] = {"max_error": 0.1, "error_check_every": 5, "max_bytes_fraction": 0.1}
+ERROR_BOUND_DEFAULTS: dict[str, Any] = {"max_error": 0.02, "error_check_every": 5, "max_bytes_fraction": 0.1}
 ERROR_BOUND_KEYS = frozenset(ERROR_BOUND_DEFAULTS)
 ERROR_SAMPLE_ENTRIES = 2048  # entries of each bucket compared at a check (their exact all-reduce is the check's cost)
 SETTING = {"powersgd": "matrix_approximation_rank", "topk": "ratio"}
@@ -67,7 +69,7 @@ def check_error_bound_options(mode: str, given: Mapping[str, Any]) -> dict[str, 
     if isinstance(max_error, bool) or not isinstance(max_error, (int, float)) or not 0 < max_error < 1:
         raise ValueError(
             f"`compression_options={{'max_error': {max_error!r}}}` for compression={mode!r} must be a relative error"
-            " in (0, 1): the largest ||compressed - exact|| / ||exact|| of the averaged gradient to keep (e.g. 0.1),"
+            " in (0, 1): the largest ||compressed - exact|| / ||exact|| of the averaged gradient to keep (e.g. 0.02),"
             " or None for a fixed setting."
         )
     every = options["error_check_every"]
@@ -108,14 +110,18 @@ def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
 
 
 def largest_setting(
-    mode: str, shapes: Sequence[tuple[int, int]], max_bytes_fraction: float, min_compression_rate: float
+    mode: str,
+    shapes: Sequence[tuple[int, int]],
+    max_bytes_fraction: float,
+    min_compression_rate: float,
+    overhead: float = 0.0,
 ) -> float:
-    """The largest PowerSGD rank (top-k ratio) whose payload is within ``max_bytes_fraction`` of uncompressed (a
-    rank of at least 1)."""
-    if mode == "topk":
-        return max_bytes_fraction / TOPK_WIRE_FACTOR
+    """The largest PowerSGD rank (top-k ratio) whose payload, plus ``overhead`` entries per step (the checks'), is
+    within ``max_bytes_fraction`` of uncompressed (a rank of at least 1)."""
     whole = sum(rows * cols for rows, cols in shapes)
-    budget = max_bytes_fraction * whole
+    budget = max_bytes_fraction * whole - overhead
+    if mode == "topk":
+        return max(budget / whole, 0.0) / TOPK_WIRE_FACTOR if whole else max_bytes_fraction / TOPK_WIRE_FACTOR
     widest = max((min(rows, cols) for rows, cols in shapes), default=1)
     best = 1
     for rank in range(2, widest + 1):  # (the payload grows with the rank: a matrix left whole sends more)
@@ -205,7 +211,15 @@ class ErrorBoundState:
     def largest(self) -> float:
         shapes = [shape for bucket in self.shapes.values() for shape in bucket]
         rate = getattr(self.inner_state, "min_compression_rate", POWERSGD_MIN_COMPRESSION_RATE)
-        return largest_setting(self.mode, shapes, self.max_bytes_fraction, rate)
+        return largest_setting(self.mode, shapes, self.max_bytes_fraction, rate, self.check_overhead())
+
+    def check_overhead(self) -> float:
+        """The checks' entries on the wire per step, on average: each bucket's sample and the 2 agreed sums, every
+        ``every`` steps (counted in the budget, so that the exchange and its checks stay within it)."""
+        sampled = sum(
+            min(sum(rows * cols for rows, cols in bucket), ERROR_SAMPLE_ENTRIES) for bucket in self.shapes.values()
+        )
+        return (sampled + 2) / self.every
 
     def compressing(self) -> bool:
         """Whether this step is compressed (PowerSGD runs a plain all-reduce for ``start_powerSGD_iter`` steps)."""

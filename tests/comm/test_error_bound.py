@@ -78,6 +78,8 @@ def test_largest_setting_is_the_last_within_the_budget():
     assert bound.largest_setting("powersgd", [(64, 64)], 1.0, 2.0) == 16  # (64 + 64) * 16 * 2 == 64 * 64
     assert bound.largest_setting("powersgd", [(64, 64)], 0.99, 2.0) == 15
     assert bound.largest_setting("topk", [(10, 10)], 0.1, 2.0) == pytest.approx(0.05)  # a value and an index each
+    assert bound.largest_setting("topk", [(100, 100)], 0.1, 2.0, overhead=200) == pytest.approx(0.04)
+    assert bound.largest_setting("powersgd", [(1024, 1024)], 0.1, 2.0, overhead=2048) == 50  # (2048 fewer entries)
 
 
 @pytest.mark.parametrize(
@@ -104,7 +106,7 @@ def test_sample_indices_are_the_same_on_every_rank_and_change_with_the_step():
 
 
 def _exchange(options, parameters, mode="powersgd"):
-    choice = compress.check_compression(mode, options)
+    choice = compress.check_compression(mode, {"max_error": 0.1, **options})
     hook, state = compress.builtin_hook(choice, None)
     return HookedExchange(parameters, hook, state), state
 
@@ -144,17 +146,19 @@ def test_the_measured_error_is_the_true_one_and_the_rank_doubles_while_above(one
     assert checks[0].step == 2 and not checks[0].estimated  # the first compressed step; none in the warm-up
     for check, following in zip(checks, checks[1:]):
         assert following.step == check.step + (1 if check.raised_to else 3)
-    largest = bound.largest_setting("powersgd", [(40, 30), (30, 1)], 1.0, 2.0)
-    assert largest == 9  # from rank 9 the 40x30 matrix travels whole ((40 + 30) * 9 * 2 > 1200)
+    largest = state.largest()
+    # Rank 9 would send the 40x30 matrix whole ((40 + 30) * 9 * 2 > 1200): 1230 entries, more than the budget of
+    # 1230 less the checks' (1230 + 2) / 3 a step.
+    assert largest == 8 and bound.largest_setting("powersgd", [(40, 30), (30, 1)], 1.0, 2.0) == 9
     for check in checks:
         assert check.relative_error == pytest.approx(errors[check.step], rel=1e-5, abs=1e-6)
         assert check.setting == ranks[check.step]
         assert check.raised_to == bound.raised_setting(check.setting, check.relative_error, 0.1, largest)
         if check.raised_to:
             assert ranks[check.step + 1] == check.raised_to  # from the next step on
-    # Doubled while above 0.1: 1 -> 2 -> 4 -> 8 -> 9 (whole, so exact: the bound holds and the rank stays).
-    assert [check.raised_to for check in checks][:4] == [2, 4, 8, 9] and ranks[-1] == 9
-    assert all(check.relative_error < 1e-5 for check in checks[4:])
+    # Doubled while above 0.1: 1 -> 2 -> 4 -> 8, the largest; above it still, and held there.
+    assert [check.raised_to for check in checks] == [2, 4, 8] + [None] * (len(checks) - 3) and ranks[-1] == 8
+    assert all(check.relative_error > 0.1 for check in checks)
     assert state.inner_state.error_dict  # the error feedback survives the raises
 
 
@@ -193,27 +197,34 @@ def test_a_gradient_the_compression_carries_is_left_alone(one_rank_group):
     assert max(check.relative_error for check in state.checks) < 0.01
 
 
-def test_the_byte_budget_caps_the_rank(one_rank_group):
+def test_the_byte_budget_caps_the_rank_counting_the_checks(one_rank_group):
+    """A tenth of a 256x256 gradient's 65536 entries, less what the checks send (2048 sampled entries and 2 sums,
+    every step here): (65536 * 0.1 - 2050) / 512 allows rank 8, where the payload alone would allow 12. Rank 1 stays
+    through the rank-1 warm-up, then the checks double it to 8 and hold it there."""
     torch.manual_seed(0)
-    parameters = [torch.nn.Parameter(torch.zeros(64, 64))]
+    parameters = [torch.nn.Parameter(torch.zeros(256, 256))]
     exchange, state = _exchange({"start_powerSGD_iter": 2, "error_check_every": 1, "max_bytes_fraction": 0.1},
                                 parameters)  # fmt: skip
-    for step in range(10):
-        _step(exchange, parameters, [_drifting(step, 64, 64)])
-    # A tenth of 4096 entries allows rank 3 ((64 + 64) * 3 = 384 <= 409.6): 1 -> 2 -> 3, then held.
-    assert [check.raised_to for check in state.checks][:4] == [None, 2, 3, None] and state.setting == 3
+    for step in range(8):
+        _step(exchange, parameters, [_drifting(step, 256, 256)])
+    assert bound.largest_setting("powersgd", [(256, 256)], 0.1, 2.0) == 12
+    assert state.check_overhead() == 2050 and state.largest() == 8
+    assert [check.raised_to for check in state.checks][:5] == [None, 2, 4, 8, None] and state.setting == 8
     summary = state.summary()
-    assert summary["start"] == 1 and summary["current"] == summary["largest"] == 3
+    assert summary["start"] == 1 and summary["current"] == summary["largest"] == 8
+    assert summary["bytes_fraction"] + 2050 / 65536 <= 0.1 < state.bytes_fraction(9) + 2050 / 65536
     assert summary["last_error"] == state.checks[-1].relative_error > 0.1
 
 
 def test_topk_doubles_its_ratio(one_rank_group):
     torch.manual_seed(0)
-    parameters = [torch.nn.Parameter(torch.zeros(2000))]
-    exchange, state = _exchange({"ratio": 0.01, "error_check_every": 1}, parameters, mode="topk")
+    parameters = [torch.nn.Parameter(torch.zeros(100_000))]
+    options = {"ratio": 0.01, "error_check_every": 1, "max_bytes_fraction": 0.1}
+    exchange, state = _exchange(options, parameters, mode="topk")
     for _ in range(4):
-        _step(exchange, parameters, [torch.randn(2000)])
-    assert [check.setting for check in state.checks] == pytest.approx([0.01, 0.02, 0.04, 0.05])
+        _step(exchange, parameters, [torch.randn(100_000)])
+    # At most (0.1 * 100000 - 2050) / 100000 / 2: a value and an index per entry, and the checks' entries.
+    assert [check.setting for check in state.checks] == pytest.approx([0.01, 0.02, 0.03975, 0.03975])
     assert state.summary()["setting"] == "ratio"
 
 
@@ -311,7 +322,7 @@ def test_the_monitor_logs_each_check_at_its_step_once(one_rank_group):
     monitor.on_train_batch_end(trainer, None, None, None, 0)
     monitor.on_train_batch_end(trainer, None, None, None, 1)  # nothing new: nothing logged twice
     checks = [(step, metrics) for step, metrics in logger.logged if "hetero/compression_error" in metrics]
-    assert len(state.checks) == 6 and checks == [
+    assert len(state.checks) == 5 and checks == [
         (check.step, {"hetero/compression_error": check.relative_error, "hetero/compression_rank": check.setting})
         for check in state.checks
     ]
