@@ -86,6 +86,7 @@ def forget_bucket_state(state: Any) -> None:
     """Drop per-bucket state (error feedback, PowerSGD's P and Q) when the buckets change."""
     if isinstance(state, ErrorBoundState):  # its byte budget counts the buckets it sees; the rest is the inner state's
         state.shapes.clear()
+        state.shapes_complete = False
         state = state.inner_state
     for slot in ("error_dict", "p_memory_dict", "q_memory_dict"):
         if isinstance(getattr(state, slot, None), dict):
@@ -263,6 +264,8 @@ class Communication:
             engine.module.parameters(), hook, state, nodes, engine.is_gradient_accumulation_boundary, should_skip
         )
         engine.allreduce_gradients = self.exchange
+        if isinstance(state, ErrorBoundState):  # its checks are recorded at the optimizer step (a resume's too)
+            state.step_label = lambda: int(getattr(engine, "global_steps", state.steps_done))
         self._undo = lambda: engine.__dict__.pop("allreduce_gradients", None)
 
     def detach(self) -> None:
@@ -308,9 +311,12 @@ class Communication:
         compress.load_hook_state_dict(self.exchange.state, move_data_to_device(state, device))
 
     def error_bound(self) -> Optional[ErrorBoundState]:
-        """The compression's error bound (``max_error``), where this rank runs the hook; else None."""
-        state = self.exchange.state if self.exchange is not None else None
-        return state if isinstance(state, ErrorBoundState) else None
+        """The compression's error bound (``max_error``), where this rank runs the hook; else None (in a hierarchical
+        reduction only the node leaders do)."""
+        exchange = self.exchange
+        if exchange is None or (exchange.nodes is not None and not exchange.nodes.is_leader):
+            return None
+        return exchange.state if isinstance(exchange.state, ErrorBoundState) else None
 
     def summary(self) -> dict[str, Any]:
         bound = self.error_bound()

@@ -1,41 +1,31 @@
 """Compression that keeps its loss: ``compression_options={"max_error": ...}`` for ``"powersgd"`` and ``"topk"``.
 
-At the first compressed step (after PowerSGD's uncompressed warm-up), then every ``error_check_every`` optimizer steps
-and at the step after each raise, the compressed average of every bucket is compared with the exact average on a
-sample of its entries: each rank all-reduces only those entries, uncompressed, before the hook runs. The step's
-relative error is ``||compressed - exact|| / ||exact||`` over the samples, each bucket's sums scaled by its size over
-its sample. "Exact" is what the compression was given: the gradient plus the error feedback it carries from earlier
-steps (both hooks keep what they did not send and add it to the next step's). So the figure is how much of this step's
-input the setting fails to carry, without the spike that the feedback's release after a raise would add to an error
-against the gradient alone. When it is above ``max_error``, PowerSGD's rank (top-k's ratio) doubles from the next step
-on, as long as the compressed payload stays within ``max_bytes_fraction`` of the uncompressed one (the largest
-setting that fits when doubling would not).
+At the first compressed step, every ``error_check_every`` steps and at the step after each raise, each rank
+all-reduces, uncompressed, a sample of each bucket's entries of what it gives the hook (its gradient plus the error
+feedback the hook carries: so a raise's release of that feedback is not read as the new setting's error), and compares
+the compressed average there: the relative error ``||compressed - exact|| / ||exact||``, each bucket scaled by its size
+over its sample. Above ``max_error``, PowerSGD's rank (top-k's ratio) doubles from the next step, never past what
+``max_bytes_fraction`` of the uncompressed bytes allows (the checks' own entries counted). A raise drops PowerSGD's
+warm-started P and Q (shaped by the rank; new ones come from its seeded generator, the same on every rank) and keeps
+the error feedback.
 
-Before the first compressed step, on PowerSGD's last uncompressed one (whose result is the exact average), the bound
-estimates what PowerSGD's first step would lose at the rank and at each doubling up to the largest, locally, and starts
-at the smallest within ``max_error``: the steps compressed at too low a rank until checks raise it are what cost loss
-(and raising releases the error feedback those steps held back, all at once). Each check and each calibration ends
-with one small all-reduce of its sums, so every rank decides on the same numbers (devices of different kinds round
-differently) and raises at the same step. Raising PowerSGD's rank drops its warm-started P and Q
-(their shapes change; new ones start from its seeded generator, the same on every rank) and keeps the error feedback
-(shaped like the bucket).
+On PowerSGD's last uncompressed step, whose result is the exact average, the bound estimates PowerSGD's first step at
+the rank and each doubling up to the budget, locally, and starts at the first within ``max_error``: steps at too low
+a rank until checks raise it are what cost loss. Each check and calibration ends with one all-reduce of its sums, so
+every rank decides on the same numbers (devices of different kinds round differently) at the same step.
 
-Why measured: PowerSGD's rank 1, the usual default, ended 18-19 % above the uncompressed loss in 60-step runs here
-(2.9x on the wide spiral classifier), while rank 4-8 kept it within 2 %; which rank a model needs is not known before
-its gradients are (a noisy high-rank gradient needs more than a smooth one). Why 0.02 by default: at 0.1 the
-examples' default spiral classifier settled at rank 4 (error 0.04) and ended 28 % above uncompressed after 60 steps;
-at 0.02 it took rank 9 and ended 3 % above (benchmarks/communication.py).
-
-Kept from torch's hook (``_should_compress``): a matrix is compressed only when ``min_compression_rate`` times its
-compressed size is below its size; vectors and small matrices travel whole.
+Why measured: rank 1 ended 18-19 % above the uncompressed loss after 60 steps here (2.9x on the wide spiral
+classifier), rank 4-8 within 2 %; which rank a model needs depends on its gradients. Why 0.02: at 0.1 the examples'
+default spiral classifier settled at rank 4 (error 0.04) and ended 28 % above; at 0.02, 3 % (benchmarks/
+communication.py).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -164,11 +154,13 @@ def candidate_settings(start: float, largest: float) -> list[float]:
 
 
 def sample_indices(numel: int, step: int, bucket: int, count: int = ERROR_SAMPLE_ENTRIES) -> Tensor:
-    """The entries a check compares: the same on every rank (seeded by the step and the bucket), all when few."""
+    """The entries a check compares: the same on every rank (seeded by the step and the bucket), all when few.
+    Drawn with replacement (an unbiased estimate all the same), so a 25 MiB bucket costs ``count`` draws, not a
+    permutation of its millions of entries."""
     if numel <= count:
         return torch.arange(numel)
     generator = torch.Generator().manual_seed(1_000_003 * step + bucket)
-    return torch.randperm(numel, generator=generator)[:count]
+    return torch.randint(numel, (count,), generator=generator)
 
 
 @dataclass(frozen=True)
@@ -198,11 +190,14 @@ class ErrorBoundState:
         self.next_check = 0  # the first step compressed, then every `every` steps; the next one after a raise
         self.checks: list[ErrorCheck] = []
         self.shapes: dict[int, list[tuple[int, int]]] = {}  # bucket index -> its gradients as matrices
+        self.shapes_complete = False  # every bucket seen since the buckets last changed (the budget needs them all)
+        self.step_label: Callable[[], int] = lambda: self.steps_done  # the optimizer step a check is recorded at
         self.device = torch.device("cpu")  # the gradients' (a collective of this state's runs there: NCCL needs CUDA)
         self._checking = self._calibrating = False
         self._estimates: dict[float, float] = {}  # a calibration's squared errors per candidate setting, so far
+        self._candidates: list[float] = []  # the settings a calibration compares (fixed at its first bucket)
         self._capped_said = False  # (said once per fit: the error stays above the bound at the largest setting)
-        self._sums = [0.0, 0.0]  # this step's scaled squared error and squared exact norm, over the buckets so far
+        self._sums = torch.zeros(2, dtype=torch.float64)  # this step's scaled squared error and exact norm, so far
 
     @property
     def setting(self) -> float:
@@ -233,14 +228,18 @@ class ErrorBoundState:
 
     def calibrates_now(self) -> bool:
         """PowerSGD's last uncompressed step: its result is the exact average, on which the first compressed step's
-        setting is chosen (so that a model whose gradients need rank 8 does not take its first steps at rank 1)."""
-        return self.mode == "powersgd" and self.inner_state.iter == self.inner_state.start_powerSGD_iter - 1
+        setting is chosen (so that a model whose gradients need rank 8 does not take its first steps at rank 1).
+        Only when every bucket's shapes are known from an earlier step (the candidates run up to the budget's
+        largest); otherwise (a resume on that very step, buckets that just changed) the checks alone raise it."""
+        if self.mode != "powersgd" or not self.shapes_complete:
+            return False
+        return self.inner_state.iter == self.inner_state.start_powerSGD_iter - 1
 
     def estimate(self, index: int, averaged: Tensor) -> None:
         """Add this bucket's squared error at every candidate setting, and its squared norm, to the calibration."""
         rate = getattr(self.inner_state, "min_compression_rate", POWERSGD_MIN_COMPRESSION_RATE)
         self._sums[1] += float(averaged.float().square().sum())
-        offset, settings = 0, candidate_settings(self.setting, self.largest())
+        offset, settings = 0, self._candidates
         for rows, cols in self.shapes[index]:
             matrix = averaged[offset : offset + rows * cols].view(rows, cols).float()
             offset += rows * cols
@@ -250,20 +249,21 @@ class ErrorBoundState:
                     error = first_power_step_error(matrix, int(setting), generator)
                     self._estimates[setting] = self._estimates.get(setting, 0.0) + error
 
-    def _agreed(self, values: Sequence[float]) -> list[float]:
+    def _agreed(self, values: Union[Tensor, Sequence[float]]) -> list[float]:
         """The ranks' mean of ``values``: the same numbers on every rank, however each computed its own (devices of
         different kinds round differently), so every rank takes the same decision."""
         group = getattr(self.inner_state, "process_group", None) or dist.group.WORLD
-        tensor = torch.tensor(list(values), dtype=torch.float64, device=self.device)
+        tensor = torch.as_tensor(values, dtype=torch.float64).to(self.device)
         dist.all_reduce(tensor, group=group)
         return (tensor / dist.get_world_size(group)).tolist()
 
     def _end_calibration(self) -> None:
-        settings = candidate_settings(self.setting, self.largest())
-        *errors, norm = self._agreed([*(self._estimates.get(setting, 0.0) for setting in settings), self._sums[1]])
+        settings = self._candidates
+        estimates = [self._estimates.get(setting, 0.0) for setting in settings]
+        *errors, norm = self._agreed([*estimates, float(self._sums[1])])
         relative = [math.sqrt(error / norm) if norm > 0 else 0.0 for error in errors]
         chosen = next((s for s, e in zip(settings, relative) if e <= self.max_error), settings[-1])
-        self.checks.append(ErrorCheck(self.steps_done, relative[0], self.setting,
+        self.checks.append(ErrorCheck(self.step_label(), relative[0], self.setting,
                                       chosen if chosen != self.setting else None, estimated=True))  # fmt: skip
         if chosen != self.setting:
             estimate = ", ".join(f"{s:g}: {e:.3f}" for s, e in zip(settings, relative))
@@ -275,7 +275,7 @@ class ErrorBoundState:
             )
             rank_zero_info(
                 f"HeteroStrategy: {self.mode} starts at {SETTING[self.mode]} {chosen:g}, not {self.setting:g}: its"
-                f" estimated relative error on step {self.steps_done}'s averaged gradient per"
+                f" estimated relative error on step {self.step_label()}'s averaged gradient per"
                 f" {SETTING[self.mode]} ({estimate}): {why}."
             )
             self.change_setting(chosen)
@@ -283,18 +283,26 @@ class ErrorBoundState:
     def end_step(self) -> None:
         if self._calibrating:
             self._end_calibration()
+        self.shapes_complete = True
         if self._checking:
             error_sq, exact_sq = self._agreed(self._sums)
+            if not (math.isfinite(error_sq) and math.isfinite(exact_sq)):
+                # A non-finite gradient (the non-finite step guard deals with it): no figure, no raise; the next
+                # step is checked instead (every rank sees the same agreed sums, so every rank skips alike).
+                self.next_check = self.steps_done + 1
+                self.steps_done += 1
+                self._checking = self._calibrating = False
+                return
             relative = math.sqrt(error_sq / exact_sq) if exact_sq > 0 else 0.0
             largest = self.largest()
             raised = raised_setting(self.setting, relative, self.max_error, largest)
-            self.checks.append(ErrorCheck(self.steps_done, relative, self.setting, raised))
+            self.checks.append(ErrorCheck(self.step_label(), relative, self.setting, raised))
             # After a raise the next step is checked too: the steps compressed too coarsely in a row, until the
             # setting holds the bound, are what cost loss (at every 5 steps, 1 -> 8 took 15 steps of a 60-step run).
             self.next_check = self.steps_done + (1 if raised is not None else self.every)
             if raised is not None:
                 rank_zero_info(
-                    f"HeteroStrategy: {self.mode}'s relative error {relative:.3f} at step {self.steps_done} is above"
+                    f"HeteroStrategy: {self.mode}'s relative error {relative:.3f} at step {self.step_label()} is above"
                     f" max_error {self.max_error:g}: {SETTING[self.mode]} {self.setting:g} -> {raised:g} from the next"
                     f" step ({self.bytes_fraction(raised):.3g} of uncompressed bytes; the most within"
                     f" max_bytes_fraction {self.max_bytes_fraction:g} is {largest:g})."
@@ -303,8 +311,8 @@ class ErrorBoundState:
             elif relative > self.max_error and not self._capped_said:
                 self._capped_said = True
                 rank_zero_info(
-                    f"HeteroStrategy: {self.mode}'s relative error {relative:.3f} at step {self.steps_done} stays above"
-                    f" max_error {self.max_error:g} at {SETTING[self.mode]} {self.setting:g}, the most that"
+                    f"HeteroStrategy: {self.mode}'s relative error {relative:.3f} at step {self.step_label()} stays"
+                    f" above max_error {self.max_error:g} at {SETTING[self.mode]} {self.setting:g}, the most that"
                     f" max_bytes_fraction {self.max_bytes_fraction:g} allows: raise max_bytes_fraction to send more,"
                     " or accept the error."
                 )
@@ -355,7 +363,8 @@ def error_bounded_hook(state: ErrorBoundState, bucket: Any) -> torch.futures.Fut
     if index == 0:
         state._checking = state.compressing() and state.steps_done >= state.next_check
         state._calibrating = state.calibrates_now()
-        state._sums, state._estimates = [0.0, 0.0], {}
+        state._sums, state._estimates = torch.zeros(2, dtype=torch.float64, device=state.device), {}
+        state._candidates = candidate_settings(state.setting, state.largest()) if state._calibrating else []
     sample = exact = None
     if state._checking:
         buffer = bucket.buffer()
@@ -375,8 +384,8 @@ def error_bounded_hook(state: ErrorBoundState, bucket: Any) -> torch.futures.Fut
     if sample is not None and exact is not None:
         scale = bucket.buffer().numel() / sample.numel()
         compressed = result.index_select(0, sample).float()
-        state._sums[0] += scale * float((compressed - exact).square().sum())
-        state._sums[1] += scale * float(exact.square().sum())
+        state._sums[0] += scale * (compressed - exact).double().square().sum()  # (on the device: one sync a step)
+        state._sums[1] += scale * exact.double().square().sum()
     if bucket.is_last():
         state.end_step()
     future: torch.futures.Future[Tensor] = torch.futures.Future()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch import LightningModule
@@ -309,9 +309,10 @@ def mixed_precision_reference(
     return flat_after_batch
 
 
-def full_data_loss(dataset: IndexedRegression, flat_parameters: torch.Tensor) -> float:
-    """The mean loss over the whole dataset of the network with these (flat) parameters."""
-    network = make_network()
+def full_data_loss(dataset: IndexedRegression, flat_parameters: torch.Tensor, **architecture: Any) -> float:
+    """The mean loss over the whole dataset of the network with these (flat) parameters (``architecture``: the
+    arguments of :func:`make_network` it was built with)."""
+    network = make_network(**architecture)
     torch.nn.utils.vector_to_parameters(flat_parameters.float(), network.parameters())
     with torch.no_grad():
         return batch_loss(network, dataset.x, dataset.y).item()
