@@ -16,7 +16,7 @@ every rank decides on the same numbers (devices of different kinds round differe
 
 Why measured: rank 1 ended 18-19 % above the uncompressed loss after 60 steps here (2.9x on the wide spiral
 classifier), rank 4-8 within 2 %; which rank a model needs depends on its gradients. Why 0.02: at 0.1 the examples'
-default spiral classifier settled at rank 4 (error 0.04) and ended 28 % above; at 0.02, 3 % (benchmarks/
+default spiral classifier settled at rank 4 (error 0.04) and ended 28 % above; at 0.02, 2.6-4.5 % (benchmarks/
 communication.py).
 """
 
