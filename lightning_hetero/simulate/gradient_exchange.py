@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from lightning_hetero.comm.compression import check_compression, check_exchange
+from lightning_hetero.comm.error_bound import POWERSGD_MIN_COMPRESSION_RATE, powersgd_payload
 from lightning_hetero.comm.topology import Topology, decide_hierarchical
 from lightning_hetero.simulate.cluster import Cluster, Link
 from lightning_hetero.simulate.device_model import PARAMETER_BYTES
@@ -35,11 +36,10 @@ def gradient_payload_bytes(workload: Workload, compression: Optional[str], optio
     """What one rank contributes to the gradient reduction per step."""
     if compression in ("fp16", "bf16"):
         return 2.0 * workload.parameters
-    if compression == "powersgd":
+    if compression == "powersgd":  # at its starting rank (an error bound may raise it during the run)
         rank = options.get("matrix_approximation_rank", 1)
-        return PARAMETER_BYTES * sum(
-            rank * (rows + cols) if cols > 1 and rows > 1 else rows * cols for rows, cols in workload.matrix_shapes
-        )
+        rate = options.get("min_compression_rate", POWERSGD_MIN_COMPRESSION_RATE)
+        return PARAMETER_BYTES * float(powersgd_payload(workload.matrix_shapes, rank, rate))
     return PARAMETER_BYTES * float(workload.parameters)
 
 

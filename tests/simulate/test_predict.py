@@ -119,6 +119,11 @@ def test_gradient_payloads():
     assert gradient_payload_bytes(WORKLOAD, "bf16", {}) == 2e6
     # PowerSGD of rank 2: P and Q of the matrix, the vector uncompressed
     assert gradient_payload_bytes(WORKLOAD, "powersgd", {"matrix_approximation_rank": 2}) == 4 * (2 * 1999 + 1000)
+    # torch's rule, as the package's exchange applies it: from the rank where compressing no longer sends
+    # min_compression_rate times fewer entries, the matrix travels whole (its rows x cols, not rank x (rows + cols))
+    whole = 4 * (1000 * 999 + 1000)
+    assert gradient_payload_bytes(WORKLOAD, "powersgd", {"matrix_approximation_rank": 250}) == whole
+    assert gradient_payload_bytes(WORKLOAD, "powersgd", {"matrix_approximation_rank": 249}) == 4 * (249 * 1999 + 1000)
 
 
 TWO_NODES = """\
