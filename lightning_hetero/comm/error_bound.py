@@ -203,10 +203,17 @@ class ErrorBoundState:
     def setting(self) -> float:
         return getattr(self.inner_state, SETTING[self.mode])
 
+    # Every bucket's gradients as PowerSGD views them; PowerSGD's min_compression_rate (top-k has none); the hook's
+    # group (every rank, or the node leaders in a hierarchical reduction).
+    matrices = property(lambda self: [shape for bucket in self.shapes.values() for shape in bucket])
+    compression_rate = property(
+        lambda self: getattr(self.inner_state, "min_compression_rate", POWERSGD_MIN_COMPRESSION_RATE)
+    )
+    group = property(lambda self: getattr(self.inner_state, "process_group", None) or dist.group.WORLD)
+
     def largest(self) -> float:
-        shapes = [shape for bucket in self.shapes.values() for shape in bucket]
-        rate = getattr(self.inner_state, "min_compression_rate", POWERSGD_MIN_COMPRESSION_RATE)
-        return largest_setting(self.mode, shapes, self.max_bytes_fraction, rate, self.check_overhead())
+        rate, overhead = self.compression_rate, self.check_overhead()
+        return largest_setting(self.mode, self.matrices, self.max_bytes_fraction, rate, overhead)
 
     def check_overhead(self) -> float:
         """The checks' entries on the wire per step, on average: each bucket's sample and the 2 agreed sums, every
@@ -237,7 +244,7 @@ class ErrorBoundState:
 
     def estimate(self, index: int, averaged: Tensor) -> None:
         """Add this bucket's squared error at every candidate setting, and its squared norm, to the calibration."""
-        rate = getattr(self.inner_state, "min_compression_rate", POWERSGD_MIN_COMPRESSION_RATE)
+        rate = self.compression_rate
         self._sums[1] += float(averaged.float().square().sum())
         offset, settings = 0, self._candidates
         for rows, cols in self.shapes[index]:
@@ -252,10 +259,9 @@ class ErrorBoundState:
     def _agreed(self, values: Union[Tensor, Sequence[float]]) -> list[float]:
         """The ranks' mean of ``values``: the same numbers on every rank, however each computed its own (devices of
         different kinds round differently), so every rank takes the same decision."""
-        group = getattr(self.inner_state, "process_group", None) or dist.group.WORLD
         tensor = torch.as_tensor(values, dtype=torch.float64).to(self.device)
-        dist.all_reduce(tensor, group=group)
-        return (tensor / dist.get_world_size(group)).tolist()
+        dist.all_reduce(tensor, group=self.group)
+        return (tensor / dist.get_world_size(self.group)).tolist()
 
     def _end_calibration(self) -> None:
         settings = self._candidates
@@ -323,9 +329,9 @@ class ErrorBoundState:
         """What the exchange sends at ``setting``, relative to uncompressed (as far as the buckets seen so far go)."""
         if self.mode == "topk":
             return TOPK_WIRE_FACTOR * setting
-        shapes = [shape for bucket in self.shapes.values() for shape in bucket]
-        rate = getattr(self.inner_state, "min_compression_rate", POWERSGD_MIN_COMPRESSION_RATE)
-        return powersgd_payload(shapes, int(setting), rate) / max(1, sum(rows * cols for rows, cols in shapes))
+        shapes = self.matrices
+        whole = max(1, sum(rows * cols for rows, cols in shapes))
+        return powersgd_payload(shapes, int(setting), self.compression_rate) / whole
 
     def summary(self) -> dict[str, Any]:
         """The report's ``communication.error_bound``."""
@@ -359,7 +365,8 @@ def error_bounded_hook(state: ErrorBoundState, bucket: Any) -> torch.futures.Fut
     """The inner hook on ``bucket``, checked against the exact average of a sample at a check step."""
     index = bucket.index()
     state.device = bucket.buffer().device
-    state.shapes[index] = [matrix_shape(gradient.shape) for gradient in bucket.gradients()]
+    if index not in state.shapes:  # (cleared when the buckets change: forget_bucket_state)
+        state.shapes[index] = [matrix_shape(parameter.shape) for parameter in bucket.parameters()]
     if index == 0:
         state._checking = state.compressing() and state.steps_done >= state.next_check
         state._calibrating = state.calibrates_now()
@@ -373,9 +380,8 @@ def error_bounded_hook(state: ErrorBoundState, bucket: Any) -> torch.futures.Fut
         feedback = getattr(state.inner_state, "error_dict", {}).get(index)
         if feedback is not None:  # (what the hook will add to this rank's input; none before its first step)
             exact += feedback.index_select(0, sample).float()
-        group = getattr(state.inner_state, "process_group", None) or dist.group.WORLD
-        dist.all_reduce(exact, group=group)
-        exact.div_(dist.get_world_size(group))
+        dist.all_reduce(exact, group=state.group)
+        exact.div_(dist.get_world_size(state.group))
     result = state.inner_hook(state.inner_state, bucket).wait()
     if isinstance(result, (list, tuple)):
         result = result[0]
