@@ -15,6 +15,8 @@ Pure tensor functions; :class:`lightning_hetero.train.local_sgd.LocalTraining` c
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -54,6 +56,23 @@ def dequantize(payload: Tensor, scales: Tensor, bits: int, numel: int, block: in
         high = (payload >> 4).to(torch.int16) - 8
         integers = torch.stack((low, high), dim=1).reshape(-1).to(torch.float32)
     return (integers.view(-1, block) * scales[:, None]).reshape(-1)[:numel]
+
+
+def quantize_with_feedback(
+    values: Tensor, feedback: Tensor, ranges: Sequence[tuple[int, int]], bits: int
+) -> tuple[Tensor, Tensor]:
+    """``values`` (the model's values in ``ranges`` of ``feedback``, concatenated) with what rounding left out of them
+    before added, :func:`quantize`d; what this rounding leaves out replaces ``feedback`` in those ranges."""
+    values = values + torch.cat([feedback[begin:end] for begin, end in ranges])
+    payload, scales = quantize(values, bits)
+    # (a non-finite value makes its block's scale non-finite; the merge carries it as fp32 would, but what is left
+    # for the next merge must not carry it on for good)
+    left = torch.nan_to_num(values - dequantize(payload, scales, bits, values.numel()), 0.0, 0.0, 0.0)
+    offset = 0
+    for begin, end in ranges:
+        feedback[begin:end] = left[offset : offset + end - begin]
+        offset += end - begin
+    return payload, scales
 
 
 def wire_bytes(numel: int, bits: int, block: int = BLOCK) -> int:

@@ -219,42 +219,6 @@ def sync_overlap(sync_options: Optional[Mapping[str, Any]], sync_every: int) -> 
     return int(steps) if steps is not None else 1
 
 
-def due_fragments(steps_done: int, sync_every: int, fragments: int, last_of_epoch: bool) -> tuple[int, ...]:
-    """The fragments that merge after ``steps_done`` training steps of the fit: fragment f every ``sync_every`` steps,
-    ``sync_every / fragments`` steps after fragment f - 1; all of them at the end of each epoch (so that evaluation
-    and the epoch's checkpoint see one model). With one fragment: :func:`is_sync_step`."""
-    if last_of_epoch:
-        return tuple(range(fragments))
-    interval = sync_every // fragments
-    if steps_done % interval:
-        return ()
-    return ((steps_done // interval - 1) % fragments,)
-
-
-def fragment_bounds(sizes: Sequence[int], fragments: int) -> list[tuple[int, int]]:
-    """The parameter tensors (of ``sizes`` values each, in the model's order) cut into ``fragments`` contiguous
-    groups ``[begin, end)``, each non-empty, with as equal a number of values as whole tensors allow."""
-    if not 1 <= fragments <= len(sizes):
-        raise ValueError(
-            f"`sync_options['fragments']={fragments}`: the model trains {len(sizes)} parameter tensors, and each"
-            f" fragment needs at least one. Use at most {len(sizes)} fragments."
-        )
-    total = sum(sizes)
-    bounds, begin, done = [], 0, 0
-    for fragment in range(fragments):
-        left_after = fragments - fragment - 1  # fragments still to fill, a tensor each at least
-        end, done = begin + 1, done + sizes[begin]
-        target = total * (fragment + 1) / fragments
-        while end < len(sizes) - left_after and (
-            left_after == 0 or abs(done + sizes[end] - target) < abs(done - target)
-        ):
-            done += sizes[end]
-            end += 1
-        bounds.append((begin, end))
-        begin = end
-    return bounds
-
-
 def is_sync_step(steps_done: int, sync_every: int, last_of_epoch: bool) -> bool:
     """Whether the ranks synchronize after ``steps_done`` training steps of the fit: every ``sync_every``, and at the
     end of each epoch (so that evaluation and the epoch's checkpoint see one model)."""

@@ -8,23 +8,21 @@ sends its pseudo-gradient ``anchor - parameters`` weighted by its share of the s
 ``compression="int8"``/``"int4"`` a gather of each rank's quantized delta instead, see :mod:`~.comm.quantize`), and
 every rank applies the same outer step to the anchor: ``anchor - average`` for local SGD (the sample-weighted average
 of the ranks' parameters), an outer SGD step with the average as its gradient for DiLoCo. Every rank then holds the
-same parameters, which become the next anchor. With ``sync_options={"fragments": F}`` (streaming) the parameter
-tensors are cut into F contiguous fragments that merge in turn, one every ``sync_every / F`` steps, each weighted by
-the samples since its own last merge; between its merges a fragment trains on, so 1/F of the model crosses the wire
-at a time.
+same parameters, which become the next anchor. With ``sync_options={"fragments": F}`` (streaming) the model's values
+are cut into F contiguous fragments of equal size (inside a tensor where one ends there, :mod:`~.plan.fragments`)
+that merge in turn, one every ``sync_every / F`` steps, each weighted by the samples since its own last merge;
+between its merges a fragment trains on, so 1/F of the model crosses the wire at a time. The anchor, and DiLoCo's
+outer optimizer, hold one tensor per piece of a parameter tensor (the tensor itself where it is not cut).
 
 With ``sync_options={"overlap": True}`` a merge inside an epoch does not wait for the link. The ranks sum their
 sample counts (a few bytes), start the exchange of their weighted progress in the background and train on;
 ``"overlap_steps": k`` training steps later (1 by default, at most the next merge) each rank waits for it and applies
-its outer step, stale by k steps (as streaming DiLoCo's overlap). Until then each rank's own progress stands in for
-the average it sent: the rank takes the outer step it would take if its progress were the average (eager DiLoCo, Kale
-et al. 2025; the outer optimizer's state is left alone), and when the average arrives, its parameters become the new
-anchor, the same on every rank, plus what the rank trained since it sent. So the anchor is the same on every rank
-after every merge, and the parameters too at an epoch's end, a checkpoint and a validation, where the ranks wait for
-the merge in flight and then merge what they trained since, as without overlap. The staler the outer step, the more
-loss it costs, and k steps must outlast the link's time for the wait to stay hidden; the step is counted, not the
-arrival, so every rank applies it at the same step. It keeps one more copy of the parameters (what each rank trained
-from since it last sent).
+its outer step, stale by k steps (as streaming DiLoCo's overlap; the step is counted, not the arrival, so every rank
+applies it at the same step). Meanwhile each rank takes the outer step its own progress would give if it were the
+average (eager DiLoCo, Kale et al. 2025; the outer optimizer's state left alone); when the average arrives, its
+parameters become the new anchor, the same on every rank, plus what the rank trained since it sent. An epoch's end, a
+checkpoint and a validation wait for the merge in flight and then merge what the ranks trained since, so they see one
+model. It keeps one more copy of the parameters (what each rank trained from since it last sent).
 
 A checkpoint is a synchronization (the strategy synchronizes before saving), so what it must add to DeepSpeed's files
 is per rank: each rank's inner optimizer state (DeepSpeed's ZeRO-0 checkpoint holds rank 0's only), the outer
@@ -34,6 +32,7 @@ optimizer state, the count of training steps and a quantized merge's error feedb
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ import torch
 from torch import Tensor
 
 from lightning_hetero.comm import quantize
-from lightning_hetero.plan.local_steps import due_fragments, fragment_bounds
+from lightning_hetero.plan.fragments import Piece, due_fragments, fragment_pieces
 from lightning_hetero.runtime.safe_load import load_package_file
 
 STATE_DIRNAME = "hetero_local_sgd"
@@ -57,9 +56,9 @@ Background = Callable[[Tensor, bool], Callable[[], Any]]
 
 @dataclass
 class InFlightMerge:
-    """A merge sent and not yet applied: the parameter tensors it merges, and a wait for the ranks' average."""
+    """A merge sent and not yet applied: the pieces it merges, and a wait for the ranks' average."""
 
-    tensors: list[int]
+    pieces: list[int]
     average: Callable[[], Tensor]
     sent_at: int  # the training step (of the fit) it was sent after
 
@@ -69,15 +68,8 @@ class LocalTraining:
     ``fragments``: the streaming merge's, 1 merges every parameter at once; ``overlap``: None waits for each merge,
     else the training steps after which a merge sent in the background is applied)."""
 
-    def __init__(
-        self,
-        mode: str,
-        sync_every: int,
-        outer: Optional[dict[str, Any]],
-        compression: Optional[str],
-        fragments: int = 1,
-        overlap: Optional[int] = None,
-    ) -> None:
+    def __init__(self, mode: str, sync_every: int, outer: Optional[dict[str, Any]], compression: Optional[str],
+                 fragments: int = 1, overlap: Optional[int] = None) -> None:  # fmt: skip
         self.mode, self.sync_every, self.outer_settings = mode, sync_every, outer
         self.fragments, self.overlap_steps = fragments, overlap
         self.overlap = overlap is not None
@@ -92,10 +84,11 @@ class LocalTraining:
         # every rank: what decides an extra synchronization).
         self._samples: list[int] = [0] * fragments
         self._steps: list[int] = [0] * fragments
-        self._bounds: list[tuple[int, int]] = [(0, 0)]  # each fragment's parameter tensors [begin, end)
+        self._pieces: list[Piece] = []  # the parameter tensors' pieces (plan/fragments.py)
+        self._bounds: list[tuple[int, int]] = [(0, 0)]  # each fragment's pieces [begin, end)
         self._parameters: list[torch.nn.Parameter] = []
-        self._anchor: list[Tensor] = []
-        # Overlap: what each parameter tensor trained from since its last merge was sent (without overlap, the anchor)
+        self._anchor: list[Tensor] = []  # per piece
+        # Overlap: what each piece trained from since its last merge was sent (without overlap, the anchor)
         self._base: list[Tensor] = []
         self._in_flight: Optional[InFlightMerge] = None
         # Wall time this rank waited for its merges' exchanges (the link), not for the other ranks to reach a merge
@@ -126,12 +119,13 @@ class LocalTraining:
 
     def attach(self, parameters: list[torch.nn.Parameter], inner_optimizer: Any) -> None:
         """DeepSpeed's engine exists: anchor the parameters it trains, create the outer optimizer over the anchor.
-        The fragments are cut here, the same on every rank (the same model); too many for its tensors is refused
+        The fragments are cut here, the same on every rank (the same model); too many for its values is refused
         before any collective."""
-        self._bounds = fragment_bounds([p.numel() for p in parameters], self.fragments)
+        uncut = [index for index, p in enumerate(parameters) if not p.is_contiguous()]  # (a piece is a view)
+        self._pieces, self._bounds = fragment_pieces([p.numel() for p in parameters], self.fragments, uncut)
         self._parameters, self._inner = parameters, inner_optimizer
-        self._anchor = [p.detach().clone() for p in parameters]
-        self._base = [p.detach().clone() for p in parameters] if self.overlap else []
+        self._anchor = [self._values(piece).clone() for piece in range(len(self._pieces))]
+        self._base = [anchor.clone() for anchor in self._anchor] if self.overlap else []
         self._in_flight = None
         self.samples_since_sync = self.steps_since_sync = 0
         self.error_feedback = None  # (a resume restores its own, in load)
@@ -218,7 +212,7 @@ class LocalTraining:
         """Start the merge of the fragments ``merging``: the ranks' sample counts (summed now: they weigh what is
         sent), then this rank's weighted progress since each fragment was last sent, through ``start``
         (``background``: applied later, the rank taking the eager step meanwhile)."""
-        tensors = [index for fragment in merging for index in range(*self._bounds[fragment])]
+        pieces = [index for fragment in merging for index in range(*self._bounds[fragment])]
         device = self._anchor[0].device  # (NCCL reduces CUDA tensors only)
         counts = torch.tensor(
             [float(self._samples[fragment]) for fragment in merging], dtype=torch.float64, device=device
@@ -232,11 +226,11 @@ class LocalTraining:
                 delta = torch.cat([self._progress(index).reshape(-1) for index in range(begin, end)])
                 weighted_parts.append(delta.double() * share)
             weighted = torch.cat(weighted_parts)
-            for index in tensors if self.overlap else ():  # what trains on from here is the next merge's
+            for index in pieces if self.overlap else ():  # what trains on from here is the next merge's
                 if background:  # until the average arrives: the outer step of this rank's own progress
-                    self._parameters[index].copy_(self._eager_anchor(index, self._progress(index)))
-                self._base[index].copy_(self._parameters[index].detach())
-            dtype = functools.reduce(torch.promote_types, [self._anchor[index].dtype for index in tensors])
+                    self._values(index).copy_(self._eager_anchor(index, self._progress(index)))
+                self._base[index].copy_(self._values(index))
+            dtype = functools.reduce(torch.promote_types, [self._anchor[index].dtype for index in pieces])
             if self.quantized_bits is None:
                 on_wire = weighted.to(self.wire_dtype)
                 wait = self._timed_exchange(start, on_wire, False)
@@ -247,7 +241,7 @@ class LocalTraining:
 
             else:
                 # (quantized on the CPU: the gather returns CPU tensors; the feedback stays there, as it is saved)
-                payload, scales = self._quantize(weighted.float().cpu(), tensors)
+                payload, scales = self._quantize(weighted.float().cpu(), pieces)
                 payloads = self._timed_exchange(start, payload, True)
                 scale_lists = self._timed_exchange(start, scales, True)
                 numel, bits = weighted.numel(), self.quantized_bits
@@ -260,7 +254,7 @@ class LocalTraining:
 
         for fragment in merging:
             self._samples[fragment] = self._steps[fragment] = 0
-        return InFlightMerge(tensors, average, self.steps_done)
+        return InFlightMerge(pieces, average, self.steps_done)
 
     def _timed_exchange(self, start: Background, tensor: Tensor, quantized: bool) -> Callable[[], Any]:
         """``start(tensor, quantized)``, with the time spent in it and in its wait added to :attr:`link_wait_seconds`
@@ -286,7 +280,7 @@ class LocalTraining:
         average = merge.average()
         with torch.no_grad():
             offset = 0
-            for index in merge.tensors:
+            for index in merge.pieces:
                 anchor = self._anchor[index]
                 pseudo_gradient = average[offset : offset + anchor.numel()].view_as(anchor)
                 offset += anchor.numel()
@@ -297,10 +291,10 @@ class LocalTraining:
             if self._outer is not None:
                 self._outer.step()  # (SGD leaves the parameters without a gradient, the other fragments', as they are)
                 self._outer.zero_grad(set_to_none=True)
-            for index in merge.tensors:
-                parameter, anchor = self._parameters[index], self._anchor[index]
+            for index in merge.pieces:
+                parameter, anchor = self._values(index), self._anchor[index]
                 if self.overlap:
-                    trained_since = self._base[index] - parameter.detach()
+                    trained_since = self._base[index] - parameter
                     parameter.copy_(anchor - trained_since)
                     self._base[index].copy_(anchor)
                 else:
@@ -308,7 +302,7 @@ class LocalTraining:
         self.synchronizations += 1
 
     def _eager_anchor(self, index: int, progress: Tensor) -> Tensor:
-        """Tensor ``index``'s anchor after the outer step (torch's SGD, the outer optimizer's, its state untouched)
+        """Piece ``index``'s anchor after the outer step (torch's SGD, the outer optimizer's, its state untouched)
         this rank would take if its own ``progress`` were the ranks' average: eager DiLoCo's stand-in."""
         anchor = self._anchor[index]
         if self._outer is None:
@@ -321,33 +315,26 @@ class LocalTraining:
             step = progress + momentum * buffer if group["nesterov"] else buffer
         return anchor - group["lr"] * step
 
-    def _progress(self, index: int) -> Tensor:
-        """What parameter tensor ``index`` trained since it was last sent (the anchor is its base without overlap)."""
-        base = self._base[index] if self.overlap else self._anchor[index]
-        return base - self._parameters[index].detach()
+    def _values(self, index: int) -> Tensor:
+        """Piece ``index`` of this rank's parameters, written through: the tensor itself when it is whole."""
+        tensor, begin, end = self._pieces[index]
+        parameter = self._parameters[tensor].detach()
+        return parameter if end - begin == parameter.numel() else parameter.view(-1)[begin:end]
 
-    def _quantize(self, weighted: Tensor, tensors: list[int]) -> tuple[Tensor, Tensor]:
-        """This rank's weighted deltas of ``tensors`` with its error feedback added, quantized; what rounding left out
-        becomes the feedback of those tensors for their next merge."""
+    def _progress(self, index: int) -> Tensor:
+        """What piece ``index`` trained since it was last sent (the anchor is its base without overlap)."""
+        base = self._base[index] if self.overlap else self._anchor[index]
+        return base - self._values(index)
+
+    def _quantize(self, weighted: Tensor, pieces: list[int]) -> tuple[Tensor, Tensor]:
+        """This rank's weighted deltas of ``pieces`` with its error feedback added, quantized; what rounding left out
+        becomes the feedback of those pieces for their next merge (kept in the model's order of values)."""
         assert self.quantized_bits is not None
-        bits, numel = self.quantized_bits, weighted.numel()
         if self.error_feedback is None:
             self.error_feedback = torch.zeros(sum(p.numel() for p in self._parameters), dtype=torch.float32)
-        starts = [0]
-        for parameter in self._parameters:
-            starts.append(starts[-1] + parameter.numel())
-        feedback = torch.cat([self.error_feedback[starts[i] : starts[i + 1]] for i in tensors])
-        weighted = weighted + feedback
-        payload, scales = quantize.quantize(weighted, bits)
-        # (a non-finite delta makes its block's scale non-finite; the merge carries it as fp32 would, but what is
-        # left for the next merge must not carry it on for good)
-        left = torch.nan_to_num(weighted - quantize.dequantize(payload, scales, bits, numel), 0.0, 0.0, 0.0)
-        offset = 0
-        for index in tensors:
-            size = starts[index + 1] - starts[index]
-            self.error_feedback[starts[index] : starts[index + 1]] = left[offset : offset + size]
-            offset += size
-        return payload, scales
+        starts = [0, *itertools.accumulate(end - begin for _, begin, end in self._pieces)]
+        ranges = [(starts[index], starts[index + 1]) for index in pieces]
+        return quantize.quantize_with_feedback(weighted, self.error_feedback, ranges, self.quantized_bits)
 
     # ------------------------------------------------------------------ checkpoints (taken at a synchronization)
 
@@ -381,11 +368,12 @@ class LocalTraining:
         if self._inner is not None and state["inner"] is not None:
             self._inner.load_state_dict(state["inner"])
         with torch.no_grad():
-            for anchor, parameter in zip(self._anchor, self._parameters):
-                anchor.copy_(parameter.detach())
-            for base, parameter in zip(self._base, self._parameters):
-                base.copy_(parameter.detach())
+            for index, anchor in enumerate(self._anchor):
+                anchor.copy_(self._values(index))
+            for index, base in enumerate(self._base):
+                base.copy_(self._values(index))
         if self._outer is not None and state["outer"] is not None:
+            _check_outer_pieces(state["outer"], self._anchor, directory)
             self._outer.load_state_dict(state["outer"])
         self.error_feedback = state.get("error_feedback")  # (None in a checkpoint of an unquantized run)
         values = sum(parameter.numel() for parameter in self._parameters)
@@ -397,3 +385,16 @@ class LocalTraining:
             )
         self.samples_since_sync = self.steps_since_sync = 0
         return tuple(state["inner_steps"]) if state.get("inner_steps") else None
+
+
+def _check_outer_pieces(outer: dict[str, Any], anchor: list[Tensor], directory: Path) -> None:
+    """DiLoCo's saved outer state fits this fit's pieces (torch's SGD checks their count only, not their shapes)."""
+    saved = [outer["state"].get(index, {}).get("momentum_buffer") for index in outer["param_groups"][0]["params"]]
+    shapes = [tuple(buffer.shape) if buffer is not None else tuple(piece.shape) for buffer, piece in zip(saved, anchor)]
+    if len(saved) != len(anchor) or shapes != [tuple(piece.shape) for piece in anchor]:
+        raise ValueError(
+            f"Checkpoint {directory} holds DiLoCo's outer momentum for {len(saved)} parameter pieces, not this fit's"
+            f" {len(anchor)} (or of other shapes): it was written with other `sync_options['fragments']`. Resume it"
+            " with the fragments it was written with; one written before fragments were cut inside tensors (its"
+            " outer state per tensor) resumes with fragments=1."
+        )

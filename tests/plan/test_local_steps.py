@@ -14,8 +14,6 @@ from lightning_hetero.plan.local_steps import (
     check_inner_steps_length,
     check_sync_arguments,
     describe_sync,
-    due_fragments,
-    fragment_bounds,
     inner_steps_for,
     is_sync_step,
     plan_inner_steps,
@@ -156,46 +154,6 @@ def test_inner_steps_are_not_changed_where_the_step_has_too_few_samples_for_them
     rebalancer = InnerStepsRebalancer([1, 1], (1, 1), window=2)
     steps = [{"step": s, "batch_sizes": [1, 1], "compute_seconds": [0.01, 0.05]} for s in range(4)]
     assert rebalancer.consider(steps, 4) is None  # 5 inner steps wanted on rank 0, 2 samples in the step
-
-
-@pytest.mark.parametrize("sync_every", [1, 2, 3, 4, 6, 8, 12])
-def test_one_fragment_merges_exactly_when_the_whole_model_did(sync_every):
-    for steps_done in range(1, 50):
-        for last in (False, True):
-            expected = (0,) if is_sync_step(steps_done, sync_every, last) else ()
-            assert due_fragments(steps_done, sync_every, 1, last) == expected
-
-
-@pytest.mark.parametrize(("sync_every", "fragments"), [(2, 2), (4, 2), (4, 4), (8, 4), (12, 3), (6, 6)])
-def test_each_fragment_merges_every_sync_every_steps_in_turn_and_all_at_an_epochs_end(sync_every, fragments):
-    interval = sync_every // fragments
-    merged: dict[int, list[int]] = {fragment: [] for fragment in range(fragments)}
-    for steps_done in range(1, 4 * sync_every + 1):
-        due = due_fragments(steps_done, sync_every, fragments, last_of_epoch=False)
-        assert len(due) == (steps_done % interval == 0)  # one fragment at a time, one every interval
-        for fragment in due:
-            merged[fragment].append(steps_done)
-    for fragment, steps in merged.items():
-        assert steps == [interval * (fragment + 1) + sync_every * k for k in range(4)]
-    assert due_fragments(5, sync_every, fragments, last_of_epoch=True) == tuple(range(fragments))
-
-
-@pytest.mark.parametrize(
-    ("sizes", "fragments"),
-    [([10] * 8, 4), ([32, 8, 256, 32, 32, 1], 4), ([5, 5], 2), ([100, 1, 1, 1], 3), ([7], 1), ([1, 2, 3, 4, 5], 5)],
-)
-def test_fragments_are_contiguous_non_empty_cover_every_tensor_and_split_equal_sizes_equally(sizes, fragments):
-    bounds = fragment_bounds(sizes, fragments)
-    assert len(bounds) == fragments and bounds[0][0] == 0 and bounds[-1][1] == len(sizes)
-    assert all(begin < end for begin, end in bounds)
-    assert all(previous[1] == following[0] for previous, following in zip(bounds, bounds[1:]))
-    if len(set(sizes)) == 1 and len(sizes) % fragments == 0:
-        assert {end - begin for begin, end in bounds} == {len(sizes) // fragments}
-
-
-def test_more_fragments_than_tensors_are_refused_naming_the_count():
-    with pytest.raises(ValueError, match=r"trains 2 parameter tensors.*at most 2 fragments"):
-        fragment_bounds([3, 4], 3)
 
 
 @pytest.mark.parametrize("fragments", [0, 3, 2.5, "2", True])

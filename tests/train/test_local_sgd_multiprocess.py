@@ -25,7 +25,7 @@ from conftest import run_fit  # noqa: E402
 from test_strategy_multiprocess import contiguous_steps  # noqa: E402
 
 from lightning_hetero.comm.quantize import wire_bytes  # noqa: E402
-from lightning_hetero.plan.local_steps import due_fragments, fragment_bounds  # noqa: E402
+from lightning_hetero.plan.fragments import due_fragments  # noqa: E402
 from lightning_hetero.plan.split import micro_batch_sizes  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
@@ -236,6 +236,21 @@ def test_a_quantized_resume_carries_each_ranks_error_feedback_and_equals_the_uni
     assert max_param_difference(resumed.result, uninterrupted) <= 1e-6
 
 
+def equal_pieces(sizes: list[int], fragments: int) -> tuple[list[tuple[int, int, int]], list[int]]:
+    """The reference's cut, written apart from plan/fragments.py: the model's values in ``fragments`` ranges of equal
+    size (to a value), as pieces (tensor, first value, end value) of the tensors, and each piece's fragment."""
+    total, pieces, owners, offset = sum(sizes), [], [], 0
+    edges = [total * fragment // fragments for fragment in range(fragments + 1)]
+    for tensor, size in enumerate(sizes):
+        for fragment in range(fragments):
+            low, high = max(edges[fragment], offset), min(edges[fragment + 1], offset + size)
+            if low < high:
+                pieces.append((tensor, low - offset, high - offset))
+                owners.append(fragment)
+        offset += size
+    return pieces, owners
+
+
 def streaming_reference(
     dataset: IndexedRegression,
     steps: list[list[int]],
@@ -249,21 +264,27 @@ def streaming_reference(
     overlap: Optional[int] = None,
 ) -> dict[str, torch.Tensor]:
     """Streaming DiLoCo in plain torch: as local_reference, but after step s only the fragments due then merge (each
-    a group of parameter tensors, weighted by the samples each rank trained on since that fragment's last merge); the
-    others train on. The last step is the epoch's end, where every fragment merges.
+    a range of the model's values, cut inside a tensor where it ends there, weighted by the samples each rank
+    trained on since that fragment's last merge); the others train on. The last step is the epoch's end, where every
+    fragment merges.
 
     ``overlap`` (training steps; None: off): each rank sends what it trained since it last sent and meanwhile takes
     the outer step its own progress would give (on a copy of the outer optimizer); the merge's outer step is applied
-    ``overlap`` steps later (the epoch's end waits for it), and each rank's parameters then become the anchor plus
-    what it trained since it sent."""
+    ``overlap`` steps later (the epoch's end waits for it), and each rank's values then become the anchor plus what
+    it trained since it sent."""
     start = make_network()
     nets = [copy.deepcopy(start) for _ in micro]
     inner_optimizers = [torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum) for net in nets]
-    anchor = [torch.nn.Parameter(p.detach().clone()) for p in start.parameters()]
-    sent_from = [[p.detach().clone() for p in start.parameters()] for _ in micro]
+    pieces, owners = equal_pieces([p.numel() for p in start.parameters()], fragments)
+
+    def piece_values(net: torch.nn.Module) -> list[torch.Tensor]:  # (views: written through)
+        tensors = [p.detach().view(-1) for p in net.parameters()]
+        return [tensors[tensor][begin:end] for tensor, begin, end in pieces]
+
+    anchor = [torch.nn.Parameter(value.clone()) for value in piece_values(start)]
+    sent_from = [[value.clone() for value in piece_values(start)] for _ in micro]
     outer_optimizer = torch.optim.SGD(anchor, lr=outer["outer_lr"], momentum=outer["outer_momentum"],
                                       nesterov=outer["nesterov"])  # fmt: skip
-    bounds = fragment_bounds([p.numel() for p in anchor], fragments)
     samples = [[0] * len(micro) for _ in range(fragments)]  # per fragment, per rank, since its last merge
     pending: Optional[tuple[list[int], list[torch.Tensor]]] = None
 
@@ -275,7 +296,7 @@ def streaming_reference(
         outer_optimizer.zero_grad()
         with torch.no_grad():
             for rank, net in enumerate(nets):
-                own = list(net.parameters())
+                own = piece_values(net)
                 for index in indices:
                     trained_since = sent_from[rank][index] - own[index]
                     own[index].copy_(anchor[index] - trained_since)
@@ -292,18 +313,18 @@ def streaming_reference(
         due = due_fragments(number, sync_every, fragments, last)
         if not due:
             continue
-        indices = [index for fragment in due for index in range(*bounds[fragment])]
+        indices = [index for fragment in due for index, owner in enumerate(owners) if owner == fragment]
         with torch.no_grad():
-            progress = [{i: sent_from[rank][i] - list(net.parameters())[i] for i in indices}
+            progress = [{i: sent_from[rank][i] - piece_values(net)[i] for i in indices}
                         for rank, net in enumerate(nets)]  # fmt: skip
         averages = []
         for fragment in due:
             total = sum(samples[fragment])
-            for index in range(*bounds[fragment]):
+            for index in (index for index, owner in enumerate(owners) if owner == fragment):
                 averages.append(sum((n / total) * progress[rank][index] for rank, n in enumerate(samples[fragment])))
             samples[fragment] = [0] * len(micro)
         for rank, net in enumerate(nets):
-            own = list(net.parameters())
+            own = piece_values(net)
             if overlap is not None and not last:  # the outer step of its own progress (a copy of the outer optimizer's)
                 copies = [torch.nn.Parameter(value.detach().clone()) for value in anchor]
                 tentative = torch.optim.SGD(copies, lr=outer["outer_lr"], momentum=outer["outer_momentum"],
@@ -321,16 +342,19 @@ def streaming_reference(
             pending = (indices, averages, number)
         else:
             apply(indices, averages)
-    names = [name for name, _ in start.named_parameters()]
-    return {name: parameter.detach().clone() for name, parameter in zip(names, anchor)}
+    with torch.no_grad():
+        for value, merged in zip(piece_values(start), anchor):
+            value.copy_(merged)
+    return {name: parameter.detach().clone() for name, parameter in start.named_parameters()}
 
 
 def test_streaming_fragments_merge_in_turn_as_the_plain_torch_reference_with_a_fragment_on_the_wire_at_a_time(
     tmp_path,
 ):
-    """DiLoCo, inner steps [2, 1], sync_every 2 with `fragments=2`: the first layer's weight merges after steps 1 and
-    3, the other three tensors after steps 2 and 4, all of them at the epoch's end (step 5); the parameters are the
-    plain-torch reference's, and each step before the last puts only its fragment's deltas on the wire."""
+    """DiLoCo, inner steps [2, 1], sync_every 2 with `fragments=2`: the first half of the model's values (inside the
+    first layer's weight) merges after steps 1 and 3, the other half after steps 2 and 4, all of them at the epoch's
+    end (step 5); the parameters are the plain-torch reference's, and each step before the last puts only its
+    fragment's deltas on the wire: half the model's."""
     fragments = 2
     arguments = local_args("diloco", [4, 4], sync_every=2, inner_steps=[2, 1], sync_options={"fragments": fragments})
     run = run_fit(tmp_path, *arguments, "--samples", "60")
@@ -344,8 +368,7 @@ def test_streaming_fragments_merge_in_turn_as_the_plain_torch_reference_with_a_f
     assert max_param_difference(run.result, local_reference(IndexedRegression(60), steps, [4, 4], [2, 1], {2, 4, 5},
                                                             outer)) > 1e-4  # fmt: skip
     sizes = [value.numel() for value in reference.values()]
-    bounds = fragment_bounds(sizes, fragments)
-    fragment_values = [sum(sizes[slice(*bound)]) for bound in bounds]
+    fragment_values = [sum(sizes) * (f + 1) // fragments - sum(sizes) * f // fragments for f in range(fragments)]
     report = json.loads((tmp_path / "hetero" / "report.json").read_text())
     sent = [step["intra_node_bytes"][0] for step in report["steps"]]
     others = sent[0] - 4 * fragment_values[0]  # (the sample counts and the step's other small exchanges)
