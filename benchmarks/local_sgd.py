@@ -24,7 +24,10 @@ for H in --sync-every (default 8 and 32); with --variants also
     diloco H overlap [int8|int4]   each merge sent in the background, its outer step applied one training step later
     diloco H overlap-H [int8]      the same, applied at the next merge (overlap_steps=H)
 
-``--only NAME ...`` runs those fits alone (and every_step, whose final loss is the target).
+``--only NAME ...`` runs those fits alone (and every_step, whose final loss is the target). ``--seed-per-run`` seeds
+run r's fits with r (their initial weights and sample order; 0 in every run by default), ``--inner-steps A B`` fixes
+every local fit's inner steps: with both, the fits of one run differ by their merge alone, and the runs by the seed
+(the final losses of one setting are otherwise the same in every run that plans the same inner steps).
 
 Each fit trains the same number of epochs (every sample once per epoch in
 every mode). From each fit: the wall-clock time from the start of training to each validation and its loss and
@@ -56,7 +59,9 @@ TRAIN_SAMPLES, VAL_SAMPLES, MICRO_BATCH = 8192, 2048, 64
 FIT_TIMEOUT = 900
 
 
-def fit(mode: str, sync_every: int, epochs: int, out: Path, options: Optional[dict[str, Any]] = None) -> None:
+def fit(
+    mode: str, sync_every: int, epochs: int, out: Path, options: Optional[dict[str, Any]] = None, seed: int = 0
+) -> None:
     """One Trainer.fit on every rank; rank 0 writes ``out/curve.json`` (time, loss, accuracy per validation)."""
     import torch
     from lightning.pytorch import Callback, Trainer, seed_everything
@@ -104,7 +109,7 @@ def fit(mode: str, sync_every: int, epochs: int, out: Path, options: Optional[di
             if trainer.is_global_zero:
                 (out / "curve.json").write_text(json.dumps(self.points))
 
-    seed_everything(0)
+    seed_everything(seed)  # (the model's initial weights and the sample order; the data set is the same)
     if mode == "every_step":
         strategy = HeteroStrategy(stage=0, emulate_speeds=SPEEDS)
         batch = 2 * MICRO_BATCH  # the loader's batch per rank: a global batch of 128, split by the planner
@@ -185,11 +190,17 @@ def analyse_run(fits: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def launch(
-    name: str, mode: str, sync_every: int, epochs: int, out: Path, options: Optional[dict[str, Any]] = None
+    name: str,
+    mode: str,
+    sync_every: int,
+    epochs: int,
+    out: Path,
+    options: Optional[dict[str, Any]] = None,
+    seed: int = 0,
 ) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, __file__, "--fit", mode, str(sync_every), str(epochs), str(out)]
-    command += ["--fit-options", json.dumps(options or {})]
+    command += ["--fit-options", json.dumps(options or {}), "--fit-seed", str(seed)]
     run_job(command, out / "log.txt", dict(os.environ), FIT_TIMEOUT, name)
     return {
         "curve": json.loads((out / "curve.json").read_text()),
@@ -198,7 +209,14 @@ def launch(
 
 
 def run_all(
-    runs: int, epochs: int, sync_every: list[int], work: Path, variants: bool = False, only: Optional[list[str]] = None
+    runs: int,
+    epochs: int,
+    sync_every: list[int],
+    work: Path,
+    variants: bool = False,
+    only: Optional[list[str]] = None,
+    seed_per_run: bool = False,
+    inner_steps: Optional[list[int]] = None,
 ) -> list[dict[str, Any]]:
     fits: list[tuple[str, str, int, dict[str, Any]]] = [("every_step", "every_step", 1, {})]
     fits += [(f"{mode} H={h}", mode, h, {}) for mode in ("local_sgd", "diloco") for h in sync_every]
@@ -223,12 +241,16 @@ def run_all(
         ]  # fmt: skip
     if only:
         fits = [fit for fit in fits if fit[0] == "every_step" or fit[0] in only]
+    if inner_steps:  # (the same inner steps in every local fit: their losses differ by the merge alone)
+        fits = [(name, mode, h, {**options, "inner_steps": inner_steps} if mode != "every_step" else options)
+                for name, mode, h, options in fits]  # fmt: skip
     results = []
     for run in range(runs):
         order = fits if run % 2 == 0 else list(reversed(fits))
         started = time.perf_counter()
+        seed, folder = run if seed_per_run else 0, work / f"run{run}"
         outcome = {
-            name: launch(name, mode, h, epochs, work / f"run{run}" / name.replace(" ", "_").replace("=", ""), options)
+            name: launch(name, mode, h, epochs, folder / name.replace(" ", "_").replace("=", ""), options, seed)
             for name, mode, h, options in order
         }
         figures = analyse_run(outcome)
@@ -292,15 +314,19 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--variants", action="store_true", help="DiLoCo with int8, int4, 4 fragments, overlap too")
     parser.add_argument("--only", nargs="+", help="run these fits alone (with every_step, the target)")
+    parser.add_argument("--seed-per-run", action="store_true", help="run r seeds its fits with r (default: 0 in all)")
+    parser.add_argument("--inner-steps", type=int, nargs="+", help="every local fit's inner steps (default: planned)")
     parser.add_argument("--fit", nargs=4, metavar=("MODE", "H", "EPOCHS", "DIR"), help=argparse.SUPPRESS)
     parser.add_argument("--fit-options", default="{}", help=argparse.SUPPRESS)
+    parser.add_argument("--fit-seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.fit:
         mode, sync_every, epochs, out = args.fit
-        fit(mode, int(sync_every), int(epochs), Path(out), json.loads(args.fit_options))
+        fit(mode, int(sync_every), int(epochs), Path(out), json.loads(args.fit_options), args.fit_seed)
         return
     work = args.out.parent / "local_sgd_runs"
-    results = run_all(args.runs, args.epochs, args.sync_every, work, args.variants, args.only)
+    results = run_all(args.runs, args.epochs, args.sync_every, work, args.variants, args.only, args.seed_per_run,
+                      args.inner_steps)  # fmt: skip
     text = table(results)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
