@@ -15,10 +15,18 @@ import textwrap
 from dataclasses import replace
 from typing import Any, Optional
 
+from lightning_hetero.plan.local_steps import (
+    check_inner_steps_length,
+    check_sync_arguments,
+    sync_fragments,
+    sync_overlap,
+    sync_refusal,
+)
 from lightning_hetero.simulate import catalog
 from lightning_hetero.simulate.calibration import efficiency_by_kind, loop_from_run
 from lightning_hetero.simulate.cluster import Cluster, ClusterFileError, SimulatedDevice, load_cluster
 from lightning_hetero.simulate.device_model import GPU_CONTEXT_BYTES, PLANNING_HEADROOM
+from lightning_hetero.simulate.local_merge import evaluate_local
 from lightning_hetero.simulate.pipeline import ChainShares, chain_shares, describe_pipeline_prediction, predict_pipeline
 from lightning_hetero.simulate.predict import Prediction, automatic_stage, predict
 from lightning_hetero.simulate.step_options import LoopCalibration, Options
@@ -44,6 +52,10 @@ JSON_DOC = """--json prints one object:
              devices, nodes, memory_headroom (the fraction of each device's memory a plan leaves free),
              gpu_context_bytes (what a GPU's CUDA context and workspaces take before the plan)}
   what_if: the same keys for the cluster with --drop/--add/--stage/--compression applied, when any is given
+  local (with --sync local_sgd or diloco): {sync, sync_every, fragments, overlap_steps, compression, devices:
+           [{kind, inner_steps, micro_batch, inner_step_ms}], training_step_ms: {total, compute, link_wait,
+           overhead}, link_wait_over_compute, merge: {bytes_per_rank, ms, inter_node_bytes, every_steps},
+           samples_per_second, speedup_over_every_step (its samples per second over the plan's above)}
   pipeline (with --pipeline-blocks): {stages: [{device, kind, rank, blocks, compute_ms_per_micro_batch,
            memory_bytes, memory_capacity_bytes}], replicas, schedule, micro_batches, micro_batch, step_ms,
            transfer_ms, bubble, balance, data_parallel_error (why the batch split cannot train, or null)}"""
@@ -70,7 +82,25 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--stage", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (default: the lowest that fits, as HeteroStrategy)"
     )
-    p.add_argument("--compression", choices=("none", "fp16", "bf16", "powersgd", "topk"), help="gradient compression")
+    p.add_argument(
+        "--compression",
+        choices=("none", "fp16", "bf16", "powersgd", "topk", "int8", "int4"),
+        help="gradient compression (a what-if); with --sync local_sgd or diloco the merge's: none, fp16, bf16, int8"
+        " or int4",
+    )
+    p.add_argument(
+        "--sync",
+        choices=("every_step", "local_sgd", "diloco"),
+        default="every_step",
+        help="also plan local training as HeteroStrategy(sync=...) runs it: inner steps, merges on the link",
+    )
+    p.add_argument("--sync-every", type=int, default=8, help="with --sync: training steps between merges (default 8)")
+    p.add_argument(
+        "--sync-options",
+        default="{}",
+        help='with --sync: HeteroStrategy\'s sync_options as JSON, e.g. \'{"fragments": 4, "overlap": true}\'',
+    )
+    p.add_argument("--inner-steps", type=int, nargs="+", help="with --sync: each rank's inner steps (default: planned)")
     p.add_argument(
         "--precision",
         choices=("auto", "32-true", "bf16-mixed", "16-mixed"),
@@ -111,15 +141,19 @@ def main(args: Optional[list[str]] = None) -> int:
     except (OSError, KeyError, ValueError) as error:
         print(f"lightning-hetero plan: {error}", file=sys.stderr)
         return 2
-    changed = replace(
-        base,
-        zero_stage=options.stage,
-        compression=None if options.compression in (None, "none") else options.compression,
-    )
+    compression = None if options.compression in (None, "none") else options.compression
+    local = options.sync != "every_step"
+    changed = replace(base, zero_stage=options.stage, compression=None if local else compression)
     try:
+        merge = local_settings(options, compression, len(cluster.devices))
         result = evaluate(cluster, workload, base)
+        if merge is not None:
+            result["local"] = evaluate_local(cluster, workload, base, merge, result["step_ms"]["total"])
         if changed != base or what_if_cluster is not cluster:
             result["what_if"] = evaluate(what_if_cluster, workload, changed)
+            if merge is not None:
+                every_step_ms = result["what_if"]["step_ms"]["total"]
+                result["what_if"]["local"] = evaluate_local(what_if_cluster, workload, changed, merge, every_step_ms)
     except ValueError as error:
         if chain is None:
             print(f"lightning-hetero plan: {error}", file=sys.stderr)
@@ -268,6 +302,38 @@ def evaluate(cluster: Cluster, workload, options: Options) -> dict[str, Any]:
             "memory_headroom": PLANNING_HEADROOM,
             "gpu_context_bytes": GPU_CONTEXT_BYTES,
         },
+    }
+
+
+def local_settings(options: argparse.Namespace, compression: Optional[str], world: int) -> Optional[dict[str, Any]]:
+    """``--sync`` and its settings checked as HeteroStrategy checks them (None: every-step training alone)."""
+    refusal = sync_refusal(options.sync, 0, compression, [], None, None, None, "auto", True)
+    if options.sync == "every_step":
+        if options.sync_options != "{}" or options.inner_steps:
+            raise ValueError("`--sync-options` and `--inner-steps` plan local training: give `--sync local_sgd` or"
+                             " `--sync diloco` with them, or drop them.")  # fmt: skip
+        if refusal is not None:
+            raise ValueError(refusal)
+        return None
+    try:
+        sync_options = json.loads(options.sync_options)
+    except json.JSONDecodeError as error:
+        example = """'{"fragments": 4, "overlap": true}'"""
+        raise ValueError(f"`--sync-options {options.sync_options}` is not JSON ({error}); e.g. {example}") from None
+    check_sync_arguments(options.sync, options.sync_every, options.inner_steps, sync_options)
+    check_inner_steps_length(options.inner_steps, world)
+    if refusal is not None:
+        raise ValueError(refusal)
+    if options.inner_steps and (options.drop or options.add):
+        raise ValueError("`--inner-steps` with `--drop`/`--add`: the what-if has other devices. Drop `--inner-steps`"
+                         " to plan the inner steps of both.")  # fmt: skip
+    return {
+        "sync": options.sync,
+        "sync_every": options.sync_every,
+        "fragments": sync_fragments(sync_options, options.sync_every),
+        "overlap_steps": sync_overlap(sync_options, options.sync_every),
+        "compression": compression,
+        "inner_steps": options.inner_steps,
     }
 
 

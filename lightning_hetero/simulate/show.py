@@ -111,6 +111,34 @@ def _section(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _local_section(local: dict[str, Any]) -> list[str]:
+    """Local SGD / DiLoCo (``--sync``): each group of devices' inner steps, the training step, a merge, the speed."""
+    overlap, fragments = local["overlap_steps"], local["fragments"]
+    streaming = f", in {fragments} fragments (one every {local['merge']['every_steps']} steps)" if fragments > 1 else ""
+    lines = [
+        f"with sync={local['sync']}: a merge every {local['sync_every']} training steps{streaming}"
+        + (f", overlapped (applied {overlap} step(s) after it is sent)" if overlap else ", waited for")
+        + f", pseudo-gradients in {local['compression'] or 'fp32'}"
+    ]
+    groups: dict[tuple, int] = {}
+    for device in local["devices"]:
+        key = (device["kind"], device["inner_steps"], device["micro_batch"], round(device["inner_step_ms"], 2))
+        groups[key] = groups.get(key, 0) + 1
+    for (kind, steps, batch, inner_ms), count in groups.items():
+        lines.append(f"  {count} x {kind}: {steps} inner step(s) of {batch} samples, {inner_ms:.2f} ms each")
+    step, merge = local["training_step_ms"], local["merge"]
+    overhead = f" + loop overhead {step['overhead']:.2f}" if step["overhead"] else ""
+    lines += [
+        f"  training step: {step['total']:.2f} ms (compute {step['compute']:.2f} + waiting on the link"
+        f" {step['link_wait']:.2f}{overhead}; the wait is {local['link_wait_over_compute']:.1%} of compute)",
+        f"  a merge: {_size(merge['bytes_per_rank'])} a rank, {merge['ms']:.2f} ms on the link,"
+        f" {_size(merge['inter_node_bytes'])} between nodes",
+        f"  {local['samples_per_second']:,.0f} samples/s: {_faster_or_slower(local['speedup_over_every_step'])} than"
+        " the every-step plan above (per sample; its loss per sample is not the same)",
+    ]
+    return lines
+
+
 def render_result(result: dict[str, Any], workload: Any) -> str:
     lines = [
         f"model {workload.name}: {workload.parameters:,} parameters, {workload.flops_per_sample / 1e6:.2f} MFLOP per"
@@ -119,6 +147,7 @@ def render_result(result: dict[str, Any], workload: Any) -> str:
         "",
         "the cluster as described:",
         *_section(result),
+        *(_local_section(result["local"]) if "local" in result else []),
     ]
     if "what_if" in result:
         what_if = result["what_if"]
@@ -127,6 +156,7 @@ def render_result(result: dict[str, Any], workload: Any) -> str:
             "",
             "what if:",
             *_section(what_if),
+            *(_local_section(what_if["local"]) if "local" in what_if else []),
             f"the what-if's step is {_faster_or_slower(change)} than the cluster's as described",
         ]
     return "\n".join(lines)
