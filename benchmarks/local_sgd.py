@@ -19,6 +19,7 @@ Fits, run back to back in each run (their order alternates between runs):
 
 for H in --sync-every (default 8 and 32); with --variants also
 
+    diloco H fp16              the pseudo-gradient in fp16 (the smallest change to the merge: a control)
     diloco H int8 / int4       the pseudo-gradient quantized (compression="int8" / "int4", error feedback)
     diloco H fragments 4       streaming: 4 fragments merged in turn, one every H/4 steps
     diloco H overlap [int8|int4]   each merge sent in the background, its outer step applied one training step later
@@ -221,7 +222,9 @@ def run_all(
     fits: list[tuple[str, str, int, dict[str, Any]]] = [("every_step", "every_step", 1, {})]
     fits += [(f"{mode} H={h}", mode, h, {}) for mode in ("local_sgd", "diloco") for h in sync_every]
     if variants:
-        fits += [(f"diloco H={h} {c}", "diloco", h, {"compression": c}) for h in sync_every for c in ("int8", "int4")]
+        fits += [
+            (f"diloco H={h} {c}", "diloco", h, {"compression": c}) for h in sync_every for c in ("fp16", "int8", "int4")
+        ]
         fits += [(f"diloco H={h} fragments 4", "diloco", h, {"sync_options": {"fragments": 4}}) for h in sync_every]
         fits += [
             (
