@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Collection, Sequence
+from typing import Optional
 
 # A piece of a parameter tensor: (its index in the model's order, first value, end value) of its flattened values.
 Piece = tuple[int, int, int]
@@ -34,7 +35,8 @@ def fragment_pieces(
     """The model's values (parameter tensors of ``sizes`` values, in its order) cut into ``fragments`` contiguous
     ranges of equal size (to a value), as pieces of tensors in the model's order, and each fragment's pieces
     ``[begin, end)``. Tensors in ``uncut`` (indices: e.g. not contiguous in memory) stay whole: a cut inside one
-    moves to its nearer edge. Fragments that cannot all hold a value are refused."""
+    moves to its nearer edge, or on to the next place left free. Fragments that cannot all hold a value are
+    refused."""
     total, fragments = sum(sizes), int(fragments)
     if not 1 <= fragments <= total:
         raise ValueError(
@@ -42,18 +44,12 @@ def fragment_pieces(
             f" needs at least one. Use at most {total} fragments."
         )
     starts = [0, *itertools.accumulate(sizes)][:-1]
-    cuts = [total * fragment // fragments for fragment in range(1, fragments)]
-    for position, cut in enumerate(cuts):
-        for index in uncut:
-            begin, end = starts[index], starts[index] + sizes[index]
-            if begin < cut < end:
-                cuts[position] = begin if cut - begin <= end - cut else end
-    edges = [0, *cuts, total]
-    if any(low >= high for low, high in zip(edges, edges[1:])):
+    cuts = _cuts(sizes, starts, fragments, uncut)
+    if cuts is None:
         raise ValueError(
             f"`sync_options['fragments']={fragments}`: the model's {total} parameter values cannot be cut into"
-            f" {fragments} non-empty fragments of about equal size: its tensors {sorted(uncut)} are not contiguous in"
-            " memory and stay whole. Use fewer fragments."
+            f" {fragments} non-empty fragments: its tensors {sorted(uncut)} are not contiguous in memory and stay"
+            " whole, which leaves too few places to cut. Use fewer fragments."
         )
     pieces: list[Piece] = []
     owners: list[int] = []  # each piece's fragment
@@ -64,3 +60,34 @@ def fragment_pieces(
             owners.append(sum(cut <= start + begin for cut in cuts))
     bounds = [(owners.index(fragment), len(owners) - owners[::-1].index(fragment)) for fragment in range(fragments)]
     return pieces, bounds
+
+
+def _cuts(sizes: Sequence[int], starts: Sequence[int], fragments: int, uncut: Collection[int]) -> Optional[list[int]]:
+    """Where the fragments end, in values from the model's start: at equal shares, moved off the inside of an uncut
+    tensor (to its nearer edge), then pushed on past an earlier cut and back before a later one or the end, so that
+    every fragment keeps a value. None when the uncut tensors leave too few places."""
+    total = sum(sizes)
+    whole = [(starts[index], starts[index] + sizes[index]) for index in uncut]
+
+    def span_around(position: int) -> Optional[tuple[int, int]]:
+        return next(((begin, end) for begin, end in whole if begin < position < end), None)
+
+    cuts = []
+    for fragment in range(1, fragments):
+        cut = total * fragment // fragments
+        span = span_around(cut)
+        cuts.append(cut if span is None else span[0] if cut - span[0] <= span[1] - cut else span[1])
+    previous = 0
+    for position, cut in enumerate(cuts):
+        if cut <= previous:  # (two cuts met at one tensor's edge: the later one moves on)
+            span = span_around(previous + 1)
+            cut = previous + 1 if span is None else span[1]
+        cuts[position] = previous = cut
+    following = total
+    for position in reversed(range(len(cuts))):
+        if cuts[position] >= following:  # (pushed to the end or past the next: back to the place before it)
+            span = span_around(following - 1)
+            cuts[position] = following - 1 if span is None else span[0]
+        following = cuts[position]
+    edges = [0, *cuts, total]
+    return cuts if all(low < high for low, high in zip(edges, edges[1:])) else None

@@ -25,7 +25,7 @@ from lightning_hetero.plan.local_steps import (
 from lightning_hetero.simulate import catalog
 from lightning_hetero.simulate.calibration import efficiency_by_kind, loop_from_run
 from lightning_hetero.simulate.cluster import Cluster, ClusterFileError, SimulatedDevice, load_cluster
-from lightning_hetero.simulate.device_model import GPU_CONTEXT_BYTES, PLANNING_HEADROOM
+from lightning_hetero.simulate.device_model import GPU_CONTEXT_BYTES, PLANNING_HEADROOM, precision_of
 from lightning_hetero.simulate.local_merge import evaluate_local
 from lightning_hetero.simulate.pipeline import ChainShares, chain_shares, describe_pipeline_prediction, predict_pipeline
 from lightning_hetero.simulate.predict import Prediction, automatic_stage, predict
@@ -94,7 +94,7 @@ def parser() -> argparse.ArgumentParser:
         default="every_step",
         help="also plan local training as HeteroStrategy(sync=...) runs it: inner steps, merges on the link",
     )
-    p.add_argument("--sync-every", type=int, default=8, help="with --sync: training steps between merges (default 8)")
+    p.add_argument("--sync-every", type=int, help="with --sync: training steps between merges (default 8)")
     p.add_argument(
         "--sync-options",
         default="{}",
@@ -126,6 +126,8 @@ def main(args: Optional[list[str]] = None) -> int:
     try:
         cluster = load_cluster(options.cluster)
         what_if_cluster = apply_what_ifs(cluster, options.drop, options.add)
+        compression = None if options.compression in (None, "none") else options.compression
+        merge = local_settings(options, compression, [cluster, what_if_cluster])
         workload, global_batch, chain = _measure(options, len(cluster.devices))
     except (ClusterFileError, ValueError) as error:
         print(f"lightning-hetero plan: {error}", file=sys.stderr)
@@ -141,11 +143,8 @@ def main(args: Optional[list[str]] = None) -> int:
     except (OSError, KeyError, ValueError) as error:
         print(f"lightning-hetero plan: {error}", file=sys.stderr)
         return 2
-    compression = None if options.compression in (None, "none") else options.compression
-    local = options.sync != "every_step"
-    changed = replace(base, zero_stage=options.stage, compression=None if local else compression)
+    changed = replace(base, zero_stage=options.stage, compression=None if merge is not None else compression)
     try:
-        merge = local_settings(options, compression, len(cluster.devices))
         result = evaluate(cluster, workload, base)
         if merge is not None:
             result["local"] = evaluate_local(cluster, workload, base, merge, result["step_ms"]["total"])
@@ -305,33 +304,43 @@ def evaluate(cluster: Cluster, workload, options: Options) -> dict[str, Any]:
     }
 
 
-def local_settings(options: argparse.Namespace, compression: Optional[str], world: int) -> Optional[dict[str, Any]]:
-    """``--sync`` and its settings checked as HeteroStrategy checks them (None: every-step training alone)."""
-    refusal = sync_refusal(options.sync, 0, compression, [], None, None, None, "auto", True)
-    if options.sync == "every_step":
-        if options.sync_options != "{}" or options.inner_steps:
-            raise ValueError("`--sync-options` and `--inner-steps` plan local training: give `--sync local_sgd` or"
-                             " `--sync diloco` with them, or drop them.")  # fmt: skip
-        if refusal is not None:
-            raise ValueError(refusal)
-        return None
+def local_settings(
+    options: argparse.Namespace, compression: Optional[str], clusters: list[Cluster]
+) -> Optional[dict[str, Any]]:
+    """``--sync`` and its settings checked as HeteroStrategy checks them, on the devices of ``clusters`` (the
+    cluster as described and the what-if's) in the precision each would train in (None: every-step training
+    alone). Refused before the model is measured."""
     try:
         sync_options = json.loads(options.sync_options)
     except json.JSONDecodeError as error:
         example = """'{"fragments": 4, "overlap": true}'"""
         raise ValueError(f"`--sync-options {options.sync_options}` is not JSON ({error}); e.g. {example}") from None
-    check_sync_arguments(options.sync, options.sync_every, options.inner_steps, sync_options)
-    check_inner_steps_length(options.inner_steps, world)
+    if not isinstance(sync_options, dict):
+        raise ValueError(f"`--sync-options {options.sync_options}` must be a JSON object, e.g. '{{\"fragments\": 4}}'")
+    stage = options.stage if options.stage is not None else 0
+    precision = Options(global_batch_size=1, precision=None if options.precision == "auto" else options.precision)
+    precisions = [precision_of(device.kind, precision) for cluster in clusters for device in cluster.devices]
+    refusal = sync_refusal(options.sync, stage, compression, precisions, None, None, None, "auto", True)
+    if options.sync == "every_step":
+        if sync_options or options.inner_steps or options.sync_every is not None:
+            raise ValueError("`--sync-every`, `--sync-options` and `--inner-steps` plan local training: give `--sync"
+                             " local_sgd` or `--sync diloco` with them, or drop them.")  # fmt: skip
+        if refusal is not None:
+            raise ValueError(refusal)
+        return None
+    sync_every = options.sync_every if options.sync_every is not None else 8
+    check_sync_arguments(options.sync, sync_every, options.inner_steps, sync_options)
+    check_inner_steps_length(options.inner_steps, len(clusters[0].devices))
     if refusal is not None:
-        raise ValueError(refusal)
+        raise ValueError(f"{refusal} (`--precision` sets every device's; `--stage` the ZeRO stage)")
     if options.inner_steps and (options.drop or options.add):
         raise ValueError("`--inner-steps` with `--drop`/`--add`: the what-if has other devices. Drop `--inner-steps`"
                          " to plan the inner steps of both.")  # fmt: skip
     return {
         "sync": options.sync,
-        "sync_every": options.sync_every,
-        "fragments": sync_fragments(sync_options, options.sync_every),
-        "overlap_steps": sync_overlap(sync_options, options.sync_every),
+        "sync_every": sync_every,
+        "fragments": sync_fragments(sync_options, sync_every),
+        "overlap_steps": sync_overlap(sync_options, sync_every),
         "compression": compression,
         "inner_steps": options.inner_steps,
     }

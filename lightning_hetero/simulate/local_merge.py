@@ -4,10 +4,11 @@ the training step, and what the merges cost on the link, with streaming fragment
 A training step is the slowest rank's inner steps: rank r takes ``inner_steps[r]`` micro-batches of ``b_r`` samples,
 each with its own optimizer step (ZeRO-0), planned as the package plans them (:func:`~.plan.local_steps.
 plan_inner_steps`). One fragment merges every ``sync_every / fragments`` steps: an all-reduce of its values (fp32,
-fp16 or bf16), or a gather of every rank's int8 / int4 blocks and scales (:mod:`~.comm.quantize`), over the slowest
-link the ranks use, after an all-reduce of the sample counts (latency only). Without overlap every rank waits for the
-merge; with ``overlap_steps`` k the exchange runs behind the next k training steps, and a rank waits only for what
-outlasts them. The counts are always waited for. The loop calibration's overhead (``--calibrate``) is added to each
+fp16 or bf16), or gathers of every rank's int8 / int4 blocks and of their scales (:mod:`~.comm.quantize`), over the
+slowest link the ranks use, after an all-reduce of the sample counts (latency only). Without overlap every rank
+waits for the merge; with ``overlap_steps`` k the exchange runs behind the next k training steps, and a rank waits
+only for what outlasts them. The counts are always waited for; the merge of every fragment at an epoch's end
+(waited for, once an epoch) is not charged. The loop calibration's overhead (``--calibrate``) is added to each
 training step, as to every-step training's. Pure functions of the cluster, the workload and the settings.
 """
 
@@ -75,8 +76,8 @@ def merge_exchange(cluster: Cluster, payload: float, quantized: bool) -> tuple[f
         links.append(cluster.inter_node)
     link = Link(min(link.bandwidth for link in links), max(link.latency for link in links))
     counts = 2 * (world - 1) * link.latency
-    if quantized:
-        seconds = (world - 1) * (payload / link.bandwidth + link.latency)
+    if quantized:  # (two gathers, the blocks and then their scales: a latency each per ring step)
+        seconds = (world - 1) * (payload / link.bandwidth + 2 * link.latency)
         per_link = (world - 1) * payload  # what each link of the ring carries
     else:
         seconds = 2 * (world - 1) * (payload / world / link.bandwidth + link.latency)

@@ -87,6 +87,46 @@ def test_more_fragments_than_values_are_refused_naming_the_count():
     assert len(fragment_pieces([3, 4], 7)[1]) == 7
 
 
+def test_cuts_that_meet_at_an_uncut_tensors_edge_move_on_to_the_next_free_place():
+    """Both cuts of [100, 1, 1, 1] into 3 fragments fall inside the uncut first tensor (at 34 and 68): they would
+    meet at its end; whole tensors still make 3 fragments, and a channels-last convolution network (its conv weights
+    not contiguous) still makes 4."""
+    pieces, bounds = fragment_pieces([100, 1, 1, 1], 3, uncut=[0])
+    assert pieces == [(0, 0, 100), (1, 0, 1), (2, 0, 1), (3, 0, 1)] and bounds == [(0, 1), (1, 2), (2, 4)]
+    sizes = [864, 32, 18432, 64, 4096, 10]
+    pieces, bounds = fragment_pieces(sizes, 4, uncut=[0, 2])
+    assert len(bounds) == 4 and all(begin < end for begin, end in bounds)
+    assert all(begin == 0 and end == sizes[tensor] for tensor, begin, end in pieces if tensor in (0, 2))
+    for fragments in range(2, 5):  # (every count that the tensors' edges allow, wherever the cuts fell)
+        sizes, uncut = [7, 1, 1, 9, 1], [0, 3]
+        assert len(fragment_pieces(sizes, fragments, uncut)[1]) == fragments
+
+
 def test_fragments_that_whole_tensors_cannot_make_are_refused_naming_them():
     with pytest.raises(ValueError, match=r"cannot be cut into 3 non-empty fragments.*tensors \[0\] are not contiguous"):
-        fragment_pieces([100, 1, 1, 1], 3, uncut=[0])
+        fragment_pieces([100, 1], 3, uncut=[0])  # (one place to cut: after the first tensor)
+
+
+def test_every_small_model_is_cut_exactly_when_its_free_places_are_enough():
+    """Exhaustive over small models (1-4 tensors of 0-4 values, every subset uncut, 1-6 fragments): fragments are
+    made exactly when the places a cut may go (not inside an uncut tensor) number at least fragments - 1, and then
+    every fragment holds a value and each value is in one piece."""
+    for count in range(1, 5):
+        for sizes in itertools.product(range(5), repeat=count):
+            total = sum(sizes)
+            starts = [0, *itertools.accumulate(sizes)]
+            for uncut in itertools.chain.from_iterable(
+                itertools.combinations(range(count), k) for k in range(count + 1)
+            ):
+                inside = {p for t in uncut for p in range(starts[t] + 1, starts[t + 1])}
+                free = len(set(range(1, total)) - inside)
+                for fragments in range(1, min(total, 6) + 1):
+                    if free < fragments - 1:
+                        with pytest.raises(ValueError, match="cannot be cut"):
+                            fragment_pieces(sizes, fragments, uncut)
+                        continue
+                    pieces, bounds = fragment_pieces(sizes, fragments, uncut)
+                    ranges = values_of(pieces, sizes)
+                    assert sum(high - low for low, high in ranges) == total
+                    assert all(sum(high - low for low, high in ranges[b:e]) > 0 for b, e in bounds)
+                    assert all((b, e) == (0, sizes[t]) for t, b, e in pieces if t in uncut)

@@ -95,13 +95,29 @@ def test_the_tables_show_the_plan_the_step_and_the_speedups(cluster_file, capsys
         (["--init-args", '{"width": 3}'], 'with `--init-args {"width": 3}`: '),
         (["--global-batch-size", "4"], "`global_batch_size=4` is smaller than the world size 9"),
         (["--compression", "int8"], "int8 and int4 quantize the pseudo-gradient of a merge"),
-        (["--sync-options", '{"fragments": 2}'], "`--sync-options` and `--inner-steps` plan local training"),
-        (["--sync", "diloco", "--sync-options", "{fragments: 2}"], "`--sync-options {fragments: 2}` is not JSON"),
-        (["--sync", "diloco", "--sync-options", '{"fragments": 3}'], "that divides `sync_every=8`"),
-        (["--sync", "diloco", "--compression", "powersgd"], "travels in fp32, fp16, bf16, int8 or int4 only"),
-        (["--sync", "diloco", "--inner-steps", "2", "1"], "`inner_steps=[2, 1]` has 2 entries"),
+        (["--sync-options", '{"fragments": 2}'], "`--sync-every`, `--sync-options` and `--inner-steps` plan local"),
+        (["--sync-every", "16"], "`--sync-every`, `--sync-options` and `--inner-steps` plan local training"),
+        (["--sync", "diloco", "--sync-options", "4"], "`--sync-options 4` must be a JSON object"),
+        (["--sync", "diloco"], "with an fp16 rank"),  # (the V100s train in fp16 by default)
+        (["--sync", "diloco", "--precision", "32-true", "--stage", "2"], "`sync='diloco'` needs `stage=0`"),
         (
-            ["--sync", "diloco", "--inner-steps", *"111111111", "--drop", "V100-32GB"],
+            ["--sync", "diloco", "--precision", "32-true", "--sync-options", "{fragments: 2}"],
+            "`--sync-options {fragments: 2}` is not JSON",
+        ),
+        (
+            ["--sync", "diloco", "--precision", "32-true", "--sync-options", '{"fragments": 3}'],
+            "that divides `sync_every=8`",
+        ),
+        (
+            ["--sync", "diloco", "--precision", "32-true", "--compression", "powersgd"],
+            "travels in fp32, fp16, bf16, int8 or int4 only",
+        ),
+        (
+            ["--sync", "diloco", "--precision", "32-true", "--inner-steps", "2", "1"],
+            "`inner_steps=[2, 1]` has 2 entries",
+        ),
+        (
+            ["--sync", "diloco", "--precision", "32-true", "--inner-steps", *"111111111", "--drop", "V100-32GB"],
             "`--inner-steps` with `--drop`/`--add`",
         ),
     ],
@@ -112,11 +128,11 @@ def test_bad_what_ifs_exit_2_with_the_fix(cluster_file, capsys, args, message):
 
 
 def test_local_training_is_planned_with_its_inner_steps_merges_on_the_link_overlap_and_int8(tmp_path, capsys):
-    """Two GPUs on two nodes over 1 Gbit/s: DiLoCo's merge of int8 pseudo-gradients in 4 fragments, overlapped,
-    sends a quarter of the model at about a byte a value and waits less on the link than the merge in fp32 that is
-    waited for; both train more samples a second than every-step training over that link."""
+    """Two GPUs (bf16 both) on two nodes over 1 Gbit/s: DiLoCo's merge of int8 pseudo-gradients in 4 fragments,
+    overlapped, sends a quarter of the model at about a byte a value and waits less on the link than the merge in fp32
+    that is waited for; both train more samples a second than every-step training over that link."""
     path = tmp_path / "cluster.yaml"
-    path.write_text("nodes:\n  - {devices: [{kind: A100-80GB}]}\n  - {devices: [{kind: V100-32GB}]}\n"
+    path.write_text("nodes:\n  - {devices: [{kind: A100-80GB}]}\n  - {devices: [{kind: A10}]}\n"
                     "inter_node: {bandwidth: 1Gbit, latency: 500us}\n")  # fmt: skip
     base = ["--cluster", str(path), *MODEL, "--init-args", '{"hidden": 512}', "--global-batch-size", "128", "--json"]
     code, out, _ = run([*base, "--sync", "diloco"], capsys)
@@ -235,6 +251,10 @@ def test_a_pipeline_is_planned_beside_the_batch_split(tmp_path, capsys, monkeypa
     assert code == 0 and "pipeline: 2 stages x 2 pipeline(s), 1f1b" in out and "the batch split's step" in out
     code, _, err = run(["--cluster", str(path), *chain[:4], "--pipeline-blocks", "layers"], capsys)
     assert code == 2 and "`blocks` 'layers': SpiralChain has no attribute 'layers'" in err
+    # (a bad --sync beside a pipeline is refused too, not taken for a batch split that cannot train)
+    bad_sync = ["--sync", "diloco", "--precision", "32-true", "--sync-options", '{"fragments": 3}']
+    code, out, err = run(["--cluster", str(path), *chain, *bad_sync], capsys)
+    assert code == 2 and "that divides `sync_every=8`" in err and not out
 
 
 def test_a_missing_cluster_file_exits_2_naming_it(tmp_path, capsys):

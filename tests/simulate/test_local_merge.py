@@ -44,7 +44,7 @@ def test_an_all_reduce_of_two_ranks_over_the_link_costs_the_payload_and_the_gath
     four = two_nodes(ranks_per_node=2)
     _, gathered, _ = merge_exchange(four, payload, quantized=True)
     _, reduced, _ = merge_exchange(four, payload, quantized=False)
-    assert gathered == pytest.approx(3 * (payload / GBIT.bandwidth + GBIT.latency))
+    assert gathered == pytest.approx(3 * (payload / GBIT.bandwidth + 2 * GBIT.latency))  # the blocks, then the scales
     assert reduced == pytest.approx(6 * (payload / 4 / GBIT.bandwidth + GBIT.latency))
     assert merge_exchange(Cluster((four.devices[0],), (Link(25e9),), None), payload, False) == (0.0, 0.0, 0.0)
 

@@ -269,3 +269,42 @@ def test_outer_momentum_written_for_other_fragments_is_refused_at_load_and_the_s
     assert [tuple(m.shape) for m in momentum] == [(38,), (2,), (6, 5), (7,)]
     expected = [saved._outer.state[p]["momentum_buffer"] for p in saved._outer_parameters]
     assert all(torch.equal(a, b) for a, b in zip(momentum, expected))
+
+
+def test_outer_momentum_of_as_many_pieces_of_other_shapes_is_refused(tmp_path):
+    """A model of one 10-value tensor in 2 fragments (pieces of 5 and 5) and one of tensors of 4 and 6 in 1: as many
+    pieces, other shapes; torch's SGD would load the momentum, and the next outer step would fail or broadcast."""
+    saved = LocalTraining("diloco", 2, OUTER, None, fragments=2)
+    saved.attach([torch.nn.Parameter(torch.zeros(10))], None)
+    with torch.no_grad():
+        saved._parameters[0].sub_(0.1)
+    saved.samples_since_sync = saved.steps_since_sync = 1
+    saved.synchronize(lambda tensor: None)
+    saved.save(tmp_path, 0)
+    other = LocalTraining("diloco", 2, OUTER, None)
+    other.attach([torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(6))], None)
+    with pytest.raises(ValueError, match=r"for 2 parameter pieces, not this fit's 2 \(or of other shapes\)"):
+        other.load(tmp_path, 0)
+
+
+def test_a_parameter_not_contiguous_in_memory_stays_whole_and_merges_as_with_one_fragment():
+    """A transposed weight cannot be cut through a flat view: with 2 fragments over [it (8x5, transposed: 40 values),
+    30 values] the cut at value 35, inside it, moves to its end; both fragments merge at the epoch's end to what one
+    fragment merges to."""
+
+    def merged(fragments: int) -> list[torch.Tensor]:
+        parameters = [torch.nn.Parameter(torch.zeros(5, 8).t()), torch.nn.Parameter(torch.zeros(30))]
+        training = LocalTraining("local_sgd", 4, None, None, fragments=fragments)
+        training.attach(parameters, None)
+        assert not parameters[0].is_contiguous()
+        assert training._pieces == [(0, 0, 40), (1, 0, 30)]  # (one fragment: the tensors; two: the cut at 40)
+        assert training._bounds == ([(0, 2)] if fragments == 1 else [(0, 1), (1, 2)])
+        with torch.no_grad():
+            parameters[0].sub_(torch.arange(40.0).view(8, 5))
+            parameters[1].sub_(0.5)
+        training.step_done(1, True, lambda tensor: None, None)  # (the epoch's last step: every fragment merges)
+        return [p.detach().clone() for p in parameters]
+
+    for whole, cut in zip(merged(1), merged(2)):
+        assert torch.equal(whole, cut)
+    assert torch.equal(merged(2)[0], -torch.arange(40.0).view(8, 5))
