@@ -1,17 +1,14 @@
 """Quantized pseudo-gradients: ``compression="int8"`` or ``"int4"`` with ``sync="local_sgd"`` or ``"diloco"``.
 
-A merge sends each rank's weighted delta in blocks of :data:`BLOCKS` values (64 for int8, 256 for int4), each block as
-signed integers of 8 or 4 bits (two 4-bit values to a byte) and one fp32 scale, its largest magnitude over the
-integers' largest (127 or 7): 1/4 (int8) or 1/8 (int4) of fp32's bytes, plus 4 bytes a block: 0.266 and 0.129 of
-fp32's in all. Smaller blocks round finer (a block's largest magnitude sets its step): int8's blocks of 64 ended the
-benchmark's DiLoCo at 0.92 of fp32's final loss in the median of 5 seeds, against 1.11 at 256 (docs/local-sgd.md);
-int4's stay at 256, which keeps it under 0.14 of fp32's bytes. What
+A merge sends each rank's weighted delta in blocks of :data:`BLOCK` values, each block as signed integers of 8 or 4
+bits (two 4-bit values to a byte) and one fp32 scale, its largest magnitude over the integers' largest (127 or 7):
+about 1/4 (int8) or 1/8 (int4) of fp32's bytes, plus 4 bytes a block (1/64 of fp32's at 256 values a block). What
 rounding lost is this rank's error feedback: added to its next merge's delta, so nothing is lost for good, only late
 (as INTELLECT-1 and SparseLoCo do). Integers cannot be summed on the wire without overflow, so the ranks gather each
 other's blocks and scales and each sums the dequantized deltas in rank order: the same sum, bit for bit, on every
 rank, so the parameters stay the same everywhere. A rank then receives every other rank's blocks: with W ranks,
 (W - 1) times its own, against about 2 (W - 1) / W of fp32's for a ring all-reduce, so int8 sends fewer bytes than
-fp32 up to about 7 ranks and int4 up to about 15 (a quantized reduce-scatter would lift that; not built).
+fp32 up to about 8 ranks and int4 up to about 16 (a quantized reduce-scatter would lift that; not built).
 
 Pure tensor functions; :class:`lightning_hetero.train.local_sgd.LocalTraining` calls them at a merge.
 """
@@ -19,13 +16,12 @@ Pure tensor functions; :class:`lightning_hetero.train.local_sgd.LocalTraining` c
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-BLOCKS = {8: 64, 4: 256}  # values per scale, by bits (even: two 4-bit values share a byte)
+BLOCK = 256  # values per scale (even: two 4-bit values share a byte)
 BITS = {"int8": 8, "int4": 4}
 
 
@@ -34,12 +30,11 @@ def largest_level(bits: int) -> int:
     return 2 ** (bits - 1) - 1
 
 
-def quantize(values: Tensor, bits: int, block: Optional[int] = None) -> tuple[Tensor, Tensor]:
-    """``values`` (1-D, fp32) as (payload: uint8 bytes, scales: fp32, one per block of ``block`` values, by default
-    :data:`BLOCKS`'). The last block is padded with zeros; :func:`dequantize` needs the number of values back."""
+def quantize(values: Tensor, bits: int, block: int = BLOCK) -> tuple[Tensor, Tensor]:
+    """``values`` (1-D, fp32) as (payload: uint8 bytes, scales: fp32, one per block). The last block is padded with
+    zeros; :func:`dequantize` needs the number of values back."""
     if bits not in (4, 8):
         raise ValueError(f"bits={bits}: only 8 and 4 are supported")
-    block = block or BLOCKS[bits]
     levels = largest_level(bits)
     blocks = -(-values.numel() // block)
     padded = F.pad(values.float(), (0, blocks * block - values.numel())).view(blocks, block)
@@ -52,9 +47,8 @@ def quantize(values: Tensor, bits: int, block: Optional[int] = None) -> tuple[Te
     return nibbles[0::2] | (nibbles[1::2] << 4), scales
 
 
-def dequantize(payload: Tensor, scales: Tensor, bits: int, numel: int, block: Optional[int] = None) -> Tensor:
+def dequantize(payload: Tensor, scales: Tensor, bits: int, numel: int, block: int = BLOCK) -> Tensor:
     """The ``numel`` fp32 values that :func:`quantize` encoded, as the integers times their block's scale."""
-    block = block or BLOCKS[bits]
     if bits == 8:
         integers = payload.view(torch.int8).to(torch.float32)
     else:
@@ -81,8 +75,7 @@ def quantize_with_feedback(
     return payload, scales
 
 
-def wire_bytes(numel: int, bits: int, block: Optional[int] = None) -> int:
+def wire_bytes(numel: int, bits: int, block: int = BLOCK) -> int:
     """Bytes one rank sends for ``numel`` values: the payload and the scales."""
-    block = block or BLOCKS[bits]
     blocks = -(-numel // block)
     return blocks * block * bits // 8 + blocks * 4

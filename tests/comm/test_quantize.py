@@ -8,18 +8,17 @@ import threading
 import pytest
 import torch
 
-from lightning_hetero.comm.quantize import BLOCKS, dequantize, largest_level, quantize, wire_bytes
+from lightning_hetero.comm.quantize import BLOCK, dequantize, largest_level, quantize, wire_bytes
 from lightning_hetero.train.local_sgd import LocalTraining
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("numel", [1, 63, 64, 65, 255, 256, 257, 1000])
+@pytest.mark.parametrize("numel", [1, 255, 256, 257, 1000])
 def test_each_value_comes_back_within_half_a_step_of_its_block(bits, numel):
     values = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 3
     payload, scales = quantize(values, bits)
     back = dequantize(payload, scales, bits, numel)
     assert back.shape == values.shape and back.dtype == torch.float32
-    BLOCK = BLOCKS[bits]  # noqa: N806 (int8: 64 values a scale, int4: 256)
     blocks = -(-numel // BLOCK)
     assert scales.numel() == blocks and payload.dtype == torch.uint8
     assert payload.numel() + 4 * scales.numel() == wire_bytes(numel, bits)
@@ -40,7 +39,7 @@ def test_int4_packs_two_levels_to_a_byte_and_keeps_the_sign():
 
 
 def test_an_all_zero_block_sends_zeros_and_a_zero_scale():
-    values = torch.cat([torch.zeros(BLOCKS[8]), torch.ones(10)])
+    values = torch.cat([torch.zeros(BLOCK), torch.ones(10)])
     payload, scales = quantize(values, 8)
     assert scales[0].item() == 0.0
     assert torch.equal(dequantize(payload, scales, 8, values.numel()), values)
@@ -48,18 +47,8 @@ def test_an_all_zero_block_sends_zeros_and_a_zero_scale():
 
 def test_bytes_are_a_quarter_and_an_eighth_of_fp32_plus_the_scales():
     numel = 1_000_000
-    assert wire_bytes(numel, 8) / (4 * numel) == pytest.approx((1 + 4 / 64) / 4, rel=1e-4)  # 0.266: under 0.27
-    assert wire_bytes(numel, 4) / (4 * numel) == pytest.approx((0.5 + 4 / 256) / 4, rel=1e-3)  # 0.129: under 0.14
-
-
-def test_int8_rounds_finer_in_its_smaller_blocks():
-    """A block's largest magnitude sets its step: one outlier in 256 values coarsens 256 values at 256 a block, 64 at
-    64 (the default), so the error over the rest is smaller."""
-    values = torch.randn(4096, generator=torch.Generator().manual_seed(0))
-    values[::256] *= 20  # (one outlier every 256 values)
-    error = {block: (dequantize(*quantize(values, 8, block), 8, 4096, block) - values).norm() for block in (64, 256)}
-    default = (dequantize(*quantize(values, 8), 8, 4096) - values).norm()
-    assert default == error[64] and error[64] < 0.7 * error[256]
+    assert wire_bytes(numel, 8) / (4 * numel) < 0.27
+    assert wire_bytes(numel, 4) / (4 * numel) < 0.14
 
 
 def test_unsupported_bits_are_refused():

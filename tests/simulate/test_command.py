@@ -151,7 +151,7 @@ def test_local_training_is_planned_with_its_inner_steps_merges_on_the_link_overl
     )
     assert set(local["training_step_ms"]) == {"total", "compute", "link_wait", "overhead"}
     parameters = waited["local"]["merge"]["bytes_per_rank"] / 4
-    assert local["merge"]["bytes_per_rank"] == pytest.approx(parameters / 4 * (1 + 4 / 64), rel=3e-3)  # (to a block)
+    assert local["merge"]["bytes_per_rank"] == pytest.approx(parameters / 4 * (1 + 4 / 256), rel=3e-3)  # (to a block)
     assert local["merge"]["every_steps"] == 2 and waited["local"]["merge"]["every_steps"] == 8
     assert local["link_wait_over_compute"] < waited["local"]["link_wait_over_compute"]
     assert waited["local"]["speedup_over_every_step"] > 1 and local["speedup_over_every_step"] > 1

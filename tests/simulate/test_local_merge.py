@@ -12,7 +12,7 @@ from lightning_hetero.simulate.cluster import Cluster, Link, SimulatedDevice
 from lightning_hetero.simulate.local_merge import merge_exchange, merge_payload_bytes, plan_local
 from lightning_hetero.simulate.workload import Workload
 
-VALUES = 2**20  # a multiple of the quantizer's blocks (64 and 256 values)
+VALUES = 2**20  # a multiple of the quantizer's 256-value blocks
 WORKLOAD = Workload(
     name="test", parameters=VALUES, matrix_shapes=((1024, 1024),), flops_per_sample=1e6, fixed_flops=0.0,
     operators_per_step=10, activation_bytes_per_sample=1e3, here_fixed_seconds=0.0, here_seconds_per_sample=1e-3,
@@ -28,10 +28,10 @@ def two_nodes(link: Link = GBIT, ranks_per_node: int = 1) -> Cluster:
 
 
 @pytest.mark.parametrize(
-    ("compression", "over_fp32"), [(None, 1.0), ("fp16", 0.5), ("bf16", 0.5), ("int8", 0.2656), ("int4", 0.1289)]
+    ("compression", "over_fp32"), [(None, 1.0), ("fp16", 0.5), ("bf16", 0.5), ("int8", 0.2539), ("int4", 0.1289)]
 )
 def test_a_merge_sends_the_values_in_their_wire_format_int8_and_int4_with_a_scale_a_block(compression, over_fp32):
-    # int8: a byte a value and 4 bytes of scale per 64 values, (1 + 4/64) / 4 = 0.2656 of fp32; int4 per 256: 0.1289
+    # int8: a byte a value and 4 bytes of scale per 256 values, (1 + 4/256) / 4 = 0.2539 of fp32; int4: 0.1289
     assert merge_payload_bytes(VALUES, compression) / (4 * VALUES) == pytest.approx(over_fp32, abs=1e-4)
 
 
@@ -84,4 +84,4 @@ def test_overlap_hides_the_exchange_behind_k_steps_and_leaves_the_counts_and_wha
 def test_quantized_merges_wait_less_on_the_link_than_fp32():
     fp32, int8, int4 = (plan(sync_every=8, compression=c) for c in (None, "int8", "int4"))
     assert int4.link_wait_seconds < int8.link_wait_seconds < fp32.link_wait_seconds
-    assert int8.merge_bytes_per_rank / fp32.merge_bytes_per_rank == pytest.approx(0.2656, abs=1e-4)
+    assert int8.merge_bytes_per_rank / fp32.merge_bytes_per_rank == pytest.approx(0.2539, abs=1e-4)
