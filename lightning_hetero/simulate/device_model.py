@@ -23,6 +23,7 @@ from lightning_hetero.simulate.catalog import (
     DeviceKind,
     kind_of_device_name,
 )
+from lightning_hetero.simulate.cluster import Cluster
 from lightning_hetero.simulate.step_options import Options
 from lightning_hetero.simulate.workload import Workload
 
@@ -165,6 +166,14 @@ def device_cost(kind: DeviceKind, workload: Workload, options: Options, world_si
             f" {kind.memory_bytes / 2**30:.1f} GiB. Use a higher `--stage`, or `--drop {kind.name}`."
         )
     return CostModel(fixed=fixed, per_sample=per_sample, max_batch=max_batch)
+
+
+def cluster_costs(cluster: Cluster, workload: Workload, options: Options) -> list[CostModel]:
+    """Each device's cost model, in rank order, computed once per kind: devices of one entry share their kind object,
+    so 10,000 devices cost a few entries."""
+    kinds = {id(device.kind): device.kind for device in cluster.devices}
+    cost_of = {key: device_cost(kind, workload, options, len(cluster.devices)) for key, kind in kinds.items()}
+    return [cost_of[id(device.kind)] for device in cluster.devices]
 
 
 def optimizer_seconds(kind: DeviceKind, parameters: int, zero_stage: int, world_size: int) -> float:

@@ -43,7 +43,7 @@ def gradient_payload_bytes(workload: Workload, compression: Optional[str], optio
     return PARAMETER_BYTES * float(workload.parameters)
 
 
-def _ring_seconds(world: int, volume: float, link: Link) -> float:
+def ring_seconds(world: int, volume: float, link: Link) -> float:
     """A ring all-reduce of ``volume`` bytes over ``world`` ranks whose slowest link is ``link``."""
     if world <= 1:
         return 0.0
@@ -52,6 +52,17 @@ def _ring_seconds(world: int, volume: float, link: Link) -> float:
 
 def _slowest(links: Sequence[Link]) -> Link:
     return Link(min(link.bandwidth for link in links), max(link.latency for link in links))
+
+
+def slowest_used_link(cluster: Cluster) -> Link:
+    """The slowest link a flat collective over every device of ``cluster`` crosses: each node's own where it holds
+    several ranks, and the one between nodes when there are several (a cluster of several devices)."""
+    ranks_per_node = Counter(device.node for device in cluster.devices)
+    used_links = [cluster.node_links[node] for node in sorted(ranks_per_node) if ranks_per_node[node] > 1]
+    if len(ranks_per_node) > 1:
+        assert cluster.inter_node is not None  # (a cluster of several nodes has one)
+        used_links.append(cluster.inter_node)
+    return _slowest(used_links)
 
 
 def exchange(cluster: Cluster, workload: Workload, options: Options) -> Exchange:
@@ -74,16 +85,12 @@ def exchange(cluster: Cluster, workload: Workload, options: Options) -> Exchange
             reason = f"{reason.split(':')[0]}: {topology.num_nodes} nodes, one payload per node crosses between them"
     ranks_per_node = Counter(device.node for device in cluster.devices)
     nodes = sorted(ranks_per_node)
-    used_links = [cluster.node_links[node] for node in nodes if ranks_per_node[node] > 1]
-    if len(nodes) > 1:
-        assert cluster.inter_node is not None  # (a cluster of several nodes has one)
-        used_links.append(cluster.inter_node)
     if world <= 1:
         return Exchange(0.0, 0.0, 0.0, False, "one rank: nothing to exchange")
+    link = slowest_used_link(cluster)
     if choice.mode == "topk":
         entries = choice.options.get("ratio", 0.01) * workload.parameters
         volume = (world - 1) * entries * TOPK_BYTES_PER_ENTRY  # an all-gather: every rank receives every other's
-        link = _slowest(used_links)
         seconds = volume / link.bandwidth + 2 * (world - 1) * link.latency
         wire = world * volume
         return Exchange(seconds, wire, wire if len(nodes) > 1 else 0.0, False, reason)
@@ -96,7 +103,7 @@ def exchange(cluster: Cluster, workload: Workload, options: Options) -> Exchange
     if hierarchical:
         seconds, wire, crossing = _hierarchical(cluster, ranks_per_node, volume)
         return Exchange(seconds, wire, crossing, True, reason)
-    seconds = _ring_seconds(world, volume, _slowest(used_links))
+    seconds = ring_seconds(world, volume, link)
     wire = 2 * (world - 1) * volume
     # The ring crosses between nodes once per node, each crossing carrying what every link of the ring carries.
     crossing = len(nodes) * 2 * (world - 1) / world * volume if len(nodes) > 1 else 0.0
@@ -112,7 +119,7 @@ def _hierarchical(cluster: Cluster, ranks_per_node: Counter, volume: float) -> t
     between = 0.0
     if len(ranks_per_node) > 1:
         assert cluster.inter_node is not None  # (a cluster of several nodes has one)
-        between = _ring_seconds(len(ranks_per_node), volume, cluster.inter_node)
+        between = ring_seconds(len(ranks_per_node), volume, cluster.inter_node)
     crossing = 2 * (len(ranks_per_node) - 1) * volume
     wire = crossing + sum(2 * (count - 1) * volume for count in ranks_per_node.values())
     return inside + between, wire, crossing

@@ -14,7 +14,6 @@ training step, as to every-step training's. Pure functions of the cluster, the w
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Optional
@@ -22,8 +21,9 @@ from typing import Any, Optional
 from lightning_hetero.comm import quantize
 from lightning_hetero.measure.cost import CostModel
 from lightning_hetero.plan.local_steps import plan_inner_steps
-from lightning_hetero.simulate.cluster import Cluster, Link
-from lightning_hetero.simulate.device_model import PARAMETER_BYTES, device_cost, optimizer_seconds
+from lightning_hetero.simulate.cluster import Cluster
+from lightning_hetero.simulate.device_model import PARAMETER_BYTES, cluster_costs, optimizer_seconds
+from lightning_hetero.simulate.gradient_exchange import ring_seconds, slowest_used_link
 from lightning_hetero.simulate.step_options import Options
 from lightning_hetero.simulate.workload import Workload
 
@@ -69,21 +69,16 @@ def merge_exchange(cluster: Cluster, payload: float, quantized: bool) -> tuple[f
     world = len(cluster.devices)
     if world <= 1:
         return 0.0, 0.0, 0.0
-    ranks_per_node = Counter(device.node for device in cluster.devices)
-    links = [cluster.node_links[node] for node, count in ranks_per_node.items() if count > 1]
-    if len(ranks_per_node) > 1:
-        assert cluster.inter_node is not None  # (a cluster of several nodes has one)
-        links.append(cluster.inter_node)
-    link = Link(min(link.bandwidth for link in links), max(link.latency for link in links))
-    counts = 2 * (world - 1) * link.latency
+    link = slowest_used_link(cluster)
+    counts = ring_seconds(world, 0.0, link)
     if quantized:  # (two gathers, the blocks and then their scales: a latency each per ring step)
         seconds = (world - 1) * (payload / link.bandwidth + 2 * link.latency)
         per_link = (world - 1) * payload  # what each link of the ring carries
     else:
-        seconds = 2 * (world - 1) * (payload / world / link.bandwidth + link.latency)
+        seconds = ring_seconds(world, payload, link)
         per_link = 2 * (world - 1) / world * payload
-    crossing = len(ranks_per_node) * per_link if len(ranks_per_node) > 1 else 0.0
-    return counts, seconds, crossing
+    nodes = len({device.node for device in cluster.devices})
+    return counts, seconds, nodes * per_link if nodes > 1 else 0.0
 
 
 def plan_local(
@@ -119,10 +114,7 @@ def evaluate_local(
     keys (``every_step_ms``: the every-step plan's step, for the speedup); each rank's micro-batch is the global batch
     over the ranks (the loader's batch, as HeteroStrategy's), each device's cost model at ZeRO-0."""
     world = len(cluster.devices)
-    zero = replace(options, zero_stage=0, compression=None)  # (local training runs at ZeRO-0)
-    kinds = {id(device.kind): device.kind for device in cluster.devices}
-    cost_of = {key: device_cost(kind, workload, zero, world) for key, kind in kinds.items()}
-    costs = [cost_of[id(device.kind)] for device in cluster.devices]
+    costs = cluster_costs(cluster, workload, replace(options, zero_stage=0, compression=None))  # (local: ZeRO-0)
     micro = [max(1, options.global_batch_size // world)] * world
     for device, cost in zip(cluster.devices, costs):
         if cost.max_batch is not None and cost.max_batch < micro[0]:

@@ -29,7 +29,7 @@ from lightning_hetero.plan.zero_stage import ModelSize, StageChoice
 from lightning_hetero.simulate.cluster import Cluster
 from lightning_hetero.simulate.device_model import (
     activation_bytes,
-    device_cost,
+    cluster_costs,
     optimizer_seconds,
     precision_of,
     rank_state_bytes,
@@ -88,10 +88,9 @@ def predict(cluster: Cluster, workload: Workload, options: Options, equal: bool 
         stage = automatic_stage(cluster, workload, options).stage
         options = replace(options, zero_stage=stage)
     world = len(cluster.devices)
-    # Devices of one entry share their kind object: one cost model each, so 10,000 devices cost a few entries.
+    # Devices of one entry share their kind object: one precision each, as one cost model (cluster_costs).
     kinds = {id(device.kind): device.kind for device in cluster.devices}
-    cost_of = {key: device_cost(kind, workload, options, world) for key, kind in kinds.items()}
-    costs = [cost_of[id(device.kind)] for device in cluster.devices]
+    costs = cluster_costs(cluster, workload, options)
     plan = (
         equal_split(costs, options.global_batch_size) if equal else plan_micro_steps(costs, options.global_batch_size)
     )
