@@ -4,8 +4,7 @@
 facts, precisions, profiles, the data seed), the split in force, and one object per capability (collectives,
 emulation, data sharding, loss weights, the training steps, watch, recovery, non-finite steps, communication, local
 training, the pipeline). Each method is one lifecycle point, handed over to the stages' objects; the strategy keeps
-only Lightning's hook order and the DeepSpeed overrides, and nothing here knows Lightning's or DeepSpeed's strategy
-classes. The setup survey and the planning of a fit's start are :mod:`lightning_hetero.job_setup`.
+only Lightning's hook order and the DeepSpeed overrides. The setup survey and the start of a fit are :mod:`.job_setup`.
 """
 
 from __future__ import annotations
@@ -36,14 +35,13 @@ from lightning_hetero.runtime.collectives import Collectives
 from lightning_hetero.runtime.tracing import phase
 from lightning_hetero.settings import HeteroSettings
 from lightning_hetero.train.buffers import BufferSync
-from lightning_hetero.train.loaders import HeteroDataLoader
+from lightning_hetero.train.claims import REBUILT_LOADERS, AsynchronousTraining
 from lightning_hetero.train.local_sgd import LocalTraining
 from lightning_hetero.train.micro_batches import MicroBatchGuard
 from lightning_hetero.train.pipeline import Pipeline
 from lightning_hetero.train.sharding import BatchListeners, DataSharding
 from lightning_hetero.train.split_in_force import SplitInForce
 from lightning_hetero.train.steps import Backward, TrainingSteps, UserStep
-from lightning_hetero.train.streams import HeteroStreamLoader
 from lightning_hetero.train.weights import LossWeights
 from lightning_hetero.watch.loss_reduction import LossReductionCheck
 from lightning_hetero.watch.publish import publish_to_loggers, report_directory
@@ -72,6 +70,7 @@ class HeteroJob:
             self.local = LocalTraining(settings.sync, settings.sync_every, settings.outer, settings.compression.mode,
                                        settings.fragments, settings.overlap)  # fmt: skip
             self.loss_weights.local = True
+        self.claims = AsynchronousTraining(self, settings.sync_every) if settings.asynchronous else None
         self.recovery = Recovery(settings.peer_timeout)
         self.nonfinite = NonFiniteGuard(settings.max_nonfinite_steps, lambda t: self.collectives.gather_tensor(t))
         caught_up = lambda t: self.collectives.gather_tensor(t, catch_up=True)  # noqa: E731
@@ -109,10 +108,9 @@ class HeteroJob:
 
     def join(self, rank: int, world_size: int, device: torch.device, trainer: Optional[Any], plugin: Any,
              sync_batchnorm: bool = False, collectives: Optional[Collectives] = None) -> None:  # fmt: skip
-        """The process group exists: each capability learns its rank, the world size and the device.
-        ``plugin``: a callable returning the strategy's precision plugin (it is replaced at setup);
-        ``sync_batchnorm``: `Trainer(sync_batchnorm=True)` (every rank then makes as many forward passes);
-        ``collectives``: the job's collectives (a test's fake; default: over the default process group)."""
+        """The process group exists: each capability learns its rank, the world size and the device. ``plugin``: a
+        callable returning the strategy's precision plugin (it is replaced at setup); ``sync_batchnorm``:
+        `Trainer(sync_batchnorm=True)`; ``collectives``: the job's (a test's fake; default: the default group's)."""
         self.rank, self.world_size = rank, world_size
         self.setup.sync_batchnorm = sync_batchnorm
         self.emulation = emulation_for(self.settings.speed_schedule, rank, device)
@@ -121,14 +119,15 @@ class HeteroJob:
         self.recovery.watch_peers()
         self.split.rank = rank
         self.loss_weights.join(rank, world_size, self.collectives.sum, self.collectives.reduce_in_place)
-        self.watcher = Watcher(device, self.settings.rebalance_window, lambda: self.emulation.added_seconds,
+        window = 0 if self.claims is not None else self.settings.rebalance_window  # (0: exchanged at the end only)
+        self.watcher = Watcher(device, window, lambda: self.emulation.added_seconds,
                                self.communication.reading, self.collectives.gather_tensor,
                                lambda: self.local.link_wait_seconds if self.local is not None else 0.0,
                                self.settings.trace)  # fmt: skip
         self.watcher.skipped_steps = lambda: list(self.nonfinite.skipped)
         self.watcher.loss_scale = lambda: loss_scale_value(plugin())
         if trainer is not None:
-            self.recovery.stop_together_on_sigterm(trainer, device)
+            self.recovery.stop_together_on_sigterm(trainer, device, at_each_step=self.claims is None)
         choice = self.settings.pipeline
         if choice is not None:  # (a point-to-point wait has a deadline; without a watchdog, torch's default's 30 min)
             timeout = self.settings.peer_timeout or 1800.0
@@ -215,7 +214,7 @@ class HeteroJob:
     def shard(self, dataloader: Any, trainer: Any) -> Any:
         """A loader rebuilt for this rank: the training loader by the split in force, evaluation loaders equally
         (a loader the strategy already rebuilt, or none of torch's, is returned as it is)."""
-        if not isinstance(dataloader, DataLoader) or isinstance(dataloader, (HeteroDataLoader, HeteroStreamLoader)):
+        if not isinstance(dataloader, DataLoader) or isinstance(dataloader, REBUILT_LOADERS):
             return dataloader
         if self.pipeline is not None:
             return self.pipeline.shard(dataloader, trainer)
@@ -225,6 +224,8 @@ class HeteroJob:
                                    self.loss_weights.forget_evaluation_batch, self.watcher.before_fetch)  # fmt: skip
         split = self.split.batch_sizes if training else None
         loader = self.sharding.shard(dataloader, trainer, split, self.collectives, self.rank, listeners)
+        if training and self.claims is not None:  # (asynchronous merges: each rank claims its micro-batches)
+            return self.claims.loader(loader, self.recovery.run, self.recovery.connect_to_store)
         if training:
             self.split.cut_by(loader)
         return loader
@@ -308,13 +309,11 @@ class HeteroJob:
 
     def reduce(self, tensor: Any, group: Optional[Any], reduce_op: Any, plain_reduce: Callable[..., Any]) -> Any:
         """Inside a step a "mean" is weighted by each rank's samples (:class:`~.train.weights.LossWeights`). In a
-        micro-batch before the rank's last (``micro_steps``) nothing is reduced: the last one's value is logged."""
-        if self.micro_batch_guard.early:
+        micro-batch before the rank's last (``micro_steps``), or between asynchronous merges, nothing is reduced."""
+        if self.micro_batch_guard.rank_local:
             return tensor
         self.collectives.before_each()
         return self.loss_weights.reduce(tensor, group, reduce_op, plain_reduce)
-
-    # ------------------------------------------------------------------ records
 
     def write_report(self, trainer: Any, plugin: Any) -> None:
         """Every rank hands in its last records; rank 0 writes the run report and prints its summary."""

@@ -35,6 +35,7 @@ from lightning_hetero.precision.job import gradient_bytes_held_until_step, job_p
 from lightning_hetero.precision.plugin import HeteroPrecision, autocast_for
 from lightning_hetero.recover.refusal import ResumeRefused
 from lightning_hetero.settings import check_ranks_agree
+from lightning_hetero.train.claims import describe_asynchronous_refusal
 from lightning_hetero.train.lr_scaling import scale_optimizers
 from lightning_hetero.train.order import agreed_seed, local_seed
 from lightning_hetero.train.sharding import check_trainable
@@ -98,6 +99,9 @@ class JobSetup:
                 settings.check_fit(zero_stage=zero_stage, precision=precision, sync_batchnorm=self.sync_batchnorm,
                                    automatic_optimization=module.automatic_optimization,
                                    accumulate_grad_batches=trainer.accumulate_grad_batches)  # fmt: skip
+                refusal = describe_asynchronous_refusal(trainer, loader) if settings.asynchronous else None
+                if refusal:
+                    raise ValueError(refusal)
             profile = None
             if profile_in_survey:  # (in a fit only)
                 assert global_batch_size is not None
@@ -245,14 +249,15 @@ class JobSetup:
         measure, as the split does (one decision on all)."""
         job, settings = self._job, self._job.settings
         costs = [profile.cost_model() for profile in self.profiles] if self.profiles is not None else None
-        plan = local_split(settings.sync, job.world_size, global_batch_size, settings.batch_sizes,
-                           settings.inner_steps, costs)  # fmt: skip
+        # (Asynchronous merges: one micro-batch a training step on every rank, as many steps as each has time for.)
+        inner_steps = (1,) * job.world_size if settings.asynchronous else settings.inner_steps
+        plan = local_split(settings.sync, job.world_size, global_batch_size, settings.batch_sizes, inner_steps, costs)
         overflow = memory.describe_overflow(plan.batch_sizes, plan.micro_steps, self.memory_ceilings, True)
         if overflow:  # (each inner step holds one micro-batch: it must fit, as in every-step training)
             raise ValueError(overflow)
         job.split.start(plan, None)
         rebalancer = None
-        if settings.inner_steps is None and settings.rebalance is not False and job.world_size > 1:
+        if inner_steps is None and settings.rebalance is not False and job.world_size > 1:
             micro = tuple(b // k for b, k in zip(plan.batch_sizes, plan.micro_steps))
             rebalancer = InnerStepsRebalancer(micro, plan.micro_steps, settings.rebalance_window)
         self._inner_steps_rebalancer = rebalancer

@@ -26,6 +26,7 @@ from lightning_hetero.plan.local_steps import (
     LOCAL_MODES,
     check_inner_steps_length,
     check_sync_arguments,
+    sync_asynchronous,
     sync_fragments,
     sync_overlap,
     sync_refusal,
@@ -87,6 +88,7 @@ class HeteroSettings:
     outer: Optional[dict[str, Any]] = None  # DiLoCo's outer optimizer settings
     fragments: int = 1  # the streaming merge: fragments of the parameters merged in turn
     overlap: Optional[int] = None  # merges sent in the background, applied this many training steps later
+    asynchronous: bool = False  # merges by speed: each rank trains what it has time for (train/claims.py)
     pipeline: Optional[PipelineChoice] = None  # the model split into stages (train/pipeline.py)
     lr_scaling: Optional[str] = None  # a resume with another global batch scales the learning rate (plan/lr_scaling.py)
     trace: Optional[tuple[int, ...]] = None  # the training steps a profiler trace records (watch/trace.py)
@@ -102,23 +104,17 @@ class HeteroSettings:
         micro_steps: Optional[Sequence[int]],
         emulate_speeds: Any,
         loss_reduction: str,
-        rebalance: Optional[bool],
-        rebalance_window: int,
-        rebalance_threshold: float,
+        rebalance: Optional[bool], rebalance_window: int, rebalance_threshold: float,
         peer_timeout: Optional[float],
         device_precision: Any,
-        compression_mode: Any,
-        compression_options: Any,
-        hierarchical: Any,
+        compression_mode: Any, compression_options: Any, hierarchical: Any,
         max_nonfinite_steps: Optional[int],
-        sync: str = "every_step",
-        sync_every: int = 1,
-        inner_steps: Optional[Sequence[int]] = None,
+        sync: str = "every_step", sync_every: int = 1, inner_steps: Optional[Sequence[int]] = None,
         sync_options: Optional[dict[str, Any]] = None,
         pipeline: Any = None,
         lr_scaling: Optional[str] = None,
         trace: Any = None,
-    ) -> HeteroSettings:
+    ) -> HeteroSettings:  # fmt: skip
         """Every argument checked, each error naming the argument, its value and the fix (keyword-only: twenty
         arguments, two of which swapped would otherwise pass unnoticed)."""
         schedule, both_given = emulated_speeds(emulate_speeds)
@@ -170,6 +166,7 @@ class HeteroSettings:
             outer=outer,
             fragments=sync_fragments(sync_options, int(sync_every)) if sync in LOCAL_MODES else 1,
             overlap=sync_overlap(sync_options, int(sync_every)) if sync in LOCAL_MODES else None,
+            asynchronous=sync in LOCAL_MODES and sync_asynchronous(sync_options, inner_steps, rebalance, batch_sizes),
             pipeline=pipeline_choice,
             lr_scaling=check_lr_scaling(lr_scaling, sync, pipeline_choice),
             trace=check_trace(trace, pipeline_choice),
@@ -218,7 +215,7 @@ class HeteroSettings:
         """Every rank profiles its step: the automatic split, or the inner steps of local training unless given."""
         if self.pipeline is not None:  # (the blocks are measured instead: train/pipeline.py)
             return False
-        return self.split_is_automatic and not (self.local and self.inner_steps is not None)
+        return self.split_is_automatic and not (self.local and (self.inner_steps is not None or self.asynchronous))
 
     @property
     def split_is_automatic(self) -> bool:
@@ -374,7 +371,8 @@ class HeteroSettings:
             "batch_sizes": list(self.batch_sizes) if self.batch_sizes is not None else None,
             "weights": list(self.weights) if self.weights is not None else None,
             "micro_steps": list(self.micro_steps) if self.micro_steps is not None else None,
-            "sync": [self.sync, self.sync_every, [*(self.inner_steps or [])], self.outer, self.fragments, self.overlap],
+            "sync": [self.sync, self.sync_every, [*(self.inner_steps or [])], self.outer, self.fragments,
+                     self.overlap, self.asynchronous],
             "emulate_memory": memory.emulated_ceilings_from_environment(),
             "emulate_memory_bytes": memory.emulated_byte_ceilings_from_environment(),
             "emulate_speeds": self.speed_schedule.to_json() if self.speed_schedule else None,
@@ -388,7 +386,7 @@ class HeteroSettings:
             **communication_arguments,
             "emulate_nodes": emulated_topology[0],
             "emulate_link": str(emulated_topology[1]),
-        }
+        }  # fmt: skip
 
 
 def check_ranks_agree(agreements: list[dict[str, Any]], models: list[Any]) -> None:

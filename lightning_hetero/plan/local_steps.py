@@ -34,7 +34,9 @@ DILOCO_DEFAULTS = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
 # ``overlap``: a merge's exchange runs in the background while the ranks train on, and its outer step is applied
 # ``overlap_steps`` training steps after it was sent, 1 by default (see train/local_sgd.py).
 STREAMING_KEYS = ("fragments", "overlap", "overlap_steps")
-SYNC_OPTION_KEYS = (*DILOCO_DEFAULTS, *STREAMING_KEYS)
+# Merges by speed (train/claims.py): each rank takes the micro-batches it has time for, and a merge takes what it has.
+ASYNCHRONOUS_KEY = "asynchronous"
+SYNC_OPTION_KEYS = (*DILOCO_DEFAULTS, *STREAMING_KEYS, ASYNCHRONOUS_KEY)
 
 
 def check_sync_arguments(
@@ -78,7 +80,7 @@ def check_sync_arguments(
             " optimizer, and the streaming merge's `fragments`)."
         )
     sync_overlap(options, sync_every)
-    for key in STREAMING_KEYS:
+    for key in (*STREAMING_KEYS, ASYNCHRONOUS_KEY):
         options.pop(key, None)
     if sync == "local_sgd":
         if options:
@@ -217,6 +219,36 @@ def sync_overlap(sync_options: Optional[Mapping[str, Any]], sync_every: int) -> 
     if not overlap:
         return None
     return int(steps) if steps is not None else 1
+
+
+def sync_asynchronous(sync_options: Optional[Mapping[str, Any]], inner_steps: Optional[Sequence[int]],
+                      rebalance: Optional[bool], batch_sizes: Optional[Sequence[int]]) -> bool:  # fmt: skip
+    """``sync_options['asynchronous']`` checked (False when not given): merges by speed, which take the place of the
+    inner steps (each rank trains as many micro-batches as it has time for) and of their re-planning."""
+    options = sync_options or {}
+    asynchronous = options.get(ASYNCHRONOUS_KEY, False)
+    if not isinstance(asynchronous, bool):
+        raise ValueError(
+            f"`sync_options['asynchronous']={asynchronous!r}` must be True or False: True lets each rank train as many"
+            " micro-batches as its speed allows between merges, and a merge takes what each rank has."
+        )
+    if not asynchronous:
+        return False
+    clashes = {
+        "sync_options['overlap']": options.get("overlap", False),
+        "sync_options['fragments']": options.get("fragments", 1) != 1,
+        "inner_steps": inner_steps is not None,
+        "rebalance=True": rebalance is True,
+        "batch_sizes": batch_sizes is not None,
+    }
+    given = [name for name, clash in clashes.items() if clash]
+    if given:
+        raise ValueError(
+            f"`sync_options['asynchronous']=True` with `{given[0]}`: asynchronous merges take the micro-batches each"
+            " rank has time for, of the training loader's batch size, merged whole at once (no overlap, no fragments,"
+            " no planned inner steps, nothing to re-plan). Drop one of them."
+        )
+    return True
 
 
 def is_sync_step(steps_done: int, sync_every: int, last_of_epoch: bool) -> bool:

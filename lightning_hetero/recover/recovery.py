@@ -65,10 +65,26 @@ class Recovery:
         )
         self._watchdog.start()
 
-    def stop_together_on_sigterm(self, trainer: Any, device: torch.device) -> None:
-        """Before Lightning registers its signal handlers for this run (after the strategy's setup)."""
+    @property
+    def run(self) -> str:
+        """Names this trainer call's keys in the rendezvous store (the same on every rank, new on a restart)."""
+        return liveness.run_id(self._trainer_calls)
+
+    @staticmethod
+    def connect_to_store() -> Any:
+        """A new client of the job's rendezvous store (its own connection: never the heartbeat's)."""
+        return liveness.store_connector()()
+
+    def stop_together_on_sigterm(self, trainer: Any, device: torch.device, at_each_step: bool = True) -> None:
+        """Before Lightning registers its signal handlers for this run (after the strategy's setup). Without
+        ``at_each_step`` the ranks agree at :meth:`agree_on_stop` only (asynchronous merges: their steps differ)."""
         self._stop_on_sigterm = StopOnSigterm(lambda flag: self.collectives.reduce_in_place(flag, "max"), device)
-        self._stop_on_sigterm.install(trainer)
+        self._stop_on_sigterm.install(trainer, at_each_step)
+
+    def agree_on_stop(self) -> None:
+        """Every rank at once: stop together (SIGTERMException) if any was signalled."""
+        if self._stop_on_sigterm is not None:
+            self._stop_on_sigterm.stop_if_any_rank_was_signalled()
 
     def on_exception(self, exception: BaseException, trainer: Any) -> None:
         """Say on every rank which rank failed and how (see :mod:`.failures`); no collective here."""

@@ -55,7 +55,7 @@ class StopOnSigterm:
         self._agreed = False
         self.requeue_agreed = False
 
-    def install(self, trainer: Any) -> None:
+    def install(self, trainer: Any, at_each_step: bool = True) -> None:
         """Take the place of Lightning's SIGTERM notifier and of its per-step broadcast of rank 0's flag.
 
         Called before Lightning registers its signal handlers for the run: it builds them from the connector's
@@ -67,8 +67,10 @@ class StopOnSigterm:
         # Registered by Lightning for Slurm's requeue signal (SLURMEnvironment with auto_requeue): its own saved a
         # checkpoint inside the handler.
         trainer._signal_connector._slurm_sigusr_handler_fn = self.on_requeue_signal
-        # Lightning calls this at the start of every training step on every rank (when the world has several ranks).
-        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self.stop_if_any_rank_was_signalled
+        # Lightning calls this at the start of every training step on every rank (when the world has several ranks);
+        # where the ranks' steps are not in step (asynchronous merges) they agree at the merges instead.
+        per_step = self.stop_if_any_rank_was_signalled if at_each_step else lambda: None
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = per_step
 
     def on_sigterm(self, signum: int, frame: Any) -> None:
         # A signal handler runs between two bytecodes of the main thread, possibly inside a collective's Python

@@ -119,9 +119,9 @@ TRAINER_STATE = (
     Internal("lightning.pytorch.utilities._pytree", "_tree_flatten", "read", "runtime/quiet.py",
              "its module's name is the"
              " module= of a warnings filter for the LeafSpec deprecation it raises; a rename stops the filter"),
-    Internal("lightning.fabric.utilities.data", "_set_sampler_epoch", "read", "train/order.py",
-             "finds GlobalOrder through"
-             " batch_sampler.sampler and calls its set_epoch: HeteroBatchSampler keeps that attribute name"),
+    Internal("lightning.fabric.utilities.data", "_set_sampler_epoch", "read", "train/order.py, train/claims.py",
+             "finds GlobalOrder through batch_sampler.sampler and calls its set_epoch: HeteroBatchSampler and"
+             " ClaimingBatchSampler keep that attribute name (the claims' counter is named by the epoch)"),
     Internal("lightning.fabric.utilities.types", "_Stateful", "read", "train/loaders.py, train/streams.py",
              "the protocol by which"
              " CombinedLoader saves and restores the loaders' data position (state_dict/load_state_dict)"),
@@ -130,6 +130,11 @@ TRAINER_STATE = (
     Internal("lightning.pytorch.trainer.connectors.logger_connector.result", "_ResultCollection#batch_size",
              "patched", "strategy.py", "a metric logged in a micro-batch counts that micro-batch's samples in the"
              " epoch mean (Lightning would take the whole batch's)", "by Lightning at the next batch's start"),
+    Internal("lightning.pytorch.callbacks.model_checkpoint", "ModelCheckpoint()._every_n_train_steps", "read",
+             "train/claims.py", "a checkpoint every N training steps, which asynchronous merges refuse (the ranks'"
+             " steps are not in step)"),
+    Internal("lightning.pytorch.callbacks.model_checkpoint", "ModelCheckpoint()._train_time_interval", "read",
+             "train/claims.py", "a checkpoint at a time interval, which asynchronous merges refuse likewise"),
     Internal("lightning.pytorch.loops.fit_loop", "_FitLoop.on_load_checkpoint", "read", "recover/from_lightning.py",
              "the fit loop's checkpoint layout (combined_loader state, batch and epoch progress) that a DDP .ckpt"
              " resume reads and writes"),

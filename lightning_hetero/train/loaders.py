@@ -146,7 +146,7 @@ class HeteroDataLoader(DataLoader):
 
 
 # DataLoader arguments carried over from the user's loader (everything except how batches are formed).
-_KEPT_LOADER_SETTINGS = (
+KEPT_LOADER_SETTINGS = (
     "num_workers",
     "collate_fn",
     "pin_memory",
@@ -271,7 +271,7 @@ def rebuild_loader(
     batch_sampler = HeteroBatchSampler(
         GlobalOrder(user_batch_sampler.sampler, seed, pad_to), batch_sizes, rank, drop_last=drop_last
     )
-    kwargs = {key: getattr(dataloader, key) for key in _KEPT_LOADER_SETTINGS if hasattr(dataloader, key)}
+    kwargs = {key: getattr(dataloader, key) for key in KEPT_LOADER_SETTINGS if hasattr(dataloader, key)}
     if kwargs.get("num_workers", 0) == 0:
         # DataLoader refuses these with no workers, even at their defaults.
         kwargs.pop("prefetch_factor", None)

@@ -127,6 +127,14 @@ class MicroBatchGuard:
 
     def __init__(self) -> None:
         self.early = False
+        # Asynchronous merges (train/claims.py), from an epoch's first step to its end: the ranks' steps are not in
+        # step, so whatever a step reduces or exchanges would meet another step of another rank.
+        self.between_merges = False
+
+    @property
+    def rank_local(self) -> bool:
+        """A ``sync_dist`` value logged now stays this rank's own (no other rank reduces it at the same time)."""
+        return self.early or self.between_merges
 
     @contextlib.contextmanager
     def early_micro_batch(self) -> Iterator[None]:
@@ -139,6 +147,13 @@ class MicroBatchGuard:
     def refuse_collective(self, name: str) -> None:
         """A collective other than a ``sync_dist`` reduce inside an early micro-batch: ranks run different numbers of
         them, so it would wait for a call that never comes on another rank."""
+        if self.between_merges:
+            raise RuntimeError(
+                f"HeteroStrategy: `{name}` was called during a training step with `sync_options['asynchronous']=True`."
+                " Each rank trains as many steps as its speed allows, so another rank is at another step and the"
+                " collective would meet a different call there. Call it from an epoch-level hook (e.g."
+                " `on_train_epoch_end`, `on_validation_epoch_end`), or merge synchronously."
+            )
         if self.early:
             raise RuntimeError(
                 f"HeteroStrategy: `{name}` was called inside `training_step` while this rank ran one of several"

@@ -55,8 +55,10 @@ class TrainingSteps:
         the others wait for :meth:`backward` or :meth:`inner_steps`."""
         job = self._job
         self._step_starts(global_step)
+        if job.claims is not None:  # (asynchronous merges: the merges due, and rank 0's buffers with them)
+            job.claims.step_starts()
         with self.scope():
-            if self.buffer_sync is not None:
+            if self.buffer_sync is not None and job.claims is None:
                 job.collectives.before_each()
                 self.buffer_sync.sync()
             (first, samples), *later = self._micro_batches_of(batch)
@@ -88,6 +90,9 @@ class TrainingSteps:
         """Local SGD / DiLoCo, after Lightning's optimizer step: this rank's other micro-batches, each an inner step
         of its own (the first went through Lightning's closure); then the synchronization when it is due."""
         job = self._job
+        if job.claims is not None:  # one micro-batch a step; the merges come at the next step's start
+            job.claims.step_ended(job.loss_weights.batch_samples() or 0, last_batch_of_epoch)
+            return
         later, self._later = self._later, []
         for index, (batch, samples) in enumerate(later):
             engine.zero_grad()

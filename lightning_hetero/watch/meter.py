@@ -176,7 +176,7 @@ class RunWatch:
         self.meter.training_ended()
         if self.tracer is not None and self.fetched > 0:
             self.tracer.step_closed(self.fetched - 1)
-        exchanged = self.fetched > 0 and self.fetched % self.window == 0
+        exchanged = self.window > 0 and self.fetched > 0 and self.fetched % self.window == 0
         if exchanged:
             self._exchange(all_gather)
             if after_exchange is not None:
@@ -198,7 +198,16 @@ class RunWatch:
         # One tensor collective: every rank holds as many records as the others (one per fetched batch), so the
         # shapes agree; no pickling, as an object gather would need.
         start = time.perf_counter()
-        gathered = all_gather(pack_records(self.meter.take()))
+        packed = pack_records(self.meter.take())
+        if self.window == 0:
+            # Window 0: the ranks' steps are not in step (asynchronous merges) and the records are exchanged once, at
+            # the end, with as many on every rank: a rank that took fewer steps is padded with empty ones (no samples,
+            # no compute), so the k-th entry pairs each rank's k-th step and the totals are every rank's.
+            counts = [int(count[0, 0]) for count in all_gather(torch.full((1, _FIELDS), float(len(packed))))]
+            padding = torch.zeros(max(counts) - len(packed), _FIELDS, dtype=packed.dtype)
+            padding[:, 0] = torch.arange(len(packed), max(counts), dtype=packed.dtype)  # (the step's index)
+            packed = torch.cat([packed, padding])
+        gathered = all_gather(packed)
         self.steps.extend(job_steps([unpack_records(packed) for packed in gathered]))
         self.exchange_seconds += time.perf_counter() - start
 

@@ -311,6 +311,9 @@ class WriteResult(Callback):
         torch.distributed.all_gather_object(emulated_delay, pl_module.emulated_delay)
         buffer_traces = [None] * trainer.world_size
         torch.distributed.all_gather_object(buffer_traces, pl_module.buffer_trace)
+        claims = getattr(getattr(trainer.strategy, "job", None), "claims", None)  # (asynchronous merges)
+        merges = [None] * trainer.world_size
+        torch.distributed.all_gather_object(merges, claims.merges.records if claims is not None else None)
         if trainer.is_global_zero:
             result = {
                 "params": params,
@@ -318,6 +321,7 @@ class WriteResult(Callback):
                 "eval_seen": eval_seen,
                 "emulated_delay": emulated_delay,
                 "buffer_traces": buffer_traces,
+                "merges": merges,
                 "batchnorm_types": self.batchnorm_types,
                 "running_statistics": {
                     name: b.double().tolist()

@@ -1,0 +1,42 @@
+"""Plan: the asynchronous merge's decisions, as pure functions (see :mod:`lightning_hetero.train.claims`).
+
+With ``sync_options={"asynchronous": True}`` an epoch's order is cut into micro-batches of the loader's batch size
+("claims"), numbered in order. Each rank's first claim is its own (claim ``r`` for rank ``r``, so every rank trains at
+least one micro-batch an epoch); the others are taken from a counter that every rank increments when it wants its
+next micro-batch, so a faster rank takes more of them and every claim is trained once. Merge ``m`` (m >= 1) falls at
+claim ``m * every``: a rank joins it before it trains a micro-batch once that claim has been drawn by anyone, so the
+others wait for it at most for the micro-batch it is in. The epoch's end merges what is left.
+"""
+
+from __future__ import annotations
+
+
+def claims_in_epoch(num_samples: int, micro_batch: int, drop_last: bool) -> int:
+    """The number of micro-batches of ``micro_batch`` positions an epoch of ``num_samples`` is cut into: a last,
+    shorter one is kept unless ``drop_last``."""
+    if micro_batch < 1 or num_samples < 0:
+        raise ValueError(f"micro_batch={micro_batch} must be >= 1 and num_samples={num_samples} >= 0")
+    full, rest = divmod(num_samples, micro_batch)
+    return full + (1 if rest and not drop_last else 0)
+
+
+def claim_positions(claim: int, micro_batch: int, num_samples: int) -> range:
+    """The positions of the epoch's order that claim ``claim`` trains on."""
+    begin = claim * micro_batch
+    return range(begin, min(begin + micro_batch, num_samples))
+
+
+def merges_due(drawn: int, joined: int, every: int, claims: int) -> int:
+    """How many merges a rank must join now, before it trains its next micro-batch: those whose claim
+    (``m * every``, inside the epoch of ``claims``) has been drawn (``drawn`` claims are, counting the ranks' own
+    first ones), less the ``joined`` it joined already this epoch."""
+    if every < 1:
+        raise ValueError(f"every={every} must be >= 1")
+    reached = min(drawn, claims)
+    passed = (reached - 1) // every if reached > 0 else 0  # boundaries m*every < reached, m >= 1
+    return max(0, passed - joined)
+
+
+def merges_in_epoch(every: int, claims: int) -> int:
+    """The merges inside an epoch of ``claims`` micro-batches (the epoch's end merges once more)."""
+    return merges_due(claims, 0, every, claims)

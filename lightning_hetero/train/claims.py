@@ -1,0 +1,281 @@
+"""Train: local SGD / DiLoCo merged asynchronously by speed (``sync_options={"asynchronous": True}``).
+
+In the synchronous local modes every rank takes its planned inner steps per training step, so a rank that slows
+down after the plan makes the others wait at every step until the inner steps are re-planned. Here no rank waits for
+another between merges, and a rank that is slow contributes what it has:
+
+- **Claims.** The epoch's shared order is cut into micro-batches of the loader's batch size (:mod:`.plan.claims`).
+  Each rank trains its own first one, then asks a counter in the job's rendezvous store for the next (one ``add`` a
+  micro-batch), so each rank trains as many as its speed allows and every micro-batch is trained once an epoch.
+- **No collective between merges.** A training step is one micro-batch on each rank, and the ranks' steps are not
+  in step: the per-step agreements of the synchronous modes move to the merges (the stop on SIGTERM, rank 0's
+  buffers) or stay on the rank (a ``sync_dist`` value logged in ``training_step`` is the rank's own; epoch values
+  are reduced across ranks at the epoch's end as before).
+- **Merges.** Merge ``m`` falls at claim ``m * sync_every * world_size`` (as many samples between merges as the
+  synchronous modes with one inner step per rank). Before training a micro-batch each rank reads the counter and joins
+  every merge whose claim has been drawn: the merge's collectives wait for the last rank to finish the micro-batch it
+  is in, no more. Each rank's progress is weighted by the samples it trained since the last merge (one all-reduce of
+  the counts, as in the synchronous merge), so a rank that slowed contributes fewer samples, not stale ones: every
+  rank trained from the same merged parameters. The epoch's end merges what is left, so validation and checkpoints
+  see one model.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Optional
+
+from torch.utils.data import DataLoader, Sampler
+
+from lightning_hetero.plan.claims import claim_positions, claims_in_epoch, merges_due
+from lightning_hetero.train.loaders import KEPT_LOADER_SETTINGS, HeteroDataLoader
+from lightning_hetero.train.streams import HeteroStreamLoader
+
+# A client of the job's rendezvous store: ``add(key, amount) -> new value`` (TCPStore's).
+StoreAdd = Callable[[str, int], int]
+
+
+class ClaimCounter:
+    """The counter of one epoch's micro-batches, shared by the ranks through the store (``add`` is atomic)."""
+
+    def __init__(self, add: StoreAdd, run: str) -> None:
+        self._add, self._run = add, run
+
+    def _key(self, epoch: int) -> str:
+        return f"lightning_hetero/claims/{self._run}/epoch_{epoch}"
+
+    def take(self, epoch: int) -> int:
+        """The next dynamic draw of ``epoch`` (0, 1, ... across the ranks, in the order they ask)."""
+        return self._add(self._key(epoch), 1) - 1
+
+    def taken(self, epoch: int) -> int:
+        """How many dynamic draws of ``epoch`` have been taken by any rank."""
+        return self._add(self._key(epoch), 0)
+
+
+class ClaimingBatchSampler(Sampler[list[int]]):
+    """This rank's micro-batches of the epoch: its own first claim, then whatever the counter hands it. The claims it
+    yields are queued in :attr:`pending` (in order), for the loader to tell which claim each batch came from."""
+
+    def __init__(self, order: Any, micro_batch: int, drop_last: bool, rank: int, world_size: int,
+                 counter: ClaimCounter) -> None:  # fmt: skip
+        self.sampler, self.micro_batch, self.drop_last = order, micro_batch, drop_last
+        self.rank, self.world_size, self.counter = rank, world_size, counter
+        self.start_claim = 0  # a resume at a merge inside the epoch: the claims before it are trained
+        self.pending: collections.deque[int] = collections.deque()
+
+    # (named `sampler` as a BatchSampler's is: Lightning's `_set_sampler_epoch` finds the order's set_epoch there)
+
+    @property
+    def epoch(self) -> int:
+        return int(self.sampler.epoch)
+
+    def claims(self) -> int:
+        return claims_in_epoch(len(self.sampler), self.micro_batch, self.drop_last)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        positions = list(iter(self.sampler))
+        total, start = self.claims(), self.start_claim
+        own = start + self.rank
+        if own < min(start + self.world_size, total):
+            self.pending.append(own)
+            yield [positions[p] for p in claim_positions(own, self.micro_batch, len(positions))]
+        while True:
+            claim = start + self.world_size + self.counter.take(self.epoch)
+            if claim >= total:
+                return
+            self.pending.append(claim)
+            yield [positions[p] for p in claim_positions(claim, self.micro_batch, len(positions))]
+
+
+class ClaimingDataLoader(DataLoader):
+    """The user's loader settings over a :class:`ClaimingBatchSampler`. It has no length (each rank's count of
+    micro-batches is known only at the epoch's end), so Lightning ends the epoch when it is exhausted and validates
+    then. ``on_start()`` is told when an epoch's first batch is asked for, ``on_batch(samples)`` the samples of each
+    batch as the loop receives it, ``on_empty()`` when an epoch ends before this rank received any (a rank too slow
+    for the epoch's last claims: it still joins the merges)."""
+
+    def __init__(self, dataset: Any, batch_sampler: ClaimingBatchSampler, on_start: Callable[[], None],
+                 on_batch: Callable[[int], None], on_empty: Callable[[], None],
+                 **loader_kwargs: Any) -> None:  # fmt: skip
+        super().__init__(dataset, batch_sampler=batch_sampler, **loader_kwargs)
+        self.on_start, self.on_batch, self.on_empty = on_start, on_batch, on_empty
+
+    @property
+    def claiming_sampler(self) -> ClaimingBatchSampler:
+        return self.batch_sampler  # type: ignore[return-value]
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        # A generator: nothing runs until the first batch is asked for, after Lightning's `set_epoch`.
+        sampler = self.claiming_sampler
+        sampler.pending.clear()
+        self.on_start()
+        received = 0
+        for batch in super().__iter__():  # (batches come back in the order the sampler drew them)
+            claim = sampler.pending.popleft()
+            received += 1
+            self.on_batch(len(claim_positions(claim, sampler.micro_batch, len(sampler.sampler))))
+            yield batch
+        if received == 0:
+            self.on_empty()
+
+
+# The training loaders the strategy built: handed to it again (a reload), they are kept as they are.
+REBUILT_LOADERS = (HeteroDataLoader, HeteroStreamLoader, ClaimingDataLoader)
+
+
+class AsynchronousMerges:
+    """When this rank joins the merges of an epoch, and what each merge cost it.
+
+    ``merge()`` runs one merge on this rank (the ranks' collectives; every rank runs the same sequence of them: the
+    merges of an epoch in order, then the epoch's last). ``taken(epoch)`` reads the counter."""
+
+    def __init__(
+        self, sync_every: int, world_size: int, taken: Callable[[int], int], merge: Callable[[], None]
+    ) -> None:
+        self.every_per_rank = sync_every
+        self.every = sync_every * world_size  # claims between two merges
+        self.world_size, self._taken, self._merge = world_size, taken, merge
+        self.epoch, self.claims, self.start_claim = 0, 0, 0
+        self.joined = 0  # merges of this epoch this rank joined
+        self.trained = 0  # micro-batches this rank trained since the last merge
+        self.finished = True  # the epoch's last merge is done
+        # One record per merge: the micro-batches this rank contributed, and the seconds it spent in the merge (its
+        # wait for the last rank to reach it, and the exchange)
+        self.records: list[dict[str, Any]] = []
+
+    def epoch_starts(self, epoch: int, claims: int, start_claim: int = 0) -> None:
+        self.epoch, self.claims, self.start_claim = epoch, claims, start_claim
+        self.joined, self.finished = 0, False
+
+    def before_micro_batch(self) -> None:
+        """Before this rank trains its next micro-batch: the merges whose claim has been drawn."""
+        drawn = self.start_claim + self.world_size + self._taken(self.epoch)
+        for _ in range(merges_due(drawn - self.start_claim, self.joined, self.every, self.claims - self.start_claim)):
+            self._run_merge()
+            self.joined += 1
+
+    def micro_batch_trained(self) -> None:
+        self.trained += 1
+
+    def epoch_ends(self) -> None:
+        """This rank trained its last micro-batch of the epoch (or had none): the merges it has not joined, then the
+        epoch's last, so that every rank holds the same parameters."""
+        if self.finished:
+            return
+        remaining = merges_due(self.claims - self.start_claim, self.joined, self.every, self.claims - self.start_claim)
+        for _ in range(remaining + 1):
+            self._run_merge()
+        self.joined += remaining
+        self.finished = True
+
+    def _run_merge(self) -> None:
+        started = time.perf_counter()
+        self._merge()
+        self.records.append(
+            {"epoch": self.epoch, "micro_batches": self.trained, "seconds": time.perf_counter() - started}
+        )
+        self.trained = 0
+
+
+def describe_asynchronous_refusal(trainer: Any, loader: Any) -> Optional[str]:
+    """Why a fit cannot merge asynchronously (None when it can): what needs the ranks' steps in step."""
+    if trainer.max_steps not in (-1, None):
+        return (
+            f"`Trainer(max_steps={trainer.max_steps})` with `sync_options['asynchronous']=True`: each rank takes as"
+            " many steps as its speed allows, so a count of steps would stop the ranks at different places. Use"
+            " `max_epochs`."
+        )
+    for name in ("limit_train_batches", "val_check_interval"):
+        value = getattr(trainer, name)
+        if value not in (1.0, None) or isinstance(value, int) and not isinstance(value, bool) and value != 1:
+            return (
+                f"`Trainer({name}={value!r})` with `sync_options['asynchronous']=True`: each rank takes as many"
+                " micro-batches as its speed allows, so the ranks would stop (or validate) at different places. Keep"
+                f" the default ({name}=1.0: the whole epoch)."
+            )
+    for callback in trainer.callbacks:
+        every = getattr(callback, "_every_n_train_steps", 0) or getattr(callback, "_train_time_interval", None)
+        if every:
+            return (
+                f"`{type(callback).__name__}` saving every {every} training steps (or at a time interval) with"
+                " `sync_options['asynchronous']=True`: a checkpoint needs every rank at the same place, which an"
+                " epoch's end is. Save at epoch ends (`every_n_epochs`)."
+            )
+    if isinstance(loader, DataLoader) and getattr(loader, "in_order", True) is False:
+        return (
+            "A training loader with `in_order=False` with `sync_options['asynchronous']=True`: the claims need the"
+            " batches back in the order they were drawn. Drop `in_order=False`."
+        )
+    return None
+
+
+class AsynchronousTraining:
+    """The job's side of the asynchronous merges: the training loader that claims, the merges at step boundaries,
+    and what stays on the rank meanwhile (``job``: the :class:`~lightning_hetero.job.HeteroJob`)."""
+
+    def __init__(self, job: Any, sync_every: int) -> None:
+        self._job = job
+        self.merges = AsynchronousMerges(sync_every, 1, lambda epoch: 0, self._merge)
+        # The samples of each batch handed to the loop and not yet trained (Lightning draws one a step ahead of an
+        # unsized loader, so the step's counts are taken when it starts, as for a stream)
+        self._batches: collections.deque[int] = collections.deque()
+        self._store: Any = None
+
+    def loader(self, hetero_loader: Any, run: str, connect: Callable[[], Any]) -> ClaimingDataLoader:
+        """The training loader rebuilt to claim its micro-batches (``hetero_loader``: the strategy's, whose order,
+        settings and checks it keeps; ``connect`` opens a client of the job's store)."""
+        job = self._job
+        self._batches.clear()
+        if self._store is None:
+            self._store = connect()
+        counter = ClaimCounter(self._store.add, run)
+        self.merges = AsynchronousMerges(self.merges.every_per_rank, job.world_size, counter.taken, self._merge)
+        micro_batch = job.split.batch_sizes[job.rank]  # (the loader's batch size: one inner step a training step)
+        sampler = ClaimingBatchSampler(hetero_loader.hetero_batch_sampler.sampler, micro_batch,
+                                       hetero_loader.hetero_batch_sampler.drop_last, job.rank, job.world_size,
+                                       counter)  # fmt: skip
+        settings = {key: getattr(hetero_loader, key) for key in KEPT_LOADER_SETTINGS if hasattr(hetero_loader, key)}
+        if settings.get("num_workers", 0) == 0:
+            settings.pop("prefetch_factor", None)
+            settings.pop("persistent_workers", None)
+
+        def on_start() -> None:
+            self.merges.epoch_starts(sampler.epoch, sampler.claims(), sampler.start_claim)
+
+        return ClaimingDataLoader(
+            hetero_loader.dataset, sampler, on_start, self._batches.append, self.merges.epoch_ends, **settings
+        )
+
+    def step_starts(self) -> None:
+        """Before this rank trains its next micro-batch: the step's measurement opens, then the merges that are due
+        (their wait is part of the step)."""
+        job = self._job
+        job.watcher.before_fetch()
+        samples = self._batches.popleft()
+        job.training_batch(samples, samples)
+        self.merges.before_micro_batch()
+        job.micro_batch_guard.between_merges = True  # (until the epoch's end: see MicroBatchGuard)
+
+    def step_ended(self, samples: int, last_of_epoch: bool) -> None:
+        local = self._job.local
+        local.steps_done += 1
+        local.steps_since_sync += 1
+        local.samples_since_sync += samples
+        self.merges.micro_batch_trained()
+        if last_of_epoch:
+            self._job.micro_batch_guard.between_merges = False
+            self.merges.epoch_ends()
+
+    def _merge(self) -> None:
+        """One merge, the same collectives on every rank: the local training's synchronization (a rank that trained
+        nothing since the last contributes nothing), rank 0's buffers, and the agreement on a stop (SIGTERM)."""
+        job = self._job
+        job.collectives.before_each()
+        with job.communication.counting():
+            job.local.synchronize(job.collectives.reduce_in_place, job.collectives.gather_tensor, [0])
+        if job.steps.buffer_sync:
+            job.steps.buffer_sync.sync()
+        job.recovery.agree_on_stop()
