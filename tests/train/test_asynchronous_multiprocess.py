@@ -93,19 +93,3 @@ def test_the_fast_rank_trains_what_it_has_time_for_every_sample_once_and_diloco_
     # The report holds every rank's steps, padded where a rank took fewer: every sample is counted once.
     assert sum(sum(step["batch_sizes"]) for step in report["steps"]) == 128
     assert len(report["steps"]) == len(seen[0]) // 4
-
-
-@pytest.mark.parametrize(
-    "strategy, expected",
-    [
-        ({"sync_options": {"asynchronous": True, "overlap": True}}, "with `sync_options['overlap']`"),
-        ({"inner_steps": [2, 1]}, "with `inner_steps`"),
-        ({"sync_options": {"asynchronous": "yes"}}, "must be True or False"),
-    ],
-)
-def test_what_asynchronous_merges_cannot_combine_with_is_refused_by_name(strategy, expected):
-    from lightning_hetero import HeteroStrategy
-
-    arguments = {"sync": "diloco", "sync_options": {"asynchronous": True}, **strategy}
-    with pytest.raises(ValueError, match=expected.replace("[", r"\[").replace("]", r"\]").replace("`", "`")):
-        HeteroStrategy(**arguments)

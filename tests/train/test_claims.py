@@ -1,0 +1,255 @@
+"""Asynchronous merges by speed without processes: the claims' arithmetic exhaustively, the protocol with threads as
+ranks (a merge is a barrier, as its collectives are), and what the mode refuses, each by name."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightning_hetero import HeteroStrategy
+from lightning_hetero.plan.claims import claim_positions, claims_in_epoch, merges_due, merges_in_epoch
+from lightning_hetero.train.claims import (
+    AsynchronousMerges,
+    ClaimCounter,
+    ClaimingBatchSampler,
+    describe_asynchronous_refusal,
+)
+from lightning_hetero.train.micro_batches import MicroBatchGuard
+from lightning_hetero.train.order import GlobalOrder
+from lightning_hetero.watch.meter import RunWatch, StepMeter
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_an_epoch_is_cut_into_claims_that_cover_every_position_once(drop_last):
+    for samples in range(0, 30):
+        for micro in range(1, 8):
+            claims = claims_in_epoch(samples, micro, drop_last)
+            covered = [p for claim in range(claims) for p in claim_positions(claim, micro, samples)]
+            kept = samples - samples % micro if drop_last else samples
+            assert covered == list(range(kept)), (samples, micro)
+            assert all(len(claim_positions(c, micro, samples)) >= 1 for c in range(claims))
+
+
+def test_the_merges_due_are_the_boundaries_drawn_and_not_yet_joined():
+    for claims in range(0, 25):
+        for every in range(1, 7):
+            boundaries = [m * every for m in range(1, claims + 1) if m * every < claims]
+            assert merges_in_epoch(every, claims) == len(boundaries)
+            for drawn in range(0, claims + 3):
+                for joined in range(0, len(boundaries) + 1):
+                    passed = sum(1 for b in boundaries if b < drawn)  # claim b drawn: the counter went past it
+                    assert merges_due(drawn, joined, every, claims) == max(0, passed - joined)
+
+
+class ThreadRanks:
+    """``world`` threads as ranks over one counter (the store's ``add``, under a lock); each merge is a barrier with a
+    deadline, as a collective is; every event is logged in the order it happened."""
+
+    def __init__(self, world: int, samples: int, micro: int, sync_every: int, speeds: list[float], seed: int) -> None:
+        self.world, self.samples, self.micro, self.sync_every, self.speeds = world, samples, micro, sync_every, speeds
+        self.lock, self.values, self.log = threading.Lock(), {}, []
+        self.barriers: dict[tuple[int, int], threading.Barrier] = {}
+        self.random = random.Random(seed)
+
+    def add(self, key: str, amount: int) -> int:
+        with self.lock:
+            self.values[key] = self.values.get(key, 0) + amount
+            return self.values[key]
+
+    def event(self, *what) -> None:
+        with self.lock:
+            self.log.append(what)
+
+    def run(self, epochs: int) -> None:
+        errors = []
+
+        def rank_main(rank: int) -> None:
+            try:
+                counter = ClaimCounter(self.add, "test")
+                order = GlobalOrder(range(self.samples))
+                sampler = ClaimingBatchSampler(order, self.micro, False, rank, self.world, counter)
+                merges_done = [0]
+
+                def merge() -> None:
+                    self.event("enter", rank, merges_done[0])
+                    with self.lock:
+                        barrier = self.barriers.setdefault((order.epoch, merges_done[0]), threading.Barrier(self.world))
+                    barrier.wait(timeout=10)
+                    self.event("leave", rank, merges_done[0])
+                    merges_done[0] += 1
+
+                merges = AsynchronousMerges(self.sync_every, self.world, counter.taken, merge)
+                for epoch in range(epochs):
+                    order.set_epoch(epoch)
+                    merges_done[0] = 0
+                    merges.epoch_starts(epoch, sampler.claims())
+                    for indices in sampler:
+                        claim = sampler.pending.popleft()
+                        merges.before_micro_batch()
+                        self.event("train", rank, epoch, claim, tuple(indices))
+                        time.sleep(self.random.uniform(0, 0.002) / self.speeds[rank])
+                        merges.micro_batch_trained()
+                    merges.epoch_ends()
+                    self.event("epoch", rank, epoch, len(merges.records))
+            except Exception as error:  # (reported by the test, not lost in the thread)
+                errors.append(error)
+
+        threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(self.world)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert not errors, errors
+        assert not any(thread.is_alive() for thread in threads), "a rank hangs"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_threads_as_ranks_train_every_sample_once_join_the_same_merges_and_wait_for_one_micro_batch_at_most(seed):
+    world, samples, micro, sync_every, epochs = 3, 53, 4, 2, 2
+    ranks = ThreadRanks(world, samples, micro, sync_every, speeds=[1.0, 0.5, 0.2], seed=seed)
+    ranks.run(epochs)
+    log = ranks.log
+    for epoch in range(epochs):
+        trained = [e for e in log if e[0] == "train" and e[2] == epoch]
+        assert sorted(p for e in trained for p in e[4]) == list(range(samples))  # every sample once an epoch
+        assert sorted(e[3] for e in trained) == list(range(claims_in_epoch(samples, micro, False)))
+    # Every rank ran the same merges: those inside each epoch, and each epoch's last.
+    per_epoch = merges_in_epoch(sync_every * world, claims_in_epoch(samples, micro, False)) + 1
+    ends = [e for e in log if e[0] == "epoch"]
+    assert len(ends) == world * epochs and all(merges == per_epoch * (epoch + 1) for _, _, epoch, merges in ends)
+    # A merge comes before any micro-batch at or past its claim, on every rank (what a rank contributes to merge m was
+    # trained from merge m-1's parameters, on claims before merge m's).
+    entered = {(rank, epoch): 0 for rank in range(world) for epoch in range(epochs)}
+    epoch_of = dict.fromkeys(range(world), 0)
+    for entry in log:
+        if entry[0] == "enter":
+            entered[(entry[1], epoch_of[entry[1]])] += 1
+        elif entry[0] == "epoch":
+            epoch_of[entry[1]] += 1
+        elif entry[0] == "train":
+            _, rank, epoch, claim, _ = entry
+            assert entered[(rank, epoch)] >= claim // (sync_every * world), (rank, epoch, claim)
+    # Waiting is bounded by one micro-batch: once a rank entered a merge, every other rank starts at most one more
+    # micro-batch (the one it had decided on when the merge's claim was drawn) before it joins the merge too.
+    for index, entry in enumerate(log):
+        if entry[0] != "enter":
+            continue
+        _, rank, merge = entry
+        started: dict[int, int] = {}
+        joined = set()
+        for later in log[index + 1 :]:
+            if later[0] == "enter" and later[2] == merge:
+                joined.add(later[1])
+            elif later[0] == "train" and later[1] != rank and later[1] not in joined:
+                started[later[1]] = started.get(later[1], 0) + 1
+            if len(joined) == world - 1 or later[0] == "leave":
+                break
+        assert max(started.values(), default=0) <= 1, (
+            f"a rank trained {started} while rank {rank} waited in merge {merge}"
+        )
+    # Not in step: the fast rank trained more micro-batches than the slowest.
+    counts = [sum(1 for e in log if e[0] == "train" and e[1] == rank) for rank in range(world)]
+    assert counts[0] > counts[2]
+
+
+def test_each_rank_trains_its_own_first_claim_then_the_counters():
+    values: dict[str, int] = {}
+
+    def add(key: str, amount: int) -> int:
+        values[key] = values.get(key, 0) + amount
+        return values[key]
+
+    counter = ClaimCounter(add, "run")
+    order = GlobalOrder(range(10))
+    first = ClaimingBatchSampler(order, 2, False, 0, 2, counter)
+    second = ClaimingBatchSampler(order, 2, False, 1, 2, counter)
+    a, b = iter(first), iter(second)
+    assert next(a) == [0, 1] and next(b) == [2, 3]  # claims 0 and 1: each rank's own
+    assert next(b) == [4, 5] and next(b) == [6, 7] and next(a) == [8, 9]  # then whoever asks first
+    assert list(a) == [] and list(b) == []
+    assert list(first.pending) == [0, 4] and list(second.pending) == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "named"),
+    [
+        ({"sync_options": {"asynchronous": True, "overlap": True}}, "sync_options['overlap']"),
+        ({"sync_options": {"asynchronous": True, "fragments": 2}, "sync_every": 2}, "sync_options['fragments']"),
+        ({"sync_options": {"asynchronous": True}, "inner_steps": [2, 1]}, "inner_steps"),
+        ({"sync_options": {"asynchronous": True}, "rebalance": True}, "rebalance=True"),
+        ({"sync_options": {"asynchronous": True}, "batch_sizes": [4, 4]}, "batch_sizes"),
+        ({"sync_options": {"asynchronous": 1}}, "sync_options['asynchronous']=1"),
+    ],
+)
+def test_what_asynchronous_merges_cannot_combine_with_is_refused_by_name(arguments, named):
+    with pytest.raises(ValueError) as refused:
+        HeteroStrategy(sync="diloco", **arguments)
+    assert f"`{named}" in str(refused.value)
+
+
+def test_every_step_training_refuses_the_asynchronous_option():
+    with pytest.raises(ValueError, match="sync_options"):
+        HeteroStrategy(sync_options={"asynchronous": True})
+
+
+def make_trainer(**overrides):
+    settings = {"max_steps": -1, "limit_train_batches": 1.0, "val_check_interval": 1.0, "callbacks": []}
+    return SimpleNamespace(**{**settings, **overrides})
+
+
+def test_a_fit_that_needs_the_ranks_in_step_is_refused_by_name():
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader
+
+    assert describe_asynchronous_refusal(make_trainer(), None) is None
+    assert "max_steps=100" in describe_asynchronous_refusal(make_trainer(max_steps=100), None)
+    assert "limit_train_batches=0.5" in describe_asynchronous_refusal(make_trainer(limit_train_batches=0.5), None)
+    assert "limit_train_batches=10" in describe_asynchronous_refusal(make_trainer(limit_train_batches=10), None)
+    assert "val_check_interval=100" in describe_asynchronous_refusal(make_trainer(val_check_interval=100), None)
+    every = make_trainer(callbacks=[ModelCheckpoint(every_n_train_steps=5)])
+    assert "every 5 training steps" in describe_asynchronous_refusal(every, None)
+    assert describe_asynchronous_refusal(make_trainer(callbacks=[ModelCheckpoint(every_n_epochs=1)]), None) is None
+    loader = DataLoader(range(8), batch_size=2)
+    loader.in_order = False
+    assert "in_order=False" in describe_asynchronous_refusal(make_trainer(), loader)
+
+
+def test_between_merges_a_step_reduces_nothing_and_refuses_the_users_collectives():
+    guard = MicroBatchGuard()
+    assert not guard.rank_local
+    guard.refuse_collective("all_gather")  # in step: allowed
+    guard.between_merges = True
+    assert guard.rank_local
+    with pytest.raises(RuntimeError, match=r"`all_gather`.*asynchronous"):
+        guard.refuse_collective("all_gather")
+
+
+def test_the_records_of_ranks_with_different_step_counts_are_exchanged_once_padded():
+    clock = [0.0]
+    watch = RunWatch(StepMeter(lambda: clock[0], lambda: 0.0, lambda: clock[0]), window=0)
+    gathers = []
+
+    def all_gather(packed):  # two ranks: this one took 3 steps, the other one 1
+        gathers.append(packed.shape[0])
+        if packed.shape == (1, 9):  # the counts first
+            return [packed, torch.full_like(packed, 1.0)]
+        other = torch.zeros_like(packed)
+        other[:, 0] = torch.arange(len(packed), dtype=packed.dtype)
+        other[0, 1] = 5  # its one step: 5 samples
+        return [packed, other]
+
+    exchanged = []
+    for _ in range(3):
+        exchanged.append(watch.before_fetch(all_gather))
+        watch.meter.batch_ready(4)
+        clock[0] += 0.001
+        watch.meter.backward_ended()
+    steps = watch.finish(all_gather)
+    assert exchanged == [False] * 3  # window 0: never inside the fit
+    assert gathers == [1, 3]  # the counts, then the records padded to the most steps
+    assert [step["batch_sizes"] for step in steps] == [[4, 5], [4, 0], [4, 0]]
