@@ -115,7 +115,10 @@ def fit(
         strategy = HeteroStrategy(stage=0, emulate_speeds=SPEEDS)
         batch = 2 * MICRO_BATCH  # the loader's batch per rank: a global batch of 128, split by the planner
     else:
-        strategy = HeteroStrategy(sync=mode, sync_every=sync_every, emulate_speeds=SPEEDS, **(options or {}))
+        options = dict(options or {})
+        speeds = options.pop("emulate_speeds", SPEEDS)  # (a drift: {step: speeds}, the steps as JSON's strings)
+        speeds = {int(step): value for step, value in speeds.items()} if isinstance(speeds, dict) else speeds
+        strategy = HeteroStrategy(sync=mode, sync_every=sync_every, emulate_speeds=speeds, **options)
         batch = MICRO_BATCH
     data = SpiralDataModule(batch_size=batch // 2 if mode == "every_step" else batch,
                             train_samples=TRAIN_SAMPLES, val_samples=VAL_SAMPLES)  # fmt: skip
@@ -125,6 +128,9 @@ def fit(
         default_root_dir=out,
     )  # fmt: skip
     trainer.fit(WideSpirals(), data)
+    claims = strategy.job.claims  # asynchronous merges: each rank's merges (its micro-batches, its time in each)
+    if claims is not None:
+        (out / f"merges_rank{trainer.global_rank}.json").write_text(json.dumps(claims.merges.records))
 
 
 # ---------------------------------------------------------------------------------------------- analysis (pure)

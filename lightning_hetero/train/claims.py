@@ -132,18 +132,17 @@ class AsynchronousMerges:
     ``merge()`` runs one merge on this rank (the ranks' collectives; every rank runs the same sequence of them: the
     merges of an epoch in order, then the epoch's last). ``taken(epoch)`` reads the counter."""
 
-    def __init__(
-        self, sync_every: int, world_size: int, taken: Callable[[int], int], merge: Callable[[], None]
-    ) -> None:
+    def __init__(self, sync_every: int, world_size: int, taken: Callable[[int], int], merge: Callable[[], None],
+                 link_clock: Callable[[], float] = lambda: 0.0) -> None:  # fmt: skip
         self.every_per_rank = sync_every
         self.every = sync_every * world_size  # claims between two merges
-        self.world_size, self._taken, self._merge = world_size, taken, merge
+        self.world_size, self._taken, self._merge, self._link_clock = world_size, taken, merge, link_clock
         self.epoch, self.claims, self.start_claim = 0, 0, 0
         self.joined = 0  # merges of this epoch this rank joined
         self.trained = 0  # micro-batches this rank trained since the last merge
         self.finished = True  # the epoch's last merge is done
-        # One record per merge: the micro-batches this rank contributed, and the seconds it spent in the merge (its
-        # wait for the last rank to reach it, and the exchange)
+        # One record per merge: the micro-batches this rank contributed, the seconds it spent in the merge (its wait
+        # for the last rank to reach it, and the exchange), and of those the exchange's (``link_clock``'s)
         self.records: list[dict[str, Any]] = []
 
     def epoch_starts(self, epoch: int, claims: int, start_claim: int = 0) -> None:
@@ -172,11 +171,11 @@ class AsynchronousMerges:
         self.finished = True
 
     def _run_merge(self) -> None:
-        started = time.perf_counter()
+        started, link = time.perf_counter(), self._link_clock()
         self._merge()
-        self.records.append(
-            {"epoch": self.epoch, "micro_batches": self.trained, "seconds": time.perf_counter() - started}
-        )
+        seconds, link_seconds = time.perf_counter() - started, self._link_clock() - link
+        self.records.append({"epoch": self.epoch, "micro_batches": self.trained, "seconds": seconds,
+                             "link_seconds": link_seconds})  # fmt: skip
         self.trained = 0
 
 
@@ -232,7 +231,8 @@ class AsynchronousTraining:
         if self._store is None:
             self._store = connect()
         counter = ClaimCounter(self._store.add, run)
-        self.merges = AsynchronousMerges(self.merges.every_per_rank, job.world_size, counter.taken, self._merge)
+        self.merges = AsynchronousMerges(self.merges.every_per_rank, job.world_size, counter.taken, self._merge,
+                                         lambda: job.local.link_wait_seconds)  # fmt: skip
         micro_batch = job.split.batch_sizes[job.rank]  # (the loader's batch size: one inner step a training step)
         sampler = ClaimingBatchSampler(hetero_loader.hetero_batch_sampler.sampler, micro_batch,
                                        hetero_loader.hetero_batch_sampler.drop_last, job.rank, job.world_size,

@@ -1,0 +1,174 @@
+"""Asynchronous merges by speed against the synchronous merge, with a rank slowed 3x mid-run.
+
+    python benchmarks/asynchronous_merges.py                 # 5 seeds, a pair of fits each (about 8 minutes)
+    python benchmarks/asynchronous_merges.py --runs 3 --epochs 4
+
+The setting of ``benchmarks/local_sgd.py``: two ranks at emulated speeds [1.0, 0.4], each its own emulated node, a
+1 Gbit/s link with 0.5 ms latency, the wide spiral classifier (2.1 M parameters), Adam, 8192 training samples in
+micro-batches of 64, DiLoCo with H=8. The drift: rank 1 slows 3x (to 0.133) after its 110th micro-batch, about the
+middle of 6 epochs in both modes (a rank's training step holds one micro-batch of the slowest rank in both). Run r
+seeds both of its fits with r (initial weights, sample order), in alternating order:
+
+    synchronous    DiLoCo H=8, inner steps planned from the profiles and re-planned from what the ranks measure
+    asynchronous   the same with sync_options={"asynchronous": True}: each rank trains the micro-batches it has time
+                   for, a merge every 8 x 2 micro-batches claimed, weighted by what each rank trained
+
+The figures, per run:
+- the final validation loss of the asynchronous fit over the synchronous one's;
+- the wait for the slowest rank after the drift, over the slowed rank's time for one micro-batch then (its median
+  compute per micro-batch): synchronous, the fast rank's wait in each training step (the run report's
+  ``wait_seconds``); asynchronous, each rank's time in each merge less the merge's exchange (the merge's records);
+  the most and the median;
+- each fit's training time, and the samples each epoch trained (the run report's batch sizes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from local_sgd import MICRO_BATCH, SPEEDS, TRAIN_SAMPLES, launch  # noqa: E402
+
+DEFAULT_OUT = HERE / "results" / "asynchronous_merges.json"
+SYNC_EVERY = 8
+DRIFT_AFTER = 110  # rank 1's micro-batches before it slows down
+SLOWDOWN = 3.0
+SLOW_RANK = 1
+
+
+def drift_speeds() -> dict[str, list[float]]:
+    slowed = [speed / SLOWDOWN if rank == SLOW_RANK else speed for rank, speed in enumerate(SPEEDS)]
+    return {"0": list(SPEEDS), str(DRIFT_AFTER): slowed}
+
+
+FITS = {
+    "synchronous": {"emulate_speeds": drift_speeds()},
+    "asynchronous": {"emulate_speeds": drift_speeds(), "sync_options": {"asynchronous": True}},
+}
+
+
+# ---------------------------------------------------------------------------------------------- analysis (pure)
+
+
+def slow_micro_batch_seconds(report: dict[str, Any]) -> float:
+    """The slowed rank's median compute per micro-batch in its steps after the drift."""
+    times = [
+        step["compute_seconds"][SLOW_RANK] / max(1, step["micro_steps"][SLOW_RANK])
+        for index, step in enumerate(report["steps"])
+        if index >= DRIFT_AFTER and step["batch_sizes"][SLOW_RANK] > 0
+    ]
+    return statistics.median(times)
+
+
+def synchronous_waits(report: dict[str, Any]) -> list[float]:
+    """The fast rank's wait for the others in each training step after the drift."""
+    return [step["wait_seconds"][0] for index, step in enumerate(report["steps"]) if index >= DRIFT_AFTER]
+
+
+def asynchronous_waits(merges: list[list[dict[str, Any]]]) -> list[float]:
+    """Each rank's time in each merge after the drift, less the merge's exchange: its wait for the last rank."""
+    slow_done, after = 0, []
+    for index, record in enumerate(merges[SLOW_RANK]):
+        slow_done += record["micro_batches"]
+        if slow_done > DRIFT_AFTER:
+            after.append(index)
+    return [max(0.0, records[i]["seconds"] - records[i]["link_seconds"]) for records in merges for i in after]
+
+
+def samples_per_epoch(report: dict[str, Any], epochs: int) -> int:
+    return sum(sum(step["batch_sizes"]) for step in report["steps"]) // epochs
+
+
+def analyse(fits: dict[str, dict[str, Any]], epochs: int) -> dict[str, Any]:
+    figures: dict[str, Any] = {}
+    for name, fit in fits.items():
+        report = fit["report"]
+        waits = asynchronous_waits(fit["merges"]) if name == "asynchronous" else synchronous_waits(report)
+        micro = slow_micro_batch_seconds(report)
+        figures[name] = {
+            "final_val_loss": fit["curve"][-1]["val_loss"],
+            "train_seconds": fit["curve"][-1]["seconds"],
+            "slow_micro_batch_seconds": micro,
+            "most_wait_over_slow_micro_batch": max(waits) / micro,
+            "median_wait_over_slow_micro_batch": statistics.median(waits) / micro,
+            "samples_per_epoch": samples_per_epoch(report, epochs),
+        }
+    figures["loss_ratio"] = figures["asynchronous"]["final_val_loss"] / figures["synchronous"]["final_val_loss"]
+    return figures
+
+
+# ---------------------------------------------------------------------------------------------- driver
+
+
+def run_all(runs: int, epochs: int, work: Path) -> list[dict[str, Any]]:
+    results = []
+    for run in range(runs):
+        started = time.perf_counter()
+        order = list(FITS) if run % 2 == 0 else list(reversed(FITS))
+        fits = {}
+        for name in order:
+            out = work / f"run{run}" / name
+            fits[name] = launch(name, "diloco", SYNC_EVERY, epochs, out, FITS[name], seed=run)
+            fits[name]["merges"] = [json.loads((out / f"merges_rank{r}.json").read_text()) for r in range(2)] if (
+                out / "merges_rank0.json").exists() else None  # fmt: skip
+        figures = analyse(fits, epochs)
+        results.append(figures)
+        print(f"run {run + 1}/{runs} (seed {run}, {time.perf_counter() - started:.0f} s): async/sync final loss"
+              f" {figures['loss_ratio']:.3f}")  # fmt: skip
+        for name in FITS:
+            f = figures[name]
+            print(f"  {name}: final val loss {f['final_val_loss']:.4f}, {f['train_seconds']:.1f} s; after the drift"
+                  f" the most wait for the slowest rank {f['most_wait_over_slow_micro_batch']:.2f} of its micro-batch"
+                  f" ({f['slow_micro_batch_seconds'] * 1e3:.0f} ms),"
+                  f" median {f['median_wait_over_slow_micro_batch']:.2f};"
+                  f" {f['samples_per_epoch']} samples an epoch")  # fmt: skip
+    return results
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    def values(name: str, key: str, form: str) -> str:
+        found = [run[name][key] if name in FITS else run[key] for run in results]
+        return ", ".join(form % v for v in found) + f" (median {form % statistics.median(found)})"
+
+    lines = [
+        "| fit | final val loss | training seconds | most wait / slow micro-batch | median wait / slow micro-batch"
+        " | samples an epoch |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in FITS:
+        lines.append(
+            f"| {name} | {values(name, 'final_val_loss', '%.4f')} | {values(name, 'train_seconds', '%.1f')}"
+            f" | {values(name, 'most_wait_over_slow_micro_batch', '%.2f')}"
+            f" | {values(name, 'median_wait_over_slow_micro_batch', '%.2f')}"
+            f" | {values(name, 'samples_per_epoch', '%d')} |"
+        )
+    lines.append(f"\nasynchronous / synchronous final loss: {values('loss_ratio', 'loss_ratio', '%.3f')}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    assert TRAIN_SAMPLES % MICRO_BATCH == 0
+    results = run_all(args.runs, args.epochs, args.out.parent / "asynchronous_merges_runs")
+    text = table(results)
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"runs": args.runs, "epochs": args.epochs, "results": results, "table": text}))
+    print(f"written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
