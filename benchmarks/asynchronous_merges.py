@@ -15,10 +15,11 @@ seeds both of its fits with r (initial weights, sample order), in alternating or
 
 The figures, per run:
 - the final validation loss of the asynchronous fit over the synchronous one's;
-- the wait for the slowest rank after the drift, over the slowed rank's time for one micro-batch then (its median
-  compute per micro-batch): synchronous, the fast rank's wait in each training step (the run report's
-  ``wait_seconds``); asynchronous, each rank's time in each merge less the merge's exchange (the merge's records);
-  the most and the median;
+- the wait for the slowest rank after the drift, over the slowed rank's time for one of its steps then (a
+  micro-batch with its optimizer step; its median): synchronous, the fast rank's time in each training step beyond
+  its compute (the run report's ``wait_seconds``: its wait, its own optimizer steps and a merge's exchange);
+  asynchronous, each rank's time in each merge less the least any rank spent in it (the last to arrive waits for
+  nobody); the most and the median;
 - each fit's training time, and the samples each epoch trained (the run report's batch sizes).
 """
 
@@ -59,10 +60,12 @@ FITS = {
 # ---------------------------------------------------------------------------------------------- analysis (pure)
 
 
-def slow_micro_batch_seconds(report: dict[str, Any]) -> float:
-    """The slowed rank's median compute per micro-batch in its steps after the drift."""
+def slow_step_seconds(report: dict[str, Any]) -> float:
+    """The slowed rank's median time for one of its steps after the drift: a micro-batch's compute, its optimizer
+    step and the loop around them (the rank's compute plus its wait in the run report; the median leaves out the
+    steps that held a merge)."""
     times = [
-        step["compute_seconds"][SLOW_RANK] / max(1, step["micro_steps"][SLOW_RANK])
+        step["compute_seconds"][SLOW_RANK] + step["wait_seconds"][SLOW_RANK]
         for index, step in enumerate(report["steps"])
         if index >= DRIFT_AFTER and step["batch_sizes"][SLOW_RANK] > 0
     ]
@@ -70,18 +73,20 @@ def slow_micro_batch_seconds(report: dict[str, Any]) -> float:
 
 
 def synchronous_waits(report: dict[str, Any]) -> list[float]:
-    """The fast rank's wait for the others in each training step after the drift."""
+    """The fast rank's time in each training step after the drift beyond its compute (its wait for the slowed rank,
+    with its own optimizer steps and a merge's exchange: an upper bound on its wait)."""
     return [step["wait_seconds"][0] for index, step in enumerate(report["steps"]) if index >= DRIFT_AFTER]
 
 
 def asynchronous_waits(merges: list[list[dict[str, Any]]]) -> list[float]:
-    """Each rank's time in each merge after the drift, less the merge's exchange: its wait for the last rank."""
+    """Each rank's wait in each merge after the drift for the last rank to reach it: its time in the merge less the
+    least any rank spent in it (the last to arrive waits for nobody; the exchange and the merge's work are common)."""
     slow_done, after = 0, []
     for index, record in enumerate(merges[SLOW_RANK]):
         slow_done += record["micro_batches"]
         if slow_done > DRIFT_AFTER:
             after.append(index)
-    return [max(0.0, records[i]["seconds"] - records[i]["link_seconds"]) for records in merges for i in after]
+    return [records[i]["seconds"] - min(ranks[i]["seconds"] for ranks in merges) for records in merges for i in after]
 
 
 def samples_per_epoch(report: dict[str, Any], epochs: int) -> int:
@@ -93,13 +98,13 @@ def analyse(fits: dict[str, dict[str, Any]], epochs: int) -> dict[str, Any]:
     for name, fit in fits.items():
         report = fit["report"]
         waits = asynchronous_waits(fit["merges"]) if name == "asynchronous" else synchronous_waits(report)
-        micro = slow_micro_batch_seconds(report)
+        micro = slow_step_seconds(report)
         figures[name] = {
             "final_val_loss": fit["curve"][-1]["val_loss"],
             "train_seconds": fit["curve"][-1]["seconds"],
-            "slow_micro_batch_seconds": micro,
-            "most_wait_over_slow_micro_batch": max(waits) / micro,
-            "median_wait_over_slow_micro_batch": statistics.median(waits) / micro,
+            "slow_step_seconds": micro,
+            "most_wait_over_slow_step": max(waits) / micro,
+            "median_wait_over_slow_step": statistics.median(waits) / micro,
             "samples_per_epoch": samples_per_epoch(report, epochs),
         }
     figures["loss_ratio"] = figures["asynchronous"]["final_val_loss"] / figures["synchronous"]["final_val_loss"]
@@ -127,9 +132,9 @@ def run_all(runs: int, epochs: int, work: Path) -> list[dict[str, Any]]:
         for name in FITS:
             f = figures[name]
             print(f"  {name}: final val loss {f['final_val_loss']:.4f}, {f['train_seconds']:.1f} s; after the drift"
-                  f" the most wait for the slowest rank {f['most_wait_over_slow_micro_batch']:.2f} of its micro-batch"
-                  f" ({f['slow_micro_batch_seconds'] * 1e3:.0f} ms),"
-                  f" median {f['median_wait_over_slow_micro_batch']:.2f};"
+                  f" the most wait for the slowest rank {f['most_wait_over_slow_step']:.2f} of its step"
+                  f" ({f['slow_step_seconds'] * 1e3:.0f} ms),"
+                  f" median {f['median_wait_over_slow_step']:.2f};"
                   f" {f['samples_per_epoch']} samples an epoch")  # fmt: skip
     return results
 
@@ -140,15 +145,15 @@ def table(results: list[dict[str, Any]]) -> str:
         return ", ".join(form % v for v in found) + f" (median {form % statistics.median(found)})"
 
     lines = [
-        "| fit | final val loss | training seconds | most wait / slow micro-batch | median wait / slow micro-batch"
+        "| fit | final val loss | training seconds | most wait / slowed rank's step | median wait / slowed rank's step"
         " | samples an epoch |",
         "|---|---|---|---|---|---|",
     ]
     for name in FITS:
         lines.append(
             f"| {name} | {values(name, 'final_val_loss', '%.4f')} | {values(name, 'train_seconds', '%.1f')}"
-            f" | {values(name, 'most_wait_over_slow_micro_batch', '%.2f')}"
-            f" | {values(name, 'median_wait_over_slow_micro_batch', '%.2f')}"
+            f" | {values(name, 'most_wait_over_slow_step', '%.2f')}"
+            f" | {values(name, 'median_wait_over_slow_step', '%.2f')}"
             f" | {values(name, 'samples_per_epoch', '%d')} |"
         )
     lines.append(f"\nasynchronous / synchronous final loss: {values('loss_ratio', 'loss_ratio', '%.3f')}")
