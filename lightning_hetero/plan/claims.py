@@ -4,11 +4,14 @@ With ``sync_options={"asynchronous": True}`` an epoch's order is cut into micro-
 ("claims"), numbered in order. Each rank's first claim is its own (claim ``r`` for rank ``r``, so every rank trains at
 least one micro-batch an epoch); the others are taken from a counter that every rank increments when it wants its
 next micro-batch, so a faster rank takes more of them and every claim is trained once. Merge ``m`` (m >= 1) falls at
-claim ``m * every``: a rank joins it before it trains a micro-batch once that claim has been drawn by anyone, so the
-others wait for it at most for the micro-batch it is in. The epoch's end merges what is left.
+claim ``m * every``: no rank trains that claim or a later one before the merge (:func:`merges_to_join`), and each
+rank joins it as soon as it can, so a rank waits at most for the micro-batch another rank is in. The epoch's end
+merges what is left.
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 
 def claims_in_epoch(num_samples: int, micro_batch: int, drop_last: bool) -> int:
@@ -27,14 +30,30 @@ def claim_positions(claim: int, micro_batch: int, num_samples: int) -> range:
 
 
 def merges_due(drawn: int, joined: int, every: int, claims: int) -> int:
-    """How many merges a rank must join now, before it trains its next micro-batch: those whose claim
-    (``m * every``, inside the epoch of ``claims``) has been drawn (``drawn`` claims are, counting the ranks' own
-    first ones), less the ``joined`` it joined already this epoch."""
+    """How many merges whose claim (``m * every``, inside the epoch of ``claims``) has been drawn (``drawn`` claims
+    are, counting the ranks' own first ones), less the ``joined`` a rank joined already this epoch: what it joins at
+    the epoch's end (``drawn`` = ``claims``)."""
     if every < 1:
         raise ValueError(f"every={every} must be >= 1")
     reached = min(drawn, claims)
     passed = (reached - 1) // every if reached > 0 else 0  # boundaries m*every < reached, m >= 1
     return max(0, passed - joined)
+
+
+def merges_to_join(current: int, drawn: int, held: Collection[int], joined: int, every: int, claims: int) -> int:
+    """How many merges a rank joins before it trains claim ``current``: merge m's claim ``b = m * every`` (inside the
+    epoch) is a boundary no rank trains past before the merge. The rank joins it when it reaches it (``current >=
+    b``), or at once when another rank drew it (``drawn > b`` and ``b`` not among the claims this rank ``held``,
+    ``current`` included): the holder of ``b`` reaches the merge once it finished the claims it holds before ``b``,
+    so a rank that drew ``b`` itself trains on to it instead of waiting, and every other rank waits at most for the
+    micro-batch the holder is in."""
+    count = 0
+    while (joined + count + 1) * every < claims:
+        boundary = (joined + count + 1) * every
+        if current < boundary and (drawn <= boundary or boundary in held):
+            break
+        count += 1
+    return count
 
 
 def merges_in_epoch(every: int, claims: int) -> int:

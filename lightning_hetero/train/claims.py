@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any, Optional
 
 from torch.utils.data import DataLoader, Sampler
 
-from lightning_hetero.plan.claims import claim_positions, claims_in_epoch, merges_due
+from lightning_hetero.plan.claims import claim_positions, claims_in_epoch, merges_due, merges_to_join
 from lightning_hetero.train.loaders import KEPT_LOADER_SETTINGS, HeteroDataLoader
 from lightning_hetero.train.streams import HeteroStreamLoader
 
@@ -93,9 +93,9 @@ class ClaimingBatchSampler(Sampler[list[int]]):
 class ClaimingDataLoader(DataLoader):
     """The user's loader settings over a :class:`ClaimingBatchSampler`. It has no length (each rank's count of
     micro-batches is known only at the epoch's end), so Lightning ends the epoch when it is exhausted and validates
-    then. ``on_start()`` is told when an epoch's first batch is asked for, ``on_batch(samples)`` the samples of each
-    batch as the loop receives it, ``on_empty()`` when an epoch ends before this rank received any (a rank too slow
-    for the epoch's last claims: it still joins the merges)."""
+    then. ``on_start()`` is told when an epoch's first batch is asked for, ``on_batch(claim)`` the claim of each batch
+    as the loop receives it, ``on_empty()`` when an epoch ends before this rank received any (an epoch of
+    fewer micro-batches than ranks: it still joins the merges)."""
 
     def __init__(self, dataset: Any, batch_sampler: ClaimingBatchSampler, on_start: Callable[[], None],
                  on_batch: Callable[[int], None], on_empty: Callable[[], None],
@@ -116,7 +116,7 @@ class ClaimingDataLoader(DataLoader):
         for batch in super().__iter__():  # (batches come back in the order the sampler drew them)
             claim = sampler.pending.popleft()
             received += 1
-            self.on_batch(len(claim_positions(claim, sampler.micro_batch, len(sampler.sampler))))
+            self.on_batch(claim)
             yield batch
         if received == 0:
             self.on_empty()
@@ -149,10 +149,14 @@ class AsynchronousMerges:
         self.epoch, self.claims, self.start_claim = epoch, claims, start_claim
         self.joined, self.finished = 0, False
 
-    def before_micro_batch(self) -> None:
-        """Before this rank trains its next micro-batch: the merges whose claim has been drawn."""
-        drawn = self.start_claim + self.world_size + self._taken(self.epoch)
-        for _ in range(merges_due(drawn - self.start_claim, self.joined, self.every, self.claims - self.start_claim)):
+    def before_micro_batch(self, claim: int, held: Collection[int]) -> None:
+        """Before this rank trains claim ``claim`` (``held``: every claim it drew and has not trained, ``claim``
+        included): the merges it joins now (:func:`~lightning_hetero.plan.claims.merges_to_join`)."""
+        start = self.start_claim
+        drawn = self.world_size + self._taken(self.epoch)  # (relative to the start, as the claims below)
+        due = merges_to_join(claim - start, drawn, {c - start for c in held}, self.joined, self.every,
+                             self.claims - start)  # fmt: skip
+        for _ in range(due):
             self._run_merge()
             self.joined += 1
 
@@ -196,6 +200,11 @@ def describe_asynchronous_refusal(trainer: Any, loader: Any) -> Optional[str]:
                 f" the default ({name}=1.0: the whole epoch)."
             )
     for callback in trainer.callbacks:
+        if type(callback).__name__ == "Timer":  # (Lightning's, for `max_time`: it broadcasts rank 0's clock every step)
+            return (
+                "`Trainer(max_time=...)` (Lightning's Timer) with `sync_options['asynchronous']=True`: the Timer"
+                " agrees on the time at every training step, and the ranks' steps are not in step. Use `max_epochs`."
+            )
         every = getattr(callback, "_every_n_train_steps", 0) or getattr(callback, "_train_time_interval", None)
         if every:
             return (
@@ -218,16 +227,17 @@ class AsynchronousTraining:
     def __init__(self, job: Any, sync_every: int) -> None:
         self._job = job
         self.merges = AsynchronousMerges(sync_every, 1, lambda epoch: 0, self._merge)
-        # The samples of each batch handed to the loop and not yet trained (Lightning draws one a step ahead of an
-        # unsized loader, so the step's counts are taken when it starts, as for a stream)
-        self._batches: collections.deque[int] = collections.deque()
+        # The claims of the batches handed to the loop and not yet trained (Lightning draws one a step ahead of an
+        # unsized loader, so a step's counts are taken when it starts, as for a stream)
+        self._handed: collections.deque[int] = collections.deque()
+        self._sampler: Optional[ClaimingBatchSampler] = None
         self._store: Any = None
 
     def loader(self, hetero_loader: Any, run: str, connect: Callable[[], Any]) -> ClaimingDataLoader:
         """The training loader rebuilt to claim its micro-batches (``hetero_loader``: the strategy's, whose order,
         settings and checks it keeps; ``connect`` opens a client of the job's store)."""
         job = self._job
-        self._batches.clear()
+        self._handed.clear()
         if self._store is None:
             self._store = connect()
         counter = ClaimCounter(self._store.add, run)
@@ -237,6 +247,7 @@ class AsynchronousTraining:
         sampler = ClaimingBatchSampler(hetero_loader.hetero_batch_sampler.sampler, micro_batch,
                                        hetero_loader.hetero_batch_sampler.drop_last, job.rank, job.world_size,
                                        counter)  # fmt: skip
+        self._sampler = sampler
         settings = {key: getattr(hetero_loader, key) for key in KEPT_LOADER_SETTINGS if hasattr(hetero_loader, key)}
         if settings.get("num_workers", 0) == 0:
             settings.pop("prefetch_factor", None)
@@ -246,7 +257,7 @@ class AsynchronousTraining:
             self.merges.epoch_starts(sampler.epoch, sampler.claims(), sampler.start_claim)
 
         return ClaimingDataLoader(
-            hetero_loader.dataset, sampler, on_start, self._batches.append, self.merges.epoch_ends, **settings
+            hetero_loader.dataset, sampler, on_start, self._handed.append, self.merges.epoch_ends, **settings
         )
 
     def step_starts(self) -> None:
@@ -254,9 +265,12 @@ class AsynchronousTraining:
         (their wait is part of the step)."""
         job = self._job
         job.watcher.before_fetch()
-        samples = self._batches.popleft()
+        sampler = self._sampler
+        assert sampler is not None  # (the loader was built: Lightning steps on its batches)
+        claim = self._handed.popleft()
+        samples = len(claim_positions(claim, sampler.micro_batch, len(sampler.sampler)))
         job.training_batch(samples, samples)
-        self.merges.before_micro_batch()
+        self.merges.before_micro_batch(claim, {claim, *self._handed, *sampler.pending})
         job.micro_batch_guard.between_merges = True  # (until the epoch's end: see MicroBatchGuard)
 
     def step_ended(self, samples: int, last_of_epoch: bool) -> None:

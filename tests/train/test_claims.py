@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_hetero import HeteroStrategy
-from lightning_hetero.plan.claims import claim_positions, claims_in_epoch, merges_due, merges_in_epoch
+from lightning_hetero.plan.claims import claim_positions, claims_in_epoch, merges_due, merges_in_epoch, merges_to_join
 from lightning_hetero.train.claims import (
     AsynchronousMerges,
     ClaimCounter,
@@ -90,7 +90,7 @@ class ThreadRanks:
                     merges.epoch_starts(epoch, sampler.claims())
                     for indices in sampler:
                         claim = sampler.pending.popleft()
-                        merges.before_micro_batch()
+                        merges.before_micro_batch(claim, {claim, *sampler.pending})
                         self.event("train", rank, epoch, claim, tuple(indices))
                         time.sleep(self.random.uniform(0, 0.002) / self.speeds[rank])
                         merges.micro_batch_trained()
@@ -157,6 +157,30 @@ def test_threads_as_ranks_train_every_sample_once_join_the_same_merges_and_wait_
     assert counts[0] > counts[2]
 
 
+def test_a_rank_joins_a_merge_before_its_claim_and_at_once_when_another_rank_drew_it():
+    every, claims = 4, 20  # boundaries at 4, 8, 12, 16
+    assert merges_to_join(3, 4, {3}, 0, every, claims) == 0  # nobody drew claim 4 yet
+    assert merges_to_join(3, 5, {3}, 0, every, claims) == 1  # another rank drew 4: join now
+    assert merges_to_join(3, 5, {3, 4}, 0, every, claims) == 0  # this rank holds 4: train 3 first
+    assert merges_to_join(4, 5, {4}, 0, every, claims) == 1  # reached it
+    assert merges_to_join(9, 13, {9, 12}, 0, every, claims) == 2  # 4 and 8 drawn by others; 12 is its own
+    assert merges_to_join(12, 13, {12}, 1, every, claims) == 2  # reached 8 and 12, joined 4 already
+    assert merges_to_join(19, 20, {19}, 4, every, claims) == 0  # no boundary at or past the epoch's end
+    for current in range(claims):
+        for drawn in range(current + 1, claims + 1):
+            for joined in range(0, 5):
+                for held in ({current}, {current, current + 1}, {current, drawn - 1}):
+                    due = merges_to_join(current, drawn, held, joined, every, claims)
+                    done = joined + due
+                    # Joined: only boundaries it reached or another rank drew; stopped: never past a boundary, nor
+                    # at one another rank drew
+                    for boundary in range((joined + 1) * every, done * every + 1, every):
+                        assert boundary <= current or (boundary < drawn and boundary not in held)
+                    following = (done + 1) * every
+                    if following < claims:
+                        assert following > current and (following >= drawn or following in held)
+
+
 def test_each_rank_trains_its_own_first_claim_then_the_counters():
     values: dict[str, int] = {}
 
@@ -214,6 +238,9 @@ def test_a_fit_that_needs_the_ranks_in_step_is_refused_by_name():
     every = make_trainer(callbacks=[ModelCheckpoint(every_n_train_steps=5)])
     assert "every 5 training steps" in describe_asynchronous_refusal(every, None)
     assert describe_asynchronous_refusal(make_trainer(callbacks=[ModelCheckpoint(every_n_epochs=1)]), None) is None
+    from lightning.pytorch.callbacks import Timer
+
+    assert "max_time" in describe_asynchronous_refusal(make_trainer(callbacks=[Timer(duration="00:01:00:00")]), None)
     loader = DataLoader(range(8), batch_size=2)
     loader.in_order = False
     assert "in_order=False" in describe_asynchronous_refusal(make_trainer(), loader)
