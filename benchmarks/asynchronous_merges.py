@@ -1,7 +1,7 @@
 """Asynchronous merges by speed against the synchronous merge, with a rank slowed 3x mid-run.
 
     python benchmarks/asynchronous_merges.py                 # 5 seeds, a pair of fits each (about 8 minutes)
-    python benchmarks/asynchronous_merges.py --runs 3 --epochs 4
+    python benchmarks/asynchronous_merges.py --runs 3 --no-drift   # the same pairs at the speeds they started with
 
 The setting of ``benchmarks/local_sgd.py``: two ranks at emulated speeds [1.0, 0.4], each its own emulated node, a
 1 Gbit/s link with 0.5 ms latency, the wide spiral classifier (2.1 M parameters), Adam, 8192 training samples in
@@ -55,6 +55,8 @@ FITS = {
     "synchronous": {"emulate_speeds": drift_speeds()},
     "asynchronous": {"emulate_speeds": drift_speeds(), "sync_options": {"asynchronous": True}},
 }
+WITHOUT_DRIFT = {name: {key: value for key, value in options.items() if key != "emulate_speeds"}
+                 for name, options in FITS.items()}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- analysis (pure)
@@ -114,7 +116,8 @@ def analyse(fits: dict[str, dict[str, Any]], epochs: int) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- driver
 
 
-def run_all(runs: int, epochs: int, work: Path) -> list[dict[str, Any]]:
+def run_all(runs: int, epochs: int, work: Path, drift: bool = True) -> list[dict[str, Any]]:
+    fit_options = FITS if drift else WITHOUT_DRIFT
     results = []
     for run in range(runs):
         started = time.perf_counter()
@@ -122,7 +125,7 @@ def run_all(runs: int, epochs: int, work: Path) -> list[dict[str, Any]]:
         fits = {}
         for name in order:
             out = work / f"run{run}" / name
-            fits[name] = launch(name, "diloco", SYNC_EVERY, epochs, out, FITS[name], seed=run)
+            fits[name] = launch(name, "diloco", SYNC_EVERY, epochs, out, fit_options[name], seed=run)
             fits[name]["merges"] = [json.loads((out / f"merges_rank{r}.json").read_text()) for r in range(2)] if (
                 out / "merges_rank0.json").exists() else None  # fmt: skip
         figures = analyse(fits, epochs)
@@ -165,9 +168,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--no-drift", action="store_true", help="no rank slows down (the waits are then measured from"
+                        f" the {DRIFT_AFTER + 1}th step on all the same)")  # fmt: skip
     args = parser.parse_args(argv)
     assert TRAIN_SAMPLES % MICRO_BATCH == 0
-    results = run_all(args.runs, args.epochs, args.out.parent / "asynchronous_merges_runs")
+    results = run_all(args.runs, args.epochs, args.out.parent / "asynchronous_merges_runs", not args.no_drift)
     text = table(results)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
