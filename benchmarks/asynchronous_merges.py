@@ -19,7 +19,8 @@ The figures, per run:
   micro-batch with its optimizer step; its median): synchronous, the fast rank's time in each training step beyond
   its compute (the run report's ``wait_seconds``: its wait, its own optimizer steps and a merge's exchange);
   asynchronous, each rank's time in each merge less the least any rank spent in it (the last to arrive waits for
-  nobody); the most and the median;
+  nobody); the most and the median; and for the asynchronous fit the most over the slowed rank's median time from one
+  micro-batch to the next (its step and the loop's own time between steps: what the claims bound a wait by);
 - each fit's training time, and the samples each epoch trained (the run report's batch sizes).
 """
 
@@ -80,15 +81,28 @@ def synchronous_waits(report: dict[str, Any]) -> list[float]:
     return [step["wait_seconds"][0] for index, step in enumerate(report["steps"]) if index >= DRIFT_AFTER]
 
 
-def asynchronous_waits(merges: list[list[dict[str, Any]]]) -> list[float]:
-    """Each rank's wait in each merge after the drift for the last rank to reach it: its time in the merge less the
-    least any rank spent in it (the last to arrive waits for nobody; the exchange and the merge's work are common)."""
+def after_the_drift(merges: list[list[dict[str, Any]]]) -> list[int]:
+    """The merges after the slowed rank's first micro-batch at its new speed."""
     slow_done, after = 0, []
     for index, record in enumerate(merges[SLOW_RANK]):
         slow_done += record["micro_batches"]
         if slow_done > DRIFT_AFTER:
             after.append(index)
+    return after
+
+
+def asynchronous_waits(merges: list[list[dict[str, Any]]]) -> list[float]:
+    """Each rank's wait in each merge after the drift for the last rank to reach it: its time in the merge less the
+    least any rank spent in it (the last to arrive waits for nobody; the exchange and the merge's work are common)."""
+    after = after_the_drift(merges)
     return [records[i]["seconds"] - min(ranks[i]["seconds"] for ranks in merges) for records in merges for i in after]
+
+
+def slow_cycle_seconds(merges: list[list[dict[str, Any]]]) -> float:
+    """The slowed rank's median time from one micro-batch to the next after the drift (its step and the loop's own
+    time between steps: what a rank that waits for it can wait at most, by the claims' rule)."""
+    cycles = [merges[SLOW_RANK][i]["cycle_seconds"] for i in after_the_drift(merges)]
+    return statistics.median(cycle for cycle in cycles if cycle is not None)
 
 
 def samples_per_epoch(report: dict[str, Any], epochs: int) -> int:
@@ -101,8 +115,15 @@ def analyse(fits: dict[str, dict[str, Any]], epochs: int) -> dict[str, Any]:
         report = fit["report"]
         waits = asynchronous_waits(fit["merges"]) if name == "asynchronous" else synchronous_waits(report)
         micro = slow_step_seconds(report)
+        if name == "asynchronous":
+            cycle = slow_cycle_seconds(fit["merges"])
+            extra = {"slow_cycle_seconds": cycle, "most_wait_over_slow_cycle": max(waits) / cycle}
+        else:
+            extra = {"slow_cycle_seconds": None, "most_wait_over_slow_cycle": None}
         figures[name] = {
+            **extra,
             "final_val_loss": fit["curve"][-1]["val_loss"],
+            "last3_val_loss": statistics.mean(point["val_loss"] for point in fit["curve"][-3:]),
             "train_seconds": fit["curve"][-1]["seconds"],
             "slow_step_seconds": micro,
             "most_wait_over_slow_step": max(waits) / micro,
@@ -110,6 +131,7 @@ def analyse(fits: dict[str, dict[str, Any]], epochs: int) -> dict[str, Any]:
             "samples_per_epoch": samples_per_epoch(report, epochs),
         }
     figures["loss_ratio"] = figures["asynchronous"]["final_val_loss"] / figures["synchronous"]["final_val_loss"]
+    figures["last3_ratio"] = figures["asynchronous"]["last3_val_loss"] / figures["synchronous"]["last3_val_loss"]
     return figures
 
 
@@ -134,32 +156,37 @@ def run_all(runs: int, epochs: int, work: Path, drift: bool = True) -> list[dict
               f" {figures['loss_ratio']:.3f}")  # fmt: skip
         for name in FITS:
             f = figures[name]
-            print(f"  {name}: final val loss {f['final_val_loss']:.4f}, {f['train_seconds']:.1f} s; after the drift"
-                  f" the most wait for the slowest rank {f['most_wait_over_slow_step']:.2f} of its step"
-                  f" ({f['slow_step_seconds'] * 1e3:.0f} ms),"
-                  f" median {f['median_wait_over_slow_step']:.2f};"
-                  f" {f['samples_per_epoch']} samples an epoch")  # fmt: skip
+            cycle = (f", the most {f['most_wait_over_slow_cycle']:.2f} of its micro-batch cycle"
+                     f" ({f['slow_cycle_seconds'] * 1e3:.0f} ms)") if f["slow_cycle_seconds"] else ""  # fmt: skip
+            print(f"  {name}: final val loss {f['final_val_loss']:.4f} (last 3 epochs {f['last3_val_loss']:.4f}),"
+                  f" {f['train_seconds']:.1f} s; after the drift the most wait for the slowest rank"
+                  f" {f['most_wait_over_slow_step']:.2f} of its step ({f['slow_step_seconds'] * 1e3:.0f} ms), median"
+                  f" {f['median_wait_over_slow_step']:.2f}{cycle}; {f['samples_per_epoch']} samples an"
+                  " epoch")  # fmt: skip
     return results
 
 
 def table(results: list[dict[str, Any]]) -> str:
     def values(name: str, key: str, form: str) -> str:
         found = [run[name][key] if name in FITS else run[key] for run in results]
+        if any(value is None for value in found):
+            return "-"
         return ", ".join(form % v for v in found) + f" (median {form % statistics.median(found)})"
 
     lines = [
-        "| fit | final val loss | training seconds | most wait / slowed rank's step | median wait / slowed rank's step"
-        " | samples an epoch |",
-        "|---|---|---|---|---|---|",
+        "| fit | final val loss | mean val loss, last 3 epochs | training seconds | most wait / slowed rank's step"
+        " | median wait / slowed rank's step | most wait / slowed rank's micro-batch cycle | samples an epoch |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name in FITS:
         lines.append(
-            f"| {name} | {values(name, 'final_val_loss', '%.4f')} | {values(name, 'train_seconds', '%.1f')}"
-            f" | {values(name, 'most_wait_over_slow_step', '%.2f')}"
+            f"| {name} | {values(name, 'final_val_loss', '%.4f')} | {values(name, 'last3_val_loss', '%.4f')}"
+            f" | {values(name, 'train_seconds', '%.1f')} | {values(name, 'most_wait_over_slow_step', '%.2f')}"
             f" | {values(name, 'median_wait_over_slow_step', '%.2f')}"
-            f" | {values(name, 'samples_per_epoch', '%d')} |"
+            f" | {values(name, 'most_wait_over_slow_cycle', '%.2f')} | {values(name, 'samples_per_epoch', '%d')} |"
         )
     lines.append(f"\nasynchronous / synchronous final loss: {values('loss_ratio', 'loss_ratio', '%.3f')}")
+    lines.append(f"the same, mean of the last 3 epochs: {values('last3_ratio', 'last3_ratio', '%.3f')}")
     return "\n".join(lines)
 
 

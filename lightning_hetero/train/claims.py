@@ -141,13 +141,16 @@ class AsynchronousMerges:
         self.joined = 0  # merges of this epoch this rank joined
         self.trained = 0  # micro-batches this rank trained since the last merge
         self.finished = True  # the epoch's last merge is done
+        self._since = time.perf_counter()  # (the end of the last merge, or the epoch's start)
         # One record per merge: the micro-batches this rank contributed, the seconds it spent in the merge (its wait
-        # for the last rank to reach it, and the exchange), and of those the exchange's (``link_clock``'s)
+        # for the last rank to reach it, and the exchange), of those the exchange's (``link_clock``'s), and this
+        # rank's mean seconds from one micro-batch to the next since the last merge (the loop's own time included)
         self.records: list[dict[str, Any]] = []
 
     def epoch_starts(self, epoch: int, claims: int, start_claim: int = 0) -> None:
         self.epoch, self.claims, self.start_claim = epoch, claims, start_claim
         self.joined, self.finished = 0, False
+        self._since = time.perf_counter()
 
     def before_micro_batch(self, claim: int, held: Collection[int]) -> None:
         """Before this rank trains claim ``claim`` (``held``: every claim it drew and has not trained, ``claim``
@@ -176,10 +179,11 @@ class AsynchronousMerges:
 
     def _run_merge(self) -> None:
         started, link = time.perf_counter(), self._link_clock()
+        cycle = (started - self._since) / self.trained if self.trained else None
         self._merge()
-        seconds, link_seconds = time.perf_counter() - started, self._link_clock() - link
-        self.records.append({"epoch": self.epoch, "micro_batches": self.trained, "seconds": seconds,
-                             "link_seconds": link_seconds})  # fmt: skip
+        self._since = time.perf_counter()
+        self.records.append({"epoch": self.epoch, "micro_batches": self.trained, "seconds": self._since - started,
+                             "link_seconds": self._link_clock() - link, "cycle_seconds": cycle})  # fmt: skip
         self.trained = 0
 
 

@@ -55,9 +55,10 @@ def asynchronous_reference(
         total = sum(samples)
         with torch.no_grad():
             for index, parameter in enumerate(anchor):
+                # (as the merge sums them: each rank's fp32 delta weighted in float64, the sum back in fp32)
                 parameter.grad = sum(
-                    (n / total) * (parameter - list(net.parameters())[index]) for n, net in zip(samples, nets)
-                ).clone()
+                    (parameter - list(net.parameters())[index]).double() * (n / total) for n, net in zip(samples, nets)
+                ).float()
         outer.step()
         outer.zero_grad()
         with torch.no_grad():
@@ -88,7 +89,10 @@ def test_the_fast_rank_trains_what_it_has_time_for_every_sample_once_and_diloco_
     # Not in step: in some merge the fast rank contributed more micro-batches than the slow one (lockstep: equal).
     assert any(fast["micro_batches"] > slow["micro_batches"] for fast, slow in zip(*merges))
     reference = asynchronous_reference(IndexedRegression(64), seen, merges, 4)
-    assert max_param_difference(run.result, reference) <= TOLERANCE
+    # Relative to the parameters' scale: 32 steps of SGD with momentum and 8 outer Nesterov steps grow them to about
+    # 10, and the inner optimizer's rounding (torch's SGD inside DeepSpeed against the reference's) grows with them.
+    scale = max(1.0, max(float(value.abs().max()) for value in reference.values()))
+    assert max_param_difference(run.result, reference) <= TOLERANCE * scale
     report = json.loads((tmp_path / "hetero" / "report.json").read_text())
     # The report holds every rank's steps, padded where a rank took fewer: every sample is counted once.
     assert sum(sum(step["batch_sizes"]) for step in report["steps"]) == 128
