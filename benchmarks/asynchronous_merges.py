@@ -91,18 +91,22 @@ def after_the_drift(merges: list[list[dict[str, Any]]]) -> list[int]:
     return after
 
 
-def asynchronous_waits(merges: list[list[dict[str, Any]]]) -> list[float]:
+def asynchronous_waits(merges: list[list[dict[str, Any]]], epoch_ends: bool = False) -> list[float]:
     """Each rank's wait in each merge after the drift for the last rank to reach it: its time in the merge less the
-    least any rank spent in it (the last to arrive waits for nobody; the exchange and the merge's work are common)."""
-    after = after_the_drift(merges)
-    return [records[i]["seconds"] - min(ranks[i]["seconds"] for ranks in merges) for records in merges for i in after]
+    least any rank spent in it (the last to arrive waits for nobody; the exchange and the merge's work are common).
+    The merges inside the epochs, or (``epoch_ends``) each epoch's last."""
+    records = merges[0]
+    last = {record["epoch"]: index for index, record in enumerate(records)}  # each epoch's last merge
+    after = [i for i in after_the_drift(merges) if (i == last[records[i]["epoch"]]) == epoch_ends]
+    return [ranks[i]["seconds"] - min(other[i]["seconds"] for other in merges) for ranks in merges for i in after]
 
 
-def slow_cycle_seconds(merges: list[list[dict[str, Any]]]) -> float:
+def slow_cycle_seconds(merges: list[list[dict[str, Any]]]) -> Optional[float]:
     """The slowed rank's median time from one micro-batch to the next after the drift (its step and the loop's own
     time between steps: what a rank that waits for it can wait at most, by the claims' rule)."""
-    cycles = [merges[SLOW_RANK][i]["cycle_seconds"] for i in after_the_drift(merges)]
-    return statistics.median(cycle for cycle in cycles if cycle is not None)
+    cycles = [merges[SLOW_RANK][i].get("cycle_seconds") for i in after_the_drift(merges)]
+    known = [cycle for cycle in cycles if cycle is not None]
+    return statistics.median(known) if known else None  # (none in the records of an older version)
 
 
 def samples_per_epoch(report: dict[str, Any], epochs: int) -> int:
@@ -115,11 +119,14 @@ def analyse(fits: dict[str, dict[str, Any]], epochs: int) -> dict[str, Any]:
         report = fit["report"]
         waits = asynchronous_waits(fit["merges"]) if name == "asynchronous" else synchronous_waits(report)
         micro = slow_step_seconds(report)
-        if name == "asynchronous":
-            cycle = slow_cycle_seconds(fit["merges"])
-            extra = {"slow_cycle_seconds": cycle, "most_wait_over_slow_cycle": max(waits) / cycle}
+        cycle = slow_cycle_seconds(fit["merges"]) if name == "asynchronous" else None
+        if cycle is not None:
+            at_ends = asynchronous_waits(fit["merges"], epoch_ends=True)
+            extra = {"slow_cycle_seconds": cycle, "most_wait_over_slow_cycle": max(waits) / cycle,
+                     "most_wait_at_epoch_ends_over_slow_cycle": max(at_ends) / cycle}  # fmt: skip
         else:
-            extra = {"slow_cycle_seconds": None, "most_wait_over_slow_cycle": None}
+            extra = {"slow_cycle_seconds": None, "most_wait_over_slow_cycle": None,
+                     "most_wait_at_epoch_ends_over_slow_cycle": None}  # fmt: skip
         figures[name] = {
             **extra,
             "final_val_loss": fit["curve"][-1]["val_loss"],
@@ -138,7 +145,16 @@ def analyse(fits: dict[str, dict[str, Any]], epochs: int) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- driver
 
 
-def run_all(runs: int, epochs: int, work: Path, drift: bool = True) -> list[dict[str, Any]]:
+def read_fit(out: Path) -> dict[str, Any]:
+    """What a fit left in ``out``: its curve, its run report and (asynchronous) each rank's merge records."""
+    merges = [json.loads((out / f"merges_rank{r}.json").read_text()) for r in range(2)] if (
+        out / "merges_rank0.json").exists() else None  # fmt: skip
+    return {"curve": json.loads((out / "curve.json").read_text()),
+            "report": json.loads((out / "hetero" / "report.json").read_text()), "merges": merges}  # fmt: skip
+
+
+def run_all(runs: int, epochs: int, work: Path, drift: bool = True, again: bool = False) -> list[dict[str, Any]]:
+    """``again``: analyse the fits an earlier invocation left in ``work`` instead of running them."""
     fit_options = FITS if drift else WITHOUT_DRIFT
     results = []
     for run in range(runs):
@@ -147,17 +163,20 @@ def run_all(runs: int, epochs: int, work: Path, drift: bool = True) -> list[dict
         fits = {}
         for name in order:
             out = work / f"run{run}" / name
-            fits[name] = launch(name, "diloco", SYNC_EVERY, epochs, out, fit_options[name], seed=run)
-            fits[name]["merges"] = [json.loads((out / f"merges_rank{r}.json").read_text()) for r in range(2)] if (
-                out / "merges_rank0.json").exists() else None  # fmt: skip
+            if not again:
+                launch(name, "diloco", SYNC_EVERY, epochs, out, fit_options[name], seed=run)
+            fits[name] = read_fit(out)
         figures = analyse(fits, epochs)
         results.append(figures)
         print(f"run {run + 1}/{runs} (seed {run}, {time.perf_counter() - started:.0f} s): async/sync final loss"
               f" {figures['loss_ratio']:.3f}")  # fmt: skip
         for name in FITS:
             f = figures[name]
-            cycle = (f", the most {f['most_wait_over_slow_cycle']:.2f} of its micro-batch cycle"
-                     f" ({f['slow_cycle_seconds'] * 1e3:.0f} ms)") if f["slow_cycle_seconds"] else ""  # fmt: skip
+            cycle = ""
+            if f["slow_cycle_seconds"]:
+                cycle = (f", the most {f['most_wait_over_slow_cycle']:.2f} of its micro-batch cycle"
+                         f" ({f['slow_cycle_seconds'] * 1e3:.0f} ms) inside an epoch and"
+                         f" {f['most_wait_at_epoch_ends_over_slow_cycle']:.2f} at an epoch's end")  # fmt: skip
             print(f"  {name}: final val loss {f['final_val_loss']:.4f} (last 3 epochs {f['last3_val_loss']:.4f}),"
                   f" {f['train_seconds']:.1f} s; after the drift the most wait for the slowest rank"
                   f" {f['most_wait_over_slow_step']:.2f} of its step ({f['slow_step_seconds'] * 1e3:.0f} ms), median"
@@ -175,15 +194,18 @@ def table(results: list[dict[str, Any]]) -> str:
 
     lines = [
         "| fit | final val loss | mean val loss, last 3 epochs | training seconds | most wait / slowed rank's step"
-        " | median wait / slowed rank's step | most wait / slowed rank's micro-batch cycle | samples an epoch |",
-        "|---|---|---|---|---|---|---|---|",
+        " | median wait / slowed rank's step | most wait / slowed rank's micro-batch cycle, inside an epoch"
+        " | the same, at an epoch's end | samples an epoch |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name in FITS:
         lines.append(
             f"| {name} | {values(name, 'final_val_loss', '%.4f')} | {values(name, 'last3_val_loss', '%.4f')}"
             f" | {values(name, 'train_seconds', '%.1f')} | {values(name, 'most_wait_over_slow_step', '%.2f')}"
             f" | {values(name, 'median_wait_over_slow_step', '%.2f')}"
-            f" | {values(name, 'most_wait_over_slow_cycle', '%.2f')} | {values(name, 'samples_per_epoch', '%d')} |"
+            f" | {values(name, 'most_wait_over_slow_cycle', '%.2f')}"
+            f" | {values(name, 'most_wait_at_epoch_ends_over_slow_cycle', '%.2f')}"
+            f" | {values(name, 'samples_per_epoch', '%d')} |"
         )
     lines.append(f"\nasynchronous / synchronous final loss: {values('loss_ratio', 'loss_ratio', '%.3f')}")
     lines.append(f"the same, mean of the last 3 epochs: {values('last3_ratio', 'last3_ratio', '%.3f')}")
@@ -197,9 +219,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--no-drift", action="store_true", help="no rank slows down (the waits are then measured from"
                         f" the {DRIFT_AFTER + 1}th step on all the same)")  # fmt: skip
+    parser.add_argument("--again", action="store_true", help="analyse the fits of an earlier run with this --out")
     args = parser.parse_args(argv)
     assert TRAIN_SAMPLES % MICRO_BATCH == 0
-    results = run_all(args.runs, args.epochs, args.out.parent / "asynchronous_merges_runs", not args.no_drift)
+    results = run_all(args.runs, args.epochs, args.out.parent / "asynchronous_merges_runs", not args.no_drift,
+                      args.again)  # fmt: skip
     text = table(results)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -330,6 +330,11 @@ def local_settings(
         return None
     sync_every = options.sync_every if options.sync_every is not None else 8
     check_sync_arguments(options.sync, sync_every, options.inner_steps, sync_options)
+    if sync_options.get("asynchronous"):
+        raise ValueError("`--sync-options` with `asynchronous`: `plan` predicts merges whose ranks take their planned"
+                         " inner steps in step; an asynchronous merge follows each rank's speed micro-batch by"
+                         " micro-batch, which it does not model. Drop `asynchronous`: the prediction with planned"
+                         " inner steps is the closest (it shares out the samples by speed too).")  # fmt: skip
     check_inner_steps_length(options.inner_steps, len(clusters[0].devices))
     if refusal is not None:
         raise ValueError(f"{refusal} (`--precision` sets every device's; `--stage` the ZeRO stage)")

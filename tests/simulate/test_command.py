@@ -113,6 +113,10 @@ def test_the_tables_show_the_plan_the_step_and_the_speedups(cluster_file, capsys
             "travels in fp32, fp16, bf16, int8 or int4 only",
         ),
         (
+            ["--sync", "diloco", "--precision", "32-true", "--sync-options", '{"asynchronous": true}'],
+            "`--sync-options` with `asynchronous`: `plan` predicts merges whose ranks take",
+        ),
+        (
             ["--sync", "diloco", "--precision", "32-true", "--inner-steps", "2", "1"],
             "`inner_steps=[2, 1]` has 2 entries",
         ),

@@ -97,3 +97,11 @@ def test_the_fast_rank_trains_what_it_has_time_for_every_sample_once_and_diloco_
     # The report holds every rank's steps, padded where a rank took fewer: every sample is counted once.
     assert sum(sum(step["batch_sizes"]) for step in report["steps"]) == 128
     assert len(report["steps"]) == len(seen[0]) // 4
+
+
+def test_one_rank_alone_trains_every_micro_batch_and_merges_with_itself(tmp_path):
+    """One rank (its process group's store holds the counter): every micro-batch, a merge every 2 x 1 of them."""
+    run = run_fit(tmp_path, "--devices", "1", *asynchronous_args(), "--samples", "32")
+    assert run.returncode == 0, run.output[-4000:]
+    assert run.result["seen"] == [list(range(32))]
+    assert [record["micro_batches"] for record in run.result["merges"][0]] == [2, 2, 2, 2]
