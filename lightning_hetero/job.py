@@ -225,7 +225,7 @@ class HeteroJob:
         split = self.split.batch_sizes if training else None
         loader = self.sharding.shard(dataloader, trainer, split, self.collectives, self.rank, listeners)
         if training and self.claims is not None:  # (asynchronous merges: each rank claims its micro-batches)
-            return self.claims.loader(loader, self.recovery.run, self.recovery.connect_to_store)
+            return self.claims.loader(loader, trainer, self.recovery.run, self.recovery.connect_to_store)
         if training:
             self.split.cut_by(loader)
         return loader
@@ -323,7 +323,8 @@ class HeteroJob:
         assert self.watcher is not None
         directory = self.report_directory or report_directory(trainer)
         sections = {"precision": plugin.summary() if isinstance(plugin, HeteroPrecision) else None,
-                    "communication": self.communication.summary(), "nonfinite": self.nonfinite.summary()}  # fmt: skip
+                    "communication": self.communication.summary(), "nonfinite": self.nonfinite.summary(),
+                    "asynchronous": self.claims.summary() if self.claims else None}  # fmt: skip
         self.watcher.write_report(directory, self.rank, self.world_size, **sections)
         published = publish_to_loggers(trainer, directory) if self.rank == 0 else []
         if published:

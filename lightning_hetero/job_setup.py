@@ -99,7 +99,8 @@ class JobSetup:
                 settings.check_fit(zero_stage=zero_stage, precision=precision, sync_batchnorm=self.sync_batchnorm,
                                    automatic_optimization=module.automatic_optimization,
                                    accumulate_grad_batches=trainer.accumulate_grad_batches)  # fmt: skip
-                refusal = describe_asynchronous_refusal(trainer, loader) if settings.asynchronous else None
+                refusal = describe_asynchronous_refusal(trainer, loader, module, job.world_size) \
+                    if settings.asynchronous else None  # fmt: skip
                 if refusal:
                     raise ValueError(refusal)
             profile = None

@@ -130,6 +130,9 @@ TRAINER_STATE = (
     Internal("lightning.pytorch.trainer.connectors.logger_connector.result", "_ResultCollection#batch_size",
              "patched", "strategy.py", "a metric logged in a micro-batch counts that micro-batch's samples in the"
              " epoch mean (Lightning would take the whole batch's)", "by Lightning at the next batch's start"),
+    Internal("lightning.pytorch.trainer.trainer", "Trainer()._val_check_time_interval", "read", "train/claims.py",
+             "a time-based `val_check_interval` (each rank's clock would validate it at its own step), which"
+             " asynchronous merges refuse; `trainer.val_check_interval` is not set then"),
     Internal("lightning.pytorch.callbacks.model_checkpoint", "ModelCheckpoint()._every_n_train_steps", "read",
              "train/claims.py", "a checkpoint every N training steps, which asynchronous merges refuse (the ranks'"
              " steps are not in step)"),

@@ -27,10 +27,12 @@ import time
 from collections.abc import Callable, Collection, Iterator
 from typing import Any, Optional
 
+from lightning.pytorch.callbacks import Timer
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch.utils.data import DataLoader, Sampler
 
 from lightning_hetero.plan.claims import claim_positions, claims_in_epoch, merges_due, merges_to_join
-from lightning_hetero.train.loaders import KEPT_LOADER_SETTINGS, HeteroDataLoader
+from lightning_hetero.train.loaders import KEPT_LOADER_SETTINGS, HeteroDataLoader, loader_batch_size
 from lightning_hetero.train.streams import HeteroStreamLoader
 
 # A client of the job's rendezvous store: ``add(key, amount) -> new value`` (TCPStore's).
@@ -60,10 +62,9 @@ class ClaimingBatchSampler(Sampler[list[int]]):
     yields are queued in :attr:`pending` (in order), for the loader to tell which claim each batch came from."""
 
     def __init__(self, order: Any, micro_batch: int, drop_last: bool, rank: int, world_size: int,
-                 counter: ClaimCounter) -> None:  # fmt: skip
+                 counter: ClaimCounter, epoch_of: Optional[Callable[[], int]] = None) -> None:  # fmt: skip
         self.sampler, self.micro_batch, self.drop_last = order, micro_batch, drop_last
-        self.rank, self.world_size, self.counter = rank, world_size, counter
-        self.start_claim = 0  # a resume at a merge inside the epoch: the claims before it are trained
+        self.rank, self.world_size, self.counter, self.epoch_of = rank, world_size, counter, epoch_of
         self.pending: collections.deque[int] = collections.deque()
 
     # (named `sampler` as a BatchSampler's is: Lightning's `_set_sampler_epoch` finds the order's set_epoch there)
@@ -75,15 +76,21 @@ class ClaimingBatchSampler(Sampler[list[int]]):
     def claims(self) -> int:
         return claims_in_epoch(len(self.sampler), self.micro_batch, self.drop_last)
 
+    def begin_epoch(self) -> None:
+        """Before an epoch's first batch: its number (``epoch_of``), which names its counter and seeds its order. (A
+        resumed fit reads ahead of a loader without a length before Lightning sets the epoch.)"""
+        if self.epoch_of is not None:
+            self.sampler.set_epoch(self.epoch_of())
+        self.pending.clear()
+
     def __iter__(self) -> Iterator[list[int]]:
         positions = list(iter(self.sampler))
-        total, start = self.claims(), self.start_claim
-        own = start + self.rank
-        if own < min(start + self.world_size, total):
-            self.pending.append(own)
-            yield [positions[p] for p in claim_positions(own, self.micro_batch, len(positions))]
+        total, epoch = self.claims(), self.epoch
+        if self.rank < min(self.world_size, total):
+            self.pending.append(self.rank)
+            yield [positions[p] for p in claim_positions(self.rank, self.micro_batch, len(positions))]
         while True:
-            claim = start + self.world_size + self.counter.take(self.epoch)
+            claim = self.world_size + self.counter.take(epoch)
             if claim >= total:
                 return
             self.pending.append(claim)
@@ -110,7 +117,7 @@ class ClaimingDataLoader(DataLoader):
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         # A generator: nothing runs until the first batch is asked for, after Lightning's `set_epoch`.
         sampler = self.claiming_sampler
-        sampler.pending.clear()
+        sampler.begin_epoch()
         self.on_start()
         received = 0
         for batch in super().__iter__():  # (batches come back in the order the sampler drew them)
@@ -137,7 +144,7 @@ class AsynchronousMerges:
         self.every_per_rank = sync_every
         self.every = sync_every * world_size  # claims between two merges
         self.world_size, self._taken, self._merge, self._link_clock = world_size, taken, merge, link_clock
-        self.epoch, self.claims, self.start_claim = 0, 0, 0
+        self.epoch, self.claims = 0, 0
         self.joined = 0  # merges of this epoch this rank joined
         self.trained = 0  # micro-batches this rank trained since the last merge
         self.finished = True  # the epoch's last merge is done
@@ -147,18 +154,16 @@ class AsynchronousMerges:
         # rank's mean seconds from one micro-batch to the next since the last merge (the loop's own time included)
         self.records: list[dict[str, Any]] = []
 
-    def epoch_starts(self, epoch: int, claims: int, start_claim: int = 0) -> None:
-        self.epoch, self.claims, self.start_claim = epoch, claims, start_claim
+    def epoch_starts(self, epoch: int, claims: int) -> None:
+        self.epoch, self.claims = epoch, claims
         self.joined, self.finished = 0, False
         self._since = time.perf_counter()
 
     def before_micro_batch(self, claim: int, held: Collection[int]) -> None:
         """Before this rank trains claim ``claim`` (``held``: every claim it drew and has not trained, ``claim``
         included): the merges it joins now (:func:`~lightning_hetero.plan.claims.merges_to_join`)."""
-        start = self.start_claim
-        drawn = self.world_size + self._taken(self.epoch)  # (relative to the start, as the claims below)
-        due = merges_to_join(claim - start, drawn, {c - start for c in held}, self.joined, self.every,
-                             self.claims - start)  # fmt: skip
+        drawn = self.world_size + self._taken(self.epoch)  # (each rank's own first claim, and the counter's)
+        due = merges_to_join(claim, drawn, held, self.joined, self.every, self.claims)
         for _ in range(due):
             self._run_merge()
             self.joined += 1
@@ -171,7 +176,7 @@ class AsynchronousMerges:
         epoch's last, so that every rank holds the same parameters."""
         if self.finished:
             return
-        remaining = merges_due(self.claims - self.start_claim, self.joined, self.every, self.claims - self.start_claim)
+        remaining = merges_due(self.claims, self.joined, self.every, self.claims)
         for _ in range(remaining + 1):
             self._run_merge()
         self.joined += remaining
@@ -187,40 +192,83 @@ class AsynchronousMerges:
         self.trained = 0
 
 
-def describe_asynchronous_refusal(trainer: Any, loader: Any) -> Optional[str]:
-    """Why a fit cannot merge asynchronously (None when it can): what needs the ranks' steps in step."""
-    if trainer.max_steps not in (-1, None):
+def merge_summary(records_by_rank: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """The run report's ``asynchronous`` section from every rank's merge records (the same merges on every rank):
+    each merge's micro-batches per rank and each rank's wait in it for the last to arrive (its time there less the
+    least any rank spent there: the exchange and the merge's work are every rank's), and per rank the totals. Every
+    contribution was trained from the last merged parameters: ``staleness`` is 0 merges."""
+    merges = [
+        {"epoch": same[0]["epoch"], "micro_batches": [record["micro_batches"] for record in same],
+         "wait_seconds": [record["seconds"] - min(r["seconds"] for r in same) for record in same]}
+        for same in zip(*records_by_rank)
+    ]  # fmt: skip
+    ranks = range(len(records_by_rank))
+    return {
+        "merges": len(merges),
+        "micro_batches": [sum(merge["micro_batches"][rank] for merge in merges) for rank in ranks],
+        "most_wait_seconds": [max((merge["wait_seconds"][rank] for merge in merges), default=0.0) for rank in ranks],
+        "staleness": 0,
+        "per_merge": merges,
+    }
+
+
+def describe_asynchronous_refusal(trainer: Any, loader: Any, module: Any, world_size: int) -> Optional[str]:
+    """Why a fit cannot merge asynchronously (None when it can): what needs the ranks' steps in step, or an epoch
+    too short to give every rank a micro-batch. Checked on every rank at setup, before any collective."""
+    mode = "with `sync_options['asynchronous']=True`: each rank takes as many steps as its speed allows, so"
+    if trainer.fast_dev_run:
         return (
-            f"`Trainer(max_steps={trainer.max_steps})` with `sync_options['asynchronous']=True`: each rank takes as"
-            " many steps as its speed allows, so a count of steps would stop the ranks at different places. Use"
-            " `max_epochs`."
+            f"`Trainer(fast_dev_run={trainer.fast_dev_run!r})` {mode} a count of steps would stop the ranks at"
+            " different places. Use `max_epochs=1` with a small dataset instead."
         )
-    for name in ("limit_train_batches", "val_check_interval"):
+    for name, unset in (("max_steps", -1), ("min_steps", None)):
         value = getattr(trainer, name)
-        if value not in (1.0, None) or isinstance(value, int) and not isinstance(value, bool) and value != 1:
+        if value not in (unset, None):
             return (
-                f"`Trainer({name}={value!r})` with `sync_options['asynchronous']=True`: each rank takes as many"
-                " micro-batches as its speed allows, so the ranks would stop (or validate) at different places. Keep"
+                f"`Trainer({name}={value})` {mode} a count of steps would stop the ranks at different places. Use"
+                " `max_epochs` / `min_epochs`."
+            )
+    # (a time-based `val_check_interval` leaves `trainer.val_check_interval` unset: Lightning keeps it apart)
+    timed = getattr(trainer, "_val_check_time_interval", None)
+    for name in ("limit_train_batches", "val_check_interval"):
+        value = getattr(trainer, name, None) if not (name == "val_check_interval" and timed) else f"{timed} s"
+        if value is not None and not (isinstance(value, float) and value == 1.0):  # (an int 1 is one batch)
+            return (
+                f"`Trainer({name}={value!r})` {mode} the ranks would stop (or validate) at different places. Keep"
                 f" the default ({name}=1.0: the whole epoch)."
             )
     for callback in trainer.callbacks:
-        if type(callback).__name__ == "Timer":  # (Lightning's, for `max_time`: it broadcasts rank 0's clock every step)
+        if isinstance(callback, Timer):  # (for `max_time`: it broadcasts rank 0's clock every step)
             return (
-                "`Trainer(max_time=...)` (Lightning's Timer) with `sync_options['asynchronous']=True`: the Timer"
-                " agrees on the time at every training step, and the ranks' steps are not in step. Use `max_epochs`."
+                f"`Trainer(max_time=...)` (Lightning's Timer) {mode} the Timer's agreement at every training step"
+                " would meet other calls. Use `max_epochs`."
             )
         every = getattr(callback, "_every_n_train_steps", 0) or getattr(callback, "_train_time_interval", None)
         if every:
             return (
-                f"`{type(callback).__name__}` saving every {every} training steps (or at a time interval) with"
-                " `sync_options['asynchronous']=True`: a checkpoint needs every rank at the same place, which an"
-                " epoch's end is. Save at epoch ends (`every_n_epochs`)."
+                f"`{type(callback).__name__}` saving every {every} training steps (or at a time interval) {mode} the"
+                " ranks are not at the same place then; an epoch's end is. Save at epoch ends (`every_n_epochs`)."
             )
-    if isinstance(loader, DataLoader) and getattr(loader, "in_order", True) is False:
+    if module is not None and is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True):
         return (
-            "A training loader with `in_order=False` with `sync_options['asynchronous']=True`: the claims need the"
-            " batches back in the order they were drawn. Drop `in_order=False`."
+            f"`training_step(self, dataloader_iter)` {mode} the strategy must hand each step its micro-batch (and know"
+            " the epoch's last). Take the batch as `training_step(self, batch, batch_idx)`."
         )
+    if isinstance(loader, DataLoader):
+        if getattr(loader, "in_order", True) is False:
+            return (
+                "A training loader with `in_order=False` with `sync_options['asynchronous']=True`: the claims need the"
+                " batches back in the order they were drawn. Drop `in_order=False`."
+            )
+        size, sampler = loader_batch_size(loader), getattr(loader.batch_sampler, "sampler", None)
+        drop_last = bool(getattr(loader.batch_sampler, "drop_last", False))
+        claims = claims_in_epoch(len(sampler), size, drop_last) if size and sampler is not None else world_size
+        if claims < world_size:
+            return (
+                f"The training loader gives {claims} micro-batches of {size} an epoch {mode} each of the {world_size}"
+                " ranks needs one at least (its first, so that every rank logs and validates alike). Use more samples"
+                " or a smaller batch size."
+            )
     return None
 
 
@@ -236,8 +284,9 @@ class AsynchronousTraining:
         self._handed: collections.deque[int] = collections.deque()
         self._sampler: Optional[ClaimingBatchSampler] = None
         self._store: Any = None
+        self._run = ""  # the trainer call whose loader claims (liveness.run_id)
 
-    def loader(self, hetero_loader: Any, run: str, connect: Callable[[], Any]) -> ClaimingDataLoader:
+    def loader(self, hetero_loader: Any, trainer: Any, run: str, connect: Callable[[], Any]) -> ClaimingDataLoader:
         """The training loader rebuilt to claim its micro-batches (``hetero_loader``: the strategy's, whose order,
         settings and checks it keeps; ``connect`` opens a client of the job's store)."""
         job = self._job
@@ -245,12 +294,17 @@ class AsynchronousTraining:
         if self._store is None:
             self._store = connect()
         counter = ClaimCounter(self._store.add, run)
+        records = self.merges.records if run == self._run else []  # (a loader reloaded in the same fit keeps them)
+        self._run = run
         self.merges = AsynchronousMerges(self.merges.every_per_rank, job.world_size, counter.taken, self._merge,
                                          lambda: job.local.link_wait_seconds)  # fmt: skip
+        self.merges.records = records
         micro_batch = job.split.batch_sizes[job.rank]  # (the loader's batch size: one inner step a training step)
+        # The epoch: the number Lightning gives set_epoch (the epochs processed), right also before it restored a
+        # resumed fit's epoch into `current_epoch`
         sampler = ClaimingBatchSampler(hetero_loader.hetero_batch_sampler.sampler, micro_batch,
                                        hetero_loader.hetero_batch_sampler.drop_last, job.rank, job.world_size,
-                                       counter)  # fmt: skip
+                                       counter, lambda: trainer.fit_loop.epoch_progress.current.processed)  # fmt: skip
         self._sampler = sampler
         settings = {key: getattr(hetero_loader, key) for key in KEPT_LOADER_SETTINGS if hasattr(hetero_loader, key)}
         if settings.get("num_workers", 0) == 0:
@@ -258,11 +312,15 @@ class AsynchronousTraining:
             settings.pop("persistent_workers", None)
 
         def on_start() -> None:
-            self.merges.epoch_starts(sampler.epoch, sampler.claims(), sampler.start_claim)
+            self.merges.epoch_starts(sampler.epoch, sampler.claims())
 
         return ClaimingDataLoader(
             hetero_loader.dataset, sampler, on_start, self._handed.append, self.merges.epoch_ends, **settings
         )
+
+    def summary(self) -> dict[str, Any]:
+        """Every rank's merge records gathered (a collective: every rank calls it), summarized for the run report."""
+        return merge_summary(self._job.collectives.gather_objects(self.merges.records))
 
     def step_starts(self) -> None:
         """Before this rank trains its next micro-batch: the step's measurement opens, then the merges that are due
@@ -291,6 +349,9 @@ class AsynchronousTraining:
         """One merge, the same collectives on every rank: the local training's synchronization (a rank that trained
         nothing since the last contributes nothing), rank 0's buffers, and the agreement on a stop (SIGTERM)."""
         job = self._job
+        # (between merges no longer: an agreed stop below raises into the checkpoint on exit, whose collectives run
+        # on every rank at this same merge; the next step sets it again)
+        job.micro_batch_guard.between_merges = False
         job.collectives.before_each()
         with job.communication.counting():
             job.local.synchronize(job.collectives.reduce_in_place, job.collectives.gather_tensor, [0])

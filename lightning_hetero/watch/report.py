@@ -114,9 +114,11 @@ def build_report(
     precision: Optional[dict[str, Any]] = None,
     communication: Optional[dict[str, Any]] = None,
     nonfinite: Optional[dict[str, Any]] = None,
+    asynchronous: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """The run report; ``exchange_seconds`` (rank 0's time exchanging records) gives the measuring cost;
-    ``nonfinite`` the optimizer steps skipped for non-finite gradients (see :mod:`~.precision.nonfinite`)."""
+    ``nonfinite`` the optimizer steps skipped for non-finite gradients (see :mod:`~.precision.nonfinite`);
+    ``asynchronous`` the merges by speed (see :func:`~.train.claims.merge_summary`)."""
     built: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "world_size": world_size,
@@ -131,6 +133,8 @@ def build_report(
         built["precision"] = precision
     if communication is not None:
         built["communication"] = {**communication, **wire_summary(steps)}
+    if asynchronous is not None:
+        built["asynchronous"] = asynchronous
     return built
 
 
@@ -212,15 +216,26 @@ def summary_text(report: dict[str, Any]) -> str:
         + _skipped_text(report.get("nonfinite"))
         + _precision_text(report.get("precision"))
         + _communication_text(report.get("communication"))
+        + _asynchronous_text(report.get("asynchronous"))
     )
 
 
 def _micro_steps_text(steps: list[dict[str, Any]]) -> str:
     """The ranks that took their samples in several micro-batches, at the end of the fit."""
     last = steps[-1].get("micro_steps") if steps else None
-    if not last or all(k == 1 for k in last):
+    if not last or all(k <= 1 for k in last):  # (0: a rank padded with empty steps, asynchronous merges)
         return ""
     return f"; micro-steps per rank at the end {last}"
+
+
+def _asynchronous_text(merges: Optional[dict[str, Any]]) -> str:
+    if not merges:
+        return ""
+    waits = ", ".join(f"{wait * 1e3:.0f} ms" for wait in merges["most_wait_seconds"])
+    return (
+        f"; asynchronous merges: {merges['merges']} merges, micro-batches per rank {merges['micro_batches']}, the most"
+        f" a rank waited in one for the last to arrive {waits}"
+    )
 
 
 def _link_wait_text(summary: dict[str, Any]) -> str:

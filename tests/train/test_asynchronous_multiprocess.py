@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 sys.path.insert(0, str(Path(__file__).parents[1]))
 
 from common import IndexedRegression, batch_loss, make_network, max_param_difference  # noqa: E402
-from conftest import run_fit  # noqa: E402
+from conftest import run_fit, sigterm_mid_training  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
@@ -97,6 +97,11 @@ def test_the_fast_rank_trains_what_it_has_time_for_every_sample_once_and_diloco_
     # The report holds every rank's steps, padded where a rank took fewer: every sample is counted once.
     assert sum(sum(step["batch_sizes"]) for step in report["steps"]) == 128
     assert len(report["steps"]) == len(seen[0]) // 4
+    merged = report["asynchronous"]  # each rank's contributions, merge by merge, and its waits
+    assert merged["merges"] == 8 and merged["micro_batches"] == [len(s) // 4 for s in seen]
+    assert [m["micro_batches"] for m in merged["per_merge"]] == [list(pair) for pair in zip(*(
+        [r["micro_batches"] for r in records] for records in merges))]  # fmt: skip
+    assert "asynchronous merges: 8 merges, micro-batches per rank" in run.output
 
 
 def test_one_rank_alone_trains_every_micro_batch_and_merges_with_itself(tmp_path):
@@ -105,3 +110,51 @@ def test_one_rank_alone_trains_every_micro_batch_and_merges_with_itself(tmp_path
     assert run.returncode == 0, run.output[-4000:]
     assert run.result["seen"] == [list(range(32))]
     assert [record["micro_batches"] for record in run.result["merges"][0]] == [2, 2, 2, 2]
+
+
+@pytest.mark.fault
+def test_a_sigterm_stops_every_rank_at_the_next_merge_with_a_checkpoint_whose_resume_redoes_that_epoch(tmp_path):
+    """SIGTERM to the slow rank mid-training: the ranks agree at the next merge (not at a step), save last.ckpt with
+    one model and exit 143; the resume trains the interrupted epoch again from its start, every sample once."""
+    from lightning_hetero.recover import checkpoint
+    from lightning_hetero.recover.stopping import EXIT_CODE_INTERRUPTED
+
+    common = [*asynchronous_args(), "--samples", "160", "--emulate-speeds", "1.0", "0.25", "--record-steps"]
+    command = [sys.executable, str(Path(__file__).parents[1] / "workers" / "fit.py"), "--out", str(tmp_path), *common,
+               "--max-epochs", "100000", "--signal-test"]  # fmt: skip
+    returncode, output, codes = sigterm_mid_training(command, tmp_path, 1, 2)
+    assert codes.get(1) == str(EXIT_CODE_INTERRUPTED), (codes, output[-3000:])
+    assert codes.get(0, str(EXIT_CODE_INTERRUPTED)) == str(EXIT_CODE_INTERRUPTED), codes
+    (last,) = tmp_path.rglob("last.ckpt")
+    assert checkpoint.incompleteness(last) is None, output[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    epoch = max(r["epoch"] for r in records)  # the epoch the signal interrupted
+    resumed = run_fit(tmp_path / "resume", *common, "--max-epochs", str(epoch + 1), "--ckpt-path", str(last))
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    again = [json.loads(line) for line in (tmp_path / "resume" / "steps.jsonl").read_text().splitlines()]
+    assert {r["epoch"] for r in again} == {epoch}
+    assert sorted(i for r in again for i in r["indices"]) == list(range(160))  # that epoch again, each sample once
+
+
+def test_a_resume_from_an_epochs_end_trains_the_next_epoch_in_its_own_order(tmp_path):
+    """A fit resumed after epoch 0 (Lightning reads ahead of a loader without a length before it sets the epoch)
+    trains epoch 1 in epoch 1's shuffled order, each sample once, as the uninterrupted fit does."""
+
+    def steps(folder: Path) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in (folder / "steps.jsonl").read_text().splitlines()]
+
+    common = [*asynchronous_args(), "--samples", "64", "--shuffle", "--record-steps"]
+    whole = run_fit(tmp_path / "whole", *common, "--max-epochs", "2")
+    first = run_fit(tmp_path / "first", *common, "--max-epochs", "1")
+    assert whole.returncode == 0 and first.returncode == 0, (whole.output + first.output)[-4000:]
+    saved = min((tmp_path / "first").rglob("*.ckpt"), key=lambda path: len(path.parts))  # the epoch's end
+    resumed = run_fit(tmp_path / "resumed", *common, "--max-epochs", "2", "--ckpt-path", str(saved))
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    again = steps(tmp_path / "resumed")
+    assert {r["epoch"] for r in again} == {1} and sorted(i for r in again for i in r["indices"]) == list(range(64))
+    assert [r["epoch"] for r in resumed.result["merges"][0]] == [1] * 4  # its counter and merges are epoch 1's
+
+    def first_of(records: list[dict[str, Any]], rank: int) -> list[int]:  # a rank's own first claim of epoch 1
+        return next(r["indices"] for r in records if r["rank"] == rank and r["epoch"] == 1)
+
+    assert [first_of(again, rank) for rank in (0, 1)] == [first_of(steps(tmp_path / "whole"), rank) for rank in (0, 1)]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from lightning_hetero.train.claims import (
     ClaimCounter,
     ClaimingBatchSampler,
     describe_asynchronous_refusal,
+    merge_summary,
 )
 from lightning_hetero.train.micro_batches import MicroBatchGuard
 from lightning_hetero.train.order import GlobalOrder
@@ -221,29 +221,50 @@ def test_every_step_training_refuses_the_asynchronous_option():
         HeteroStrategy(sync_options={"asynchronous": True})
 
 
-def make_trainer(**overrides):
-    settings = {"max_steps": -1, "limit_train_batches": 1.0, "val_check_interval": 1.0, "callbacks": []}
-    return SimpleNamespace(**{**settings, **overrides})
+def refusal(loader=None, module=None, world_size=2, **trainer_arguments):
+    from lightning.pytorch import Trainer
+
+    trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, **trainer_arguments)
+    return describe_asynchronous_refusal(trainer, loader, module, world_size)
 
 
-def test_a_fit_that_needs_the_ranks_in_step_is_refused_by_name():
+@pytest.mark.parametrize(
+    ("arguments", "named"),
+    [
+        ({"max_steps": 100}, "`Trainer(max_steps=100)`"),
+        ({"min_steps": 10}, "`Trainer(min_steps=10)`"),
+        ({"fast_dev_run": True}, "`Trainer(fast_dev_run=True)`"),
+        ({"limit_train_batches": 0.5}, "`Trainer(limit_train_batches=0.5)`"),
+        ({"limit_train_batches": 1}, "`Trainer(limit_train_batches=1)`"),  # (an int: one batch an epoch)
+        ({"limit_train_batches": 10}, "`Trainer(limit_train_batches=10)`"),
+        ({"val_check_interval": 1}, "`Trainer(val_check_interval=1)`"),  # (validation after every batch)
+        ({"val_check_interval": 100}, "`Trainer(val_check_interval=100)`"),
+        ({"val_check_interval": "00:00:01:00"}, "`Trainer(val_check_interval='60.0 s')`"),
+        ({"max_time": "00:01:00:00"}, "`Trainer(max_time=...)`"),
+    ],
+)
+def test_a_fit_that_needs_the_ranks_in_step_is_refused_by_name(arguments, named):
+    assert named in refusal(**arguments)
+
+
+def test_epoch_end_checkpoints_and_a_long_enough_epoch_are_accepted_and_the_rest_refused_by_name():
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader
 
-    assert describe_asynchronous_refusal(make_trainer(), None) is None
-    assert "max_steps=100" in describe_asynchronous_refusal(make_trainer(max_steps=100), None)
-    assert "limit_train_batches=0.5" in describe_asynchronous_refusal(make_trainer(limit_train_batches=0.5), None)
-    assert "limit_train_batches=10" in describe_asynchronous_refusal(make_trainer(limit_train_batches=10), None)
-    assert "val_check_interval=100" in describe_asynchronous_refusal(make_trainer(val_check_interval=100), None)
-    every = make_trainer(callbacks=[ModelCheckpoint(every_n_train_steps=5)])
-    assert "every 5 training steps" in describe_asynchronous_refusal(every, None)
-    assert describe_asynchronous_refusal(make_trainer(callbacks=[ModelCheckpoint(every_n_epochs=1)]), None) is None
-    from lightning.pytorch.callbacks import Timer
-
-    assert "max_time" in describe_asynchronous_refusal(make_trainer(callbacks=[Timer(duration="00:01:00:00")]), None)
+    assert refusal(enable_checkpointing=False) is None
+    assert refusal(callbacks=[ModelCheckpoint(every_n_epochs=1)]) is None
+    assert "every 5 training steps" in refusal(callbacks=[ModelCheckpoint(every_n_train_steps=5)])
     loader = DataLoader(range(8), batch_size=2)
+    assert refusal(loader=loader, world_size=4) is None  # 4 micro-batches for 4 ranks
+    assert "gives 4 micro-batches of 2 an epoch" in refusal(loader=loader, world_size=5)
     loader.in_order = False
-    assert "in_order=False" in describe_asynchronous_refusal(make_trainer(), loader)
+    assert "in_order=False" in refusal(loader=loader)
+
+    class IteratorStep:
+        def training_step(self, dataloader_iter):
+            return None
+
+    assert "`training_step(self, dataloader_iter)`" in refusal(module=IteratorStep())
 
 
 def test_between_merges_a_step_reduces_nothing_and_refuses_the_users_collectives():
@@ -259,24 +280,34 @@ def test_between_merges_a_step_reduces_nothing_and_refuses_the_users_collectives
 def test_the_records_of_ranks_with_different_step_counts_are_exchanged_once_padded():
     clock = [0.0]
     watch = RunWatch(StepMeter(lambda: clock[0], lambda: 0.0, lambda: clock[0]), window=0)
-    gathers = []
+    sent = []
 
-    def all_gather(packed):  # two ranks: this one took 3 steps, the other one 1
-        gathers.append(packed.shape[0])
+    def all_gather(packed):  # two ranks: this one took 1 step, the other one 3 (5 samples each)
+        sent.append(packed.clone())
         if packed.shape == (1, 9):  # the counts first
-            return [packed, torch.full_like(packed, 1.0)]
-        other = torch.zeros_like(packed)
-        other[:, 0] = torch.arange(len(packed), dtype=packed.dtype)
-        other[0, 1] = 5  # its one step: 5 samples
+            return [packed, torch.full_like(packed, 3.0)]
+        other = torch.zeros(3, 9, dtype=packed.dtype)
+        other[:, 0] = torch.arange(3, dtype=packed.dtype)
+        other[:, 1] = 5
         return [packed, other]
 
-    exchanged = []
-    for _ in range(3):
-        exchanged.append(watch.before_fetch(all_gather))
-        watch.meter.batch_ready(4)
-        clock[0] += 0.001
-        watch.meter.backward_ended()
+    assert watch.before_fetch(all_gather) is False  # window 0: never an exchange inside the fit
+    watch.meter.batch_ready(4)
+    clock[0] += 0.001
+    watch.meter.backward_ended()
     steps = watch.finish(all_gather)
-    assert exchanged == [False] * 3  # window 0: never inside the fit
-    assert gathers == [1, 3]  # the counts, then the records padded to the most steps
-    assert [step["batch_sizes"] for step in steps] == [[4, 5], [4, 0], [4, 0]]
+    assert [tuple(t.shape) for t in sent] == [(1, 9), (3, 9)]  # the counts, then this rank's records padded to 3
+    assert sent[1][1:, 1].tolist() == [0.0, 0.0] and sent[1][:, 0].tolist() == [0.0, 1.0, 2.0]  # empty, numbered
+    assert [step["batch_sizes"] for step in steps] == [[4, 5], [0, 5], [0, 5]]
+
+
+def test_the_reports_section_gives_each_merges_contributions_and_each_ranks_wait_for_the_last_to_arrive():
+    records = [
+        [{"epoch": 0, "micro_batches": 6, "seconds": 0.30}, {"epoch": 0, "micro_batches": 7, "seconds": 0.10}],
+        [{"epoch": 0, "micro_batches": 2, "seconds": 0.10}, {"epoch": 0, "micro_batches": 1, "seconds": 0.25}],
+    ]
+    summary = merge_summary(records)
+    assert summary["merges"] == 2 and summary["micro_batches"] == [13, 3] and summary["staleness"] == 0
+    assert summary["most_wait_seconds"] == [pytest.approx(0.20), pytest.approx(0.15)]
+    assert summary["per_merge"][1]["micro_batches"] == [7, 1]
+    assert summary["per_merge"][0]["wait_seconds"] == [pytest.approx(0.20), 0.0]
