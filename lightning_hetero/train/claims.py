@@ -12,12 +12,14 @@ another between merges, and a rank that is slow contributes what it has:
   buffers) or stay on the rank (a ``sync_dist`` value logged in ``training_step`` is the rank's own; epoch values
   are reduced across ranks at the epoch's end as before).
 - **Merges.** Merge ``m`` falls at claim ``m * sync_every * world_size`` (as many samples between merges as the
-  synchronous modes with one inner step per rank). Before training a micro-batch each rank reads the counter and joins
-  every merge whose claim has been drawn: the merge's collectives wait for the last rank to finish the micro-batch it
-  is in, no more. Each rank's progress is weighted by the samples it trained since the last merge (one all-reduce of
-  the counts, as in the synchronous merge), so a rank that slowed contributes fewer samples, not stale ones: every
-  rank trained from the same merged parameters. The epoch's end merges what is left, so validation and checkpoints
-  see one model.
+  synchronous modes with one inner step per rank), and no rank trains that claim or a later one before the merge.
+  Before training a micro-batch each rank reads the counter: it joins a merge whose claim another rank drew at once,
+  and one whose claim it drew itself when it reaches it (:func:`~lightning_hetero.plan.claims.merges_to_join`). So
+  the merge's collectives wait for the last rank to finish the micro-batch it is in, no more (at an epoch's end, also
+  the one Lightning read ahead for it). Each rank's progress is weighted by the samples it trained since the last
+  merge (one all-reduce of the counts, as in the synchronous merge), so a rank that slowed contributes fewer samples,
+  not stale ones: every rank trained from the same merged parameters. The epoch's end merges what is left, so
+  validation and checkpoints see one model.
 """
 
 from __future__ import annotations
@@ -101,8 +103,8 @@ class ClaimingDataLoader(DataLoader):
     """The user's loader settings over a :class:`ClaimingBatchSampler`. It has no length (each rank's count of
     micro-batches is known only at the epoch's end), so Lightning ends the epoch when it is exhausted and validates
     then. ``on_start()`` is told when an epoch's first batch is asked for, ``on_batch(claim)`` the claim of each batch
-    as the loop receives it, ``on_empty()`` when an epoch ends before this rank received any (an epoch of
-    fewer micro-batches than ranks: it still joins the merges)."""
+    as the loop receives it, ``on_empty()`` when an epoch ends before this rank received any (it still joins
+    the merges; the setup refuses an epoch of fewer micro-batches than ranks, so every rank has its own first)."""
 
     def __init__(self, dataset: Any, batch_sampler: ClaimingBatchSampler, on_start: Callable[[], None],
                  on_batch: Callable[[int], None], on_empty: Callable[[], None],
@@ -115,7 +117,8 @@ class ClaimingDataLoader(DataLoader):
         return self.batch_sampler  # type: ignore[return-value]
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        # A generator: nothing runs until the first batch is asked for, after Lightning's `set_epoch`.
+        # A generator: nothing runs until the first batch is asked for. The epoch is begin_epoch's: a resumed fit asks
+        # for it before Lightning's `set_epoch`.
         sampler = self.claiming_sampler
         sampler.begin_epoch()
         self.on_start()
