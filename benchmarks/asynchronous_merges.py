@@ -40,6 +40,8 @@ sys.path.insert(0, str(HERE))
 
 from local_sgd import MICRO_BATCH, SPEEDS, TRAIN_SAMPLES, launch  # noqa: E402
 
+from lightning_hetero.train.claims import merge_summary  # noqa: E402
+
 DEFAULT_OUT = HERE / "results" / "asynchronous_merges.json"
 SYNC_EVERY = 8
 DRIFT_AFTER = 110  # rank 1's micro-batches before it slows down
@@ -92,13 +94,13 @@ def after_the_drift(merges: list[list[dict[str, Any]]]) -> list[int]:
 
 
 def asynchronous_waits(merges: list[list[dict[str, Any]]], epoch_ends: bool = False) -> list[float]:
-    """Each rank's wait in each merge after the drift for the last rank to reach it: its time in the merge less the
-    least any rank spent in it (the last to arrive waits for nobody; the exchange and the merge's work are common).
-    The merges inside the epochs, or (``epoch_ends``) each epoch's last."""
-    records = merges[0]
-    last = {record["epoch"]: index for index, record in enumerate(records)}  # each epoch's last merge
-    after = [i for i in after_the_drift(merges) if (i == last[records[i]["epoch"]]) == epoch_ends]
-    return [ranks[i]["seconds"] - min(other[i]["seconds"] for other in merges) for ranks in merges for i in after]
+    """Each rank's wait in each merge after the drift for the last rank to reach it (the run report's: its time in
+    the merge less the least any rank spent in it, :func:`lightning_hetero.train.claims.merge_summary`). The merges
+    inside the epochs, or (``epoch_ends``) each epoch's last."""
+    per_merge = merge_summary(merges)["per_merge"]
+    last = {merge["epoch"]: index for index, merge in enumerate(per_merge)}  # each epoch's last merge
+    after = [i for i in after_the_drift(merges) if (i == last[per_merge[i]["epoch"]]) == epoch_ends]
+    return [wait for i in after for wait in per_merge[i]["wait_seconds"]]
 
 
 def slow_cycle_seconds(merges: list[list[dict[str, Any]]]) -> Optional[float]:

@@ -34,7 +34,7 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from torch.utils.data import DataLoader, Sampler
 
 from lightning_hetero.plan.claims import claim_positions, claims_in_epoch, merges_due, merges_to_join
-from lightning_hetero.train.loaders import KEPT_LOADER_SETTINGS, HeteroDataLoader, loader_batch_size
+from lightning_hetero.train.loaders import HeteroDataLoader, kept_loader_settings, loader_batch_size
 from lightning_hetero.train.streams import HeteroStreamLoader
 
 # A client of the job's rendezvous store: ``add(key, amount) -> new value`` (TCPStore's).
@@ -144,7 +144,6 @@ class AsynchronousMerges:
 
     def __init__(self, sync_every: int, world_size: int, taken: Callable[[int], int], merge: Callable[[], None],
                  link_clock: Callable[[], float] = lambda: 0.0) -> None:  # fmt: skip
-        self.every_per_rank = sync_every
         self.every = sync_every * world_size  # claims between two merges
         self.world_size, self._taken, self._merge, self._link_clock = world_size, taken, merge, link_clock
         self.epoch, self.claims = 0, 0
@@ -280,7 +279,7 @@ class AsynchronousTraining:
     and what stays on the rank meanwhile (``job``: the :class:`~lightning_hetero.job.HeteroJob`)."""
 
     def __init__(self, job: Any, sync_every: int) -> None:
-        self._job = job
+        self._job, self._sync_every = job, sync_every
         self.merges = AsynchronousMerges(sync_every, 1, lambda epoch: 0, self._merge)
         # The claims of the batches handed to the loop and not yet trained (Lightning draws one a step ahead of an
         # unsized loader, so a step's counts are taken when it starts, as for a stream)
@@ -299,7 +298,7 @@ class AsynchronousTraining:
         counter = ClaimCounter(self._store.add, run)
         records = self.merges.records if run == self._run else []  # (a loader reloaded in the same fit keeps them)
         self._run = run
-        self.merges = AsynchronousMerges(self.merges.every_per_rank, job.world_size, counter.taken, self._merge,
+        self.merges = AsynchronousMerges(self._sync_every, job.world_size, counter.taken, self._merge,
                                          lambda: job.local.link_wait_seconds)  # fmt: skip
         self.merges.records = records
         micro_batch = job.split.batch_sizes[job.rank]  # (the loader's batch size: one inner step a training step)
@@ -309,16 +308,17 @@ class AsynchronousTraining:
                                        hetero_loader.hetero_batch_sampler.drop_last, job.rank, job.world_size,
                                        counter, lambda: trainer.fit_loop.epoch_progress.current.processed)  # fmt: skip
         self._sampler = sampler
-        settings = {key: getattr(hetero_loader, key) for key in KEPT_LOADER_SETTINGS if hasattr(hetero_loader, key)}
-        if settings.get("num_workers", 0) == 0:
-            settings.pop("prefetch_factor", None)
-            settings.pop("persistent_workers", None)
 
         def on_start() -> None:
             self.merges.epoch_starts(sampler.epoch, sampler.claims())
 
         return ClaimingDataLoader(
-            hetero_loader.dataset, sampler, on_start, self._handed.append, self.merges.epoch_ends, **settings
+            hetero_loader.dataset,
+            sampler,
+            on_start,
+            self._handed.append,
+            self.merges.epoch_ends,
+            **kept_loader_settings(hetero_loader),
         )
 
     def summary(self) -> dict[str, Any]:

@@ -146,7 +146,7 @@ class HeteroDataLoader(DataLoader):
 
 
 # DataLoader arguments carried over from the user's loader (everything except how batches are formed).
-KEPT_LOADER_SETTINGS = (
+_KEPT_LOADER_SETTINGS = (
     "num_workers",
     "collate_fn",
     "pin_memory",
@@ -271,12 +271,18 @@ def rebuild_loader(
     batch_sampler = HeteroBatchSampler(
         GlobalOrder(user_batch_sampler.sampler, seed, pad_to), batch_sizes, rank, drop_last=drop_last
     )
-    kwargs = {key: getattr(dataloader, key) for key in KEPT_LOADER_SETTINGS if hasattr(dataloader, key)}
+    return HeteroDataLoader(dataloader.dataset, batch_sampler, on_batch=on_batch, on_fetch=on_fetch,
+                            **kept_loader_settings(dataloader))  # fmt: skip
+
+
+def kept_loader_settings(dataloader: DataLoader) -> dict[str, Any]:
+    """The user's DataLoader arguments a rebuilt loader keeps (all but how batches are formed)."""
+    kwargs = {key: getattr(dataloader, key) for key in _KEPT_LOADER_SETTINGS if hasattr(dataloader, key)}
     if kwargs.get("num_workers", 0) == 0:
         # DataLoader refuses these with no workers, even at their defaults.
         kwargs.pop("prefetch_factor", None)
         kwargs.pop("persistent_workers", None)
-    return HeteroDataLoader(dataloader.dataset, batch_sampler, on_batch=on_batch, on_fetch=on_fetch, **kwargs)
+    return kwargs
 
 
 def describe_order(loader: HeteroDataLoader) -> dict[str, Any]:
