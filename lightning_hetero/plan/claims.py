@@ -6,12 +6,13 @@ least one micro-batch an epoch); the others are taken from a counter that every 
 next micro-batch, so a faster rank takes more of them and every claim is trained once. Merge ``m`` (m >= 1) falls at
 claim ``m * every``: no rank trains that claim or a later one before the merge (:func:`merges_to_join`), and each
 rank joins it as soon as it can, so a rank waits at most for the micro-batch another rank is in. The epoch's end
-merges what is left.
+merges what is left; near it a slower rank leaves the last claims to the faster ones (:func:`leaves_the_rest`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
+from typing import Optional
 
 
 def claims_in_epoch(num_samples: int, micro_batch: int, drop_last: bool) -> int:
@@ -59,3 +60,24 @@ def merges_to_join(current: int, drawn: int, held: Collection[int], joined: int,
 def merges_in_epoch(every: int, claims: int) -> int:
     """The merges inside an epoch of ``claims`` micro-batches (the epoch's end merges once more)."""
     return merges_due(claims, 0, every, claims)
+
+
+def others_per_micro_batch(draws: Sequence[int]) -> Optional[float]:
+    """How many claims the other ranks draw while this rank trains one micro-batch: ``draws`` are this rank's last
+    draws from the counter, in order, one as it starts each micro-batch (when Lightning reads the next batch ahead).
+    None before two draws."""
+    if len(draws) < 2:
+        return None
+    return (draws[-1] - draws[0] - (len(draws) - 1)) / (len(draws) - 1)
+
+
+def leaves_the_rest(remaining: int, others_rate: Optional[float], others: int) -> bool:
+    """Whether a rank, as it starts a micro-batch, draws no more claims of the epoch and leaves the ``remaining``
+    undrawn ones to the ``others`` ranks (who draw ``others_rate`` claims a micro-batch of its,
+    :func:`others_per_micro_batch`, and hold one drawn ahead each).
+
+    Drawing one, it would hold it while it trains the one it starts (Lightning reads a batch ahead) and end the epoch
+    two of its micro-batches from now, the others waiting for it at the epoch's last merge. Leaving, it ends one
+    from now and the others end when they have trained the rest and what they hold. When they do that within two of
+    its micro-batches, the epoch ends no later, and no rank waits for another longer than one of the slower's."""
+    return others_rate is not None and 0 < remaining and remaining + others <= 2 * others_rate

@@ -15,11 +15,12 @@ another between merges, and a rank that is slow contributes what it has:
   synchronous modes with one inner step per rank), and no rank trains that claim or a later one before the merge.
   Before training a micro-batch each rank reads the counter: it joins a merge whose claim another rank drew at once,
   and one whose claim it drew itself when it reaches it (:func:`~lightning_hetero.plan.claims.merges_to_join`). So
-  the merge's collectives wait for the last rank to finish the micro-batch it is in, no more (at an epoch's end, also
-  the one Lightning read ahead for it). Each rank's progress is weighted by the samples it trained since the last
-  merge (one all-reduce of the counts, as in the synchronous merge), so a rank that slowed contributes fewer samples,
-  not stale ones: every rank trained from the same merged parameters. The epoch's end merges what is left, so
-  validation and checkpoints see one model.
+  the merge's collectives wait for the last rank to finish the micro-batch it is in, no more (at an epoch's end a
+  slower rank leaves the last claims to faster ones, :func:`~lightning_hetero.plan.claims.leaves_the_rest`, or it
+  would also hold the one Lightning read ahead for it). Each rank's progress is weighted by the samples it trained
+  since the last merge (one all-reduce of the counts), so a rank that slowed contributes fewer samples, not stale
+  ones: every rank trained from the same merged parameters. The epoch's end merges what is left, so validation and
+  checkpoints see one model.
 """
 
 from __future__ import annotations
@@ -33,12 +34,20 @@ from lightning.pytorch.callbacks import Timer
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch.utils.data import DataLoader, Sampler
 
-from lightning_hetero.plan.claims import claim_positions, claims_in_epoch, merges_due, merges_to_join
+from lightning_hetero.plan.claims import (
+    claim_positions,
+    claims_in_epoch,
+    leaves_the_rest,
+    merges_due,
+    merges_to_join,
+    others_per_micro_batch,
+)
 from lightning_hetero.train.loaders import HeteroDataLoader, kept_loader_settings, loader_batch_size
 from lightning_hetero.train.streams import HeteroStreamLoader
 
 # A client of the job's rendezvous store: ``add(key, amount) -> new value`` (TCPStore's).
 StoreAdd = Callable[[str, int], int]
+RATE_DRAWS = 5  # a rank's last draws that measure how fast the others draw (four of its micro-batches)
 
 
 class ClaimCounter:
@@ -57,6 +66,11 @@ class ClaimCounter:
     def taken(self, epoch: int) -> int:
         """How many dynamic draws of ``epoch`` have been taken by any rank."""
         return self._add(self._key(epoch), 0)
+
+    def leave(self, epoch: int, world_size: int) -> bool:
+        """Whether this rank may draw no more claims of ``epoch``: granted to every rank but the last to ask, so that
+        one rank always draws to the end and every claim is trained."""
+        return self._add(f"{self._key(epoch)}/left", 1) < world_size
 
 
 class ClaimingBatchSampler(Sampler[list[int]]):
@@ -91,12 +105,27 @@ class ClaimingBatchSampler(Sampler[list[int]]):
         if self.rank < min(self.world_size, total):
             self.pending.append(self.rank)
             yield [positions[p] for p in claim_positions(self.rank, self.micro_batch, len(positions))]
+        draws: list[int] = []  # (this rank's last draws from the counter)
+        to_the_end = False  # (refused leave: the last rank to ask draws every claim left)
         while True:
+            if not to_the_end and self._would_leave_the_rest(draws, total, epoch):
+                if self.counter.leave(epoch, self.world_size):
+                    return
+                to_the_end = True
             claim = self.world_size + self.counter.take(epoch)
+            draws = [*draws[1 - RATE_DRAWS :], claim]
             if claim >= total:
                 return
             self.pending.append(claim)
             yield [positions[p] for p in claim_positions(claim, self.micro_batch, len(positions))]
+
+    def _would_leave_the_rest(self, draws: list[int], total: int, epoch: int) -> bool:
+        """:func:`~lightning_hetero.plan.claims.leaves_the_rest` for the claims left undrawn, read from the counter
+        (a round trip) near the epoch's end only: the others draw about ``rate`` before this rank's next draw."""
+        rate = others_per_micro_batch(draws)
+        if rate is None or total - 1 - draws[-1] > 3 * rate:
+            return False
+        return leaves_the_rest(total - self.world_size - self.counter.taken(epoch), rate, self.world_size - 1)
 
 
 class ClaimingDataLoader(DataLoader):

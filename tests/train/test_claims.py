@@ -11,7 +11,15 @@ import pytest
 import torch
 
 from lightning_hetero import HeteroStrategy
-from lightning_hetero.plan.claims import claim_positions, claims_in_epoch, merges_due, merges_in_epoch, merges_to_join
+from lightning_hetero.plan.claims import (
+    claim_positions,
+    claims_in_epoch,
+    leaves_the_rest,
+    merges_due,
+    merges_in_epoch,
+    merges_to_join,
+    others_per_micro_batch,
+)
 from lightning_hetero.train.claims import (
     AsynchronousMerges,
     ClaimCounter,
@@ -46,15 +54,50 @@ def test_the_merges_due_are_the_boundaries_drawn_and_not_yet_joined():
                     assert merges_due(drawn, joined, every, claims) == max(0, passed - joined)
 
 
+def test_the_others_rate_is_their_draws_between_a_ranks_own():
+    assert others_per_micro_batch([]) is None and others_per_micro_batch([7]) is None
+    assert others_per_micro_batch([3, 4, 5]) == 0.0  # nobody else drew
+    assert others_per_micro_batch([2, 10]) == 7.0
+    assert others_per_micro_batch([2, 10, 14, 30]) == (30 - 2 - 3) / 3
+
+
+def test_a_slower_rank_leaves_the_last_claims_when_the_others_train_them_within_two_of_its_micro_batches():
+    for others in range(1, 4):
+        assert not any(leaves_the_rest(remaining, None, others) for remaining in range(0, 20))  # nothing measured
+        for rate in (0.0, 0.25, 0.5, 1.0, 1.5, 3.0, 7.5, 12.0):
+            for remaining in range(0, 40):
+                # the others train the rest and the one each holds drawn ahead in (remaining + others) / rate of its
+                # micro-batches: it leaves when that is two at most (and there is something left to leave)
+                expected = remaining > 0 and rate > 0 and (remaining + others) / rate <= 2
+                assert leaves_the_rest(remaining, rate, others) == expected, (remaining, rate, others)
+
+
+def test_every_rank_but_the_last_to_ask_may_leave_an_epochs_last_claims():
+    values: dict[str, int] = {}
+
+    def add(key: str, amount: int) -> int:
+        values[key] = values.get(key, 0) + amount
+        return values[key]
+
+    counter = ClaimCounter(add, "run")
+    assert [counter.leave(0, 3) for _ in range(4)] == [True, True, False, False]
+    assert [counter.leave(1, 3) for _ in range(2)] == [True, True]  # (each epoch its own)
+    assert counter.taken(0) == 0  # (the draws' counter is not the leaves')
+
+
 class ThreadRanks:
     """``world`` threads as ranks over one counter (the store's ``add``, under a lock); each merge is a barrier with a
-    deadline, as a collective is; every event is logged in the order it happened."""
+    deadline, as a collective is; every event is logged in the order it happened. ``read_ahead``: each rank draws its
+    next micro-batch as it starts one, as Lightning reads a batch ahead of a loader without a length; ``durations``:
+    each rank's seconds a micro-batch (default: random, scaled by ``speeds``)."""
 
-    def __init__(self, world: int, samples: int, micro: int, sync_every: int, speeds: list[float], seed: int) -> None:
+    def __init__(self, world: int, samples: int, micro: int, sync_every: int, speeds: list[float], seed: int,
+                 read_ahead: bool = False, durations: list[float] | None = None) -> None:  # fmt: skip
         self.world, self.samples, self.micro, self.sync_every, self.speeds = world, samples, micro, sync_every, speeds
         self.lock, self.values, self.log = threading.Lock(), {}, []
         self.barriers: dict[tuple[int, int], threading.Barrier] = {}
         self.random = random.Random(seed)
+        self.read_ahead, self.durations = read_ahead, durations
 
     def add(self, key: str, amount: int) -> int:
         with self.lock:
@@ -70,7 +113,16 @@ class ThreadRanks:
 
         def rank_main(rank: int) -> None:
             try:
-                counter = ClaimCounter(self.add, "test")
+                ranks = self
+
+                class LoggedCounter(ClaimCounter):
+                    def leave(self, epoch: int, world_size: int) -> bool:
+                        granted = super().leave(epoch, world_size)
+                        if granted:
+                            ranks.event("left", rank, epoch)
+                        return granted
+
+                counter = LoggedCounter(self.add, "test")
                 order = GlobalOrder(range(self.samples))
                 sampler = ClaimingBatchSampler(order, self.micro, False, rank, self.world, counter)
                 merges_done = [0]
@@ -88,12 +140,22 @@ class ThreadRanks:
                     order.set_epoch(epoch)
                     merges_done[0] = 0
                     merges.epoch_starts(epoch, sampler.claims())
-                    for indices in sampler:
+                    batches = iter(sampler)
+                    ahead = next(batches, None)
+                    while ahead is not None:
+                        indices = ahead
                         claim = sampler.pending.popleft()
+                        if self.read_ahead:
+                            ahead = next(batches, None)
                         merges.before_micro_batch(claim, {claim, *sampler.pending})
                         self.event("train", rank, epoch, claim, tuple(indices))
-                        time.sleep(self.random.uniform(0, 0.002) / self.speeds[rank])
+                        if self.durations:
+                            time.sleep(self.durations[rank])
+                        else:
+                            time.sleep(self.random.uniform(0, 0.002) / self.speeds[rank])
                         merges.micro_batch_trained()
+                        if not self.read_ahead:
+                            ahead = next(batches, None)
                     merges.epoch_ends()
                     self.event("epoch", rank, epoch, len(merges.records))
             except Exception as error:  # (reported by the test, not lost in the thread)
@@ -135,9 +197,14 @@ def test_threads_as_ranks_train_every_sample_once_join_the_same_merges_and_wait_
             _, rank, epoch, claim, _ = entry
             assert entered[(rank, epoch)] >= claim // (sync_every * world), (rank, epoch, claim)
     # Waiting is bounded by one micro-batch: once a rank entered a merge, every other rank starts at most one more
-    # micro-batch (the one it had decided on when the merge's claim was drawn) before it joins the merge too.
+    # micro-batch (the one it had decided on when the merge's claim was drawn) before it joins the merge too. (A rank
+    # that left an epoch's last claims to faster ones waits for them to train those: two of its micro-batches at most.)
+    left_at = {(e[1], e[2]): index for index, e in enumerate(log) if e[0] == "left"}
+    epoch_of = dict.fromkeys(range(world), 0)
     for index, entry in enumerate(log):
-        if entry[0] != "enter":
+        if entry[0] == "epoch":
+            epoch_of[entry[1]] += 1
+        if entry[0] != "enter" or left_at.get((entry[1], epoch_of[entry[1]]), len(log)) < index:
             continue
         _, rank, merge = entry
         started: dict[int, int] = {}
@@ -155,6 +222,54 @@ def test_threads_as_ranks_train_every_sample_once_join_the_same_merges_and_wait_
     # Not in step: the fast rank trained more micro-batches than the slowest.
     counts = [sum(1 for e in log if e[0] == "train" and e[1] == rank) for rank in range(world)]
     assert counts[0] > counts[2]
+
+
+def last_merge_entries(log: list[tuple], world: int, epochs: int, per_epoch: int) -> dict[tuple[int, int], int]:
+    """Where in ``log`` each (rank, epoch) entered that epoch's last merge."""
+    epoch_of, entered = dict.fromkeys(range(world), 0), {}
+    for index, entry in enumerate(log):
+        if entry[0] == "enter" and entry[2] == per_epoch - 1:
+            entered[(entry[1], epoch_of[entry[1]])] = index
+        elif entry[0] == "epoch":
+            epoch_of[entry[1]] += 1
+    assert len(entered) == world * epochs
+    return entered
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_at_an_epochs_end_a_slow_rank_that_reads_ahead_leaves_the_last_claims_to_the_fast_one(seed):
+    """Lightning reads a batch ahead, so a slow rank holds the micro-batch it is in and one more: drawn near the end,
+    the fast rank would wait for both at the epoch's last merge. It leaves them to the fast rank instead: once the
+    fast rank entered the last merge, the slow one starts no micro-batch before it enters too."""
+    world, samples, micro, sync_every, epochs = 2, 200, 4, 20, 2  # (one merge inside an epoch, 10 claims after it)
+    ranks = ThreadRanks(world, samples, micro, sync_every, [1.0, 0.1], seed, read_ahead=True,
+                        durations=[0.001, 0.012])  # fmt: skip
+    ranks.run(epochs)
+    log = ranks.log
+    for epoch in range(epochs):
+        trained = [e for e in log if e[0] == "train" and e[2] == epoch]
+        assert sorted(p for e in trained for p in e[4]) == list(range(samples))  # every sample once an epoch
+        assert [e[1] for e in log if e[0] == "left" and e[2] == epoch] == [1]  # the slow rank left, alone
+    per_epoch = merges_in_epoch(sync_every * world, claims_in_epoch(samples, micro, False)) + 1
+    entered = last_merge_entries(log, world, epochs, per_epoch)
+    for epoch in range(epochs):
+        fast_entered, slow_entered = entered[(0, epoch)], entered[(1, epoch)]
+        started = [e for e in log[fast_entered:slow_entered] if e[0] == "train" and e[1] == 1]
+        assert not started, f"epoch {epoch}: the slow rank started {started} while the fast one waited"
+
+
+def test_when_every_rank_would_leave_the_last_to_ask_draws_every_claim_left(monkeypatch):
+    monkeypatch.setattr("lightning_hetero.train.claims.leaves_the_rest", lambda remaining, rate, others: True)
+    world, samples, micro, sync_every, epochs = 3, 101, 3, 1, 2
+    ranks = ThreadRanks(world, samples, micro, sync_every, [1.0, 0.7, 0.4], 0, read_ahead=True)
+    ranks.run(epochs)
+    for epoch in range(epochs):
+        trained = [e for e in ranks.log if e[0] == "train" and e[2] == epoch]
+        assert sorted(p for e in trained for p in e[4]) == list(range(samples))  # every sample once an epoch
+        assert len([e for e in ranks.log if e[0] == "left" and e[2] == epoch]) == world - 1
+        assert ranks.values[f"lightning_hetero/claims/test/epoch_{epoch}/left"] == world  # (the last one refused)
+    per_epoch = merges_in_epoch(sync_every * world, claims_in_epoch(samples, micro, False)) + 1
+    assert all(entry[3] == per_epoch * (entry[2] + 1) for entry in ranks.log if entry[0] == "epoch")
 
 
 def test_a_rank_joins_a_merge_before_its_claim_and_at_once_when_another_rank_drew_it():
