@@ -155,8 +155,11 @@ def read_fit(out: Path) -> dict[str, Any]:
             "report": json.loads((out / "hetero" / "report.json").read_text()), "merges": merges}  # fmt: skip
 
 
-def run_all(runs: int, epochs: int, work: Path, drift: bool = True, again: bool = False) -> list[dict[str, Any]]:
-    """``again``: analyse the fits an earlier invocation left in ``work`` instead of running them."""
+def run_all(
+    runs: int, epochs: int, work: Path, drift: bool = True, again: bool = False, anneal: bool = False
+) -> list[dict[str, Any]]:
+    """``again``: analyse the fits an earlier invocation left in ``work`` instead of running them; ``anneal``: a
+    cosine learning rate over the epochs in both fits (``benchmarks/local_sgd.py --anneal``)."""
     fit_options = FITS if drift else WITHOUT_DRIFT
     results = []
     for run in range(runs):
@@ -166,7 +169,7 @@ def run_all(runs: int, epochs: int, work: Path, drift: bool = True, again: bool 
         for name in order:
             out = work / f"run{run}" / name
             if not again:
-                launch(name, "diloco", SYNC_EVERY, epochs, out, fit_options[name], seed=run)
+                launch(name, "diloco", SYNC_EVERY, epochs, out, fit_options[name], seed=run, anneal=anneal)
             fits[name] = read_fit(out)
         figures = analyse(fits, epochs)
         results.append(figures)
@@ -221,15 +224,18 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--no-drift", action="store_true", help="no rank slows down (the waits are then measured from"
                         f" the {DRIFT_AFTER + 1}th step on all the same)")  # fmt: skip
+    parser.add_argument("--anneal", action="store_true", help="a cosine learning rate over the epochs in both fits")
     parser.add_argument("--again", action="store_true", help="analyse the fits of an earlier run with this --out")
     args = parser.parse_args(argv)
     assert TRAIN_SAMPLES % MICRO_BATCH == 0
     results = run_all(args.runs, args.epochs, args.out.parent / "asynchronous_merges_runs", not args.no_drift,
-                      args.again)  # fmt: skip
+                      args.again, args.anneal)  # fmt: skip
     text = table(results)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"runs": args.runs, "epochs": args.epochs, "results": results, "table": text}))
+    setting = {"drift": not args.no_drift, "anneal": args.anneal}
+    args.out.write_text(json.dumps({"runs": args.runs, "epochs": args.epochs, "setting": setting, "results": results,
+                                    "table": text}))  # fmt: skip
     print(f"written to {args.out}")
 
 

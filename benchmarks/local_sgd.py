@@ -25,6 +25,15 @@ for H in --sync-every (default 8 and 32); with --variants also
     diloco H overlap [int8|int4]   each merge sent in the background, its outer step applied one training step later
     diloco H overlap-H [int8]      the same, applied at the next merge (overlap_steps=H)
 
+``--anneal`` lets the inner optimizer's learning rate fall along a cosine over the epochs (torch's CosineAnnealingLR,
+stepped each epoch), so each fit ends converged: at a constant rate the final validation loss jumps 2-4x from one
+epoch to the next, and a fit's final loss then says more about where it happened to stop than about its merge.
+``--no-emulation`` runs the fits without the emulated speeds, nodes and link: with ``--inner-steps`` fixed, a fit's
+arithmetic does not depend on them (checked: the same final loss to the last digit), so its losses are those of the
+emulated fit in a third of the time; its seconds and bytes between nodes are then not the setting's.
+
+``--first-seed N`` starts the seeds at N.
+
 ``--only NAME ...`` runs those fits alone (and every_step, whose final loss is the target). ``--seed-per-run`` seeds
 run r's fits with r (their initial weights and sample order; 0 in every run by default), ``--inner-steps A B`` fixes
 every local fit's inner steps: with both, the fits of one run differ by their merge alone, and the runs by the seed
@@ -61,9 +70,17 @@ FIT_TIMEOUT = 900
 
 
 def fit(
-    mode: str, sync_every: int, epochs: int, out: Path, options: Optional[dict[str, Any]] = None, seed: int = 0
+    mode: str,
+    sync_every: int,
+    epochs: int,
+    out: Path,
+    options: Optional[dict[str, Any]] = None,
+    seed: int = 0,
+    anneal: bool = False,
+    emulate: bool = True,
 ) -> None:
-    """One Trainer.fit on every rank; rank 0 writes ``out/curve.json`` (time, loss, accuracy per validation)."""
+    """One Trainer.fit on every rank; rank 0 writes ``out/curve.json`` (time, loss, accuracy per validation).
+    ``anneal``: a cosine learning rate over the ``epochs``; ``emulate``: the setting's speeds, nodes and link."""
     import torch
     from lightning.pytorch import Callback, Trainer, seed_everything
     from torch import nn
@@ -72,8 +89,9 @@ def fit(
     from lightning_hetero import HeteroStrategy
 
     torch.set_num_threads(1)  # one core's worth per rank, as one device
-    os.environ["LIGHTNING_HETERO_EMULATE_NODES"] = "2"
-    os.environ["LIGHTNING_HETERO_EMULATE_LINK"] = LINK
+    if emulate:
+        os.environ["LIGHTNING_HETERO_EMULATE_NODES"] = "2"
+        os.environ["LIGHTNING_HETERO_EMULATE_LINK"] = LINK
 
     class WideSpirals(SpiralClassifier):
         """The examples' classifier with two untied 1024-wide blocks: many parameters for its compute."""
@@ -88,6 +106,14 @@ def fit(
             for block in self.blocks:
                 hidden = hidden + torch.tanh(block(hidden))
             return self.head(hidden)
+
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+            if not anneal:
+                return optimizer
+            # (stepped once an epoch: the same rate on every rank also where the ranks' step counts differ)
+            schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, epochs)
+            return {"optimizer": optimizer, "lr_scheduler": schedule}
 
     class Curve(Callback):
         def __init__(self) -> None:
@@ -112,12 +138,13 @@ def fit(
 
     seed_everything(seed)  # (the model's initial weights and the sample order; the data set is the same)
     if mode == "every_step":
-        strategy = HeteroStrategy(stage=0, emulate_speeds=SPEEDS)
+        strategy = HeteroStrategy(stage=0, emulate_speeds=SPEEDS if emulate else None)
         batch = 2 * MICRO_BATCH  # the loader's batch per rank: a global batch of 128, split by the planner
     else:
         options = dict(options or {})
         speeds = options.pop("emulate_speeds", SPEEDS)  # (a drift: {step: speeds}, the steps as JSON's strings)
         speeds = {int(step): value for step, value in speeds.items()} if isinstance(speeds, dict) else speeds
+        speeds = speeds if emulate else None
         strategy = HeteroStrategy(sync=mode, sync_every=sync_every, emulate_speeds=speeds, **options)
         batch = MICRO_BATCH
     data = SpiralDataModule(batch_size=batch // 2 if mode == "every_step" else batch,
@@ -204,10 +231,13 @@ def launch(
     out: Path,
     options: Optional[dict[str, Any]] = None,
     seed: int = 0,
+    anneal: bool = False,
+    emulate: bool = True,
 ) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, __file__, "--fit", mode, str(sync_every), str(epochs), str(out)]
     command += ["--fit-options", json.dumps(options or {}), "--fit-seed", str(seed)]
+    command += ["--anneal"] * anneal + ["--no-emulation"] * (not emulate)
     run_job(command, out / "log.txt", dict(os.environ), FIT_TIMEOUT, name)
     return {
         "curve": json.loads((out / "curve.json").read_text()),
@@ -224,6 +254,9 @@ def run_all(
     only: Optional[list[str]] = None,
     seed_per_run: bool = False,
     inner_steps: Optional[list[int]] = None,
+    anneal: bool = False,
+    emulate: bool = True,
+    first_seed: int = 0,
 ) -> list[dict[str, Any]]:
     fits: list[tuple[str, str, int, dict[str, Any]]] = [("every_step", "every_step", 1, {})]
     fits += [(f"{mode} H={h}", mode, h, {}) for mode in ("local_sgd", "diloco") for h in sync_every]
@@ -257,9 +290,11 @@ def run_all(
     for run in range(runs):
         order = fits if run % 2 == 0 else list(reversed(fits))
         started = time.perf_counter()
-        seed, folder = run if seed_per_run else 0, work / f"run{run}"
+        seed, folder = first_seed + run if seed_per_run else 0, work / f"run{run}"
         outcome = {
-            name: launch(name, mode, h, epochs, folder / name.replace(" ", "_").replace("=", ""), options, seed)
+            name: launch(
+                name, mode, h, epochs, folder / name.replace(" ", "_").replace("=", ""), options, seed, anneal, emulate
+            )  # fmt: skip
             for name, mode, h, options in order
         }
         figures = analyse_run(outcome)
@@ -312,7 +347,21 @@ def table(results: list[dict[str, Any]]) -> str:
             f" | {values(name, 'peak_inside_epoch_mb', '%.2f')}"
             f" | {values(name, 'link_wait_over_compute', '%.3f')} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + against_diloco(results))
+
+
+def against_diloco(results: list[dict[str, Any]]) -> list[str]:
+    """Each DiLoCo variant's final loss over plain DiLoCo's (the same H) run by run: with ``--seed-per-run`` and
+    ``--inner-steps`` the two differ by their merge alone."""
+    lines = []
+    for name in results[0]:
+        reference = " ".join(name.split()[:2])
+        if name.startswith("diloco ") and name != reference and reference in results[0]:
+            ratios = [run[name]["final_val_loss"] / run[reference]["final_val_loss"] for run in results]
+            shown = ", ".join(f"{ratio:.3f}" for ratio in ratios)
+            lines.append(f"{name}: final val loss / {reference}'s, run by run: {shown}"
+                         f" (median {statistics.median(ratios):.3f})")  # fmt: skip
+    return [""] + lines if lines else []
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -325,21 +374,28 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--only", nargs="+", help="run these fits alone (with every_step, the target)")
     parser.add_argument("--seed-per-run", action="store_true", help="run r seeds its fits with r (default: 0 in all)")
     parser.add_argument("--inner-steps", type=int, nargs="+", help="every local fit's inner steps (default: planned)")
+    parser.add_argument("--first-seed", type=int, default=0, help="with --seed-per-run: run r seeds with this + r")
+    parser.add_argument("--anneal", action="store_true", help="a cosine learning rate over the epochs")
+    parser.add_argument("--no-emulation", action="store_true", help="no emulated speeds, nodes or link (losses only)")
     parser.add_argument("--fit", nargs=4, metavar=("MODE", "H", "EPOCHS", "DIR"), help=argparse.SUPPRESS)
     parser.add_argument("--fit-options", default="{}", help=argparse.SUPPRESS)
     parser.add_argument("--fit-seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.fit:
         mode, sync_every, epochs, out = args.fit
-        fit(mode, int(sync_every), int(epochs), Path(out), json.loads(args.fit_options), args.fit_seed)
+        fit(mode, int(sync_every), int(epochs), Path(out), json.loads(args.fit_options), args.fit_seed, args.anneal,
+            not args.no_emulation)  # fmt: skip
         return
     work = args.out.parent / "local_sgd_runs"
     results = run_all(args.runs, args.epochs, args.sync_every, work, args.variants, args.only, args.seed_per_run,
-                      args.inner_steps)  # fmt: skip
+                      args.inner_steps, args.anneal, not args.no_emulation, args.first_seed)  # fmt: skip
     text = table(results)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"runs": args.runs, "epochs": args.epochs, "results": results, "table": text}))
+    setting = {"anneal": args.anneal, "emulated": not args.no_emulation, "inner_steps": args.inner_steps,
+               "seed_per_run": args.seed_per_run, "first_seed": args.first_seed}  # fmt: skip
+    args.out.write_text(json.dumps({"runs": args.runs, "epochs": args.epochs, "setting": setting, "results": results,
+                                    "table": text}))  # fmt: skip
     print(f"written to {args.out}")
 
 
