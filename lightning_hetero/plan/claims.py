@@ -74,10 +74,11 @@ def others_per_micro_batch(draws: Sequence[int]) -> Optional[float]:
 def leaves_the_rest(remaining: int, others_rate: Optional[float], others: int) -> bool:
     """Whether a rank, as it starts a micro-batch, draws no more claims of the epoch and leaves the ``remaining``
     undrawn ones to the ``others`` ranks (who draw ``others_rate`` claims a micro-batch of its,
-    :func:`others_per_micro_batch`, and hold one drawn ahead each).
+    :func:`others_per_micro_batch`; each is inside a micro-batch and holds one more drawn ahead).
 
     Drawing one, it would hold it while it trains the one it starts (Lightning reads a batch ahead) and end the epoch
     two of its micro-batches from now, the others waiting for it at the epoch's last merge. Leaving, it ends one
-    from now and the others end when they have trained the rest and what they hold. When they do that within two of
-    its micro-batches, the epoch ends no later, and no rank waits for another longer than one of the slower's."""
-    return others_rate is not None and 0 < remaining and remaining + others <= 2 * others_rate
+    from now, and the others when they have trained the rest and the two each has in hand (at most). When that is
+    within two of its micro-batches, the epoch ends no later, and no rank waits for another longer than one of the
+    slower's. (Ranks of equal speeds never leave: the others would need more than two.)"""
+    return others_rate is not None and 0 < remaining and remaining + 2 * others <= 2 * others_rate

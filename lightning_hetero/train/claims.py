@@ -123,7 +123,7 @@ class ClaimingBatchSampler(Sampler[list[int]]):
         """:func:`~lightning_hetero.plan.claims.leaves_the_rest` for the claims left undrawn, read from the counter
         (a round trip) near the epoch's end only: the others draw about ``rate`` before this rank's next draw."""
         rate = others_per_micro_batch(draws)
-        if rate is None or total - 1 - draws[-1] > 3 * rate:
+        if rate is None or total - 1 - draws[-1] > 4 * rate + 2:
             return False
         return leaves_the_rest(total - self.world_size - self.counter.taken(epoch), rate, self.world_size - 1)
 

@@ -66,9 +66,9 @@ def test_a_slower_rank_leaves_the_last_claims_when_the_others_train_them_within_
         assert not any(leaves_the_rest(remaining, None, others) for remaining in range(0, 20))  # nothing measured
         for rate in (0.0, 0.25, 0.5, 1.0, 1.5, 3.0, 7.5, 12.0):
             for remaining in range(0, 40):
-                # the others train the rest and the one each holds drawn ahead in (remaining + others) / rate of its
-                # micro-batches: it leaves when that is two at most (and there is something left to leave)
-                expected = remaining > 0 and rate > 0 and (remaining + others) / rate <= 2
+                # the others train the rest, and the two each has in hand at most (the one it is in, the one drawn
+                # ahead), in (remaining + 2 * others) / rate of its micro-batches: it leaves when that is two at most
+                expected = remaining > 0 and rate > 0 and (remaining + 2 * others) / rate <= 2
                 assert leaves_the_rest(remaining, rate, others) == expected, (remaining, rate, others)
 
 
@@ -242,8 +242,8 @@ def test_at_an_epochs_end_a_slow_rank_that_reads_ahead_leaves_the_last_claims_to
     the fast rank would wait for both at the epoch's last merge. It leaves them to the fast rank instead: once the
     fast rank entered the last merge, the slow one starts no micro-batch before it enters too."""
     world, samples, micro, sync_every, epochs = 2, 200, 4, 20, 2  # (one merge inside an epoch, 10 claims after it)
-    ranks = ThreadRanks(world, samples, micro, sync_every, [1.0, 0.1], seed, read_ahead=True,
-                        durations=[0.001, 0.012])  # fmt: skip
+    ranks = ThreadRanks(world, samples, micro, sync_every, [1.0, 0.05], seed, read_ahead=True,
+                        durations=[0.001, 0.020])  # fmt: skip
     ranks.run(epochs)
     log = ranks.log
     for epoch in range(epochs):
@@ -256,6 +256,18 @@ def test_at_an_epochs_end_a_slow_rank_that_reads_ahead_leaves_the_last_claims_to
         fast_entered, slow_entered = entered[(0, epoch)], entered[(1, epoch)]
         started = [e for e in log[fast_entered:slow_entered] if e[0] == "train" and e[1] == 1]
         assert not started, f"epoch {epoch}: the slow rank started {started} while the fast one waited"
+
+
+@pytest.mark.parametrize("durations, sync_every", [([0.01, 0.01], 20), ([0.01, 0.01, 0.01], 20), ([0.005, 0.01], 1)])
+def test_ranks_of_equal_speeds_or_in_lockstep_behind_frequent_merges_draw_to_the_end(durations, sync_every):
+    """Leaving would end their epoch later: the others have as much in hand as the one that would leave."""
+    world, samples, micro, epochs = len(durations), 160, 4, 2
+    ranks = ThreadRanks(world, samples, micro, sync_every, [1.0] * world, 0, read_ahead=True, durations=durations)
+    ranks.run(epochs)
+    assert not [e for e in ranks.log if e[0] == "left"]
+    for epoch in range(epochs):
+        trained = [e for e in ranks.log if e[0] == "train" and e[2] == epoch]
+        assert sorted(p for e in trained for p in e[4]) == list(range(samples))
 
 
 def test_when_every_rank_would_leave_the_last_to_ask_draws_every_claim_left(monkeypatch):
