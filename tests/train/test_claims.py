@@ -73,16 +73,21 @@ def test_a_slower_rank_leaves_the_last_claims_when_the_others_train_them_within_
 
 
 def test_every_rank_but_the_last_to_ask_may_leave_an_epochs_last_claims():
+    counter = ClaimCounter(store_add(), "run")
+    assert [counter.leave(0, 3) for _ in range(4)] == [True, True, False, False]
+    assert [counter.leave(1, 3) for _ in range(2)] == [True, True]  # (each epoch its own)
+    assert counter.taken(0) == 0  # (the draws' counter is not the leaves')
+
+
+def store_add():
+    """The store's ``add`` over a dict (one thread)."""
     values: dict[str, int] = {}
 
     def add(key: str, amount: int) -> int:
         values[key] = values.get(key, 0) + amount
         return values[key]
 
-    counter = ClaimCounter(add, "run")
-    assert [counter.leave(0, 3) for _ in range(4)] == [True, True, False, False]
-    assert [counter.leave(1, 3) for _ in range(2)] == [True, True]  # (each epoch its own)
-    assert counter.taken(0) == 0  # (the draws' counter is not the leaves')
+    return add
 
 
 class ThreadRanks:
@@ -128,11 +133,11 @@ class ThreadRanks:
                 merges_done = [0]
 
                 def merge() -> None:
-                    self.event("enter", rank, merges_done[0])
+                    self.event("enter", rank, merges_done[0], order.epoch)
                     with self.lock:
                         barrier = self.barriers.setdefault((order.epoch, merges_done[0]), threading.Barrier(self.world))
                     barrier.wait(timeout=10)
-                    self.event("leave", rank, merges_done[0])
+                    self.event("leave", rank, merges_done[0], order.epoch)
                     merges_done[0] += 1
 
                 merges = AsynchronousMerges(self.sync_every, self.world, counter.taken, merge)
@@ -187,12 +192,9 @@ def test_threads_as_ranks_train_every_sample_once_join_the_same_merges_and_wait_
     # A merge comes before any micro-batch at or past its claim, on every rank (what a rank contributes to merge m was
     # trained from merge m-1's parameters, on claims before merge m's).
     entered = {(rank, epoch): 0 for rank in range(world) for epoch in range(epochs)}
-    epoch_of = dict.fromkeys(range(world), 0)
     for entry in log:
         if entry[0] == "enter":
-            entered[(entry[1], epoch_of[entry[1]])] += 1
-        elif entry[0] == "epoch":
-            epoch_of[entry[1]] += 1
+            entered[(entry[1], entry[3])] += 1
         elif entry[0] == "train":
             _, rank, epoch, claim, _ = entry
             assert entered[(rank, epoch)] >= claim // (sync_every * world), (rank, epoch, claim)
@@ -200,13 +202,10 @@ def test_threads_as_ranks_train_every_sample_once_join_the_same_merges_and_wait_
     # micro-batch (the one it had decided on when the merge's claim was drawn) before it joins the merge too. (A rank
     # that left an epoch's last claims to faster ones waits for them to train those: two of its micro-batches at most.)
     left_at = {(e[1], e[2]): index for index, e in enumerate(log) if e[0] == "left"}
-    epoch_of = dict.fromkeys(range(world), 0)
     for index, entry in enumerate(log):
-        if entry[0] == "epoch":
-            epoch_of[entry[1]] += 1
-        if entry[0] != "enter" or left_at.get((entry[1], epoch_of[entry[1]]), len(log)) < index:
+        if entry[0] != "enter" or left_at.get((entry[1], entry[3]), len(log)) < index:
             continue
-        _, rank, merge = entry
+        _, rank, merge, _ = entry
         started: dict[int, int] = {}
         joined = set()
         for later in log[index + 1 :]:
@@ -226,12 +225,7 @@ def test_threads_as_ranks_train_every_sample_once_join_the_same_merges_and_wait_
 
 def last_merge_entries(log: list[tuple], world: int, epochs: int, per_epoch: int) -> dict[tuple[int, int], int]:
     """Where in ``log`` each (rank, epoch) entered that epoch's last merge."""
-    epoch_of, entered = dict.fromkeys(range(world), 0), {}
-    for index, entry in enumerate(log):
-        if entry[0] == "enter" and entry[2] == per_epoch - 1:
-            entered[(entry[1], epoch_of[entry[1]])] = index
-        elif entry[0] == "epoch":
-            epoch_of[entry[1]] += 1
+    entered = {(e[1], e[3]): index for index, e in enumerate(log) if e[0] == "enter" and e[2] == per_epoch - 1}
     assert len(entered) == world * epochs
     return entered
 
@@ -309,13 +303,7 @@ def test_a_rank_joins_a_merge_before_its_claim_and_at_once_when_another_rank_dre
 
 
 def test_each_rank_trains_its_own_first_claim_then_the_counters():
-    values: dict[str, int] = {}
-
-    def add(key: str, amount: int) -> int:
-        values[key] = values.get(key, 0) + amount
-        return values[key]
-
-    counter = ClaimCounter(add, "run")
+    counter = ClaimCounter(store_add(), "run")
     order = GlobalOrder(range(10))
     first = ClaimingBatchSampler(order, 2, False, 0, 2, counter)
     second = ClaimingBatchSampler(order, 2, False, 1, 2, counter)
