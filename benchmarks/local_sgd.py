@@ -24,6 +24,8 @@ for H in --sync-every (default 8 and 32); with --variants also
     diloco H fragments 4       streaming: 4 fragments merged in turn, one every H/4 steps
     diloco H overlap [int8|int4]   each merge sent in the background, its outer step applied one training step later
     diloco H overlap-H [int8]      the same, applied at the next merge (overlap_steps=H)
+    diloco H overlap[-H] no-eager [int8]   the same, each rank training on from its own parameters until the average
+                                   arrives (eager=False), not from the outer step of its own progress
 
 ``--anneal`` lets the inner optimizer's learning rate fall along a cosine over the epochs (torch's CosineAnnealingLR,
 stepped each epoch), so each fit ends converged: at a constant rate the final validation loss jumps 2-4x from one
@@ -279,6 +281,14 @@ def run_all(
             (f"diloco H={h} overlap-H{' ' + c if c else ''}", "diloco", h,
              {"sync_options": {"overlap": True, "overlap_steps": h}, "compression": c})
             for h in sync_every
+            for c in (None, "int8")
+        ]  # fmt: skip
+        fits += [
+            (f"diloco H={h} overlap{'-H' if steps else ''} no-eager{' ' + c if c else ''}", "diloco", h,
+             {"sync_options": {"overlap": True, "eager": False, **({"overlap_steps": h} if steps else {})},
+              "compression": c})
+            for h in sync_every
+            for steps in (False, True)
             for c in (None, "int8")
         ]  # fmt: skip
     if only:

@@ -68,7 +68,7 @@ class HeteroJob:
         self.pipeline: Optional[PipelineTraining] = None  # the model split into stages, from join()
         if settings.local:
             self.local = LocalTraining(settings.sync, settings.sync_every, settings.outer, settings.compression.mode,
-                                       settings.fragments, settings.overlap)  # fmt: skip
+                                       settings.fragments, settings.overlap, settings.eager)  # fmt: skip
             self.loss_weights.local = True
         self.claims = AsynchronousTraining(self, settings.sync_every) if settings.asynchronous else None
         self.recovery = Recovery(settings.peer_timeout)

@@ -345,6 +345,7 @@ class JobSetup:
                 settings.outer,
                 settings.fragments,
                 settings.overlap,
+                settings.eager,
             )
         return line
 

@@ -27,6 +27,7 @@ from lightning_hetero.plan.local_steps import (
     check_inner_steps_length,
     check_sync_arguments,
     sync_asynchronous,
+    sync_eager,
     sync_fragments,
     sync_overlap,
     sync_refusal,
@@ -88,6 +89,7 @@ class HeteroSettings:
     outer: Optional[dict[str, Any]] = None  # DiLoCo's outer optimizer settings
     fragments: int = 1  # the streaming merge: fragments of the parameters merged in turn
     overlap: Optional[int] = None  # merges sent in the background, applied this many training steps later
+    eager: bool = True  # overlap: each rank trains on from its own progress's outer step until the average arrives
     asynchronous: bool = False  # merges by speed: each rank trains what it has time for (train/claims.py)
     pipeline: Optional[PipelineChoice] = None  # the model split into stages (train/pipeline.py)
     lr_scaling: Optional[str] = None  # a resume with another global batch scales the learning rate (plan/lr_scaling.py)
@@ -166,6 +168,7 @@ class HeteroSettings:
             outer=outer,
             fragments=sync_fragments(sync_options, int(sync_every)) if sync in LOCAL_MODES else 1,
             overlap=sync_overlap(sync_options, int(sync_every)) if sync in LOCAL_MODES else None,
+            eager=sync_eager(sync_options),
             asynchronous=sync in LOCAL_MODES and sync_asynchronous(sync_options, inner_steps, rebalance, batch_sizes),
             pipeline=pipeline_choice,
             lr_scaling=check_lr_scaling(lr_scaling, sync, pipeline_choice),
@@ -372,7 +375,7 @@ class HeteroSettings:
             "weights": list(self.weights) if self.weights is not None else None,
             "micro_steps": list(self.micro_steps) if self.micro_steps is not None else None,
             "sync": [self.sync, self.sync_every, [*(self.inner_steps or [])], self.outer, self.fragments,
-                     self.overlap, self.asynchronous],
+                     self.overlap, self.eager, self.asynchronous],
             "emulate_memory": memory.emulated_ceilings_from_environment(),
             "emulate_memory_bytes": memory.emulated_byte_ceilings_from_environment(),
             "emulate_speeds": self.speed_schedule.to_json() if self.speed_schedule else None,

@@ -32,8 +32,10 @@ DILOCO_DEFAULTS = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
 # Streaming (Douillard et al. 2025): the parameters in ``fragments`` groups, merged in turn, one every
 # sync_every / fragments steps, so that 1/fragments of the model is on the wire at a time; 1 merges all at once.
 # ``overlap``: a merge's exchange runs in the background while the ranks train on, and its outer step is applied
-# ``overlap_steps`` training steps after it was sent, 1 by default (see train/local_sgd.py).
-STREAMING_KEYS = ("fragments", "overlap", "overlap_steps")
+# ``overlap_steps`` training steps after it was sent, 1 by default; ``eager``: until then each rank trains on from the
+# outer step of its own progress (eager DiLoCo) rather than from its own parameters (see train/local_sgd.py).
+STREAMING_KEYS = ("fragments", "overlap", "overlap_steps", "eager")
+EAGER_DEFAULT = True
 # Merges by speed (train/claims.py): each rank takes the micro-batches it has time for, and a merge takes what it has.
 ASYNCHRONOUS_KEY = "asynchronous"
 SYNC_OPTION_KEYS = (*DILOCO_DEFAULTS, *STREAMING_KEYS, ASYNCHRONOUS_KEY)
@@ -216,9 +218,21 @@ def sync_overlap(sync_options: Optional[Mapping[str, Any]], sync_every: int) -> 
             f" between two merges) given with `overlap=True`: a merge sent in the background is applied that many"
             " training steps later (fewer: a fresher model, the link's time hidden behind fewer steps)."
         )
+    eager = options.get("eager")
+    if eager is not None and (not overlap or not isinstance(eager, bool)):
+        raise ValueError(
+            f"`sync_options['eager']={eager!r}` must be True or False, given with `overlap=True`: until a merge sent in"
+            " the background arrives, True trains on from the outer step of the rank's own progress (eager DiLoCo),"
+            " False from the rank's own parameters."
+        )
     if not overlap:
         return None
     return int(steps) if steps is not None else 1
+
+
+def sync_eager(sync_options: Optional[Mapping[str, Any]]) -> bool:
+    """``sync_options['eager']`` (checked by :func:`sync_overlap`), its default where not given."""
+    return bool((sync_options or {}).get("eager", EAGER_DEFAULT))
 
 
 def sync_asynchronous(sync_options: Optional[Mapping[str, Any]], inner_steps: Optional[Sequence[int]],
@@ -270,6 +284,7 @@ def describe_sync(
     options: Optional[Mapping[str, Any]],
     fragments: int = 1,
     overlap: Optional[int] = None,
+    eager: bool = EAGER_DEFAULT,
 ) -> str:
     """One line for the plan: how the ranks synchronize."""
     if sync not in LOCAL_MODES:
@@ -287,8 +302,10 @@ def describe_sync(
         f" (each every {sync_every}),"
     )
     applied = "at the next one" if overlap == sync_every // fragments else f"{overlap} training steps later"
+    stand_in = "the outer step of their own progress" if eager else "their own parameters"
     overlapped = (
-        f"; each merge is sent in the background while the ranks train on, its outer step applied {applied}"
+        f"; each merge is sent in the background while the ranks train on from {stand_in}, its outer step applied"
+        f" {applied}"
         " (at an epoch's end, a checkpoint and a validation the ranks wait for it)"
         if overlap is not None
         else ""

@@ -18,9 +18,10 @@ With ``sync_options={"overlap": True}`` a merge inside an epoch does not wait fo
 sample counts (a few bytes), start the exchange of their weighted progress in the background and train on;
 ``"overlap_steps": k`` training steps later (1 by default, at most the next merge) each rank waits for it and applies
 its outer step, stale by k steps (as streaming DiLoCo's overlap; the step is counted, not the arrival, so every rank
-applies it at the same step). Meanwhile each rank takes the outer step its own progress would give if it were the
-average (eager DiLoCo, Kale et al. 2025; the outer optimizer's state left alone); when the average arrives, its
-parameters become the new anchor, the same on every rank, plus what the rank trained since it sent. An epoch's end, a
+applies it at the same step). Meanwhile each rank trains on from the outer step its own progress would give if it
+were the average (eager DiLoCo, Kale et al. 2025; the outer optimizer's state left alone), or with ``"eager": False``
+from its own parameters; when the average arrives, its parameters become the new anchor, the same on every rank, plus
+what the rank trained since it sent. An epoch's end, a
 checkpoint and a validation wait for the merge in flight and then merge what the ranks trained since, so they see one
 model. It keeps one more copy of the parameters (what each rank trained from since it last sent).
 
@@ -66,12 +67,13 @@ class InFlightMerge:
 class LocalTraining:
     """This rank's side of local SGD / DiLoCo for one strategy (``outer``: DiLoCo's settings, None for local SGD;
     ``fragments``: the streaming merge's, 1 merges every parameter at once; ``overlap``: None waits for each merge,
-    else the training steps after which a merge sent in the background is applied)."""
+    else the training steps after which a merge sent in the background is applied; ``eager``: meanwhile the rank trains
+    on from its own progress's outer step, else from its own parameters)."""
 
     def __init__(self, mode: str, sync_every: int, outer: Optional[dict[str, Any]], compression: Optional[str],
-                 fragments: int = 1, overlap: Optional[int] = None) -> None:  # fmt: skip
+                 fragments: int = 1, overlap: Optional[int] = None, eager: bool = True) -> None:  # fmt: skip
         self.mode, self.sync_every, self.outer_settings = mode, sync_every, outer
-        self.fragments, self.overlap_steps = fragments, overlap
+        self.fragments, self.overlap_steps, self.eager = fragments, overlap, eager
         self.overlap = overlap is not None
         self.wire_dtype = _DTYPES.get(compression, torch.float32)
         self.quantized_bits: Optional[int] = quantize.BITS.get(compression or "")
@@ -211,7 +213,7 @@ class LocalTraining:
     ) -> InFlightMerge:
         """Start the merge of the fragments ``merging``: the ranks' sample counts (summed now: they weigh what is
         sent), then this rank's weighted progress since each fragment was last sent, through ``start``
-        (``background``: applied later, the rank taking the eager step meanwhile)."""
+        (``background``: applied later, the rank taking the eager step meanwhile if :attr:`eager`)."""
         pieces = [index for fragment in merging for index in range(*self._bounds[fragment])]
         device = self._anchor[0].device  # (NCCL reduces CUDA tensors only)
         counts = torch.tensor(
@@ -227,7 +229,7 @@ class LocalTraining:
                 weighted_parts.append(delta.double() * share)
             weighted = torch.cat(weighted_parts)
             for index in pieces if self.overlap else ():  # what trains on from here is the next merge's
-                if background:  # until the average arrives: the outer step of this rank's own progress
+                if background and self.eager:  # until the average arrives: the outer step of its own progress
                     self._values(index).copy_(self._eager_anchor(index, self._progress(index)))
                 self._base[index].copy_(self._values(index))
             dtype = functools.reduce(torch.promote_types, [self._anchor[index].dtype for index in pieces])
@@ -368,10 +370,8 @@ class LocalTraining:
         if self._inner is not None and state["inner"] is not None:
             self._inner.load_state_dict(state["inner"])
         with torch.no_grad():
-            for index, anchor in enumerate(self._anchor):
-                anchor.copy_(self._values(index))
-            for index, base in enumerate(self._base):
-                base.copy_(self._values(index))
+            for index, copy in itertools.chain(enumerate(self._anchor), enumerate(self._base)):  # (base: overlap's)
+                copy.copy_(self._values(index))
         if self._outer is not None and state["outer"] is not None:
             _check_outer_pieces(state["outer"], self._anchor, directory)
             self._outer.load_state_dict(state["outer"])

@@ -17,6 +17,7 @@ from lightning_hetero.plan.local_steps import (
     inner_steps_for,
     is_sync_step,
     plan_inner_steps,
+    sync_eager,
     sync_fragments,
     sync_overlap,
     sync_refusal,
@@ -177,7 +178,13 @@ def test_overlap_is_a_sync_option_of_both_local_modes_and_the_plan_says_what_it_
     assert sync_overlap({"overlap": True, "fragments": 4, "overlap_steps": 2}, 8) == 2
     assert sync_overlap({"overlap": True, "overlap_steps": 8}, 8) == 8
     line = describe_sync("diloco", 4, [2, 1], DILOCO_DEFAULTS, fragments=2, overlap=2)
-    assert "each merge is sent in the background while the ranks train on, its outer step applied at the next" in line
+    assert (
+        "each merge is sent in the background while the ranks train on from the outer step of their own progress, its"
+        " outer step applied at the next" in line
+    )
+    assert "train on from their own parameters, its outer step applied 1 training steps later" in describe_sync(
+        "diloco", 4, [2, 1], DILOCO_DEFAULTS, overlap=1, eager=False
+    )
     assert "applied 1 training steps later" in describe_sync("diloco", 4, [2, 1], DILOCO_DEFAULTS, overlap=1)
     assert "background" not in describe_sync("diloco", 4, [2, 1], DILOCO_DEFAULTS, fragments=2)
 
@@ -193,6 +200,26 @@ def test_overlap_steps_are_refused_outside_1_to_the_steps_between_merges_or_with
     message = (
         rf"`sync_options\['overlap_steps'\]={options['overlap_steps']!r}` must be a whole number from 1 to {interval}"
     )
+    with pytest.raises(ValueError, match=message):
+        check_sync_arguments("diloco", 4, None, options)
+
+
+def test_eager_is_an_overlap_option_true_by_default():
+    """``eager`` (what a rank trains on from while a merge is in flight) is read with overlap alone; its default is
+    the outer step of the rank's own progress."""
+    assert check_sync_arguments("diloco", 4, None, {"overlap": True, "eager": False}) == DILOCO_DEFAULTS
+    assert check_sync_arguments("local_sgd", 4, None, {"overlap": True, "eager": True}) is None
+    assert sync_eager(None) is True and sync_eager({"overlap": True}) is True
+    assert sync_eager({"overlap": True, "eager": False}) is False
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"eager": False}, {"overlap": False, "eager": True}, {"overlap": True, "eager": 0},
+     {"overlap": True, "eager": "no"}],
+)  # fmt: skip
+def test_eager_is_refused_without_overlap_or_other_than_true_or_false(options):
+    message = rf"`sync_options\['eager'\]={options['eager']!r}` must be True or False, given with `overlap=True`"
     with pytest.raises(ValueError, match=message):
         check_sync_arguments("diloco", 4, None, options)
 

@@ -262,6 +262,7 @@ def streaming_reference(
     lr: float = 0.05,
     momentum: float = 0.9,
     overlap: Optional[int] = None,
+    eager: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Streaming DiLoCo in plain torch: as local_reference, but after step s only the fragments due then merge (each
     a range of the model's values, cut inside a tensor where it ends there, weighted by the samples each rank
@@ -269,7 +270,8 @@ def streaming_reference(
     fragment merges.
 
     ``overlap`` (training steps; None: off): each rank sends what it trained since it last sent and meanwhile takes
-    the outer step its own progress would give (on a copy of the outer optimizer); the merge's outer step is applied
+    the outer step its own progress would give (on a copy of the outer optimizer; ``eager`` False: trains on from
+    where it is); the merge's outer step is applied
     ``overlap`` steps later (the epoch's end waits for it), and each rank's values then become the anchor plus what
     it trained since it sent."""
     start = make_network()
@@ -325,7 +327,9 @@ def streaming_reference(
             samples[fragment] = [0] * len(micro)
         for rank, net in enumerate(nets):
             own = piece_values(net)
-            if overlap is not None and not last:  # the outer step of its own progress (a copy of the outer optimizer's)
+            if (
+                overlap is not None and eager and not last
+            ):  # the outer step of its own progress (a copy of the outer optimizer's)
                 copies = [torch.nn.Parameter(value.detach().clone()) for value in anchor]
                 tentative = torch.optim.SGD(copies, lr=outer["outer_lr"], momentum=outer["outer_momentum"],
                                             nesterov=outer["nesterov"])  # fmt: skip
@@ -376,16 +380,22 @@ def test_streaming_fragments_merge_in_turn_as_the_plain_torch_reference_with_a_f
     assert sent[4] == others + 4 * sum(sizes) + 8  # the epoch's end: both fragments (a count each)
 
 
-@pytest.mark.parametrize(("fragments", "overlap_steps"), [(1, 2), (2, None), (1, None)])
-def test_an_overlapped_merge_is_applied_one_merge_late_as_the_plain_torch_reference(fragments, overlap_steps, tmp_path):
+@pytest.mark.parametrize(("fragments", "overlap_steps", "eager"), [(1, 2, True), (2, None, True), (1, None, True),
+                                                                    (1, 2, False)])  # fmt: skip
+def test_an_overlapped_merge_is_applied_one_merge_late_as_the_plain_torch_reference(
+    fragments, overlap_steps, eager, tmp_path
+):
     """DiLoCo with `overlap=True`, inner steps [2, 1], sync_every 2 (merges sent after steps 2 and 4, or one fragment
     after each of steps 1-4): each merge's outer step is applied one step after it was sent (the default; with 2
     fragments that is the next merge) or, with `overlap_steps=2`, at the next merge, and the epoch's end waits for
-    it; the parameters are the stale-by-one reference's, and not the reference's without overlap. The report names
-    each rank's wait on the link."""
+    it; meanwhile each rank trains on from its own progress's outer step (the default) or, with `eager=False`, from
+    its own parameters. The parameters are the stale-by-one reference's, and not the reference's without overlap
+    nor the other stand-in's. The report names each rank's wait on the link."""
     options = {"fragments": fragments, "overlap": True}
     if overlap_steps is not None:
         options["overlap_steps"] = overlap_steps
+    if not eager:
+        options["eager"] = False
     arguments = local_args("diloco", [4, 4], sync_every=2, inner_steps=[2, 1], sync_options=options)
     run = run_fit(tmp_path, *arguments, "--samples", "60")
     assert run.returncode == 0, run.output[-4000:]
@@ -394,15 +404,20 @@ def test_an_overlapped_merge_is_applied_one_merge_late_as_the_plain_torch_refere
     outer = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
     dataset = IndexedRegression(60)
     applied_after = overlap_steps or 1
-    reference = streaming_reference(dataset, steps, [4, 4], [2, 1], 2, fragments, outer, overlap=applied_after)
+    reference = streaming_reference(dataset, steps, [4, 4], [2, 1], 2, fragments, outer, overlap=applied_after,
+                                    eager=eager)  # fmt: skip
     assert max_param_difference(run.result, reference) <= TOLERANCE
+    other_stand_in = streaming_reference(dataset, steps, [4, 4], [2, 1], 2, fragments, outer, overlap=applied_after,
+                                         eager=not eager)  # fmt: skip
+    assert max_param_difference(run.result, other_stand_in) > 1e-4
     waited = streaming_reference(dataset, steps, [4, 4], [2, 1], 2, fragments, outer)
     assert max_param_difference(run.result, waited) > 1e-4
     assert "each merge is sent in the background while the ranks train on" in run.output
     if fragments == 1:  # (one step or two later: not the same run)
         other = 1 if applied_after == 2 else 2
-        assert max_param_difference(run.result, streaming_reference(dataset, steps, [4, 4], [2, 1], 2, fragments,
-                                                                    outer, overlap=other)) > 1e-4  # fmt: skip
+        applied_otherwise = streaming_reference(dataset, steps, [4, 4], [2, 1], 2, fragments, outer, overlap=other,
+                                                eager=eager)  # fmt: skip
+        assert max_param_difference(run.result, applied_otherwise) > 1e-4
     report = json.loads((tmp_path / "hetero" / "report.json").read_text())
     assert all(len(step["link_wait_seconds"]) == 2 for step in report["steps"])
     assert len(report["summary"]["link_wait_seconds_per_step"]) == 2

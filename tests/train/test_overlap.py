@@ -49,16 +49,18 @@ def flat(values: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([value.reshape(-1) for value in values])
 
 
-def stale_by_one_reference(steps: int, sync_every: int, fragments: int, overlap: Optional[int]) -> list[torch.Tensor]:
+def stale_by_one_reference(
+    steps: int, sync_every: int, fragments: int, overlap: Optional[int], eager: bool = True
+) -> list[torch.Tensor]:
     """Every rank's values (the model's, flattened) after ``steps`` training steps (the last ends the epoch), DiLoCo
     in plain torch.
 
     The values are cut into ``fragments`` ranges of equal size (to a value), inside a tensor where a range ends
     there. At a merge of fragment set D every rank sends the progress of D's values since it last sent them, weighted
     by its samples since; with overlap (None: off) each rank meanwhile takes the outer step its own progress would
-    give (on a copy of the outer optimizer), the merge's real outer step is applied ``overlap`` training steps later
-    (before anything else is sent), and each rank's values then become the new anchor plus what the rank trained
-    since it sent; the epoch's end waits for both."""
+    give (on a copy of the outer optimizer; ``eager`` False: it trains on from where it is), the merge's real outer
+    step is applied ``overlap`` training steps later (before anything else is sent), and each rank's values then
+    become the new anchor plus what the rank trained since it sent; the epoch's end waits for both."""
     start = flat(start_values())
     edges = [start.numel() * fragment // fragments for fragment in range(fragments + 1)]
     ranges = list(zip(edges, edges[1:]))
@@ -103,11 +105,11 @@ def stale_by_one_reference(steps: int, sync_every: int, fragments: int, overlap:
             averages.append(sum((n / total) * progress[r][fragment] for r, n in enumerate(samples[fragment])))
             samples[fragment] = [0] * len(SAMPLES)
         for rank in range(len(SAMPLES)):
-            eager = eager_step(anchor, outer, progress[rank]) if overlap is not None and not last else None
+            stand_in = eager_step(anchor, outer, progress[rank]) if overlap is not None and eager and not last else None
             for fragment in due:
                 begin, end = ranges[fragment]
-                if eager is not None:  # (overlap: the outer step of its own progress, until the average arrives)
-                    params[rank][begin:end] = eager[fragment]
+                if stand_in is not None:  # (overlap: the outer step of its own progress, until the average arrives)
+                    params[rank][begin:end] = stand_in[fragment]
                 sent_from[rank][begin:end] = params[rank][begin:end]
         pending = (due, averages, step)
         if last or overlap is None:
@@ -127,13 +129,15 @@ def eager_step(anchor, outer, progress):
     return [value.detach() for value in copies]
 
 
-def run_two_ranks(steps: int, sync_every: int, fragments: int, overlap: Optional[int]) -> list[list[torch.Tensor]]:
+def run_two_ranks(
+    steps: int, sync_every: int, fragments: int, overlap: Optional[int], eager: bool = True
+) -> list[list[torch.Tensor]]:
     gather, sum_of_two = ThreadGather(2), SumOfTwo()
     parameters = [[torch.nn.Parameter(value.clone()) for value in start_values()] for _ in SAMPLES]
     started_in_background = [0, 0]
 
     def run(rank: int) -> None:
-        training = LocalTraining("diloco", sync_every, OUTER, None, fragments=fragments, overlap=overlap)
+        training = LocalTraining("diloco", sync_every, OUTER, None, fragments=fragments, overlap=overlap, eager=eager)
         training.attach(parameters[rank], None)
         all_reduce = sum_of_two(rank)
 
@@ -154,21 +158,25 @@ def run_two_ranks(steps: int, sync_every: int, fragments: int, overlap: Optional
     return [[p.detach() for p in rank_parameters] for rank_parameters in parameters]
 
 
+@pytest.mark.parametrize("eager", [True, False])
 @pytest.mark.parametrize(("fragments", "overlap"), [(1, 3), (1, 1), (1, 2), (3, 1)])
 def test_an_overlapped_merge_is_the_stale_by_one_reference_and_leaves_the_ranks_equal_at_the_epochs_end(
-    fragments, overlap
+    fragments, overlap, eager
 ):
     """DiLoCo, sync_every 3, 10 steps (merges inside the epoch after steps 3, 6, 9; or one fragment every step with
-    3 fragments), each applied ``overlap`` steps after it was sent (3 or, with 3 fragments, 1: at the next merge):
-    both ranks end with the same parameters, the reference's within 1e-5; they differ from the run without overlap
-    (whose own reference it also matches), so the late outer step is what was tested."""
-    overlapped = run_two_ranks(10, 3, fragments, overlap)
+    3 fragments), each applied ``overlap`` steps after it was sent (3 or, with 3 fragments, 1: at the next merge),
+    each rank meanwhile training on from the eager step or (``eager`` False) from its own parameters: both ranks end
+    with the same parameters, the reference's within 1e-5; they differ from the other stand-in's and from the run
+    without overlap (whose own reference it also matches), so the late outer step is what was tested."""
+    overlapped = run_two_ranks(10, 3, fragments, overlap, eager)
     for a, b in zip(*overlapped):
         assert torch.equal(a, b)
-    reference = stale_by_one_reference(10, 3, fragments, overlap)
+    reference = stale_by_one_reference(10, 3, fragments, overlap, eager)
     assert (flat(overlapped[0]) - reference[0]).abs().max().item() <= 1e-5
+    other_stand_in = stale_by_one_reference(10, 3, fragments, overlap, not eager)
+    assert (flat(overlapped[0]) - other_stand_in[0]).abs().max().item() > 1e-4
     if overlap < 3 // fragments:  # (applied before the next merge: not the same run as applying it at the next one)
-        at_next_merge = stale_by_one_reference(10, 3, fragments, 3 // fragments)
+        at_next_merge = stale_by_one_reference(10, 3, fragments, 3 // fragments, eager)
         assert (flat(overlapped[0]) - at_next_merge[0]).abs().max().item() > 1e-4
     waited = run_two_ranks(10, 3, fragments, None)
     without = stale_by_one_reference(10, 3, fragments, None)
