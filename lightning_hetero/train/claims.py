@@ -179,10 +179,12 @@ class AsynchronousMerges:
         self.joined = 0  # merges of this epoch this rank joined
         self.trained = 0  # micro-batches this rank trained since the last merge
         self.finished = True  # the epoch's last merge is done
-        self._since = time.perf_counter()  # (the end of the last merge, or the epoch's start)
+        self._since = self._step_started = time.perf_counter()  # (the last merge's end or the epoch's start; and
+        # the start of this rank's last micro-batch)
         # One record per merge: the micro-batches this rank contributed, the seconds it spent in the merge (its wait
-        # for the last rank to reach it, and the exchange), of those the exchange's (``link_clock``'s), and this
-        # rank's mean seconds from one micro-batch to the next since the last merge (the loop's own time included)
+        # for the last rank to reach it, and the exchange), of those the exchange's (``link_clock``'s), this rank's
+        # mean seconds from one micro-batch to the next since the last merge (the loop's own time included), and from
+        # the start of its last micro-batch to the merge (what the others wait for at most, if it arrives last)
         self.records: list[dict[str, Any]] = []
 
     def epoch_starts(self, epoch: int, claims: int) -> None:
@@ -198,6 +200,7 @@ class AsynchronousMerges:
         for _ in range(due):
             self._run_merge()
             self.joined += 1
+        self._step_started = time.perf_counter()
 
     def micro_batch_trained(self) -> None:
         self.trained += 1
@@ -216,21 +219,25 @@ class AsynchronousMerges:
     def _run_merge(self) -> None:
         started, link = time.perf_counter(), self._link_clock()
         cycle = (started - self._since) / self.trained if self.trained else None
+        step = started - self._step_started if self.trained else None
         self._merge()
         self._since = time.perf_counter()
         self.records.append({"epoch": self.epoch, "micro_batches": self.trained, "seconds": self._since - started,
-                             "link_seconds": self._link_clock() - link, "cycle_seconds": cycle})  # fmt: skip
+                             "link_seconds": self._link_clock() - link, "cycle_seconds": cycle,
+                             "last_step_seconds": step})  # fmt: skip
         self.trained = 0
 
 
 def merge_summary(records_by_rank: list[list[dict[str, Any]]]) -> dict[str, Any]:
     """The run report's ``asynchronous`` section from every rank's merge records (the same merges on every rank):
     each merge's micro-batches per rank and each rank's wait in it for the last to arrive (its time there less the
-    least any rank spent there: the exchange and the merge's work are every rank's), and per rank the totals. Every
+    least any rank spent there: the exchange and the merge's work are every rank's), the time from the start of each
+    rank's last micro-batch to the merge (None: it trained none since the last), and per rank the totals. Every
     contribution was trained from the last merged parameters: ``staleness`` is 0 merges."""
     merges = [
         {"epoch": same[0]["epoch"], "micro_batches": [record["micro_batches"] for record in same],
-         "wait_seconds": [record["seconds"] - min(r["seconds"] for r in same) for record in same]}
+         "wait_seconds": [record["seconds"] - min(r["seconds"] for r in same) for record in same],
+         "last_step_seconds": [record.get("last_step_seconds") for record in same]}
         for same in zip(*records_by_rank)
     ]  # fmt: skip
     ranks = range(len(records_by_rank))

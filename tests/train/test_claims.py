@@ -418,11 +418,36 @@ def test_the_records_of_ranks_with_different_step_counts_are_exchanged_once_padd
 
 def test_the_reports_section_gives_each_merges_contributions_and_each_ranks_wait_for_the_last_to_arrive():
     records = [
-        [{"epoch": 0, "micro_batches": 6, "seconds": 0.30}, {"epoch": 0, "micro_batches": 7, "seconds": 0.10}],
-        [{"epoch": 0, "micro_batches": 2, "seconds": 0.10}, {"epoch": 0, "micro_batches": 1, "seconds": 0.25}],
-    ]
+        [{"epoch": 0, "micro_batches": 6, "seconds": 0.30, "last_step_seconds": 0.05},
+         {"epoch": 0, "micro_batches": 7, "seconds": 0.10, "last_step_seconds": 0.04}],
+        [{"epoch": 0, "micro_batches": 2, "seconds": 0.10, "last_step_seconds": 0.22},
+         {"epoch": 0, "micro_batches": 1, "seconds": 0.25, "last_step_seconds": None}],
+    ]  # fmt: skip
     summary = merge_summary(records)
     assert summary["merges"] == 2 and summary["micro_batches"] == [13, 3] and summary["staleness"] == 0
     assert summary["most_wait_seconds"] == [pytest.approx(0.20), pytest.approx(0.15)]
     assert summary["per_merge"][1]["micro_batches"] == [7, 1]
     assert summary["per_merge"][0]["wait_seconds"] == [pytest.approx(0.20), 0.0]
+    # (what rank 0 waited for: rank 1's last micro-batch, begun 0.22 s before it reached the merge)
+    assert summary["per_merge"][0]["last_step_seconds"] == [0.05, 0.22]
+    assert summary["per_merge"][1]["last_step_seconds"] == [0.04, None]
+
+
+def test_a_merge_records_the_time_from_the_start_of_the_ranks_last_micro_batch_and_its_mean_cycle(monkeypatch):
+    """One rank, a clock that moves by hand: two micro-batches of 0.1 s and 0.3 s, each after 0.05 s of the loop's
+    own time, then the epoch's end: the merge records 0.3 s for the last micro-batch (from its start, after the
+    merges due before it) and a cycle of 0.25 s, the mean time per micro-batch since the epoch's start (the loop's
+    own time included)."""
+    clock = [100.0]
+    monkeypatch.setattr("lightning_hetero.train.claims.time.perf_counter", lambda: clock[0])
+    merges = AsynchronousMerges(sync_every=8, world_size=1, taken=lambda epoch: 0, merge=lambda: None)
+    merges.epoch_starts(0, claims=2)
+    for claim, seconds in enumerate([0.1, 0.3]):
+        clock[0] += 0.05
+        merges.before_micro_batch(claim, {claim})
+        clock[0] += seconds
+        merges.micro_batch_trained()
+    merges.epoch_ends()
+    assert len(merges.records) == 1
+    assert merges.records[0]["last_step_seconds"] == pytest.approx(0.3)
+    assert merges.records[0]["cycle_seconds"] == pytest.approx(0.25)
