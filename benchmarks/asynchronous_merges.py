@@ -20,9 +20,9 @@ The figures, per run:
   its compute (the run report's ``wait_seconds``: its wait, its own optimizer steps and a merge's exchange);
   asynchronous, each rank's time in each merge less the least any rank spent in it (the last to arrive waits for
   nobody); the most and the median; and for the asynchronous fit the most over the slowed rank's median time from one
-  micro-batch to the next (its step and the loop's own time between steps), and merge by merge over the micro-batch
-  waited for (the last rank to arrive, from the start of its last micro-batch to the merge: what the claims bound
-  a wait by);
+  micro-batch to the next (its step and the loop's own time between steps), and for the merges the slowed rank
+  reached last, merge by merge over the micro-batch waited for (the slowed rank's, from the start of its last
+  micro-batch to the merge: what the claims bound a wait by);
 - each fit's training time, and the samples each epoch trained (the run report's batch sizes).
 """
 
@@ -105,12 +105,13 @@ def asynchronous_waits(merges: list[list[dict[str, Any]]], epoch_ends: bool = Fa
     return [wait for i in after for wait in per_merge[i]["wait_seconds"]]
 
 
-def waits_over_the_step_waited_for(merges: list[list[dict[str, Any]]], epoch_ends: bool = False) -> list[float]:
-    """Each wait in each merge after the drift over the micro-batch it waited for: the last rank to reach the merge
-    (the one that waited least) from the start of its last micro-batch to the merge (the run report's
-    ``last_step_seconds``). At most 1 when a rank waits for no more than the micro-batch the last one is in; a merge
-    whose last rank trained nothing since the merge before is left out. Inside the epochs, or (``epoch_ends``) each
-    epoch's last merge."""
+def waits_for_the_slowed_rank(merges: list[list[dict[str, Any]]], epoch_ends: bool = False) -> list[float]:
+    """Each wait for the slowed rank after the drift (the merges it reached last) over the micro-batch waited for: the
+    slowed rank's time from the start of its last micro-batch (its decision to train it) to the merge (the run
+    report's ``last_step_seconds``). At most 1 (to the measurement's precision: a wait is a difference of times in
+    the merge) when a rank waits for no more than the micro-batch the slowed rank is in. Inside the epochs, or
+    (``epoch_ends``) each epoch's last merge. (The slowed rank's own waits for a faster rank, by the claims' rule at
+    most that rank's micro-batch, are in :func:`asynchronous_waits`.)"""
     per_merge = merge_summary(merges)["per_merge"]
     last = {merge["epoch"]: index for index, merge in enumerate(per_merge)}
     ratios = []
@@ -118,10 +119,9 @@ def waits_over_the_step_waited_for(merges: list[list[dict[str, Any]]], epoch_end
         merge = per_merge[i]
         if (i == last[merge["epoch"]]) != epoch_ends or "last_step_seconds" not in merge:
             continue
-        arrived_last = min(range(len(merge["wait_seconds"])), key=lambda rank: merge["wait_seconds"][rank])
-        step = merge["last_step_seconds"][arrived_last]
-        if step:
-            ratios += [wait / step for rank, wait in enumerate(merge["wait_seconds"]) if rank != arrived_last]
+        waits, step = merge["wait_seconds"], merge["last_step_seconds"][SLOW_RANK]
+        if step and min(waits) == waits[SLOW_RANK]:
+            ratios += [wait / step for rank, wait in enumerate(waits) if rank != SLOW_RANK]
     return ratios
 
 
@@ -152,7 +152,7 @@ def analyse(fits: dict[str, dict[str, Any]], epochs: int) -> dict[str, Any]:
             at_ends = asynchronous_waits(fit["merges"], epoch_ends=True)
             extra.update({"slow_cycle_seconds": cycle, "most_wait_over_slow_cycle": max(waits) / cycle,
                           "most_wait_at_epoch_ends_over_slow_cycle": max(at_ends) / cycle})  # fmt: skip
-            inside, at_end = (waits_over_the_step_waited_for(fit["merges"], ends) for ends in (False, True))
+            inside, at_end = (waits_for_the_slowed_rank(fit["merges"], ends) for ends in (False, True))
             if inside and at_end:  # (records of a version before last_step_seconds have neither)
                 extra.update({"most_wait_over_step_waited_for": max(inside),
                               "most_wait_at_epoch_ends_over_step_waited_for": max(at_end)})  # fmt: skip
@@ -210,9 +210,9 @@ def run_all(
                          f" ({f['slow_cycle_seconds'] * 1e3:.0f} ms) inside an epoch and"
                          f" {f['most_wait_at_epoch_ends_over_slow_cycle']:.2f} at an epoch's end")  # fmt: skip
             if f["most_wait_over_step_waited_for"] is not None:
-                cycle += (f"; over the micro-batch waited for, the most {f['most_wait_over_step_waited_for']:.2f}"
-                          f" inside an epoch, {f['most_wait_at_epoch_ends_over_step_waited_for']:.2f} at an epoch's"
-                          " end")  # fmt: skip
+                cycle += (f"; for it, over its micro-batch waited for, the most"
+                          f" {f['most_wait_over_step_waited_for']:.3f} inside an epoch,"
+                          f" {f['most_wait_at_epoch_ends_over_step_waited_for']:.3f} at an epoch's end")  # fmt: skip
             print(f"  {name}: final val loss {f['final_val_loss']:.4f} (last 3 epochs {f['last3_val_loss']:.4f}),"
                   f" {f['train_seconds']:.1f} s; after the drift the most wait for the slowest rank"
                   f" {f['most_wait_over_slow_step']:.2f} of its step ({f['slow_step_seconds'] * 1e3:.0f} ms), median"
@@ -231,7 +231,7 @@ def table(results: list[dict[str, Any]]) -> str:
     lines = [
         "| fit | final val loss | mean val loss, last 3 epochs | training seconds | most wait / slowed rank's step"
         " | median wait / slowed rank's step | most wait / slowed rank's micro-batch cycle, inside an epoch"
-        " | the same, at an epoch's end | most wait / the micro-batch waited for, inside an epoch"
+        " | the same, at an epoch's end | most wait for the slowed rank / its micro-batch waited for, inside an epoch"
         " | the same, at an epoch's end | samples an epoch |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -242,8 +242,8 @@ def table(results: list[dict[str, Any]]) -> str:
             f" | {values(name, 'median_wait_over_slow_step', '%.2f')}"
             f" | {values(name, 'most_wait_over_slow_cycle', '%.2f')}"
             f" | {values(name, 'most_wait_at_epoch_ends_over_slow_cycle', '%.2f')}"
-            f" | {values(name, 'most_wait_over_step_waited_for', '%.2f')}"
-            f" | {values(name, 'most_wait_at_epoch_ends_over_step_waited_for', '%.2f')}"
+            f" | {values(name, 'most_wait_over_step_waited_for', '%.3f')}"
+            f" | {values(name, 'most_wait_at_epoch_ends_over_step_waited_for', '%.3f')}"
             f" | {values(name, 'samples_per_epoch', '%d')} |"
         )
     lines.append(f"\nasynchronous / synchronous final loss: {values('loss_ratio', 'loss_ratio', '%.3f')}")
