@@ -21,6 +21,11 @@ alike (separate fits of each kind differed by up to 20 % between pairs here). A 
 median step time (the report's ``step_seconds``: the slowest rank's wall time from fetching its batch to the end of
 its optimizer step) and their ratio (the speedup of counting the wait); the busiest rank's compute plus wait (the
 part a split moves); the stalled rank's share of the batch; and whether the run report names the stall.
+
+``--sweep`` measures the ceiling instead: one fit whose phases of ``SWEEP_PHASE_STEPS`` steps run fixed splits in
+turn (the stalled rank's share 1/2, 5/16, 3/16, 1/8 and 1/16 of the global batch, re-planning off), each split's step
+time the median over the second halves of its phases; the figure is each split's speedup over the equal one: what the
+best split could give on this machine and model, whatever the re-planner does.
 """
 
 from __future__ import annotations
@@ -55,12 +60,23 @@ KINDS = ("ignoring", "counting")  # phase 0 ignores, phase 1 counts, ...
 HIDDEN = 384
 
 
+# The sweep's fixed splits, as the stalled rank's share of the global batch in sixteenths, in turn
+SWEEP_SHARES, SWEEP_PHASE_STEPS = (8, 5, 3, 2, 1), 40
+
+
 def kind_of_step(step: int) -> str:
     return KINDS[(step // PHASE_STEPS) % 2]
 
 
-def fit(epochs: int, stall_seconds: float, hidden: int, global_batch: int, out: Path) -> None:
-    """One Trainer.fit on every rank, its phases taking turns; the run report is written to ``out/hetero``."""
+def sweep_split(step: int, global_batch: int) -> tuple[int, int]:
+    """The sweep's split in force from training step ``step`` (the stalled rank is rank 1)."""
+    stalled = global_batch * SWEEP_SHARES[(step // SWEEP_PHASE_STEPS) % len(SWEEP_SHARES)] // 16
+    return global_batch - stalled, stalled
+
+
+def fit(epochs: int, stall_seconds: float, hidden: int, global_batch: int, out: Path, sweep: bool = False) -> None:
+    """One Trainer.fit on every rank, its phases taking turns (``sweep``: fixed splits); the run report is written to
+    ``out/hetero``."""
     import torch
     import torch.distributed as dist
     from lightning.pytorch import Trainer, seed_everything
@@ -105,6 +121,18 @@ def fit(epochs: int, stall_seconds: float, hidden: int, global_batch: int, out: 
 
     replan.refit_cost_models = phased_refit  # (Rebalancer.consider looks it up in the module)
 
+    def fixed_split(self: Any, steps: Any, next_step: int) -> Any:
+        """The sweep: the phase's split from its first step on, whatever the steps measured."""
+        sizes = sweep_split(next_step, global_batch)
+        if next_step % SWEEP_PHASE_STEPS or sizes == tuple(self.split):
+            return None
+        self.adopt(sizes, next_step)
+        self.replans.append(replan.Replan(next_step, sizes, 0.0))
+        return self.replans[-1]
+
+    if sweep:
+        replan.Rebalancer.consider = fixed_split
+
     seed_everything(0)
     strategy = HeteroStrategy(stage=0, rebalance_window=WINDOW)
     data = StalledSpirals(batch_size=global_batch // 2, train_samples=global_batch * STEPS_PER_EPOCH, val_samples=512)
@@ -130,6 +158,22 @@ def phase_figures(steps: list[dict[str, Any]]) -> dict[str, Any]:
         ) * 1e3,
         "batch_sizes": steps[-1]["batch_sizes"],
         "stalled_rank_share": steps[-1]["batch_sizes"][STALLED_RANK] / sum(steps[-1]["batch_sizes"]),
+    }  # fmt: skip
+
+
+def sweep_figures(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per fixed split (the stalled rank's samples): each phase's median step time over its second half, their
+    median, and the speedup of that median over the equal split's."""
+    per_split: dict[int, list[float]] = {}
+    for start in range(SWEEP_PHASE_STEPS, len(steps) - SWEEP_PHASE_STEPS + 1, SWEEP_PHASE_STEPS):
+        half = steps[start + SWEEP_PHASE_STEPS // 2 : start + SWEEP_PHASE_STEPS]
+        median = statistics.median(step["step_seconds"] for step in half) * 1e3
+        per_split.setdefault(half[-1]["batch_sizes"][STALLED_RANK], []).append(median)
+    equal = statistics.median(per_split[max(per_split)])
+    return {
+        str(stalled): {"phase_step_ms": times, "median_step_ms": statistics.median(times),
+                       "speedup_over_equal": equal / statistics.median(times)}
+        for stalled, times in sorted(per_split.items(), reverse=True)
     }  # fmt: skip
 
 
@@ -168,18 +212,23 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=HIDDEN)
     parser.add_argument("--global-batch", type=int, default=GLOBAL_BATCH)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--fit", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument("--sweep", action="store_true", help="fixed splits in turn: the best split's speedup")
+    parser.add_argument("--sweep-epochs", type=int, default=15, help="with --sweep: the fit's epochs")
+    parser.add_argument("--fit", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.fit:
-        epochs, stall, hidden, global_batch, out = args.fit
-        fit(int(epochs), float(stall), int(hidden), int(global_batch), Path(out))
+        epochs, stall, hidden, global_batch, out, sweep = args.fit
+        fit(int(epochs), float(stall), int(hidden), int(global_batch), Path(out), sweep == "sweep")
+        return
+    if args.sweep:
+        sweep_main(args)
         return
     epochs = -(-args.phases * PHASE_STEPS // STEPS_PER_EPOCH)
     runs = []
     for run in range(args.runs):
         out = args.out.parent / "data_stall_runs" / f"run{run}"
         out.mkdir(parents=True, exist_ok=True)
-        setting = [str(epochs), str(args.stall_ms / 1e3), str(args.hidden), str(args.global_batch), str(out)]
+        setting = [str(epochs), str(args.stall_ms / 1e3), str(args.hidden), str(args.global_batch), str(out), "-"]
         command = [sys.executable, __file__, "--fit", *setting]
         run_job(command, out / "log.txt", dict(os.environ), FIT_TIMEOUT, f"run {run}")
         figures = run_figures(json.loads((out / "hetero" / "report.json").read_text()))
@@ -219,6 +268,28 @@ def main() -> None:
     print(f"step speedup from counting the wait for data, every pair: {', '.join(f'{s:.2f}x' for s in speedups)};"
           f" per run (median) {', '.join(f'{s:.2f}x' for s in run_medians)}; median of all"
           f" {result['median_step_speedup']:.2f}x; written to {args.out}")  # fmt: skip
+
+
+def sweep_main(args: argparse.Namespace) -> None:
+    """``--sweep``: one fit of fixed splits in turn; prints and writes each split's step time and speedup."""
+    out = args.out.parent / "data_stall_runs" / "sweep"
+    out.mkdir(parents=True, exist_ok=True)
+    setting = [str(args.sweep_epochs), str(args.stall_ms / 1e3), str(args.hidden), str(args.global_batch), str(out)]
+    run_job([sys.executable, __file__, "--fit", *setting, "sweep"], out / "log.txt", dict(os.environ), FIT_TIMEOUT,
+            "sweep")  # fmt: skip
+    figures = sweep_figures(json.loads((out / "hetero" / "report.json").read_text())["steps"])
+    for stalled, split in figures.items():
+        print(f"the stalled rank at {stalled} of {args.global_batch} samples: step"
+              f" {', '.join(f'{t:.2f}' for t in split['phase_step_ms'])} ms (median {split['median_step_ms']:.2f});"
+              f" {split['speedup_over_equal']:.3f}x the equal split")  # fmt: skip
+    best = max(split["speedup_over_equal"] for split in figures.values())
+    result = {"setting": {"stall_ms": args.stall_ms, "hidden": args.hidden, "global_batch": args.global_batch,
+                          "epochs": args.sweep_epochs, "phase_steps": SWEEP_PHASE_STEPS}, "splits": figures,
+              "best_speedup_over_equal": best}  # fmt: skip
+    path = args.out.with_name(args.out.stem + "_sweep.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    print(f"the best fixed split: {best:.3f}x the equal split; written to {path}")
 
 
 if __name__ == "__main__":
