@@ -110,24 +110,26 @@ def waits_for_the_slowed_rank(merges: list[list[dict[str, Any]]], epoch_ends: bo
     slowed rank's time from the start of its last micro-batch (its decision to train it) to the merge (the run
     report's ``last_step_seconds``). At most 1 (to the measurement's precision: a wait is a difference of times in
     the merge) when a rank waits for no more than the micro-batch the slowed rank is in. Inside the epochs, or
-    (``epoch_ends``) each epoch's last merge. (The slowed rank's own waits for a faster rank, by the claims' rule at
-    most that rank's micro-batch, are in :func:`asynchronous_waits`.)"""
+    (``epoch_ends``) each epoch's last merge. A merge inside the epoch that the slowed rank joins only after its last
+    micro-batch of the epoch counts as inside (the wait is still for that micro-batch), and the epoch's last merge
+    counts only where the slowed rank trained since the merge before. (The slowed rank's own waits for a faster rank,
+    by the claims' rule at most that rank's micro-batch, are in :func:`asynchronous_waits`.)"""
     per_merge = merge_summary(merges)["per_merge"]
     last = {merge["epoch"]: index for index, merge in enumerate(per_merge)}
     ratios = []
     for i in after_the_drift(merges):
         merge = per_merge[i]
-        if (i == last[merge["epoch"]]) != epoch_ends or "last_step_seconds" not in merge:
+        if (i == last[merge["epoch"]]) != epoch_ends:
             continue
         waits, step = merge["wait_seconds"], merge["last_step_seconds"][SLOW_RANK]
-        if step and min(waits) == waits[SLOW_RANK]:
+        if step and min(waits) == waits[SLOW_RANK]:  # (None: it trained nothing since, or an older version's records)
             ratios += [wait / step for rank, wait in enumerate(waits) if rank != SLOW_RANK]
     return ratios
 
 
 def slow_cycle_seconds(merges: list[list[dict[str, Any]]]) -> Optional[float]:
     """The slowed rank's median time from one micro-batch to the next after the drift (its step and the loop's own
-    time between steps: what a rank that waits for it can wait at most, by the claims' rule)."""
+    time between steps): a typical inner step of it, which the micro-batch another rank waits for can exceed."""
     cycles = [merges[SLOW_RANK][i].get("cycle_seconds") for i in after_the_drift(merges)]
     known = [cycle for cycle in cycles if cycle is not None]
     return statistics.median(known) if known else None  # (none in the records of an older version)
@@ -153,9 +155,10 @@ def analyse(fits: dict[str, dict[str, Any]], epochs: int) -> dict[str, Any]:
             extra.update({"slow_cycle_seconds": cycle, "most_wait_over_slow_cycle": max(waits) / cycle,
                           "most_wait_at_epoch_ends_over_slow_cycle": max(at_ends) / cycle})  # fmt: skip
             inside, at_end = (waits_for_the_slowed_rank(fit["merges"], ends) for ends in (False, True))
-            if inside and at_end:  # (records of a version before last_step_seconds have neither)
-                extra.update({"most_wait_over_step_waited_for": max(inside),
-                              "most_wait_at_epoch_ends_over_step_waited_for": max(at_end)})  # fmt: skip
+            if inside:  # (none in the records of a version before last_step_seconds)
+                extra["most_wait_over_step_waited_for"] = max(inside)
+            if at_end:
+                extra["most_wait_at_epoch_ends_over_step_waited_for"] = max(at_end)
         figures[name] = {
             **extra,
             "final_val_loss": fit["curve"][-1]["val_loss"],

@@ -24,8 +24,8 @@ part a split moves); the stalled rank's share of the batch; and whether the run 
 
 ``--sweep`` measures the ceiling instead: one fit whose phases of ``SWEEP_PHASE_STEPS`` steps run fixed splits in
 turn (the stalled rank's share 1/2, 5/16, 3/16, 1/8 and 1/16 of the global batch, re-planning off), each split's step
-time the median over the second halves of its phases; the figure is each split's speedup over the equal one: what the
-best split could give on this machine and model, whatever the re-planner does.
+time the median of its phases' medians (each over the phase's second half); the figure is each split's speedup over
+the equal one: what a fixed split gave on this machine and model, whatever the re-planner does.
 """
 
 from __future__ import annotations
@@ -60,8 +60,10 @@ KINDS = ("ignoring", "counting")  # phase 0 ignores, phase 1 counts, ...
 HIDDEN = 384
 
 
-# The sweep's fixed splits, as the stalled rank's share of the global batch in sixteenths, in turn
+# The sweep's fixed splits, as the stalled rank's share of the global batch in sixteenths, in turn; a phase is a whole
+# number of windows (a split changes only where the re-planner decides, every WINDOW steps)
 SWEEP_SHARES, SWEEP_PHASE_STEPS = (8, 5, 3, 2, 1), 40
+assert SWEEP_PHASE_STEPS % WINDOW == 0
 
 
 def kind_of_step(step: int) -> str:
@@ -162,8 +164,9 @@ def phase_figures(steps: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def sweep_figures(steps: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per fixed split (the stalled rank's samples): each phase's median step time over its second half, their
-    median, and the speedup of that median over the equal split's."""
+    """Per fixed split (the stalled rank's samples): each phase's median step time over its second half, the median
+    of those, and its speedup over the equal split's. The first phase is left out: it runs the plan's split, the
+    sweep's first switch being at the end of it."""
     per_split: dict[int, list[float]] = {}
     for start in range(SWEEP_PHASE_STEPS, len(steps) - SWEEP_PHASE_STEPS + 1, SWEEP_PHASE_STEPS):
         half = steps[start + SWEEP_PHASE_STEPS // 2 : start + SWEEP_PHASE_STEPS]

@@ -83,8 +83,8 @@ class HeteroStrategy(DeepSpeedStrategy):
         sync: ``"every_step"`` (default), or ``"local_sgd"`` / ``"diloco"``: each rank trains on its own and every
             ``sync_every`` steps the ranks merge their deltas weighted by samples, a fast rank taking more inner steps
             (``inner_steps``, e.g. ``[2, 1]``; default: planned) (:mod:`lightning_hetero.plan.local_steps`). ZeRO-0.
-        sync_options: DiLoCo's outer optimizer (``outer_lr`` 0.7, ``outer_momentum`` 0.9, ``nesterov``), ``fragments``,
-            ``overlap``/``overlap_steps``/``eager``, ``asynchronous`` (:mod:`lightning_hetero.train.claims`).
+        sync_options: DiLoCo's outer optimizer (``outer_lr`` 0.7, ``outer_momentum`` 0.9, ``nesterov`` True),
+            ``fragments``, ``overlap``/``overlap_steps``/``eager`` and ``asynchronous`` (see docs/usage.md).
         lr_scaling: ``"linear"`` or ``"sqrt"``: a resume whose global batch differs from the checkpoint's keeps it and
             scales the learning rate (default None: keep the checkpoint's; see :mod:`lightning_hetero.plan.lr_scaling`).
         trace: ``{"steps": [20, 21, 22]}``: those training steps recorded by ``torch.profiler`` on every rank, the

@@ -182,3 +182,20 @@ def test_a_refusal_in_the_survey_is_raised_through_the_gather_on_this_rank(tmp_p
     with pytest.raises(ValueError, match=r"accumulate_grad_batches=2\)` with `sync='local_sgd'`"):
         job.configure(config, trainer, module, torch.device("cpu"), plugin, None, False)
     assert collectives.calls == ["gather_objects"]  # the other rank learns of it in the same gather
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_the_overlaps_stand_in_reaches_the_local_training_and_the_ranks_agreement(eager):
+    """``sync_options['eager']`` is what the job's local training takes while a merge is in flight, and one of the
+    settings every rank must have been given alike (a rank with the other value would train another algorithm)."""
+
+    def settings_with(options):
+        local = {"sync": "diloco", "sync_every": 2, "sync_options": options}
+        return HeteroSettings.from_arguments(**{**ARGUMENTS, **local})
+
+    settings = settings_with({"overlap": True, "eager": False} if not eager else {"overlap": True})  # (the default)
+    job = HeteroJob(settings)
+    assert job.local is not None and job.local.overlap and job.local.eager is eager
+    other = settings_with({"overlap": True, "eager": not eager})
+    agreed = [s.agreement(None, {}, (None, None)) for s in (settings, other)]
+    assert agreed[0]["sync"] != agreed[1]["sync"]

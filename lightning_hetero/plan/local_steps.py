@@ -29,13 +29,11 @@ SYNC_MODES = ("every_step", "local_sgd", "diloco")
 LOCAL_MODES = ("local_sgd", "diloco")
 # DiLoCo's outer optimizer as its paper tuned it (outer SGD with Nesterov momentum, lr 0.7, momentum 0.9).
 DILOCO_DEFAULTS = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
-# Streaming (Douillard et al. 2025): the parameters in ``fragments`` groups, merged in turn, one every
-# sync_every / fragments steps, so that 1/fragments of the model is on the wire at a time; 1 merges all at once.
-# ``overlap``: a merge's exchange runs in the background while the ranks train on, and its outer step is applied
-# ``overlap_steps`` training steps after it was sent, 1 by default; ``eager``: until then each rank trains on from the
-# outer step of its own progress (eager DiLoCo) rather than from its own parameters (see train/local_sgd.py).
+# Streaming (Douillard et al. 2025): ``fragments`` groups of the parameters merged in turn, one every sync_every /
+# fragments steps (1/fragments of the model on the wire at a time; 1 merges all at once). ``overlap``: a merge's
+# exchange runs behind the next ``overlap_steps`` training steps (1 by default), each rank meanwhile training on from
+# the outer step of its own progress (``eager``, True by default: eager DiLoCo) or its own parameters (local_sgd.py).
 STREAMING_KEYS = ("fragments", "overlap", "overlap_steps", "eager")
-EAGER_DEFAULT = True
 # Merges by speed (train/claims.py): each rank takes the micro-batches it has time for, and a merge takes what it has.
 ASYNCHRONOUS_KEY = "asynchronous"
 SYNC_OPTION_KEYS = (*DILOCO_DEFAULTS, *STREAMING_KEYS, ASYNCHRONOUS_KEY)
@@ -83,12 +81,14 @@ def check_sync_arguments(
         )
     sync_overlap(options, sync_every)
     for key in (*STREAMING_KEYS, ASYNCHRONOUS_KEY):
-        options.pop(key, None)
+        if key != "eager" or sync != "local_sgd":  # (local SGD's eager step is the rank's own parameters: refused)
+            options.pop(key, None)
     if sync == "local_sgd":
         if options:
             raise ValueError(
                 f"`sync_options={sync_options!r}` is given with `sync='local_sgd'`, whose outer step is the plain"
-                " average. Use `sync='diloco'` for an outer optimizer."
+                " average (so `eager`, the outer step of a rank's own progress, is its own parameters either way)."
+                " Use `sync='diloco'` for an outer optimizer, or drop them."
             )
         return None
     settings = {**DILOCO_DEFAULTS, **options}
@@ -200,10 +200,9 @@ def sync_fragments(sync_options: Optional[Mapping[str, Any]], sync_every: int) -
 
 
 def sync_overlap(sync_options: Optional[Mapping[str, Any]], sync_every: int) -> Optional[int]:
-    """``sync_options['overlap']`` and ``['overlap_steps']`` checked: None without overlap, else the training steps
-    after which a merge sent in the background is applied: 1 by default, at most ``sync_every / fragments`` (the next
-    merge). Measured (docs/local-sgd.md): applied at the next merge, DiLoCo's final loss was about twice as high; one
-    step later it was DiLoCo's own, the link still hidden."""
+    """``sync_options['overlap']``, ``['overlap_steps']`` and ``['eager']`` checked: None without overlap, else the
+    training steps after which a merge sent in the background is applied: 1 by default, at most the next merge
+    (measured in docs/local-sgd.md: at the next merge DiLoCo's final loss about doubled; one step later it held)."""
     options = sync_options or {}
     overlap, steps = options.get("overlap", False), options.get("overlap_steps")
     if not isinstance(overlap, bool):
@@ -219,7 +218,7 @@ def sync_overlap(sync_options: Optional[Mapping[str, Any]], sync_every: int) -> 
             " training steps later (fewer: a fresher model, the link's time hidden behind fewer steps)."
         )
     eager = options.get("eager")
-    if eager is not None and (not overlap or not isinstance(eager, bool)):
+    if "eager" in options and (not overlap or not isinstance(eager, bool)):
         raise ValueError(
             f"`sync_options['eager']={eager!r}` must be True or False, given with `overlap=True`: until a merge sent in"
             " the background arrives, True trains on from the outer step of the rank's own progress (eager DiLoCo),"
@@ -232,7 +231,8 @@ def sync_overlap(sync_options: Optional[Mapping[str, Any]], sync_every: int) -> 
 
 def sync_eager(sync_options: Optional[Mapping[str, Any]]) -> bool:
     """``sync_options['eager']`` (checked by :func:`sync_overlap`), its default where not given."""
-    return bool((sync_options or {}).get("eager", EAGER_DEFAULT))
+    eager = (sync_options or {}).get("eager")
+    return True if eager is None else bool(eager)
 
 
 def sync_asynchronous(sync_options: Optional[Mapping[str, Any]], inner_steps: Optional[Sequence[int]],
@@ -284,7 +284,7 @@ def describe_sync(
     options: Optional[Mapping[str, Any]],
     fragments: int = 1,
     overlap: Optional[int] = None,
-    eager: bool = EAGER_DEFAULT,
+    eager: bool = True,
 ) -> str:
     """One line for the plan: how the ranks synchronize."""
     if sync not in LOCAL_MODES:
@@ -302,7 +302,7 @@ def describe_sync(
         f" (each every {sync_every}),"
     )
     applied = "at the next one" if overlap == sync_every // fragments else f"{overlap} training steps later"
-    stand_in = "the outer step of their own progress" if eager else "their own parameters"
+    stand_in = "the outer step of their own progress" if eager and sync == "diloco" else "their own parameters"
     overlapped = (
         f"; each merge is sent in the background while the ranks train on from {stand_in}, its outer step applied"
         f" {applied}"

@@ -204,19 +204,23 @@ def test_overlap_steps_are_refused_outside_1_to_the_steps_between_merges_or_with
         check_sync_arguments("diloco", 4, None, options)
 
 
-def test_eager_is_an_overlap_option_true_by_default():
+def test_eager_is_an_overlap_option_of_diloco_true_by_default():
     """``eager`` (what a rank trains on from while a merge is in flight) is read with overlap alone; its default is
-    the outer step of the rank's own progress."""
+    the outer step of the rank's own progress. With local SGD that step is the rank's own parameters whatever
+    ``eager`` says, so it is refused there; the plan line says what the ranks train on from."""
     assert check_sync_arguments("diloco", 4, None, {"overlap": True, "eager": False}) == DILOCO_DEFAULTS
-    assert check_sync_arguments("local_sgd", 4, None, {"overlap": True, "eager": True}) is None
     assert sync_eager(None) is True and sync_eager({"overlap": True}) is True
     assert sync_eager({"overlap": True, "eager": False}) is False
+    for eager in (True, False):
+        with pytest.raises(ValueError, match=r"is given with `sync='local_sgd'`.*`eager`.*is its own parameters"):
+            check_sync_arguments("local_sgd", 4, None, {"overlap": True, "eager": eager})
+    assert "train on from their own parameters" in describe_sync("local_sgd", 4, [2, 1], None, overlap=1)
 
 
 @pytest.mark.parametrize(
     "options",
     [{"eager": False}, {"overlap": False, "eager": True}, {"overlap": True, "eager": 0},
-     {"overlap": True, "eager": "no"}],
+     {"overlap": True, "eager": "no"}, {"overlap": True, "eager": None}, {"eager": None}],
 )  # fmt: skip
 def test_eager_is_refused_without_overlap_or_other_than_true_or_false(options):
     message = rf"`sync_options\['eager'\]={options['eager']!r}` must be True or False, given with `overlap=True`"

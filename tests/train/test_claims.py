@@ -451,3 +451,26 @@ def test_a_merge_records_the_time_from_the_start_of_the_ranks_last_micro_batch_a
     assert len(merges.records) == 1
     assert merges.records[0]["last_step_seconds"] == pytest.approx(0.3)
     assert merges.records[0]["cycle_seconds"] == pytest.approx(0.25)
+
+
+def test_the_last_micro_batchs_time_leaves_out_the_merges_joined_before_it(monkeypatch):
+    """A merge after every claim (one rank, sync_every 1), each taking 1 s: the micro-batch after a merge is timed from
+    the end of that merge (its decision to train comes after it), so each merge's record holds that micro-batch's
+    0.2 s, not the merge's second."""
+    clock = [0.0]
+    monkeypatch.setattr("lightning_hetero.train.claims.time.perf_counter", lambda: clock[0])
+
+    def merge():
+        clock[0] += 1.0
+
+    current = [0]  # (the counter: this rank drew every claim up to the one it is about to train)
+    merges = AsynchronousMerges(sync_every=1, world_size=1, taken=lambda epoch: current[0], merge=merge)
+    merges.epoch_starts(0, claims=3)
+    for claim in range(3):
+        current[0] = claim
+        merges.before_micro_batch(claim, {claim})
+        clock[0] += 0.2
+        merges.micro_batch_trained()
+    merges.epoch_ends()
+    steps = [record["last_step_seconds"] for record in merges.records]
+    assert len(steps) == 3 and steps == [pytest.approx(0.2)] * 3
