@@ -95,14 +95,19 @@ def after_the_drift(merges: list[list[dict[str, Any]]]) -> list[int]:
     return after
 
 
-def asynchronous_waits(merges: list[list[dict[str, Any]]], epoch_ends: bool = False) -> list[float]:
-    """Each rank's wait in each merge after the drift for the last rank to reach it (the run report's: its time in
-    the merge less the least any rank spent in it, :func:`lightning_hetero.train.claims.merge_summary`). The merges
-    inside the epochs, or (``epoch_ends``) each epoch's last."""
+def merges_after_the_drift(merges: list[list[dict[str, Any]]], epoch_ends: bool) -> list[dict[str, Any]]:
+    """The run report's summary of each merge after the drift (:func:`lightning_hetero.train.claims.merge_summary`):
+    the merges inside the epochs, or (``epoch_ends``) each epoch's last."""
     per_merge = merge_summary(merges)["per_merge"]
     last = {merge["epoch"]: index for index, merge in enumerate(per_merge)}  # each epoch's last merge
-    after = [i for i in after_the_drift(merges) if (i == last[per_merge[i]["epoch"]]) == epoch_ends]
-    return [wait for i in after for wait in per_merge[i]["wait_seconds"]]
+    return [per_merge[i] for i in after_the_drift(merges) if (i == last[per_merge[i]["epoch"]]) == epoch_ends]
+
+
+def asynchronous_waits(merges: list[list[dict[str, Any]]], epoch_ends: bool = False) -> list[float]:
+    """Each rank's wait in each merge after the drift for the last rank to reach it (the run report's: its time in
+    the merge less the least any rank spent in it). The merges inside the epochs, or (``epoch_ends``) each epoch's
+    last."""
+    return [wait for merge in merges_after_the_drift(merges, epoch_ends) for wait in merge["wait_seconds"]]
 
 
 def waits_for_the_slowed_rank(merges: list[list[dict[str, Any]]], epoch_ends: bool = False) -> list[float]:
@@ -114,13 +119,8 @@ def waits_for_the_slowed_rank(merges: list[list[dict[str, Any]]], epoch_ends: bo
     micro-batch of the epoch counts as inside (the wait is still for that micro-batch), and the epoch's last merge
     counts only where the slowed rank trained since the merge before. (The slowed rank's own waits for a faster rank,
     by the claims' rule at most that rank's micro-batch, are in :func:`asynchronous_waits`.)"""
-    per_merge = merge_summary(merges)["per_merge"]
-    last = {merge["epoch"]: index for index, merge in enumerate(per_merge)}
     ratios = []
-    for i in after_the_drift(merges):
-        merge = per_merge[i]
-        if (i == last[merge["epoch"]]) != epoch_ends:
-            continue
+    for merge in merges_after_the_drift(merges, epoch_ends):
         waits, step = merge["wait_seconds"], merge["last_step_seconds"][SLOW_RANK]
         if step and min(waits) == waits[SLOW_RANK]:  # (None: it trained nothing since, or an older version's records)
             ratios += [wait / step for rank, wait in enumerate(waits) if rank != SLOW_RANK]
