@@ -10,8 +10,13 @@ the rank wait.
 
 Each fit alternates two kinds of phase of ``PHASE_STEPS`` training steps, re-planning every 10 steps:
 
-    ignoring   the re-planner as it was before it counted the wait for data: its refit is given the steps with the
-               wait set to 0, so it balances compute alone
+    ignoring   the split of a job that ignores the stall. ``--baseline equal`` (the default): the equal split, as
+               the plan gives two ranks of the same speed (and as DDP or DeepSpeed would run them), re-planning off
+               for the phase. ``--baseline compute``: the re-planner as it was before it counted the wait for data,
+               its refit given the steps with the wait set to 0, so it balances compute alone. (That one is not a
+               clean baseline: it starts from the counting phase's split and moves back only by steps worth more
+               than its noise margin, and the stalled rank's compute per sample is a few per cent slower after each
+               sleep, so it keeps part of the counting phase's shift: shares of 0.22-0.55 for the stalled rank.)
     counting   the re-planner as it is: each rank's time per step is its compute plus its wait for data, and the
                stalled rank gets fewer samples
 
@@ -22,10 +27,17 @@ median step time (the report's ``step_seconds``: the slowest rank's wall time fr
 its optimizer step) and their ratio (the speedup of counting the wait); the busiest rank's compute plus wait (the
 part a split moves); the stalled rank's share of the batch; and whether the run report names the stall.
 
-``--sweep`` measures the ceiling instead: one fit whose phases of ``SWEEP_PHASE_STEPS`` steps run fixed splits in
-turn (the stalled rank's share 1/2, 5/16, 3/16, 1/8 and 1/16 of the global batch, re-planning off), each split's step
-time the median of its phases' medians (each over the phase's second half); the figure is each split's speedup over
-the equal one: what a fixed split gave on this machine and model, whatever the re-planner does.
+``--pin`` runs each rank's threads on a core of its own, as two hosts would. Unpinned, the two ranks share this
+machine's two cores, and while the stalled rank sleeps the other rank's helper threads (gloo's, the heartbeat) run
+on its core: the stall then costs the pair less than it would cost two hosts (the equal split's step was 16.2 ms
+unpinned against 18.4 ms pinned in two sweeps of the same hour, the best split's 13.6 and 12.9 ms).
+
+``--sweep`` measures the ceiling instead: one fit whose phases of ``--sweep-phase-steps`` steps (default 40) run
+fixed splits in turn (``--sweep-shares``: the stalled rank's share in sixteenths of the global batch, default 8 5 3 2
+1, re-planning off), each split's step time the median of its phases' medians (each over the phase's second half);
+the figure is each split's speedup over the equal one: what a fixed split gave on this machine and model, whatever
+the re-planner does. With ``--sweep-phase-steps 10`` the splits change every window, so two splits alternate
+every 150 ms or so, closer than the machine's slow and fast spells.
 """
 
 from __future__ import annotations
@@ -60,25 +72,45 @@ KINDS = ("ignoring", "counting")  # phase 0 ignores, phase 1 counts, ...
 HIDDEN = 384
 
 
-# The sweep's fixed splits, as the stalled rank's share of the global batch in sixteenths, in turn; a phase is a whole
-# number of windows (a split changes only where the re-planner decides, every WINDOW steps)
+# The sweep's fixed splits by default, as the stalled rank's share of the global batch in sixteenths, in turn; a phase
+# is a whole number of windows (a split changes only where the re-planner decides, every WINDOW steps)
 SWEEP_SHARES, SWEEP_PHASE_STEPS = (8, 5, 3, 2, 1), 40
-assert SWEEP_PHASE_STEPS % WINDOW == 0
 
 
 def kind_of_step(step: int) -> str:
     return KINDS[(step // PHASE_STEPS) % 2]
 
 
-def sweep_split(step: int, global_batch: int) -> tuple[int, int]:
+def sweep_split(step: int, global_batch: int, shares: tuple[int, ...], phase_steps: int) -> tuple[int, int]:
     """The sweep's split in force from training step ``step`` (the stalled rank is rank 1)."""
-    stalled = global_batch * SWEEP_SHARES[(step // SWEEP_PHASE_STEPS) % len(SWEEP_SHARES)] // 16
+    stalled = global_batch * shares[(step // phase_steps) % len(shares)] // 16
     return global_batch - stalled, stalled
 
 
-def fit(epochs: int, stall_seconds: float, hidden: int, global_batch: int, out: Path, sweep: bool = False) -> None:
-    """One Trainer.fit on every rank, its phases taking turns (``sweep``: fixed splits); the run report is written to
-    ``out/hetero``."""
+def sweep_setting(text: str) -> tuple[tuple[int, ...], int]:
+    """The sweep's shares and phase steps from the fit's argument ``sweep:<phase steps>:<share>,<share>...``."""
+    _, phase_steps, shares = text.split(":")
+    return tuple(int(share) for share in shares.split(",")), int(phase_steps)
+
+
+def pin_to_own_core(rank: int) -> None:
+    """Every thread of this process on core ``rank`` alone (its threads so far; later ones inherit it)."""
+    core = {rank % os.cpu_count()}
+    for thread in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(thread), core)
+
+
+def fit(
+    epochs: int,
+    stall_seconds: float,
+    hidden: int,
+    global_batch: int,
+    out: Path,
+    sweep: str = "-",
+    baseline: str = "equal",
+) -> None:
+    """One Trainer.fit on every rank, its phases taking turns (``sweep``: fixed splits, :func:`sweep_setting`); the
+    run report is written to ``out/hetero``."""
     import torch
     import torch.distributed as dist
     from lightning.pytorch import Trainer, seed_everything
@@ -89,6 +121,8 @@ def fit(epochs: int, stall_seconds: float, hidden: int, global_batch: int, out: 
     from lightning_hetero.plan import replan
 
     torch.set_num_threads(1)  # one core's worth per rank, as one device
+    if os.environ.get("DATA_STALL_PIN") == "1":
+        pin_to_own_core(int(os.environ.get("LOCAL_RANK", "0")))
 
     class StalledCollate:
         """The default collate, ``seconds`` late on rank ``rank`` (asked in the process, at each batch)."""
@@ -113,7 +147,7 @@ def fit(epochs: int, stall_seconds: float, hidden: int, global_batch: int, out: 
             points, labels = batch
             return torch.nn.functional.cross_entropy(self(points), labels)
 
-    counting_refit = replan.refit_cost_models
+    counting_refit, counting_consider = replan.refit_cost_models, replan.Rebalancer.consider
 
     def phased_refit(base: Any, steps: Any, window: int, micro_steps: bool = False) -> Any:
         """In an ignoring phase, the refit sees no wait for data (the step about to start decides the phase)."""
@@ -121,18 +155,34 @@ def fit(epochs: int, stall_seconds: float, hidden: int, global_batch: int, out: 
             steps = [{**step, "data_wait_seconds": [0.0] * len(step["batch_sizes"])} for step in steps]
         return counting_refit(base, steps, window, micro_steps)
 
-    replan.refit_cost_models = phased_refit  # (Rebalancer.consider looks it up in the module)
+    def equal_or_counting(self: Any, steps: Any, next_step: int) -> Any:
+        """``--baseline equal``: an ignoring phase runs the equal split from its first step; a counting phase
+        re-plans as the package does."""
+        if kind_of_step(next_step) == "counting":
+            return counting_consider(self, steps, next_step)
+        equal = (global_batch - global_batch // 2, global_batch // 2)
+        if next_step % PHASE_STEPS or tuple(self.split) == equal:
+            return None
+        self.adopt(equal, next_step)
+        self.replans.append(replan.Replan(next_step, equal, 0.0))
+        return self.replans[-1]
+
+    if baseline == "compute":
+        replan.refit_cost_models = phased_refit  # (Rebalancer.consider looks it up in the module)
+    else:
+        replan.Rebalancer.consider = equal_or_counting
 
     def fixed_split(self: Any, steps: Any, next_step: int) -> Any:
         """The sweep: the phase's split from its first step on, whatever the steps measured."""
-        sizes = sweep_split(next_step, global_batch)
-        if next_step % SWEEP_PHASE_STEPS or sizes == tuple(self.split):
+        sizes = sweep_split(next_step, global_batch, shares, phase_steps)
+        if next_step % phase_steps or sizes == tuple(self.split):
             return None
         self.adopt(sizes, next_step)
         self.replans.append(replan.Replan(next_step, sizes, 0.0))
         return self.replans[-1]
 
-    if sweep:
+    if sweep != "-":
+        shares, phase_steps = sweep_setting(sweep)
         replan.Rebalancer.consider = fixed_split
 
     seed_everything(0)
@@ -163,13 +213,13 @@ def phase_figures(steps: list[dict[str, Any]]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def sweep_figures(steps: list[dict[str, Any]]) -> dict[str, Any]:
+def sweep_figures(steps: list[dict[str, Any]], phase_steps: int = SWEEP_PHASE_STEPS) -> dict[str, Any]:
     """Per fixed split (the stalled rank's samples): each phase's median step time over its second half, the median
     of those, and its speedup over the equal split's. The first phase is left out: it runs the plan's split, the
     sweep's first switch being at the end of it."""
     per_split: dict[int, list[float]] = {}
-    for start in range(SWEEP_PHASE_STEPS, len(steps) - SWEEP_PHASE_STEPS + 1, SWEEP_PHASE_STEPS):
-        half = steps[start + SWEEP_PHASE_STEPS // 2 : start + SWEEP_PHASE_STEPS]
+    for start in range(phase_steps, len(steps) - phase_steps + 1, phase_steps):
+        half = steps[start + phase_steps // 2 : start + phase_steps]
         median = statistics.median(step["step_seconds"] for step in half) * 1e3
         per_split.setdefault(half[-1]["batch_sizes"][STALLED_RANK], []).append(median)
     equal = statistics.median(per_split[max(per_split)])
@@ -217,13 +267,41 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--sweep", action="store_true", help="fixed splits in turn: the best split's speedup")
     parser.add_argument("--sweep-epochs", type=int, default=15, help="with --sweep: the fit's epochs")
-    parser.add_argument("--fit", nargs=6, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--sweep-shares",
+        type=int,
+        nargs="+",
+        default=list(SWEEP_SHARES),
+        help="with --sweep: the stalled rank's shares in turn, in sixteenths of the global batch",
+    )
+    parser.add_argument(
+        "--sweep-phase-steps",
+        type=int,
+        default=SWEEP_PHASE_STEPS,
+        help=f"with --sweep: the steps each split runs in turn (a multiple of {WINDOW})",
+    )
+    parser.add_argument(
+        "--baseline",
+        choices=("equal", "compute"),
+        default="equal",
+        help="the ignoring phases' split: the equal one, or the re-planner that balances compute alone",
+    )
+    parser.add_argument("--pin", action="store_true", help="each rank's threads on a core of its own")
+    parser.add_argument("--fit", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.fit:
-        epochs, stall, hidden, global_batch, out, sweep = args.fit
-        fit(int(epochs), float(stall), int(hidden), int(global_batch), Path(out), sweep == "sweep")
+        epochs, stall, hidden, global_batch, out, sweep, baseline = args.fit
+        fit(int(epochs), float(stall), int(hidden), int(global_batch), Path(out), sweep, baseline)
         return
+    if args.pin:
+        os.environ["DATA_STALL_PIN"] = "1"
     if args.sweep:
+        if args.sweep_phase_steps <= 0 or args.sweep_phase_steps % WINDOW:
+            parser.error(f"--sweep-phase-steps {args.sweep_phase_steps}: a split changes only every {WINDOW} steps;"
+                         f" give a positive multiple of {WINDOW}")  # fmt: skip
+        if not all(0 < share <= 8 for share in args.sweep_shares) or 8 not in args.sweep_shares:
+            parser.error(f"--sweep-shares {args.sweep_shares}: each share is 1 to 8 sixteenths, and 8 (the equal"
+                         " split, the speedups' reference) is one of them")  # fmt: skip
         sweep_main(args)
         return
     epochs = -(-args.phases * PHASE_STEPS // STEPS_PER_EPOCH)
@@ -231,7 +309,15 @@ def main() -> None:
     for run in range(args.runs):
         out = args.out.parent / "data_stall_runs" / f"run{run}"
         out.mkdir(parents=True, exist_ok=True)
-        setting = [str(epochs), str(args.stall_ms / 1e3), str(args.hidden), str(args.global_batch), str(out), "-"]
+        setting = [
+            str(epochs),
+            str(args.stall_ms / 1e3),
+            str(args.hidden),
+            str(args.global_batch),
+            str(out),
+            "-",
+            args.baseline,
+        ]
         command = [sys.executable, __file__, "--fit", *setting]
         run_job(command, out / "log.txt", dict(os.environ), FIT_TIMEOUT, f"run {run}")
         figures = run_figures(json.loads((out / "hetero" / "report.json").read_text()))
@@ -254,6 +340,8 @@ def main() -> None:
             "ranks": 2,
             "stalled_rank": STALLED_RANK,
             "stall_ms": args.stall_ms,
+            "baseline": args.baseline,
+            "pinned": args.pin,
             "hidden": args.hidden,
             "global_batch": args.global_batch,
             "window": WINDOW,
@@ -278,17 +366,20 @@ def sweep_main(args: argparse.Namespace) -> None:
     out = args.out.parent / "data_stall_runs" / "sweep"
     out.mkdir(parents=True, exist_ok=True)
     setting = [str(args.sweep_epochs), str(args.stall_ms / 1e3), str(args.hidden), str(args.global_batch), str(out)]
-    run_job([sys.executable, __file__, "--fit", *setting, "sweep"], out / "log.txt", dict(os.environ), FIT_TIMEOUT,
+    sweep = f"sweep:{args.sweep_phase_steps}:{','.join(str(share) for share in args.sweep_shares)}"
+    run_job([sys.executable, __file__, "--fit", *setting, sweep, "-"], out / "log.txt", dict(os.environ), FIT_TIMEOUT,
             "sweep")  # fmt: skip
-    figures = sweep_figures(json.loads((out / "hetero" / "report.json").read_text())["steps"])
+    steps = json.loads((out / "hetero" / "report.json").read_text())["steps"]
+    figures = sweep_figures(steps, args.sweep_phase_steps)
     for stalled, split in figures.items():
         print(f"the stalled rank at {stalled} of {args.global_batch} samples: step"
               f" {', '.join(f'{t:.2f}' for t in split['phase_step_ms'])} ms (median {split['median_step_ms']:.2f});"
               f" {split['speedup_over_equal']:.3f}x the equal split")  # fmt: skip
     best = max(split["speedup_over_equal"] for split in figures.values())
-    result = {"setting": {"stall_ms": args.stall_ms, "hidden": args.hidden, "global_batch": args.global_batch,
-                          "epochs": args.sweep_epochs, "phase_steps": SWEEP_PHASE_STEPS}, "splits": figures,
-              "best_speedup_over_equal": best}  # fmt: skip
+    result = {"setting": {"stall_ms": args.stall_ms, "pinned": args.pin, "hidden": args.hidden,
+                          "global_batch": args.global_batch, "epochs": args.sweep_epochs,
+                          "phase_steps": args.sweep_phase_steps, "shares_in_sixteenths": args.sweep_shares},
+              "splits": figures, "best_speedup_over_equal": best}  # fmt: skip
     path = args.out.with_name(args.out.stem + "_sweep.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
