@@ -62,13 +62,19 @@ def merges_in_epoch(every: int, claims: int) -> int:
     return merges_due(claims, 0, every, claims)
 
 
-def others_per_micro_batch(draws: Sequence[int]) -> Optional[float]:
+def others_per_micro_batch(draws: Sequence[int], every: Optional[int] = None, intervals: int = 4) -> Optional[float]:
     """How many claims the other ranks draw while this rank trains one micro-batch: ``draws`` are this rank's last
     draws from the counter, in order, one as it starts each micro-batch (when Lightning reads the next batch ahead).
-    None before two draws."""
-    if len(draws) < 2:
-        return None
-    return (draws[-1] - draws[0] - (len(draws) - 1)) / (len(draws) - 1)
+    The mean over the last ``intervals`` intervals between two draws in which the counter passed no merge's claim
+    (``m * every``; ``every`` None: no merge inside the epoch): in one that did, the others stopped at the merge and
+    waited there for this rank's micro-batch, drawing fewer than their speed gives, and a rate taken from it would
+    keep a slower rank drawing claims that the others would have trained sooner. None before one such interval."""
+    usable = [
+        later - earlier - 1
+        for earlier, later in zip(draws, draws[1:])
+        if every is None or earlier // every == later // every
+    ][-intervals:]
+    return sum(usable) / len(usable) if usable else None
 
 
 def leaves_the_rest(remaining: int, others_rate: Optional[float], others: int) -> bool:

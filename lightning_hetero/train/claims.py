@@ -47,7 +47,7 @@ from lightning_hetero.train.streams import HeteroStreamLoader
 
 # A client of the job's rendezvous store: ``add(key, amount) -> new value`` (TCPStore's).
 StoreAdd = Callable[[str, int], int]
-RATE_DRAWS = 5  # a rank's last draws that measure how fast the others draw (four of its micro-batches)
+RATE_DRAWS = 9  # a rank's last draws, whose intervals clear of a merge measure how fast the others draw
 
 
 class ClaimCounter:
@@ -77,9 +77,9 @@ class ClaimingBatchSampler(Sampler[list[int]]):
     """This rank's micro-batches of the epoch: its own first claim, then whatever the counter hands it. The claims it
     yields are queued in :attr:`pending` (in order), for the loader to tell which claim each batch came from."""
 
-    def __init__(self, order: Any, micro_batch: int, drop_last: bool, rank: int, world_size: int,
-                 counter: ClaimCounter, epoch_of: Optional[Callable[[], int]] = None) -> None:  # fmt: skip
-        self.sampler, self.micro_batch, self.drop_last = order, micro_batch, drop_last
+    def __init__(self, order: Any, micro_batch: int, drop_last: bool, rank: int, world_size: int, counter: ClaimCounter,
+                 epoch_of: Optional[Callable[[], int]] = None, merge_every: Optional[int] = None) -> None:  # fmt: skip
+        self.sampler, self.micro_batch, self.drop_last, self.merge_every = order, micro_batch, drop_last, merge_every
         self.rank, self.world_size, self.counter, self.epoch_of = rank, world_size, counter, epoch_of
         self.pending: collections.deque[int] = collections.deque()
 
@@ -122,7 +122,7 @@ class ClaimingBatchSampler(Sampler[list[int]]):
     def _would_leave_the_rest(self, draws: list[int], total: int, epoch: int) -> bool:
         """:func:`~lightning_hetero.plan.claims.leaves_the_rest` for the claims left undrawn, read from the counter
         (a round trip) near the epoch's end only: the others draw about ``rate`` before this rank's next draw."""
-        rate = others_per_micro_batch(draws)
+        rate = others_per_micro_batch(draws, self.merge_every)
         if rate is None or total - 1 - draws[-1] > 4 * rate + 2:
             return False
         return leaves_the_rest(total - self.world_size - self.counter.taken(epoch), rate, self.world_size - 1)
@@ -342,7 +342,8 @@ class AsynchronousTraining:
         # resumed fit's epoch into `current_epoch`
         sampler = ClaimingBatchSampler(hetero_loader.hetero_batch_sampler.sampler, micro_batch,
                                        hetero_loader.hetero_batch_sampler.drop_last, job.rank, job.world_size,
-                                       counter, lambda: trainer.fit_loop.epoch_progress.current.processed)  # fmt: skip
+                                       counter, lambda: trainer.fit_loop.epoch_progress.current.processed,
+                                       self.merges.every)  # fmt: skip
         self._sampler = sampler
 
         def on_start() -> None:

@@ -61,6 +61,56 @@ def test_the_others_rate_is_their_draws_between_a_ranks_own():
     assert others_per_micro_batch([2, 10, 14, 30]) == (30 - 2 - 3) / 3
 
 
+def test_the_others_rate_leaves_out_the_intervals_in_which_the_counter_passed_a_merges_claim():
+    # merges every 16 claims: 95 -> 98 passes 96 and 111 -> 114 passes 112 (the others waited at those merges)
+    assert others_per_micro_batch([95, 98, 104, 111, 114], every=16) == (5 + 6) / 2
+    assert others_per_micro_batch([95, 98, 104, 111, 114]) == (2 + 5 + 6 + 2) / 4  # no merge inside the epoch
+    assert others_per_micro_batch([15, 16], every=16) is None  # (16 is merge 1's claim: passed)
+    assert others_per_micro_batch([16, 31], every=16) == 14.0  # (from merge 1's claim to before merge 2's)
+    assert others_per_micro_batch([10, 20, 40], every=16) is None  # every interval passed a merge: nothing measured
+    # the last `intervals` intervals clear of a merge, whatever came before them
+    assert others_per_micro_batch([0, 2, 4, 6, 8, 13], every=100, intervals=2) == (1 + 4) / 2
+    for every in range(1, 12):
+        for draws in ([0, 3, 5, 9, 14, 20, 21], [2, 4, 30, 31, 33]):
+            clear = [b - a - 1 for a, b in zip(draws, draws[1:]) if not any(a < m * every <= b for m in range(1, 40))]
+            expected = sum(clear[-4:]) / len(clear[-4:]) if clear else None
+            assert others_per_micro_batch(draws, every) == expected, (every, draws)
+
+
+class ScriptedCounter(ClaimCounter):
+    """A counter whose draws by every rank are given in advance (``takes``, ``taken``): the other ranks' progress as
+    a benchmark recorded it between this rank's draws."""
+
+    def __init__(self, takes: list[int], taken: list[int]) -> None:
+        super().__init__(store_add(), "scripted")
+        self.takes, self.taken_values = takes, taken
+
+    def take(self, epoch: int) -> int:
+        return self.takes.pop(0)
+
+    def taken(self, epoch: int) -> int:
+        return self.taken_values.pop(0)
+
+
+def test_a_slow_rank_leaves_an_epochs_last_claims_when_the_others_rate_between_merges_says_so():
+    """Recorded at an epoch's end of `benchmarks/asynchronous_merges.py --anneal` (128 claims an epoch, merges every
+    16, the fast rank about 6 claims a micro-batch of the slowed one): the slowed rank drew claims 95, 98, 104, 111
+    and 114, and as it started 114 the counter stood at 120. Measured over every interval the others' rate read 3.75
+    (the intervals across merges 96 and 112 gave 2: the fast rank waited there), so it drew one more and the fast
+    rank waited for it a whole micro-batch. Over the intervals clear of a merge it reads 5.5: the 6 claims left, and
+    the 2 the fast rank holds, take it 1.5 of the slowed rank's micro-batches, so the slowed rank leaves them."""
+    counter = ScriptedCounter(takes=[93, 96, 102, 109, 112, 120], taken=[112, 120])
+    sampler = ClaimingBatchSampler(GlobalOrder(range(512)), 4, False, 1, 2, counter, merge_every=16)
+    drawn = [claim for claim, _ in zip(iter_claims(sampler), range(10))]
+    assert drawn == [1, 95, 98, 104, 111, 114]  # its own first claim, then the counter's; none after 114
+    assert counter.taken_values == []  # (read at the last two draws, when the end was near)
+
+
+def iter_claims(sampler: ClaimingBatchSampler):
+    for _ in sampler:
+        yield sampler.pending[-1]
+
+
 def test_a_slower_rank_leaves_the_last_claims_when_the_others_train_them_within_two_of_its_micro_batches():
     for others in range(1, 4):
         assert not any(leaves_the_rest(remaining, None, others) for remaining in range(0, 20))  # nothing measured
