@@ -35,7 +35,7 @@ from lightning_hetero.precision.job import gradient_bytes_held_until_step, job_p
 from lightning_hetero.precision.plugin import HeteroPrecision, autocast_for
 from lightning_hetero.recover.refusal import ResumeRefused
 from lightning_hetero.settings import check_ranks_agree
-from lightning_hetero.train.claims import describe_asynchronous_refusal
+from lightning_hetero.train.claims_refusal import describe_asynchronous_refusal
 from lightning_hetero.train.lr_scaling import scale_optimizers
 from lightning_hetero.train.order import agreed_seed, local_seed
 from lightning_hetero.train.sharding import check_trainable

@@ -130,14 +130,15 @@ TRAINER_STATE = (
     Internal("lightning.pytorch.trainer.connectors.logger_connector.result", "_ResultCollection#batch_size",
              "patched", "strategy.py", "a metric logged in a micro-batch counts that micro-batch's samples in the"
              " epoch mean (Lightning would take the whole batch's)", "by Lightning at the next batch's start"),
-    Internal("lightning.pytorch.trainer.trainer", "Trainer()._val_check_time_interval", "read", "train/claims.py",
+    Internal("lightning.pytorch.trainer.trainer", "Trainer()._val_check_time_interval", "read",
+             "train/claims_refusal.py",
              "a time-based `val_check_interval` (each rank's clock would validate it at its own step), which"
              " asynchronous merges refuse; `trainer.val_check_interval` is not set then"),
     Internal("lightning.pytorch.callbacks.model_checkpoint", "ModelCheckpoint()._every_n_train_steps", "read",
-             "train/claims.py", "a checkpoint every N training steps, which asynchronous merges refuse (the ranks'"
-             " steps are not in step)"),
+             "train/claims_refusal.py", "a checkpoint every N training steps, which asynchronous merges refuse (the"
+             " ranks' steps are not in step)"),
     Internal("lightning.pytorch.callbacks.model_checkpoint", "ModelCheckpoint()._train_time_interval", "read",
-             "train/claims.py", "a checkpoint at a time interval, which asynchronous merges refuse likewise"),
+             "train/claims_refusal.py", "a checkpoint at a time interval, which asynchronous merges refuse likewise"),
     Internal("lightning.pytorch.loops.fit_loop", "_FitLoop.on_load_checkpoint", "read", "recover/from_lightning.py",
              "the fit loop's checkpoint layout (combined_loader state, batch and epoch progress) that a DDP .ckpt"
              " resume reads and writes"),

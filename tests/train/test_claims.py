@@ -24,9 +24,9 @@ from lightning_hetero.train.claims import (
     AsynchronousMerges,
     ClaimCounter,
     ClaimingBatchSampler,
-    describe_asynchronous_refusal,
     merge_summary,
 )
+from lightning_hetero.train.claims_refusal import describe_asynchronous_refusal
 from lightning_hetero.train.micro_batches import MicroBatchGuard
 from lightning_hetero.train.order import GlobalOrder
 from lightning_hetero.watch.meter import RunWatch, StepMeter
