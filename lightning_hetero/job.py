@@ -257,14 +257,14 @@ class HeteroJob:
         self.steps.backward(closure_loss, backward, trainer.accumulate_grad_batches, zero_stage,
                             trainer.lightning_module)  # fmt: skip
 
-    def optimizer_step(self, step: Callable[[], Any], backward: Backward, trainer: Any) -> Any:
+    def optimizer_step(self, step: Callable[[], Any], backward: Backward, trainer: Any, closure: Any = None) -> Any:
         """Lightning's optimizer step (``step``, with its closure), then local training's inner steps; the exchange
         inside is counted, the watch told, and a run of non-finite steps stops every rank together."""
         if self.pipeline is not None:
             return step()
         self.setup.scale_learning_rate(trainer)  # (once, after a resume that changed the global batch)
         with self.communication.counting(), phase("optimizer step (its closure: training_step and backward)"):
-            result = step()
+            result = step() if self.claims is None else self.claims.optimizer_step(step, closure)
             if self.local is not None:
                 self.steps.inner_steps(backward, self.engine, trainer.is_last_batch)
         assert self.watcher is not None

@@ -341,6 +341,11 @@ class HeteroStrategy(DeepSpeedStrategy):
         return self.job.current_loss_weight()
 
     @override
+    def batch_to_device(self, batch: Any, device: Optional[Any] = None, dataloader_idx: int = 0) -> Any:
+        batch = self.job.claims.received(batch, self._trainer()) if self.job.claims is not None else batch
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         trainer = self._trainer()
         parent = super().training_step
@@ -361,10 +366,10 @@ class HeteroStrategy(DeepSpeedStrategy):
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
-        optimizer = args[0] if args else kwargs.get("optimizer")
-        parent_step, parent_backward = super().optimizer_step, super().backward
-        return self.job.optimizer_step(lambda: parent_step(*args, **kwargs),
-                                       lambda loss: parent_backward(loss, optimizer), self._trainer())  # fmt: skip
+        optimizer, closure = args[0] if args else kwargs.get("optimizer"), args[1] if len(args) > 1 else None
+        step, backward = super().optimizer_step, super().backward
+        return self.job.optimizer_step(lambda: step(*args, **kwargs), lambda loss: backward(loss, optimizer),
+                                       self._trainer(), closure or kwargs.get("closure"))  # fmt: skip
 
     @override
     def on_train_end(self) -> None:
@@ -411,12 +416,8 @@ class HeteroStrategy(DeepSpeedStrategy):
         super().on_exception(exception)
         self.job.on_exception(exception, self._trainer())
 
-    # ------------------------------------------------------------------ checkpoints
-
     @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
-    ) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
         """Complete or ignored: staged, listed in a manifest, published atomically (see :mod:`~.recover.checkpoint`)."""
         parent_save = super().save_checkpoint
         target = Path(self.broadcast(str(filepath)))  # (rank 0's path: a timestamped name differs between ranks)

@@ -6,13 +6,14 @@ least one micro-batch an epoch); the others are taken from a counter that every 
 next micro-batch, so a faster rank takes more of them and every claim is trained once. Merge ``m`` (m >= 1) falls at
 claim ``m * every``: no rank trains that claim or a later one before the merge (:func:`merges_to_join`), and each
 rank joins it as soon as it can, so a rank waits at most for the micro-batch another rank is in. The epoch's end
-merges what is left; near it a slower rank leaves the last claims to the faster ones (:func:`leaves_the_rest`).
+merges what is left; near it a slower rank leaves the last claims to the faster ones (:func:`leaves_the_rest`), and a
+much faster rank takes over the claim a slower one drew ahead and has not started (:func:`takes_over_read_ahead`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import Optional
+from typing import Any, Optional
 
 
 def claims_in_epoch(num_samples: int, micro_batch: int, drop_last: bool) -> int:
@@ -88,3 +89,41 @@ def leaves_the_rest(remaining: int, others_rate: Optional[float], others: int) -
     within two of its micro-batches, the epoch ends no later, and no rank waits for another longer than one of the
     slower's. (Ranks of equal speeds never leave: the others would need more than two.)"""
     return others_rate is not None and 0 < remaining and remaining + 2 * others <= 2 * others_rate
+
+
+def takes_over_read_ahead(others_rate: Optional[float]) -> bool:
+    """Whether a rank that finds every claim of the epoch drawn, as it starts its last micro-batch, takes over a claim
+    a slower rank drew ahead (Lightning reads a batch ahead) and has not started: when the others draw at most half a
+    claim while it trains one micro-batch (``others_rate``, :func:`others_per_micro_batch`), so that each other
+    rank's micro-batch is at least two of its own. It then trains its last and the one taken over before the slower
+    rank ends the micro-batch it is in, or within that micro-batch after it: nobody waits for the other longer than
+    one micro-batch of the slower. Left to the slower rank, that claim would keep the faster waiting for the
+    micro-batch the slower is in and then for all of the one drawn ahead. (Closer speeds leave it: the taker would
+    end up to two of its micro-batches after the slower one.)"""
+    return others_rate is not None and others_rate <= 0.5
+
+
+def merge_summary(records_by_rank: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """The run report's ``asynchronous`` section from every rank's merge records (the same merges on every rank):
+    each merge's micro-batches per rank and each rank's wait in it for the last to arrive (its time there less the
+    least any rank spent there: the exchange and the merge's work are every rank's), the time from the start of each
+    rank's last micro-batch to the merge (None: it trained none since the last), and per rank the totals, with the
+    claims each rank drew ahead and left to a faster one at an epoch's end (``claims_given_away``) and those it took
+    over (``claims_taken_over``). Every contribution was trained from the last merged parameters: ``staleness`` is 0
+    merges."""
+    merges = [
+        {"epoch": same[0]["epoch"], "micro_batches": [record["micro_batches"] for record in same],
+         "wait_seconds": [record["seconds"] - min(r["seconds"] for r in same) for record in same],
+         "last_step_seconds": [record.get("last_step_seconds") for record in same]}
+        for same in zip(*records_by_rank)
+    ]  # fmt: skip
+    ranks = range(len(records_by_rank))
+    return {
+        "merges": len(merges),
+        "micro_batches": [sum(merge["micro_batches"][rank] for merge in merges) for rank in ranks],
+        "most_wait_seconds": [max((merge["wait_seconds"][rank] for merge in merges), default=0.0) for rank in ranks],
+        "claims_given_away": [sum(record.get("gave_away", 0) for record in records) for records in records_by_rank],
+        "claims_taken_over": [sum(record.get("took_over", 0) for record in records) for records in records_by_rank],
+        "staleness": 0,
+        "per_merge": merges,
+    }

@@ -26,6 +26,7 @@ another between merges, and a rank that is slow contributes what it has:
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 from collections.abc import Callable, Collection, Iterator
 from typing import Any, Optional
@@ -36,11 +37,14 @@ from lightning_hetero.plan.claims import (
     claim_positions,
     claims_in_epoch,
     leaves_the_rest,
+    merge_summary,
     merges_due,
     merges_to_join,
     others_per_micro_batch,
+    takes_over_read_ahead,
 )
 from lightning_hetero.train.loaders import HeteroDataLoader, kept_loader_settings
+from lightning_hetero.train.micro_batches import split_batch
 from lightning_hetero.train.streams import HeteroStreamLoader
 
 # A client of the job's rendezvous store: ``add(key, amount) -> new value`` (TCPStore's).
@@ -65,6 +69,21 @@ class ClaimCounter:
         """How many dynamic draws of ``epoch`` have been taken by any rank."""
         return self._add(self._key(epoch), 0)
 
+    def publish_ahead(self, epoch: int, rank: int, claim: int, published: int) -> int:
+        """Tell the others ``rank`` drew ``claim`` (``published``: what it told before, or 0); returns what it tells."""
+        self._add(f"{self._key(epoch)}/ahead_{rank}", claim + 1 - published)
+        return claim + 1
+
+    def ahead_of(self, epoch: int, rank: int) -> Optional[int]:
+        """The latest claim ``rank`` drew from the counter this epoch (None: none yet)."""
+        told = self._add(f"{self._key(epoch)}/ahead_{rank}", 0)
+        return told - 1 if told else None
+
+    def start(self, epoch: int, claim: int) -> bool:
+        """Whether this rank is the first to start ``claim``: the rank that drew it as it starts training it, or a
+        faster rank taking it over. One atomic ``add`` decides, so exactly one of them trains it."""
+        return self._add(f"{self._key(epoch)}/start_{claim}", 1) == 1
+
     def leave(self, epoch: int, world_size: int) -> bool:
         """Whether this rank may draw no more claims of ``epoch``: granted to every rank but the last to ask, so that
         one rank always draws to the end and every claim is trained."""
@@ -72,14 +91,16 @@ class ClaimCounter:
 
 
 class ClaimingBatchSampler(Sampler[list[int]]):
-    """This rank's micro-batches of the epoch: its own first claim, then whatever the counter hands it. The claims it
-    yields are queued in :attr:`pending` (in order), for the loader to tell which claim each batch came from."""
+    """This rank's micro-batches of the epoch: its own first claim, then whatever the counter hands it, then at the
+    epoch's end any claim it takes over from a slower rank (also in :attr:`taken_over`). The claims it yields are
+    queued in :attr:`pending` (in order), for the loader to tell which claim each batch came from."""
 
     def __init__(self, order: Any, micro_batch: int, drop_last: bool, rank: int, world_size: int, counter: ClaimCounter,
                  epoch_of: Optional[Callable[[], int]] = None, merge_every: Optional[int] = None) -> None:  # fmt: skip
         self.sampler, self.micro_batch, self.drop_last, self.merge_every = order, micro_batch, drop_last, merge_every
         self.rank, self.world_size, self.counter, self.epoch_of = rank, world_size, counter, epoch_of
         self.pending: collections.deque[int] = collections.deque()
+        self.taken_over: set[int] = set()
 
     # (named `sampler` as a BatchSampler's is: Lightning's `_set_sampler_epoch` finds the order's set_epoch there)
 
@@ -96,6 +117,7 @@ class ClaimingBatchSampler(Sampler[list[int]]):
         if self.epoch_of is not None:
             self.sampler.set_epoch(self.epoch_of())
         self.pending.clear()
+        self.taken_over.clear()
 
     def __iter__(self) -> Iterator[list[int]]:
         positions = list(iter(self.sampler))
@@ -104,6 +126,7 @@ class ClaimingBatchSampler(Sampler[list[int]]):
             self.pending.append(self.rank)
             yield [positions[p] for p in claim_positions(self.rank, self.micro_batch, len(positions))]
         draws: list[int] = []  # (this rank's last draws from the counter)
+        published = 0  # (the latest told to the others, plus one)
         to_the_end = False  # (refused leave: the last rank to ask draws every claim left)
         while True:
             if not to_the_end and self._would_leave_the_rest(draws, total, epoch):
@@ -113,9 +136,27 @@ class ClaimingBatchSampler(Sampler[list[int]]):
             claim = self.world_size + self.counter.take(epoch)
             draws = [*draws[1 - RATE_DRAWS :], claim]
             if claim >= total:
+                yield from self._take_over(positions, total, epoch, others_per_micro_batch(draws, self.merge_every))
                 return
             self.pending.append(claim)
+            published = self.counter.publish_ahead(epoch, self.rank, claim, published)
             yield [positions[p] for p in claim_positions(claim, self.micro_batch, len(positions))]
+
+    def given_away(self, claim: int) -> bool:
+        """As this rank starts ``claim``: whether a faster rank took it over (not its own first, or one it took)."""
+        return claim >= self.world_size and claim not in self.taken_over and not self.counter.start(self.epoch, claim)
+
+    def _take_over(self, positions: list[int], total: int, epoch: int, rate: Optional[float]) -> Iterator[list[int]]:
+        """Every claim of the epoch is drawn: take over, one at each read-ahead, the claim each slower rank drew last
+        if it has not started it (:func:`~lightning_hetero.plan.claims.takes_over_read_ahead`)."""
+        if not takes_over_read_ahead(rate):
+            return
+        for other in range(self.world_size):
+            claim = self.counter.ahead_of(epoch, other) if other != self.rank else None
+            if claim is not None and claim < total and self.counter.start(epoch, claim):
+                self.taken_over.add(claim)
+                self.pending.append(claim)
+                yield [positions[p] for p in claim_positions(claim, self.micro_batch, len(positions))]
 
     def _would_leave_the_rest(self, draws: list[int], total: int, epoch: int) -> bool:
         """:func:`~lightning_hetero.plan.claims.leaves_the_rest` for the claims left undrawn, read from the counter
@@ -176,6 +217,7 @@ class AsynchronousMerges:
         self.epoch, self.claims = 0, 0
         self.joined = 0  # merges of this epoch this rank joined
         self.trained = 0  # micro-batches this rank trained since the last merge
+        self.gave_away = self.took_over = 0  # claims it left to a faster rank, or took from a slower, since then
         self.finished = True  # the epoch's last merge is done
         self._since = self._step_started = time.perf_counter()  # (the last merge's end or the epoch's start; and
         # the start of this rank's last micro-batch)
@@ -190,15 +232,17 @@ class AsynchronousMerges:
         self.joined, self.finished = 0, False
         self._since = time.perf_counter()
 
-    def before_micro_batch(self, claim: int, held: Collection[int]) -> None:
+    def before_micro_batch(self, claim: int, held: Collection[int], trains: bool = True) -> None:
         """Before this rank trains claim ``claim`` (``held``: every claim it drew and has not trained, ``claim``
-        included): the merges it joins now (:func:`~lightning_hetero.plan.claims.merges_to_join`)."""
+        included; ``trains`` False: a faster rank took it over): the merges it joins now
+        (:func:`~lightning_hetero.plan.claims.merges_to_join`)."""
         drawn = self.world_size + self._taken(self.epoch)  # (each rank's own first claim, and the counter's)
         due = merges_to_join(claim, drawn, held, self.joined, self.every, self.claims)
         for _ in range(due):
             self._run_merge()
             self.joined += 1
-        self._step_started = time.perf_counter()
+        if trains:
+            self._step_started = time.perf_counter()
 
     def micro_batch_trained(self) -> None:
         self.trained += 1
@@ -222,30 +266,9 @@ class AsynchronousMerges:
         self._since = time.perf_counter()
         self.records.append({"epoch": self.epoch, "micro_batches": self.trained, "seconds": self._since - started,
                              "link_seconds": self._link_clock() - link, "cycle_seconds": cycle,
-                             "last_step_seconds": step})  # fmt: skip
-        self.trained = 0
-
-
-def merge_summary(records_by_rank: list[list[dict[str, Any]]]) -> dict[str, Any]:
-    """The run report's ``asynchronous`` section from every rank's merge records (the same merges on every rank):
-    each merge's micro-batches per rank and each rank's wait in it for the last to arrive (its time there less the
-    least any rank spent there: the exchange and the merge's work are every rank's), the time from the start of each
-    rank's last micro-batch to the merge (None: it trained none since the last), and per rank the totals. Every
-    contribution was trained from the last merged parameters: ``staleness`` is 0 merges."""
-    merges = [
-        {"epoch": same[0]["epoch"], "micro_batches": [record["micro_batches"] for record in same],
-         "wait_seconds": [record["seconds"] - min(r["seconds"] for r in same) for record in same],
-         "last_step_seconds": [record.get("last_step_seconds") for record in same]}
-        for same in zip(*records_by_rank)
-    ]  # fmt: skip
-    ranks = range(len(records_by_rank))
-    return {
-        "merges": len(merges),
-        "micro_batches": [sum(merge["micro_batches"][rank] for merge in merges) for rank in ranks],
-        "most_wait_seconds": [max((merge["wait_seconds"][rank] for merge in merges), default=0.0) for rank in ranks],
-        "staleness": 0,
-        "per_merge": merges,
-    }
+                             "last_step_seconds": step, "gave_away": self.gave_away,
+                             "took_over": self.took_over})  # fmt: skip
+        self.trained = self.gave_away = self.took_over = 0
 
 
 class AsynchronousTraining:
@@ -261,6 +284,7 @@ class AsynchronousTraining:
         self._sampler: Optional[ClaimingBatchSampler] = None
         self._store: Any = None
         self._run = ""  # the trainer call whose loader claims (liveness.run_id)
+        self.given_away = False  # the micro-batch about to be trained went to a faster rank (gives_away_next)
 
     def loader(self, hetero_loader: Any, trainer: Any, run: str, connect: Callable[[], Any]) -> ClaimingDataLoader:
         """The training loader rebuilt to claim its micro-batches (``hetero_loader``: the strategy's, whose order,
@@ -300,6 +324,29 @@ class AsynchronousTraining:
         """Every rank's merge records gathered (a collective: every rank calls it), summarized for the run report."""
         return merge_summary(self._job.collectives.gather_objects(self.merges.records))
 
+    def received(self, batch: Any, trainer: Any) -> Any:
+        """A training batch as Lightning receives it, before the user's hooks: if a faster rank took its claim over,
+        this rank trains nothing on it, and its hooks see it emptied (no sample counted twice); else it is marked as
+        this rank's now."""
+        sampler = self._sampler
+        if trainer is None or not trainer.training or sampler is None or not self._handed:
+            return batch
+        self.given_away = sampler.given_away(self._handed[0])
+        if not self.given_away:
+            return batch
+        samples = len(claim_positions(self._handed[0], sampler.micro_batch, len(sampler.sampler)))
+        with contextlib.suppress(ValueError):  # (a tensor not cut along the batch: the hooks see the batch whole)
+            return split_batch(batch, [0, samples])[0]
+        return batch
+
+    def optimizer_step(self, step: Callable[[], Any], closure: Callable[[], Any]) -> Any:
+        """Lightning's optimizer step (``step``, which runs ``closure``), unless this rank's micro-batch went to a
+        faster rank: then the closure alone (its training_step trains nothing: a zero loss, no backward, no step)."""
+        if self.given_away:
+            closure()
+            return None
+        return step()
+
     def step_starts(self) -> None:
         """Before this rank trains its next micro-batch: the step's measurement opens, then the merges that are due
         (their wait is part of the step)."""
@@ -308,17 +355,21 @@ class AsynchronousTraining:
         sampler = self._sampler
         assert sampler is not None  # (the loader was built: Lightning steps on its batches)
         claim = self._handed.popleft()
-        samples = len(claim_positions(claim, sampler.micro_batch, len(sampler.sampler)))
+        samples = 0 if self.given_away else len(claim_positions(claim, sampler.micro_batch, len(sampler.sampler)))
         job.training_batch(samples, samples)
-        self.merges.before_micro_batch(claim, {claim, *self._handed, *sampler.pending})
+        self.merges.before_micro_batch(claim, {claim, *self._handed, *sampler.pending}, trains=not self.given_away)
+        self.merges.took_over += claim in sampler.taken_over
         job.micro_batch_guard.between_merges = True  # (until the epoch's end: see MicroBatchGuard)
 
     def step_ended(self, samples: int, last_of_epoch: bool) -> None:
         local = self._job.local
-        local.steps_done += 1
-        local.steps_since_sync += 1
-        local.samples_since_sync += samples
-        self.merges.micro_batch_trained()
+        if self.given_away:
+            self.merges.gave_away += 1
+        else:
+            local.steps_done += 1
+            local.steps_since_sync += 1
+            local.samples_since_sync += samples
+            self.merges.micro_batch_trained()
         if last_of_epoch:
             self._job.micro_batch_guard.between_merges = False
             self.merges.epoch_ends()

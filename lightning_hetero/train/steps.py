@@ -16,6 +16,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
+import torch
 from torch import Tensor
 
 from lightning_hetero.plan.split import micro_batch_sizes
@@ -57,6 +58,8 @@ class TrainingSteps:
         self._step_starts(global_step)
         if job.claims is not None:  # (asynchronous merges: the merges due, and rank 0's buffers with them)
             job.claims.step_starts()
+            if job.claims.given_away:  # a faster rank trains this micro-batch: a loss of nothing, no backward
+                return torch.zeros((), device=job.engine.device if job.engine is not None else None)
         with self.scope():
             if self.buffer_sync is not None and job.claims is None:
                 job.collectives.before_each()
@@ -73,6 +76,8 @@ class TrainingSteps:
         """Lightning's ``backward`` of the first micro-batch's loss, then every later micro-batch's forward and
         backward. ``accumulated``: the Trainer's ``accumulate_grad_batches`` (Lightning's closure divided the first
         loss by it; the later ones are divided alike)."""
+        if self._job.claims is not None and self._job.claims.given_away:
+            return  # (nothing was trained: see training_step)
         if self._job.local is not None:  # the other micro-batches are inner steps of their own (inner_steps)
             self._weighted_backward(closure_loss, backward, last=True)
             return

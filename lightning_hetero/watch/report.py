@@ -118,7 +118,7 @@ def build_report(
 ) -> dict[str, Any]:
     """The run report; ``exchange_seconds`` (rank 0's time exchanging records) gives the measuring cost;
     ``nonfinite`` the optimizer steps skipped for non-finite gradients (see :mod:`~.precision.nonfinite`);
-    ``asynchronous`` the merges by speed (see :func:`~.train.claims.merge_summary`)."""
+    ``asynchronous`` the merges by speed (see :func:`~.plan.claims.merge_summary`)."""
     built: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "world_size": world_size,
@@ -363,7 +363,8 @@ def _plot(report: dict[str, Any], path: Path) -> None:
         compute_axis.annotate(label, (0.01, 0.97), xycoords="axes fraction", va="top", fontsize="small")
     bottom = [0.0] * len(steps)
     for rank in range(world_size):  # stacked shares, constant within a step (a re-plan is a step change)
-        share = [step["batch_sizes"][rank] / sum(step["batch_sizes"]) for step in steps]
+        # (a step in which no rank trained: an asynchronous rank's micro-batch taken over, padded beside nothing)
+        share = [step["batch_sizes"][rank] / (sum(step["batch_sizes"]) or 1) for step in steps]
         top_edge = [low + part for low, part in zip(bottom, share)]
         share_axis.fill_between(x, bottom, top_edge, step="post", alpha=0.8, label=f"rank {rank}")
         bottom = top_edge

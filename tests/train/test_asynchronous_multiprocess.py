@@ -102,6 +102,9 @@ def test_the_fast_rank_trains_what_it_has_time_for_every_sample_once_and_diloco_
     assert [m["micro_batches"] for m in merged["per_merge"]] == [list(pair) for pair in zip(*(
         [r["micro_batches"] for r in records] for records in merges))]  # fmt: skip
     assert "asynchronous merges: 8 merges, micro-batches per rank" in run.output
+    # At each epoch's end the slow rank held a claim drawn ahead, and the fast one (10x) took it over: the slow
+    # rank's hooks saw that batch emptied (`seen` is recorded in on_train_batch_start: every sample once above).
+    assert merged["claims_given_away"] == merged["claims_taken_over"][::-1] and sum(merged["claims_taken_over"]) >= 1
 
 
 def test_one_rank_alone_trains_every_micro_batch_and_merges_with_itself(tmp_path):

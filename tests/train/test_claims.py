@@ -19,6 +19,7 @@ from lightning_hetero.plan.claims import (
     merges_in_epoch,
     merges_to_join,
     others_per_micro_batch,
+    takes_over_read_ahead,
 )
 from lightning_hetero.train.claims import (
     AsynchronousMerges,
@@ -109,6 +110,23 @@ def test_a_slow_rank_leaves_an_epochs_last_claims_when_the_others_rate_between_m
 def iter_claims(sampler: ClaimingBatchSampler):
     for _ in sampler:
         yield sampler.pending[-1]
+
+
+def test_a_rank_takes_over_a_read_ahead_claim_only_when_every_other_rank_is_at_least_twice_as_slow():
+    assert not takes_over_read_ahead(None)  # nothing measured
+    for rate in (0.0, 0.1, 0.25, 0.5):
+        assert takes_over_read_ahead(rate)
+    for rate in (0.51, 0.75, 1.0, 2.0, 7.5):
+        assert not takes_over_read_ahead(rate)
+    # The bound it keeps, two ranks: the taker (micro-batch t) finds the counter exhausted as it starts its last; the
+    # slower one (micro-batch t / rate) has `left` of the one it is in to go. Taking over, the taker ends at 2t and the
+    # slower at `left`: one waits for the other max(2t - left, left - 2t). At most one micro-batch of the slower rank
+    # whatever `left` exactly when the rule takes over; above a rate of 0.5 some `left` would exceed it.
+    t = 1.0
+    for rate in (0.05, 0.1, 0.25, 0.4, 0.5, 0.6, 0.9, 1.0, 2.0):
+        slow = t / rate
+        worst = max(abs(2 * t - slow * k / 100) for k in range(1, 101))
+        assert (worst <= slow + 1e-9) == takes_over_read_ahead(rate), rate
 
 
 def test_a_slower_rank_leaves_the_last_claims_when_the_others_train_them_within_two_of_its_micro_batches():
@@ -202,6 +220,12 @@ class ThreadRanks:
                         claim = sampler.pending.popleft()
                         if self.read_ahead:
                             ahead = next(batches, None)
+                        if sampler.given_away(claim):  # (a faster rank took it over: as the strategy's step)
+                            merges.before_micro_batch(claim, {claim, *sampler.pending}, trains=False)
+                            self.event("given", rank, epoch, claim)
+                            if not self.read_ahead:
+                                ahead = next(batches, None)
+                            continue
                         merges.before_micro_batch(claim, {claim, *sampler.pending})
                         self.event("train", rank, epoch, claim, tuple(indices))
                         if self.durations:
@@ -302,6 +326,32 @@ def test_at_an_epochs_end_a_slow_rank_that_reads_ahead_leaves_the_last_claims_to
         assert not started, f"epoch {epoch}: the slow rank started {started} while the fast one waited"
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_when_a_slow_rank_drew_ahead_at_an_epochs_end_the_fast_one_takes_that_claim_over(monkeypatch, seed):
+    """With the rule that leaves the last claims switched off (as when its estimate of the others' rate errs), the
+    slow rank draws to the end and holds a claim it read ahead: the fast rank, twenty times faster, takes it over as
+    it reads past the end. Every sample is still trained once, and once the fast rank entered an epoch's last merge
+    the slow one starts no micro-batch before it enters too (it gives away the one it drew ahead)."""
+    monkeypatch.setattr("lightning_hetero.train.claims.leaves_the_rest", lambda remaining, rate, others: False)
+    world, samples, micro, sync_every, epochs = 2, 200, 4, 20, 2  # (one merge inside an epoch, 10 claims after it)
+    ranks = ThreadRanks(world, samples, micro, sync_every, [1.0, 0.05], seed, read_ahead=True,
+                        durations=[0.001, 0.020])  # fmt: skip
+    ranks.run(epochs)
+    log = ranks.log
+    given = [e for e in log if e[0] == "given"]
+    assert given and all(e[1] == 1 for e in given)  # the slow rank gave its read-ahead to the fast one
+    for epoch in range(epochs):
+        trained = [e for e in log if e[0] == "train" and e[2] == epoch]
+        assert sorted(p for e in trained for p in e[4]) == list(range(samples))  # every sample once an epoch
+        assert not [e for e in log if e[0] == "left" and e[2] == epoch]
+    per_epoch = merges_in_epoch(sync_every * world, claims_in_epoch(samples, micro, False)) + 1
+    entered = last_merge_entries(log, world, epochs, per_epoch)
+    for epoch in range(epochs):
+        fast_entered, slow_entered = entered[(0, epoch)], entered[(1, epoch)]
+        started = [e for e in log[fast_entered:slow_entered] if e[0] == "train" and e[1] == 1]
+        assert not started, f"epoch {epoch}: the slow rank started {started} while the fast one waited"
+
+
 @pytest.mark.parametrize("durations, sync_every", [([0.01, 0.01], 20), ([0.01, 0.01, 0.01], 20), ([0.005, 0.01], 1)])
 def test_ranks_of_equal_speeds_or_in_lockstep_behind_frequent_merges_draw_to_the_end(durations, sync_every):
     """Leaving would end their epoch later: the others have as much in hand as the one that would leave."""
@@ -360,8 +410,35 @@ def test_each_rank_trains_its_own_first_claim_then_the_counters():
     a, b = iter(first), iter(second)
     assert next(a) == [0, 1] and next(b) == [2, 3]  # claims 0 and 1: each rank's own
     assert next(b) == [4, 5] and next(b) == [6, 7] and next(a) == [8, 9]  # then whoever asks first
+    assert not any(second.given_away(claim) for claim in (1, 2, 3))  # (the second rank starts what it drew)
     assert list(a) == [] and list(b) == []
     assert list(first.pending) == [0, 4] and list(second.pending) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("started_first", [False, True])
+def test_at_an_epochs_end_a_much_faster_rank_takes_over_the_claim_a_slower_one_drew_ahead_unless_it_started(
+    started_first,
+):
+    """Claims 2-7 of 8: the fast rank drew five, the slow one claim 3 (its read-ahead), and the counter is then
+    exhausted. As the fast rank reads ahead past the end it takes claim 3 over, unless the slow rank started it
+    first: one atomic start decides, so claim 3 is trained once, by one of them."""
+    counter = ClaimCounter(store_add(), "run")
+    order = GlobalOrder(range(16))
+    fast = ClaimingBatchSampler(order, 2, False, 0, 2, counter)
+    slow = ClaimingBatchSampler(order, 2, False, 1, 2, counter)
+    f, s = iter(fast), iter(slow)
+    assert next(f) == [0, 1] and next(s) == [2, 3]
+    assert next(f) == [4, 5] and next(s) == [6, 7]  # claims 2 and 3
+    assert [next(f) for _ in range(4)] == [[8, 9], [10, 11], [12, 13], [14, 15]]  # claims 4-7
+    if started_first:
+        assert not slow.given_away(3)  # the slow rank starts its read-ahead: its own
+    took = list(f)  # the fast rank reads ahead past the end (the others drew none in its last 4: rate 0)
+    if started_first:
+        assert took == [] and fast.taken_over == set()
+    else:
+        assert took == [[6, 7]] and fast.taken_over == {3}
+        assert slow.given_away(3)  # as the slow rank comes to start it, it finds it taken over
+        assert not fast.given_away(3)  # the fast rank trains it
 
 
 @pytest.mark.parametrize(
@@ -471,9 +548,11 @@ def test_the_reports_section_gives_each_merges_contributions_and_each_ranks_wait
         [{"epoch": 0, "micro_batches": 6, "seconds": 0.30, "last_step_seconds": 0.05},
          {"epoch": 0, "micro_batches": 7, "seconds": 0.10, "last_step_seconds": 0.04}],
         [{"epoch": 0, "micro_batches": 2, "seconds": 0.10, "last_step_seconds": 0.22},
-         {"epoch": 0, "micro_batches": 1, "seconds": 0.25, "last_step_seconds": None}],
+         {"epoch": 0, "micro_batches": 1, "seconds": 0.25, "last_step_seconds": None, "gave_away": 1}],
     ]  # fmt: skip
+    records[0][1]["took_over"] = 1
     summary = merge_summary(records)
+    assert summary["claims_given_away"] == [0, 1] and summary["claims_taken_over"] == [1, 0]
     assert summary["merges"] == 2 and summary["micro_batches"] == [13, 3] and summary["staleness"] == 0
     assert summary["most_wait_seconds"] == [pytest.approx(0.20), pytest.approx(0.15)]
     assert summary["per_merge"][1]["micro_batches"] == [7, 1]
