@@ -148,7 +148,7 @@ def analyse(fits: dict[str, dict[str, Any]], epochs: int) -> dict[str, Any]:
         cycle = slow_cycle_seconds(fit["merges"]) if name == "asynchronous" else None
         extra: dict[str, Any] = dict.fromkeys(
             ["slow_cycle_seconds", "most_wait_over_slow_cycle", "most_wait_at_epoch_ends_over_slow_cycle",
-             "most_wait_over_step_waited_for", "most_wait_at_epoch_ends_over_step_waited_for"]
+             "most_wait_over_step_waited_for", "most_wait_at_epoch_ends_over_step_waited_for", "claims_taken_over"]
         )  # fmt: skip
         if cycle is not None:
             at_ends = asynchronous_waits(fit["merges"], epoch_ends=True)
@@ -157,8 +157,10 @@ def analyse(fits: dict[str, dict[str, Any]], epochs: int) -> dict[str, Any]:
             inside, at_end = (waits_for_the_slowed_rank(fit["merges"], ends) for ends in (False, True))
             if inside:  # (none in the records of a version before last_step_seconds)
                 extra["most_wait_over_step_waited_for"] = max(inside)
-            if at_end:
-                extra["most_wait_at_epoch_ends_over_step_waited_for"] = max(at_end)
+                # (none at an epoch's end: the slowed rank reached no epoch's last merge last, so none waited for it)
+                extra["most_wait_at_epoch_ends_over_step_waited_for"] = max(at_end, default=0.0)
+            merged = fit["report"].get("asynchronous") or {}
+            extra["claims_taken_over"] = merged.get("claims_taken_over")
         figures[name] = {
             **extra,
             "final_val_loss": fit["curve"][-1]["val_loss"],
@@ -216,6 +218,8 @@ def run_all(
                 cycle += (f"; for it, over its micro-batch waited for, the most"
                           f" {f['most_wait_over_step_waited_for']:.3f} inside an epoch,"
                           f" {f['most_wait_at_epoch_ends_over_step_waited_for']:.3f} at an epoch's end")  # fmt: skip
+            if f.get("claims_taken_over") is not None:
+                cycle += f"; claims taken over by each rank {f['claims_taken_over']}"
             print(f"  {name}: final val loss {f['final_val_loss']:.4f} (last 3 epochs {f['last3_val_loss']:.4f}),"
                   f" {f['train_seconds']:.1f} s; after the drift the most wait for the slowest rank"
                   f" {f['most_wait_over_slow_step']:.2f} of its step ({f['slow_step_seconds'] * 1e3:.0f} ms), median"
