@@ -17,7 +17,9 @@ another between merges, and a rank that is slow contributes what it has:
   and one whose claim it drew itself when it reaches it (:func:`~lightning_hetero.plan.claims.merges_to_join`). So
   the merge's collectives wait for the last rank to finish the micro-batch it is in, no more (at an epoch's end a
   slower rank leaves the last claims to faster ones, :func:`~lightning_hetero.plan.claims.leaves_the_rest`, or it
-  would also hold the one Lightning read ahead for it). Each rank's progress is weighted by the samples it trained
+  would also hold the one Lightning read ahead for it; a rank at least twice as fast takes that one over if it is
+  not started, :func:`~lightning_hetero.plan.claims.takes_over_read_ahead`, and the slower rank steps through it
+  training nothing). Each rank's progress is weighted by the samples it trained
   since the last merge (one all-reduce of the counts), so a rank that slowed contributes fewer samples, not stale
   ones: every rank trained from the same merged parameters. The epoch's end merges what is left, so validation and
   checkpoints see one model.
@@ -284,7 +286,7 @@ class AsynchronousTraining:
         self._sampler: Optional[ClaimingBatchSampler] = None
         self._store: Any = None
         self._run = ""  # the trainer call whose loader claims (liveness.run_id)
-        self.given_away = False  # the micro-batch about to be trained went to a faster rank (gives_away_next)
+        self.given_away = False  # the micro-batch about to be trained went to a faster rank (received)
 
     def loader(self, hetero_loader: Any, trainer: Any, run: str, connect: Callable[[], Any]) -> ClaimingDataLoader:
         """The training loader rebuilt to claim its micro-batches (``hetero_loader``: the strategy's, whose order,
