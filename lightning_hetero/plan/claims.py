@@ -67,13 +67,15 @@ def others_per_micro_batch(draws: Sequence[int], every: Optional[int] = None, in
     """How many claims the other ranks draw while this rank trains one micro-batch: ``draws`` are this rank's last
     draws from the counter, in order, one as it starts each micro-batch (when Lightning reads the next batch ahead).
     The mean over the last ``intervals`` intervals between two draws in which the counter passed no merge's claim
-    (``m * every``; ``every`` None: no merge inside the epoch): in one that did, the others stopped at the merge and
-    waited there for this rank's micro-batch, drawing fewer than their speed gives, and a rate taken from it would
-    keep a slower rank drawing claims that the others would have trained sooner. None before one such interval."""
+    (``m * every``, drawn by another rank inside the interval or by this rank at its start; ``every`` None: no merge
+    inside the epoch): in one that did, the others stopped at the merge and waited there for this rank's micro-batch,
+    drawing fewer than their speed gives, and a rate taken from it would keep a slower rank drawing claims that the
+    others would have trained sooner. None before one such interval."""
+    # (clear: the first merge claim at or after `earlier`, m >= 1, is at or after `later`)
     usable = [
         later - earlier - 1
         for earlier, later in zip(draws, draws[1:])
-        if every is None or earlier // every == later // every
+        if every is None or max(every, -(-earlier // every) * every) >= later
     ][-intervals:]
     return sum(usable) / len(usable) if usable else None
 

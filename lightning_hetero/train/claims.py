@@ -45,51 +45,12 @@ from lightning_hetero.plan.claims import (
     others_per_micro_batch,
     takes_over_read_ahead,
 )
+from lightning_hetero.train.claim_counter import ClaimCounter
 from lightning_hetero.train.loaders import HeteroDataLoader, kept_loader_settings
 from lightning_hetero.train.micro_batches import split_batch
 from lightning_hetero.train.streams import HeteroStreamLoader
 
-# A client of the job's rendezvous store: ``add(key, amount) -> new value`` (TCPStore's).
-StoreAdd = Callable[[str, int], int]
 RATE_DRAWS = 9  # a rank's last draws, whose intervals clear of a merge measure how fast the others draw
-
-
-class ClaimCounter:
-    """The counter of one epoch's micro-batches, shared by the ranks through the store (``add`` is atomic)."""
-
-    def __init__(self, add: StoreAdd, run: str) -> None:
-        self._add, self._run = add, run
-
-    def _key(self, epoch: int) -> str:
-        return f"lightning_hetero/claims/{self._run}/epoch_{epoch}"
-
-    def take(self, epoch: int) -> int:
-        """The next dynamic draw of ``epoch`` (0, 1, ... across the ranks, in the order they ask)."""
-        return self._add(self._key(epoch), 1) - 1
-
-    def taken(self, epoch: int) -> int:
-        """How many dynamic draws of ``epoch`` have been taken by any rank."""
-        return self._add(self._key(epoch), 0)
-
-    def publish_ahead(self, epoch: int, rank: int, claim: int, published: int) -> int:
-        """Tell the others ``rank`` drew ``claim`` (``published``: what it told before, or 0); returns what it tells."""
-        self._add(f"{self._key(epoch)}/ahead_{rank}", claim + 1 - published)
-        return claim + 1
-
-    def ahead_of(self, epoch: int, rank: int) -> Optional[int]:
-        """The latest claim ``rank`` drew from the counter this epoch (None: none yet)."""
-        told = self._add(f"{self._key(epoch)}/ahead_{rank}", 0)
-        return told - 1 if told else None
-
-    def start(self, epoch: int, claim: int) -> bool:
-        """Whether this rank is the first to start ``claim``: the rank that drew it as it starts training it, or a
-        faster rank taking it over. One atomic ``add`` decides, so exactly one of them trains it."""
-        return self._add(f"{self._key(epoch)}/start_{claim}", 1) == 1
-
-    def leave(self, epoch: int, world_size: int) -> bool:
-        """Whether this rank may draw no more claims of ``epoch``: granted to every rank but the last to ask, so that
-        one rank always draws to the end and every claim is trained."""
-        return self._add(f"{self._key(epoch)}/left", 1) < world_size
 
 
 class ClaimingBatchSampler(Sampler[list[int]]):
@@ -103,6 +64,7 @@ class ClaimingBatchSampler(Sampler[list[int]]):
         self.rank, self.world_size, self.counter, self.epoch_of = rank, world_size, counter, epoch_of
         self.pending: collections.deque[int] = collections.deque()
         self.taken_over: set[int] = set()
+        self.started: list[int] = []  # (the claims of the epoch this rank started, whose keys it forgets at the end)
 
     # (named `sampler` as a BatchSampler's is: Lightning's `_set_sampler_epoch` finds the order's set_epoch there)
 
@@ -120,6 +82,7 @@ class ClaimingBatchSampler(Sampler[list[int]]):
             self.sampler.set_epoch(self.epoch_of())
         self.pending.clear()
         self.taken_over.clear()
+        self.started.clear()
 
     def __iter__(self) -> Iterator[list[int]]:
         positions = list(iter(self.sampler))
@@ -146,7 +109,12 @@ class ClaimingBatchSampler(Sampler[list[int]]):
 
     def given_away(self, claim: int) -> bool:
         """As this rank starts ``claim``: whether a faster rank took it over (not its own first, or one it took)."""
-        return claim >= self.world_size and claim not in self.taken_over and not self.counter.start(self.epoch, claim)
+        if claim < self.world_size or claim in self.taken_over:
+            return False
+        if self.counter.start(self.epoch, claim):
+            self.started.append(claim)
+            return False
+        return True
 
     def _take_over(self, positions: list[int], total: int, epoch: int, rate: Optional[float]) -> Iterator[list[int]]:
         """Every claim of the epoch is drawn: take over, one at each read-ahead, the claim each slower rank drew last
@@ -157,6 +125,7 @@ class ClaimingBatchSampler(Sampler[list[int]]):
             claim = self.counter.ahead_of(epoch, other) if other != self.rank else None
             if claim is not None and claim < total and self.counter.start(epoch, claim):
                 self.taken_over.add(claim)
+                self.started.append(claim)
                 self.pending.append(claim)
                 yield [positions[p] for p in claim_positions(claim, self.micro_batch, len(positions))]
 
@@ -295,7 +264,7 @@ class AsynchronousTraining:
         self._handed.clear()
         if self._store is None:
             self._store = connect()
-        counter = ClaimCounter(self._store.add, run)
+        counter = ClaimCounter(self._store.add, run, getattr(self._store, "delete_key", None))
         records = self.merges.records if run == self._run else []  # (a loader reloaded in the same fit keeps them)
         self._run = run
         self.merges = AsynchronousMerges(self._sync_every, job.world_size, counter.taken, self._merge,
@@ -311,6 +280,7 @@ class AsynchronousTraining:
         self._sampler = sampler
 
         def on_start() -> None:
+            self._handed.clear()  # (a loader Lightning starts twice, reloading it, left the first start's claim here)
             self.merges.epoch_starts(sampler.epoch, sampler.claims())
 
         return ClaimingDataLoader(
@@ -327,9 +297,9 @@ class AsynchronousTraining:
         return merge_summary(self._job.collectives.gather_objects(self.merges.records))
 
     def received(self, batch: Any, trainer: Any) -> Any:
-        """A training batch as Lightning receives it, before the user's hooks: if a faster rank took its claim over,
-        this rank trains nothing on it, and its hooks see it emptied (no sample counted twice); else it is marked as
-        this rank's now."""
+        """A training batch as the strategy moves it to the device, before the user's batch hooks (not
+        ``on_before_batch_transfer``, which Lightning calls first): if a faster rank took its claim over, this rank
+        trains nothing on it, and its hooks see it emptied (no sample counted twice); else it is this rank's now."""
         sampler = self._sampler
         if trainer is None or not trainer.training or sampler is None or not self._handed:
             return batch
@@ -375,6 +345,9 @@ class AsynchronousTraining:
         if last_of_epoch:
             self._job.micro_batch_guard.between_merges = False
             self.merges.epoch_ends()
+            sampler = self._sampler
+            if sampler is not None:  # (after the epoch's last merge: no rank takes a claim of it over any more)
+                sampler.counter.forget(sampler.epoch, sampler.rank, sampler.started)
 
     def _merge(self) -> None:
         """One merge, the same collectives on every rank: the local training's synchronization (a rank that trained

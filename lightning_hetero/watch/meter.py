@@ -284,7 +284,8 @@ def step_metrics(step: dict[str, Any], prefix: str = "hetero") -> dict[str, floa
         steps = step["micro_steps"][rank] if "micro_steps" in step else 1
         metrics[f"{prefix}/rank_{rank}/micro_batch"] = float(-(-size // steps))  # its largest
         metrics[f"{prefix}/rank_{rank}/micro_steps"] = float(steps)
-        metrics[f"{prefix}/rank_{rank}/share"] = size / global_batch
+        # (a global batch of 0: a step in which an asynchronous rank's micro-batch was taken over, padded)
+        metrics[f"{prefix}/rank_{rank}/share"] = size / (global_batch or 1)
         metrics[f"{prefix}/rank_{rank}/compute_ms"] = compute * 1e3
         metrics[f"{prefix}/rank_{rank}/wait_ms"] = wait * 1e3
         metrics[f"{prefix}/rank_{rank}/samples_per_second"] = size / compute if compute > 0 else 0.0

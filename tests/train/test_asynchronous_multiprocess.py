@@ -75,11 +75,13 @@ def asynchronous_args(**strategy: Any) -> list[str]:
     return ["--stage", "0", "--loader-batch-size", "4", "--strategy-args", json.dumps(options)]
 
 
-def test_the_fast_rank_trains_what_it_has_time_for_every_sample_once_and_diloco_as_the_reference(tmp_path):
+@pytest.mark.parametrize("reload", [False, True])
+def test_the_fast_rank_trains_what_it_has_time_for_every_sample_once_and_diloco_as_the_reference(tmp_path, reload):
     """64 samples in 16 micro-batches of 4, two epochs; rank 1 is emulated 10x slower. A merge every 2 x 2 = 4
-    micro-batches (3 inside each epoch, and the epoch's end), each rank weighted by what it trained since the last."""
+    micro-batches (3 inside each epoch, and the epoch's end), each rank weighted by what it trained since the last.
+    ``reload``: Lightning rebuilds the loader at each epoch, and starts it twice at the second epoch's start."""
     run = run_fit(tmp_path, *asynchronous_args(), "--samples", "64", "--emulate-speeds", "1.0", "0.1",
-                  "--max-epochs", "2")  # fmt: skip
+                  "--max-epochs", "2", *(["--reload-every", "1"] if reload else []))  # fmt: skip
     assert run.returncode == 0, run.output[-4000:]
     seen, merges = run.result["seen"], run.result["merges"]
     assert sorted(sum(seen, [])) == sorted(list(range(64)) * 2)  # every sample once an epoch

@@ -15,18 +15,15 @@ from lightning_hetero.plan.claims import (
     claim_positions,
     claims_in_epoch,
     leaves_the_rest,
+    merge_summary,
     merges_due,
     merges_in_epoch,
     merges_to_join,
     others_per_micro_batch,
     takes_over_read_ahead,
 )
-from lightning_hetero.train.claims import (
-    AsynchronousMerges,
-    ClaimCounter,
-    ClaimingBatchSampler,
-    merge_summary,
-)
+from lightning_hetero.train.claim_counter import ClaimCounter
+from lightning_hetero.train.claims import AsynchronousMerges, ClaimingBatchSampler
 from lightning_hetero.train.claims_refusal import describe_asynchronous_refusal
 from lightning_hetero.train.micro_batches import MicroBatchGuard
 from lightning_hetero.train.order import GlobalOrder
@@ -66,14 +63,17 @@ def test_the_others_rate_leaves_out_the_intervals_in_which_the_counter_passed_a_
     # merges every 16 claims: 95 -> 98 passes 96 and 111 -> 114 passes 112 (the others waited at those merges)
     assert others_per_micro_batch([95, 98, 104, 111, 114], every=16) == (5 + 6) / 2
     assert others_per_micro_batch([95, 98, 104, 111, 114]) == (2 + 5 + 6 + 2) / 4  # no merge inside the epoch
-    assert others_per_micro_batch([15, 16], every=16) is None  # (16 is merge 1's claim: passed)
-    assert others_per_micro_batch([16, 31], every=16) == 14.0  # (from merge 1's claim to before merge 2's)
+    # This rank drew merge 1's claim (16) as its read-ahead: the others wait at the merge during its micro-batch then,
+    # the interval from 16 to its next draw; the one that ends at 16 was clear.
+    assert others_per_micro_batch([15, 16], every=16) == 0.0
+    assert others_per_micro_batch([16, 31], every=16) is None
+    assert others_per_micro_batch([17, 31], every=16) == 13.0  # (from after merge 1's claim to before merge 2's)
     assert others_per_micro_batch([10, 20, 40], every=16) is None  # every interval passed a merge: nothing measured
     # the last `intervals` intervals clear of a merge, whatever came before them
     assert others_per_micro_batch([0, 2, 4, 6, 8, 13], every=100, intervals=2) == (1 + 4) / 2
     for every in range(1, 12):
         for draws in ([0, 3, 5, 9, 14, 20, 21], [2, 4, 30, 31, 33]):
-            clear = [b - a - 1 for a, b in zip(draws, draws[1:]) if not any(a < m * every <= b for m in range(1, 40))]
+            clear = [b - a - 1 for a, b in zip(draws, draws[1:]) if not any(a <= m * every < b for m in range(1, 40))]
             expected = sum(clear[-4:]) / len(clear[-4:]) if clear else None
             assert others_per_micro_batch(draws, every) == expected, (every, draws)
 
@@ -197,7 +197,8 @@ class ThreadRanks:
 
                 counter = LoggedCounter(self.add, "test")
                 order = GlobalOrder(range(self.samples))
-                sampler = ClaimingBatchSampler(order, self.micro, False, rank, self.world, counter)
+                sampler = ClaimingBatchSampler(order, self.micro, False, rank, self.world, counter,
+                                               merge_every=self.sync_every * self.world)  # fmt: skip
                 merges_done = [0]
 
                 def merge() -> None:
@@ -211,6 +212,7 @@ class ThreadRanks:
                 merges = AsynchronousMerges(self.sync_every, self.world, counter.taken, merge)
                 for epoch in range(epochs):
                     order.set_epoch(epoch)
+                    sampler.begin_epoch()  # (as the loader does: a new epoch's claims, none taken over yet)
                     merges_done[0] = 0
                     merges.epoch_starts(epoch, sampler.claims())
                     batches = iter(sampler)
@@ -366,7 +368,8 @@ def test_ranks_of_equal_speeds_or_in_lockstep_behind_frequent_merges_draw_to_the
 
 def test_when_every_rank_would_leave_the_last_to_ask_draws_every_claim_left(monkeypatch):
     monkeypatch.setattr("lightning_hetero.train.claims.leaves_the_rest", lambda remaining, rate, others: True)
-    world, samples, micro, sync_every, epochs = 3, 101, 3, 1, 2
+    # (a merge every 3 x 3 claims: its intervals clear of a merge give each rank a rate before the end)
+    world, samples, micro, sync_every, epochs = 3, 101, 3, 3, 2
     ranks = ThreadRanks(world, samples, micro, sync_every, [1.0, 0.7, 0.4], 0, read_ahead=True)
     ranks.run(epochs)
     for epoch in range(epochs):
@@ -413,6 +416,30 @@ def test_each_rank_trains_its_own_first_claim_then_the_counters():
     assert not any(second.given_away(claim) for claim in (1, 2, 3))  # (the second rank starts what it drew)
     assert list(a) == [] and list(b) == []
     assert list(first.pending) == [0, 4] and list(second.pending) == [1, 2, 3]
+
+
+def test_after_an_epochs_last_merge_each_rank_forgets_the_keys_its_claims_left_in_the_store():
+    values: dict[str, int] = {}
+
+    def add(key: str, amount: int) -> int:
+        values[key] = values.get(key, 0) + amount
+        return values[key]
+
+    counter = ClaimCounter(add, "run", values.pop)
+    order = GlobalOrder(range(12))
+    fast = ClaimingBatchSampler(order, 2, False, 0, 2, counter)
+    slow = ClaimingBatchSampler(order, 2, False, 1, 2, counter)
+    f, s = iter(fast), iter(slow)
+    next(f), next(s), next(s)  # claims 0, 1 (each rank's own) and 2 (the slow rank's, drawn ahead)
+    for _ in range(3):
+        next(f)  # claims 3-5
+    assert not fast.given_away(3) and not fast.given_away(4) and not fast.given_away(5)
+    assert list(f) == [[4, 5]]  # every claim drawn: the fast rank takes claim 2 over
+    assert slow.given_away(2) and not slow.given_away(1)  # (its own first claim has no key)
+    for sampler in (fast, slow):
+        counter.forget(0, sampler.rank, sampler.started)
+    assert sorted(values) == ["lightning_hetero/claims/run/epoch_0"]  # the counter alone is left
+    ClaimCounter(add, "run").forget(0, 0, [3])  # (a store that cannot delete keys: nothing happens)
 
 
 @pytest.mark.parametrize("started_first", [False, True])

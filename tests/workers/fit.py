@@ -363,6 +363,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--max-steps", type=int, default=-1)
     parser.add_argument("--max-epochs", type=int, default=1)
+    parser.add_argument("--reload-every", type=int, default=0, help="Trainer(reload_dataloaders_every_n_epochs=...)")
     parser.add_argument("--loader-batch-size", type=int, default=8)
     parser.add_argument("--shuffle", action="store_true")
     parser.add_argument("--drop-last", action="store_true")
@@ -507,6 +508,7 @@ def fit(args: argparse.Namespace) -> None:
         precision=args.precision,
         max_epochs=args.max_epochs,
         max_steps=args.max_steps,
+        reload_dataloaders_every_n_epochs=args.reload_every,
         accumulate_grad_batches=1 if args.manual else args.accumulate,
         callbacks=callbacks,
         logger=make_logger(args),
