@@ -155,17 +155,20 @@ def fit(
             steps = [{**step, "data_wait_seconds": [0.0] * len(step["batch_sizes"])} for step in steps]
         return counting_refit(base, steps, window, micro_steps)
 
+    def phase_split(rebalancer: Any, sizes: tuple[int, int], next_step: int, phase_steps: int) -> Any:
+        """A phase's split from its first step on (re-planning off): the re-plan that puts it in force, if any."""
+        if next_step % phase_steps or sizes == tuple(rebalancer.split):
+            return None
+        rebalancer.adopt(sizes, next_step)
+        rebalancer.replans.append(replan.Replan(next_step, sizes, 0.0))
+        return rebalancer.replans[-1]
+
     def equal_or_counting(self: Any, steps: Any, next_step: int) -> Any:
         """``--baseline equal``: an ignoring phase runs the equal split from its first step; a counting phase
         re-plans as the package does."""
         if kind_of_step(next_step) == "counting":
             return counting_consider(self, steps, next_step)
-        equal = (global_batch - global_batch // 2, global_batch // 2)
-        if next_step % PHASE_STEPS or tuple(self.split) == equal:
-            return None
-        self.adopt(equal, next_step)
-        self.replans.append(replan.Replan(next_step, equal, 0.0))
-        return self.replans[-1]
+        return phase_split(self, (global_batch - global_batch // 2, global_batch // 2), next_step, PHASE_STEPS)
 
     if baseline == "compute":
         replan.refit_cost_models = phased_refit  # (Rebalancer.consider looks it up in the module)
@@ -174,12 +177,7 @@ def fit(
 
     def fixed_split(self: Any, steps: Any, next_step: int) -> Any:
         """The sweep: the phase's split from its first step on, whatever the steps measured."""
-        sizes = sweep_split(next_step, global_batch, shares, phase_steps)
-        if next_step % phase_steps or sizes == tuple(self.split):
-            return None
-        self.adopt(sizes, next_step)
-        self.replans.append(replan.Replan(next_step, sizes, 0.0))
-        return self.replans[-1]
+        return phase_split(self, sweep_split(next_step, global_batch, shares, phase_steps), next_step, phase_steps)
 
     if sweep != "-":
         shares, phase_steps = sweep_setting(sweep)

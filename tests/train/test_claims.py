@@ -306,6 +306,19 @@ def last_merge_entries(log: list[tuple], world: int, epochs: int, per_epoch: int
     return entered
 
 
+def assert_the_slow_rank_starts_nothing_while_the_fast_one_waits_at_the_last_merge(
+    log: list[tuple], epochs: int, sync_every: int, samples: int, micro: int
+) -> None:
+    """Two ranks (0 fast, 1 slow): once rank 0 entered an epoch's last merge, rank 1 starts no micro-batch before it
+    enters too."""
+    per_epoch = merges_in_epoch(sync_every * 2, claims_in_epoch(samples, micro, False)) + 1
+    entered = last_merge_entries(log, 2, epochs, per_epoch)
+    for epoch in range(epochs):
+        fast_entered, slow_entered = entered[(0, epoch)], entered[(1, epoch)]
+        started = [e for e in log[fast_entered:slow_entered] if e[0] == "train" and e[1] == 1]
+        assert not started, f"epoch {epoch}: the slow rank started {started} while the fast one waited"
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_at_an_epochs_end_a_slow_rank_that_reads_ahead_leaves_the_last_claims_to_the_fast_one(seed):
     """Lightning reads a batch ahead, so a slow rank holds the micro-batch it is in and one more: drawn near the end,
@@ -320,12 +333,9 @@ def test_at_an_epochs_end_a_slow_rank_that_reads_ahead_leaves_the_last_claims_to
         trained = [e for e in log if e[0] == "train" and e[2] == epoch]
         assert sorted(p for e in trained for p in e[4]) == list(range(samples))  # every sample once an epoch
         assert [e[1] for e in log if e[0] == "left" and e[2] == epoch] == [1]  # the slow rank left, alone
-    per_epoch = merges_in_epoch(sync_every * world, claims_in_epoch(samples, micro, False)) + 1
-    entered = last_merge_entries(log, world, epochs, per_epoch)
-    for epoch in range(epochs):
-        fast_entered, slow_entered = entered[(0, epoch)], entered[(1, epoch)]
-        started = [e for e in log[fast_entered:slow_entered] if e[0] == "train" and e[1] == 1]
-        assert not started, f"epoch {epoch}: the slow rank started {started} while the fast one waited"
+    assert_the_slow_rank_starts_nothing_while_the_fast_one_waits_at_the_last_merge(
+        log, epochs, sync_every, samples, micro
+    )
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -346,12 +356,9 @@ def test_when_a_slow_rank_drew_ahead_at_an_epochs_end_the_fast_one_takes_that_cl
         trained = [e for e in log if e[0] == "train" and e[2] == epoch]
         assert sorted(p for e in trained for p in e[4]) == list(range(samples))  # every sample once an epoch
         assert not [e for e in log if e[0] == "left" and e[2] == epoch]
-    per_epoch = merges_in_epoch(sync_every * world, claims_in_epoch(samples, micro, False)) + 1
-    entered = last_merge_entries(log, world, epochs, per_epoch)
-    for epoch in range(epochs):
-        fast_entered, slow_entered = entered[(0, epoch)], entered[(1, epoch)]
-        started = [e for e in log[fast_entered:slow_entered] if e[0] == "train" and e[1] == 1]
-        assert not started, f"epoch {epoch}: the slow rank started {started} while the fast one waited"
+    assert_the_slow_rank_starts_nothing_while_the_fast_one_waits_at_the_last_merge(
+        log, epochs, sync_every, samples, micro
+    )
 
 
 @pytest.mark.parametrize("durations, sync_every", [([0.01, 0.01], 20), ([0.01, 0.01, 0.01], 20), ([0.005, 0.01], 1)])
