@@ -32,6 +32,11 @@ machine's two cores, and while the stalled rank sleeps the other rank's helper t
 on its core: the stall then costs the pair less than it would cost two hosts (the equal split's step was 16.2 ms
 unpinned against 18.4 ms pinned in two sweeps of the same hour, the best split's 13.6 and 12.9 ms).
 
+``--keep-cores-awake`` keeps a busy loop at the idle scheduling policy on each core while the fits run (``awake.py``):
+on this virtual machine a core that went idle (the stalled rank asleep, a rank blocked waiting for the other) takes
+2.5-3 ms to wake for the thread its peer wakes, a cost that lands in every step's exchange whatever the split
+(``collective_latency.py`` measures it apart from the package).
+
 ``--sweep`` measures the ceiling instead: one fit whose phases of ``--sweep-phase-steps`` steps (default 40) run
 fixed splits in turn (``--sweep-shares``: the stalled rank's share in sixteenths of the global batch, default 8 5 3 2
 1, re-planning off), each split's step time the median of its phases' medians (each over the phase's second half);
@@ -55,6 +60,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+from awake import cores_kept_awake  # noqa: E402
 from jobs import run_job  # noqa: E402
 
 DEFAULT_OUT = HERE / "results" / "data_stall.json"
@@ -285,6 +291,8 @@ def main() -> None:
         help="the ignoring phases' split: the equal one, or the re-planner that balances compute alone",
     )
     parser.add_argument("--pin", action="store_true", help="each rank's threads on a core of its own")
+    parser.add_argument("--keep-cores-awake", action="store_true",
+                        help="an idle-priority busy loop on every core while the fits run (see awake.py)")  # fmt: skip
     parser.add_argument("--fit", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.fit:
@@ -300,8 +308,12 @@ def main() -> None:
         if not all(0 < share <= 8 for share in args.sweep_shares) or 8 not in args.sweep_shares:
             parser.error(f"--sweep-shares {args.sweep_shares}: each share is 1 to 8 sixteenths, and 8 (the equal"
                          " split, the speedups' reference) is one of them")  # fmt: skip
-        sweep_main(args)
-        return
+    with cores_kept_awake(args.keep_cores_awake):
+        (sweep_main if args.sweep else phases_main)(args)
+
+
+def phases_main(args: argparse.Namespace) -> None:
+    """``--runs`` fits whose phases take turns; prints and writes each pair's figures."""
     epochs = -(-args.phases * PHASE_STEPS // STEPS_PER_EPOCH)
     runs = []
     for run in range(args.runs):
@@ -340,6 +352,7 @@ def main() -> None:
             "stall_ms": args.stall_ms,
             "baseline": args.baseline,
             "pinned": args.pin,
+            "cores_kept_awake": args.keep_cores_awake,
             "hidden": args.hidden,
             "global_batch": args.global_batch,
             "window": WINDOW,
@@ -374,8 +387,8 @@ def sweep_main(args: argparse.Namespace) -> None:
               f" {', '.join(f'{t:.2f}' for t in split['phase_step_ms'])} ms (median {split['median_step_ms']:.2f});"
               f" {split['speedup_over_equal']:.3f}x the equal split")  # fmt: skip
     best = max(split["speedup_over_equal"] for split in figures.values())
-    result = {"setting": {"stall_ms": args.stall_ms, "pinned": args.pin, "hidden": args.hidden,
-                          "global_batch": args.global_batch, "epochs": args.sweep_epochs,
+    result = {"setting": {"stall_ms": args.stall_ms, "pinned": args.pin, "cores_kept_awake": args.keep_cores_awake,
+                          "hidden": args.hidden, "global_batch": args.global_batch, "epochs": args.sweep_epochs,
                           "phase_steps": args.sweep_phase_steps, "shares_in_sixteenths": args.sweep_shares},
               "splits": figures, "best_speedup_over_equal": best}  # fmt: skip
     path = args.out.with_name(args.out.stem + "_sweep.json")
