@@ -5,6 +5,10 @@
 #
 #   bash benchmarks/gpu_check.sh
 # GPU_CHECK_LOG_DIR=<folder> also keeps each part's whole log there (gpu.txt, tests.txt, example.txt).
+# GPU_CHECK_CPU_STALL=1 also runs, on this host's CPUs, benchmarks/collective_latency.py and data_stall.py (3 fits,
+# width 128, batch 512, pinned; about 2 min): the data-stall speedup on a host whose idle cores wake in microseconds,
+# which the 2-core development machine cannot give (docs/run-report.md, "What swings it"). Figures only: they do not
+# change the exit status.
 set -u
 cd "$(dirname "$0")/.."
 mkdir -p benchmarks/results
@@ -23,6 +27,14 @@ python examples/train_spirals.py --accelerator cuda --devices 1 --epochs 2 --no-
   --root "$log/example" > "$log/example.txt" 2>&1
 example_status=$?
 
+if [ "${GPU_CHECK_CPU_STALL:-0}" = 1 ]; then
+  # CPU ranks only: torch sees no GPU, and DeepSpeed takes its CPU accelerator (gloo) as on the development machine
+  { export CUDA_VISIBLE_DEVICES= DS_ACCELERATOR=cpu
+    python benchmarks/collective_latency.py --out benchmarks/results/collective_latency.json
+    python benchmarks/data_stall.py --runs 3 --hidden 128 --global-batch 512 --pin \
+      --out benchmarks/results/data_stall.json; } > "$log/cpu_stall.txt" 2>&1
+fi
+
 {
   echo "lightning_hetero GPU check, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   cat "$log/gpu.txt"
@@ -32,6 +44,11 @@ example_status=$?
   echo
   echo "== example on accelerator=cuda, device_precision=auto (exit $example_status)"
   grep -E "^HeteroStrategy plan|^rank|^0 |epoch|validation|run report" "$log/example.txt" | tail -12
+  if [ -f "$log/cpu_stall.txt" ]; then
+    echo
+    echo "== on this host's CPUs: one exchange, and the data-stall speedup (GPU_CHECK_CPU_STALL=1; figures only)"
+    grep -E "all-reduce|speedup from|Error|error" "$log/cpu_stall.txt" | tail -12
+  fi
   if [ $tests_status -ne 0 ] || [ $example_status -ne 0 ] || [ $gpu_status -ne 0 ]; then
     echo
     echo "== failures: last lines of each failing part"
