@@ -386,7 +386,7 @@ class HeteroJob:
                              stage_is_automatic=stage_is_automatic)  # fmt: skip
         if route is Route.PIPELINE:
             assert self.pipeline is not None
-            return self.pipeline.load_checkpoint(chosen, manifest, engine)
+            return self.pipeline.load_checkpoint(chosen, manifest, engine, weights_only)
         same_world_size = route is Route.SAME_WORLD_SIZE
         self.communication.load(chosen, self.rank, manifest, same_world_size)
         self.setup.settle_the_global_batch(chosen, manifest, zero_stage, module, same_world_size)

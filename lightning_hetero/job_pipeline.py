@@ -283,8 +283,10 @@ class PipelineTraining:
 
         self._job.recovery.save(target, write, facts)
 
-    def load_checkpoint(self, chosen: Path, manifest: dict[str, Any], engine: Any) -> dict[str, Any]:
-        """A pipeline checkpoint into this pipeline run, whatever its boundaries and number of pipelines."""
+    def load_checkpoint(self, chosen: Path, manifest: dict[str, Any], engine: Any,
+                        weights_only: Optional[bool] = None) -> dict[str, Any]:  # fmt: skip
+        """A pipeline checkpoint into this pipeline run, whatever its boundaries and number of pipelines
+        (``weights_only``: Lightning's, for the trainer's state it holds)."""
         if not manifest.get("pipeline"):
             raise ResumeRefused(
                 f"Checkpoint {chosen} was saved without `pipeline`: resume it without `pipeline`; a checkpoint of"
@@ -297,7 +299,7 @@ class PipelineTraining:
             f"{saved['replicas']} pipeline(s)) on boundaries {list(self.pipeline.placement.boundaries)}"
             f" and {self.pipeline.layout.replicas} pipeline(s), by parameter name."
         )
-        return pipeline_state.load_stage(chosen, engine.module, engine.optimizer)
+        return pipeline_state.load_stage(chosen, engine.module, engine.optimizer, weights_only)
 
     def evaluation_step(self, batch: Any, forward: Any) -> Any:
         """A validation step through the stages (forward only); the last stage's output, None on the others."""

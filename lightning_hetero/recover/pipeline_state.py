@@ -15,12 +15,12 @@ form, is refused on every rank with what to do.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from lightning_hetero.runtime.safe_load import load_package_file
+from lightning_hetero.runtime.safe_load import load_lightning_file, load_package_file
 
 RANK_FILE = "pipeline_rank{rank}.pt"
 CLIENT_FILE = "pipeline_trainer_state.pt"
@@ -50,8 +50,15 @@ def save_stage(directory: Path, rank: int, module: nn.Module, optimizer: Any, tr
         torch.save({k: v for k, v in trainer_state.items() if k not in EXCLUDED}, directory / CLIENT_FILE)
 
 
-def load_stage(directory: Path, module: nn.Module, optimizer: Any) -> dict[str, Any]:
-    """This rank's parameters and optimizer state from every rank's file, by name; returns the trainer's state."""
+def load_stage(
+    directory: Path, module: nn.Module, optimizer: Any, weights_only: Optional[bool] = None
+) -> dict[str, Any]:
+    """This rank's parameters and optimizer state from every rank's file, by name; returns the trainer's state.
+
+    The rank files hold tensors and plain containers (read weights-only); the trainer's state holds what the user's
+    module and callbacks saved (its hyper-parameters may be a ``Path``, a config object), so it is read as Lightning
+    reads a ``.ckpt``, as ``weights_only`` (``Trainer.fit``'s) asks.
+    """
     files = sorted(directory.glob(RANK_FILE.format(rank="*")))
     if not files or not (directory / CLIENT_FILE).is_file():
         raise ValueError(
@@ -77,7 +84,7 @@ def load_stage(directory: Path, module: nn.Module, optimizer: Any) -> dict[str, 
         )
     module.load_state_dict({name: model[name] for name in wanted})
     _load_optimizer(module, optimizer, state, groups)
-    return load_package_file(directory / CLIENT_FILE)
+    return load_lightning_file(directory / CLIENT_FILE, weights_only)
 
 
 def _load_optimizer(module: nn.Module, optimizer: Any, state: dict[str, Any], groups: list[dict[str, Any]]) -> None:

@@ -89,3 +89,37 @@ def test_what_lightning_and_the_package_write_loads_weights_only(tmp_path):
     restored.load(tmp_path, 0)
     assert torch.equal(restored.error_feedback, torch.full((3,), 0.5))
     assert restored._inner.state_dict()["state"][0]["step"] == 1
+
+
+def test_a_pipeline_checkpoints_trainer_state_loads_as_weights_only_asks(tmp_path):
+    """The pipeline checkpoint's trainer state holds what the user's module saved (a `Path` hyper-parameter): refused
+    under Lightning's default, loaded with `weights_only=False`, while the rank files stay weights-only (a resume
+    with `Trainer.fit(weights_only=False)` used to be refused with no way past it)."""
+    from lightning_hetero.recover import pipeline_state
+
+    module = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    trainer_state = {"hyper_parameters": {"data_dir": Path("/data/spirals")}, "epoch": 3}
+    pipeline_state.save_stage(tmp_path, 0, module, optimizer, trainer_state)
+    with pytest.raises(UnsafeCheckpointFile, match=r"pipeline_trainer_state.pt .*PosixPath.*`weights_only=False`"):
+        pipeline_state.load_stage(tmp_path, module, optimizer)
+    loaded = pipeline_state.load_stage(tmp_path, module, optimizer, weights_only=False)
+    assert loaded == trainer_state
+    marker = tmp_path / "ran"
+    crafted(tmp_path / pipeline_state.RANK_FILE.format(rank=0), marker)
+    with pytest.raises(UnsafeCheckpointFile, match="altered or comes from elsewhere"):
+        pipeline_state.load_stage(tmp_path, module, optimizer, weights_only=False)
+    assert not marker.exists()
+
+
+def test_weights_only_none_is_torchs_default_as_for_lightning(tmp_path, monkeypatch):
+    """`weights_only=None` goes to torch as Lightning hands it: torch's default, which a user may switch off with
+    TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD; an explicit `True` still refuses."""
+    path = tmp_path / "paths.ckpt"
+    torch.save({"hyper_parameters": {"data_dir": Path("/data")}}, path)
+    with pytest.raises(UnsafeCheckpointFile):
+        load_lightning_file(path)
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    assert load_lightning_file(path)["hyper_parameters"]["data_dir"] == Path("/data")
+    with pytest.raises(UnsafeCheckpointFile):
+        load_lightning_file(path, weights_only=True)
