@@ -34,19 +34,37 @@ pytestmark = [pytest.mark.engines, pytest.mark.fault, ENGINES_ONE_AT_A_TIME]
 
 MANIFESTS = REPO / "configs" / "kubeflow"
 MOUNT = "/shared"  # the volume both manifests mount
+IMAGE_ROOT = "/workspace"  # where the image holds this repository
 POD_TIMEOUT = 240
 
 
 def trainjob_pods(manifest: dict, shared: Path, port: int) -> list[tuple[list[str], dict[str, str]]]:
     """Each node's command line and the environment the torch-distributed runtime gives it."""
     trainer = manifest["spec"]["trainer"]
-    command = [part.replace(MOUNT, str(shared)) for part in trainer["command"]]
+    command = [part.replace(MOUNT, str(shared)).replace(IMAGE_ROOT, str(REPO)) for part in trainer["command"]]
     own = {item["name"]: item["value"] for item in trainer.get("env", [])}
     return [
         (command, {**own, "PET_NNODES": str(trainer["numNodes"]), "PET_NPROC_PER_NODE": str(trainer["numProcPerNode"]),
                    "PET_NODE_RANK": str(node), "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port)})
         for node in range(trainer["numNodes"])
     ]  # fmt: skip
+
+
+def test_the_trainjob_sets_only_what_kubeflow_trainer_accepts_and_restarts_on_a_lost_pod():
+    """What the emulation cannot show, checked in the manifests: the TrainJob's container override holds only the
+    fields Kubeflow Trainer's API has (a `workingDir` there was refused, or dropped and the relative script path with
+    it), its command's paths are absolute, and the runtime it names restarts the job (the default one does not)."""
+    manifest = yaml.safe_load((MANIFESTS / "trainjob.yaml").read_text())
+    for override in manifest["spec"].get("podTemplateOverrides", []):
+        for container in override["spec"].get("containers", []):
+            assert set(container) <= {"name", "env", "volumeMounts", "securityContext"}, container
+    script = manifest["spec"]["trainer"]["command"][1]
+    assert script.startswith(IMAGE_ROOT + "/") and (REPO / script[len(IMAGE_ROOT) + 1 :]).is_file(), script
+    reference = manifest["spec"]["runtimeRef"]
+    runtime = yaml.safe_load((MANIFESTS / "runtime.yaml").read_text())
+    assert (reference["name"], reference["kind"]) == (runtime["metadata"]["name"], runtime["kind"])
+    assert runtime["spec"]["template"]["spec"]["failurePolicy"]["maxRestarts"] >= 1
+    assert [job["name"] for job in runtime["spec"]["template"]["spec"]["replicatedJobs"]] == ["node"]
 
 
 def pytorchjob_pods(manifest: dict, shared: Path, port: int) -> list[tuple[list[str], dict[str, str]]]:
