@@ -262,7 +262,6 @@ class HeteroJob:
         inside is counted, the watch told, and a run of non-finite steps stops every rank together."""
         if self.pipeline is not None:
             return step()
-        self.setup.scale_learning_rate(trainer)  # (once, after a resume that changed the global batch)
         with self.communication.counting(), phase("optimizer step (its closure: training_step and backward)"):
             result = step() if self.claims is None else self.claims.optimizer_step(step, closure)
             if self.local is not None:

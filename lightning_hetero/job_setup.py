@@ -67,7 +67,7 @@ class JobSetup:
         self.stage_choice: Optional[StageChoice] = None  # the automatic ZeRO stage of this trainer call, and why
         self._emulated_topology: tuple[Optional[int], Optional[topology.SlowLink]] = (None, None)
         self._inner_steps_rebalancer: Optional[InnerStepsRebalancer] = None
-        self.pending_lr_scaling: Optional[LrScaling] = None  # decided at a resume, applied at the fit's first step
+        self.pending_lr_scaling: Optional[LrScaling] = None  # decided at a resume, applied as training starts
         self.fitting = False  # whether this trainer call fits (set by the survey)
 
     # ------------------------------------------------------------------ measure
@@ -323,8 +323,9 @@ class JobSetup:
         )
 
     def scale_learning_rate(self, trainer: Any) -> None:
-        """Before the resumed fit's first optimizer step (the optimizers' and schedulers' states are restored by
-        then): the scaling :meth:`settle_the_global_batch` decided, on every rank's optimizers, said once."""
+        """At the start of the resumed fit's training (the optimizers' and schedulers' states are restored by then,
+        and no step has run, so a checkpoint saved before the first step records the scaled rates): the scaling
+        :meth:`settle_the_global_batch` decided, on every rank's optimizers, said once."""
         scaling, self.pending_lr_scaling = self.pending_lr_scaling, None
         if scaling is not None and trainer is not None:
             schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]

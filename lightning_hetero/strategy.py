@@ -372,6 +372,11 @@ class HeteroStrategy(DeepSpeedStrategy):
                                        self._trainer(), closure or kwargs.get("closure"))  # fmt: skip
 
     @override
+    def on_train_start(self) -> None:
+        super().on_train_start()  # (the optimizers' and schedulers' states are restored by now, before any step)
+        self.job.setup.scale_learning_rate(self._trainer())  # a resume's lr_scaling, said once
+
+    @override
     def on_train_end(self) -> None:
         self.job.training_ends()
         super().on_train_end()

@@ -1,9 +1,10 @@
 """Train: a learning-rate scaling (:mod:`lightning_hetero.plan.lr_scaling`) applied to the optimizers and schedulers.
 
-It runs before the first optimizer step of the resumed fit: after DeepSpeed restored the optimizer's groups and
-Lightning the schedulers' state (a scheduler restored after a scaling would undo it at its next step, recomputing the
-rate from its ``base_lrs``). The next checkpoint records the scaled rates with the new global batch, so a later resume
-at that batch scales nothing again.
+It runs as the resumed fit's training starts (the strategy's ``on_train_start``): after DeepSpeed restored the
+optimizer's groups and Lightning the schedulers' state (a scheduler restored after a scaling would undo it at its next
+step, recomputing the rate from its ``base_lrs``), and before any step, so that every checkpoint of the fit, one saved
+before its first step included, records the scaled rates with the new global batch: a later resume at that batch
+scales nothing again.
 """
 
 from __future__ import annotations

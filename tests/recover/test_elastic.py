@@ -317,7 +317,8 @@ def test_lr_scaling_on_a_resize_scales_the_learning_rate_and_adamw_decay_by_its_
     """2 ranks x 8 (global batch 16) train AdamW (lr 0.01, weight decay 0.01) and save at step 3. 1 rank resumes,
     whose default global batch is 8 (k = 1/2). With `lr_scaling="sqrt"` it trains on with 8: lr x sqrt(k), and the
     decoupled weight decay x k / sqrt(k), so that lr x weight decay scales by k; with "linear": lr x k, the decay kept;
-    without it (the default) the checkpoint's global batch of 16 and its rates are kept. Each says so."""
+    without it (the default) the checkpoint's global batch of 16 and its rates are kept. Each says so, and each rate
+    is in force from the resumed fit's first batch."""
     common = ["--samples", "96", "--max-epochs", "1", "--optimizer", "adamw"]
     first = run_fit(tmp_path / "two", *common, "--batch-sizes", "8", "8", "--checkpoint-every", "3")
     assert first.returncode == 0, first.output[-3000:]
@@ -336,6 +337,11 @@ def test_lr_scaling_on_a_resize_scales_the_learning_rate_and_adamw_decay_by_its_
         assert group["lr"] == pytest.approx(scaled_lr, rel=1e-12), name
         assert group["weight_decay"] == pytest.approx(scaled_decay, rel=1e-12), name
         assert group["lr"] * group["weight_decay"] == pytest.approx(lr * decay * (k if name != "default" else 1))
+        # Scaled from the fit's first batch on, before any step: a checkpoint saved then (a SIGTERM just after the
+        # restart) records the scaled rates with the new global batch (the scaling waited for the first optimizer
+        # step, and such a checkpoint lost it for good)
+        (first,) = result["first_batch_param_groups"]
+        assert (first["lr"], first["weight_decay"]) == pytest.approx((scaled_lr, scaled_decay), rel=1e-12), name
         assert result["global_step"] == steps, name  # 3 steps of 16, then 6 of 8 (or 3 of 16)
         assert sorted(sum(result["seen"], [])) == list(range(48, 96)), name  # the rest of the epoch, once
     line = "HeteroStrategy: the global batch changed from the checkpoint's 16 to 8 samples (x0.5); lr_scaling="

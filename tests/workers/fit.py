@@ -280,14 +280,25 @@ def noisy(model, sigma: float, rank: int):
     return step_with_noise
 
 
+def param_group_rates(optimizer) -> list[dict]:
+    return [{key: group.get(key) for key in ("lr", "weight_decay")} for group in base_optimizer(optimizer).param_groups]
+
+
 class WriteResult(Callback):
     def __init__(self, out: Path) -> None:
         self.out = out
         self.batchnorm_types: list[str] = []
+        self.first_batch_param_groups = None
 
     def on_train_start(self, trainer, pl_module) -> None:
         # The layers as they train: teardown (which runs before on_fit_end) reverts SyncBatchNorm, as DDP's does.
         self.batchnorm_types = [type(m).__name__ for m in pl_module.modules() if "BatchNorm" in type(m).__name__]
+        self.first_batch_param_groups = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        # The rates before this fit's first optimizer step: what a checkpoint saved then (a SIGTERM) would record.
+        if self.first_batch_param_groups is None and trainer.optimizers:
+            self.first_batch_param_groups = param_group_rates(trainer.optimizers[0])
 
     def on_test_end(self, trainer, pl_module) -> None:
         seen = [None] * trainer.world_size
@@ -332,12 +343,8 @@ class WriteResult(Callback):
                 "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
                 "metric_dtypes": {k: str(v.dtype) for k, v in trainer.callback_metrics.items()},
                 "train_dataloader_calls": getattr(pl_module, "train_dataloader_calls", None),
-                "param_groups": [
-                    {key: group.get(key) for key in ("lr", "weight_decay")}
-                    for group in base_optimizer(trainer.optimizers[0]).param_groups
-                ]  # fmt: skip
-                if trainer.optimizers
-                else None,
+                "param_groups": param_group_rates(trainer.optimizers[0]) if trainer.optimizers else None,
+                "first_batch_param_groups": self.first_batch_param_groups,
             }
             (self.out / "result.json").write_text(json.dumps(result))
 
