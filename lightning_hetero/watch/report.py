@@ -20,7 +20,8 @@ At the end of fit rank 0 writes into the run's ``hetero/`` directory:
         {"step": k, "batch_sizes": [...], "micro_steps": [...], "predicted_gain": g}, ...],
       "summary": {"steps": n, "samples_per_second": x, "balance_efficiency_start": a,
                   "balance_efficiency_end": b, "replans": r,
-                  "measurement_share": m},  # rank 0's time exchanging records and deciding re-plans / step time
+                  "measurement_share": m,   # rank 0's time exchanging records and deciding re-plans / step time
+                  "replanning": bool},      # whether the split followed the measurements (False: a fixed split)
       "precision": {                  # only with HeteroStrategy(device_precision=...)
         "precisions": [p_0, ...],     # each rank's: "bf16-mixed", "16-mixed" or "32-true"
         "loss_scale": s,              # the job's loss scale at the end (null without an fp16 rank)
@@ -115,8 +116,10 @@ def build_report(
     communication: Optional[dict[str, Any]] = None,
     nonfinite: Optional[dict[str, Any]] = None,
     asynchronous: Optional[dict[str, Any]] = None,
+    replanning: bool = True,
 ) -> dict[str, Any]:
     """The run report; ``exchange_seconds`` (rank 0's time exchanging records) gives the measuring cost;
+    ``replanning`` whether the split followed the measurements (what the data-stall advice may promise);
     ``nonfinite`` the optimizer steps skipped for non-finite gradients (see :mod:`~.precision.nonfinite`);
     ``asynchronous`` the merges by speed (see :func:`~.plan.claims.merge_summary`)."""
     built: dict[str, Any] = {
@@ -124,7 +127,7 @@ def build_report(
         "world_size": world_size,
         "steps": steps,
         "replans": replans,
-        "summary": summarize(steps, replans, exchange_seconds),
+        "summary": {**summarize(steps, replans, exchange_seconds), "replanning": replanning},
     }
     if nonfinite is not None:
         built["nonfinite"] = nonfinite
@@ -258,10 +261,14 @@ def data_stall_text(summary: dict[str, Any]) -> str:
         f" ({summary['data_wait_over_compute'][rank]:.0%} of its compute)"
         for rank in stalled
     )
+    split = (
+        "re-planning counts the wait in the rank's time and gives it fewer samples"
+        if summary.get("replanning", True)
+        else "the split is fixed here; with `rebalance=True` re-planning would count the wait and give it fewer samples"
+    )
     return (
-        f"; waiting for the data loader per step: {each}. That loader is a bottleneck (re-planning counts the wait in"
-        " the rank's time and gives it fewer samples): more workers on that host (DataLoader(num_workers=...)), a"
-        " larger prefetch_factor, or faster storage removes it"
+        f"; waiting for the data loader per step: {each}. That loader is a bottleneck ({split}): more workers on that"
+        " host (DataLoader(num_workers=...)), a larger prefetch_factor, or faster storage removes it"
     )
 
 

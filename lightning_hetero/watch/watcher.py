@@ -142,7 +142,9 @@ class Watcher:
         if rank != 0:
             return
         measuring = self.run.exchange_seconds + (self.follower.decision_seconds if self.follower else 0.0)
-        run_report = report.build_report(steps, self.replans, world_size, exchange_seconds=measuring, **sections)
+        replanning = self.follower is not None and self.follower.rebalancer is not None
+        run_report = report.build_report(steps, self.replans, world_size, exchange_seconds=measuring,
+                                         replanning=replanning, **sections)  # fmt: skip
         if self.tracer is not None:
             run_report["traces"] = write_merged(directory, world_size, self.tracer.steps)
         json_path, png_path = report.write_report(run_report, directory)

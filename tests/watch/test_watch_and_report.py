@@ -208,6 +208,10 @@ def test_the_report_and_the_monitor_name_the_rank_that_waits_for_its_data_with_t
     line = report.summary_text(report.build_report(steps, [], 2))
     assert "waiting for the data loader per step: rank 1 5.0 ms (50% of its compute)" in line
     assert "num_workers" in line and "rank 0" not in line.split("waiting for the data loader")[1]
+    assert "re-planning counts the wait in the rank's time and gives it fewer samples" in line
+    # A fixed split (re-planning off) does not promise what it does not do
+    fixed = report.summary_text(report.build_report(steps, [], 2, replanning=False))
+    assert "gives it fewer samples" not in fixed and "the split is fixed here; with `rebalance=True`" in fixed
     plain = job_steps([[StepRecord(0, 8, 0.01, 0.01)], [StepRecord(0, 8, 0.01, 0.01)]])
     assert "data_wait_seconds_per_step" not in report.summarize(plain, [])
     assert "data loader" not in report.summary_text(report.build_report(plain, [], 2))
