@@ -378,7 +378,7 @@ class HeteroJob:
             self.setup.settle_the_global_batch(path, {}, zero_stage, module, same_world_size=True)  # (none recorded)
             return self.recovery.resume_from_lightning_file(path, module, engine, self._optimizer_parameters,
                 self.sharding.training_order(), self.split.global_batch_size, weights_only)  # fmt: skip
-        chosen, manifest = self.recovery.choose(path)
+        chosen, manifest = self.recovery.choose(path, weights_only is True)
         route = resume_route(chosen, manifest, pipeline=self.pipeline is not None,
                              local=self.settings.sync if self.local is not None else None,
                              world_size=self.world_size, zero_stage=zero_stage,

@@ -42,7 +42,7 @@ from lightning_hetero.plan.zero_stage import HALF_PRECISION_ENGINES
 from lightning_hetero.precision.job import attach_to_engine
 from lightning_hetero.precision.nonfinite import DEFAULT_MAX_NONFINITE_STEPS
 from lightning_hetero.recover import elastic, liveness
-from lightning_hetero.runtime import quiet, startup
+from lightning_hetero.runtime import quiet, safe_load, startup
 from lightning_hetero.runtime.shutdown import register_exit_cleanup
 from lightning_hetero.settings import HeteroSettings
 from lightning_hetero.train.sync_batchnorm import with_layer_sync
@@ -439,7 +439,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         load = lambda directory: parent_load(directory, *args, **kwargs)  # noqa: E731
         return self.job.load_checkpoint(Path(checkpoint_path), load, self.lightning_module, self._trainer(),
                                         self._zero_stage(), self._automatic_stages is not None, self.deepspeed_engine,
-                                        kwargs.get("weights_only", args[0] if args else None))  # fmt: skip
+                                        safe_load.requested_weights_only(args, kwargs))  # fmt: skip
 
     @override
     def teardown(self) -> None:

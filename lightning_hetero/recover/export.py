@@ -25,7 +25,7 @@ import torch
 from lightning_hetero.recover import checkpoint
 from lightning_hetero.runtime.internal_access import replace, resolve
 from lightning_hetero.runtime.lightning_internals import LIGHTNING_CHECKPOINT_LOAD
-from lightning_hetero.runtime.safe_load import load_lightning_file
+from lightning_hetero.runtime.safe_load import check_checkpoint_directory, load_lightning_file
 
 # DeepSpeed's own entries in the model-states file; what remains is the client state Lightning saved.
 _DEEPSPEED_STATES = frozenset({
@@ -45,8 +45,9 @@ def is_hetero_checkpoint(path: Any) -> bool:
 
 def lightning_checkpoint(path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
     """The checkpoint directory ``path`` as the dict of a Lightning ``.ckpt`` file (weights in fp32, on the CPU).
-    ``weights_only``: Lightning's argument for the file holding Lightning's state (None: weights-only; see
-    :mod:`~lightning_hetero.runtime.safe_load`; ZeRO 1-3's shards are read by DeepSpeed's own loader)."""
+    ``weights_only``: Lightning's argument for the file holding Lightning's state (None: torch's default; see
+    :mod:`~lightning_hetero.runtime.safe_load`; ZeRO 1-3's shards are read by DeepSpeed's own loader, in full, after
+    an explicit True checked them)."""
     path = Path(path)
     damage = checkpoint.incompleteness(path, verify_checksums=True)
     if damage is not None:
@@ -54,6 +55,8 @@ def lightning_checkpoint(path: Any, weights_only: Optional[bool] = None) -> dict
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint, get_model_state_file
 
     tag = (path / "latest").read_text().strip()
+    if weights_only:  # (DeepSpeed's loader unpickles the shards in full: checked first)
+        check_checkpoint_directory(path / tag)
     stage = (checkpoint.read_manifest(path) or {}).get("zero_stage", 0)
     client = load_lightning_file(Path(get_model_state_file(str(path / tag), stage)), weights_only)
     if stage == 0:

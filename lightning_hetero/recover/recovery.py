@@ -27,6 +27,7 @@ from lightning_hetero.recover.stopping import (
     slurm_job_id,
 )
 from lightning_hetero.runtime.collectives import Collectives
+from lightning_hetero.runtime.safe_load import check_checkpoint_directory
 from lightning_hetero.runtime.shutdown import exit_with_if_uncaught, requested_exit_code
 
 Load = Callable[..., dict[str, Any]]
@@ -160,13 +161,20 @@ class Recovery:
         if self.rank == 0:
             elastic.prune_unless_only(path, remove)
 
-    def choose(self, path: Path) -> tuple[Path, dict[str, Any]]:
+    def choose(self, path: Path, weights_only: bool = False) -> tuple[Path, dict[str, Any]]:
         """The checkpoint to resume from: rank 0 verifies the files against their checksums (once, not on every
-        rank) and the choice, or its error, reaches every rank in one gather; with its manifest (for a directory
-        that Lightning's DeepSpeedStrategy wrote, the facts read from its files: :mod:`.from_deepspeed`)."""
+        rank) and, with ``weights_only``, that they pickle nothing but DeepSpeed's own classes; the choice, or its
+        error, reaches every rank in one gather; with its manifest (for a directory that Lightning's DeepSpeedStrategy
+        wrote, the facts read from its files: :mod:`.from_deepspeed`)."""
+
+        def choose_on_rank_0() -> Any:
+            choice = resume_deepspeed.choose_checkpoint(path)
+            if weights_only:
+                check_checkpoint_directory(Path(choice[0]))
+            return choice
+
         _, choices = self.collectives.gather_or_raise(
-            "choosing the checkpoint to resume from",
-            lambda: (None, resume_deepspeed.choose_checkpoint(path) if self.rank == 0 else None),
+            "choosing the checkpoint to resume from", lambda: (None, choose_on_rank_0() if self.rank == 0 else None)
         )
         chosen, warning, foreign = Path(choices[0][0]), choices[0][1], choices[0][2]
         if warning:

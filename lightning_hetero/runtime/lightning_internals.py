@@ -144,7 +144,16 @@ TRAINER_STATE = (
              " resume reads and writes"),
 )  # fmt: skip
 
+# Lightning 2.6 hands `Trainer.fit(weights_only=...)` to `strategy.load_checkpoint` only for a strategy that restores
+# before setup: DeepSpeed's (and this one) restore after it, where `_run` calls `_restore_modules_and_callbacks`
+# without it, so the argument did nothing.
+TRAINER_RUN = Internal(
+    "lightning.pytorch.trainer.trainer", "Trainer._run", "read", "runtime/safe_load.py",
+    "its argument `weights_only` (the trainer call's), read from its frame when Lightning hands the strategy's"
+    " load_checkpoint none: Lightning 2.6 drops it for strategies that restore the checkpoint after setup",
+)  # fmt: skip
+
 LIGHTNING_INTERNALS = (
-    LAYER_SYNC, SETUP_MODEL, LIGHTNING_CHECKPOINT_LOAD, FOREIGN_RESUME_HOOK, *DEEPSPEED_STRATEGY_RESUME,
+    LAYER_SYNC, SETUP_MODEL, LIGHTNING_CHECKPOINT_LOAD, FOREIGN_RESUME_HOOK, TRAINER_RUN, *DEEPSPEED_STRATEGY_RESUME,
     *STRATEGY_HOOKS, *TRAINER_STATE,
 )  # fmt: skip

@@ -13,21 +13,57 @@ checkpoint from elsewhere (a shared volume, a download) could run code on every 
 
 A file refused here is named with the way to load it anyway (:class:`UnsafeCheckpointFile`). DeepSpeed's own files
 (its optimizer states pickle its loss scaler and fragment addresses) are read as DeepSpeed reads them, in full: its
-engine unpickles them at every resume whatever this package does, so a checkpoint directory must come from a source
-you trust.
+engine unpickles them at every resume whatever this package does. So with Lightning's default (``weights_only=None``)
+a checkpoint directory must come from a source you trust; an explicit ``weights_only=True`` has every ``.pt`` file in
+it checked first, without unpickling (:func:`check_checkpoint_directory`): tensors, containers and DeepSpeed's own
+classes pass, anything else refuses the checkpoint.
 """
 
 from __future__ import annotations
 
+import inspect
 import pickle
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
+from lightning_hetero.runtime.internal_access import resolve
+from lightning_hetero.runtime.lightning_internals import TRAINER_RUN
+
 
 class UnsafeCheckpointFile(ValueError):
     """A checkpoint file holds objects that ``weights_only`` loading refuses (it could run code)."""
+
+
+# The classes DeepSpeed's checkpoint files pickle besides tensors and plain containers (seen in ZeRO-0/2/3 files of
+# DeepSpeed 0.19: the loss scaler, ZeRO's stage, the fragment addresses of its flat groups): what
+# `weights_only=True` lets through in a checkpoint directory, whose files DeepSpeed's engine then unpickles in full.
+DEEPSPEED_OWN_GLOBALS = frozenset({
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+})  # fmt: skip
+
+
+def requested_weights_only(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[bool]:
+    """The ``weights_only`` of the trainer call loading a checkpoint: what Lightning hands the strategy's
+    ``load_checkpoint`` (``args``, ``kwargs``), else what the user gave ``Trainer.fit`` (or ``validate``, ``test``,
+    ``predict``), read from the frame of ``Trainer._run`` up the stack (:data:`.lightning_internals.TRAINER_RUN`:
+    Lightning 2.6 drops it for a strategy that restores after setup, so ``Trainer.fit(weights_only=False)`` did
+    nothing). None when neither says."""
+    given = kwargs.get("weights_only", args[0] if args else None)
+    if given is not None:
+        return bool(given)
+    run = resolve(TRAINER_RUN).__code__
+    frame = inspect.currentframe()
+    try:
+        while frame is not None and frame.f_code is not run:
+            frame = frame.f_back
+        return None if frame is None else frame.f_locals.get("weights_only")
+    finally:
+        del frame  # (a frame kept in a local keeps every frame above it alive)
 
 
 def load_package_file(path: Path) -> Any:
@@ -46,6 +82,28 @@ def load_lightning_file(path: Path, weights_only: Optional[bool] = None) -> Any:
         " `weights_only=False` to `Trainer.fit` (or to `load_from_checkpoint`), or allow those classes with"
         " `torch.serialization.add_safe_globals([...])` before loading."
     )  # fmt: skip
+
+
+def check_checkpoint_directory(directory: Path) -> None:
+    """``weights_only=True`` for a checkpoint directory: every ``.pt`` file in it pickles only tensors, plain
+    containers and DeepSpeed's own classes, checked without unpickling; else :class:`UnsafeCheckpointFile`."""
+    for path in sorted(Path(directory).rglob("*.pt")):
+        try:
+            names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        except Exception as error:  # noqa: BLE001 - not a zip checkpoint, unreadable: not checked, so refused
+            raise UnsafeCheckpointFile(
+                f"Checkpoint file {path} could not be checked for objects that loading it could run code from"
+                f" ({type(error).__name__}: {error}), so `weights_only=True` refuses the checkpoint. If you trust where"
+                " it came from, pass `weights_only=False` to `Trainer.fit` (or to `load_from_checkpoint`)."
+            ) from error
+        foreign = [name for name in names if name not in DEEPSPEED_OWN_GLOBALS]
+        if foreign:
+            raise UnsafeCheckpointFile(
+                f"Checkpoint file {path} holds objects that loading it could run code from ({', '.join(foreign[:5])}),"
+                " so `weights_only=True` refuses the checkpoint (DeepSpeed's engine unpickles its files in full). If"
+                " you trust where it came from, pass `weights_only=False` to `Trainer.fit` (or to"
+                " `load_from_checkpoint`)."
+            )
 
 
 def _load(path: Path, weights_only: Optional[bool], why_and_fix: str) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -123,3 +124,52 @@ def test_weights_only_none_is_torchs_default_as_for_lightning(tmp_path, monkeypa
     assert load_lightning_file(path)["hyper_parameters"]["data_dir"] == Path("/data")
     with pytest.raises(UnsafeCheckpointFile):
         load_lightning_file(path, weights_only=True)
+
+
+@pytest.mark.multiprocess
+def test_weights_only_true_checks_a_checkpoint_directory_through_trainer_fit_and_load_from_checkpoint(tmp_path):
+    """`Trainer.fit(ckpt_path=<directory>, weights_only=True)` and `load_from_checkpoint(..., weights_only=True)`:
+    a ZeRO-2 checkpoint (DeepSpeed's loss scaler, stage and fragment addresses inside) resumes and loads; once a
+    file that runs code on unpickling lies among its files, both refuse it, naming the file, and nothing runs.
+    (Lightning 2.6 does not hand `Trainer.fit`'s `weights_only` to a strategy that restores after setup: it was
+    ignored, and DeepSpeed unpickled the directory's files in full.)"""
+    import json
+    import subprocess
+    import sys
+
+    worker = Path(__file__).resolve().parents[1] / "workers" / "weights_only_directory.py"
+    run = subprocess.run([sys.executable, str(worker), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["resume"] == "ok" and result["load"] == "ok", result
+    refusal = r"UnsafeCheckpointFile: Checkpoint file .*extra_states.pt holds objects .*\(builtins.exec\)"
+    assert re.match(refusal, result["crafted_resume"]) and re.match(refusal, result["crafted_load"]), result
+    assert "pass `weights_only=False` to `Trainer.fit`" in result["crafted_resume"]
+    assert result["ran"] is False
+
+
+def test_the_trainer_calls_weights_only_is_found_up_the_stack():
+    """What Lightning hands the strategy wins; without it, the `weights_only` of the `Trainer._run` frame up the
+    stack (the trainer call's); None outside a trainer call."""
+    from lightning.pytorch import Trainer
+
+    from lightning_hetero.runtime.safe_load import requested_weights_only
+
+    assert requested_weights_only((), {"weights_only": False}) is False
+    assert requested_weights_only((True,), {}) is True
+    assert requested_weights_only((), {}) is None
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    class StandIn:  # `_run` reads `self.state` first: the strategy's load runs there, inside the frame
+        @property
+        def state(self):
+            seen.append(requested_weights_only((), {}))
+            raise Stop
+
+    for given in (False, True, None):
+        with pytest.raises(Stop):
+            Trainer._run(StandIn(), None, ckpt_path=None, weights_only=given)
+    assert seen == [False, True, None]
