@@ -17,7 +17,8 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_hetero.recover import checkpoint, elastic, failures, liveness, refusal, universal
+from lightning_hetero.comm.communication import STATE_DIRNAME as HOOK_STATE_DIRNAME
+from lightning_hetero.recover import checkpoint, elastic, failures, liveness, pipeline_state, refusal, universal
 from lightning_hetero.recover import from_deepspeed as resume_deepspeed
 from lightning_hetero.recover import from_lightning as resume_lightning
 from lightning_hetero.recover.stopping import (
@@ -27,10 +28,18 @@ from lightning_hetero.recover.stopping import (
     slurm_job_id,
 )
 from lightning_hetero.runtime.collectives import Collectives
-from lightning_hetero.runtime.safe_load import check_checkpoint_directory
+from lightning_hetero.runtime.safe_load import check_checkpoint_directory, check_package_files
 from lightning_hetero.runtime.shutdown import exit_with_if_uncaught, requested_exit_code
+from lightning_hetero.train.local_sgd import STATE_DIRNAME as LOCAL_STATE_DIRNAME
 
 Load = Callable[..., dict[str, Any]]
+
+
+def package_files(directory: Path) -> list[Path]:
+    """The files the package writes into a checkpoint directory: each rank's exchange-hook and local-training state,
+    the pipeline's rank files (its trainer-state file holds the user's objects: read as Lightning's)."""
+    return sorted([*(directory / HOOK_STATE_DIRNAME).glob("*.pt"), *(directory / LOCAL_STATE_DIRNAME).glob("*.pt"),
+                   *directory.glob(pipeline_state.RANK_FILE.format(rank="*"))])  # fmt: skip
 
 
 class Recovery:
@@ -163,12 +172,14 @@ class Recovery:
 
     def choose(self, path: Path, weights_only: bool = False) -> tuple[Path, dict[str, Any]]:
         """The checkpoint to resume from: rank 0 verifies the files against their checksums (once, not on every
-        rank) and, with ``weights_only``, that they pickle nothing but DeepSpeed's own classes; the choice, or its
+        rank), that the package's own files hold tensors and containers only (before any rank reads its own), and
+        with ``weights_only`` that DeepSpeed's pickle nothing but its own classes; the choice, or its
         error, reaches every rank in one gather; with its manifest (for a directory that Lightning's DeepSpeedStrategy
         wrote, the facts read from its files: :mod:`.from_deepspeed`)."""
 
         def choose_on_rank_0() -> Any:
             choice = resume_deepspeed.choose_checkpoint(path)
+            check_package_files(package_files(Path(choice[0])))  # (each rank reads its own: checked here for all)
             if weights_only:
                 check_checkpoint_directory(Path(choice[0]))
             return choice

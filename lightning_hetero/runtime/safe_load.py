@@ -66,13 +66,29 @@ def requested_weights_only(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Opt
         del frame  # (a frame kept in a local keeps every frame above it alive)
 
 
+_PACKAGE_FILE_REFUSED = (
+    "a file HeteroStrategy writes holds tensors and plain containers only, so this one was altered or comes from"
+    " elsewhere (or from a version before 2026-11-26, which pickled PowerSGD's random state). Resume from a copy of the"
+    " checkpoint you trust."
+)
+
+
 def load_package_file(path: Path) -> Any:
     """A file this package wrote, on the CPU, weights-only."""
-    return _load(
-        Path(path), True, "a file HeteroStrategy writes holds tensors and plain containers only, so this one was"
-        " altered or comes from elsewhere (or from a version before 2026-11-26, which pickled PowerSGD's random"
-        " state). Resume from a copy of the checkpoint you trust."
-    )  # fmt: skip
+    return _load(Path(path), True, _PACKAGE_FILE_REFUSED)
+
+
+def check_package_files(paths: list[Path]) -> None:
+    """Files this package wrote, checked without unpickling before any rank loads its own (one rank's refusal would
+    leave the others waiting): :class:`UnsafeCheckpointFile` for the first that holds more than tensors and plain
+    containers, as :func:`load_package_file` would raise on the rank that reads it."""
+    for path in paths:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        if names:
+            raise UnsafeCheckpointFile(
+                f"Checkpoint file {path} holds objects that loading it could run code from ({', '.join(names[:5])}),"
+                f" so it was refused: {_PACKAGE_FILE_REFUSED}"
+            )
 
 
 def load_lightning_file(path: Path, weights_only: Optional[bool] = None) -> Any:
