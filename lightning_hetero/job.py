@@ -32,7 +32,7 @@ from lightning_hetero.recover import from_deepspeed
 from lightning_hetero.recover.recovery import Recovery, manifest_facts
 from lightning_hetero.recover.resume import Route, file_route, resume_route
 from lightning_hetero.runtime.collectives import Collectives
-from lightning_hetero.runtime.tracing import phase
+from lightning_hetero.runtime.tracing import phase, traced
 from lightning_hetero.settings import HeteroSettings
 from lightning_hetero.train.buffers import BufferSync
 from lightning_hetero.train.claims import REBUILT_LOADERS, AsynchronousTraining
@@ -176,6 +176,7 @@ class HeteroJob:
     def attach(self, engine: Any, plugin: Any) -> None:
         """DeepSpeed's engine exists: the capabilities that act inside it attach (undone by :meth:`detach`)."""
         self.engine = engine
+        engine.step = traced(engine.step, "optimizer update (DeepSpeed's step: ZeRO's exchange, the optimizer)")
         own_precision = isinstance(plugin, HeteroPrecision)
         skipping = (lambda: plugin.skips_this_step) if own_precision else (lambda: False)
         self.communication.attach(engine, self.rank, skipping)

@@ -6,14 +6,16 @@ Chrome/Perfetto trace, and, on CUDA, inside an NVTX range of the same name, whic
 recording a phase costs one flag test: nothing is recorded.
 
 The phases: fetching the batch (the wait for data), ``training_step`` (the forward), the backward, each collective
-of the exchange, the optimizer step, what follows the backward (waiting for the slowest rank in the exchange, and the
-update: the run report's ``wait_seconds``), and local SGD's merges.
+of the exchange (where a rank waits for the slowest), the optimizer step (Lightning's: its closure runs the forward
+and the backward), inside it the optimizer update (DeepSpeed's step after the closure: the exchange at ZeRO's
+boundary and the optimizer), and local SGD's merges.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
 import torch
@@ -65,6 +67,17 @@ class Span:
             torch.cuda.nvtx.range_pop()
         self._range.__exit__(None, None, None)
         self._range = None
+
+
+def traced(function: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``function`` as the phase ``name`` each time it runs (while a trace records)."""
+
+    @functools.wraps(function)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with phase(name):
+            return function(*args, **kwargs)
+
+    return run
 
 
 def open_span(name: str) -> Optional[Span]:

@@ -15,7 +15,14 @@ from conftest import run_fit  # noqa: E402
 pytestmark = pytest.mark.multiprocess
 
 TRACED = [4, 5, 6]
-PHASES = ("fetch the batch", "training_step (forward)", "backward", "exchange: all_reduce", "optimizer step")
+PHASES = (
+    "fetch the batch",
+    "training_step (forward)",
+    "backward",
+    "exchange: all_reduce",
+    "optimizer step",
+    "optimizer update",
+)
 
 
 def test_a_trace_of_three_steps_puts_both_ranks_on_one_timeline_with_the_phases_and_the_reports_wait(tmp_path):
@@ -41,6 +48,10 @@ def test_a_trace_of_three_steps_puts_both_ranks_on_one_timeline_with_the_phases_
         for phase in PHASES:
             spans = [e for e in ours if e["pid"] == rank and e["name"].startswith(f"hetero: {phase}")]
             assert len(spans) >= len(TRACED), (rank, phase)
+    for rank in (0, 1):  # the update (DeepSpeed's step, after the closure) is named inside Lightning's optimizer step
+        steps = [e for e in ours if e["pid"] == rank and e["name"].startswith("hetero: optimizer step")]
+        for update in (e for e in ours if e["pid"] == rank and e["name"].startswith("hetero: optimizer update")):
+            assert any(s["ts"] <= update["ts"] and update["ts"] + update["dur"] <= s["ts"] + s["dur"] for s in steps)
     fetches = sorted(e["ts"] for e in ours if e["pid"] == 0 and e["name"].startswith("hetero: fetch"))
     assert len(fetches) == len(TRACED)  # one per traced step, no other step recorded
     for rank in (0, 1):  # each rank's own file is a valid trace too, marked with its rank and steps
