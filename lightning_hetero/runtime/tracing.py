@@ -70,13 +70,17 @@ class Span:
 
 
 def traced(function: Callable[..., Any], name: str) -> Callable[..., Any]:
-    """``function`` as the phase ``name`` each time it runs (while a trace records)."""
+    """``function`` as the phase ``name`` each time it runs (while a trace records); ``function`` itself when it is
+    that already (an engine attached again in a later trainer call)."""
+    if getattr(function, "hetero_phase", None) == name:
+        return function
 
     @functools.wraps(function)
     def run(*args: Any, **kwargs: Any) -> Any:
         with phase(name):
             return function(*args, **kwargs)
 
+    run.hetero_phase = name  # type: ignore[attr-defined]
     return run
 
 

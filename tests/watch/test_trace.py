@@ -139,3 +139,20 @@ def test_on_cuda_the_trace_holds_the_gpus_kernels_beside_the_phases(tmp_path):
     events = json.loads(tracer.written.read_text())["traceEvents"]
     assert any(event.get("name") == "hetero: backward" for event in events)
     assert any(event.get("cat") == "kernel" for event in events)  # the GPU's own activity
+
+
+def test_a_traced_function_is_traced_once_however_often_it_is_wrapped(tmp_path):
+    """An engine attached again (a later trainer call) keeps one phase around its step, not one per attach."""
+    from lightning_hetero.runtime import tracing
+
+    calls = []
+    step = tracing.traced(lambda: calls.append(1), "optimizer update")
+    assert tracing.traced(step, "optimizer update") is step
+    with torch.profiler.profile() as profile:
+        tracing.start_recording(nvtx=False)
+        try:
+            tracing.traced(step, "optimizer update")()
+        finally:
+            tracing.stop_recording()
+    names = [event.name for event in profile.events()]
+    assert calls == [1] and names.count("hetero: optimizer update") == 1
