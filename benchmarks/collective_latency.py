@@ -66,9 +66,10 @@ def rank_main(rank: int, port: int, setting: tuple[str, bool], args: argparse.Na
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=DEADLINE_SECONDS))
     kind, pinned = setting
-    if pinned:  # every thread so far (gloo's included); later ones inherit it
+    if pinned:  # every thread so far (gloo's included) on the rank-th core this process may use; later ones inherit it
+        allowed = sorted(os.sched_getaffinity(0))
         for thread in os.listdir("/proc/self/task"):
-            os.sched_setaffinity(int(thread), {rank % (os.cpu_count() or 1)})
+            os.sched_setaffinity(int(thread), {allowed[rank % len(allowed)]})
     gradient = torch.zeros(args.kib * 256)
     exchange_ms = []
     for _ in range(WARMUP_ROUNDS + args.rounds):

@@ -99,9 +99,10 @@ def sweep_setting(text: str) -> tuple[tuple[int, ...], int]:
     return tuple(int(share) for share in shares.split(",")), int(phase_steps)
 
 
-def pin_to_own_core(rank: int) -> None:
-    """Every thread of this process on core ``rank`` alone (its threads so far; later ones inherit it)."""
-    core = {rank % os.cpu_count()}
+def pin_to_own_core(rank: int, cores: list[int]) -> None:
+    """Every thread of this process on core ``cores[rank]`` alone (its threads so far; later ones inherit it).
+    ``cores``: those the driver may use, read before any rank pinned itself (rank 1 starts from rank 0's process)."""
+    core = {cores[rank % len(cores)]}
     for thread in os.listdir("/proc/self/task"):
         os.sched_setaffinity(int(thread), core)
 
@@ -127,8 +128,9 @@ def fit(
     from lightning_hetero.plan import replan
 
     torch.set_num_threads(1)  # one core's worth per rank, as one device
-    if os.environ.get("DATA_STALL_PIN") == "1":
-        pin_to_own_core(int(os.environ.get("LOCAL_RANK", "0")))
+    if os.environ.get("DATA_STALL_PIN"):
+        cores = [int(core) for core in os.environ["DATA_STALL_PIN"].split(",")]
+        pin_to_own_core(int(os.environ.get("LOCAL_RANK", "0")), cores)
 
     class StalledCollate:
         """The default collate, ``seconds`` late on rank ``rank`` (asked in the process, at each batch)."""
@@ -300,7 +302,7 @@ def main() -> None:
         fit(int(epochs), float(stall), int(hidden), int(global_batch), Path(out), sweep, baseline)
         return
     if args.pin:
-        os.environ["DATA_STALL_PIN"] = "1"
+        os.environ["DATA_STALL_PIN"] = ",".join(str(core) for core in sorted(os.sched_getaffinity(0)))
     if args.sweep:
         if args.sweep_phase_steps <= 0 or args.sweep_phase_steps % WINDOW:
             parser.error(f"--sweep-phase-steps {args.sweep_phase_steps}: a split changes only every {WINDOW} steps;"

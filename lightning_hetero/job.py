@@ -195,7 +195,7 @@ class HeteroJob:
             self.steps.buffer_sync = BufferSync(engine.module.buffers(), self.collectives.broadcast_in_place)
 
     def detach(self, plugin: Any, trainer: Optional[Any]) -> None:
-        """The trainer call ends: every patch is undone, the peers' watch stops, the served loader is forgotten."""
+        """The trainer call ends: the patches are undone (the engine's traced step dies with it), the watch stops."""
         if isinstance(plugin, HeteroPrecision):
             plugin.detach()
         self.communication.detach()
@@ -318,13 +318,13 @@ class HeteroJob:
     def write_report(self, trainer: Any, plugin: Any) -> None:
         """Every rank hands in its last records; rank 0 writes the run report and prints its summary."""
         if self.pipeline is not None:
-            self.pipeline.write_report(trainer)
-            return
+            return self.pipeline.write_report(trainer)
         assert self.watcher is not None
         directory = self.report_directory or report_directory(trainer)
-        sections = {"precision": plugin.summary() if isinstance(plugin, HeteroPrecision) else None,
+        sections: dict[str, Any] = {"precision": plugin.summary() if isinstance(plugin, HeteroPrecision) else None,
                     "communication": self.communication.summary(), "nonfinite": self.nonfinite.summary(),
-                    "asynchronous": self.claims.summary() if self.claims else None}  # fmt: skip
+                    "asynchronous": self.claims.summary() if self.claims else None,
+                    "could_replan": self.settings.rebalancing(profiled=True, world_size=self.world_size)}  # fmt: skip
         self.watcher.write_report(directory, self.rank, self.world_size, **sections)
         published = publish_to_loggers(trainer, directory) if self.rank == 0 else []
         if published:

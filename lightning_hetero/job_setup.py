@@ -288,7 +288,7 @@ class JobSetup:
         By default a resume on another number of ranks continues the same optimisation: the default global batch (the
         loader's batch size times the ranks) follows the world size, so it is replaced by the checkpoint's and the
         split planned again for it; one the user fixed must agree. With ``lr_scaling`` the job's own global batch is
-        kept and the learning rate follows it at the fit's first step (:meth:`scale_learning_rate`). On the same ranks
+        kept and the learning rate follows it as training starts (:meth:`scale_learning_rate`). On the same ranks
         a changed global batch is the user's: it is kept, and said.
         """
         job = self._job

@@ -98,7 +98,7 @@ def fake_engine(module):
         bfloat16_enabled=lambda: False, zero_optimization_stage=lambda: 0, torch_autocast_enabled=lambda: False,
         checkpoint_engine=SimpleNamespace(save=lambda *a, **k: None, makedirs=lambda *a, **k: None),
         save_checkpoint=lambda *a, **k: None, _copy_recovery_script=lambda *a, **k: None,
-        global_steps=0, global_samples=0,
+        global_steps=0, global_samples=0, step=optimizer.step,  # (wrapped as the trace's optimizer update)
     )  # fmt: skip
 
 

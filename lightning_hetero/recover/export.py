@@ -56,7 +56,7 @@ def lightning_checkpoint(path: Any, weights_only: Optional[bool] = None) -> dict
 
     tag = (path / "latest").read_text().strip()
     if weights_only:  # (DeepSpeed's loader unpickles the shards in full: checked first)
-        check_checkpoint_directory(path / tag)
+        check_checkpoint_directory(path)
     stage = (checkpoint.read_manifest(path) or {}).get("zero_stage", 0)
     client = load_lightning_file(Path(get_model_state_file(str(path / tag), stage)), weights_only)
     if stage == 0:

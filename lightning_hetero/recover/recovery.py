@@ -17,8 +17,7 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_hetero.comm.communication import STATE_DIRNAME as HOOK_STATE_DIRNAME
-from lightning_hetero.recover import checkpoint, elastic, failures, liveness, pipeline_state, refusal, universal
+from lightning_hetero.recover import checkpoint, elastic, failures, liveness, refusal, universal
 from lightning_hetero.recover import from_deepspeed as resume_deepspeed
 from lightning_hetero.recover import from_lightning as resume_lightning
 from lightning_hetero.recover.stopping import (
@@ -36,10 +35,11 @@ Load = Callable[..., dict[str, Any]]
 
 
 def package_files(directory: Path) -> list[Path]:
-    """The files the package writes into a checkpoint directory: each rank's exchange-hook and local-training state,
-    the pipeline's rank files (its trainer-state file holds the user's objects: read as Lightning's)."""
-    return sorted([*(directory / HOOK_STATE_DIRNAME).glob("*.pt"), *(directory / LOCAL_STATE_DIRNAME).glob("*.pt"),
-                   *directory.glob(pipeline_state.RANK_FILE.format(rank="*"))])  # fmt: skip
+    """The package's files in a checkpoint directory that each rank reads alone, whenever they are there: local
+    training's per-rank state. (The pipeline's rank files are read by every rank, so every rank refuses a bad one;
+    the exchange hooks' only when the job's compression matches the checkpoint's, which the rank that reads one
+    refuses alone, the others stopped by the watchdog with its error named.)"""
+    return sorted((directory / LOCAL_STATE_DIRNAME).glob("*.pt"))
 
 
 class Recovery:

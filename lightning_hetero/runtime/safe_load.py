@@ -4,8 +4,9 @@
 checkpoint from elsewhere (a shared volume, a download) could run code on every rank that resumes it. So:
 
 * :func:`load_package_file` reads the files the package writes itself (local training's and the exchange hooks'
-  per-rank state, the pipeline's files, Lightning's state inside them) with ``weights_only=True``: tensors, numbers,
-  strings and containers, nothing else (Lightning saves its hyper-parameters as a plain dict).
+  per-rank state, the pipeline's rank files) with ``weights_only=True``: tensors, numbers, strings and containers,
+  nothing else. Rank 0 checks local training's files for every rank as it chooses the checkpoint
+  (:func:`check_package_files`), so that a bad one stops every rank together.
 * :func:`load_lightning_file` reads a user's Lightning ``.ckpt`` (and the Lightning state inside a pipeline
   checkpoint) the way ``Trainer.fit(ckpt_path=..., weights_only=...)`` asks, as Lightning itself passes it on to
   ``torch.load``: ``weights_only=None`` is torch's default (weights-only since torch 2.6, unless
@@ -22,6 +23,7 @@ classes pass, anything else refuses the checkpoint.
 from __future__ import annotations
 
 import inspect
+import os
 import pickle
 from pathlib import Path
 from typing import Any, Optional
@@ -83,7 +85,13 @@ def check_package_files(paths: list[Path]) -> None:
     leave the others waiting): :class:`UnsafeCheckpointFile` for the first that holds more than tensors and plain
     containers, as :func:`load_package_file` would raise on the rank that reads it."""
     for path in paths:
-        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        try:
+            names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        except Exception as error:  # noqa: BLE001 - not a zip checkpoint: not what the package writes
+            raise UnsafeCheckpointFile(
+                f"Checkpoint file {path} does not read as a torch checkpoint"
+                f" ({type(error).__name__}: {error}): {_PACKAGE_FILE_REFUSED}"
+            ) from error
         if names:
             raise UnsafeCheckpointFile(
                 f"Checkpoint file {path} holds objects that loading it could run code from ({', '.join(names[:5])}),"
@@ -91,35 +99,62 @@ def check_package_files(paths: list[Path]) -> None:
             )
 
 
+_TRUSTED_FIX = (
+    "If you trust where it came from, pass `weights_only=False` to `Trainer.fit` (or to `load_from_checkpoint`), or"
+    " allow those classes with `torch.serialization.add_safe_globals([...])` before loading."
+)
+# The files naming the tag folder DeepSpeed loads (its own, and its universal copy's)
+_TAG_FILES = ("latest", "latest_universal")
+
+
 def load_lightning_file(path: Path, weights_only: Optional[bool] = None) -> Any:
     """A Lightning ``.ckpt`` file, on the CPU, as Lightning's ``weights_only`` argument asks (None: torch's default)."""
-    return _load(
-        Path(path), weights_only, "`weights_only` was not False. If you trust where it came from, pass"
-        " `weights_only=False` to `Trainer.fit` (or to `load_from_checkpoint`), or allow those classes with"
-        " `torch.serialization.add_safe_globals([...])` before loading."
-    )  # fmt: skip
+    return _load(Path(path), weights_only, f"`weights_only` was not False. {_TRUSTED_FIX}")
 
 
 def check_checkpoint_directory(directory: Path) -> None:
-    """``weights_only=True`` for a checkpoint directory: every ``.pt`` file in it pickles only tensors, plain
-    containers and DeepSpeed's own classes, checked without unpickling; else :class:`UnsafeCheckpointFile`."""
-    for path in sorted(Path(directory).rglob("*.pt")):
-        try:
-            names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-        except Exception as error:  # noqa: BLE001 - not a zip checkpoint, unreadable: not checked, so refused
+    """``weights_only=True`` for a checkpoint directory, checked without unpickling before DeepSpeed unpickles its
+    files in full: every ``.pt`` file pickles only tensors, plain containers and DeepSpeed's own classes; nothing
+    inside is a symbolic link (a scan does not follow one, DeepSpeed's load does); the tag folders ``latest`` and
+    ``latest_universal`` name lie inside. Else :class:`UnsafeCheckpointFile`. Staging folders (``.*.partial``: a
+    save or conversion that was killed, never loaded) are left out."""
+    root = Path(directory).resolve()  # (a `last.ckpt` link to the checkpoint is Lightning's own)
+    for tag_file in _TAG_FILES:
+        tag = (root / tag_file).read_text().strip() if (root / tag_file).is_file() else None
+        if tag is not None and (not tag or (root / tag).resolve().parent != root):
             raise UnsafeCheckpointFile(
-                f"Checkpoint file {path} could not be checked for objects that loading it could run code from"
-                f" ({type(error).__name__}: {error}), so `weights_only=True` refuses the checkpoint. If you trust where"
-                " it came from, pass `weights_only=False` to `Trainer.fit` (or to `load_from_checkpoint`)."
-            ) from error
-        foreign = [name for name in names if name not in DEEPSPEED_OWN_GLOBALS]
-        if foreign:
-            raise UnsafeCheckpointFile(
-                f"Checkpoint file {path} holds objects that loading it could run code from ({', '.join(foreign[:5])}),"
-                " so `weights_only=True` refuses the checkpoint (DeepSpeed's engine unpickles its files in full). If"
-                " you trust where it came from, pass `weights_only=False` to `Trainer.fit` (or to"
-                " `load_from_checkpoint`)."
+                f"Checkpoint {root}: its `{tag_file}` file names {tag!r}, not a folder inside it, so"
+                f" `weights_only=True` refuses the checkpoint (DeepSpeed would load from there). {_TRUSTED_FIX}"
             )
+    for folder, folders, files in os.walk(root, followlinks=False):
+        folders[:] = sorted(name for name in folders if not name.endswith(".partial"))
+        for name in sorted([*folders, *files]):
+            path = Path(folder) / name
+            if path.is_symlink():
+                raise UnsafeCheckpointFile(
+                    f"Checkpoint {root} holds a symbolic link, {path} -> {os.readlink(path)}, so `weights_only=True`"
+                    f" refuses the checkpoint (its target is not checked; DeepSpeed's load would follow it)."
+                    f" {_TRUSTED_FIX}"
+                )
+            if name.endswith(".pt"):
+                _check_deepspeed_file(path)
+
+
+def _check_deepspeed_file(path: Path) -> None:
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception as error:  # noqa: BLE001 - not a zip checkpoint, unreadable: not checked, so refused
+        raise UnsafeCheckpointFile(
+            f"Checkpoint file {path} could not be checked for objects that loading it could run code from"
+            f" ({type(error).__name__}: {error}), so `weights_only=True` refuses the checkpoint. {_TRUSTED_FIX}"
+        ) from error
+    foreign = [name for name in names if name not in DEEPSPEED_OWN_GLOBALS]
+    if foreign:
+        raise UnsafeCheckpointFile(
+            f"Checkpoint file {path} holds objects that loading it could run code from ({', '.join(foreign[:5])}), so"
+            f" `weights_only=True` refuses the checkpoint (DeepSpeed's engine unpickles its files in full)."
+            f" {_TRUSTED_FIX}"
+        )
 
 
 def _load(path: Path, weights_only: Optional[bool], why_and_fix: str) -> Any:

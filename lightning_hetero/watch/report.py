@@ -21,7 +21,7 @@ At the end of fit rank 0 writes into the run's ``hetero/`` directory:
       "summary": {"steps": n, "samples_per_second": x, "balance_efficiency_start": a,
                   "balance_efficiency_end": b, "replans": r,
                   "measurement_share": m,   # rank 0's time exchanging records and deciding re-plans / step time
-                  "replanning": bool},      # whether the split followed the measurements (False: a fixed split)
+                  "replanning": r},         # the split followed the measurements: true, false, null (cannot)
       "precision": {                  # only with HeteroStrategy(device_precision=...)
         "precisions": [p_0, ...],     # each rank's: "bf16-mixed", "16-mixed" or "32-true"
         "loss_scale": s,              # the job's loss scale at the end (null without an fp16 rank)
@@ -116,10 +116,11 @@ def build_report(
     communication: Optional[dict[str, Any]] = None,
     nonfinite: Optional[dict[str, Any]] = None,
     asynchronous: Optional[dict[str, Any]] = None,
-    replanning: bool = True,
+    replanning: Optional[bool] = True,
 ) -> dict[str, Any]:
     """The run report; ``exchange_seconds`` (rank 0's time exchanging records) gives the measuring cost;
-    ``replanning`` whether the split followed the measurements (what the data-stall advice may promise);
+    ``replanning`` whether the split followed the measurements (None: no re-planning of the split exists for this
+    job; what the data-stall advice may promise);
     ``nonfinite`` the optimizer steps skipped for non-finite gradients (see :mod:`~.precision.nonfinite`);
     ``asynchronous`` the merges by speed (see :func:`~.plan.claims.merge_summary`)."""
     built: dict[str, Any] = {
@@ -261,13 +262,13 @@ def data_stall_text(summary: dict[str, Any]) -> str:
         f" ({summary['data_wait_over_compute'][rank]:.0%} of its compute)"
         for rank in stalled
     )
-    split = (
-        "re-planning counts the wait in the rank's time and gives it fewer samples"
-        if summary.get("replanning", True)
-        else "the split is fixed here; with `rebalance=True` re-planning would count the wait and give it fewer samples"
-    )
+    split = {
+        True: " (re-planning counts the wait in the rank's time and gives it fewer samples)",
+        False: " (the split is fixed here; with `rebalance=True` re-planning would count the wait and give it fewer"
+        " samples)",
+    }.get(summary.get("replanning", True), "")
     return (
-        f"; waiting for the data loader per step: {each}. That loader is a bottleneck ({split}): more workers on that"
+        f"; waiting for the data loader per step: {each}. That loader is a bottleneck{split}: more workers on that"
         " host (DataLoader(num_workers=...)), a larger prefetch_factor, or faster storage removes it"
     )
 

@@ -132,17 +132,20 @@ class Watcher:
         table = report.plan_text(split.plan, stage, devices, list(job.precisions), job.profiles, split.prediction)
         rank_zero_info(f"{table}\n{job.communication_line}\nwritten to {directory}")
 
-    def write_report(self, directory: Path, rank: int, world_size: int, **sections: Any) -> None:
+    def write_report(self, directory: Path, rank: int, world_size: int, could_replan: bool = False,
+                     **sections: Any) -> None:  # fmt: skip
         """Every rank hands in its last records; rank 0 writes the run report and prints its summary.
 
-        ``sections``: the report's ``precision``, ``communication`` and ``nonfinite`` parts.
+        ``could_replan``: whether ``rebalance=True`` would re-plan this job's split; ``sections``: the report's
+        ``precision``, ``communication``, ``nonfinite`` and ``asynchronous`` parts.
         """
         steps = self.run.finish(self._gather_tensor)
         report.add_rank_wire(directory / f"rank_{rank}.json", steps, rank)
         if rank != 0:
             return
         measuring = self.run.exchange_seconds + (self.follower.decision_seconds if self.follower else 0.0)
-        replanning = self.follower is not None and self.follower.rebalancer is not None
+        followed = self.follower is not None and self.follower.rebalancer is not None
+        replanning = True if followed else (False if could_replan else None)
         run_report = report.build_report(steps, self.replans, world_size, exchange_seconds=measuring,
                                          replanning=replanning, **sections)  # fmt: skip
         if self.tracer is not None:

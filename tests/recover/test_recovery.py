@@ -67,11 +67,11 @@ def test_one_rank_or_no_peer_timeout_starts_no_watchdog_and_teardown_releases_th
 
 
 def test_rank_0_checks_every_ranks_own_files_before_any_rank_reads_its_own(tmp_path):
-    """A checkpoint whose rank 1 exchange-hook file was replaced by one that runs code (the manifest written after,
-    so the checksums agree): rank 0's choice refuses it, so every rank stops in the same gather, before rank 1 alone
+    """A checkpoint whose rank 1 local-SGD file was replaced by one that runs code (the manifest written after, so
+    the checksums agree): rank 0's choice refuses it, so every rank stops in the same gather, before rank 1 alone
     would refuse its file and leave the others waiting until the watchdog ended them (exit 75). Nothing runs."""
-    from lightning_hetero.comm.communication import STATE_DIRNAME
     from lightning_hetero.runtime.safe_load import UnsafeCheckpointFile
+    from lightning_hetero.train.local_sgd import STATE_DIRNAME
 
     class RunsCode:
         def __reduce__(self):
@@ -79,13 +79,14 @@ def test_rank_0_checks_every_ranks_own_files_before_any_rank_reads_its_own(tmp_p
 
     saved = tmp_path / "step=4.ckpt"
     (saved / STATE_DIRNAME).mkdir(parents=True)
-    torch.save({"error": torch.zeros(2)}, saved / STATE_DIRNAME / "rank_0.pt")
-    torch.save({"error": torch.zeros(2), "payload": RunsCode()}, saved / STATE_DIRNAME / "rank_1.pt")
+    torch.save({"steps_done": 4}, saved / STATE_DIRNAME / "rank_0.pt")
+    torch.save({"steps_done": 4, "payload": RunsCode()}, saved / STATE_DIRNAME / "rank_1.pt")
     checkpoint.write_manifest(saved, {"world_size": 2})
-    with pytest.raises(UnsafeCheckpointFile, match=r"compression/rank_1.pt holds objects .*builtins.exec.* altered"):
+    with pytest.raises(
+        UnsafeCheckpointFile, match=r"hetero_local_sgd/rank_1.pt holds objects .*builtins.exec.*altered"
+    ):
         recovery(0).choose(saved)
     assert not (tmp_path / "ran").exists()
-    (saved / STATE_DIRNAME / "rank_1.pt").unlink()
-    torch.save({"error": torch.zeros(2)}, saved / STATE_DIRNAME / "rank_1.pt")
+    torch.save({"steps_done": 4}, saved / STATE_DIRNAME / "rank_1.pt")
     checkpoint.write_manifest(saved, {"world_size": 2})
     assert recovery(0).choose(saved)[0] == saved

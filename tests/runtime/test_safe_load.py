@@ -173,3 +173,33 @@ def test_the_trainer_calls_weights_only_is_found_up_the_stack():
         with pytest.raises(Stop):
             Trainer._run(StandIn(), None, ckpt_path=None, weights_only=given)
     assert seen == [False, True, None]
+
+
+def test_a_checkpoint_directory_checked_for_weights_only_has_no_way_around_the_scan(tmp_path):
+    """What DeepSpeed's load would reach and a scan would not: a symbolic link inside, a `latest` naming a folder
+    outside. Both refuse the checkpoint. A killed save's or conversion's staging folder (never loaded) is left out,
+    and a link to the checkpoint itself (Lightning's `last.ckpt` link) is followed."""
+    from lightning_hetero.runtime.safe_load import check_checkpoint_directory
+
+    saved = tmp_path / "step=4.ckpt"
+    (saved / "checkpoint").mkdir(parents=True)
+    (saved / "latest").write_text("checkpoint")
+    torch.save({"module": {"w": torch.zeros(2)}}, saved / "checkpoint" / "mp_rank_00_model_states.pt")
+    (saved / ".universal.partial").mkdir()
+    (saved / ".universal.partial" / "cut_short.pt").write_bytes(b"PK\x03")  # a conversion killed mid-write
+    check_checkpoint_directory(saved)
+    (tmp_path / "last.ckpt").symlink_to(saved)
+    check_checkpoint_directory(tmp_path / "last.ckpt")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    crafted(elsewhere / "mp_rank_00_model_states.pt", tmp_path / "ran")
+    (saved / "checkpoint" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").symlink_to(
+        elsewhere / "mp_rank_00_model_states.pt"
+    )
+    with pytest.raises(UnsafeCheckpointFile, match=r"holds a symbolic link, .*optim_states.pt -> .*elsewhere"):
+        check_checkpoint_directory(saved)
+    (saved / "checkpoint" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
+    (saved / "latest").write_text("../elsewhere")
+    with pytest.raises(UnsafeCheckpointFile, match=r"its `latest` file names '../elsewhere', not a folder inside it"):
+        check_checkpoint_directory(saved)
+    assert not (tmp_path / "ran").exists()

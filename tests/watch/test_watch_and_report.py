@@ -212,6 +212,9 @@ def test_the_report_and_the_monitor_name_the_rank_that_waits_for_its_data_with_t
     # A fixed split (re-planning off) does not promise what it does not do
     fixed = report.summary_text(report.build_report(steps, [], 2, replanning=False))
     assert "gives it fewer samples" not in fixed and "the split is fixed here; with `rebalance=True`" in fixed
+    # ... nor one where no re-planning exists (asynchronous merges, one rank, local SGD with fixed inner steps)
+    unavailable = report.summary_text(report.build_report(steps, [], 2, replanning=None))
+    assert "re-plan" not in unavailable.split("data loader")[1] and "num_workers" in unavailable
     plain = job_steps([[StepRecord(0, 8, 0.01, 0.01)], [StepRecord(0, 8, 0.01, 0.01)]])
     assert "data_wait_seconds_per_step" not in report.summarize(plain, [])
     assert "data loader" not in report.summary_text(report.build_report(plain, [], 2))
