@@ -85,13 +85,7 @@ def check_package_files(paths: list[Path]) -> None:
     leave the others waiting): :class:`UnsafeCheckpointFile` for the first that holds more than tensors and plain
     containers, as :func:`load_package_file` would raise on the rank that reads it."""
     for path in paths:
-        try:
-            names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-        except Exception as error:  # noqa: BLE001 - not a zip checkpoint: not what the package writes
-            raise UnsafeCheckpointFile(
-                f"Checkpoint file {path} does not read as a torch checkpoint"
-                f" ({type(error).__name__}: {error}): {_PACKAGE_FILE_REFUSED}"
-            ) from error
+        names = _globals_beyond_torchs(path, f"it was refused: {_PACKAGE_FILE_REFUSED}")
         if names:
             raise UnsafeCheckpointFile(
                 f"Checkpoint file {path} holds objects that loading it could run code from ({', '.join(names[:5])}),"
@@ -140,14 +134,20 @@ def check_checkpoint_directory(directory: Path) -> None:
                 _check_deepspeed_file(path)
 
 
-def _check_deepspeed_file(path: Path) -> None:
+def _globals_beyond_torchs(path: Path, refused: str) -> list[str]:
+    """The classes and functions ``path`` would unpickle beyond torch's weights-only ones, read without unpickling;
+    a file that does not read so (not a zip checkpoint, unreadable) is refused, ``refused`` saying what follows."""
     try:
-        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-    except Exception as error:  # noqa: BLE001 - not a zip checkpoint, unreadable: not checked, so refused
+        return list(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+    except Exception as error:  # noqa: BLE001 - not checked, so not trusted
         raise UnsafeCheckpointFile(
             f"Checkpoint file {path} could not be checked for objects that loading it could run code from"
-            f" ({type(error).__name__}: {error}), so `weights_only=True` refuses the checkpoint. {_TRUSTED_FIX}"
+            f" ({type(error).__name__}: {error}), so {refused}"
         ) from error
+
+
+def _check_deepspeed_file(path: Path) -> None:
+    names = _globals_beyond_torchs(path, f"`weights_only=True` refuses the checkpoint. {_TRUSTED_FIX}")
     foreign = [name for name in names if name not in DEEPSPEED_OWN_GLOBALS]
     if foreign:
         raise UnsafeCheckpointFile(
