@@ -127,6 +127,26 @@ def run_bounded(
     return process.returncode, output
 
 
+class RunsCode:
+    """Unpickling this calls exec, writing "ran" to ``marker``: what a crafted checkpoint does with
+    `torch.load(weights_only=False)` (tests/runtime/test_safe_load.py, tests/recover/test_recovery.py, the
+    weights_only_directory worker)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').write('ran')",)
+
+
+def crafted(path: Path, marker: Path, **rest) -> Path:
+    """A checkpoint file at ``path`` that runs code (see :class:`RunsCode`) when it is unpickled in full."""
+    import torch
+
+    torch.save({"state_dict": {"w": torch.zeros(2)}, "payload": RunsCode(marker), **rest}, path)
+    return path
+
+
 def sigterm_mid_training(command: list[str], out: Path, rank: int, ranks: int) -> tuple[int, str, dict[int, str]]:
     """Start ``command`` (a worker that writes ``pid_rank<r>`` into ``out`` once training runs and ``exit_rank<r>``
     as it exits), SIGTERM rank ``rank`` by its PID, and return the job's exit code, its output and every rank's

@@ -70,17 +70,15 @@ def test_rank_0_checks_every_ranks_own_files_before_any_rank_reads_its_own(tmp_p
     """A checkpoint whose rank 1 local-SGD file was replaced by one that runs code (the manifest written after, so
     the checksums agree): rank 0's choice refuses it, so every rank stops in the same gather, before rank 1 alone
     would refuse its file and leave the others waiting until the watchdog ended them (exit 75). Nothing runs."""
+    from conftest import crafted
+
     from lightning_hetero.runtime.safe_load import UnsafeCheckpointFile
     from lightning_hetero.train.local_sgd import STATE_DIRNAME
-
-    class RunsCode:
-        def __reduce__(self):
-            return exec, (f"open({str(tmp_path / 'ran')!r}, 'w').write('ran')",)
 
     saved = tmp_path / "step=4.ckpt"
     (saved / STATE_DIRNAME).mkdir(parents=True)
     torch.save({"steps_done": 4}, saved / STATE_DIRNAME / "rank_0.pt")
-    torch.save({"steps_done": 4, "payload": RunsCode()}, saved / STATE_DIRNAME / "rank_1.pt")
+    crafted(saved / STATE_DIRNAME / "rank_1.pt", tmp_path / "ran", steps_done=4)
     checkpoint.write_manifest(saved, {"world_size": 2})
     with pytest.raises(
         UnsafeCheckpointFile, match=r"hetero_local_sgd/rank_1.pt holds objects .*builtins.exec.*altered"

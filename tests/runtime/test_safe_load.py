@@ -7,26 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import WORKERS, crafted, run_bounded
 
 from lightning_hetero.recover.from_lightning import read_lightning_checkpoint
 from lightning_hetero.recover.refusal import ResumeRefused
 from lightning_hetero.runtime.safe_load import UnsafeCheckpointFile, load_lightning_file, load_package_file
 from lightning_hetero.train.local_sgd import STATE_DIRNAME, LocalTraining
-
-
-class RunsCode:
-    """Unpickling this calls exec: what a crafted checkpoint does with `torch.load(weights_only=False)`."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return exec, (f"open({str(self.marker)!r}, 'w').write('ran')",)
-
-
-def crafted(path: Path, marker: Path, **rest) -> Path:
-    torch.save({"state_dict": {"w": torch.zeros(2)}, "payload": RunsCode(marker), **rest}, path)
-    return path
 
 
 def test_the_crafted_file_does_run_code_when_everything_is_unpickled(tmp_path):
@@ -134,12 +120,10 @@ def test_weights_only_true_checks_a_checkpoint_directory_through_trainer_fit_and
     (Lightning 2.6 does not hand `Trainer.fit`'s `weights_only` to a strategy that restores after setup: it was
     ignored, and DeepSpeed unpickled the directory's files in full.)"""
     import json
-    import subprocess
     import sys
 
-    worker = Path(__file__).resolve().parents[1] / "workers" / "weights_only_directory.py"
-    run = subprocess.run([sys.executable, str(worker), str(tmp_path)], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    code, output = run_bounded([sys.executable, str(WORKERS / "weights_only_directory.py"), str(tmp_path)], timeout=300)
+    assert code == 0, output[-4000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["resume"] == "ok" and result["load"] == "ok", result
     refusal = r"UnsafeCheckpointFile: Checkpoint file .*extra_states.pt holds objects .*\(builtins.exec\)"

@@ -10,21 +10,13 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-import torch  # noqa: E402
+from conftest import crafted  # noqa: E402
 from lightning.pytorch import Trainer  # noqa: E402
 
 from examples.spirals import SpiralClassifier, SpiralDataModule  # noqa: E402
 from lightning_hetero import HeteroStrategy  # noqa: E402
-
-
-class RunsCode:
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return exec, (f"open({str(self.marker)!r}, 'w').write('ran')",)
 
 
 def fit(root: Path, steps: int, ckpt_path=None, weights_only=None) -> Trainer:
@@ -53,7 +45,7 @@ def main() -> None:
         "load": outcome(lambda: SpiralClassifier.load_from_checkpoint(saved, weights_only=True)),
     }
     marker = out / "ran"
-    torch.save({"payload": RunsCode(marker)}, saved / "checkpoint" / "extra_states.pt")
+    crafted(saved / "checkpoint" / "extra_states.pt", marker)
     result["crafted_resume"] = outcome(lambda: fit(out / "crafted", 3, saved, weights_only=True))
     result["crafted_load"] = outcome(lambda: SpiralClassifier.load_from_checkpoint(saved, weights_only=True))
     result["ran"] = marker.exists()
