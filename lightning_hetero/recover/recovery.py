@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_hetero.comm.communication import STATE_DIRNAME as HOOK_STATE_DIRNAME
 from lightning_hetero.recover import checkpoint, elastic, failures, liveness, refusal, universal
 from lightning_hetero.recover import from_deepspeed as resume_deepspeed
 from lightning_hetero.recover import from_lightning as resume_lightning
@@ -35,11 +36,13 @@ Load = Callable[..., dict[str, Any]]
 
 
 def package_files(directory: Path) -> list[Path]:
-    """The package's files in a checkpoint directory that each rank reads alone, whenever they are there: local
-    training's per-rank state. (The pipeline's rank files are read by every rank, so every rank refuses a bad one;
-    the exchange hooks' only when the job's compression matches the checkpoint's, which the rank that reads one
-    refuses alone, the others stopped by the watchdog with its error named.)"""
-    return sorted((directory / LOCAL_STATE_DIRNAME).glob("*.pt"))
+    """The package's files in a checkpoint directory that each rank reads alone: local training's per-rank state and
+    the exchange hooks' (error feedback). The hooks' are read only when the job's compression matches the
+    checkpoint's, but a bad one is refused whatever this job's compression: a file the package never writes that way
+    means the checkpoint was altered. (The pipeline's rank files are read by every rank, so every rank refuses a bad
+    one itself.)"""
+    folders = (directory / LOCAL_STATE_DIRNAME, directory / HOOK_STATE_DIRNAME)
+    return [path for folder in folders for path in sorted(folder.glob("*.pt"))]
 
 
 class Recovery:

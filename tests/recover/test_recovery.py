@@ -66,22 +66,26 @@ def test_one_rank_or_no_peer_timeout_starts_no_watchdog_and_teardown_releases_th
     assert not lonely._writer_locks
 
 
-def test_rank_0_checks_every_ranks_own_files_before_any_rank_reads_its_own(tmp_path):
-    """A checkpoint whose rank 1 local-SGD file was replaced by one that runs code (the manifest written after, so
-    the checksums agree): rank 0's choice refuses it, so every rank stops in the same gather, before rank 1 alone
-    would refuse its file and leave the others waiting until the watchdog ended them (exit 75). Nothing runs."""
+@pytest.mark.parametrize("kind", ["local training", "exchange hook"])
+def test_rank_0_checks_every_ranks_own_files_before_any_rank_reads_its_own(tmp_path, kind):
+    """A checkpoint whose rank 1 file (local SGD's state, or the compressed exchange's error feedback) was replaced
+    by one that runs code (the manifest written after, so the checksums agree): rank 0's choice refuses it, so every
+    rank stops in the same gather, before rank 1 alone would refuse its file and leave the others waiting until the
+    watchdog ended them (exit 75). Nothing runs."""
     from conftest import crafted
 
+    from lightning_hetero.comm.communication import STATE_DIRNAME as HOOK_STATE_DIRNAME
     from lightning_hetero.runtime.safe_load import UnsafeCheckpointFile
-    from lightning_hetero.train.local_sgd import STATE_DIRNAME
+    from lightning_hetero.train.local_sgd import STATE_DIRNAME as LOCAL_STATE_DIRNAME
 
+    STATE_DIRNAME = LOCAL_STATE_DIRNAME if kind == "local training" else HOOK_STATE_DIRNAME
     saved = tmp_path / "step=4.ckpt"
     (saved / STATE_DIRNAME).mkdir(parents=True)
     torch.save({"steps_done": 4}, saved / STATE_DIRNAME / "rank_0.pt")
     crafted(saved / STATE_DIRNAME / "rank_1.pt", tmp_path / "ran", steps_done=4)
     checkpoint.write_manifest(saved, {"world_size": 2})
     with pytest.raises(
-        UnsafeCheckpointFile, match=r"hetero_local_sgd/rank_1.pt holds objects .*builtins.exec.*altered"
+        UnsafeCheckpointFile, match=rf"{STATE_DIRNAME}/rank_1.pt holds objects .*builtins.exec.*altered"
     ):
         recovery(0).choose(saved)
     assert not (tmp_path / "ran").exists()
