@@ -5,17 +5,22 @@ Lightning's own handling leaves a scheduler believing the job finished: its SIGT
 A SIGTERM to rank 0 made every rank exit 0 after an unfinished fit; one to another rank never reached rank 0.
 
 Here the handler only sets a flag (it takes the place of Lightning's notifier before Lightning registers its
-handlers, so it is the handler from the first moment of the run). Once per training step, where Lightning broadcast
-rank 0's flag, the ranks all-reduce their flags with MAX instead (the same one-element collective, so no extra one):
+handlers, so it is the handler from the first moment of the run). Where Lightning broadcast rank 0's flag at every
+training step, the ranks all-reduce their flags with MAX instead (the same one-element collective, so no extra one):
 a signal to any rank stops all of them before the same step, each raising ``SIGTERMException(EXIT_CODE_INTERRUPTED)``
 with ``trainer.received_sigterm`` set. A single process has no such collective; there the flag is Lightning's own,
 which its loop checks after each step. The strategy then saves ``last.ckpt`` on every rank together (see
 :meth:`StopOnSigterm.stopped_every_rank`), so the restarted job loses no step. Lightning's ``on_exception`` callbacks
-run as before (``OnExceptionCheckpoint``
-sees the same exception type), and the process exits with 143 = 128 + SIGTERM, the code a shell gives a process ended
-by SIGTERM, which torchrun and Slurm read as "not finished". A SIGTERM during validation is acted on at the next
-training step; one after the last training step lets the fit finish. A second SIGTERM before the first was acted on
-(a rank stuck where no step boundary comes) ends the process at once, with the same code.
+run as before (``OnExceptionCheckpoint`` sees the same exception type), and the process exits with 143 = 128 +
+SIGTERM, the code a shell gives a process ended by SIGTERM, which torchrun and Slurm read as "not finished". A SIGTERM
+during validation is acted on at the next agreement; one after the last training step lets the fit finish. A second
+SIGTERM before the first was acted on (a rank stuck where no step boundary comes) ends the process at once, with the
+same code.
+
+The ranks agree at every step until their step times are known, then about once per ``STOP_CHECK_SECONDS`` of
+training (:func:`steps_between_stop_checks`): Lightning's per-step collective made the host wait for the device and
+for the other ranks at every step (Lightning issue 21487), which a short step pays in full. Every rank counts the
+same steps and decides from the same exchanged step times, so they agree at the same steps.
 
 Slurm's requeue signal (SIGUSR1 under Lightning's ``SLURMEnvironment``, or ``#SBATCH --signal=USR1@...``) takes the
 same path: Lightning's own handler saved ``hpc_ckpt_<n>.ckpt`` from inside the signal handler, whose collectives could
@@ -29,9 +34,10 @@ from __future__ import annotations
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import torch
@@ -41,6 +47,21 @@ EXIT_CODE_INTERRUPTED = 128 + int(signal.SIGTERM)
 # The one-element flag the ranks agree on at a step boundary: nothing, a stop, a stop and a Slurm requeue.
 _STOP, _REQUEUE = 1, 2
 REQUEUE_TIMEOUT_SECONDS = 60
+# How much training a stop may come after its signal, at most, once the step times are known (a step more when the
+# steps slow down): far below the grace period of a scheduler's SIGTERM (30 s by default in Kubernetes and Slurm).
+STOP_CHECK_SECONDS = 1.0
+# ... and in steps, so that steps that turn much slower before the next decision cannot stretch it far.
+MAX_STEPS_BETWEEN_STOP_CHECKS = 20
+
+
+def steps_between_stop_checks(recent_step_seconds: Sequence[float]) -> int:
+    """How many training steps from one agreement on a stop to the next: as many as fit in ``STOP_CHECK_SECONDS`` at
+    the median of the recent steps' wall times (the slowest rank's), between 1 and ``MAX_STEPS_BETWEEN_STOP_CHECKS``;
+    1 while none is known."""
+    seconds = statistics.median(recent_step_seconds) if recent_step_seconds else 0.0
+    if not seconds > 0:  # (none yet, or no time measured: NaN included)
+        return 1
+    return max(1, min(MAX_STEPS_BETWEEN_STOP_CHECKS, int(STOP_CHECK_SECONDS / seconds * (1 + 1e-9))))
 
 
 class StopOnSigterm:
@@ -55,22 +76,34 @@ class StopOnSigterm:
         self._agreed = False
         self.requeue_agreed = False
 
-    def install(self, trainer: Any, at_each_step: bool = True) -> None:
+    def install(
+        self, trainer: Any, at_each_step: bool = True, recent_step_seconds: Callable[[], Sequence[float]] = tuple
+    ) -> None:
         """Take the place of Lightning's SIGTERM notifier and of its per-step broadcast of rank 0's flag.
 
         Called before Lightning registers its signal handlers for the run: it builds them from the connector's
         ``_sigterm_notifier_fn`` at that moment, so the instance attribute set here is what it registers.
+        ``recent_step_seconds``: the recent steps' wall times, the same on every rank whenever a step starts (the
+        ranks' exchanged records); they pace the agreements.
         """
         self._trainer = trainer
         self.requested = self._agreed = self.requeue_requested = self.requeue_agreed = False
+        self._recent_step_seconds = recent_step_seconds
+        self._steps_started = self._next_check = 0
         trainer._signal_connector._sigterm_notifier_fn = self.on_sigterm
         # Registered by Lightning for Slurm's requeue signal (SLURMEnvironment with auto_requeue): its own saved a
         # checkpoint inside the handler.
         trainer._signal_connector._slurm_sigusr_handler_fn = self.on_requeue_signal
         # Lightning calls this at the start of every training step on every rank (when the world has several ranks);
         # where the ranks' steps are not in step (asynchronous merges) they agree at the merges instead.
-        per_step = self.stop_if_any_rank_was_signalled if at_each_step else lambda: None
-        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = per_step
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self.step_starts if at_each_step else lambda: None
+
+    def step_starts(self) -> None:
+        """A training step starts on every rank: agree on a stop if this is one of the steps that do."""
+        self._steps_started += 1
+        if self._steps_started > self._next_check:
+            self._next_check = self._steps_started - 1 + steps_between_stop_checks(self._recent_step_seconds())
+            self.stop_if_any_rank_was_signalled()
 
     def on_sigterm(self, signum: int, frame: Any) -> None:
         # A signal handler runs between two bytecodes of the main thread, possibly inside a collective's Python

@@ -15,9 +15,12 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_hetero.recover.stopping import (
     EXIT_CODE_INTERRUPTED,
+    MAX_STEPS_BETWEEN_STOP_CHECKS,
+    STOP_CHECK_SECONDS,
     StopOnSigterm,
     requeue_slurm_job,
     slurm_job_id,
+    steps_between_stop_checks,
 )
 
 
@@ -53,6 +56,67 @@ def test_no_signal_no_stop():
     stop.install(trainer)
     stop.stop_if_any_rank_was_signalled()  # nothing raised
     assert not stop.requeue_wanted()
+
+
+@pytest.mark.parametrize(
+    ("recent", "expected"),
+    [
+        ((), 1),  # nothing measured yet: every step, as Lightning
+        ((0.0, 0.0), 1),  # no time measured
+        ((float("nan"),), 1),
+        ((2.0,), 1),  # a step longer than the bound: every step
+        ((STOP_CHECK_SECONDS,), 1),
+        ((0.3,), 3),  # 3 steps (0.9 s) fit in the bound, 4 would not
+        ((0.25, 0.25, 5.0), 4),  # the median: one slow step does not decide
+        ((0.1, 0.1, 0.1, 0.001), 10),
+        ((0.001,), MAX_STEPS_BETWEEN_STOP_CHECKS),  # short steps: capped in steps
+    ],
+)
+def test_the_agreements_come_about_once_per_bound_of_training_time(recent, expected):
+    assert steps_between_stop_checks(recent) == expected
+
+
+def paced(recent_step_seconds, flags):
+    """A StopOnSigterm installed per step, whose all-reduce records the step at which it ran and takes the other
+    ranks' flags from ``flags`` (step -> flag)."""
+    agreed_at: list[int] = []
+    stop, trainer = None, fake_trainer()
+
+    def all_reduce_max(flag: torch.Tensor) -> None:
+        agreed_at.append(stop._steps_started)
+        flag.copy_(torch.maximum(flag, torch.tensor([flags.get(stop._steps_started, 0)])))
+
+    stop = StopOnSigterm(all_reduce_max, torch.device("cpu"))
+    stop.install(trainer, recent_step_seconds=recent_step_seconds)
+    return stop, trainer, agreed_at
+
+
+def test_the_ranks_agree_at_every_step_until_the_step_times_are_known_then_at_paced_steps():
+    """Lightning calls the epoch loop's ``_broadcast_sigterm_tensor`` at each training step's start: ours agrees (one
+    collective) at steps 1-3 while no step time is known, then every 5 steps at 0.2 s a step, every step again when
+    the steps slow to 2 s, and the step times in force at each agreement decide the next one, the same on every
+    rank."""
+    times: list[float] = []
+    stop, trainer, agreed_at = paced(lambda: times, {})
+    for step in range(1, 30):
+        if step == 4:
+            times[:] = [0.2] * 20  # the ranks' first exchange of step records came in before step 4
+        if step == 19:
+            times[:] = [2.0] * 20
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()  # what Lightning calls
+    assert agreed_at == [1, 2, 3, 4, 9, 14, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29]
+
+
+def test_a_signal_between_agreements_stops_every_rank_at_the_next_one():
+    """Rank 1 is signalled before step 7 (its flag reaches the all-reduce); at 0.2 s a step the agreements are at
+    steps 1, 6 and 11: this rank stops at step 11, raising with the stop agreed, and no step in between ran one."""
+    stop, trainer, agreed_at = paced(lambda: [0.2] * 10, {step: 1 for step in range(7, 100)})
+    for _ in range(10):
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
+    with pytest.raises(SIGTERMException) as stopped:
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
+    assert agreed_at == [1, 6, 11] and stop.stopped_every_rank(stopped.value)
+    assert trainer._signal_connector.received_sigterm and not stop.requeue_wanted()
 
 
 def test_lightnings_slurm_handler_is_ours_and_saves_nothing_inside_the_signal():
