@@ -215,9 +215,12 @@ def test_torchrun_restarts_after_a_sigkill_and_the_run_equals_an_uninterrupted_o
 
 @pytest.mark.fault
 @pytest.mark.parametrize("signalled_rank", [0, 1])
-def test_sigterm_saves_a_complete_checkpoint_at_the_next_step_and_the_resume_loses_no_sample(signalled_rank, tmp_path):
-    """SIGTERM (spot preemption, Slurm's warning) to one rank: every rank stops before the same step, saves
-    ckpt/last.ckpt with every step trained so far, and exits 143; the resume trains the rest of the epoch."""
+def test_sigterm_saves_a_complete_checkpoint_where_the_ranks_next_agree_and_the_resume_loses_no_sample(
+    signalled_rank, tmp_path
+):
+    """SIGTERM (spot preemption, Slurm's warning) to one rank: every rank stops before the same step (where they next
+    agree on it: within about a second of training), saves ckpt/last.ckpt with every step trained so far, and exits
+    143; the resume trains the rest of the epoch."""
     common = ["--batch-sizes", "8", "8", "--samples", "160", "--checkpoint-every", "1000", "--record-steps"]
     process = start_fit(tmp_path, *common, "--max-epochs", "100000", "--signal-test")
     try:
