@@ -1,6 +1,6 @@
 """What the ranks' agreement on a stop costs a short step: at every step (as Lightning's), or paced.
 
-    python benchmarks/stop_checks.py                 # 2 fits of 600 steps, 15 pairs each (about 1 min per fit)
+    python benchmarks/stop_checks.py                 # 2 fits of 600 steps, 13 pairs each (about 15 s per fit)
     python benchmarks/stop_checks.py --runs 3 --pin
 
 Two CPU ranks of the same speed train the examples' spiral classifier (width ``--hidden``, 4 blocks, a global batch
@@ -10,8 +10,9 @@ agreement on a stop (a one-element all-reduce, :mod:`lightning_hetero.recover.st
 steps take turns in the same fit:
 
     every step   the agreement at every step, as Lightning's broadcast was and the package's was until 2026-11-27
-    paced        the package's: every step until the ranks' step times are known, then about once a second of
-                 training (at most every ``MAX_STEPS_BETWEEN_STOP_CHECKS`` steps)
+    paced        the package's: every step until the ranks know their pace, then about once a second (at most every
+                 ``MAX_STEPS_BETWEEN_STOP_CHECKS`` steps), each agreement carrying the ranks' time per step since
+                 the last
 
 The figure is each pair of neighbouring phases' ratio of the median wall time between two steps' starts on rank 0
 (over each phase's second half): how much longer a step takes when the ranks agree at every step. The ranks exchange
@@ -81,7 +82,8 @@ def fit(steps: int, hidden: int, global_batch: int, out: Path, pin: bool) -> Non
             return paced(self)
         self._steps_started += 1
         self._next_check = self._steps_started
-        self.stop_if_any_rank_was_signalled()
+        self._agree(0.0)  # (the agreement without a pace: the next paced one measures from here)
+        self._last_check = (self._steps_started, self._clock())
 
     StopOnSigterm.step_starts = every_step_or_paced
     replan.Rebalancer.consider = lambda self, steps, next_step: None  # the plan's split throughout

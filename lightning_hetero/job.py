@@ -127,7 +127,7 @@ class HeteroJob:
         self.watcher.skipped_steps = lambda: list(self.nonfinite.skipped)
         self.watcher.loss_scale = lambda: loss_scale_value(plugin())
         if trainer is not None:
-            self.recovery.stop_together_on_sigterm(trainer, device, self.claims is None, self.watcher.recent_seconds)
+            self.recovery.stop_together_on_sigterm(trainer, device, at_each_step=self.claims is None)
         choice = self.settings.pipeline
         if choice is not None:  # (a point-to-point wait has a deadline; without a watchdog, torch's default's 30 min)
             timeout = self.settings.peer_timeout or 1800.0

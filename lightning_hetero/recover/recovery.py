@@ -88,14 +88,12 @@ class Recovery:
         """A new client of the job's rendezvous store (its own connection: never the heartbeat's)."""
         return liveness.store_connector()()
 
-    def stop_together_on_sigterm(
-        self, trainer: Any, device: torch.device, at_each_step: bool = True, recent_step_seconds: Any = tuple
-    ) -> None:
+    def stop_together_on_sigterm(self, trainer: Any, device: torch.device, at_each_step: bool = True) -> None:
         """Before Lightning registers its signal handlers for this run (after the strategy's setup). Without
         ``at_each_step`` the ranks agree at :meth:`agree_on_stop` only (asynchronous merges: their steps differ);
-        with it, at steps paced by ``recent_step_seconds`` (see :class:`StopOnSigterm`)."""
+        with it, at training steps paced by their own agreements (see :class:`StopOnSigterm`)."""
         self._stop_on_sigterm = StopOnSigterm(lambda flag: self.collectives.reduce_in_place(flag, "max"), device)
-        self._stop_on_sigterm.install(trainer, at_each_step, recent_step_seconds)
+        self._stop_on_sigterm.install(trainer, at_each_step)
 
     def agree_on_stop(self) -> None:
         """Every rank at once: stop together (SIGTERMException) if any was signalled."""

@@ -83,13 +83,6 @@ class Watcher:
         if self.follower is not None:
             self.follower.before_fetch()
 
-    def recent_seconds(self) -> list[float]:
-        """The wall times of the last window's steps (the slowest rank's), as the ranks exchanged them: the same on
-        every rank at every step's start. Empty before the first exchange, and where steps are exchanged at the end
-        only."""
-        window = self.run.window
-        return [step["step_seconds"] for step in self.run.steps[-window:]] if window > 0 else []
-
     @property
     def steps(self) -> list[dict[str, Any]]:
         """Every training step so far, as the ranks exchanged them (``report.json``'s ``steps``)."""

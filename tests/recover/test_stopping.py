@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning_hetero.recover.stopping import (
     EXIT_CODE_INTERRUPTED,
     MAX_STEPS_BETWEEN_STOP_CHECKS,
+    REPEATED_SIGNAL_SECONDS,
     STOP_CHECK_SECONDS,
     StopOnSigterm,
     requeue_slurm_job,
@@ -59,64 +60,109 @@ def test_no_signal_no_stop():
 
 
 @pytest.mark.parametrize(
-    ("recent", "expected"),
+    ("seconds_per_step", "expected"),
     [
-        ((), 1),  # nothing measured yet: every step, as Lightning
-        ((0.0, 0.0), 1),  # no time measured
-        ((float("nan"),), 1),
-        ((2.0,), 1),  # a step longer than the bound: every step
-        ((STOP_CHECK_SECONDS,), 1),
-        ((0.3,), 3),  # 3 steps (0.9 s) fit in the bound, 4 would not
-        ((0.25, 0.25, 5.0), 4),  # the median: one slow step does not decide
-        ((0.1, 0.1, 0.1, 0.001), 10),
-        ((0.001,), MAX_STEPS_BETWEEN_STOP_CHECKS),  # short steps: capped in steps
+        (0.0, 1),  # not known yet: every step, as Lightning
+        (float("nan"), 1),
+        (2.0, 1),  # a step longer than the bound: every step
+        (STOP_CHECK_SECONDS, 1),
+        (0.3, 3),  # 3 steps (0.9 s) fit in the bound, 4 would not
+        (0.25, 4),
+        (0.2, 5),  # (1.0 / 0.2 is 4.999... in floating point: not one fewer)
+        (0.1, 10),
+        (0.001, MAX_STEPS_BETWEEN_STOP_CHECKS),  # short steps: capped in steps
     ],
 )
-def test_the_agreements_come_about_once_per_bound_of_training_time(recent, expected):
-    assert steps_between_stop_checks(recent) == expected
+def test_the_agreements_come_about_once_per_bound_of_training_time(seconds_per_step, expected):
+    assert steps_between_stop_checks(seconds_per_step) == expected
 
 
-def paced(recent_step_seconds, flags):
-    """A StopOnSigterm installed per step, whose all-reduce records the step at which it ran and takes the other
-    ranks' flags from ``flags`` (step -> flag)."""
-    agreed_at: list[int] = []
-    stop, trainer = None, fake_trainer()
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
 
-    def all_reduce_max(flag: torch.Tensor) -> None:
-        agreed_at.append(stop._steps_started)
-        flag.copy_(torch.maximum(flag, torch.tensor([flags.get(stop._steps_started, 0)])))
-
-    stop = StopOnSigterm(all_reduce_max, torch.device("cpu"))
-    stop.install(trainer, recent_step_seconds=recent_step_seconds)
-    return stop, trainer, agreed_at
+    def __call__(self) -> float:
+        return self.now
 
 
-def test_the_ranks_agree_at_every_step_until_the_step_times_are_known_then_at_paced_steps():
-    """Lightning calls the epoch loop's ``_broadcast_sigterm_tensor`` at each training step's start: ours agrees (one
-    collective) at steps 1-3 while no step time is known, then every 5 steps at 0.2 s a step, every step again when
-    the steps slow to 2 s, and the step times in force at each agreement decide the next one, the same on every
-    rank."""
-    times: list[float] = []
-    stop, trainer, agreed_at = paced(lambda: times, {})
-    for step in range(1, 30):
-        if step == 4:
-            times[:] = [0.2] * 20  # the ranks' first exchange of step records came in before step 4
-        if step == 19:
-            times[:] = [2.0] * 20
+def paced(others_pace, others_flag=lambda step: 0):
+    """A StopOnSigterm installed per step on a fake clock, in a world whose other rank sends its pace, ``others_pace``
+    (0 at its first agreement, as every rank), and ``others_flag(step)`` (step: this rank's step count) to each
+    all-reduce; returns it, its trainer, its clock and the steps at which it agreed, with the pace it sent."""
+    agreed_at: list[tuple[int, float]] = []
+    clock = FakeClock()
+    stop = StopOnSigterm(lambda values: None, torch.device("cpu"), clock)
+
+    def all_reduce_max(values: torch.Tensor) -> None:
+        agreed_at.append((stop._steps_started, float(values[1])))
+        pace = others_pace if agreed_at[:-1] else 0.0
+        other = torch.tensor([float(others_flag(stop._steps_started)), pace], dtype=torch.float64)
+        values.copy_(torch.maximum(values, other))
+
+    stop._all_reduce_max = all_reduce_max
+    trainer = fake_trainer()
+    stop.install(trainer)
+    return stop, trainer, clock, agreed_at
+
+
+def test_the_ranks_agree_every_step_until_the_pace_is_known_then_about_once_a_second_of_training():
+    """Lightning calls the epoch loop's ``_broadcast_sigterm_tensor`` at each training step's start. Ours agrees at
+    step 1 (no pace yet) and 2, each carrying this rank's wall time per step since the last agreement; the other
+    rank's pace (0.2 s a step) is the slower, so every rank next agrees 5 steps on (1 s); when this rank's steps slow
+    to 0.5 s (from step 10), the agreements carry that and come every 3, then every 2 steps."""
+    stop, trainer, clock, agreed_at = paced(others_pace=0.2)
+    for step in range(1, 20):
         trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()  # what Lightning calls
-    assert agreed_at == [1, 2, 3, 4, 9, 14, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29]
+        clock.now += 0.1 if step < 10 else 0.5
+    assert [step for step, _ in agreed_at] == [1, 2, 7, 12, 15, 17, 19]
+    assert [round(pace, 3) for _, pace in agreed_at] == [0.0, 0.1, 0.1, 0.26, 0.5, 0.5, 0.5]
+
+
+def test_what_the_pace_counts_is_everything_between_two_agreements():
+    """A long pause between steps (validation, a slow loader, a callback) counts in the pace: at 1 ms a step the
+    agreements come every 20 steps, and the one after a 9.98 s validation carries 0.5 s a step, so the next comes 2
+    steps on."""
+    stop, trainer, clock, agreed_at = paced(others_pace=0.0)
+    for step in range(1, 50):
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
+        clock.now += 0.001 + (9.98 if step == 30 else 0.0)
+    assert [step for step, _ in agreed_at] == [1, 2, 22, 42, 44]
+    assert agreed_at[3][1] == pytest.approx((20 * 0.001 + 9.98) / 20)
 
 
 def test_a_signal_between_agreements_stops_every_rank_at_the_next_one():
-    """Rank 1 is signalled before step 7 (its flag reaches the all-reduce); at 0.2 s a step the agreements are at
-    steps 1, 6 and 11: this rank stops at step 11, raising with the stop agreed, and no step in between ran one."""
-    stop, trainer, agreed_at = paced(lambda: [0.2] * 10, {step: 1 for step in range(7, 100)})
-    for _ in range(10):
+    """The other rank is signalled at its step 4; at 0.2 s a step the agreements are at steps 1, 2 and 7: this rank
+    stops at step 7, raising with the stop agreed, and no step in between ran an agreement."""
+    stop, trainer, clock, agreed_at = paced(others_pace=0.2, others_flag=lambda step: int(step >= 4))
+    for _ in range(6):
         trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
+        clock.now += 0.2
     with pytest.raises(SIGTERMException) as stopped:
         trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
-    assert agreed_at == [1, 6, 11] and stop.stopped_every_rank(stopped.value)
+    assert [step for step, _ in agreed_at] == [1, 2, 7] and stop.stopped_every_rank(stopped.value)
     assert trainer._signal_connector.received_sigterm and not stop.requeue_wanted()
+
+
+def test_a_repeated_sigterm_is_the_same_request_and_a_later_one_exits(monkeypatch):
+    """Under srun, Slurm signals a torchrun worker and torchrun's agent forwards its own: a second SIGTERM within
+    REPEATED_SIGNAL_SECONDS changes nothing (it used to end the process at once, without saving). One later, before
+    any agreement, means the rank is stuck: the process exits 143. Once the stop is agreed (saving), none exits."""
+    exits: list[int] = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    stop, trainer, clock, _ = paced(others_pace=0.0)
+    stop.on_sigterm(signal.SIGTERM, None)
+    clock.now += REPEATED_SIGNAL_SECONDS - 0.5
+    stop.on_sigterm(signal.SIGTERM, None)
+    assert stop.requested and exits == []
+    clock.now += 1.0
+    stop.on_sigterm(signal.SIGTERM, None)
+    assert exits == [EXIT_CODE_INTERRUPTED]
+    exits.clear()
+    with pytest.raises(SIGTERMException):
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
+    clock.now += 60.0
+    stop.on_sigterm(signal.SIGTERM, None)
+    assert exits == []
 
 
 def test_lightnings_slurm_handler_is_ours_and_saves_nothing_inside_the_signal():

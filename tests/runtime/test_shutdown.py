@@ -141,20 +141,25 @@ def test_an_exception_marked_for_an_exit_code_exits_with_it_only_when_uncaught(h
 
 SIGTERM_SCRIPT = """
 import os, signal, sys, time
-from lightning_hetero.recover.stopping import StopOnSigterm
-stop = StopOnSigterm(lambda tensor: None, None)
+from lightning_hetero.recover.stopping import REPEATED_SIGNAL_SECONDS, StopOnSigterm
+now = [0.0]  # the handler's clock, moved on below rather than slept through
+stop = StopOnSigterm(lambda tensor: None, None, clock=lambda: now[0])
 signal.signal(signal.SIGTERM, stop.on_sigterm)
 os.kill(os.getpid(), signal.SIGTERM)
 time.sleep(0.2)
 print("first SIGTERM noted:", stop.requested, flush=True)
-os.kill(os.getpid(), signal.SIGTERM)  # the run is stuck and never reaches a step boundary
+os.kill(os.getpid(), signal.SIGTERM)  # at once: the same request forwarded (srun, then torchrun's agent)
+time.sleep(0.2)
+print("a repeat changed nothing", flush=True)
+now[0] += REPEATED_SIGNAL_SECONDS + 1
+os.kill(os.getpid(), signal.SIGTERM)  # later: the run is stuck and never reaches an agreement
 time.sleep(5)
 print("still running", flush=True)
 """
 
 
 @pytest.mark.fault
-def test_a_second_sigterm_ends_a_stuck_process_at_once():
+def test_a_later_second_sigterm_ends_a_stuck_process_at_once_and_a_repeat_does_not():
     import subprocess
     import sys
 
@@ -162,5 +167,6 @@ def test_a_second_sigterm_ends_a_stuck_process_at_once():
 
     result = subprocess.run([sys.executable, "-c", SIGTERM_SCRIPT], capture_output=True, text=True, timeout=120)
     assert result.returncode == EXIT_CODE_INTERRUPTED, result.stderr[-2000:]
-    assert "first SIGTERM noted: True" in result.stdout and "still running" not in result.stdout
+    assert "first SIGTERM noted: True" in result.stdout and "a repeat changed nothing" in result.stdout
+    assert "still running" not in result.stdout
     assert "a second SIGTERM" in result.stderr
