@@ -6,7 +6,7 @@
 Two CPU ranks of the same speed train the examples' spiral classifier (width ``--hidden``, 4 blocks, a global batch
 of ``--global-batch``, Adam, ZeRO-0, the equal split, re-planning off; one torch thread per rank). Before each
 training step Lightning calls the loop's ``_broadcast_sigterm_tensor``, which the package replaces with the ranks'
-agreement on a stop (a one-element all-reduce, :mod:`lightning_hetero.recover.stopping`). Phases of ``PHASE_STEPS``
+agreement on a stop (a small all-reduce, :mod:`lightning_hetero.recover.stopping`). Phases of ``PHASE_STEPS``
 steps take turns in the same fit:
 
     every step   the agreement at every step, as Lightning's broadcast was and the package's was until 2026-11-27

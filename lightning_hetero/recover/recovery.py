@@ -92,8 +92,10 @@ class Recovery:
         """Before Lightning registers its signal handlers for this run (after the strategy's setup). Without
         ``at_each_step`` the ranks agree at :meth:`agree_on_stop` only (asynchronous merges: their steps differ);
         with it, at training steps paced by their own agreements (see :class:`StopOnSigterm`)."""
+        previous = self._stop_on_sigterm
         self._stop_on_sigterm = StopOnSigterm(lambda flag: self.collectives.reduce_in_place(flag, "max"), device)
         self._stop_on_sigterm.install(trainer, at_each_step)
+        self._stop_on_sigterm.take_pending(previous)
 
     def agree_on_stop(self) -> None:
         """Every rank at once: stop together (SIGTERMException) if any was signalled."""

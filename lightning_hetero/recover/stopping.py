@@ -136,7 +136,7 @@ class StopOnSigterm:
             # A later SIGTERM: the first was not acted on (this rank is stuck, e.g. in a collective whose peer is
             # stuck too, so no agreement comes): end the process now, as SIGTERM does without a handler.
             print(
-                "HeteroStrategy: a second SIGTERM before the run could stop at a step boundary; exiting now with"
+                "HeteroStrategy: a second SIGTERM while the ranks had not agreed on the first; exiting now with"
                 f" code {EXIT_CODE_INTERRUPTED} without saving.",
                 file=sys.stderr,
                 flush=True,
@@ -183,7 +183,19 @@ class StopOnSigterm:
         of them can still save a checkpoint together)."""
         if not isinstance(exception, SIGTERMException) or self._trainer is None:
             return False
-        return self._agreed or (self._trainer.world_size == 1 and self.requested)
+        if self._trainer.world_size == 1 and self.requested:
+            self._agreed = True  # (one process agrees with itself: a later SIGTERM must not end the save)
+        return self._agreed
+
+    def take_pending(self, previous: Optional[StopOnSigterm]) -> None:
+        """A signal the previous trainer call's ranks had not yet agreed on (it came after their last agreement, as
+        the fit finished) carries over to this call's first agreement, rather than being lost with the instance."""
+        if previous is None or not previous.requested or previous._agreed:
+            return
+        self.requested, self.requeue_requested = True, previous.requeue_requested
+        self._requested_at = previous._requested_at
+        if self._trainer is not None and self._trainer.world_size == 1:
+            self._trainer._signal_connector.received_sigterm = True
 
 
 def slurm_job_id(environment: Optional[dict[str, str]] = None) -> Optional[str]:

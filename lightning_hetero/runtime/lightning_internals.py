@@ -114,8 +114,8 @@ TRAINER_STATE = (
              "never: it is Lightning's own flag"),
     Internal("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop._broadcast_sigterm_tensor",
              "patched", "recover/stopping.py",
-             "shadowed on the trainer's epoch loop by an all-reduce MAX of every rank's"
-             " flag (Lightning broadcasts rank 0's and exits 0)", "never: the instance lives for one Trainer"),
+             "shadowed on the trainer's epoch loop by an all-reduce MAX of every rank's flag and pace, at paced steps"
+             " (Lightning broadcasts rank 0's at every step and exits 0)", "never: the instance lives for one Trainer"),
     Internal("lightning.pytorch.utilities._pytree", "_tree_flatten", "read", "runtime/quiet.py",
              "its module's name is the"
              " module= of a warnings filter for the LeafSpec deprecation it raises; a rename stops the filter"),

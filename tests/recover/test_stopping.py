@@ -1,4 +1,5 @@
-"""Slurm's requeue signal: remembered in the handler, agreed at a step boundary, then the job is requeued."""
+"""A SIGTERM or Slurm's requeue signal: remembered in the handler, agreed by the ranks at paced training steps, then
+the job stops together (and is requeued)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def fake_trainer(world_size: int = 2) -> SimpleNamespace:
 @pytest.mark.parametrize(("own", "other", "requeue"), [("usr1", None, True), (None, 2, True), ("term", 1, False)])
 def test_the_ranks_agree_on_a_stop_and_whether_to_requeue(own, other, requeue):
     """Rank 0 got SIGUSR1 (or SIGTERM, or nothing) and the other rank's flag is ``other``: both stop at the next
-    step boundary, and requeue if any rank got the requeue signal."""
+    agreement, and requeue if any rank got the requeue signal."""
 
     def all_reduce_max(flag: torch.Tensor) -> None:
         flag.copy_(torch.maximum(flag, torch.tensor([other or 0])))
@@ -163,6 +164,42 @@ def test_a_repeated_sigterm_is_the_same_request_and_a_later_one_exits(monkeypatc
     clock.now += 60.0
     stop.on_sigterm(signal.SIGTERM, None)
     assert exits == []
+
+
+def test_one_process_saving_its_stop_is_not_ended_by_a_later_sigterm(monkeypatch):
+    """One process has no agreement: once Lightning's loop stopped on the flag and the strategy saves, a SIGTERM
+    later than REPEATED_SIGNAL_SECONDS changes nothing (it used to end the save with os._exit)."""
+    exits: list[int] = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    clock = FakeClock()
+    stop, trainer = StopOnSigterm(lambda values: None, torch.device("cpu"), clock), fake_trainer(world_size=1)
+    stop.install(trainer)
+    stop.on_sigterm(signal.SIGTERM, None)
+    assert trainer._signal_connector.received_sigterm  # Lightning's loop stops after this step
+    assert stop.stopped_every_rank(SIGTERMException(EXIT_CODE_INTERRUPTED))  # the strategy saves now
+    clock.now += 60.0
+    stop.on_sigterm(signal.SIGTERM, None)
+    assert exits == []
+
+
+@pytest.mark.parametrize("agreed_before", [False, True])
+def test_a_signal_after_the_last_agreement_of_a_fit_carries_over_to_the_next_trainer_call(agreed_before):
+    """A SIGTERM after a fit's last agreement lets that fit finish; the next trainer call's instance takes it up, and
+    the ranks stop at its first agreement. One the previous call already acted on is not acted on again."""
+    previous, _, _, _ = paced(others_pace=0.0)
+    previous.on_requeue_signal(signal.SIGUSR1, None)
+    if agreed_before:
+        with pytest.raises(SIGTERMException):
+            previous.step_starts()
+    stop, trainer, _, agreed_at = paced(others_pace=0.0)
+    stop.take_pending(previous)
+    if agreed_before:
+        stop.step_starts()
+        assert not stop.requested and agreed_at == [(1, 0.0)]
+        return
+    with pytest.raises(SIGTERMException):
+        stop.step_starts()
+    assert stop.requeue_wanted() and trainer._signal_connector.received_sigterm
 
 
 def test_lightnings_slurm_handler_is_ours_and_saves_nothing_inside_the_signal():
