@@ -34,6 +34,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+from data_stall import pin_to_own_core  # noqa: E402
 from jobs import run_job  # noqa: E402
 
 DEFAULT_OUT = HERE / "results" / "stop_checks.json"
@@ -71,19 +72,15 @@ def fit(steps: int, hidden: int, global_batch: int, out: Path, pin: bool) -> Non
     torch.set_num_threads(1)
     if pin:  # (the cores the driver may use: rank 1 starts from rank 0's process, pinned by then)
         cores = [int(core) for core in os.environ["STOP_CHECKS_CORES"].split(",")]
-        core = {cores[int(os.environ.get("LOCAL_RANK", "0")) % len(cores)]}
-        for thread in os.listdir("/proc/self/task"):
-            os.sched_setaffinity(int(thread), core)
+        pin_to_own_core(int(os.environ.get("LOCAL_RANK", "0")), cores)
     paced = StopOnSigterm.step_starts
 
     def every_step_or_paced(self: Any) -> None:
-        """In an "every step" phase the agreement runs at each step (the next paced one starts counting afresh)."""
-        if phase_kind(self._steps_started) == "paced":
-            return paced(self)
-        self._steps_started += 1
-        self._next_check = self._steps_started
-        self._agree(0.0)  # (the agreement without a pace: the next paced one measures from here)
-        self._last_check = (self._steps_started, self._clock())
+        """In an "every step" phase the step about to start is always one that agrees (the package's own code runs
+        the agreement, so both kinds send the same values)."""
+        if phase_kind(self._steps_started) == "every step":
+            self._next_check = self._steps_started
+        paced(self)
 
     StopOnSigterm.step_starts = every_step_or_paced
     replan.Rebalancer.consider = lambda self, steps, next_step: None  # the plan's split throughout
