@@ -28,7 +28,7 @@ from lightning_hetero.plan.deepspeed_config import config_disagreements, disagre
 from lightning_hetero.precision.job import loss_scale_value
 from lightning_hetero.precision.nonfinite import NonFiniteGuard
 from lightning_hetero.precision.plugin import HeteroPrecision
-from lightning_hetero.recover import from_deepspeed
+from lightning_hetero.recover import checkpoint, from_deepspeed
 from lightning_hetero.recover.recovery import Recovery, manifest_facts
 from lightning_hetero.recover.resume import Route, file_route, resume_route
 from lightning_hetero.runtime.collectives import Collectives
@@ -326,7 +326,7 @@ class HeteroJob:
                     "asynchronous": self.claims.summary() if self.claims else None,
                     "could_replan": self.settings.rebalancing(profiled=True, world_size=self.world_size)}  # fmt: skip
         self.watcher.write_report(directory, self.rank, self.world_size, **sections)
-        published = publish_to_loggers(trainer, directory) if self.rank == 0 else []
+        published = publish_to_loggers(trainer, directory) if self.rank == 0 and directory is not None else []
         if published:
             rank_zero_info(f"HeteroStrategy: the plan and run report are in the {' and '.join(published)} run too.")
 
@@ -341,6 +341,8 @@ class HeteroJob:
         """Complete or ignored: staged, listed in a manifest, published atomically (:mod:`~.recover.checkpoint`).
         ``write(directory)``: DeepSpeed's save of this rank's files (the parent strategy's); ``engine``: the
         strategy's (it outlives the trainer call: `trainer.save_checkpoint` after a fit)."""
+        # (a checkpoint that loses its manifest is still known for the package's: incomplete, never another strategy's)
+        saved[checkpoint.PACKAGE_MARK] = {"format_version": checkpoint.FORMAT_VERSION}
         if self.pipeline is not None:  # each rank's blocks by name (recover/pipeline_state.py)
             self.pipeline.save_checkpoint(target, saved, engine)
             return
@@ -379,7 +381,7 @@ class HeteroJob:
             self.setup.settle_the_global_batch(path, {}, zero_stage, module, same_world_size=True)  # (none recorded)
             return self.recovery.resume_from_lightning_file(path, module, engine, self._optimizer_parameters,
                 self.sharding.training_order(), self.split.global_batch_size, weights_only)  # fmt: skip
-        chosen, manifest = self.recovery.choose(path, weights_only is True)
+        chosen, manifest = self.recovery.choose(path, weights_only)
         route = resume_route(chosen, manifest, pipeline=self.pipeline is not None,
                              local=self.settings.sync if self.local is not None else None,
                              world_size=self.world_size, zero_stage=zero_stage,
@@ -394,7 +396,7 @@ class HeteroJob:
             client_state = load(str(chosen))
             self.setup.load_local_training(chosen)  # (local SGD / DiLoCo only)
         else:
-            client_state = self.recovery.load_on_another_world_size(chosen, manifest, engine, load)
+            client_state = self.recovery.load_on_another_world_size(chosen, manifest, engine, load, weights_only)
         if from_deepspeed.is_deepspeed_strategys(manifest):  # Lightning's DeepSpeedStrategy wrote it (no manifest)
             return from_deepspeed.with_data_position(client_state, manifest, self.sharding.training_order())
         return client_state

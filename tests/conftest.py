@@ -147,6 +147,33 @@ def crafted(path: Path, marker: Path, **rest) -> Path:
     return path
 
 
+def write_deepspeed_checkpoint(path, stage=2, world_size=2, optimizer_state=None, skip=(), **client_state):
+    """DeepSpeed's layout as DeepSpeedStrategy saves it (tag "checkpoint"), with the entries the facts come from and
+    ``client_state`` (what Lightning adds) in the model-states files (tests/recover/test_from_deepspeed.py,
+    tests/runtime/test_safe_load.py)."""
+    import torch
+
+    folder = path / "checkpoint"
+    folder.mkdir(parents=True)
+    (path / "latest").write_text("checkpoint")
+    states = {
+        "module": {}, "dp_world_size": world_size, "global_steps": 3, "global_step": 3, "epoch": 0,
+        "ds_config": {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": 8},
+        "optimizer": optimizer_state if stage == 0 else None, **client_state,
+    }  # fmt: skip
+    names = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world_size)] if stage == 3 else []
+    names = names or ["mp_rank_00_model_states.pt"]
+    for name in names:
+        torch.save(states, folder / name)
+    if stage > 0:
+        for rank in range(world_size):
+            torch.save({"optimizer_state_dict": {"base_optimizer_state": optimizer_state or {}}},
+                       folder / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")  # fmt: skip
+    for name in skip:
+        (folder / name).unlink()
+    return path
+
+
 def sigterm_mid_training(command: list[str], out: Path, rank: int, ranks: int) -> tuple[int, str, dict[int, str]]:
     """Start ``command`` (a worker that writes ``pid_rank<r>`` into ``out`` once training runs and ``exit_rank<r>``
     as it exits), SIGTERM rank ``rank`` by its PID, and return the job's exit code, its output and every rank's

@@ -39,7 +39,9 @@ import zlib
 from pathlib import Path
 from typing import Any, Optional
 
+from lightning_hetero.comm.communication import STATE_DIRNAME as HOOK_STATE_DIRNAME
 from lightning_hetero.recover.refusal import ResumeRefused
+from lightning_hetero.train.local_sgd import STATE_DIRNAME as LOCAL_STATE_DIRNAME
 
 MANIFEST_NAME = "hetero_manifest.json"
 # 2: each file's size and CRC-32 ({"size": n, "crc32": "8 hex digits"}); 1: its size only (still read).
@@ -56,6 +58,21 @@ _STAGING_SUFFIX = ".partial"
 _REPLACED_SUFFIX = ".replaced"
 # Lightning's ModelCheckpoint names its "last" checkpoints last.ckpt, last-v1.ckpt, ...
 _LAST_NAME = re.compile(r"^last(-v?\d+)?\.ckpt$")
+
+
+# The key the package adds to Lightning's state in every checkpoint it writes (DeepSpeed's rank-0 model-states file):
+# a checkpoint that lost its manifest is still known for the package's own (see from_deepspeed.written_by_the_package).
+PACKAGE_MARK = "lightning_hetero"
+
+
+def package_files(directory: Path) -> list[Path]:
+    """The package's files in a checkpoint directory that each rank reads alone: local training's per-rank state and
+    the exchange hooks' (error feedback). The hooks' are read only when the job's compression matches the
+    checkpoint's, but a bad one is refused whatever this job's compression: a file the package never writes that way
+    means the checkpoint was altered. (The pipeline's rank files are read by every rank, so every rank refuses a bad
+    one itself.)"""
+    folders = (Path(directory) / LOCAL_STATE_DIRNAME, Path(directory) / HOOK_STATE_DIRNAME)
+    return [path for folder in folders for path in sorted(folder.glob("*.pt"))]
 
 
 def staging_path(target: Path) -> Path:

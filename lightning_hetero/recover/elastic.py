@@ -252,18 +252,21 @@ def needs_universal(manifest: dict[str, Any], world_size: int) -> bool:
     return manifest.get("world_size") != world_size and manifest.get("zero_stage", 0) > 0
 
 
-def check_convertible(path: Path, manifest: dict[str, Any], world_size: int) -> None:
+def check_convertible(path: Path, manifest: dict[str, Any], world_size: int, in_full: bool = False) -> None:
     """Every rank, before anything is converted: refuse an optimizer whose state is not per parameter (read from rank
-    0's optimizer file, memory-mapped), with what to do, as every restart on as many ranks would be refused."""
+    0's optimizer file, memory-mapped; ``in_full``: the user trusts the checkpoint), with what to do, as every restart
+    on as many ranks would be refused."""
     tag = (path / "latest").read_text().strip()
+    keys = universal.state_keys(path / tag, in_full)
     why = universal.refusal(path, str(manifest.get("optimizer")), manifest.get("zero_stage", 0),
-                            manifest.get("world_size"), world_size, universal.state_keys(path / tag))  # fmt: skip
+                            manifest.get("world_size"), world_size, keys)  # fmt: skip
     if why is not None:
         raise ResumeRefused(why)
 
 
-def convert_to_universal(path: Path) -> tuple[Path, Optional[float]]:
-    """Convert checkpoint ``path`` to DeepSpeed's universal format in ``path/universal`` (rank 0 only).
+def convert_to_universal(path: Path, in_full: bool = False) -> tuple[Path, Optional[float]]:
+    """Convert checkpoint ``path`` to DeepSpeed's universal format in ``path/universal`` (rank 0 only; ``in_full``: the
+    user trusts the checkpoint, else its files are read weights-only with DeepSpeed's own classes allowed).
 
     Returns the directory to load from and the seconds the conversion took (None when the cached one was used). The
     conversion (:mod:`.universal`) is published with a rename, so a conversion that was killed is redone, never
@@ -277,7 +280,7 @@ def convert_to_universal(path: Path) -> tuple[Path, Optional[float]]:
     tag = (path / "latest").read_text().strip()
     started = time.perf_counter()
     try:
-        universal.convert(path / tag, staging / tag)
+        universal.convert(path / tag, staging / tag, in_full)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

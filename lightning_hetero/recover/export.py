@@ -25,7 +25,7 @@ import torch
 from lightning_hetero.recover import checkpoint
 from lightning_hetero.runtime.internal_access import replace, resolve
 from lightning_hetero.runtime.lightning_internals import LIGHTNING_CHECKPOINT_LOAD
-from lightning_hetero.runtime.safe_load import check_checkpoint_directory, load_lightning_file
+from lightning_hetero.runtime.safe_load import check_checkpoint_directory, load_deepspeed_file, unpickles_in_full
 
 # DeepSpeed's own entries in the model-states file; what remains is the client state Lightning saved.
 _DEEPSPEED_STATES = frozenset({
@@ -45,20 +45,22 @@ def is_hetero_checkpoint(path: Any) -> bool:
 
 def lightning_checkpoint(path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
     """The checkpoint directory ``path`` as the dict of a Lightning ``.ckpt`` file (weights in fp32, on the CPU).
-    ``weights_only``: Lightning's argument for the file holding Lightning's state (None: torch's default; see
-    :mod:`~lightning_hetero.runtime.safe_load`; ZeRO 1-3's shards are read by DeepSpeed's own loader, in full, after
-    an explicit True checked them)."""
+    ``weights_only``: Lightning's argument. Unless it says the user trusts the checkpoint (False; see
+    :func:`~lightning_hetero.runtime.safe_load.unpickles_in_full`), every file is checked before anything is
+    unpickled (ZeRO 1-3's shards are read by DeepSpeed's own loader, in full), and the file holding Lightning's state
+    loads weights-only with DeepSpeed's own classes allowed."""
     path = Path(path)
     damage = checkpoint.incompleteness(path, verify_checksums=True)
     if damage is not None:
         raise ValueError(f"Checkpoint {path} cannot be loaded: {damage}.")
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint, get_model_state_file
 
-    tag = (path / "latest").read_text().strip()
-    if weights_only:  # (DeepSpeed's loader unpickles the shards in full: checked first)
+    in_full = unpickles_in_full(weights_only)
+    if not in_full:
         check_checkpoint_directory(path)
+    tag = (path / "latest").read_text().strip()
     stage = (checkpoint.read_manifest(path) or {}).get("zero_stage", 0)
-    client = load_lightning_file(Path(get_model_state_file(str(path / tag), stage)), weights_only)
+    client = load_deepspeed_file(Path(get_model_state_file(str(path / tag), stage)), in_full)
     if stage == 0:
         state_dict = client["module"]  # ZeRO-0 saves the whole module as it is
     else:
@@ -71,10 +73,12 @@ def lightning_checkpoint(path: Any, weights_only: Optional[bool] = None) -> dict
     return loaded
 
 
-def save_as_lightning_checkpoint(path: Any, output_file: Any) -> Path:
-    """Write checkpoint directory ``path`` as one Lightning ``.ckpt`` file that loads without this package."""
+def save_as_lightning_checkpoint(path: Any, output_file: Any, weights_only: Optional[bool] = None) -> Path:
+    """Write checkpoint directory ``path`` as one Lightning ``.ckpt`` file that loads without this package
+    (``weights_only``: as for :func:`lightning_checkpoint`; False when you trust a checkpoint that holds more than
+    plain data)."""
     output = Path(output_file)
-    torch.save(lightning_checkpoint(path), output)
+    torch.save(lightning_checkpoint(path, weights_only), output)
     return output
 
 

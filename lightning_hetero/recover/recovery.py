@@ -17,7 +17,6 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_hetero.comm.communication import STATE_DIRNAME as HOOK_STATE_DIRNAME
 from lightning_hetero.recover import checkpoint, elastic, failures, liveness, refusal, universal
 from lightning_hetero.recover import from_deepspeed as resume_deepspeed
 from lightning_hetero.recover import from_lightning as resume_lightning
@@ -28,21 +27,10 @@ from lightning_hetero.recover.stopping import (
     slurm_job_id,
 )
 from lightning_hetero.runtime.collectives import Collectives
-from lightning_hetero.runtime.safe_load import check_checkpoint_directory, check_package_files
+from lightning_hetero.runtime.safe_load import check_checkpoint_directory, check_package_files, unpickles_in_full
 from lightning_hetero.runtime.shutdown import exit_with_if_uncaught, requested_exit_code
-from lightning_hetero.train.local_sgd import STATE_DIRNAME as LOCAL_STATE_DIRNAME
 
 Load = Callable[..., dict[str, Any]]
-
-
-def package_files(directory: Path) -> list[Path]:
-    """The package's files in a checkpoint directory that each rank reads alone: local training's per-rank state and
-    the exchange hooks' (error feedback). The hooks' are read only when the job's compression matches the
-    checkpoint's, but a bad one is refused whatever this job's compression: a file the package never writes that way
-    means the checkpoint was altered. (The pipeline's rank files are read by every rank, so every rank refuses a bad
-    one itself.)"""
-    folders = (directory / LOCAL_STATE_DIRNAME, directory / HOOK_STATE_DIRNAME)
-    return [path for folder in folders for path in sorted(folder.glob("*.pt"))]
 
 
 class Recovery:
@@ -176,17 +164,21 @@ class Recovery:
         if self.rank == 0:
             elastic.prune_unless_only(path, remove)
 
-    def choose(self, path: Path, weights_only: bool = False) -> tuple[Path, dict[str, Any]]:
+    def choose(self, path: Path, weights_only: Optional[bool] = None) -> tuple[Path, dict[str, Any]]:
         """The checkpoint to resume from: rank 0 verifies the files against their checksums (once, not on every
-        rank), that the package's own files hold tensors and containers only (before any rank reads its own), and
-        with ``weights_only`` that DeepSpeed's pickle nothing but its own classes; the choice, or its
-        error, reaches every rank in one gather; with its manifest (for a directory that Lightning's DeepSpeedStrategy
-        wrote, the facts read from its files: :mod:`.from_deepspeed`)."""
+        rank), that the package's own files hold tensors and containers only (before any rank reads its own), and,
+        unless the user trusts the checkpoint (``weights_only=False``, see
+        :func:`~lightning_hetero.runtime.safe_load.unpickles_in_full`), that DeepSpeed's pickle nothing but its own
+        classes, before DeepSpeed's engine unpickles them in full; the choice, or its error, reaches every rank in one
+        gather; with its manifest (for a directory that Lightning's DeepSpeedStrategy wrote, the facts read from its
+        files: :mod:`.from_deepspeed`)."""
+        in_full = unpickles_in_full(weights_only)
 
         def choose_on_rank_0() -> Any:
-            choice = resume_deepspeed.choose_checkpoint(path)
-            check_package_files(package_files(Path(choice[0])))  # (each rank reads its own: checked here for all)
-            if weights_only:
+            choice = resume_deepspeed.choose_checkpoint(path, in_full)
+            # (each rank reads its own: checked here for all)
+            check_package_files(checkpoint.package_files(Path(choice[0])))
+            if not in_full:
                 check_checkpoint_directory(Path(choice[0]))
             return choice
 
@@ -201,20 +193,25 @@ class Recovery:
             return chosen, foreign
         return chosen, checkpoint.read_manifest(chosen) or {}
 
-    def load_on_another_world_size(self, chosen: Path, manifest: dict[str, Any], engine: Any, load: Load) -> Any:
+    def load_on_another_world_size(
+        self, chosen: Path, manifest: dict[str, Any], engine: Any, load: Load, weights_only: Optional[bool] = None
+    ) -> Any:
         """A checkpoint of another number of ranks: ZeRO-0 keeps whole states on every rank; ZeRO-1/2/3 go through
         DeepSpeed's universal format (rank 0 converts, once; its result or error reaches every rank), for any optimizer
-        whose state is per parameter (:mod:`.universal`; another is refused on every rank first)."""
+        whose state is per parameter (:mod:`.universal`; another is refused on every rank first). ``weights_only``:
+        Lightning's; unless the user trusts the checkpoint, its files are read weights-only, DeepSpeed's classes
+        allowed."""
+        in_full = unpickles_in_full(weights_only)
         if not elastic.needs_universal(manifest, self.world_size):
             rank_zero_info(
                 f"HeteroStrategy: {chosen} was saved by {manifest.get('world_size')} ranks; this job has"
                 f" {self.world_size}: at ZeRO-0 every rank's file holds the whole state, loaded as it is."
             )
             return load(str(chosen))
-        elastic.check_convertible(chosen, manifest, self.world_size)
+        elastic.check_convertible(chosen, manifest, self.world_size, in_full)
         _, results = self.collectives.gather_or_raise(
             "converting the checkpoint",
-            lambda: (None, elastic.convert_to_universal(chosen) if self.rank == 0 else None),
+            lambda: (None, elastic.convert_to_universal(chosen, in_full) if self.rank == 0 else None),
         )
         directory, seconds = results[0]
         how = f"converted to DeepSpeed's universal format in {seconds:.2f} s" if seconds is not None else "using the"
@@ -227,7 +224,7 @@ class Recovery:
         # DeepSpeed's ZeRO-1/2 loader reads every state the universal copy holds; its ZeRO-3 loader only Adam's.
         zero3 = engine.zero_optimization_stage() == 3 and engine.optimizer is not None
         try:
-            with universal.loading_zero3(engine.optimizer) if zero3 else contextlib.nullcontext():
+            with universal.loading_zero3(engine.optimizer, in_full) if zero3 else contextlib.nullcontext():
                 return load(str(directory))
         finally:
             engine_config.load_universal_checkpoint = False

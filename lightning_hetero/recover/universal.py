@@ -40,6 +40,7 @@ from typing import Any, Optional
 import torch
 
 from lightning_hetero.recover.refusal import ResumeRefused
+from lightning_hetero.runtime.safe_load import load_deepspeed_file
 
 FP32 = "fp32"  # DeepSpeed's name for the fp32 master weights in the universal layout (constants.FP32_WEIGHT_KEY)
 STEP = "step"
@@ -166,12 +167,13 @@ def assemble(name: str, pieces: Sequence[Piece], flats: Sequence[torch.Tensor], 
 class _Partitions:
     """A ZeRO checkpoint tag's per-rank optimizer files, each opened when first needed and memory-mapped: a
     parameter's pieces are read when it is put together, so converting holds one parameter's state in memory, not
-    every rank's."""
+    every rank's. ``in_full``: the user trusts the checkpoint; else each file is read weights-only with DeepSpeed's
+    own classes allowed, its globals checked first (:func:`~lightning_hetero.runtime.safe_load.load_deepspeed_file`)."""
 
-    def __init__(self, tag: Path) -> None:
+    def __init__(self, tag: Path, in_full: bool = False) -> None:
         from deepspeed.checkpoint import constants
 
-        self.c, self.tag = constants, tag
+        self.c, self.tag, self.in_full = constants, tag, in_full
         files: dict[int, Path] = {}
         for path in tag.iterdir():
             match = _OPTIMIZER_FILE.match(path.name)
@@ -184,11 +186,9 @@ class _Partitions:
         self.files, self.world_size = files, len(files)
         self._states: dict[int, Mapping[str, Any]] = {}
 
-    @staticmethod
-    def _load(path: Path) -> Any:
-        # DeepSpeed's files pickle its own types (fragment addresses, the loss scaler): not weights-only; mmap keeps
-        # the tensors on disk until a piece of them is read.
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    def _load(self, path: Path) -> Any:
+        # (mmap keeps the tensors on disk until a piece of them is read)
+        return load_deepspeed_file(path, self.in_full, mmap=True)
 
     def state(self, rank: int) -> Mapping[str, Any]:
         if rank not in self._states:
@@ -251,18 +251,19 @@ class _Partitions:
         return {**{key: value for key, value in state.items() if key not in partitioned}, c.PARAM_GROUPS: groups}
 
 
-def state_keys(tag: Path) -> list[StateKeys]:
+def state_keys(tag: Path, in_full: bool = False) -> list[StateKeys]:
     """What each parameter group's optimizer state holds in checkpoint tag folder ``tag`` (rank 0's file, opened
-    memory-mapped: its tensors' shapes are read, not their data)."""
-    return _Partitions(tag).state_keys()
+    memory-mapped: its tensors' shapes are read, not their data; ``in_full``: the user trusts the checkpoint)."""
+    return _Partitions(tag, in_full).state_keys()
 
 
-def convert(tag: Path, output: Path) -> None:
+def convert(tag: Path, output: Path, in_full: bool = False) -> None:
     """Write checkpoint tag folder ``tag`` (a ZeRO 1-3 checkpoint of any number of ranks) into ``output`` in DeepSpeed's
-    universal layout (see the module's docstring), and ``latest_universal`` beside ``output``."""
+    universal layout (see the module's docstring), and ``latest_universal`` beside ``output`` (``in_full``: the user
+    trusts the checkpoint; else its files are read weights-only, DeepSpeed's own classes allowed)."""
     from deepspeed.checkpoint import constants
 
-    partitions = _Partitions(tag)
+    partitions = _Partitions(tag, in_full)
     ranks = range(partitions.world_size)
     layouts = [partitions.state_keys(rank) for rank in ranks]
     if any(layout != layouts[0] for layout in layouts):
@@ -312,29 +313,35 @@ def _link_or_copy(source: Path, target: Path) -> None:
 
 
 @contextlib.contextmanager
-def loading_zero3(optimizer: Any) -> Iterator[None]:
-    """Inside the block, DeepSpeed's ZeRO-3 ``optimizer`` loads a universal checkpoint with :func:`load_zero3`."""
+def loading_zero3(optimizer: Any, in_full: bool = False) -> Iterator[None]:
+    """Inside the block, DeepSpeed's ZeRO-3 ``optimizer`` loads a universal checkpoint with :func:`load_zero3`
+    (``in_full``: the user trusts the checkpoint)."""
     if getattr(optimizer, "swap_optimizer", False):
         raise ResumeRefused(
             "A ZeRO-3 checkpoint resumed on another number of ranks with the optimizer offloaded to NVMe: its state is"
             " swapped in by DeepSpeed's own loader, which reads Adam's state only. Resume on the checkpoint's number of"
             " ranks, or offload the optimizer to the CPU instead of NVMe."
         )
-    optimizer._load_universal_checkpoint = lambda *args: load_zero3(optimizer, *args)
+    optimizer._load_universal_checkpoint = lambda folder, optimizer_states, from_fp32: load_zero3(
+        optimizer, folder, optimizer_states, from_fp32, in_full
+    )
     try:
         yield
     finally:
         optimizer.__dict__.pop("_load_universal_checkpoint", None)
 
 
-def load_zero3(optimizer: Any, folder: str, load_optimizer_states: bool, load_from_fp32_weights: bool) -> None:
+def load_zero3(
+    optimizer: Any, folder: str, load_optimizer_states: bool, load_from_fp32_weights: bool, in_full: bool = False
+) -> None:
     """DeepSpeed's ZeRO-3 universal load for every per-parameter state the checkpoint holds.
 
     DeepSpeed's own (``load_hp_checkpoint_state_from_checkpoint_dir_stage3``, 0.19.8) loads "fp32", "exp_avg" and
     "exp_avg_sq" by name and reads the step from rank 0's Adam state: an SGD checkpoint fails there. This loads the
     weights with DeepSpeed's module loader (its fp32 partitions and the module's), then each state key the parameters'
     folders hold: every parameter's partition of it, cut for this rank by DeepSpeed's ``load_hp_checkpoint_state``,
-    into the flat state of its sub-group, as DeepSpeed's loader does for Adam's two.
+    into the flat state of its sub-group, as DeepSpeed's loader does for Adam's two. The files this reads itself are
+    read weights-only with DeepSpeed's own classes allowed, unless ``in_full`` (the user trusts the checkpoint).
     """
     from deepspeed.checkpoint import constants
 
@@ -342,7 +349,7 @@ def load_zero3(optimizer: Any, folder: str, load_optimizer_states: bool, load_fr
     if not load_optimizer_states:
         return
     zero = Path(folder) / "zero"
-    global_state = torch.load(zero / "optimizer_state.pt", map_location="cpu", weights_only=False)
+    global_state = load_deepspeed_file(zero / "optimizer_state.pt", in_full)
     optimizer._load_global_state_stage3(global_state)  # the loss scaler
     base = optimizer.optimizer
     for sub_group, parameters in enumerate(optimizer.fp16_groups):
@@ -357,6 +364,6 @@ def load_zero3(optimizer: Any, folder: str, load_optimizer_states: bool, load_fr
                 offset += piece.numel()
             base.state[flat][key] = whole
         if (folders[0] / f"{STEP}.pt").is_file():
-            base.state[flat][STEP] = torch.load(folders[0] / f"{STEP}.pt", map_location="cpu", weights_only=False)
+            base.state[flat][STEP] = load_deepspeed_file(folders[0] / f"{STEP}.pt", in_full)
     for group, saved in zip(base.param_groups, global_state[constants.PARAM_GROUPS]):
         group.update({key: value for key, value in saved.items() if key != "params"})

@@ -1,7 +1,9 @@
 """Runtime: checkpoint files are read without running code from them.
 
 ``torch.load(weights_only=False)`` unpickles anything, and unpickling can call any function the file names: a
-checkpoint from elsewhere (a shared volume, a download) could run code on every rank that resumes it. So:
+checkpoint from elsewhere (a shared volume, a download) could run code on every rank that resumes it. So no file is
+unpickled in full unless the user said they trust it (:func:`unpickles_in_full`: ``weights_only=False`` passed to
+``Trainer.fit`` or ``load_from_checkpoint``, or torch's ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` with nothing passed):
 
 * :func:`load_package_file` reads the files the package writes itself (local training's and the exchange hooks'
   per-rank state, the pipeline's rank files) with ``weights_only=True``: tensors, numbers, strings and containers,
@@ -11,17 +13,21 @@ checkpoint from elsewhere (a shared volume, a download) could run code on every 
   checkpoint) the way ``Trainer.fit(ckpt_path=..., weights_only=...)`` asks, as Lightning itself passes it on to
   ``torch.load``: ``weights_only=None`` is torch's default (weights-only since torch 2.6, unless
   ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` is set), and an explicit ``weights_only=False`` unpickles everything.
+* :func:`load_deepspeed_file` reads one of DeepSpeed's files (to recognise a DeepSpeedStrategy checkpoint, to convert
+  one to the universal format): its globals are checked without unpickling, then it is loaded weights-only with
+  DeepSpeed's own classes allowed (its loss scaler, ZeRO's stage, fragment addresses: :data:`DEEPSPEED_OWN_GLOBALS`).
+* :func:`check_checkpoint_directory` checks every ``.pt`` file of a checkpoint directory the same way, without
+  unpickling, before DeepSpeed's engine loads it: the engine unpickles its files in full whatever this package does.
 
-A file refused here is named with the way to load it anyway (:class:`UnsafeCheckpointFile`). DeepSpeed's own files
-(its optimizer states pickle its loss scaler and fragment addresses) are read as DeepSpeed reads them, in full: its
-engine unpickles them at every resume whatever this package does. So with Lightning's default (``weights_only=None``)
-a checkpoint directory must come from a source you trust; an explicit ``weights_only=True`` has every ``.pt`` file in
-it checked first, without unpickling (:func:`check_checkpoint_directory`): tensors, containers and DeepSpeed's own
-classes pass, anything else refuses the checkpoint.
+A file refused here is named with the way to load it anyway (:class:`UnsafeCheckpointFile`). This is stricter than
+Lightning's DeepSpeedStrategy, whose resume lets DeepSpeed unpickle everything under the default ``weights_only``: a
+checkpoint whose Lightning state holds more than plain data (a ``Path`` hyper-parameter, a config object) needs
+``weights_only=False`` here, as the same state in a Lightning ``.ckpt`` file does under Lightning.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
 import pickle
@@ -39,8 +45,9 @@ class UnsafeCheckpointFile(ValueError):
 
 
 # The classes DeepSpeed's checkpoint files pickle besides tensors and plain containers (seen in ZeRO-0/2/3 files of
-# DeepSpeed 0.19: the loss scaler, ZeRO's stage, the fragment addresses of its flat groups): what
-# `weights_only=True` lets through in a checkpoint directory, whose files DeepSpeed's engine then unpickles in full.
+# DeepSpeed 0.19: the loss scaler, ZeRO's stage, the fragment addresses of its flat groups): what a checkpoint
+# directory's files may hold (its files DeepSpeed's engine then unpickles in full), and what a weights-only read of
+# one of them allows.
 DEEPSPEED_OWN_GLOBALS = frozenset({
     "deepspeed.runtime.fp16.loss_scaler.LossScaler",
     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
@@ -66,6 +73,21 @@ def requested_weights_only(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Opt
         return None if frame is None else frame.f_locals.get("weights_only")
     finally:
         del frame  # (a frame kept in a local keeps every frame above it alive)
+
+
+_TRUE_VALUES = ("1", "y", "yes", "true")  # (torch.load's reading of its environment switches)
+
+
+def unpickles_in_full(weights_only: Optional[bool]) -> bool:
+    """Whether the user trusts the checkpoint, as ``torch.load(weights_only=weights_only)`` decides it: an explicit
+    False, or None with ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` set; ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` makes every load
+    weights-only whatever was passed. Everything else (Lightning's default None, True) checks a file before any of
+    it is unpickled."""
+    if os.getenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE_VALUES:
+        return False
+    if weights_only is None:
+        return os.getenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE_VALUES
+    return not weights_only
 
 
 _PACKAGE_FILE_REFUSED = (
@@ -107,18 +129,19 @@ def load_lightning_file(path: Path, weights_only: Optional[bool] = None) -> Any:
 
 
 def check_checkpoint_directory(directory: Path) -> None:
-    """``weights_only=True`` for a checkpoint directory, checked without unpickling before DeepSpeed unpickles its
-    files in full: every ``.pt`` file pickles only tensors, plain containers and DeepSpeed's own classes; nothing
-    inside is a symbolic link (a scan does not follow one, DeepSpeed's load does); the tag folders ``latest`` and
-    ``latest_universal`` name lie inside. Else :class:`UnsafeCheckpointFile`. Staging folders (``.*.partial``: a
-    save or conversion that was killed, never loaded) are left out."""
+    """A checkpoint directory the user has not said they trust (see :func:`unpickles_in_full`), checked without
+    unpickling before DeepSpeed unpickles its files in full: every ``.pt`` file pickles only tensors, plain
+    containers and DeepSpeed's own classes; nothing inside is a symbolic link (a scan does not follow one, DeepSpeed's
+    load does); the tag folders ``latest`` and ``latest_universal`` name lie inside. Else
+    :class:`UnsafeCheckpointFile`. Staging folders (``.*.partial``: a save or conversion that was killed, never
+    loaded) are left out."""
     root = Path(directory).resolve()  # (a `last.ckpt` link to the checkpoint is Lightning's own)
     for tag_file in _TAG_FILES:
         tag = (root / tag_file).read_text().strip() if (root / tag_file).is_file() else None
         if tag is not None and (not tag or (root / tag).resolve().parent != root):
             raise UnsafeCheckpointFile(
-                f"Checkpoint {root}: its `{tag_file}` file names {tag!r}, not a folder inside it, so"
-                f" `weights_only=True` refuses the checkpoint (DeepSpeed would load from there). {_TRUSTED_FIX}"
+                f"Checkpoint {root}: its `{tag_file}` file names {tag!r}, not a folder inside it, so the checkpoint"
+                f" was refused (DeepSpeed would load from there, unchecked). {_TRUSTED_FIX}"
             )
     for folder, folders, files in os.walk(root, followlinks=False):
         folders[:] = sorted(name for name in folders if not name.endswith(".partial"))
@@ -126,9 +149,8 @@ def check_checkpoint_directory(directory: Path) -> None:
             path = Path(folder) / name
             if path.is_symlink():
                 raise UnsafeCheckpointFile(
-                    f"Checkpoint {root} holds a symbolic link, {path} -> {os.readlink(path)}, so `weights_only=True`"
-                    f" refuses the checkpoint (its target is not checked; DeepSpeed's load would follow it)."
-                    f" {_TRUSTED_FIX}"
+                    f"Checkpoint {root} holds a symbolic link, {path} -> {os.readlink(path)}, so the checkpoint was"
+                    f" refused (its target is not checked; DeepSpeed's load would follow it). {_TRUSTED_FIX}"
                 )
             if name.endswith(".pt"):
                 _check_deepspeed_file(path)
@@ -147,14 +169,34 @@ def _globals_beyond_torchs(path: Path, refused: str) -> list[str]:
 
 
 def _check_deepspeed_file(path: Path) -> None:
-    names = _globals_beyond_torchs(path, f"`weights_only=True` refuses the checkpoint. {_TRUSTED_FIX}")
+    names = _globals_beyond_torchs(path, f"the checkpoint was refused. {_TRUSTED_FIX}")
     foreign = [name for name in names if name not in DEEPSPEED_OWN_GLOBALS]
     if foreign:
         raise UnsafeCheckpointFile(
             f"Checkpoint file {path} holds objects that loading it could run code from ({', '.join(foreign[:5])}), so"
-            f" `weights_only=True` refuses the checkpoint (DeepSpeed's engine unpickles its files in full)."
-            f" {_TRUSTED_FIX}"
+            f" the checkpoint was refused before anything in it was loaded (DeepSpeed's engine unpickles its files in"
+            f" full). {_TRUSTED_FIX}"
         )
+
+
+def load_deepspeed_file(path: Path, in_full: bool = False, mmap: bool = False) -> Any:
+    """One of DeepSpeed's checkpoint files, on the CPU (``mmap``: tensors left on disk until read). Unless the user
+    trusts the checkpoint (``in_full``, see :func:`unpickles_in_full`), its globals are checked first and it loads
+    weights-only with DeepSpeed's own classes allowed: :class:`UnsafeCheckpointFile` names anything else."""
+    path = Path(path)
+    if in_full:
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+    _check_deepspeed_file(path)
+    with torch.serialization.safe_globals(_deepspeed_own_classes()):
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+
+
+def _deepspeed_own_classes() -> list[Any]:
+    classes = []
+    for name in sorted(DEEPSPEED_OWN_GLOBALS):
+        module, _, attribute = name.rpartition(".")
+        classes.append(getattr(importlib.import_module(module), attribute))
+    return classes
 
 
 def _load(path: Path, weights_only: Optional[bool], why_and_fix: str) -> Any:

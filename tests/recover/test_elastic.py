@@ -9,6 +9,7 @@ import math
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -418,6 +419,39 @@ def test_a_damaged_last_checkpoint_is_skipped_for_a_sound_one_of_the_same_step(t
     assert "checkpoint/mp_rank_00_model_states.pt does not match its checksum" in resumed.output
     assert f"Resuming from {directory / 'epoch=0-step=4.ckpt'}" in resumed.output
     assert resumed.result["global_step"] == 6
+
+
+def test_a_last_checkpoint_that_lost_its_manifest_is_skipped_exactly_or_refused_on_every_rank(tmp_path):
+    """Issue 51's run: a 2-rank fit (micro-batches 3/13, shuffled) saves every 3 steps; the newest checkpoint,
+    last.ckpt, loses its hetero_manifest.json and `ckpt_path="last"` resumes. It was taken for a DeepSpeedStrategy
+    checkpoint and resumed with that format's data position, samples of the epoch never trained. With older
+    checkpoints beside it, it is skipped with a warning and the fit ends with the uninterrupted run's parameters, each
+    sample once per epoch; as the only checkpoint it is refused on every rank."""
+    common = ["--samples", "64", "--shuffle", "--batch-sizes", "3", "13", "--record-steps"]
+    first = run_fit(tmp_path / "a", *common, "--max-steps", "6", "--checkpoint-every", "3", "--save-last")
+    assert first.returncode == 0, first.output[-3000:]
+    directory = tmp_path / "a" / "ckpt"
+    (directory / "last.ckpt" / checkpoint.MANIFEST_NAME).unlink()
+    resume = [*common, "--max-epochs", "2", "--checkpoint-every", "100", "--checkpoint-dir", str(directory),
+              "--ckpt-path", "last"]  # fmt: skip
+    resumed = run_fit(tmp_path / "b", *resume, warnings=True)
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert f"skipping checkpoint {directory / 'last.ckpt'}: it has no {checkpoint.MANIFEST_NAME}" in resumed.output
+    assert f"Resuming from {directory / 'epoch=0-step=3.ckpt'}" in resumed.output  # (the one before last)
+    assert resumed.result["global_step"] == 8
+    dataset = IndexedRegression(64)
+    orders = [list(RandomSampler(dataset, generator=torch.Generator().manual_seed(7 + epoch))) for epoch in (0, 1)]
+    records = [json.loads(line) for line in (tmp_path / "b" / "steps.jsonl").read_text().splitlines()]
+    for epoch, expected in ((0, orders[0][48:]), (1, orders[1])):  # the rest of epoch 0, then epoch 1: each once
+        assert sorted(i for r in records if r["epoch"] == epoch for i in r["indices"]) == sorted(expected)
+    steps = [order[begin : begin + 16] for order in orders for begin in range(0, 64, 16)]
+    assert max_param_difference(resumed.result, reference_training(dataset, steps)) <= TOLERANCE
+    for older in directory.glob("epoch=*.ckpt"):
+        shutil.rmtree(older)
+    refused = run_fit(tmp_path / "c", *resume)
+    assert refused.returncode != 0
+    reason = f"last.ckpt, which cannot be resumed from: it has no {checkpoint.MANIFEST_NAME}"
+    assert refused.output.count(reason) >= 2, refused.output[-3000:]  # (rank 0's refusal, and rank 1's naming it)
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])

@@ -4,35 +4,15 @@ tests/compat/test_deepspeed_strategy_users.py)."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
+from conftest import write_deepspeed_checkpoint
 
 from lightning_hetero.recover import checkpoint, from_deepspeed
+from lightning_hetero.recover.refusal import ResumeRefused
 from lightning_hetero.train.order import STATE_EPOCH, STATE_NUM_SAMPLES, STATE_SAMPLES_CONSUMED, STATE_SEED
-
-
-def write_deepspeed_checkpoint(path, stage=2, world_size=2, optimizer_state=None, skip=()):
-    """DeepSpeed's layout as DeepSpeedStrategy saves it (tag "checkpoint"), with the entries the facts come from."""
-    folder = path / "checkpoint"
-    folder.mkdir(parents=True)
-    (path / "latest").write_text("checkpoint")
-    states = {
-        "module": {}, "dp_world_size": world_size, "global_steps": 3, "global_step": 3, "epoch": 0,
-        "ds_config": {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": 8},
-        "optimizer": optimizer_state if stage == 0 else None,
-    }  # fmt: skip
-    names = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world_size)] if stage == 3 else []
-    names = names or ["mp_rank_00_model_states.pt"]
-    for name in names:
-        torch.save(states, folder / name)
-    if stage > 0:
-        for rank in range(world_size):
-            torch.save({"optimizer_state_dict": {"base_optimizer_state": optimizer_state or {}}},
-                       folder / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")  # fmt: skip
-    for name in skip:
-        (folder / name).unlink()
-    return path
-
 
 ADAM = {"state": {0: {"exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2), "step": torch.tensor(3.0)}}}
 SGD = {"state": {0: {"momentum_buffer": torch.zeros(2)}}}
@@ -62,6 +42,47 @@ def test_a_directory_with_a_manifest_or_without_every_ranks_files_is_not_taken_f
     assert from_deepspeed.deepspeed_strategy_facts(tmp_path / "c.ckpt") is None
     with pytest.raises(ValueError, match="has no hetero_manifest.json"):
         from_deepspeed.choose_checkpoint(tmp_path / "c.ckpt")
+
+
+PACKAGES_LOADER_STATE = {"fit_loop": {"state_dict": {"combined_loader": [{STATE_SAMPLES_CONSUMED: 48}]}}}
+
+
+@pytest.mark.parametrize(
+    "what_says_so",
+    ["the package's mark", "the package's loader position (before the mark)", "the package's per-rank files"],
+)
+def test_the_packages_own_checkpoint_without_its_manifest_is_incomplete_never_deepspeedstrategys(
+    what_says_so, tmp_path
+):
+    """A checkpoint the package wrote whose hetero_manifest.json was deleted passed for DeepSpeedStrategy's (same
+    layout) and resumed with that format's data position: 8 samples of an epoch were never trained. Now it is what
+    any checkpoint without its manifest is: "last" is skipped for the newest complete checkpoint beside it, with a
+    warning naming what is missing; the only one, or one named explicitly, is refused."""
+    client_state = {
+        "the package's mark": {checkpoint.PACKAGE_MARK: {"format_version": checkpoint.FORMAT_VERSION}},
+        "the package's loader position (before the mark)": {"loops": PACKAGES_LOADER_STATE},
+        "the package's per-rank files": {},
+    }[what_says_so]
+    older = write_deepspeed_checkpoint(tmp_path / "epoch=0-step=3.ckpt", **client_state)
+    checkpoint.write_manifest(older, {"world_size": 2, "global_step": 3})
+    last = write_deepspeed_checkpoint(tmp_path / "last.ckpt", **client_state)
+    if what_says_so == "the package's per-rank files":
+        (last / "hetero_local_sgd").mkdir()
+        torch.save({"steps_done": 6}, last / "hetero_local_sgd" / "rank_0.pt")
+    assert from_deepspeed.deepspeed_strategy_facts(last) is None
+    chosen, warning, facts = from_deepspeed.choose_checkpoint(last)
+    assert (chosen, facts) == (str(older), None)
+    assert f"skipping checkpoint {last}: it has no hetero_manifest.json" in warning
+    shutil.rmtree(older)
+    with pytest.raises(ResumeRefused, match=r"last.ckpt, which cannot be resumed from: it has no hetero_manifest"):
+        from_deepspeed.choose_checkpoint(last)
+
+
+def test_a_deepspeedstrategy_checkpoint_with_a_stateful_loader_of_its_own_is_still_deepspeedstrategys(tmp_path):
+    """(A loader state that is not the package's global position, such as a stateful loader's own, says nothing.)"""
+    loops = {"fit_loop": {"state_dict": {"combined_loader": [{"batches_yielded": 3}]}}}
+    path = write_deepspeed_checkpoint(tmp_path / "a.ckpt", loops=loops)
+    assert from_deepspeed.is_deepspeed_strategys(from_deepspeed.deepspeed_strategy_facts(path))
 
 
 def test_a_path_that_is_no_checkpoint_gets_deepspeedstrategys_answer_and_stays_a_value_error(tmp_path):

@@ -7,11 +7,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import WORKERS, crafted, run_bounded
+from conftest import WORKERS, crafted, run_bounded, run_fit, write_deepspeed_checkpoint
 
+from lightning_hetero.recover import checkpoint, elastic, export, from_deepspeed, universal
 from lightning_hetero.recover.from_lightning import read_lightning_checkpoint
+from lightning_hetero.recover.recovery import Recovery
 from lightning_hetero.recover.refusal import ResumeRefused
-from lightning_hetero.runtime.safe_load import UnsafeCheckpointFile, load_lightning_file, load_package_file
+from lightning_hetero.runtime.safe_load import (
+    UnsafeCheckpointFile,
+    load_deepspeed_file,
+    load_lightning_file,
+    load_package_file,
+    unpickles_in_full,
+)
 from lightning_hetero.train.local_sgd import STATE_DIRNAME, LocalTraining
 
 
@@ -186,4 +194,144 @@ def test_a_checkpoint_directory_checked_for_weights_only_has_no_way_around_the_s
     (saved / "latest").write_text("../elsewhere")
     with pytest.raises(UnsafeCheckpointFile, match=r"its `latest` file names '../elsewhere', not a folder inside it"):
         check_checkpoint_directory(saved)
+    assert not (tmp_path / "ran").exists()
+
+
+# ------------------------------------------------------------------ every reader of a checkpoint directory (issue 51)
+
+ADAM_STATE = {"state": {0: {"exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2), "step": torch.tensor(3.0)}}}
+MODEL_STATES = "checkpoint/mp_rank_00_model_states.pt"
+
+# (what DeepSpeed's zero_to_fp32 reads from the model-states file before it opens the optimizer files)
+DEEPSPEEDS_MODEL_STATES = {
+    "buffer_names": [], "param_shapes": [{"w": torch.Size([2])}], "shared_params": {}, "frozen_param_shapes": None,
+    "frozen_param_fragments": None, "ds_version": "0.19.8",
+}  # fmt: skip
+
+
+def optim_states(rank: int) -> str:
+    return f"checkpoint/zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def directory_with(tmp_path: Path, crafted_file: str, manifest: bool) -> Path:
+    """A ZeRO-2 checkpoint directory of 2 ranks (DeepSpeed's layout, Adam's state) whose ``crafted_file`` runs code
+    when unpickled in full (writing tmp_path/ran); ``manifest``: the package's (written after, so the checksums
+    agree), else the directory is shaped like Lightning's DeepSpeedStrategy's."""
+    path = write_deepspeed_checkpoint(
+        tmp_path / "step=3.ckpt", stage=2, optimizer_state=ADAM_STATE, **DEEPSPEEDS_MODEL_STATES
+    )
+    (path / crafted_file).parent.mkdir(parents=True, exist_ok=True)
+    crafted(path / crafted_file, tmp_path / "ran", optimizer_state_dict={}, ds_config={})
+    if manifest:
+        facts = {"world_size": 2, "global_step": 3, "zero_stage": 2, "optimizer": "Adam"}
+        checkpoint.write_manifest(path, facts)
+    return path
+
+
+class ZeRO3Optimizer:
+    """What load_zero3 asks of DeepSpeed's ZeRO-3 optimizer before it reads the universal copy's files."""
+
+    def load_module_checkpoint_state_from_checkpoint_dir_stage3(self, folder, load_from_fp32_weights):
+        pass
+
+
+def choosing(path: Path, weights_only):
+    return Recovery(peer_timeout=None).choose(path, weights_only)  # (rank 0 of 1: its own choice)
+
+
+def the_universal_zero_3_load(path: Path, weights_only):
+    """The universal copy's global optimizer state, read by the package's ZeRO-3 loader inside DeepSpeed's load."""
+    folder = path / "universal" / "checkpoint"
+    return universal.load_zero3(ZeRO3Optimizer(), str(folder), True, True, unpickles_in_full(weights_only))
+
+
+# (the reader, the file that runs code, whether the package's manifest is there): every path that reads one
+READERS = {
+    "recognising DeepSpeedStrategy's checkpoint (model states)": (choosing, MODEL_STATES, False),
+    "recognising DeepSpeedStrategy's checkpoint (its optimizer's moments)": (choosing, optim_states(0), False),
+    "DeepSpeed's engine load (checked at the choice)": (choosing, optim_states(1), True),
+    "a pipeline rank file (checked at the choice)": (choosing, "pipeline_rank1.pt", True),
+    "the universal copy's own files (checked at the choice)": (choosing, "universal/zero/optimizer_state.pt", True),
+    "the check before a universal conversion": (
+        lambda path, weights_only: elastic.check_convertible(
+            path, checkpoint.read_manifest(path), 3, unpickles_in_full(weights_only)
+        ),
+        optim_states(0),
+        True,
+    ),
+    "the universal conversion": (
+        lambda path, weights_only: elastic.convert_to_universal(path, unpickles_in_full(weights_only)),
+        optim_states(0),
+        True,
+    ),
+    "the universal ZeRO-3 load": (the_universal_zero_3_load, "universal/checkpoint/zero/optimizer_state.pt", False),
+    "load_from_checkpoint": (export.lightning_checkpoint, optim_states(1), True),
+}
+
+
+@pytest.mark.parametrize("weights_only", [None, True])
+@pytest.mark.parametrize("reader", sorted(READERS))
+def test_no_reader_unpickles_a_file_in_full_before_its_globals_are_checked(reader, weights_only, tmp_path):
+    """For each path that reads a checkpoint directory's files, a crafted file that would write a marker when
+    unpickled in full: under Lightning's default `weights_only` and `True`, the reader refuses it naming the file and
+    the marker never appears. (A DeepSpeedStrategy-shaped directory ran its payload under both, before the package
+    refused it, and DeepSpeed's engine unpickled a checkpoint's files in full under the default.)"""
+    read, crafted_file, manifest = READERS[reader]
+    path = directory_with(tmp_path, crafted_file, manifest)
+    with pytest.raises(UnsafeCheckpointFile, match=rf"{re.escape(crafted_file)} holds objects .*builtins.exec"):
+        read(path, weights_only)
+    assert not (tmp_path / "ran").exists()
+
+
+def test_weights_only_false_is_the_users_trust_honoured_as_lightning_honours_it(tmp_path, monkeypatch):
+    """An explicit `weights_only=False` (or torch's TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD with nothing passed) unpickles
+    DeepSpeedStrategy's files in full, as Lightning does; TORCH_FORCE_WEIGHTS_ONLY_LOAD overrides even that."""
+    assert [unpickles_in_full(given) for given in (None, True, False)] == [False, False, True]
+    path = directory_with(tmp_path, MODEL_STATES, manifest=False)
+    choosing(path, weights_only=False)
+    assert (tmp_path / "ran").read_text() == "ran"
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    assert unpickles_in_full(None) and not unpickles_in_full(True)
+    monkeypatch.delenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
+    monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")
+    assert not unpickles_in_full(False)
+
+
+def test_deepspeeds_own_files_read_weights_only_with_its_classes(tmp_path):
+    """What the checks let through loads: DeepSpeed's loss scaler, ZeRO's stage and a fragment address, weights-only
+    (a DeepSpeedStrategy directory's facts are read so); a file that is no torch checkpoint is no DeepSpeed one."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    saved = {"loss_scaler": DynamicLossScaler(init_scale=8.0, scale_window=10, min_scale=1.0, delayed_shift=1,
+             consecutive_hysteresis=False, raise_error_at_min_scale=True, dtype=torch.float16),
+             "zero_stage": ZeroStageEnum(2), "slice": fragment_address(numel=3, start=1)}  # fmt: skip
+    torch.save(saved, tmp_path / "ds.pt")
+    loaded = load_deepspeed_file(tmp_path / "ds.pt")
+    assert loaded["loss_scaler"].cur_scale == 8.0 and loaded["zero_stage"] == 2 and loaded["slice"].start == 1
+    path = write_deepspeed_checkpoint(tmp_path / "a.ckpt", stage=2, optimizer_state=ADAM_STATE, extra=saved)
+    facts = from_deepspeed.deepspeed_strategy_facts(path)
+    assert facts is not None and facts["optimizer"] == "Adam"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("weights_only", [None, "true"])
+def test_a_crafted_deepspeedstrategy_checkpoint_stops_every_rank_of_a_fit_and_runs_nothing(weights_only, tmp_path):
+    """The issue's run: a directory shaped like a DeepSpeedStrategy checkpoint (a `latest` naming `global_step1/`, in
+    it a model-states file whose pickle writes a marker) given to a 2-rank `fit(ckpt_path=...)` under
+    `HeteroStrategy(batch_sizes=[4, 4])`. The payload ran under the default and under `weights_only=True` (refused
+    only after it ran); now both ranks stop naming the file, and nothing ran."""
+    saved = tmp_path / "deepspeed.ckpt"
+    (saved / "global_step1").mkdir(parents=True)
+    (saved / "latest").write_text("global_step1")
+    crafted(saved / "global_step1" / "mp_rank_00_model_states.pt", tmp_path / "ran", ds_config={}, dp_world_size=2)
+    extra = ["--weights-only", weights_only] if weights_only else []
+    run = run_fit(tmp_path / "run", "--batch-sizes", "4", "4", "--ckpt-path", str(saved), *extra)
+    assert run.returncode != 0
+    refusal = (
+        "global_step1/mp_rank_00_model_states.pt holds objects that loading it could run code from (builtins.exec)"
+    )
+    assert run.output.count(refusal) >= 2, run.output[-4000:]  # (rank 0's error, and rank 1's naming it)
+    assert "pass `weights_only=False` to `Trainer.fit`" in run.output
     assert not (tmp_path / "ran").exists()

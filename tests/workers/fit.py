@@ -387,6 +387,7 @@ def main() -> None:
     parser.add_argument("--gather-in-eval", action="store_true", help="self.all_gather in the evaluation steps")
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--ckpt-path")
+    parser.add_argument("--weights-only", choices=["true", "false"], help="Trainer.fit's weights_only (default: None)")
     parser.add_argument("--save-last", action="store_true", help="ModelCheckpoint(save_last=True)")
     parser.add_argument("--checkpoint-dir", type=Path, help="ModelCheckpoint's dirpath (default: OUT/ckpt)")
     parser.add_argument("--disk-full-at", type=int, help="rank 1's checkpoint writes fail (ENOSPC) from this step on")
@@ -568,7 +569,8 @@ def fit(args: argparse.Namespace) -> None:
     test = DataLoader(IndexedRegression(args.test_samples, seed=5), batch_size=4) if args.test_samples else None
     if args.test_first:
         trainer.test(model, test, verbose=False)
-    trainer.fit(model, None if args.loader_in_hook else train, val, ckpt_path=args.ckpt_path)
+    weights_only = None if args.weights_only is None else args.weights_only == "true"
+    trainer.fit(model, None if args.loader_in_hook else train, val, ckpt_path=args.ckpt_path, weights_only=weights_only)
     if args.test_samples and not args.test_first:
         trainer.test(model, test, verbose=False)
     if args.predict_samples:
