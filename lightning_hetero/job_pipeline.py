@@ -321,6 +321,8 @@ class PipelineTraining:
         summary.update(boundaries=list(pipeline.placement.boundaries), stage_ranks=list(pipeline.placement.ranks),
                        replans=self.replans)  # fmt: skip
         rank_zero_info(describe_stages(summary))
+        if directory is None:  # (no logger and no folder named: printed only)
+            return
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "pipeline_report.json").write_text(json.dumps(summary, indent=1))
         rank_zero_info(f"written to {directory / 'pipeline_report.json'}")

@@ -22,6 +22,8 @@ from lightning_hetero.emulate import memory
 from lightning_hetero.measure.devices import collect_device_facts
 from lightning_hetero.measure.facts import DeviceFacts
 from lightning_hetero.measure.partitioned import partitioned_parameters, whole_parameters
+from lightning_hetero.measure.profiler import loss_ratio_from_loader
+from lightning_hetero.measure.rank_profile import loss_reduction_mismatch
 from lightning_hetero.measure.survey import JobSurvey, RankSurvey, profile_rank
 from lightning_hetero.plan.initial import InitialPlan, initial_plan, rebalancer_for, within_emulated_memory
 from lightning_hetero.plan.local_steps import InnerStepsRebalancer, describe_sync, local_split
@@ -60,6 +62,7 @@ class JobSetup:
         self.device_facts: list[DeviceFacts] = []
         self.precisions: list[str] = []
         self.profiles: Optional[list[Any]] = None  # every rank's RankProfile (automatic split only)
+        self.loss_ratios: list[Optional[float]] = []  # every rank's loss on a batch given twice over its own, or None
         self.identical_devices = True
         self.memory_ceilings: Optional[list[Optional[int]]] = None  # emulated, per rank (emulate/memory.py)
         self.memory_byte_ceilings: Optional[list[Optional[int]]] = None  # (the same, in bytes of device memory)
@@ -103,14 +106,16 @@ class JobSetup:
                     if settings.asynchronous else None  # fmt: skip
                 if refusal:
                     raise ValueError(refusal)
-            profile = None
+            profile, loss_ratio = None, None
             if profile_in_survey:  # (in a fit only)
                 assert global_batch_size is not None
                 profile = self._profile(module, loader, global_batch_size, device, precision)
+            elif fitting:
+                loss_ratio = self._fixed_split_loss_ratio(module, loader, device, precision)
             self._emulated_topology = topology.emulated_topology()
             agreement = settings.agreement(global_batch_size, job.communication.arguments(), self._emulated_topology)
             return None, RankSurvey(
-                agreement, local_seed(), model_signature(module), facts, precision, profile
+                agreement, local_seed(), model_signature(module), facts, precision, profile, loss_ratio
             ).to_dict()
 
         gathered = job.collectives.gather_or_raise("setup", survey_this_rank)[1]
@@ -124,6 +129,7 @@ class JobSetup:
         self.memory_byte_ceilings = surveyed.ranks[job.rank].agreement.get("emulate_memory_bytes")
         if fitting:
             self.profiles = within_emulated_memory(surveyed.profiles, self.memory_ceilings)
+            self.loss_ratios = surveyed.loss_ratios
             self.identical_devices = surveyed.identical_devices(emulated=settings.speed_schedule is not None)
         return surveyed.ranks[job.rank].agreement["global_batch_size"] or 0
 
@@ -131,6 +137,31 @@ class JobSetup:
         autocast = autocast_for(precision, device.type)  # measured as it will train
         return profile_rank(module, loader, global_batch_size, self._job.world_size, device,
                             self._job.emulation.emulator, autocast)  # fmt: skip
+
+    def _fixed_split_loss_ratio(
+        self, module: Any, loader: Any, device: torch.device, precision: str
+    ) -> Optional[float]:
+        """A fixed unequal split's check of ``loss_reduction``, once, before the first step (the automatic split's
+        profile makes its own): the loss of this rank's micro-batch given twice over its own, without gradients
+        (:func:`~lightning_hetero.measure.profiler.loss_ratio_from_loader`). None where it is not needed (one rank,
+        an equal split, local training, a pipeline, manual optimization) or cannot be made (a stream, a model ZeRO-3
+        has partitioned, a step that fails outside the loop): the first steps' losses tell there instead
+        (:class:`~lightning_hetero.watch.loss_reduction.LossReductionCheck`)."""
+        job, settings = self._job, self._job.settings
+        if (job.world_size == 1 or not settings.fixed_split_is_unequal or settings.local
+                or settings.pipeline is not None or not module.automatic_optimization
+                or settings.loss_reduction not in ("mean", "sum") or partitioned_parameters(module)):  # fmt: skip
+            return None
+        size = settings.batch_sizes[job.rank] if settings.batch_sizes is not None else getattr(loader, "batch_size", 0)
+        if settings.batch_sizes is not None and settings.micro_steps is not None:
+            size = micro_batch_sizes(size, settings.micro_steps[job.rank])[0]
+        if not size:
+            return None
+        module.to(device)  # DeepSpeed would move it there next anyway
+        try:
+            return loss_ratio_from_loader(module, loader, size, device, autocast_for(precision, device.type))
+        except Exception:  # noqa: BLE001 - a step that runs only inside Lightning's loop: the slope check decides
+            return None
 
     def _profile_partitioned(self, surveyed: JobSurvey, module: Any, device: torch.device) -> JobSurvey:
         """Every rank's profile of a model ZeRO-3 has partitioned, its parameters gathered whole for it."""
@@ -231,9 +262,16 @@ class JobSetup:
         if overflow:  # (every rank holds the same plan and ceilings: every rank raises it)
             raise ValueError(overflow)
         job.split.start(start.plan, start.prediction)
-        # The profile's doubled batch already told mean from sum (start.warning); without it the first steps tell.
-        profiled = self.profiles is not None and all(p.loss_ratio is not None for p in self.profiles)
-        job.loss_check.start(job.world_size > 1 and not profiled and bool(module.automatic_optimization))
+        # A batch given twice tells mean from sum: the automatic split's profile (warned as start.warning) or a fixed
+        # split's check before the first step; where no rank could double one, the first steps' losses tell.
+        told = any(ratio is not None for ratio in self.loss_ratios)
+        if told and self.profiles is None:
+            mismatch = loss_reduction_mismatch(
+                self.loss_ratios, settings.loss_reduction, "the check before the first step"
+            )
+            if mismatch:
+                rank_zero_warn(mismatch)
+        job.loss_check.start(job.world_size > 1 and not told and bool(module.automatic_optimization))
         rebalancer = None
         if settings.rebalancing(profiled=self.profiles is not None, world_size=job.world_size):
             rebalancer = rebalancer_for(start.plan, self.profiles, held,
@@ -350,9 +388,10 @@ class JobSetup:
             )
         return line
 
-    def write_plan(self, trainer: Any, config: dict[str, Any]) -> Path:
+    def write_plan(self, trainer: Any, config: dict[str, Any]) -> Optional[Path]:
         """Rank 0 prints the plan table; every rank writes its config (and rank 0 the whole plan) as JSON, in the
-        directory returned (decided once per fit: a tracking logger's run name; the report lands beside it)."""
+        directory returned (decided once per fit: a tracking logger's run name; the report lands beside it; None
+        when nothing is written: no logger and no folder named)."""
         job = self._job
         assert job.split.plan is not None and job.watcher is not None
         schedule = job.settings.speed_schedule

@@ -225,6 +225,15 @@ class HeteroSettings:
         """Neither ``batch_sizes`` nor ``weights``: every rank profiles its step and the planner splits."""
         return self.batch_sizes is None and self.weights is None
 
+    @property
+    def fixed_split_is_unequal(self) -> bool:
+        """A split the user fixed whose ranks' micro-batches differ (``batch_sizes``, ``weights`` or ``micro_steps``
+        not all equal): there a mean and a summed loss train differently."""
+        given = self.batch_sizes if self.batch_sizes is not None else self.weights
+        if given is None:
+            return False
+        return len(set(given)) > 1 or (self.micro_steps is not None and len(set(self.micro_steps)) > 1)
+
     def rebalancing(self, profiled: bool, world_size: int) -> bool:
         """Re-plan the split during the fit: on for the automatic split unless off, off for a fixed one unless on."""
         wanted = self.rebalance if self.rebalance is not None else profiled

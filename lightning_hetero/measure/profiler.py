@@ -251,13 +251,53 @@ def _doubled_loss_ratio(
 
     In eval mode (the caller puts the modes back), so that dropout draws no masks and BatchNorm uses its running
     statistics: each sample's loss is then the same in both batches, and the ratio is exactly 1 (mean) or 2 (sum).
+    Both steps start from the same random state, so a step that draws its own randomness (a masking, a noise) draws
+    alike in both.
     """
     module.eval()
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
     with torch.no_grad(), autocast():
-        single, twice = loss_of(module.training_step(batch, 0)), loss_of(module.training_step(doubled, 0))
+        with preserved_random_state(device):
+            single = loss_of(module.training_step(batch, 0))
+        with preserved_random_state(device):
+            twice = loss_of(module.training_step(doubled, 0))
     if single is None or twice is None or single.numel() != 1 or twice.numel() != 1:
         return None
     return doubled_loss_ratio(float(single), float(twice))
+
+
+def _batch_maker(dataset: Any, collate: Callable[[list[Any]], Any], device: torch.device) -> Callable[..., Any]:
+    """``make_batch(size, times=1)``: the dataset's first ``size`` samples (repeated where it has fewer), given
+    ``times`` over, collated as the loader collates them, on ``device``."""
+
+    def make_batch(size: int, times: int = 1) -> Any:
+        return move_data_to_device(collate([dataset[i % len(dataset)] for i in range(size)] * times), device)
+
+    return make_batch
+
+
+def loss_ratio_from_loader(
+    module: LightningModule,
+    loader: Any,
+    size: int,
+    device: torch.device,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> Optional[float]:
+    """The training step's loss on a micro-batch of ``size`` samples of the training ``loader`` given twice, over its
+    loss on the micro-batch: 1 for a mean over the batch, 2 for a sum (:func:`_doubled_loss_ratio`: eval mode, no
+    gradient; parameters, buffers, modes and every RNG put back, so training goes on as if it never ran). None where
+    a batch cannot be doubled: a stream (its samples would be drawn ahead of training), not a DataLoader, an empty
+    dataset, or a step that returns no scalar loss."""
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset) or size < 1:
+        return None
+    try:
+        if len(loader.dataset) == 0:  # type: ignore[arg-type]
+            return None
+    except TypeError:  # (a map-style dataset without a length)
+        return None
+    make_batch = _batch_maker(loader.dataset, loader.collate_fn, device)
+    with preserved_training_state(module, device), training_step_in_isolation(module):
+        return _doubled_loss_ratio(module, make_batch(size), make_batch(size, times=2), autocast)
 
 
 def profile_from_loader(
@@ -287,9 +327,7 @@ def profile_from_loader(
                 " samples, or pass `batch_sizes=[...]` or `weights=[...]`."
             )
 
-    def make_batch(size: int, times: int = 1) -> Any:
-        return move_data_to_device(collate([dataset[i % len(dataset)] for i in range(size)] * times), device)
-
+    make_batch = _batch_maker(dataset, collate, device)
     if device.type == "cuda":
         free_bytes = float(torch.cuda.mem_get_info(device)[0])
     else:

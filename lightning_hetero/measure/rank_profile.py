@@ -98,25 +98,29 @@ def doubled_loss_ratio(single: float, doubled: float) -> Optional[float]:
 _SUM_RATIO, _MEAN_RATIO = 1.6, 1.25
 
 
-def loss_reduction_mismatch(ratios: Sequence[Optional[float]], loss_reduction: str) -> Optional[str]:
-    """A warning when every rank's profile says the loss is a sum and ``loss_reduction="mean"``, or the reverse."""
+def loss_reduction_mismatch(
+    ratios: Sequence[Optional[float]], loss_reduction: str, measured_by: str = "the profile"
+) -> Optional[str]:
+    """A warning when every rank that measured it says the loss is a sum and ``loss_reduction="mean"``, or the
+    reverse (``ratios``: each rank's loss on a batch given twice over its own, None where not measured;
+    ``measured_by``: what measured them, for the message)."""
     known = [ratio for ratio in ratios if ratio is not None]
     if not known:
         return None
     shown = ", ".join(f"{ratio:.2f}" for ratio in known)
     if loss_reduction == "mean" and min(known) > _SUM_RATIO:
         return (
-            "HeteroStrategy: `training_step`'s loss doubles when its batch is given twice (the profile measured"
-            f" {shown}), as a sum over the batch does, but `loss_reduction='mean'`: with unequal micro-batches that"
-            " trains differently from DDP. Pass `HeteroStrategy(loss_reduction='sum')` if the loss is a sum (e.g."
-            " `reduction='sum'`)."
+            "HeteroStrategy: `training_step`'s loss doubles when its batch is given twice"
+            f" ({measured_by} measured {shown}), as a sum over the batch does, but `loss_reduction='mean'`: with"
+            " unequal micro-batches that trains differently from DDP. Pass `HeteroStrategy(loss_reduction='sum')` if"
+            " the loss is a sum (e.g. `reduction='sum'`)."
         )
     if loss_reduction == "sum" and max(known) < _MEAN_RATIO:
         return (
-            "HeteroStrategy: `training_step`'s loss stays the same when its batch is given twice (the profile"
-            f" measured {shown}), as a mean over the batch does, but `loss_reduction='sum'`: with unequal"
-            " micro-batches that trains differently from DDP. Pass `loss_reduction='mean'` (the default) if the loss"
-            " is a mean."
+            "HeteroStrategy: `training_step`'s loss stays the same when its batch is given twice"
+            f" ({measured_by} measured {shown}), as a mean over the batch does, but `loss_reduction='sum'`: with"
+            " unequal micro-batches that trains differently from DDP. Pass `loss_reduction='mean'` (the default) if"
+            " the loss is a mean."
         )
     return None
 

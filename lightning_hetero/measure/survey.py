@@ -27,6 +27,9 @@ class RankSurvey:
     facts: DeviceFacts
     precision: str  # the precision this rank trains in
     profile: Optional[RankProfile]  # its training step, measured (automatic split only)
+    # A fixed unequal split's check of the loss: its loss on a micro-batch given twice over its own (1: a mean, 2: a
+    # sum); None where nothing was checked (the automatic split's profile holds its own).
+    loss_ratio: Optional[float] = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -36,6 +39,7 @@ class RankSurvey:
             "facts": self.facts.to_dict(),
             "precision": self.precision,
             "profile": self.profile.to_dict() if self.profile is not None else None,
+            "loss_ratio": self.loss_ratio,
         }
 
     @classmethod
@@ -48,6 +52,7 @@ class RankSurvey:
             facts=DeviceFacts.from_dict(data["facts"]),
             precision=data["precision"],
             profile=RankProfile.from_dict(profile) if profile is not None else None,
+            loss_ratio=data.get("loss_ratio"),
         )
 
 
@@ -70,6 +75,12 @@ class JobSurvey:
         """Every rank's profile, or None when the split is not automatic (no rank profiled)."""
         profiles = [rank.profile for rank in self.ranks if rank.profile is not None]
         return profiles if len(profiles) == len(self.ranks) else None
+
+    @property
+    def loss_ratios(self) -> list[Optional[float]]:
+        """Every rank's loss on a batch given twice over its own: from its profile (automatic split) or the fixed
+        split's check; None for a rank that measured none."""
+        return [rank.profile.loss_ratio if rank.profile is not None else rank.loss_ratio for rank in self.ranks]
 
     def identical_devices(self, emulated: bool) -> bool:
         """Same-model devices computing in one precision, with no emulated speeds declaring them different."""

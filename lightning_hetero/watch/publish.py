@@ -1,32 +1,49 @@
 """Watch: where a fit's plan records and run report are written, and their copy in a tracking logger's run.
 
-With no logger, or a file logger (CSV, TensorBoard), they go to ``hetero/`` in the run's own log directory, which
-Lightning versions per run. A tracking logger (MLflow, W&B...) has no such directory: Lightning's ``trainer.log_dir``
-is then the logger's ``save_dir``, its store root (``./mlruns``), where a ``hetero/`` folder is what MLflow reports as
-a malformed experiment on every search, and the next run overwrites it. There they go to
+Lightning's convention: with a logger, a run's files go beside the logger's; without one, nothing is written unless
+the user names a folder. So with a file logger (CSV, TensorBoard) they go to ``hetero/`` in the run's own log
+directory, which Lightning versions per run. A tracking logger (MLflow, W&B...) has no such directory: Lightning's
+``trainer.log_dir`` is then the logger's ``save_dir``, its store root (``./mlruns``), where a ``hetero/`` folder is
+what MLflow reports as a malformed experiment on every search, and the next run overwrites it. There they go to
 ``<default_root_dir>/hetero/<logger name>_<run>/`` instead, and at the end of the fit rank 0 adds that folder to the
-logger's run: MLflow's run artifacts (under ``hetero/``), W&B's run files.
+logger's run: MLflow's run artifacts (under ``hetero/``), W&B's run files. With ``Trainer(logger=False)`` they go to
+``<default_root_dir>/hetero/`` only when ``default_root_dir`` was given (a folder other than the working directory,
+Lightning's default): a run started inside a repository leaves nothing there. The plan and the run report's summary
+are printed either way.
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
 
 from lightning_hetero.watch.watcher import PLAN_DIRNAME
 
 
-def report_directory(trainer: Any) -> Path:
-    """The same directory on every rank (rank 0's, broadcast: a tracking logger names its run on rank 0 only).
-    Every rank must call it, as Lightning's ``trainer.log_dir``."""
+def report_directory(trainer: Any) -> Optional[Path]:
+    """The same directory on every rank (rank 0's, broadcast: a tracking logger names its run on rank 0 only), or
+    None when nothing is to be written (no logger, no folder named). Every rank must call it, as Lightning's
+    ``trainer.log_dir``."""
     loggers = trainer.loggers
-    if not loggers or isinstance(loggers[0], (TensorBoardLogger, CSVLogger)):
+    if not loggers:
+        root = Path(trainer.default_root_dir)
+        return None if not names_a_folder(root) else root / PLAN_DIRNAME
+    if isinstance(loggers[0], (TensorBoardLogger, CSVLogger)):
         return Path(trainer.log_dir or trainer.default_root_dir) / PLAN_DIRNAME
     run = trainer.strategy.broadcast(run_name(loggers[0]) if trainer.is_global_zero else None)
     return Path(trainer.default_root_dir) / PLAN_DIRNAME / run
+
+
+def names_a_folder(default_root_dir: Path) -> bool:
+    """Whether a Trainer's ``default_root_dir`` is a folder the user named: Lightning puts the working directory there
+    when none was given (so one given as the working directory itself reads as not given)."""
+    try:
+        return Path(default_root_dir).resolve() != Path.cwd().resolve()
+    except OSError:  # (a working directory deleted under the process)
+        return True
 
 
 def run_name(logger: Any) -> str:

@@ -93,12 +93,19 @@ class Watcher:
         """The re-plans of this fit so far, as in the run report: ``{"step", "batch_sizes", "predicted_gain"}``."""
         return [replan.to_dict() for replan in self.follower.replans] if self.follower is not None else []
 
-    def write_plan(self, directory: Path, split: SplitInForce, job: JobFacts, rank_record: dict[str, Any]) -> None:
-        """Every rank writes ``rank_<r>.json`` (its device, config, profile); rank 0 ``plan.json`` and the table."""
+    def write_plan(
+        self, directory: Optional[Path], split: SplitInForce, job: JobFacts, rank_record: dict[str, Any]
+    ) -> None:
+        """Every rank writes ``rank_<r>.json`` (its device, config, profile); rank 0 ``plan.json`` and prints the
+        table. ``directory``: None writes nothing (no logger and no folder named: :mod:`.publish`)."""
         assert split.plan is not None
         rank = split.rank
-        directory.mkdir(parents=True, exist_ok=True)
         if self.tracer is not None:  # (its file goes beside the report, at the last chosen step)
+            if directory is None:
+                raise ValueError(
+                    "HeteroStrategy(trace=...) writes its trace files beside the run report, and this Trainer has no"
+                    " logger and no folder to write into. Give it a logger, or `Trainer(default_root_dir=...)`."
+                )
             self.tracer.directory, self.tracer.rank, self.tracer.written = directory, rank, None
         plan = {
             "source": split.plan.source,
@@ -118,7 +125,9 @@ class Watcher:
             **rank_record,
             "profile": job.profiles[rank].to_dict() if job.profiles else None,
         }
-        (directory / f"rank_{rank}.json").write_text(json.dumps(record, indent=2, default=str))
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / f"rank_{rank}.json").write_text(json.dumps(record, indent=2, default=str))
         if rank != 0:
             return
         everything = {
@@ -126,21 +135,24 @@ class Watcher:
             "devices": [facts.to_dict() for facts in job.device_facts],
             "profiles": [profile.to_dict() for profile in job.profiles] if job.profiles else None,
         }
-        (directory / "plan.json").write_text(json.dumps(everything, indent=2, default=str))
+        if directory is not None:
+            (directory / "plan.json").write_text(json.dumps(everything, indent=2, default=str))
         stage = rank_record["deepspeed_config"].get("zero_optimization", {}).get("stage", 0)
         devices = [facts.describe() for facts in job.device_facts]
         table = report.plan_text(split.plan, stage, devices, list(job.precisions), job.profiles, split.prediction)
-        rank_zero_info(f"{table}\n{job.communication_line}\nwritten to {directory}")
+        rank_zero_info(f"{table}\n{job.communication_line}" + (f"\nwritten to {directory}" if directory else ""))
 
-    def write_report(self, directory: Path, rank: int, world_size: int, could_replan: bool = False,
+    def write_report(self, directory: Optional[Path], rank: int, world_size: int, could_replan: bool = False,
                      **sections: Any) -> None:  # fmt: skip
-        """Every rank hands in its last records; rank 0 writes the run report and prints its summary.
+        """Every rank hands in its last records; rank 0 writes the run report and prints its summary (``directory``:
+        None prints it only).
 
         ``could_replan``: whether ``rebalance=True`` would re-plan this job's split; ``sections``: the report's
         ``precision``, ``communication``, ``nonfinite`` and ``asynchronous`` parts.
         """
         steps = self.run.finish(self._gather_tensor)
-        report.add_rank_wire(directory / f"rank_{rank}.json", steps, rank)
+        if directory is not None:
+            report.add_rank_wire(directory / f"rank_{rank}.json", steps, rank)
         if rank != 0:
             return
         measuring = self.run.exchange_seconds + (self.follower.decision_seconds if self.follower else 0.0)
@@ -148,8 +160,11 @@ class Watcher:
         replanning = True if followed else (False if could_replan else None)
         run_report = report.build_report(steps, self.replans, world_size, exchange_seconds=measuring,
                                          replanning=replanning, **sections)  # fmt: skip
-        if self.tracer is not None:
+        if self.tracer is not None and directory is not None:
             run_report["traces"] = write_merged(directory, world_size, self.tracer.steps)
-        json_path, png_path = report.write_report(run_report, directory)
         summary = report.summary_text(run_report) + traces_text(run_report.get("traces"), len(steps))
+        if directory is None:
+            rank_zero_info(summary)
+            return
+        json_path, png_path = report.write_report(run_report, directory)
         rank_zero_info(f"{summary}\nwritten to {json_path} and {png_path.name}")

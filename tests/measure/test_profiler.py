@@ -502,3 +502,56 @@ def test_the_profile_measures_how_the_loss_grows_with_the_batch(reduction, ratio
         make_doubled_batch=lambda n: (x[:n].repeat(2, 1), y[:n].repeat(2, 1)),
     )
     assert profile.loss_ratio == pytest.approx(ratio, rel=1e-5)
+
+
+class NoisyRegression(Regression):
+    """A step that draws its own randomness (its loss scaled by e^N(0, 1) from torch's generator): the two steps of
+    the check start from the same random state, so they draw alike."""
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) * torch.exp(torch.randn(()))
+
+
+@pytest.mark.parametrize(("model", "reduction", "ratio"), [
+    (Regression, "sum", 2.0), (Regression, "mean", 1.0), (NoisyRegression, "mean", 1.0), (NoisyRegression, "sum", 2.0),
+])  # fmt: skip
+def test_a_fixed_splits_check_measures_a_micro_batch_of_the_loader_given_twice_and_changes_nothing(
+    model, reduction, ratio
+):
+    """A fixed split's check before the first step (issue 51, item 2): the loss of the rank's micro-batch given
+    twice over its own, from the training loader's own samples and collate, without gradients. The parameters, the
+    BatchNorm statistics, the modes and the random state are as before, so the fit trains as if it never ran."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_hetero.measure.profiler import loss_ratio_from_loader
+
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 4, generator=generator), torch.randn(64, 1, generator=generator))
+    module = model(reduction)
+    module.train()
+    before = {name: tensor.clone() for name, tensor in module.state_dict().items()}
+    torch.manual_seed(5)
+    expected_draw = torch.rand(())
+    torch.manual_seed(5)
+    assert loss_ratio_from_loader(module, DataLoader(data, batch_size=8), 13, CPU) == pytest.approx(ratio, rel=1e-5)
+    assert torch.rand(()) == expected_draw  # (the random state as before)
+    assert module.training and all(m.training for m in module.modules())
+    assert all(torch.equal(before[name], tensor) for name, tensor in module.state_dict().items())
+
+
+def test_a_fixed_splits_check_leaves_what_it_cannot_double_to_the_first_steps():
+    """A stream (its samples would be drawn ahead of training), a loader that is no DataLoader, an empty set:
+    None, and the slope check of the first steps decides instead."""
+    from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+    from lightning_hetero.measure.profiler import loss_ratio_from_loader
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            raise AssertionError("the check drew from the stream")
+
+    module = Regression("sum")
+    assert loss_ratio_from_loader(module, DataLoader(Stream(), batch_size=4), 4, CPU) is None
+    assert loss_ratio_from_loader(module, [(torch.zeros(4, 4), torch.zeros(4, 1))], 4, CPU) is None
+    empty = TensorDataset(torch.zeros(0, 4), torch.zeros(0, 1))
+    assert loss_ratio_from_loader(module, DataLoader(empty, batch_size=4), 4, CPU) is None

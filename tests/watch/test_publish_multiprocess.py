@@ -48,3 +48,39 @@ def test_with_wandb_the_report_is_in_the_runs_files(tmp_path):
     files = {path.name for path in (wandb_run / "files" / local.name).iterdir()}
     assert {"plan.json", "rank_0.json", "rank_1.json", "report.json", "report.png"} <= files
     assert "the plan and run report are in the W&B run too" in run.output
+
+
+FIT_WITHOUT_A_LOGGER = """
+import sys
+sys.path.insert(0, {repo!r})
+from lightning.pytorch import Trainer
+from examples.spirals import SpiralClassifier, SpiralDataModule
+from lightning_hetero import HeteroStrategy
+trainer = Trainer(accelerator="cpu", devices=1, strategy=HeteroStrategy(batch_sizes=[16]), max_steps=2, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  num_sanity_val_steps=0, limit_val_batches=0{root})
+trainer.fit(SpiralClassifier(hidden=8, depth=1), SpiralDataModule(batch_size=16, train_samples=64, val_samples=16))
+"""
+
+
+@pytest.mark.parametrize("root", [None, "named"])
+def test_without_a_logger_nothing_is_written_unless_a_folder_is_named(root, tmp_path):
+    """Lightning's convention (issue 51, item 4): `Trainer(logger=False)` with no `default_root_dir` wrote
+    hetero/plan.json, rank_0.json and report.json into the working directory, which Lightning's test fixture flags as
+    artifacts left behind. Now it writes nothing there and prints the plan and the summary; a `default_root_dir`
+    given is a folder named: the files go to its hetero/."""
+    from conftest import REPO, run_bounded
+
+    work = tmp_path / "work"
+    work.mkdir()
+    given = f", default_root_dir={str(tmp_path / root)!r}" if root else ""
+    (tmp_path / "fit.py").write_text(FIT_WITHOUT_A_LOGGER.format(repo=str(REPO), root=given))
+    code, output = run_bounded([sys.executable, str(tmp_path / "fit.py")], timeout=120, cwd=work)
+    assert code == 0, output[-3000:]
+    assert "HeteroStrategy run report: 2 steps" in output and "micro-batch" in output  # (the summary, the plan)
+    assert list(work.iterdir()) == []
+    if root:
+        assert {p.name for p in (tmp_path / root / "hetero").iterdir()} >= {"plan.json", "rank_0.json", "report.json"}
+        assert f"written to {tmp_path / root / 'hetero'}" in output
+    else:
+        assert "written to" not in output
