@@ -239,12 +239,19 @@ class HeteroSettings:
         wanted = self.rebalance if self.rebalance is not None else profiled
         return wanted and world_size > 1 and not self.local and self.pipeline is None
 
+    def settle_stage(self, config: dict[str, Any]) -> Optional[str]:
+        """Write the ZeRO stage a user's DeepSpeed config runs at into ``config`` (the strategy's own copy: the user's
+        dict stays as given); returns the warning to show when ``stage`` loses to the config's. A config without a
+        stage is ZeRO-0, as DeepSpeed reads it (not the default stage)."""
+        zero = config.setdefault("zero_optimization", {})
+        zero["stage"], stage_warning = user_config_stage(zero.get("stage"), self.stage)
+        return stage_warning
+
     def reconcile_user_config(self, config: dict[str, Any], deepspeed_arguments: dict[str, Any]) -> None:
         """A user's DeepSpeed config: checked, its stage settled, and the arguments it replaces said."""
         check_user_config(config)
-        zero = config.setdefault("zero_optimization", {})
-        # Settled here, explicitly: a config without a stage is ZeRO-0, as DeepSpeed reads it (not the default stage).
-        zero["stage"], stage_warning = user_config_stage(zero.get("stage"), self.stage)
+        stage_warning = self.settle_stage(config)
+        zero = config["zero_optimization"]
         if stage_warning:
             rank_zero_warn(stage_warning)
         if zero["stage"] in (0, 1) and zero.get("overlap_comm"):
@@ -254,8 +261,6 @@ class HeteroSettings:
                 " there only with ZeRO-2 and 3 (ZeRO-0/1 reduce once per optimizer step either way)."
             )
         ignored = sorted(DEFAULT_CONFIG_ARGUMENTS & deepspeed_arguments.keys())
-        if deepspeed_arguments.get("logging_batch_size_per_gpu", "auto") != "auto":
-            ignored.append("logging_batch_size_per_gpu")
         if ignored:
             rank_zero_warn(
                 f"HeteroStrategy: a DeepSpeed `config` was given, so these arguments are ignored: {ignored}."

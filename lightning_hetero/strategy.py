@@ -24,6 +24,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
@@ -33,12 +34,14 @@ from lightning_hetero.plan.deepspeed_config import (
     CPU_ZERO_SETTINGS,
     check_config_argument,
     default_config_stage,
+    logging_batch_size_note,
     rank_config,
     with_cpu_zero_settings,
 )
 from lightning_hetero.plan.presets import PRESETS
 from lightning_hetero.plan.replan import DEFAULT_THRESHOLD, DEFAULT_WINDOW
 from lightning_hetero.plan.zero_stage import HALF_PRECISION_ENGINES
+from lightning_hetero.precision.choice import FP16_LOSS_SCALE_ARGUMENTS, unused_fp16_arguments
 from lightning_hetero.precision.job import attach_to_engine
 from lightning_hetero.precision.nonfinite import DEFAULT_MAX_NONFINITE_STEPS
 from lightning_hetero.recover import elastic, liveness
@@ -134,6 +137,9 @@ class HeteroStrategy(DeepSpeedStrategy):
         user_config = config is not None or self.DEEPSPEED_ENV_VAR in os.environ
         if not user_config:  # (with a config, DeepSpeedStrategy ignores these arguments too: the warning names them)
             stage = default_config_stage(stage, kwargs)
+        logging_batch_size = logging_batch_size_note(kwargs)
+        if logging_batch_size:
+            rank_zero_warn(logging_batch_size)
         settings = HeteroSettings.from_arguments(
             stage=stage, global_batch_size=global_batch_size, batch_sizes=batch_sizes, weights=weights,
             micro_steps=micro_steps, emulate_speeds=emulate_speeds, loss_reduction=loss_reduction,
@@ -149,13 +155,16 @@ class HeteroStrategy(DeepSpeedStrategy):
         # The parent imports DeepSpeed, which prints its accelerator guess (and imports MLflow: see runtime/startup.py).
         with quiet.third_party_noise_silenced(), startup.deepspeed_imported_without_mlflow():
             super().__init__(stage=settings.zero_stage, config=config, **kwargs)
+        # Formatting adds keys (gradient_accumulation_steps...) that the parent refuses to see twice; each
+        # trainer call (validate, then fit) formats a fresh copy of what the user gave. `strategy.config` stays the
+        # user's dict as given until a trainer call formats it, as under DeepSpeedStrategy.
+        self._base_config = copy.deepcopy(self.config)
         # No stage named: setup chooses the lowest that fits (plan/zero_stage.py); a config's stage is the user's.
-        self._automatic_stages = settings.settle_config(self.config, kwargs, user_config)
+        self._automatic_stages = settings.settle_config(self._base_config, kwargs, user_config)
+        self._user_config = user_config
+        self._fp16_arguments = {name: kwargs[name] for name in FP16_LOSS_SCALE_ARGUMENTS if name in kwargs}
         self.settings = settings
         self.job = HeteroJob(settings, self._follow_the_split)
-        # Formatting adds keys (gradient_accumulation_steps...) that the parent refuses to see twice; each
-        # trainer call (validate, then fit) formats a fresh copy of what the user gave.
-        self._base_config = copy.deepcopy(self.config)
         # DeepSpeed's GPU-minded ZeRO defaults are replaced on CPU (setup_environment) unless the user chose them.
         self._cpu_zero_defaults = not user_config and not (CPU_ZERO_SETTINGS.keys() & kwargs.keys())
         self._plain_redirection = self._forward_redirection
@@ -209,9 +218,14 @@ class HeteroStrategy(DeepSpeedStrategy):
             # Until the first trainer call `strategy.config` is what the user gave: a change made to it after the
             # constructor counts, as under DeepSpeedStrategy (it was lost: each call formats a copy taken at init).
             self._base_config = copy.deepcopy(self.config)
+            if self._user_config:
+                self.settings.settle_stage(self._base_config)  # (its warning was shown by the constructor)
+            unused = unused_fp16_arguments(self._fp16_arguments, str(self.precision_plugin.precision), self.config)
+            if unused:
+                rank_zero_warn(unused)
         # Checked before the process group exists: every rank raises the same error, none waits. (`world_size`
         # comes from the cluster environment, which is only filled in by setup_distributed.)
-        self.job.check_job(self._launched_world_size(), self.root_device.type, self.config,
+        self.job.check_job(self._launched_world_size(), self.root_device.type, self._base_config,
                            self._layer_sync is not None, self.precision_plugin, self._trainer())  # fmt: skip
         if self.root_device.type == "cpu":
             if self._cpu_zero_defaults:
@@ -452,4 +466,6 @@ class HeteroStrategy(DeepSpeedStrategy):
         return self.lightning_module._trainer if self.lightning_module is not None else None
 
     def _zero_stage(self) -> int:
-        return self.config["zero_optimization"]["stage"]
+        # (before the first trainer call `config` is the user's dict as given, which may name no stage)
+        config = self.config if self._config_initialized else self._base_config
+        return config["zero_optimization"]["stage"]

@@ -79,7 +79,6 @@ CONSTRUCTOR = [
     ({"peer_timeout": math.inf}, "`peer_timeout=inf` must be a finite number of seconds >= 5"),
     ({"config": [1, 2]}, "`config=[1, 2]` is a list; give a DeepSpeed config as a dict"),
     ({"zero_optimization": False, "stage": 3}, "`zero_optimization=False` turns ZeRO off, but `stage=3` asks for"),
-    ({"logging_batch_size_per_gpu": 10}, "`logging_batch_size_per_gpu=10`: HeteroStrategy gives each rank its own"),
     ({"max_nonfinite_steps": 0}, "`max_nonfinite_steps=0` must be a positive integer"),
     ({"max_nonfinite_steps": 2.5}, "`max_nonfinite_steps=2.5` must be a positive integer"),
     ({"sync": "sometimes"}, "`sync='sometimes'` is not one of ['every_step', 'local_sgd', 'diloco']"),

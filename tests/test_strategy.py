@@ -42,7 +42,8 @@ def test_config_stage_wins_over_the_argument_and_says_so():
 
 
 def test_stage_fills_a_config_that_leaves_it_unset():
-    assert HeteroStrategy(stage=3, config={"bf16": {"enabled": False}}).config["zero_optimization"]["stage"] == 3
+    strategy = HeteroStrategy(stage=3, config={"bf16": {"enabled": False}})
+    assert strategy._zero_stage() == 3 and strategy.config == {"bf16": {"enabled": False}}  # (the user's dict as given)
     # A config that names no stage means ZeRO-0, as to DeepSpeed; no automatic choice overrides a user's config.
     assert HeteroStrategy(config={})._automatic_stages is None
 
@@ -50,12 +51,15 @@ def test_stage_fills_a_config_that_leaves_it_unset():
 def test_a_config_without_a_stage_is_zero_0_as_deepspeed_reads_it(tmp_path, monkeypatch):
     # DeepSpeed and Lightning's DeepSpeedStrategy run such a config at ZeRO-0; ZeRO-2 here made a plain torch optimizer
     # fail with DeepSpeed's "untested ZeRO Optimizer" (the fit is tests/compat/test_deepspeed_strategy_users.py).
-    assert HeteroStrategy(config={}).config["zero_optimization"]["stage"] == 0
-    assert HeteroStrategy(config={"zero_optimization": {}}).config["zero_optimization"]["stage"] == 0
+    # The stage is settled in the strategy's own copy: `strategy.config` stays the dict given, as under
+    # DeepSpeedStrategy (issue 51: a config from PL_DEEPSPEED_CONFIG_PATH came back with the stage added).
+    assert HeteroStrategy(config={})._zero_stage() == 0
+    assert HeteroStrategy(config={"zero_optimization": {}})._zero_stage() == 0
     path = tmp_path / "ds.json"
     path.write_text('{"gradient_clipping": 0.5}')
     monkeypatch.setenv("PL_DEEPSPEED_CONFIG_PATH", str(path))
-    assert HeteroStrategy().config == {"gradient_clipping": 0.5, "zero_optimization": {"stage": 0}}
+    strategy = HeteroStrategy()
+    assert strategy.config == {"gradient_clipping": 0.5} and strategy._zero_stage() == 0
 
 
 def test_deepspeedstrategys_zero_off_switch_is_zero_0():

@@ -64,7 +64,25 @@ def check_user_config(config: Mapping[str, Any]) -> None:
         check_stage(zero.get("stage", 0), "zero_optimization.stage")
     except ValueError as error:
         raise ValueError(f"The DeepSpeed config's {error}") from None
-    check_deepspeed_keys(config)
+    check_deepspeed_keys(with_offload_switches_read(config))
+
+
+# The ZeRO sections whose `False` a DeepSpeedStrategy user writes for "no offload" (Lightning's own test config does),
+# where DeepSpeed's schema takes a dict or nothing.
+_OFFLOAD_SECTIONS = ("offload_optimizer", "offload_param")
+
+
+def with_offload_switches_read(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``config`` in which ``zero_optimization.offload_optimizer: false`` (or ``offload_param``) is read as
+    "no offload", the section left out, as DeepSpeed takes it; DeepSpeed's schema refuses the bare ``False``, which
+    DeepSpeedStrategy hands it unchanged. The user's own dict keeps what they wrote."""
+    result = copy.deepcopy(dict(config))
+    zero = result.get("zero_optimization")
+    if isinstance(zero, dict):
+        for section in _OFFLOAD_SECTIONS:
+            if zero.get(section, None) is False:
+                del zero[section]
+    return result
 
 
 # DeepSpeed reads a config without `zero_optimization.stage` as ZeRO-0 (its own default), and so does Lightning's
@@ -91,22 +109,12 @@ def user_config_stage(config_stage: Optional[int], stage_argument: Optional[int]
 
 
 def default_config_stage(stage: Optional[int], deepspeed_arguments: dict[str, Any]) -> Optional[int]:
-    """The ``stage`` to build the default DeepSpeed config with (no user config), after DeepSpeedStrategy's two
-    arguments that concern ZeRO and the micro-batch; ``deepspeed_arguments`` loses ``zero_optimization``.
+    """The ``stage`` to build the default DeepSpeed config with (no user config), after DeepSpeedStrategy's switch
+    ``zero_optimization``, which ``deepspeed_arguments`` loses.
 
     ``zero_optimization=False`` turns ZeRO off in DeepSpeedStrategy: that is ZeRO-0 here (DeepSpeed's engine without a
-    ZeRO optimizer), given to the config as ``stage=0`` since the strategy reads its stage there. A fixed
-    ``logging_batch_size_per_gpu`` would set every rank's ``train_micro_batch_size_per_gpu``, which is the rank's own
-    micro-batch here: refused rather than dropped without a word.
+    ZeRO optimizer), given to the config as ``stage=0`` since the strategy reads its stage there.
     """
-    logging_batch = deepspeed_arguments.get("logging_batch_size_per_gpu", "auto")
-    if logging_batch != "auto":
-        raise ValueError(
-            f"`logging_batch_size_per_gpu={logging_batch!r}`: HeteroStrategy gives each rank its own micro-batch and"
-            " sets DeepSpeed's `train_micro_batch_size_per_gpu` (what DeepSpeed's throughput logging reads) to it on"
-            " every rank, so a fixed value cannot hold. Remove the argument; each rank's micro-batch is in the plan"
-            " table and in `hetero/rank_<r>.json`."
-        )
     switch = deepspeed_arguments.pop("zero_optimization", True)
     if switch is True:
         return stage
@@ -120,9 +128,28 @@ def default_config_stage(stage: Optional[int], deepspeed_arguments: dict[str, An
     return 0
 
 
+def logging_batch_size_note(deepspeed_arguments: Mapping[str, Any]) -> Optional[str]:
+    """What to say of DeepSpeedStrategy's ``logging_batch_size_per_gpu`` (None: nothing, it was left at "auto").
+
+    DeepSpeedStrategy writes it into DeepSpeed's ``train_micro_batch_size_per_gpu``, which DeepSpeed reads for its
+    throughput logging only (Lightning's loader sets the batch). Here that key is each rank's own micro-batch, set
+    by the plan, so the value is accepted and not used: said, never dropped without a word.
+    """
+    value = deepspeed_arguments.get("logging_batch_size_per_gpu", "auto")
+    if value == "auto":
+        return None
+    return (
+        f"HeteroStrategy: `logging_batch_size_per_gpu={value!r}` is not used. DeepSpeedStrategy gives it to"
+        " DeepSpeed's throughput logging as every rank's micro-batch; here each rank's micro-batch is its own (the"
+        " plan table, hetero/rank_<r>.json), and DeepSpeed's `train_micro_batch_size_per_gpu` is set to it on each"
+        " rank."
+    )
+
+
 def rank_config(config: Mapping[str, Any], micro_batch_size: int) -> dict[str, Any]:
-    """A copy of ``config`` with this rank's micro-batch, accumulation left to Lightning's loop."""
-    result = lightning_owns_accumulation(config)
+    """A copy of ``config`` with this rank's micro-batch, accumulation left to Lightning's loop, and offload switched
+    off by ``False`` read as DeepSpeed reads it (:func:`with_offload_switches_read`)."""
+    result = lightning_owns_accumulation(with_offload_switches_read(config))
     result["train_micro_batch_size_per_gpu"] = int(micro_batch_size)
     result.pop("train_batch_size", None)  # DeepSpeed derives it as micro * gas * world on each rank
     return result

@@ -185,6 +185,33 @@ def reduces_in_parameter_order(precisions: Sequence[str], device_types: Sequence
     return zero_stage >= 2 and gradient_order_may_differ(precisions, device_types)
 
 
+# DeepSpeedStrategy's arguments for DeepSpeed's own fp16 loss scaling.
+FP16_LOSS_SCALE_ARGUMENTS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
+
+
+def unused_fp16_arguments(given: Mapping[str, Any], trainer_precision: str, config: Mapping[str, Any]) -> Optional[str]:
+    """What to say when DeepSpeedStrategy's fp16 loss-scale arguments (``given``: those of
+    :data:`FP16_LOSS_SCALE_ARGUMENTS` passed) do nothing: DeepSpeedStrategy writes them into DeepSpeed's ``fp16``
+    section only with ``precision="16-mixed"`` or ``"16-true"`` and a config without its own ``fp16`` section, and
+    drops them without a word otherwise (a test reading ``config["fp16"]`` then fails with a bare KeyError)."""
+    if not given:
+        return None
+    shown = ", ".join(f"`{name}={value!r}`" for name, value in given.items())
+    if trainer_precision in ("16-mixed", "16-true"):
+        if "fp16" not in config:
+            return None
+        why = "the DeepSpeed config has its own `fp16` section, which wins"
+    else:
+        why = (
+            f"`precision={trainer_precision!r}` runs no fp16 engine (the fp16 ranks of `device_precision` share the"
+            " package's own dynamic loss scale, docs/precision.md)"
+        )
+    return (
+        f"HeteroStrategy: {shown} set DeepSpeed's fp16 loss scaling, and {why}: they have no effect. Remove them, or"
+        " train with `precision='16-mixed'`."
+    )
+
+
 @dataclass
 class DynamicLossScale:
     """The job's loss scale, identical on every rank because every rank updates it with the same agreed overflow.

@@ -18,7 +18,8 @@ checksum: a file damaged in place keeps its size. Only complete checkpoints are 
 skips an incomplete or damaged "last" with a warning naming it, and refuses one named explicitly.
 
 One job writes into a directory at a time: rank 0 holds an exclusive lock (:class:`WriterLock`, ``flock`` on
-:data:`WRITER_LOCK_NAME`) while it saves there, and a second job's save is refused naming the holder, instead of
+``.<directory>`` + :data:`WRITER_LOCK_SUFFIX` beside it, so that the directory lists only checkpoints) while it saves
+there, and a second job's save is refused naming the holder, instead of
 deleting the other job's staging directory as leftovers. A failed write (a full disk, whose torch error says
 "unexpected pos") is explained (:func:`explain_write_failure`) and its staging directory removed.
 """
@@ -47,7 +48,7 @@ MANIFEST_NAME = "hetero_manifest.json"
 # 2: each file's size and CRC-32 ({"size": n, "crc32": "8 hex digits"}); 1: its size only (still read).
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
-WRITER_LOCK_NAME = ".hetero_writer.lock"
+WRITER_LOCK_SUFFIX = ".hetero_writer.lock"
 _CHUNK = 8 << 20
 # Below this much free space, a write that failed is taken to have filled the disk (torch's own error does not say).
 _DISK_FULL_BYTES = 1 << 20
@@ -233,14 +234,15 @@ def remove_stale_staging(target: Path) -> None:
 class WriterLock:
     """This process's exclusive right to save checkpoints into one directory, held until :meth:`release`.
 
-    An advisory ``flock`` on :data:`WRITER_LOCK_NAME` in the directory: the kernel drops it when the process ends,
-    however it ends, so a killed job never leaves a stale lock. The file says who holds it, for the refusal, and is
-    removed on release (a killed holder leaves it behind, unlocked: the next job takes it over).
+    An advisory ``flock`` on a file beside the directory (:func:`writer_lock_path`: not inside it, where it showed
+    up in the listing of the user's checkpoints): the kernel drops it when the process ends, however it ends, so a
+    killed job never leaves a stale lock. The file says who holds it, for the refusal, and is removed on release (a
+    killed holder leaves it behind, unlocked: the next job takes it over).
     """
 
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
-        self.path = self.directory / WRITER_LOCK_NAME
+        self.path = writer_lock_path(self.directory)
         self._handle: Optional[Any] = None
 
     @property
@@ -250,7 +252,14 @@ class WriterLock:
     def acquire(self) -> None:
         """Take the lock (at once, or a ValueError naming the job that holds it); nothing when already held."""
         while self._handle is None:
-            handle = open(self.path, "a+")
+            try:
+                handle = open(self.path, "a+")
+            except PermissionError:
+                if self.path.parent == self.directory.resolve():
+                    raise
+                # A parent the job may not write into (a shared root holding only its folder): the lock goes inside.
+                self.path = self.directory / WRITER_LOCK_SUFFIX
+                continue
             try:
                 fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -259,7 +268,7 @@ class WriterLock:
                 handle.close()
                 raise ValueError(
                     f"HeteroStrategy: another job is saving checkpoints into {self.directory} ({holder} holds"
-                    f" {WRITER_LOCK_NAME}). Two jobs writing one directory would replace and prune each other's"
+                    f" {self.path}). Two jobs writing one directory would replace and prune each other's"
                     " checkpoints; give this one its own `ModelCheckpoint(dirpath=...)` (or `default_root_dir`), or"
                     " wait for the other to finish."
                 ) from None
@@ -280,6 +289,13 @@ class WriterLock:
                 pass
             self._handle.close()  # closing drops the flock
             self._handle = None
+
+
+def writer_lock_path(directory: Path) -> Path:
+    """The lock file of checkpoint directory ``directory``: ``.<name>.hetero_writer.lock`` in its parent, the same for
+    every path to it (resolved: a second job reaching it through a link finds the same lock)."""
+    resolved = Path(directory).resolve()
+    return resolved.parent / f".{resolved.name}{WRITER_LOCK_SUFFIX}"
 
 
 def _same_file(handle: Any, path: Path) -> bool:

@@ -6,7 +6,8 @@ directory, which Lightning versions per run. A tracking logger (MLflow, W&B...) 
 ``trainer.log_dir`` is then the logger's ``save_dir``, its store root (``./mlruns``), where a ``hetero/`` folder is
 what MLflow reports as a malformed experiment on every search, and the next run overwrites it. There they go to
 ``<default_root_dir>/hetero/<logger name>_<run>/`` instead, and at the end of the fit rank 0 adds that folder to the
-logger's run: MLflow's run artifacts (under ``hetero/``), W&B's run files. With ``Trainer(logger=False)`` they go to
+logger's run: MLflow's run artifacts (under ``hetero/``), W&B's run files. With ``Trainer(logger=False)`` (or
+``fast_dev_run``, whose DummyLogger keeps no files) they go to
 ``<default_root_dir>/hetero/`` only when ``default_root_dir`` was given (a folder other than the working directory,
 Lightning's default): a run started inside a repository leaves nothing there. The plan and the run report's summary
 are printed either way.
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.loggers.logger import DummyLogger
 
 from lightning_hetero.watch.watcher import PLAN_DIRNAME
 
@@ -27,7 +29,8 @@ def report_directory(trainer: Any) -> Optional[Path]:
     """The same directory on every rank (rank 0's, broadcast: a tracking logger names its run on rank 0 only), or
     None when nothing is to be written (no logger, no folder named). Every rank must call it, as Lightning's
     ``trainer.log_dir``."""
-    loggers = trainer.loggers
+    # (`fast_dev_run` puts a DummyLogger in place of the loggers: it keeps no files, as no logger)
+    loggers = [logger for logger in trainer.loggers if not isinstance(logger, DummyLogger)]
     if not loggers:
         root = Path(trainer.default_root_dir)
         return None if not names_a_folder(root) else root / PLAN_DIRNAME

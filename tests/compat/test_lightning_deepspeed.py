@@ -27,22 +27,19 @@ cases of tests/tests_pytorch/strategies/test_registry.py (Apache License 2.0, Th
   ``convert_zero_checkpoint_to_fp32_state_dict(..., max_shard_size=None)`` (no huggingface_hub),
   ``default_root_dir=tmp_path`` where Lightning's test wrote into the working directory, the fixtures of Lightning's
   conftest that these tests use (environment restored, process group destroyed, CUDA/MPS counts mocked).
-* Differences by design, asserted as the package behaves and marked ``# HeteroStrategy:``: a config without a ZeRO stage
-  gets the stage it runs at written in, ``"stage": 0`` (DeepSpeed's reading, made explicit); no ``stage`` means the
+* Differences by design, asserted as the package behaves and marked ``# HeteroStrategy:``: no ``stage`` means the
   lowest that fits (ZeRO-0 here) where DeepSpeedStrategy's default is ZeRO-2, so a test that relies on ZeRO-2's
-  optimizer names ``stage=2``.
-* Left out, each a difference by design (README, "As a drop-in for DeepSpeedStrategy") or not runnable on CPU:
-  ``test_error_with_invalid_accelerator`` (CPU is supported); ``test_deepspeed_auto_batch_size_config_select`` with a
-  fixed ``logging_batch_size_per_gpu`` (refused: each rank has its own micro-batch);
-  ``test_deepspeed_assert_config_zero_offload_disabled`` (``offload_optimizer: False`` fails DeepSpeed's schema, which
-  the strategy applies in the constructor; DeepSpeedStrategy passes only because the test stops before DeepSpeed reads
-  the config); ``test_deepspeed_multigpu_single_file`` and ``test_deepspeed_multigpu_stage_3_warns_resume_training``
-  (a Lightning ``.ckpt`` file is resumed, optimizer state included: no error, no warning);
-  ``test_deepspeed_multi_save_same_filepath`` (the checkpoint directory holds the writer lock, the checkpoint its
-  manifest); ``test_deepspeed_custom_precision_params`` and ``..._inference_precision_during_inference[fp16]`` (no fp16
-  on this CPU, for DeepSpeedStrategy too); ``test_deepspeed_custom_activation_checkpointing_params_forwarded``
-  (DeepSpeed 0.19.8 refuses that config: "Must specify the number of layers with contiguous memory checkpointing", for
-  DeepSpeedStrategy too); the two that Lightning marks ``xfail``; and, for time, passing ones that repeat what is kept
+  optimizer names ``stage=2``; a fixed ``logging_batch_size_per_gpu`` is accepted with a warning and DeepSpeed's
+  ``train_micro_batch_size_per_gpu`` is the rank's own micro-batch; a checkpoint holds its ``hetero_manifest.json``.
+* Left out, each a difference by design (docs/drop-in.md, "What differs") or not runnable on CPU:
+  ``test_error_with_invalid_accelerator`` (CPU is supported); ``test_deepspeed_multigpu_single_file`` and
+  ``test_deepspeed_multigpu_stage_3_warns_resume_training`` (a Lightning ``.ckpt`` file is loaded, for a fit with its
+  optimizer state: no error, no warning); ``test_deepspeed_custom_precision_params`` and
+  ``..._inference_precision_during_inference[fp16]`` (no fp16 on this CPU, for DeepSpeedStrategy too);
+  ``test_deepspeed_custom_activation_checkpointing_params_forwarded`` (DeepSpeed 0.19.8 refuses that config: "Must
+  specify the number of layers with contiguous memory checkpointing", for DeepSpeedStrategy too; the arguments reach
+  ``deepspeed.checkpointing.configure`` as DeepSpeedStrategy passes them); the two that Lightning marks ``xfail``;
+  and, for time, passing ones that repeat what is kept
   (``..._fp32_works``, ``..._stage_3_save_warning``, ``..._multigpu_test``, ``..._multigpu_stage_3``,
   ``..._no_schedulers``, ``..._with_bfloat16_precision``, ``..._configure_optimizer_device_set``,
   ``..._init_module_with_stage_3``, ``..._init_module_with_stages_1_2[1]``, ``..._accumulated_grad_batches[False]``,
@@ -57,6 +54,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from contextlib import nullcontext
 from re import escape
 from typing import Any
 from unittest import mock
@@ -309,8 +307,7 @@ def test_deepspeed_strategy_env(tmp_path, monkeypatch, deepspeed_config):
     strategy = trainer.strategy
     assert isinstance(strategy, DeepSpeedStrategy)
     assert strategy.parallel_devices == [torch.device("cpu")]
-    # HeteroStrategy: the stage the config runs at is written in (ZeRO-0: none in the config, as DeepSpeed reads it).
-    assert strategy.config == {**deepspeed_config, "zero_optimization": {"stage": 0}}
+    assert strategy.config == deepspeed_config
 
 
 def test_deepspeed_precision_choice(cuda_count_1, tmp_path):
@@ -338,8 +335,7 @@ def test_deepspeed_with_env_path(tmp_path, monkeypatch, deepspeed_config):
         f.write(json.dumps(deepspeed_config))
     monkeypatch.setenv("PL_DEEPSPEED_CONFIG_PATH", config_path)
     strategy = HeteroStrategy()
-    # HeteroStrategy: the stage the config runs at is written in, as above.
-    assert strategy.config == {**deepspeed_config, "zero_optimization": {"stage": 0}}
+    assert strategy.config == deepspeed_config
 
 
 def test_deepspeed_defaults():
@@ -467,12 +463,15 @@ def test_warn_deepspeed_ignored(tmp_path):
 
 
 @standalone_test
+@pytest.mark.parametrize("value", ["auto", 10])
 @mock.patch("deepspeed.init_distributed", autospec=True)
 @mock.patch("lightning.pytorch.Trainer.log_dir", new_callable=mock.PropertyMock, return_value="abc")
-def test_deepspeed_auto_batch_size_config_select(_, __, tmp_path):
+def test_deepspeed_auto_batch_size_config_select(_, __, tmp_path, value):
     """Test to ensure that the batch size is correctly set as expected for deepspeed logging purposes
-    (`zero_optimization=False` crashed the constructor). HeteroStrategy: (RandomDataset, "auto"); an int is refused."""
-    dataset_cls, value = RandomDataset, "auto"
+    (`zero_optimization=False` crashed the constructor). HeteroStrategy: (RandomDataset, "auto"), and an int, which
+    is accepted with a warning: `train_micro_batch_size_per_gpu` is the rank's own micro-batch (the loader's 1 here)
+    where DeepSpeedStrategy writes the int (it was refused)."""
+    dataset_cls = RandomDataset
 
     class TestModel(BoringModel):
         def train_dataloader(self):
@@ -481,19 +480,22 @@ def test_deepspeed_auto_batch_size_config_select(_, __, tmp_path):
         def configure_model(self) -> None:
             assert isinstance(self.trainer.strategy, DeepSpeedStrategy)
             config = self.trainer.strategy.config
-            expected_value = value if isinstance(value, int) else 1
-            if dataset_cls == RandomDataset:
-                expected_value = self.train_dataloader().batch_size if value == "auto" else value
+            # HeteroStrategy: the rank's own micro-batch, whatever `logging_batch_size_per_gpu` says.
+            expected_value = self.train_dataloader().batch_size
             assert config["train_micro_batch_size_per_gpu"] == expected_value
             raise SystemExit
 
     model = TestModel()
+    with (
+        pytest.warns(UserWarning, match="`logging_batch_size_per_gpu=10` is not used") if value == 10 else nullcontext()
+    ):
+        strategy = HeteroStrategy(logging_batch_size_per_gpu=value, zero_optimization=False)
     trainer = Trainer(
         default_root_dir=tmp_path,
         fast_dev_run=True,
         accelerator="cpu",
         devices=1,
-        strategy=HeteroStrategy(logging_batch_size_per_gpu=value, zero_optimization=False),
+        strategy=strategy,
     )
     with pytest.raises(SystemExit):
         trainer.fit(model)
@@ -924,11 +926,75 @@ def test_deepspeed_init_module_with_stages_1_2(tmp_path):
     assert model.layer.weight.dtype == torch.bfloat16
 
 
+@standalone_test
+def test_deepspeed_assert_config_zero_offload_disabled(tmp_path, deepspeed_zero_config):
+    """Ensure that a config with `offload_optimizer: False` stays as given (HeteroStrategy: it was refused in the
+    constructor against DeepSpeed's schema; it is now read as no offload in the config DeepSpeed gets)."""
+    deepspeed_zero_config["zero_optimization"]["offload_optimizer"] = False
+
+    class TestCallback(Callback):
+        def setup(self, trainer, pl_module, stage=None) -> None:
+            assert trainer.strategy.config["zero_optimization"]["offload_optimizer"] is False
+            raise SystemExit()
+
+    model = BoringModel()
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        max_epochs=1,
+        strategy=HeteroStrategy(config=deepspeed_zero_config),
+        precision="bf16-mixed",
+        accelerator="cpu",
+        devices=1,
+        callbacks=[TestCallback()],
+    )
+    with pytest.raises(SystemExit):
+        trainer.fit(model)
+
+
+@standalone_test
+def test_deepspeed_multi_save_same_filepath(tmp_path):
+    """Test that verifies that deepspeed saves only latest checkpoint in the specified path and deletes the old sharded
+    checkpoints. HeteroStrategy: the one-writer lock lies beside the checkpoint folder, not in it (it was listed among
+    the checkpoints); each checkpoint holds its hetero_manifest.json, and DeepSpeed 0.19.8 adds zero_to_torch.py (for
+    DeepSpeedStrategy too)."""
+
+    class CustomModel(BoringModel):
+        def training_step(self, *args, **kwargs):
+            self.log("grank", self.global_rank)
+            return super().training_step(*args, **kwargs)
+
+    model = CustomModel()
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        strategy="hetero_stage_2",  # HeteroStrategy: ZeRO-2, DeepSpeedStrategy's default (zero_to_fp32.py with it)
+        accelerator="cpu",
+        devices=2,
+        callbacks=[lightning.pytorch.callbacks.ModelCheckpoint(filename="{epoch}_{step}_{grank}", save_top_k=1)],
+        limit_train_batches=1,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        max_epochs=2,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model)
+
+    filepath = "epoch=1_step=2_grank=0.0.ckpt"
+    expected = {filepath}
+    assert expected == set(os.listdir(trainer.checkpoint_callback.dirpath))
+
+    ckpt_path = os.path.join(trainer.checkpoint_callback.dirpath, filepath)
+    expected = {"latest", "zero_to_fp32.py", "checkpoint", "zero_to_torch.py", "hetero_manifest.json"}
+    assert expected == set(os.listdir(ckpt_path))
+
+
 # ---------------------------------------------------------------------------------------------- the runner
 
 ONE_DEVICE = [
     "test_warn_deepspeed_ignored",
-    "test_deepspeed_auto_batch_size_config_select",
+    "test_deepspeed_auto_batch_size_config_select[auto]",
+    "test_deepspeed_auto_batch_size_config_select[10]",
     "test_deepspeed_run_configure_optimizers",
     "test_deepspeed_config",
     "test_deepspeed_inference_precision_during_inference",
@@ -939,12 +1005,14 @@ ONE_DEVICE = [
     "test_scheduler_step_count",
     "test_deepspeed_configure_gradient_clipping",
     "test_deepspeed_gradient_clip_by_value",
+    "test_deepspeed_assert_config_zero_offload_disabled",
 ]
 TWO_RANKS = [
     "test_deepspeed_multigpu",
     "test_deepspeed_multigpu_stage_3_manual_optimization",
     "test_deepspeed_multigpu_stage_2_accumulated_grad_batches",
     "test_deepspeed_init_module_with_stages_1_2",
+    "test_deepspeed_multi_save_same_filepath",
 ]
 
 

@@ -17,6 +17,7 @@ from lightning_hetero.plan.deepspeed_config import (
     disagreement_message,
     format_plan_table,
     lightning_owns_accumulation,
+    logging_batch_size_note,
     rank_config,
     shared_settings,
     user_config_stage,
@@ -101,13 +102,37 @@ def test_deepspeedstrategys_zero_switch_is_zero_0_for_the_default_config(stage, 
     [
         (3, {"zero_optimization": False}, "`zero_optimization=False` turns ZeRO off, but `stage=3` asks for ZeRO-3"),
         (None, {"zero_optimization": "no"}, "`zero_optimization='no'` must be True or False"),
-        (None, {"logging_batch_size_per_gpu": 10}, "`logging_batch_size_per_gpu=10`: HeteroStrategy gives each rank"),
     ],
 )
 def test_deepspeedstrategy_arguments_the_strategy_cannot_honour_are_refused_by_name(stage, arguments, message):
     with pytest.raises(ValueError) as error:
         default_config_stage(stage, arguments)
     assert message in str(error.value)
+
+
+def test_a_fixed_logging_batch_size_is_accepted_and_said_to_be_unused():
+    """DeepSpeedStrategy gives `logging_batch_size_per_gpu` to DeepSpeed's throughput logging as every rank's
+    micro-batch; here each rank's is its own. It was refused (issue 51, item 3); now it is accepted and said."""
+    assert (
+        logging_batch_size_note({}) is None and logging_batch_size_note({"logging_batch_size_per_gpu": "auto"}) is None
+    )
+    note = logging_batch_size_note({"logging_batch_size_per_gpu": 10})
+    assert note is not None and "`logging_batch_size_per_gpu=10` is not used" in note
+    assert "each rank's micro-batch is its own" in note
+
+
+def test_offload_switched_off_with_false_is_read_as_no_offload_and_the_users_dict_keeps_it():
+    """Lightning's own test config writes `offload_optimizer: false` for "no offload"; DeepSpeed's schema takes a dict
+    or nothing. It was refused in the constructor (issue 51, item 3); now it is checked and handed to DeepSpeed as no
+    offload, and the user's dict is left as written."""
+    config = {"zero_optimization": {"stage": 2, "offload_optimizer": False, "offload_param": False}}
+    check_user_config(config)
+    assert config["zero_optimization"]["offload_optimizer"] is False
+    assert rank_config(config, 4)["zero_optimization"] == {"stage": 2}
+    on = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    assert rank_config(on, 4)["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+    with pytest.raises(ValueError, match="offload_optimizer=True"):
+        check_user_config({"zero_optimization": {"stage": 2, "offload_optimizer": True}})
 
 
 # ---------------------------------------------------------------------------------------------- rank_config

@@ -259,3 +259,19 @@ def test_parameter_order_reduction_flushes_once_per_step_and_never_when_a_step_i
     order.undo()  # a failure between two backward passes: back to DeepSpeed's state with no collective
     assert engine.flushes == ["zero3"]
     assert not engine.optimizer._coalesce_grad_reduction and not engine.inside_no_sync_ctxt
+
+
+def test_fp16_loss_scale_arguments_that_do_nothing_are_said():
+    """DeepSpeedStrategy writes `loss_scale`, `initial_scale_power`... into DeepSpeed's fp16 section only with an fp16
+    precision and no `fp16` section of the config's own, and drops them silently otherwise: a test reading
+    `config["fp16"]` failed with a bare KeyError (issue 51, item 3). Where they do nothing, the warning names them."""
+    from lightning_hetero.precision.choice import unused_fp16_arguments
+
+    given = {"loss_scale": 10, "initial_scale_power": 11}
+    assert unused_fp16_arguments({}, "bf16-mixed", {}) is None
+    assert unused_fp16_arguments(given, "16-mixed", {}) is None  # (DeepSpeed's fp16 section gets them)
+    bf16 = unused_fp16_arguments(given, "bf16-mixed", {})
+    assert bf16 is not None and "`loss_scale=10`, `initial_scale_power=11` set DeepSpeed's fp16 loss scaling" in bf16
+    assert "`precision='bf16-mixed'` runs no fp16 engine" in bf16
+    own = unused_fp16_arguments(given, "16-mixed", {"fp16": {"enabled": True}})
+    assert own is not None and "has its own `fp16` section, which wins" in own

@@ -287,6 +287,13 @@ def test_another_write_failure_is_raised_as_it_is(tmp_path):
 
 
 def test_one_job_at_a_time_holds_a_directory_and_the_refusal_names_the_holder(tmp_path):
+    """The lock lies beside the directory, never inside it: a listing of the checkpoints shows checkpoints only
+    (Lightning's test_deepspeed_multi_save_same_filepath listed `.hetero_writer.lock` among them)."""
+    holder = checkpoint.WriterLock(tmp_path / "ckpt")
+    holder.acquire()
+    (tmp_path / "ckpt").mkdir()
+    assert os.listdir(tmp_path / "ckpt") == [] and checkpoint.writer_lock_path(tmp_path / "ckpt").parent == tmp_path
+    holder.release()
     holder = checkpoint.WriterLock(tmp_path)
     holder.acquire()
     holder.acquire()  # again: already held, nothing happens
@@ -295,7 +302,7 @@ def test_one_job_at_a_time_holds_a_directory_and_the_refusal_names_the_holder(tm
     with pytest.raises(ValueError, match=expected):
         other.acquire()
     holder.release()
-    assert not (tmp_path / checkpoint.WRITER_LOCK_NAME).exists()  # nothing left in the user's directory
+    assert not checkpoint.writer_lock_path(tmp_path).exists()  # nothing left behind
     other.acquire()
     other.release()
 

@@ -1,0 +1,30 @@
+"""Where the plan and run report go (lightning_hetero/watch/publish.py): Lightning's convention, with a fake trainer."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers.logger import DummyLogger
+
+from lightning_hetero.watch.publish import report_directory
+
+
+class Trainer:
+    def __init__(self, default_root_dir, loggers=()) -> None:
+        self.default_root_dir, self.loggers = str(default_root_dir), list(loggers)
+        self.log_dir = self.loggers[0].log_dir if self.loggers else self.default_root_dir
+
+
+def test_without_a_logger_only_a_folder_the_user_named_gets_the_files(tmp_path, monkeypatch):
+    """No logger, and `default_root_dir` Lightning's default (the working directory): nothing is written (issue 51,
+    item 4: the files landed in the directory the run was started from). `fast_dev_run`'s DummyLogger keeps no files
+    either (it put them under hetero/_/ there). A folder named, or a file logger: the files go there."""
+    monkeypatch.chdir(tmp_path)
+    assert report_directory(Trainer(os.getcwd())) is None
+    assert report_directory(Trainer(os.getcwd(), [DummyLogger()])) is None
+    assert report_directory(Trainer(tmp_path / "runs")) == tmp_path / "runs" / "hetero"
+    assert report_directory(Trainer(tmp_path / "runs", [DummyLogger()])) == tmp_path / "runs" / "hetero"
+    logger = CSVLogger(tmp_path / "logs")
+    assert report_directory(Trainer(os.getcwd(), [logger])) == Path(logger.log_dir) / "hetero"
