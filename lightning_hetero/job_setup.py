@@ -111,7 +111,7 @@ class JobSetup:
                 assert global_batch_size is not None
                 profile = self._profile(module, loader, global_batch_size, device, precision)
             elif fitting:
-                loss_ratio = self._fixed_split_loss_ratio(module, loader, device, precision)
+                loss_ratio = self._fixed_split_loss_ratio(module, loader, device, precision, global_batch_size)
             self._emulated_topology = topology.emulated_topology()
             agreement = settings.agreement(global_batch_size, job.communication.arguments(), self._emulated_topology)
             return None, RankSurvey(
@@ -139,7 +139,7 @@ class JobSetup:
                             self._job.emulation.emulator, autocast)  # fmt: skip
 
     def _fixed_split_loss_ratio(
-        self, module: Any, loader: Any, device: torch.device, precision: str
+        self, module: Any, loader: Any, device: torch.device, precision: str, global_batch_size: Optional[int]
     ) -> Optional[float]:
         """A fixed unequal split's check of ``loss_reduction``, once, before the first step (the automatic split's
         profile makes its own): the loss of this rank's micro-batch given twice over its own, without gradients
@@ -152,8 +152,14 @@ class JobSetup:
                 or settings.pipeline is not None or not module.automatic_optimization
                 or settings.loss_reduction not in ("mean", "sum") or partitioned_parameters(module)):  # fmt: skip
             return None
-        size = settings.batch_sizes[job.rank] if settings.batch_sizes is not None else getattr(loader, "batch_size", 0)
-        if settings.batch_sizes is not None and settings.micro_steps is not None:
+        # (the rank's micro-batch: the ratio is exact at any size, the size only keeps the check within its memory)
+        if settings.batch_sizes is not None:
+            size = settings.batch_sizes[job.rank]
+        elif settings.weights is not None and global_batch_size:
+            size = int(global_batch_size * settings.weights[job.rank] / sum(settings.weights))
+        else:
+            return None
+        if settings.micro_steps is not None and size:
             size = micro_batch_sizes(size, settings.micro_steps[job.rank])[0]
         if not size:
             return None

@@ -13,6 +13,7 @@ measuring part (:func:`profile_training_step`).
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -89,10 +90,16 @@ def preserved_training_state(module: nn.Module, device: torch.device) -> Iterato
     }
     # Every submodule's own mode: Lightning trains frozen submodules (e.g. a BatchNorm in eval) as the user left them.
     modes = [(submodule, submodule.training) for submodule in module.modules()]
+    # A torchmetrics Metric updated in training_step keeps its state in plain attributes (not buffers): the probe's
+    # batches must not count in the epoch's metric.
+    metrics = [(submodule, _metric_state(submodule)) for submodule in module.modules() if _is_metric(submodule)]
     try:
         with preserved_random_state(device):
             yield
     finally:
+        for metric, state in metrics:
+            for name, value in state.items():
+                setattr(metric, name, value)
         with torch.no_grad():
             for name, tensor in itertools.chain(module.named_parameters(), module.named_buffers()):
                 tensor.copy_(saved_tensors[name])
@@ -100,6 +107,20 @@ def preserved_training_state(module: nn.Module, device: torch.device) -> Iterato
             p.grad = saved_grads[name]
         for submodule, training in modes:
             submodule.training = training
+
+
+# What a torchmetrics Metric accumulates besides its declared states (update counts, the cached result).
+_METRIC_BOOKKEEPING = ("_update_count", "_computed", "_forward_cache")
+
+
+def _is_metric(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "_defaults", None), dict) and hasattr(module, "_update_count")
+
+
+def _metric_state(metric: nn.Module) -> dict[str, Any]:
+    declared: dict[str, Any] = getattr(metric, "_defaults")  # noqa: B009 - (nn.Module's __getattr__ types it as a Tensor)
+    names = [*declared, *(name for name in _METRIC_BOOKKEEPING if hasattr(metric, name))]
+    return {name: copy.deepcopy(getattr(metric, name)) for name in names}
 
 
 class DistinctSavedBytes:

@@ -243,6 +243,7 @@ class WriterLock:
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
         self.path = writer_lock_path(self.directory)
+        self._inside = False  # (the fallback taken: the lock file inside the folder)
         self._handle: Optional[Any] = None
 
     @property
@@ -254,11 +255,12 @@ class WriterLock:
         while self._handle is None:
             try:
                 handle = open(self.path, "a+")
-            except PermissionError:
-                if self.path.parent == self.directory.resolve():
+            except OSError as error:
+                if self._inside or error.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
                     raise
-                # A parent the job may not write into (a shared root holding only its folder): the lock goes inside.
-                self.path = self.directory / WRITER_LOCK_SUFFIX
+                # A parent the job may not write into (a shared root holding only its folder, a read-only file system
+                # with the folder mounted writable): the lock goes inside the folder instead.
+                self.path, self._inside = self.directory / WRITER_LOCK_SUFFIX, True
                 continue
             try:
                 fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -148,7 +148,14 @@ def choose_checkpoint(path: Path, in_full: bool = False) -> tuple[str, Optional[
     the facts of a DeepSpeedStrategy directory or None). A path that is no checkpoint at all fails with
     DeepSpeedStrategy's message (it says when the path is a folder or a file inside a checkpoint). ``in_full``: the
     user trusts the checkpoint (see :func:`deepspeed_strategy_facts`)."""
-    facts = deepspeed_strategy_facts(path, in_full)
+    try:
+        facts = deepspeed_strategy_facts(path, in_full)
+    except UnsafeCheckpointFile:
+        # A "last" beside complete checkpoints of the package is most likely its own that lost its manifest, whose
+        # Lightning state holds more than plain data: skipped as any incomplete "last" (the one chosen is checked).
+        if not (checkpoint.is_last_name(path) and checkpoint.complete_checkpoints(Path(path).parent)):
+            raise
+        facts = None
     if facts is not None:
         return str(path), None, facts
     try:

@@ -121,6 +121,8 @@ _TRUSTED_FIX = (
 )
 # The files naming the tag folder DeepSpeed loads (its own, and its universal copy's)
 _TAG_FILES = ("latest", "latest_universal")
+# A folder being written (a save or a universal conversion that may have been killed): never loaded
+_STAGING_SUFFIX = ".partial"
 
 
 def load_lightning_file(path: Path, weights_only: Optional[bool] = None) -> Any:
@@ -132,19 +134,13 @@ def check_checkpoint_directory(directory: Path) -> None:
     """A checkpoint directory the user has not said they trust (see :func:`unpickles_in_full`), checked without
     unpickling before DeepSpeed unpickles its files in full: every ``.pt`` file pickles only tensors, plain
     containers and DeepSpeed's own classes; nothing inside is a symbolic link (a scan does not follow one, DeepSpeed's
-    load does); the tag folders ``latest`` and ``latest_universal`` name lie inside. Else
-    :class:`UnsafeCheckpointFile`. Staging folders (``.*.partial``: a save or conversion that was killed, never
-    loaded) are left out."""
+    load does); every ``latest`` and ``latest_universal`` file, at any depth (a cached universal copy has its own),
+    names a folder beside it, never one outside or a staging folder. Else :class:`UnsafeCheckpointFile`. Staging
+    folders (``.*.partial``: a save or conversion that was killed, never loaded) are left out, as no tag file may
+    name one."""
     root = Path(directory).resolve()  # (a `last.ckpt` link to the checkpoint is Lightning's own)
-    for tag_file in _TAG_FILES:
-        tag = (root / tag_file).read_text().strip() if (root / tag_file).is_file() else None
-        if tag is not None and (not tag or (root / tag).resolve().parent != root):
-            raise UnsafeCheckpointFile(
-                f"Checkpoint {root}: its `{tag_file}` file names {tag!r}, not a folder inside it, so the checkpoint"
-                f" was refused (DeepSpeed would load from there, unchecked). {_TRUSTED_FIX}"
-            )
     for folder, folders, files in os.walk(root, followlinks=False):
-        folders[:] = sorted(name for name in folders if not name.endswith(".partial"))
+        folders[:] = sorted(name for name in folders if not name.endswith(_STAGING_SUFFIX))
         for name in sorted([*folders, *files]):
             path = Path(folder) / name
             if path.is_symlink():
@@ -152,8 +148,22 @@ def check_checkpoint_directory(directory: Path) -> None:
                     f"Checkpoint {root} holds a symbolic link, {path} -> {os.readlink(path)}, so the checkpoint was"
                     f" refused (its target is not checked; DeepSpeed's load would follow it). {_TRUSTED_FIX}"
                 )
-            if name.endswith(".pt"):
+            if name in _TAG_FILES:
+                _check_tag_file(root, path)
+            elif name.endswith(".pt"):
                 _check_deepspeed_file(path)
+
+
+def _check_tag_file(root: Path, path: Path) -> None:
+    """A tag file names the folder DeepSpeed loads from, beside it: one the scan checks (not outside the checkpoint,
+    not a staging folder the scan leaves out, not the folder itself)."""
+    tag = path.read_text().strip() if path.is_file() else ""
+    named = (path.parent / tag).resolve() if tag else path.parent
+    if not tag or named.parent != path.parent.resolve() or named.name.endswith(_STAGING_SUFFIX):
+        raise UnsafeCheckpointFile(
+            f"Checkpoint {root}: its `{path.relative_to(root)}` file names {tag!r}, not a folder beside it that was"
+            f" checked, so the checkpoint was refused (DeepSpeed would load from there, unchecked). {_TRUSTED_FIX}"
+        )
 
 
 def _globals_beyond_torchs(path: Path, refused: str) -> list[str]:

@@ -32,15 +32,18 @@ def report_directory(trainer: Any) -> Optional[Path]:
     # (`fast_dev_run` puts a DummyLogger in place of the loggers: it keeps no files, as no logger)
     loggers = [logger for logger in trainer.loggers if not isinstance(logger, DummyLogger)]
     if not loggers:
-        root = Path(trainer.default_root_dir)
-        return None if not names_a_folder(root) else root / PLAN_DIRNAME
+        # Rank 0's answer on every rank (each compares with its own working directory, which may differ by node)
+        root = trainer.strategy.broadcast(
+            trainer.default_root_dir if names_a_folder(trainer.default_root_dir) else None
+        )
+        return None if root is None else Path(root) / PLAN_DIRNAME
     if isinstance(loggers[0], (TensorBoardLogger, CSVLogger)):
         return Path(trainer.log_dir or trainer.default_root_dir) / PLAN_DIRNAME
     run = trainer.strategy.broadcast(run_name(loggers[0]) if trainer.is_global_zero else None)
     return Path(trainer.default_root_dir) / PLAN_DIRNAME / run
 
 
-def names_a_folder(default_root_dir: Path) -> bool:
+def names_a_folder(default_root_dir: Any) -> bool:
     """Whether a Trainer's ``default_root_dir`` is a folder the user named: Lightning puts the working directory there
     when none was given (so one given as the working directory itself reads as not given)."""
     try:

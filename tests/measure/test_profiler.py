@@ -555,3 +555,28 @@ def test_a_fixed_splits_check_leaves_what_it_cannot_double_to_the_first_steps():
     assert loss_ratio_from_loader(module, [(torch.zeros(4, 4), torch.zeros(4, 1))], 4, CPU) is None
     empty = TensorDataset(torch.zeros(0, 4), torch.zeros(0, 1))
     assert loss_ratio_from_loader(module, DataLoader(empty, batch_size=4), 4, CPU) is None
+
+
+def test_a_metric_updated_in_the_step_does_not_count_the_checks_batches():
+    """A torchmetrics Metric keeps its state in plain attributes, not buffers: the check's two steps added their
+    samples to the epoch's logged metric (found in review). Its state is put back with the rest."""
+    from torch.utils.data import DataLoader, TensorDataset
+    from torchmetrics import MeanSquaredError
+
+    from lightning_hetero.measure.profiler import loss_ratio_from_loader
+
+    class Measured(Regression):
+        def __init__(self, reduction):
+            super().__init__(reduction)
+            self.train_error = MeanSquaredError()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            self.train_error(self.net(x), y)
+            return super().training_step(batch, batch_idx)
+
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 4, generator=generator), torch.randn(64, 1, generator=generator))
+    module = Measured("mean")
+    assert loss_ratio_from_loader(module, DataLoader(data, batch_size=8), 8, CPU) == pytest.approx(1.0)
+    assert module.train_error._update_count == 0 and module.train_error.total == 0

@@ -429,3 +429,26 @@ def test_the_layout_of_an_srun_step_is_slurms(monkeypatch):
     monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "3")
     with pytest.raises(ValueError, match="#SBATCH --ntasks-per-node"):
         elastic.launched_layout(3)
+
+
+def test_a_parent_the_job_cannot_write_into_puts_the_lock_inside_the_folder(tmp_path, monkeypatch):
+    """The lock lies beside the folder; where the parent refuses a new file (EACCES, EPERM, EROFS: a read-only root
+    with the folder mounted writable), it goes inside the folder, once, and a second job still finds it there."""
+    import builtins
+
+    real_open = builtins.open
+    beside = checkpoint.writer_lock_path(tmp_path / "ckpt")
+
+    def read_only_parent(path, *args, **kwargs):
+        if Path(path) == beside:
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", read_only_parent)
+    (tmp_path / "ckpt").mkdir()
+    holder = checkpoint.WriterLock(tmp_path / "ckpt")
+    holder.acquire()
+    assert holder.path == tmp_path / "ckpt" / checkpoint.WRITER_LOCK_SUFFIX and not beside.exists()
+    with pytest.raises(ValueError, match="another job is saving checkpoints"):
+        checkpoint.WriterLock(tmp_path / "ckpt").acquire()
+    holder.release()

@@ -121,3 +121,21 @@ def test_the_place_in_the_epoch_comes_from_the_loops_progress_in_deepspeedstrate
             {"loops": {"fit_loop": {"epoch_loop.batch_progress": {"current": {"processed": 1}}}}}, facts,
             Order(96, shuffles=False),
         )  # fmt: skip
+
+
+def test_a_last_checkpoint_that_cannot_be_read_safely_beside_complete_ones_is_skipped_not_refused(tmp_path):
+    """A package checkpoint that lost its manifest and whose Lightning state holds more than plain data (a `Path`
+    hyper-parameter) cannot be read to find the package's mark: as a "last" beside complete checkpoints it is skipped
+    as any incomplete "last" is (found in review); alone, or named explicitly, its refusal names the file."""
+    from pathlib import Path
+
+    from lightning_hetero.runtime.safe_load import UnsafeCheckpointFile
+
+    older = write_deepspeed_checkpoint(tmp_path / "epoch=0-step=3.ckpt")
+    checkpoint.write_manifest(older, {"world_size": 2, "global_step": 3})
+    last = write_deepspeed_checkpoint(tmp_path / "last.ckpt", hyper_parameters={"data": Path("/data")})
+    chosen, warning, facts = from_deepspeed.choose_checkpoint(last)
+    assert (chosen, facts) == (str(older), None) and "it has no hetero_manifest.json" in warning
+    named = write_deepspeed_checkpoint(tmp_path / "step=6.ckpt", hyper_parameters={"data": Path("/data")})
+    with pytest.raises(UnsafeCheckpointFile, match=r"step=6.ckpt/checkpoint/mp_rank_00_model_states.pt holds objects"):
+        from_deepspeed.choose_checkpoint(named)

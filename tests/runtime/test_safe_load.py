@@ -192,8 +192,21 @@ def test_a_checkpoint_directory_checked_for_weights_only_has_no_way_around_the_s
         check_checkpoint_directory(saved)
     (saved / "checkpoint" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
     (saved / "latest").write_text("../elsewhere")
-    with pytest.raises(UnsafeCheckpointFile, match=r"its `latest` file names '../elsewhere', not a folder inside it"):
+    with pytest.raises(UnsafeCheckpointFile, match=r"its `latest` file names '../elsewhere', not a folder beside it"):
         check_checkpoint_directory(saved)
+    # A tag naming a staging folder, which the scan leaves out: DeepSpeed would load it unchecked (found in review).
+    crafted(saved / ".universal.partial" / "mp_rank_00_model_states.pt", tmp_path / "ran")
+    (saved / "latest").write_text(".universal.partial")
+    with pytest.raises(UnsafeCheckpointFile, match=r"its `latest` file names '.universal.partial', not a folder"):
+        check_checkpoint_directory(saved)
+    # A cached universal copy's own tag file (DeepSpeed loads `universal/` through it) naming a folder outside.
+    (saved / "latest").write_text("checkpoint")
+    (saved / "universal").mkdir()
+    (saved / "universal" / "latest_universal").write_text("../../elsewhere")
+    with pytest.raises(UnsafeCheckpointFile, match=r"its `universal/latest_universal` file names '../../elsewhere'"):
+        check_checkpoint_directory(saved)
+    (saved / "universal" / "latest_universal").write_text("checkpoint")
+    check_checkpoint_directory(saved)
     assert not (tmp_path / "ran").exists()
 
 

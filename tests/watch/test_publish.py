@@ -11,10 +11,21 @@ from lightning.pytorch.loggers.logger import DummyLogger
 from lightning_hetero.watch.publish import report_directory
 
 
+class Strategy:
+    """One rank of two whose rank 0 answers ``rank_0`` (what Lightning's broadcast hands every rank)."""
+
+    def __init__(self, rank_0=None, rank=0) -> None:
+        self.rank_0, self.rank = rank_0, rank
+
+    def broadcast(self, value):
+        return value if self.rank == 0 else self.rank_0
+
+
 class Trainer:
-    def __init__(self, default_root_dir, loggers=()) -> None:
+    def __init__(self, default_root_dir, loggers=(), strategy=None) -> None:
         self.default_root_dir, self.loggers = str(default_root_dir), list(loggers)
         self.log_dir = self.loggers[0].log_dir if self.loggers else self.default_root_dir
+        self.strategy = strategy or Strategy()
 
 
 def test_without_a_logger_only_a_folder_the_user_named_gets_the_files(tmp_path, monkeypatch):
@@ -28,3 +39,14 @@ def test_without_a_logger_only_a_folder_the_user_named_gets_the_files(tmp_path, 
     assert report_directory(Trainer(tmp_path / "runs", [DummyLogger()])) == tmp_path / "runs" / "hetero"
     logger = CSVLogger(tmp_path / "logs")
     assert report_directory(Trainer(os.getcwd(), [logger])) == Path(logger.log_dir) / "hetero"
+
+
+def test_every_rank_takes_rank_0s_answer(tmp_path, monkeypatch):
+    """A rank whose working directory differs (another node's) takes rank 0's answer: a rank that wrote nowhere while
+    another wrote would disagree on `trace=` (refused where nothing is written) and leave the other in a collective."""
+    monkeypatch.chdir(tmp_path)
+    elsewhere = Trainer(tmp_path, strategy=Strategy(rank_0=None, rank=1))  # (tmp_path is this rank's cwd)
+    monkeypatch.chdir("/")
+    assert report_directory(elsewhere) is None
+    named = Trainer(tmp_path / "runs", strategy=Strategy(rank_0=str(tmp_path / "runs"), rank=1))
+    assert report_directory(named) == tmp_path / "runs" / "hetero"

@@ -105,7 +105,8 @@ class RegressionModule(LightningModule):
     def training_step(self, batch, batch_idx):
         x, y, index = batch
         if hasattr(self, "samples_seen"):
-            if self.trainer.training and getattr(self, "_trace_buffers", False):  # (not while profiling)
+            # (not while profiling or checking the loss: both run the step outside the loop, the check without grad)
+            if self.trainer.training and getattr(self, "_trace_buffers", False) and torch.is_grad_enabled():
                 running = self.network[0].running_mean
                 self.buffer_trace.append({"samples_seen": int(self.samples_seen), "running_mean": running.tolist()})
             self.samples_seen += len(x)
