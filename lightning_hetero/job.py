@@ -320,7 +320,7 @@ class HeteroJob:
         if self.pipeline is not None:
             return self.pipeline.write_report(trainer)
         assert self.watcher is not None
-        directory = self.report_directory or report_directory(trainer)
+        directory = self.report_directory or report_directory(trainer, self.collectives.gather_objects)
         sections: dict[str, Any] = {"precision": plugin.summary() if isinstance(plugin, HeteroPrecision) else None,
                     "communication": self.communication.summary(), "nonfinite": self.nonfinite.summary(),
                     "asynchronous": self.claims.summary() if self.claims else None,

@@ -313,7 +313,7 @@ class PipelineTraining:
         """Every rank's stage times gathered; rank 0 prints the per-stage summary and writes it as JSON."""
         pipeline = self.pipeline
         gathered = self._job.collectives.gather_objects((pipeline.stage, pipeline.step_times))
-        directory = self._job.report_directory or report_directory(trainer)
+        directory = self._job.report_directory or report_directory(trainer, self._job.collectives.gather_objects)
         if self._job.rank != 0:
             return
         summary = summarize_stages([times for _, times in gathered], [stage for stage, _ in gathered])

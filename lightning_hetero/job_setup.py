@@ -409,6 +409,6 @@ class JobSetup:
         choice = self.stage_choice.reason if self.stage_choice else None
         record = {"loss_weight": weight, "loss_reduction": reduction, "deepspeed_config": config,
                   "zero_stage_choice": choice}  # fmt: skip
-        directory = report_directory(trainer)
+        directory = report_directory(trainer, job.collectives.gather_objects)
         job.watcher.write_plan(directory, job.split, facts, record)
         return directory

@@ -16,6 +16,7 @@ are printed either way.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
@@ -25,21 +26,20 @@ from lightning.pytorch.loggers.logger import DummyLogger
 from lightning_hetero.watch.watcher import PLAN_DIRNAME
 
 
-def report_directory(trainer: Any) -> Optional[Path]:
-    """The same directory on every rank (rank 0's, broadcast: a tracking logger names its run on rank 0 only), or
-    None when nothing is to be written (no logger, no folder named). Every rank must call it, as Lightning's
-    ``trainer.log_dir``."""
+def report_directory(trainer: Any, gather: Callable[[Any], list[Any]]) -> Optional[Path]:
+    """The same directory on every rank, rank 0's (``gather``: every rank's object, in rank order, e.g. the job's
+    :meth:`~lightning_hetero.runtime.collectives.Collectives.gather_objects`; a tracking logger names its run on rank 0
+    only, and each rank compares ``default_root_dir`` with its own working directory, which may differ by node), or
+    None when nothing is to be written (no logger, no folder named). Every rank must call it."""
     # (`fast_dev_run` puts a DummyLogger in place of the loggers: it keeps no files, as no logger)
     loggers = [logger for logger in trainer.loggers if not isinstance(logger, DummyLogger)]
     if not loggers:
-        # Rank 0's answer on every rank (each compares with its own working directory, which may differ by node)
-        root = trainer.strategy.broadcast(
-            trainer.default_root_dir if names_a_folder(trainer.default_root_dir) else None
-        )
+        named = trainer.default_root_dir if names_a_folder(trainer.default_root_dir) else None
+        root = gather(named)[0]
         return None if root is None else Path(root) / PLAN_DIRNAME
     if isinstance(loggers[0], (TensorBoardLogger, CSVLogger)):
         return Path(trainer.log_dir or trainer.default_root_dir) / PLAN_DIRNAME
-    run = trainer.strategy.broadcast(run_name(loggers[0]) if trainer.is_global_zero else None)
+    run = gather(run_name(loggers[0]) if trainer.is_global_zero else None)[0]
     return Path(trainer.default_root_dir) / PLAN_DIRNAME / run
 
 

@@ -8,24 +8,27 @@ from pathlib import Path
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.logger import DummyLogger
 
-from lightning_hetero.watch.publish import report_directory
+from lightning_hetero.watch import publish
 
 
-class Strategy:
-    """One rank of two whose rank 0 answers ``rank_0`` (what Lightning's broadcast hands every rank)."""
+class Gather:
+    """One rank of two whose rank 0 gives ``rank_0`` (what the job's gather hands every rank)."""
 
     def __init__(self, rank_0=None, rank=0) -> None:
         self.rank_0, self.rank = rank_0, rank
 
-    def broadcast(self, value):
-        return value if self.rank == 0 else self.rank_0
+    def __call__(self, value):
+        return [value if self.rank == 0 else self.rank_0, value]
 
 
 class Trainer:
-    def __init__(self, default_root_dir, loggers=(), strategy=None) -> None:
+    def __init__(self, default_root_dir, loggers=()) -> None:
         self.default_root_dir, self.loggers = str(default_root_dir), list(loggers)
         self.log_dir = self.loggers[0].log_dir if self.loggers else self.default_root_dir
-        self.strategy = strategy or Strategy()
+
+
+def report_directory(trainer, gather=None):
+    return publish.report_directory(trainer, gather or Gather())
 
 
 def test_without_a_logger_only_a_folder_the_user_named_gets_the_files(tmp_path, monkeypatch):
@@ -45,8 +48,8 @@ def test_every_rank_takes_rank_0s_answer(tmp_path, monkeypatch):
     """A rank whose working directory differs (another node's) takes rank 0's answer: a rank that wrote nowhere while
     another wrote would disagree on `trace=` (refused where nothing is written) and leave the other in a collective."""
     monkeypatch.chdir(tmp_path)
-    elsewhere = Trainer(tmp_path, strategy=Strategy(rank_0=None, rank=1))  # (tmp_path is this rank's cwd)
+    elsewhere = Trainer(tmp_path)  # (tmp_path is rank 0's working directory)
     monkeypatch.chdir("/")
-    assert report_directory(elsewhere) is None
-    named = Trainer(tmp_path / "runs", strategy=Strategy(rank_0=str(tmp_path / "runs"), rank=1))
-    assert report_directory(named) == tmp_path / "runs" / "hetero"
+    assert report_directory(elsewhere, Gather(rank_0=None, rank=1)) is None
+    named = Trainer(tmp_path / "runs")
+    assert report_directory(named, Gather(rank_0=str(tmp_path / "runs"), rank=1)) == tmp_path / "runs" / "hetero"
