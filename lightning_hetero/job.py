@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_hetero.comm.communication import Communication
-from lightning_hetero.emulate.emulation import Emulation, NoEmulation, emulation_for
+from lightning_hetero.emulate.emulation import Emulation, NoEmulation, ProcessEmulation, emulation_for
 from lightning_hetero.job_pipeline import PipelineTraining, check_pipeline_job
 from lightning_hetero.job_setup import JobSetup
 from lightning_hetero.plan.deepspeed_config import config_disagreements, disagreement_message
@@ -44,6 +44,7 @@ from lightning_hetero.train.split_in_force import SplitInForce
 from lightning_hetero.train.steps import Backward, TrainingSteps, UserStep
 from lightning_hetero.train.weights import LossWeights
 from lightning_hetero.watch.loss_reduction import LossReductionCheck
+from lightning_hetero.watch.meter import time_deepspeed_exchanges
 from lightning_hetero.watch.publish import publish_to_loggers, report_directory
 from lightning_hetero.watch.watcher import Watcher
 
@@ -56,7 +57,7 @@ class HeteroJob:
         self.settings = settings
         self.communication = Communication(settings.compression, settings.hierarchical)
         self.rank, self.world_size = 0, 1
-        self.emulation: Union[Emulation, NoEmulation] = NoEmulation()
+        self.emulation: Union[Emulation, ProcessEmulation, NoEmulation] = NoEmulation()
         self.collectives = Collectives(1, torch.device("cpu"), lambda: self.emulation.catch_up())
         self.split = SplitInForce(rank=0)
         self.split.follow(follow_split)
@@ -113,7 +114,8 @@ class HeteroJob:
         `Trainer(sync_batchnorm=True)`; ``collectives``: the job's (a test's fake; default: the default group's)."""
         self.rank, self.world_size = rank, world_size
         self.setup.sync_batchnorm = sync_batchnorm
-        self.emulation = emulation_for(self.settings.speed_schedule, rank, device)
+        self.emulation.stop()  # (an earlier trainer call's, if it did not end through detach)
+        self.emulation = emulation_for(self.settings.speed_schedule, rank, device, self.settings.emulate_slowdown)
         self.collectives = collectives or Collectives(world_size, device, lambda: self.emulation.catch_up())
         self.recovery.join(self.collectives, rank)
         self.recovery.watch_peers()
@@ -125,6 +127,7 @@ class HeteroJob:
                                lambda: self.local.link_wait_seconds if self.local is not None else 0.0,
                                self.settings.trace)  # fmt: skip
         self.watcher.skipped_steps = lambda: list(self.nonfinite.skipped)
+        self.communication.collective_observer = self.watcher.meter.collective  # (time blocked before the exchange)
         self.watcher.loss_scale = lambda: loss_scale_value(plugin())
         if trainer is not None:
             self.recovery.stop_together_on_sigterm(trainer, device, at_each_step=self.claims is None)
@@ -183,6 +186,9 @@ class HeteroJob:
         scaled = own_precision and plugin.loss_scale is not None
         precisions = ", ".join(sorted(set(self.setup.precisions))) or str(plugin.precision)
         self.nonfinite.attach(engine, has_loss_scale=scaled, skipping_installed=scaled, precision=precisions)
+        if self.watcher is not None and self.pipeline is None:  # (the arrivals at the exchange: watch/meter.py)
+            # (inside the emulation's wrapper: an emulated slower rank arrives once it has paid its delay)
+            time_deepspeed_exchanges(engine, self.watcher.meter)
         self.emulation.around_deepspeed_exchanges(engine)
         if self.local is not None and engine.optimizer is not None:
             # No exchange at the step: each rank steps its own optimizer on its own gradients until a synchronization.
@@ -208,6 +214,7 @@ class HeteroJob:
             self.watcher.stop_tracing()
         self.recovery.teardown(finished=trainer is not None and trainer.state.status != TrainerStatus.INTERRUPTED)
         self.sharding.forget_served_loader(trainer)  # (a fit that failed before its loop asked for it: not the next's)
+        self.emulation.stop()  # (a throttled process runs freely between trainer calls)
         self.report_directory, self.engine, self.steps.buffer_sync = None, None, None
 
     # ------------------------------------------------------------------ data and steps

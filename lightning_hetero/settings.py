@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 from lightning_hetero.comm import compression, topology
 from lightning_hetero.comm.compression import CompressionChoice
 from lightning_hetero.emulate import memory
+from lightning_hetero.emulate.emulation import check_slowdown
 from lightning_hetero.emulate.slowdown import ENV_VAR as EMULATE_ENV_VAR
 from lightning_hetero.emulate.slowdown import SpeedSchedule, emulated_speeds
 from lightning_hetero.plan.deepspeed_config import check_user_config, raise_if_arguments_differ, user_config_stage
@@ -94,6 +95,7 @@ class HeteroSettings:
     pipeline: Optional[PipelineChoice] = None  # the model split into stages (train/pipeline.py)
     lr_scaling: Optional[str] = None  # a resume with another global batch scales the learning rate (plan/lr_scaling.py)
     trace: Optional[tuple[int, ...]] = None  # the training steps a profiler trace records (watch/trace.py)
+    emulate_slowdown: str = "compute"  # how an emulated slower rank is slower (emulate/emulation.py)
 
     @classmethod
     def from_arguments(
@@ -116,6 +118,7 @@ class HeteroSettings:
         pipeline: Any = None,
         lr_scaling: Optional[str] = None,
         trace: Any = None,
+        emulate_slowdown: Any = None,
     ) -> HeteroSettings:  # fmt: skip
         """Every argument checked, each error naming the argument, its value and the fix (keyword-only: twenty
         arguments, two of which swapped would otherwise pass unnoticed)."""
@@ -173,6 +176,7 @@ class HeteroSettings:
             pipeline=pipeline_choice,
             lr_scaling=check_lr_scaling(lr_scaling, sync, pipeline_choice),
             trace=check_trace(trace, pipeline_choice),
+            emulate_slowdown=check_slowdown(emulate_slowdown),
         )
 
     @property
@@ -393,6 +397,7 @@ class HeteroSettings:
             "emulate_memory": memory.emulated_ceilings_from_environment(),
             "emulate_memory_bytes": memory.emulated_byte_ceilings_from_environment(),
             "emulate_speeds": self.speed_schedule.to_json() if self.speed_schedule else None,
+            "emulate_slowdown": self.emulate_slowdown,
             "loss_reduction": self.loss_reduction,
             "rebalance": [self.rebalance, self.rebalance_window, self.rebalance_threshold],
             "lr_scaling": self.lr_scaling,

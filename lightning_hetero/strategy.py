@@ -70,6 +70,10 @@ class HeteroStrategy(DeepSpeedStrategy):
             ``"token_mean"``; each rank's loss is weighted so that the update is DDP's whatever the split.
         emulate_speeds: a test and demo aid: one speed in (0, 1] per rank (a rank with speed ``f`` stretches its
             compute to ``1/f``), or a drift ``{global step: speeds}``; also ``LIGHTNING_HETERO_EMULATE_SPEEDS``.
+        emulate_slowdown: how an emulated rank is slower: ``"compute"`` (default: its compute stretched, in proportion
+            to its micro-batch) or ``"process"`` (its whole process held to ``f`` of a core by a CPU quota: its loop,
+            optimizer and exchange too, as under a container's CPU limit; :mod:`lightning_hetero.emulate.throttle`);
+            also ``LIGHTNING_HETERO_EMULATE_SLOWDOWN``.
         rebalance: re-plan the split from what each rank measures (default: on unless the split is fixed), every
             ``rebalance_window`` steps (20), to a split predicted ``rebalance_threshold`` (0.05: 5 %) faster.
         peer_timeout: seconds without a heartbeat from a rank after which the others stop, naming it, exit code 75
@@ -132,6 +136,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         pipeline: Optional[dict[str, Any]] = None,
         lr_scaling: Optional[str] = None,
         trace: Optional[dict[str, Any]] = None,
+        emulate_slowdown: Optional[str] = None,
         **kwargs: Any,
     ) -> None:
         user_config = config is not None or self.DEEPSPEED_ENV_VAR in os.environ
@@ -148,6 +153,7 @@ class HeteroStrategy(DeepSpeedStrategy):
             compression_options=compression_options, hierarchical=hierarchical,
             max_nonfinite_steps=max_nonfinite_steps, sync=sync, sync_every=sync_every, inner_steps=inner_steps,
             sync_options=sync_options, pipeline=pipeline, lr_scaling=lr_scaling, trace=trace,
+            emulate_slowdown=emulate_slowdown,
         )  # fmt: skip
         config = check_config_argument(config)
         quiet.install_lasting_filters()

@@ -208,6 +208,8 @@ class Communication:
         self.meter: Optional[WireMeter] = None
         self.exchange: Optional[HookedExchange] = None
         self._undo: Optional[Callable[[], None]] = None
+        # Told when a blocking collective of a training step starts (True) and ends (False): the step meter's
+        self.collective_observer: Optional[Callable[[bool], None]] = None
 
     def arguments(self) -> dict[str, Any]:
         """What must agree between ranks."""
@@ -226,6 +228,7 @@ class Communication:
             self.hierarchical = False
             self.hierarchical_reason = f"off: ZeRO-{stage} reduces inside DeepSpeed's optimizer (stage 0 only)"
         self.meter = WireMeter(rank, topology, link)
+        self.meter.observer = self.collective_observer
 
     @property
     def hooked(self) -> Optional[str]:

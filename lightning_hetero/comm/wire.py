@@ -87,6 +87,8 @@ class WireMeter:
         self._wrappers: dict[str, tuple[Any, Callable[..., Any]]] = {}  # name -> (torch's function, its wrapper)
         self._background = 0  # inside in_background(): asynchronous collectives are charged at their wait
         self._restore: Optional[Callable[[], None]] = None  # while installed
+        # Told when a blocking collective of a step starts and ends (the step meter: time blocked waiting for peers)
+        self.observer: Optional[Callable[[bool], None]] = None
 
     def reading(self) -> tuple[float, float]:
         return self.intra_node_bytes, self.inter_node_bytes
@@ -180,9 +182,16 @@ class WireMeter:
             if not self._depth or getattr(self._inside, "active", False):  # outside a step, or delegated to
                 return original(*args, **kwargs)
             self._inside.active = True
+            observer = self.observer
+            if observer is not None:
+                observer(True)
             try:
                 with phase(f"exchange: {original.__name__} (waits there for the slowest rank)"):
                     work = original(*args, **kwargs)
+            except BaseException:
+                if observer is not None:
+                    observer(False)
+                raise
             finally:
                 self._inside.active = False
             try:
@@ -196,9 +205,11 @@ class WireMeter:
                 root = group_ranks[group_root]
             seconds = self.record(group_ranks, senders(who, group_ranks, root), payload_bytes(bound.get(argument)))
             if seconds > 0 and self._background and bound.get("async_op") and work is not None:
-                return LinkDelayedWork(work, self._clock() + seconds, self._sleep, self._clock)
-            if seconds > 0:
+                work = LinkDelayedWork(work, self._clock() + seconds, self._sleep, self._clock)
+            elif seconds > 0:
                 self._sleep(seconds)
+            if observer is not None:
+                observer(False)
             return work
 
         return counted

@@ -28,6 +28,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -193,6 +194,22 @@ def host_clock(device: torch.device) -> Callable[[], float]:
 
     On CPU that is the compute clock; on CUDA the compute clock is wall time, so it is the thread's own CPU time."""
     return time.thread_time if device.type == "cuda" else compute_clock(device)
+
+
+def held_clock() -> Callable[[], float]:
+    """The calling thread's time runnable but not running, in seconds (Linux's ``/proc/thread-self/schedstat``, its
+    run delay): held by the kernel's CPU quota (a container's CPU limit) or waiting for its core behind another
+    process. Neither its compute clock nor a wait for data advances it. A clock that stays at 0 where the kernel keeps
+    no such count (a process stopped by a signal is not runnable, so a stop/continue duty cycle does not show here)."""
+    path = Path("/proc/thread-self/schedstat")
+
+    def run_delay() -> float:
+        try:
+            return int(path.read_text().split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            return 0.0
+
+    return run_delay
 
 
 class SlowdownEmulator:

@@ -13,6 +13,7 @@ from typing import Any, Optional
 from lightning_hetero.emulate.memory import lower_ceiling
 from lightning_hetero.measure.cost import CostModel
 from lightning_hetero.measure.rank_profile import RankProfile, loss_reduction_mismatch
+from lightning_hetero.plan.explore import StepSearch
 from lightning_hetero.plan.micro_steps import plan_automatic_split_in_micro_steps, with_fixed_micro_steps
 from lightning_hetero.plan.planner import plan_automatic_split, required_gain
 from lightning_hetero.plan.replan import Rebalancer
@@ -116,4 +117,6 @@ def rebalancer_for(
     if fixed_micro_steps:
         base = with_fixed_micro_steps(base, plan.micro_steps)
         return Rebalancer(base, plan.batch_sizes, window, threshold, fixed_micro_steps=plan.micro_steps)
-    return Rebalancer(base, plan.batch_sizes, window, threshold, micro_steps=unequal_micro_steps)
+    # (with micro-steps planned where memory binds, a rank's share is bounded by them: the cost models alone decide)
+    search = None if unequal_micro_steps else StepSearch(sum(plan.batch_sizes), tuple(c.max_batch for c in base))
+    return Rebalancer(base, plan.batch_sizes, window, threshold, micro_steps=unequal_micro_steps, search=search)

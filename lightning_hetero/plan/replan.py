@@ -27,11 +27,13 @@ How a decision is made:
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lightning_hetero.measure.cost import CostModel
+from lightning_hetero.plan.explore import StepSearch, window_of
 from lightning_hetero.plan.micro_steps import micro_steps_for, plan_micro_steps, rank_time
 from lightning_hetero.plan.planner import plan_min_max, predicted_step_time
 from lightning_hetero.runtime.checks import check_positive_int, is_real
@@ -77,11 +79,16 @@ class Replan:
     predicted_gain: float  # predicted step time of the old split / the new one - 1
     micro_steps: tuple[int, ...] = ()  # each rank's micro-steps under the new split (() : one each)
     data_waits: tuple[float, ...] = ()  # each rank's wait for its data per step, counted in its time
+    # "model": planned from the refitted cost models; "search": a split the search on the measured step runs next
+    # (a trial, or back to the best it measured: plan/explore.py), with the late rank it moves samples from
+    source: str = "model"
+    late_rank: Optional[int] = None
 
     def to_dict(self) -> dict[str, Any]:
         steps = list(self.micro_steps) or [1] * len(self.batch_sizes)
         return {"step": self.step, "batch_sizes": list(self.batch_sizes), "micro_steps": steps,
-                "predicted_gain": self.predicted_gain, "data_wait_seconds": list(self.data_waits)}  # fmt: skip
+                "predicted_gain": self.predicted_gain, "data_wait_seconds": list(self.data_waits),
+                "source": self.source, "late_rank": self.late_rank}  # fmt: skip
 
 
 def weighted_median(values: Sequence[float], weights: Sequence[float]) -> float:
@@ -117,18 +124,28 @@ def refit_cost_models(
     some rank has no step with a measured compute (nothing to fit it to). ``micro_steps``: a rank's time is
     :func:`~lightning_hetero.plan.micro_steps.rank_time` (its samples in as many micro-batches as memory needs).
 
+    A rank's measured time is its compute or, where the ranks are held unevenly (:func:`held_unevenly`), its arrival at
+    the gradient exchange where that is longer (:mod:`~.watch.meter`: the wall time of its own work in the step,
+    whatever held its process besides its compute). Where every rank's wall time exceeds its compute alike (cores
+    shared with other processes) the compute clock alone is the steadier measure.
+
     A wait for data is paid once per step whatever the rank's share (a loader with too few workers, slow storage): it
     is added to the model's fixed cost, so the planner gives that rank fewer samples until its compute plus its wait
     matches the others'. (A wait that grows with the share is under-corrected once and measured again.)
     """
     predict = rank_time if micro_steps else CostModel.time
+    arrivals_count = held_unevenly(steps, len(base))
     refitted = []
     for rank, model in enumerate(base):
         ratios, waits, weights, newest, per_fixed = [], [], [], 0, 1
         for age, step in enumerate(reversed(steps)):
             compute = step["compute_seconds"][rank]
             if compute > 0:
-                ratios.append(compute / predict(model, step["batch_sizes"][rank]))
+                # Where some rank is held unevenly: what it took before the exchange on the wall clock, its compute
+                # and what held its process besides (a CPU quota), which its compute clock does not see.
+                arrival = step.get("arrival_seconds", (0.0,) * len(base))[rank] if arrivals_count else 0.0
+                taken = max(compute, arrival)
+                ratios.append(taken / predict(model, step["batch_sizes"][rank]))
                 waits.append(step.get("data_wait_seconds", (0.0,) * len(base))[rank])
                 weights.append(0.5 ** (age / window))
                 newest += age < window
@@ -143,6 +160,26 @@ def refit_cost_models(
         cost = CostModel(model.fixed * scale + wait / per_fixed, model.per_sample * scale, model.max_batch)
         refitted.append(RankFit(cost, total_error, wait))
     return refitted
+
+
+# A rank whose arrival over its compute is this much above another's is held by something its compute clock does not
+# see (a CPU quota): the ranks' arrivals then count in the refit.
+HELD_UNEVENLY = 1.25
+
+
+def held_unevenly(steps: Sequence[dict[str, Any]], world_size: int) -> bool:
+    """Whether some rank's median arrival at the exchange over its median compute exceeds another's by
+    ``HELD_UNEVENLY`` (``steps``: report entries; False where arrivals were not timed)."""
+    timed = [
+        step for step in steps if min(step.get("arrival_seconds", (0.0,))) > 0 and min(step["compute_seconds"]) > 0
+    ]
+    if len(timed) < 3:
+        return False
+    ratios = [
+        statistics.median(step["arrival_seconds"][rank] / step["compute_seconds"][rank] for step in timed)
+        for rank in range(world_size)
+    ]
+    return max(ratios) >= HELD_UNEVENLY * min(ratios)
 
 
 def _recent_level(
@@ -226,11 +263,40 @@ class Rebalancer:
     fixed_micro_steps: tuple[int, ...] = ()
     changed_at: int = 0  # the training step from which `split` is in use
     replans: list[Replan] = field(default_factory=list)
+    # The search on the measured step, for what the cost models do not explain (plan/explore.py; None: off)
+    search: Optional[StepSearch] = None
 
     def consider(self, steps: Sequence[dict[str, Any]], next_step: int) -> Optional[Replan]:
-        """Decide before training step ``next_step``, given every step so far (the same list on every rank)."""
+        """Decide before training step ``next_step``, given every step so far (the same list on every rank): the
+        cost models' re-plan, once ``MIN_INTERVAL_WINDOWS`` windows ran under the split in use, else the search's
+        next split (plan/explore.py); while the search holds the split (a trial, or one it kept), the search alone."""
+        if self.search is not None and self.search.holds:
+            return self._searched(steps, next_step)
         if next_step - self.changed_at < MIN_INTERVAL_WINDOWS * self.window:
+            return None  # (the cost models decide first, once the split has run long enough to be measured)
+        replan = self._planned(steps, next_step)
+        if replan is not None:
+            if self.search is not None:
+                self.search.reset()
+            return replan
+        return self._searched(steps, next_step) if self.search is not None else None
+
+    def _searched(self, steps: Sequence[dict[str, Any]], next_step: int) -> Optional[Replan]:
+        """The search's next split from the last window's steps under the split in use (the first left out)."""
+        assert self.search is not None
+        window = window_of([step for step in steps[-self.window :] if step["step"] >= self.changed_at])
+        if window is None or window.split != tuple(self.split):
             return None
+        split = self.search.decide(window)
+        if split is None or tuple(split) == tuple(self.split):
+            return None
+        steps_per_rank = self.fixed_micro_steps or ()
+        replan = Replan(next_step, tuple(split), 0.0, steps_per_rank, source="search", late_rank=window.late)
+        self.adopt(replan.batch_sizes, next_step)
+        self.replans.append(replan)
+        return replan
+
+    def _planned(self, steps: Sequence[dict[str, Any]], next_step: int) -> Optional[Replan]:
         since_change = [step for step in steps if step["step"] >= self.changed_at]
         recent = since_change[-HISTORY_WINDOWS * self.window :]
         fits = refit_cost_models(self.base_costs, recent, self.window, self.micro_steps)

@@ -80,6 +80,7 @@ _PARAMETER_ORDER = (
 )
 _EMULATION = "an emulated slow device pays its delay before a reduction, not inside it (wrapped on the instance)"
 _NEVER = "never: the instance lives for one fit"
+_TIMED = "each rank's arrival at the gradient exchange and its time inside are measured (wrapped on the instance)"
 _POPPED = "popped from the instance's __dict__ when the fit ends"
 ENGINE_STATE = (
     Internal(_DS_ENGINE, "DeepSpeedEngine#_config", "read", "recover/recovery.py", "the config whose"
@@ -92,9 +93,9 @@ ENGINE_STATE = (
     Internal(_DS_ENGINE, "DeepSpeedEngine#checkpoint_engine", "read", "recover/elastic.py",
              "whose save and makedirs DeferredWriteErrors defers"),
     Internal(_DS_ENGINE, "DeepSpeedEngine.allreduce_gradients", "patched",
-             "comm/communication.py, emulate/slowdown.py, job_pipeline.py",
+             "comm/communication.py, emulate/slowdown.py, job_pipeline.py, watch/meter.py",
              "the ZeRO-0 exchange: replaced by a comm hook or the hierarchical reduction, or a no-op under a pipeline"
-             " (which sums its stages' gradients itself); " + _EMULATION, _POPPED),
+             " (which sums its stages' gradients itself); " + _EMULATION + "; " + _TIMED, _POPPED),
     Internal(_DS_ENGINE, "DeepSpeedEngine._broadcast_model", "patched", "job_pipeline.py",
              "a no-op while a pipeline's engine is built: its ranks hold different blocks, which the pipeline"
              " broadcasts within each stage's group itself", "restored after deepspeed.initialize"),
@@ -127,7 +128,7 @@ ENGINE_STATE = (
     Internal(_DS_Z3, "DeepSpeedZeroOptimizer_Stage3#fp32_partitioned_groups_flat", "read", "recover/from_lightning.py",
              FOREIGN_RESUME_WHY),
     Internal(_DS_Z3, "DeepSpeedZeroOptimizer_Stage3._DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads",
-             "patched", "emulate/slowdown.py", _EMULATION, _NEVER),
+             "patched", "emulate/slowdown.py, watch/meter.py", _EMULATION + "; " + _TIMED, _NEVER),
     Internal(_DS_Z3, "DeepSpeedZeroOptimizer_Stage3.reduce_ready_partitions_and_remove_grads", "patched",
              "emulate/slowdown.py", _EMULATION, _NEVER),
     Internal(_DS_Z3, "DeepSpeedZeroOptimizer_Stage3#optimizer", "read", "recover/from_lightning.py",
@@ -145,7 +146,8 @@ ENGINE_STATE = (
     Internal(_DS_Z12, "DeepSpeedZeroOptimizer.overlapping_partition_gradients_reduce_epilogue", "patched",
              "precision/plugin.py", "the end-of-backward epilogue runs only at the flush; " + _PARAMETER_ORDER,
              _POPPED),
-    Internal(_DS_Z12, "DeepSpeedZeroOptimizer.reduce_ipg_grads", "patched", "emulate/slowdown.py", _EMULATION, _NEVER),
+    Internal(_DS_Z12, "DeepSpeedZeroOptimizer.reduce_ipg_grads", "patched", "emulate/slowdown.py, watch/meter.py",
+             _EMULATION + "; " + _TIMED, _NEVER),
     Internal(_DS_Z12, "DeepSpeedZeroOptimizer.reduce_ready_partitions_and_remove_grads", "patched",
              "emulate/slowdown.py",
              _EMULATION, _NEVER),

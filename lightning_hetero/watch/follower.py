@@ -15,6 +15,7 @@ from typing import Optional, Union
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_hetero.plan.explore import StepSearch
 from lightning_hetero.plan.local_steps import InnerStepsRebalancer
 from lightning_hetero.plan.replan import Rebalancer, Replan
 from lightning_hetero.train.split_in_force import SplitInForce
@@ -34,6 +35,21 @@ def data_wait_text(replan: Replan) -> str:
         f"; it counts the ranks' wait for their data loader per step ({each}): more DataLoader workers on that host,"
         " or a larger prefetch_factor, would remove it"
     )
+
+
+def search_text(search: StepSearch, step: int) -> str:
+    """A line when the search on the measured step starts or settles (its trials are in the run report's re-plans)."""
+    if search.said == "started" and search.best is not None and search.direction is not None:
+        return (
+            f"HeteroStrategy before step {step}: rank {search.direction[0]} reaches the gradient exchange later than"
+            f" the cost model explains; searching the split on the measured step from {list(search.best.split)}"
+        )
+    if search.said == "settled" and search.best is not None:
+        return (
+            f"HeteroStrategy before step {step}: the search on the measured step settled on samples per rank"
+            f" {list(search.best.split)} (median step {search.best.level * 1e3:.1f} ms)"
+        )
+    return ""
 
 
 class SplitFollower:
@@ -76,12 +92,17 @@ class SplitFollower:
         if replan is not None:
             steps = replan.micro_steps or (1,) * len(replan.batch_sizes)
             in_steps = f" in {list(steps)} micro-batches each" if any(k > 1 for k in steps) else ""
-            rank_zero_info(
-                f"HeteroStrategy re-plan before step {replan.step}: samples per rank {list(replan.batch_sizes)}"
-                f"{in_steps} (predicted {replan.predicted_gain:.0%} better than {list(self.split.batch_sizes)})"
-                + data_wait_text(replan)
-            )
+            if replan.source != "search":  # (the search's trials: its start and its end are said below)
+                rank_zero_info(
+                    f"HeteroStrategy re-plan before step {replan.step}: samples per rank {list(replan.batch_sizes)}"
+                    f"{in_steps} (predicted {replan.predicted_gain:.0%} better than {list(self.split.batch_sizes)})"
+                    + data_wait_text(replan)
+                )
             self.split.use(replan.batch_sizes, micro_steps=steps)
+        search = getattr(self.rebalancer, "search", None)
+        line = search_text(search, self.watch.fetched) if search is not None else ""
+        if line:
+            rank_zero_info(line)
         self.decision_seconds += time.perf_counter() - started
 
     def _resume_with(self, split: tuple[int, ...]) -> None:

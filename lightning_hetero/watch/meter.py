@@ -8,6 +8,18 @@ that fetch to the end of its last backward or optimizer step. The fetch's wall t
 computing (the loader's worker processes were behind, storage was slow, the dataset slept) is the rank's wait for its
 data: counted apart from compute, because more workers or a prefetch removes it where a faster device would not. What
 is neither is waiting for the slowest rank in the gradient exchange and the host's own work (the optimizer update).
+
+Where the strategy times DeepSpeed's gradient exchange (:meth:`StepMeter.exchange_entered` / ``exchange_left``), a
+record also holds the rank's arrival at it and its wall time inside it. The arrival is the wall time from the end of
+the previous step's exchange (which every rank leaves together; the fetch in a fit's first step) to this step's first
+exchange, its wait for data and its time blocked in other collectives before it left out (a ``sync_dist`` log waits
+there for the others): the rank's whole own work of the step on the wall clock (its optimizer update, its loop, its
+compute), with whatever held its process besides (a CPU quota, another process on its core), which its compute clock
+does not see. The rank the others wait for arrives last (:func:`~.report.late_rank_summary`). Where
+the kernel counts it (Linux's run delay, :func:`~.emulate.slowdown.held_clock`), a record also holds the rank's wall
+time runnable but not running, held by a CPU quota or behind another process on its core: a fetch held so is not a
+wait for data.
+
 Records are kept until the ranks exchange them, every ``window`` steps, in one small gather the strategy does; every
 rank then holds the same numbers.
 """
@@ -42,6 +54,9 @@ class StepRecord:
     micro_steps: int = 1  # the micro-batches it took them in
     link_wait_seconds: float = 0.0  # local SGD / DiLoCo: its wall time waiting for merges' exchanges
     data_wait_seconds: float = 0.0  # its wall time waiting for its loader to produce the batch
+    arrival_seconds: float = 0.0  # wall time from its batch ready to its first gradient exchange (0: none timed)
+    exchange_seconds: float = 0.0  # its wall time inside the gradient exchange (waiting for the others included)
+    held_seconds: float = 0.0  # its wall time runnable but not running (a CPU quota, a process on its core)
 
     @property
     def wait_seconds(self) -> float:
@@ -67,9 +82,12 @@ class StepMeter:
         wire_bytes: Callable[[], tuple[float, float]] = lambda: (0.0, 0.0),
         link_wait: Callable[[], float] = lambda: 0.0,
         host_clock: Optional[Callable[[], float]] = None,
+        held_clock: Callable[[], float] = lambda: 0.0,
     ) -> None:
         self._compute_clock = compute_clock
         self._host_clock = host_clock or compute_clock
+        self._held_clock = held_clock
+        self._held_at_fetch = 0.0
         self._emulated_seconds = emulated_seconds
         self._wall_clock = wall_clock
         self._wire_bytes = wire_bytes
@@ -84,6 +102,16 @@ class StepMeter:
         self._steps = 0
         self.pending: list[StepRecord] = []
         self._fetching: Optional[Span] = None  # the fetch, as a range of a profiler trace (only while one records)
+        # The open step's gradient exchange: wall time at its first entry, inside so far, the open entry's start; the
+        # wall time its arrival counts from; how deep in nested entries; when the last exchange (any step's) ended
+        self._exchange: list[Optional[float]] = [None, 0.0, None]
+        self._arrival_from = 0.0
+        self._exchange_depth = 0
+        self._last_exchange_end: Optional[float] = None
+        # Time blocked in other collectives of the open step before its first gradient exchange (a `sync_dist` log,
+        # an agreement: waiting for the others there is not this rank's own work), and the open one's start
+        self._blocked_before_arrival = 0.0
+        self._blocked_since: Optional[float] = None
 
     def fetch_started(self) -> None:
         """The loader starts producing the next batch: the previous step (if any) is complete."""
@@ -92,8 +120,40 @@ class StepMeter:
         compute = self._compute_clock()
         self._open = [self._wall_clock(), compute, self._emulated_seconds(), 0.0, 0.0, self._host_clock(), 0.0, 0.0]
         self._fetching = open_span("fetch the batch (its wall time not computed: the wait for data)")
+        self._held_at_fetch = self._held_clock()
         self._wire_at_fetch = self._wire_bytes()
         self._link_wait_at_fetch = self._link_wait()
+        self._exchange, self._exchange_depth = [None, 0.0, None], 0
+        self._arrival_from = self._open[0] if self._last_exchange_end is None else self._last_exchange_end
+        self._blocked_before_arrival, self._blocked_since = 0.0, None
+
+    def collective(self, entered: bool) -> None:
+        """A blocking collective of the open step starts (``entered``) or ends: before the step's first gradient
+        exchange, the time in it is waiting for the others, left out of the rank's arrival."""
+        if self._open is None or self._exchange[0] is not None or self._exchange_depth:
+            return
+        if entered:
+            self._blocked_since = self._wall_clock()
+        elif self._blocked_since is not None:
+            self._blocked_before_arrival += self._wall_clock() - self._blocked_since
+            self._blocked_since = None
+
+    def exchange_entered(self) -> None:
+        """This rank enters a gradient exchange of the open step (nested entries count once)."""
+        self._exchange_depth += 1
+        if self._exchange_depth == 1 and self._open is not None:
+            now = self._wall_clock()
+            if self._exchange[0] is None:
+                self._exchange[0] = now
+            self._exchange[2] = now
+
+    def exchange_left(self) -> None:
+        self._exchange_depth = max(0, self._exchange_depth - 1)
+        start = self._exchange[2]
+        if self._exchange_depth == 0 and start is not None:
+            now = self._wall_clock()
+            self._exchange[1] = (self._exchange[1] or 0.0) + now - start
+            self._exchange[2], self._last_exchange_end = None, now
 
     def batch_ready(self, batch_size: int, micro_steps: int = 1) -> None:
         """The loader handed over the batch: the fetch's wall time the host did not compute was a wait for data."""
@@ -102,7 +162,8 @@ class StepMeter:
         if self._open is not None:
             host = self._host_clock() - self._open[5]
             emulated = self._emulated_seconds() - self._open[2]  # a delay an emulated device paid is compute
-            self._open[6] = max(0.0, self._wall_clock() - self._open[0] - host - emulated)
+            held = self._held_clock() - self._held_at_fetch  # held by the kernel while it fetched: not the loader's
+            self._open[6] = max(0.0, self._wall_clock() - self._open[0] - host - emulated - held)
             self._open[7] = min(self._open[6], max(0.0, self._compute_clock() - self._open[1] - host))
 
     def backward_ended(self) -> None:
@@ -117,6 +178,11 @@ class StepMeter:
 
     def training_ended(self) -> None:
         self._close()
+
+    def fit_ended(self) -> None:
+        """The next fit's first step counts its arrival from its own fetch (not this fit's last exchange)."""
+        self._close()
+        self._last_exchange_end = None
 
     def take(self) -> list[StepRecord]:
         records, self.pending = self.pending, []
@@ -135,6 +201,9 @@ class StepMeter:
         self._open = None
         # Every batch gets a record (compute 0 if no backward ran), so every rank holds as many as the others.
         step_seconds = max(compute + data_wait, wall_end - wall_start) if wall_end else compute + data_wait
+        first_entry, inside, _ = self._exchange
+        blocked = self._blocked_before_arrival
+        arrival = max(0.0, first_entry - self._arrival_from - data_wait - blocked) if first_entry is not None else 0.0
         (intra_start, inter_start), (intra, inter) = self._wire_at_fetch, self._wire_bytes()
         self.pending.append(
             StepRecord(
@@ -147,9 +216,40 @@ class StepMeter:
                 self._micro_steps,
                 self._link_wait() - self._link_wait_at_fetch,
                 data_wait,
+                arrival,
+                inside or 0.0,
+                max(0.0, self._held_clock() - self._held_at_fetch),
             )  # fmt: skip
         )
         self._steps += 1
+
+
+# DeepSpeed's gradient exchanges, on its engine and its ZeRO optimizers (runtime/deepspeed_internals.py lists them):
+# the ZeRO-0/1 reduction at the step (or a comm hook in its place), a ZeRO-1/2/3 bucket reduced during backward.
+_ENGINE_EXCHANGES = ("allreduce_gradients",)
+_OPTIMIZER_EXCHANGES = ("reduce_ipg_grads", "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads")
+
+
+def time_deepspeed_exchanges(engine: Any, meter: StepMeter) -> None:
+    """Every gradient exchange of ``engine`` enters and leaves ``meter``'s open step (wrapped on the instances, after
+    any replacement of ``engine.allreduce_gradients``, so that it is the one timed)."""
+    owners = [(engine, _ENGINE_EXCHANGES), (getattr(engine, "optimizer", None), _OPTIMIZER_EXCHANGES)]
+    for owner, names in owners:
+        for name in names:
+            method = getattr(owner, name, None) if owner is not None else None
+            if callable(method):
+                setattr(owner, name, _timed(method, meter))
+
+
+def _timed(method: Callable[..., Any], meter: StepMeter) -> Callable[..., Any]:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        meter.exchange_entered()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            meter.exchange_left()
+
+    return timed
 
 
 class RunWatch:
@@ -188,7 +288,7 @@ class RunWatch:
         return exchanged
 
     def finish(self, all_gather: TensorGather) -> list[dict[str, Any]]:
-        self.meter.training_ended()
+        self.meter.fit_ended()
         if self.tracer is not None:
             self.tracer.stop()  # (a fit shorter than the chosen steps: what it recorded)
         self._exchange(all_gather)
@@ -212,12 +312,13 @@ class RunWatch:
         self.exchange_seconds += time.perf_counter() - start
 
 
-_FIELDS = 9
+_FIELDS = 12
 
 
 def pack_records(records: Sequence[StepRecord]) -> Tensor:
-    """Records as one ``[n, 9]`` float64 tensor (step, batch size, compute, step seconds, intra- and inter-node
-    bytes, micro-steps, the wait on the link in merges, the wait for data) for a tensor gather."""
+    """Records as one ``[n, 12]`` float64 tensor (step, batch size, compute, step seconds, intra- and inter-node
+    bytes, micro-steps, the wait on the link in merges, the wait for data, the arrival at the gradient exchange, the
+    time inside it, and the time held by the kernel) for a tensor gather."""
     rows = [
         [
             r.step,
@@ -229,6 +330,9 @@ def pack_records(records: Sequence[StepRecord]) -> Tensor:
             r.micro_steps,
             r.link_wait_seconds,
             r.data_wait_seconds,
+            r.arrival_seconds,
+            r.exchange_seconds,
+            r.held_seconds,
         ]  # fmt: skip
         for r in records
     ]
@@ -237,7 +341,20 @@ def pack_records(records: Sequence[StepRecord]) -> Tensor:
 
 def unpack_records(packed: Tensor) -> list[StepRecord]:
     return [
-        StepRecord(int(row[0]), int(row[1]), row[2], row[3], row[4], row[5], int(row[6]), row[7], row[8])
+        StepRecord(
+            int(row[0]),
+            int(row[1]),
+            row[2],
+            row[3],
+            row[4],
+            row[5],
+            int(row[6]),
+            row[7],
+            row[8],
+            row[9],
+            row[10],
+            row[11],
+        )  # fmt: skip
         for row in packed.tolist()
     ]
 
@@ -265,6 +382,9 @@ def job_steps(records_by_rank: Sequence[Sequence[StepRecord]]) -> list[dict[str,
             "inter_node_bytes": [record.inter_node_bytes for record in same_step],
             "link_wait_seconds": [record.link_wait_seconds for record in same_step],
             "data_wait_seconds": [record.data_wait_seconds for record in same_step],
+            "arrival_seconds": [record.arrival_seconds for record in same_step],
+            "exchange_seconds": [record.exchange_seconds for record in same_step],
+            "held_seconds": [record.held_seconds for record in same_step],
         }
         for same_step in zip(*records_by_rank)
     ]
@@ -293,6 +413,10 @@ def step_metrics(step: dict[str, Any], prefix: str = "hetero") -> dict[str, floa
         metrics[f"{prefix}/rank_{rank}/link_wait_ms"] = waited * 1e3
     for rank, waited in enumerate(step.get("data_wait_seconds", ())):
         metrics[f"{prefix}/rank_{rank}/data_wait_ms"] = waited * 1e3
+    if any(step.get("arrival_seconds", ())):  # (a step with a timed gradient exchange)
+        for rank, (arrival, inside) in enumerate(zip(step["arrival_seconds"], step["exchange_seconds"])):
+            metrics[f"{prefix}/rank_{rank}/arrival_ms"] = arrival * 1e3
+            metrics[f"{prefix}/rank_{rank}/exchange_ms"] = inside * 1e3
     for kind in WIRE_KINDS:
         for rank, sent in enumerate(step.get(kind, ())):
             metrics[f"{prefix}/rank_{rank}/{kind}"] = float(sent)

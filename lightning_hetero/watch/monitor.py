@@ -5,7 +5,10 @@ strategy's (:mod:`lightning_hetero.watch.meter`, every rank, exchanged every few
 rank now holds into metrics. Loggers write on rank 0 only, and rank 0 has every rank's numbers, so each rank's
 metrics appear under its own name: ``hetero/rank_<r>/micro_batch`` (its largest), ``micro_steps``, ``share``,
 ``compute_ms``, ``wait_ms``,
-``samples_per_second``, and for the job ``hetero/samples_per_second`` and ``hetero/balance_efficiency``. Each
+``samples_per_second``, ``arrival_ms`` and ``exchange_ms`` (its own work before the gradient exchange on the wall
+clock, and its time inside the exchange), and for the job ``hetero/samples_per_second`` and
+``hetero/balance_efficiency``; ``hetero/late_rank`` names the rank the others waited for at the exchange over the
+steps exchanged last, when one evidently arrives later (:func:`~lightning_hetero.plan.explore.late_and_early`). Each
 re-plan is logged at the step it takes effect as ``hetero/replan_predicted_gain`` (the new micro-batches show in
 ``micro_batch`` from that step on). With fp16 ranks (``device_precision``), ``hetero/loss_scale`` is the job's loss
 scale after each optimizer step (the same on every rank; a halving marks a step skipped for an overflow).
@@ -28,6 +31,7 @@ from typing import Any
 from lightning.pytorch import Callback
 from typing_extensions import override
 
+from lightning_hetero.plan.explore import late_and_early
 from lightning_hetero.watch.meter import step_metrics
 from lightning_hetero.watch.watcher import Watcher
 
@@ -171,7 +175,17 @@ class HeteroMonitor(Callback):
             metrics = step_metrics(step, self.prefix)
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=self._first_step + step["step"])
+        if steps:
+            level = sorted(step["step_seconds"] for step in steps)[len(steps) // 2]
+            late, _ = late_and_early([step.get("arrival_seconds", ()) for step in steps], level)
+            if late is not None:
+                for logger in trainer.loggers:
+                    logger.log_metrics(
+                        {f"{self.prefix}/late_rank": float(late)}, step=self._first_step + steps[-1]["step"]
+                    )
         for replan in replans:
+            if replan.get("source") == "search":  # (a trial of the search on the measured step: nothing predicted)
+                continue
             gain = {f"{self.prefix}/replan_predicted_gain": replan["predicted_gain"]}
             for logger in trainer.loggers:
                 logger.log_metrics(gain, step=self._first_step + replan["step"])

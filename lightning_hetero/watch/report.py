@@ -14,6 +14,8 @@ At the end of fit rank 0 writes into the run's ``hetero/`` directory:
          "compute_seconds": [...],    # each rank's local compute (see lightning_hetero.watch.meter)
          "data_wait_seconds": [...],  # each rank's wait for its loader to produce the batch
          "wait_seconds": [...],       # each rank's step time that was neither (waiting for others, host work)
+         "arrival_seconds": [...],    # each rank's wall time from its batch to its first gradient exchange (0: none)
+         "exchange_seconds": [...],   # ... and its wall time inside the exchange (waiting for the others included)
          "step_seconds": s},          # the step's wall time: the slowest rank's
         ...],
       "replans": [                    # each change of split during the fit (empty while the split is fixed)
@@ -52,6 +54,12 @@ FORMAT_VERSION = 1
 _EDGE_SHARE = 0.1
 # A rank whose wait for its data is at least this share of its compute is named as stalled, with the fix.
 DATA_STALL_SHARE = 0.1
+# A rank the others wait for: the last at the gradient exchange in at least this share of the steps timed...
+LATE_SHARE = 0.6
+# ... by a median of at least this much (seconds) and this share of the median step: not the exchange's own jitter.
+LATE_SECONDS, LATE_STEP_SHARE = 1e-3, 0.05
+# Its arrival over its compute above this: something besides its compute held it (a CPU quota, another process).
+HELD_RATIO = 1.25
 
 
 def plan_text(
@@ -172,6 +180,36 @@ def summarize(
         summary["measurement_share"] = exchange_seconds / seconds
     summary.update(link_wait_summary(steps))
     summary.update(data_wait_summary(steps))
+    summary.update(late_rank_summary(steps))
+    return summary
+
+
+def late_rank_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rank the others waited for at the gradient exchange: the last to arrive in at least ``LATE_SHARE`` of the
+    steps in which every rank's arrival was timed, by a median of at least ``LATE_SECONDS`` and ``LATE_STEP_SHARE`` of
+    the median step; with its median arrival over its median compute (above ``HELD_RATIO``: something besides its
+    compute held it). Each rank's median arrival and time inside the exchange either way; empty when nothing was
+    timed (local SGD's merges, a pipeline, one rank)."""
+    timed = [step for step in steps if len(step.get("arrival_seconds", ())) > 1 and min(step["arrival_seconds"]) > 0]
+    if not timed:
+        return {}
+    ranks = range(len(timed[0]["arrival_seconds"]))
+    arrivals = [statistics.median(step["arrival_seconds"][rank] for step in timed) for rank in ranks]
+    inside = [statistics.median(step["exchange_seconds"][rank] for step in timed) for rank in ranks]
+    held = [statistics.median(step.get("held_seconds", (0.0,) * len(ranks))[rank] for step in timed) for rank in ranks]
+    summary: dict[str, Any] = {"arrival_seconds_per_step": arrivals, "exchange_seconds_per_step": inside,
+                               "held_seconds_per_step": held}  # fmt: skip
+    lasts = [max(ranks, key=lambda rank: step["arrival_seconds"][rank]) for step in timed]
+    late = max(ranks, key=lasts.count)
+    share = lasts.count(late) / len(timed)
+    lateness = statistics.median(step["arrival_seconds"][late] - min(step["arrival_seconds"]) for step in timed)
+    step_time = statistics.median(step["step_seconds"] for step in timed)
+    if share >= LATE_SHARE and lateness >= max(LATE_SECONDS, LATE_STEP_SHARE * step_time):
+        compute = statistics.median(step["compute_seconds"][late] for step in timed)
+        summary["late_rank"] = {
+            "rank": late, "last_share": share, "median_lateness_seconds": lateness,
+            "arrival_over_compute": arrivals[late] / compute if compute > 0 else None,
+        }  # fmt: skip
     return summary
 
 
@@ -216,6 +254,7 @@ def summary_text(report: dict[str, Any]) -> str:
         + (f"; measuring cost {cost:.2%} of the step time" if cost is not None else "")
         + _micro_steps_text(report["steps"])
         + _link_wait_text(summary)
+        + late_rank_text(summary)
         + data_stall_text(summary)
         + _skipped_text(report.get("nonfinite"))
         + _precision_text(report.get("precision"))
@@ -250,6 +289,31 @@ def _link_wait_text(summary: dict[str, Any]) -> str:
         for wait, share in zip(summary["link_wait_seconds_per_step"], summary["link_wait_over_compute"])
     )
     return f"; waiting on the link in merges per step, per rank: {per_rank}"
+
+
+def late_rank_text(summary: dict[str, Any]) -> str:
+    """The rank the others waited for at the gradient exchange, and whether its compute explains it."""
+    late = summary.get("late_rank")
+    if not late:
+        return ""
+    ratio = late["arrival_over_compute"]
+    held_seconds = summary.get("held_seconds_per_step", [0.0] * (late["rank"] + 1))[late["rank"]]
+    why = ""
+    if held_seconds >= LATE_SECONDS:
+        why = (
+            f": the kernel held it {held_seconds * 1e3:.1f} ms per step, runnable but not running (a CPU quota, or"
+            " another process on its core)"
+        )
+    elif ratio is not None and ratio >= HELD_RATIO:
+        why = (
+            f": its wall time before the exchange is {ratio:.1f}x its compute, so something besides its compute holds"
+            " it (a CPU quota, another process on its core, a slow host)"
+        )
+    return (
+        f"; the others wait for rank {late['rank']}: it reaches the gradient exchange last in"
+        f" {late['last_share']:.0%} of the steps, a median {late['median_lateness_seconds'] * 1e3:.1f} ms after the"
+        f" first{why}"
+    )
 
 
 def data_stall_text(summary: dict[str, Any]) -> str:

@@ -16,7 +16,7 @@ from typing import Any, Optional, Union
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_hetero.emulate.slowdown import compute_clock, host_clock
+from lightning_hetero.emulate.slowdown import compute_clock, held_clock, host_clock
 from lightning_hetero.measure.facts import DeviceFacts
 from lightning_hetero.measure.rank_profile import RankProfile
 from lightning_hetero.plan.local_steps import InnerStepsRebalancer
@@ -56,7 +56,7 @@ class Watcher:
         trace: Optional[tuple[int, ...]] = None,
     ) -> None:
         self.meter = StepMeter(compute_clock(device), added_seconds, wire_bytes=wire_bytes, link_wait=link_wait,
-                               host_clock=host_clock(device))  # fmt: skip
+                               host_clock=host_clock(device), held_clock=held_clock())  # fmt: skip
         self.run = RunWatch(self.meter, window=window)
         self.tracer = StepTracer(trace, device) if trace else None
         self.run.tracer = self.tracer

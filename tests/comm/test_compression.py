@@ -353,6 +353,21 @@ def test_counting_sees_torch_and_restores_it_and_charges_the_link(one_rank_group
     ]
 
 
+def test_the_step_meter_is_told_when_each_blocking_collective_of_a_step_starts_and_ends(one_rank_group):
+    """Once per collective (a delegated one once), its emulated link time inside; not outside a step."""
+    told = []
+    meter = WireMeter(0, Topology((0, 1)), SlowLink(1.0, 1.0), sleep=lambda seconds: told.append("slept"))
+    meter.observer = told.append
+    try:
+        with meter.counting():
+            dist.all_reduce(torch.zeros(10))
+            dist.all_gather_into_tensor(torch.zeros(3), torch.zeros(3))
+        dist.all_reduce(torch.zeros(5))
+    finally:
+        meter.uninstall()
+    assert told == [True, "slept", False, True, "slept", False]
+
+
 def test_an_asynchronous_collective_in_the_background_pays_the_link_at_its_wait_for_what_is_left(one_rank_group):
     """Inside in_background an overlapped merge's async all-reduce returns at once; its wait sleeps what is left of
     the link's time after the compute done since (on a fake clock); outside, an async collective pays at issue."""

@@ -27,7 +27,7 @@ from lightning_hetero.train.claims import AsynchronousMerges, ClaimingBatchSampl
 from lightning_hetero.train.claims_refusal import describe_asynchronous_refusal
 from lightning_hetero.train.micro_batches import MicroBatchGuard
 from lightning_hetero.train.order import GlobalOrder
-from lightning_hetero.watch.meter import RunWatch, StepMeter
+from lightning_hetero.watch.meter import RunWatch, StepMeter, pack_records
 
 
 @pytest.mark.parametrize("drop_last", [False, True])
@@ -555,6 +555,9 @@ def test_between_merges_a_step_reduces_nothing_and_refuses_the_users_collectives
         guard.refuse_collective("all_gather")
 
 
+FIELDS = pack_records([]).shape[1]  # (a record's numbers)
+
+
 def test_the_records_of_ranks_with_different_step_counts_are_exchanged_once_padded():
     clock = [0.0]
     watch = RunWatch(StepMeter(lambda: clock[0], lambda: 0.0, lambda: clock[0]), window=0)
@@ -562,9 +565,9 @@ def test_the_records_of_ranks_with_different_step_counts_are_exchanged_once_padd
 
     def all_gather(packed):  # two ranks: this one took 1 step, the other one 3 (5 samples each)
         sent.append(packed.clone())
-        if packed.shape == (1, 9):  # the counts first
+        if packed.shape == (1, FIELDS):  # the counts first
             return [packed, torch.full_like(packed, 3.0)]
-        other = torch.zeros(3, 9, dtype=packed.dtype)
+        other = torch.zeros(3, FIELDS, dtype=packed.dtype)
         other[:, 0] = torch.arange(3, dtype=packed.dtype)
         other[:, 1] = 5
         return [packed, other]
@@ -574,7 +577,7 @@ def test_the_records_of_ranks_with_different_step_counts_are_exchanged_once_padd
     clock[0] += 0.001
     watch.meter.backward_ended()
     steps = watch.finish(all_gather)
-    assert [tuple(t.shape) for t in sent] == [(1, 9), (3, 9)]  # the counts, then this rank's records padded to 3
+    assert [tuple(t.shape) for t in sent] == [(1, FIELDS), (3, FIELDS)]  # the counts, then the records padded to 3
     assert sent[1][1:, 1].tolist() == [0.0, 0.0] and sent[1][:, 0].tolist() == [0.0, 1.0, 2.0]  # empty, numbered
     assert [step["batch_sizes"] for step in steps] == [[4, 5], [0, 5], [0, 5]]
 

@@ -108,13 +108,24 @@ def test_run_watch_exchanges_every_window_and_at_the_end():
 def test_records_travel_as_one_float64_tensor_exactly():
     records = [
         StepRecord(0, 7, 0.0123456789, 0.02, 5e6, 123.0, link_wait_seconds=0.0031),
-        StepRecord(1, 300, 1e-6, 2.5, micro_steps=3, data_wait_seconds=0.0051),
+        StepRecord(
+            1,
+            300,
+            1e-6,
+            2.5,
+            micro_steps=3,
+            data_wait_seconds=0.0051,
+            arrival_seconds=0.2,
+            exchange_seconds=0.01,
+            held_seconds=0.03,
+        ),
     ]
     packed = pack_records(records)
-    # with the bytes on the wire, the micro-steps, the wait on the link in merges and the wait for data
-    assert packed.dtype == torch.float64 and packed.shape == (2, 9)
+    # with the bytes on the wire, the micro-steps, the wait on the link in merges, the wait for data, the arrival at
+    # the gradient exchange, the time inside it and the time held by the kernel
+    assert packed.dtype == torch.float64 and packed.shape == (2, 12)
     assert unpack_records(packed) == records
-    assert pack_records([]).shape == (0, 9) and unpack_records(pack_records([])) == []
+    assert pack_records([]).shape == (0, 12) and unpack_records(pack_records([])) == []
     # The monitor's metrics say each rank's micro-steps and its largest micro-batch.
     step = job_steps([[records[1]], [StepRecord(1, 10, 1e-3, 2.5)]])[0]
     assert step["micro_steps"] == [3, 1]
@@ -297,3 +308,115 @@ def test_the_plan_says_whose_metrics_an_unsynced_log_shows_when_the_split_is_une
     uneven = plan_text(SplitPlan((3, 13), "batch_sizes"), 2, ["cpu", "cpu"], ["32-true"] * 2)
     assert "without `sync_dist=True` are rank 0's: 3 of the 16 samples of a step here" in uneven
     assert "sync_dist" not in plan_text(SplitPlan((8, 8), "batch_sizes"), 2, ["cpu", "cpu"], ["32-true"] * 2)
+
+
+def test_the_arrival_at_the_gradient_exchange_and_the_time_inside_are_measured_per_step():
+    """A rank's arrival is the wall time from the end of the previous step's exchange (the fetch in a fit's first
+    step) to this step's first exchange (a nested entry counts once), its wait for data and its time blocked in other
+    collectives before it left out: its whole own work of the step, the optimizer update after the last exchange
+    included. A step without an exchange has none."""
+    clocks = FakeClocks()
+    meter = make_meter(clocks)
+    meter.fetch_started()
+    clocks.advance(wall=0.003)  # waiting for the loader
+    meter.batch_ready(8)
+    clocks.advance(compute=0.004, wall=0.010)  # 4 ms of compute over 10 ms of wall time: something held the process
+    meter.collective(True)  # a `sync_dist` log: 5 ms waiting for the others there, not this rank's own work
+    clocks.advance(wall=0.005)
+    meter.collective(False)
+    meter.exchange_entered()
+    meter.collective(True)  # (inside the exchange: its time is the exchange's)
+    meter.exchange_entered()  # (a hook's collective inside DeepSpeed's reduction)
+    clocks.advance(wall=0.006)
+    meter.exchange_left()
+    meter.collective(False)
+    meter.exchange_left()
+    meter.backward_ended()
+    clocks.advance(compute=0.001, wall=0.001)
+    meter.exchange_entered()
+    clocks.advance(wall=0.002)
+    meter.exchange_left()
+    clocks.advance(compute=0.004, wall=0.004)  # the optimizer update, after the exchange
+    meter.optimizer_step_ended()
+    meter.fetch_started()
+    meter.batch_ready(8)
+    clocks.advance(compute=0.005, wall=0.005)
+    meter.exchange_entered()
+    meter.exchange_left()
+    meter.fetch_started()
+    meter.batch_ready(8)
+    meter.fit_ended()
+    first, second, third = meter.take()
+    assert first.arrival_seconds == pytest.approx(0.010) and first.exchange_seconds == pytest.approx(0.008)
+    assert second.arrival_seconds == pytest.approx(0.009)  # its update (4 ms) and its compute (5 ms)
+    assert (third.arrival_seconds, third.exchange_seconds) == (0.0, 0.0)
+    assert unpack_records(pack_records([first]))[0] == first
+
+
+def late_steps(arrivals_by_step, compute=(0.004, 0.004), step_seconds=0.020):
+    return [{"step": k, "batch_sizes": [8, 8], "compute_seconds": list(compute), "wait_seconds": [0.0, 0.0],
+             "arrival_seconds": list(arrivals), "exchange_seconds": [0.009, 0.001], "step_seconds": step_seconds}
+            for k, arrivals in enumerate(arrivals_by_step)]  # fmt: skip
+
+
+def test_the_report_names_the_rank_the_others_wait_for_and_what_holds_it():
+    """Rank 1 arrives last at the gradient exchange in 9 of 10 steps, 6 ms after rank 0, its arrival 2.5x its compute:
+    named, with what holds it. Arrivals that take turns (noise), or a lateness within the exchange's jitter, name no
+    one; a run without a timed exchange (local SGD's merges) says nothing."""
+    throttled = late_steps([(0.004, 0.010)] * 9 + [(0.011, 0.010)])
+    summary = report.summarize(throttled, [])
+    assert summary["late_rank"] == {"rank": 1, "last_share": 0.9, "median_lateness_seconds": pytest.approx(0.006),
+                                    "arrival_over_compute": pytest.approx(2.5)}  # fmt: skip
+    text = report.late_rank_text(summary)
+    assert "the others wait for rank 1: it reaches the gradient exchange last in 90% of the steps" in text
+    assert "6.0 ms after the first: its wall time before the exchange is 2.5x its compute" in text
+    assert "a CPU quota, another process on its core" in text
+    taking_turns = late_steps([(0.004, 0.010), (0.010, 0.004)] * 5)
+    assert "late_rank" not in report.summarize(taking_turns, []) and report.late_rank_text({}) == ""
+    jitter = late_steps([(0.0040, 0.0045)] * 10)  # 0.5 ms: below 1 ms
+    assert "late_rank" not in report.summarize(jitter, [])
+    slow_compute = late_steps([(0.004, 0.010)] * 10, compute=(0.004, 0.0095))  # its compute explains it
+    assert "something besides its compute" not in report.late_rank_text(report.summarize(slow_compute, []))
+    assert report.late_rank_summary(late_steps([(0.0, 0.0)] * 10)) == {}
+
+
+def test_the_monitor_metrics_carry_each_ranks_arrival_and_time_in_the_exchange():
+    (step,) = late_steps([(0.004, 0.010)])
+    metrics = step_metrics(step)
+    assert metrics["hetero/rank_1/arrival_ms"] == pytest.approx(10.0)
+    assert metrics["hetero/rank_0/exchange_ms"] == pytest.approx(9.0)
+
+
+def test_a_fetch_held_by_the_kernel_is_not_a_wait_for_data_and_the_step_counts_what_was_held():
+    """Under a CPU quota the fetching thread's CPU clock stands still while the kernel holds it, which read as a wait
+    for data (the throttled rank was named a data stall, with more DataLoader workers as the fix). The time it was
+    runnable but held (the kernel's run delay) is taken out of the wait, and the step records it."""
+    clocks = FakeClocks()
+    held = [0.0]
+    meter = StepMeter(lambda: clocks.compute, lambda: 0.0, lambda: clocks.wall, held_clock=lambda: held[0])
+    meter.fetch_started()
+    clocks.advance(compute=0.001, wall=0.004)  # 1 ms of loading, 3 ms held by the quota
+    held[0] += 0.003
+    meter.batch_ready(8)
+    clocks.advance(compute=0.004, wall=0.010)
+    held[0] += 0.006
+    meter.backward_ended()
+    meter.fetch_started()
+    (record,) = meter.take()
+    assert record.data_wait_seconds == pytest.approx(0.0) and record.held_seconds == pytest.approx(0.009)
+
+
+def test_the_kernels_run_delay_is_read_for_this_thread():
+    from lightning_hetero.emulate.slowdown import held_clock
+
+    clock = held_clock()
+    first = clock()
+    assert first >= 0.0 and clock() >= first
+
+
+def test_where_the_kernel_counts_it_the_late_rank_is_named_with_the_time_it_was_held():
+    steps = late_steps([(0.004, 0.010)] * 10)
+    for step in steps:
+        step["held_seconds"] = [0.0, 0.006]
+    text = report.late_rank_text(report.summarize(steps, []))
+    assert "the others wait for rank 1" in text and "the kernel held it 6.0 ms per step, runnable but not" in text
