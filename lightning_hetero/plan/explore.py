@@ -47,8 +47,12 @@ NOISE_MARGIN_SIGMAS = 3.0
 LATE_SECONDS, LATE_LEVEL_SHARE = 1e-3, 0.03
 # Every rank waiting inside the exchange for at least this share of the step: the cost model does not explain it...
 EXCHANGE_SHARE = 0.25
-# ... and then the rank whose wall time over its compute is this much above another's is the one to relieve.
-HELD_RATIO = 1.25
+# A rank whose wall time before the exchange exceeds its compute by this share of the step more than another rank's
+# does is held by something its compute clock does not see (a CPU quota, another process on its core). A difference,
+# not a ratio: every rank's loop pays about the same work besides its compute (the loader's hand-over, Lightning's
+# hooks, the update) whatever its share, and over a small compute that work alone makes a large ratio (an emulated
+# slow device's fast peer read as held, its arrivals then counted and the re-plan delayed).
+HELD_STEP_SHARE = 0.15
 # A trial neither clearly faster nor clearly slower is measured for up to this many windows (pooled) before it is
 # judged on what it has.
 TRIAL_WINDOWS = 3
@@ -95,21 +99,49 @@ def late_and_early(arrivals: Sequence[Sequence[float]], level: float) -> tuple[O
     return late, early
 
 
+def unexplained_seconds(steps: Sequence[dict[str, Any]]) -> list[float]:
+    """Each rank's median wall time before the gradient exchange that its compute does not explain (its arrival
+    minus its compute), over the ``steps`` (report entries) in which every rank's arrival and compute were measured;
+    empty where none was."""
+    timed = [
+        step
+        for step in steps
+        if len(step.get("arrival_seconds", ())) > 1
+        and min(step["arrival_seconds"]) > 0
+        and min(step["compute_seconds"]) > 0
+    ]
+    if not timed:
+        return []
+    ranks = range(len(timed[0]["arrival_seconds"]))
+    return [
+        statistics.median(step["arrival_seconds"][rank] - step["compute_seconds"][rank] for step in timed)
+        for rank in ranks
+    ]
+
+
+def held_beyond_others(steps: Sequence[dict[str, Any]], step_time: float) -> tuple[Optional[int], Optional[int]]:
+    """The rank whose wall time before the exchange its compute explains least (:func:`unexplained_seconds`) and the
+    rank it explains most, when the first's unexplained time exceeds the second's by at least ``LATE_SECONDS`` and
+    ``HELD_STEP_SHARE`` of ``step_time``; (None, None) otherwise."""
+    unexplained = unexplained_seconds(steps)
+    if not unexplained:
+        return None, None
+    ranks = range(len(unexplained))
+    most, least = max(ranks, key=unexplained.__getitem__), min(ranks, key=unexplained.__getitem__)
+    if unexplained[most] - unexplained[least] < max(LATE_SECONDS, HELD_STEP_SHARE * step_time):
+        return None, None
+    return most, least
+
+
 def held_and_free(steps: Sequence[dict[str, Any]], level: float) -> tuple[Optional[int], Optional[int]]:
     """Where every rank waits long inside the exchange (the least of the ranks' times in it is at least
     ``EXCHANGE_SHARE`` of the level: the step is not the slowest rank's own work, as the cost model has it), the rank
-    least explained by its compute (the highest median arrival over compute: held by a CPU quota that lands in the
-    exchange and the update as much as in its compute) and the most; (None, None) otherwise."""
+    held beyond the others (:func:`held_beyond_others`: a CPU quota that lands in the exchange and the update as much
+    as in its compute) and the one held least; (None, None) otherwise."""
     timed = [step for step in steps if len(step.get("exchange_seconds", ())) > 1 and min(step["arrival_seconds"]) > 0]
     if len(timed) < 2 or statistics.median(min(step["exchange_seconds"]) for step in timed) < EXCHANGE_SHARE * level:
         return None, None
-    ranks = range(len(timed[0]["arrival_seconds"]))
-    computes = [statistics.median(step["compute_seconds"][rank] for step in timed) for rank in ranks]
-    if min(computes) <= 0:
-        return None, None
-    held = [statistics.median(step["arrival_seconds"][rank] for step in timed) / computes[rank] for rank in ranks]
-    most, least = max(ranks, key=held.__getitem__), min(ranks, key=held.__getitem__)
-    return (most, least) if held[most] >= HELD_RATIO * held[least] else (None, None)
+    return held_beyond_others(timed, level)
 
 
 def window_of(steps: Sequence[dict[str, Any]]) -> Optional[Window]:

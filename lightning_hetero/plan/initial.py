@@ -117,6 +117,8 @@ def rebalancer_for(
     if fixed_micro_steps:
         base = with_fixed_micro_steps(base, plan.micro_steps)
         return Rebalancer(base, plan.batch_sizes, window, threshold, fixed_micro_steps=plan.micro_steps)
-    # (with micro-steps planned where memory binds, a rank's share is bounded by them: the cost models alone decide)
-    search = None if unequal_micro_steps else StepSearch(sum(plan.batch_sizes), tuple(c.max_batch for c in base))
+    # The search's splits stay within each rank's memory ceiling, or, with micro-steps planned where memory binds, take
+    # as many micro-steps as the ceiling needs.
+    ceilings = () if unequal_micro_steps else tuple(cost.max_batch for cost in base)
+    search = StepSearch(sum(plan.batch_sizes), ceilings)
     return Rebalancer(base, plan.batch_sizes, window, threshold, micro_steps=unequal_micro_steps, search=search)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lightning_hetero.measure.cost import CostModel
-from lightning_hetero.plan.explore import StepSearch, window_of
+from lightning_hetero.plan.explore import StepSearch, held_beyond_others, window_of
 from lightning_hetero.plan.micro_steps import micro_steps_for, plan_micro_steps, rank_time
 from lightning_hetero.plan.planner import plan_min_max, predicted_step_time
 from lightning_hetero.runtime.checks import check_positive_int, is_real
@@ -162,24 +162,14 @@ def refit_cost_models(
     return refitted
 
 
-# A rank whose arrival over its compute is this much above another's is held by something its compute clock does not
-# see (a CPU quota): the ranks' arrivals then count in the refit.
-HELD_UNEVENLY = 1.25
-
-
 def held_unevenly(steps: Sequence[dict[str, Any]], world_size: int) -> bool:
-    """Whether some rank's median arrival at the exchange over its median compute exceeds another's by
-    ``HELD_UNEVENLY`` (``steps``: report entries; False where arrivals were not timed)."""
-    timed = [
-        step for step in steps if min(step.get("arrival_seconds", (0.0,))) > 0 and min(step["compute_seconds"]) > 0
-    ]
+    """Whether some rank is held beyond the others by what its compute clock does not see
+    (:func:`~.explore.held_beyond_others`, over the median step; ``steps``: report entries; False where arrivals were
+    not timed, or fewer than 3 steps were)."""
+    timed = [step for step in steps if len(step.get("arrival_seconds", ())) == world_size]
     if len(timed) < 3:
         return False
-    ratios = [
-        statistics.median(step["arrival_seconds"][rank] / step["compute_seconds"][rank] for step in timed)
-        for rank in range(world_size)
-    ]
-    return max(ratios) >= HELD_UNEVENLY * min(ratios)
+    return held_beyond_others(timed, statistics.median(step["step_seconds"] for step in timed))[0] is not None
 
 
 def _recent_level(
@@ -290,7 +280,9 @@ class Rebalancer:
         split = self.search.decide(window)
         if split is None or tuple(split) == tuple(self.split):
             return None
-        steps_per_rank = self.fixed_micro_steps or ()
+        steps_per_rank = self.micro_steps_of(split) if (self.micro_steps or self.fixed_micro_steps) else ()
+        if any(n < k for n, k in zip(split, steps_per_rank)):
+            return None  # (a rank would get fewer samples than its fixed micro-steps)
         replan = Replan(next_step, tuple(split), 0.0, steps_per_rank, source="search", late_rank=window.late)
         self.adopt(replan.batch_sizes, next_step)
         self.replans.append(replan)

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning_hetero.plan.deepspeed_config import format_plan_table
+from lightning_hetero.plan.explore import HELD_STEP_SHARE, held_beyond_others, unexplained_seconds
 from lightning_hetero.watch.meter import WIRE_KINDS, balance_efficiency
 
 FORMAT_VERSION = 1
@@ -58,8 +59,6 @@ DATA_STALL_SHARE = 0.1
 LATE_SHARE = 0.6
 # ... by a median of at least this much (seconds) and this share of the median step: not the exchange's own jitter.
 LATE_SECONDS, LATE_STEP_SHARE = 1e-3, 0.05
-# Its arrival over its compute above this: something besides its compute held it (a CPU quota, another process).
-HELD_RATIO = 1.25
 
 
 def plan_text(
@@ -187,9 +186,10 @@ def summarize(
 def late_rank_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
     """The rank the others waited for at the gradient exchange: the last to arrive in at least ``LATE_SHARE`` of the
     steps in which every rank's arrival was timed, by a median of at least ``LATE_SECONDS`` and ``LATE_STEP_SHARE`` of
-    the median step; with its median arrival over its median compute (above ``HELD_RATIO``: something besides its
-    compute held it). Each rank's median arrival and time inside the exchange either way; empty when nothing was
-    timed (local SGD's merges, a pipeline, one rank)."""
+    the median step; with whether something besides its compute held it (:func:`~.plan.explore.held_beyond_others`),
+    and by how much more than the rank held least. Each rank's median arrival, time inside the exchange, time held by
+    the kernel and wall time before the exchange its compute does not explain either way; empty when nothing was timed
+    (local SGD's merges, a pipeline, one rank)."""
     timed = [step for step in steps if len(step.get("arrival_seconds", ())) > 1 and min(step["arrival_seconds"]) > 0]
     if not timed:
         return {}
@@ -197,18 +197,23 @@ def late_rank_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
     arrivals = [statistics.median(step["arrival_seconds"][rank] for step in timed) for rank in ranks]
     inside = [statistics.median(step["exchange_seconds"][rank] for step in timed) for rank in ranks]
     held = [statistics.median(step.get("held_seconds", (0.0,) * len(ranks))[rank] for step in timed) for rank in ranks]
+    unexplained = unexplained_seconds(timed) or [0.0] * len(ranks)
     summary: dict[str, Any] = {"arrival_seconds_per_step": arrivals, "exchange_seconds_per_step": inside,
-                               "held_seconds_per_step": held}  # fmt: skip
+                               "held_seconds_per_step": held, "unexplained_seconds_per_step": unexplained}  # fmt: skip
     lasts = [max(ranks, key=lambda rank: step["arrival_seconds"][rank]) for step in timed]
     late = max(ranks, key=lasts.count)
     share = lasts.count(late) / len(timed)
     lateness = statistics.median(step["arrival_seconds"][late] - min(step["arrival_seconds"]) for step in timed)
     step_time = statistics.median(step["step_seconds"] for step in timed)
     if share >= LATE_SHARE and lateness >= max(LATE_SECONDS, LATE_STEP_SHARE * step_time):
-        compute = statistics.median(step["compute_seconds"][late] for step in timed)
+        held_most, _ = held_beyond_others(timed, step_time)
+        kernel_held = held[late] - min(held)
+        kernel_counted = kernel_held >= max(LATE_SECONDS, HELD_STEP_SHARE * step_time)
         summary["late_rank"] = {
             "rank": late, "last_share": share, "median_lateness_seconds": lateness,
-            "arrival_over_compute": arrivals[late] / compute if compute > 0 else None,
+            "held_beyond_others": held_most == late,
+            "held_beyond_others_seconds": unexplained[late] - min(unexplained),
+            "kernel_held_beyond_others_seconds": kernel_held, "kernel_counted": kernel_counted,
         }  # fmt: skip
     return summary
 
@@ -296,18 +301,17 @@ def late_rank_text(summary: dict[str, Any]) -> str:
     late = summary.get("late_rank")
     if not late:
         return ""
-    ratio = late["arrival_over_compute"]
-    held_seconds = summary.get("held_seconds_per_step", [0.0] * (late["rank"] + 1))[late["rank"]]
     why = ""
-    if held_seconds >= LATE_SECONDS:
+    if late.get("kernel_counted"):
         why = (
-            f": the kernel held it {held_seconds * 1e3:.1f} ms per step, runnable but not running (a CPU quota, or"
-            " another process on its core)"
+            f": the kernel held it {late['kernel_held_beyond_others_seconds'] * 1e3:.1f} ms per step more than the"
+            " rank it held least, runnable but not running (a CPU quota, or another process on its core)"
         )
-    elif ratio is not None and ratio >= HELD_RATIO:
+    elif late.get("held_beyond_others"):
         why = (
-            f": its wall time before the exchange is {ratio:.1f}x its compute, so something besides its compute holds"
-            " it (a CPU quota, another process on its core, a slow host)"
+            f": its wall time before the exchange exceeds its compute by {late['held_beyond_others_seconds'] * 1e3:.1f}"
+            " ms per step more than the other ranks' does, so something besides its compute holds it (a CPU quota,"
+            " another process on its core, a slow host)"
         )
     return (
         f"; the others wait for rank {late['rank']}: it reaches the gradient exchange last in"

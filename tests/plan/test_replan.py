@@ -46,7 +46,7 @@ def simulate(truth, rebalancer, steps, seed, noise=0.15, outliers=0.03, data_wai
             wait = data_waits(step)[rank] if data_waits else 0.0
             waits.append(wait * rng.lognormvariate(0, noise) + rng.uniform(0, 2e-5))  # plus a timer's jitter
         record = {"step": step, "batch_sizes": list(rebalancer.split), "compute_seconds": compute,
-                  "data_wait_seconds": waits}  # fmt: skip
+                  "data_wait_seconds": waits, "step_seconds": max(c + w for c, w in zip(compute, waits))}  # fmt: skip
         if held is not None:  # (the compute clock sees only the part the process ran)
             record["arrival_seconds"] = compute
             record["compute_seconds"] = [c * (1 - h) for c, h in zip(compute, held)]
@@ -345,3 +345,19 @@ def test_where_the_cost_model_does_not_explain_the_step_the_search_on_the_measur
     best = plan_min_max(truth, 128)
     assert predicted_step_time(truth, rebalancer.split) <= 1.02 * best.predicted_step_time
     assert any(replan.source == "search" for replan in rebalancer.replans)
+
+
+def test_the_search_runs_where_micro_steps_are_planned_and_its_splits_take_the_micro_steps_memory_needs():
+    """The automatic split at ZeRO 0-2 may plan micro-steps where memory binds: the search runs there too (it was
+    left out, so a rank held by a CPU quota was never searched away from), and a split it tries takes as many
+    micro-steps as each rank's ceiling needs."""
+    from lightning_hetero.plan.explore import StepSearch
+
+    base = [CostModel(0.001, 0.0002, max_batch=100), CostModel(0.001, 0.0002, max_batch=100)]
+    rebalancer = Rebalancer(base, (64, 64), window=WINDOW, micro_steps=True, search=StepSearch(128, first_move=48))
+    steps = [{"step": k, "batch_sizes": [64, 64], "compute_seconds": [0.013, 0.013], "step_seconds": 0.030,
+              "arrival_seconds": [0.013, 0.016 + 0.0001 * (k % 3)], "exchange_seconds": [0.005, 0.002]}
+             for k in range(2 * WINDOW)]  # fmt: skip
+    replan = rebalancer.consider(steps, 2 * WINDOW)  # (the compute clocks are equal: the cost models move nothing)
+    assert replan is not None and replan.source == "search" and replan.batch_sizes == (112, 16)
+    assert replan.micro_steps == (2, 1)  # (112 samples in two micro-batches within the ceiling of 100)
