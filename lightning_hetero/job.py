@@ -21,7 +21,15 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_hetero.comm.communication import Communication
-from lightning_hetero.emulate.emulation import Emulation, NoEmulation, ProcessEmulation, emulation_for
+from lightning_hetero.comm.topology import slow_link_from_environment
+from lightning_hetero.emulate.emulation import (
+    REFERENCE_GBIT_PER_SECOND,
+    Emulation,
+    NoEmulation,
+    ProcessEmulation,
+    SendsEmulation,
+    emulation_for,
+)
 from lightning_hetero.job_pipeline import PipelineTraining, check_pipeline_job
 from lightning_hetero.job_setup import JobSetup
 from lightning_hetero.plan.deepspeed_config import config_disagreements, disagreement_message
@@ -57,7 +65,7 @@ class HeteroJob:
         self.settings = settings
         self.communication = Communication(settings.compression, settings.hierarchical)
         self.rank, self.world_size = 0, 1
-        self.emulation: Union[Emulation, ProcessEmulation, NoEmulation] = NoEmulation()
+        self.emulation: Union[Emulation, ProcessEmulation, SendsEmulation, NoEmulation] = NoEmulation()
         self.collectives = Collectives(1, torch.device("cpu"), lambda: self.emulation.catch_up())
         self.split = SplitInForce(rank=0)
         self.split.follow(follow_split)
@@ -115,7 +123,11 @@ class HeteroJob:
         self.rank, self.world_size = rank, world_size
         self.setup.sync_batchnorm = sync_batchnorm
         self.emulation.stop()  # (an earlier trainer call's, if it did not end through detach)
-        self.emulation = emulation_for(self.settings.speed_schedule, rank, device, self.settings.emulate_slowdown)
+        link = slow_link_from_environment()  # (an emulated slow sender sends on its speed times this link)
+        send_gbit = link.gbit_per_second if link is not None else REFERENCE_GBIT_PER_SECOND
+        self.emulation = emulation_for(
+            self.settings.speed_schedule, rank, device, self.settings.emulate_slowdown, send_gbit
+        )
         self.collectives = collectives or Collectives(world_size, device, lambda: self.emulation.catch_up())
         self.recovery.join(self.collectives, rank)
         self.recovery.watch_peers()
@@ -128,6 +140,7 @@ class HeteroJob:
                                self.settings.trace)  # fmt: skip
         self.watcher.skipped_steps = lambda: list(self.nonfinite.skipped)
         self.communication.collective_observer = self.watcher.meter.collective  # (time blocked before the exchange)
+        self.communication.send_hold = self.emulation.send_seconds
         self.watcher.loss_scale = lambda: loss_scale_value(plugin())
         if trainer is not None:
             self.recovery.stop_together_on_sigterm(trainer, device, at_each_step=self.claims is None)

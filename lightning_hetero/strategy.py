@@ -72,8 +72,9 @@ class HeteroStrategy(DeepSpeedStrategy):
             compute to ``1/f``), or a drift ``{global step: speeds}``; also ``LIGHTNING_HETERO_EMULATE_SPEEDS``.
         emulate_slowdown: how an emulated rank is slower: ``"compute"`` (default: its compute stretched, in proportion
             to its micro-batch) or ``"process"`` (its whole process held to ``f`` of a core by a CPU quota: its loop,
-            optimizer and exchange too, as under a container's CPU limit; :mod:`lightning_hetero.emulate.throttle`);
-            also ``LIGHTNING_HETERO_EMULATE_SLOWDOWN``.
+            optimizer and exchange too, as under a container's CPU limit; :mod:`lightning_hetero.emulate.throttle`)
+            or ``"sends"`` (what it sends goes on a link of ``f`` times 1 Gbit/s, or of the bandwidth in
+            ``LIGHTNING_HETERO_EMULATE_LINK``; its compute untouched); also ``LIGHTNING_HETERO_EMULATE_SLOWDOWN``.
         rebalance: re-plan the split from what each rank measures (default: on unless the split is fixed), every
             ``rebalance_window`` steps (20), to a split predicted ``rebalance_threshold`` (0.05: 5 %) faster.
         peer_timeout: seconds without a heartbeat from a rank after which the others stop, naming it, exit code 75

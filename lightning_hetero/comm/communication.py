@@ -210,6 +210,9 @@ class Communication:
         self._undo: Optional[Callable[[], None]] = None
         # Told when a blocking collective of a training step starts (True) and ends (False): the step meter's
         self.collective_observer: Optional[Callable[[bool], None]] = None
+        self.send_hold: Callable[[float], float] = lambda payload: (
+            0.0
+        )  # (an emulated slow sender: emulate/emulation.py)
 
     def arguments(self) -> dict[str, Any]:
         """What must agree between ranks."""
@@ -229,6 +232,7 @@ class Communication:
             self.hierarchical_reason = f"off: ZeRO-{stage} reduces inside DeepSpeed's optimizer (stage 0 only)"
         self.meter = WireMeter(rank, topology, link)
         self.meter.observer = self.collective_observer
+        self.meter.send_hold = self.send_hold
 
     @property
     def hooked(self) -> Optional[str]:

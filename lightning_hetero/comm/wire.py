@@ -9,7 +9,9 @@ payload to a group that spans nodes counts as between nodes; the algorithm gloo 
 modelled. With an emulated slow link (:class:`lightning_hetero.comm.topology.SlowLink`) each collective that spans nodes
 is charged ``latency + crossing bytes / bandwidth`` right after it is issued, on every rank in its group; inside
 :meth:`WireMeter.in_background`, a collective issued with ``async_op=True`` is charged at its ``wait()`` instead, what
-is left of that time since it was issued (the link carries it while the rank computes).
+is left of that time since it was issued (the link carries it while the rank computes). An emulated slow sender
+(``emulate_slowdown="sends"``, :class:`~lightning_hetero.emulate.emulation.SendsEmulation`) holds its payload back
+before the collective is issued (``send_hold``), so the others wait for it inside the collective.
 """
 
 from __future__ import annotations
@@ -89,6 +91,10 @@ class WireMeter:
         self._restore: Optional[Callable[[], None]] = None  # while installed
         # Told when a blocking collective of a step starts and ends (the step meter: time blocked waiting for peers)
         self.observer: Optional[Callable[[bool], None]] = None
+        # The seconds to hold back this rank's payload of so many bytes before a collective is issued (an emulated
+        # slow sender), and the total held so far
+        self.send_hold: Callable[[float], float] = lambda payload: 0.0
+        self.send_held_seconds = 0.0
 
     def reading(self) -> tuple[float, float]:
         return self.intra_node_bytes, self.inter_node_bytes
@@ -181,6 +187,21 @@ class WireMeter:
         def counted(*args: Any, **kwargs: Any) -> Any:
             if not self._depth or getattr(self._inside, "active", False):  # outside a step, or delegated to
                 return original(*args, **kwargs)
+            try:
+                bound = signature.bind(*args, **kwargs).arguments
+            except TypeError:  # let torch's own error stand; nothing is sent
+                return original(*args, **kwargs)
+            group_ranks = self._ranks_of(bound.get("group"))
+            root = bound.get("dst", bound.get("src"))
+            group_root = bound.get("group_dst", bound.get("group_src"))
+            if root is None and group_root is not None:
+                root = group_ranks[group_root]
+            sending, payload = senders(who, group_ranks, root), payload_bytes(bound.get(argument))
+            if self.rank in sending:  # (before the collective: the others wait for this rank inside it)
+                hold = self.send_hold(payload)
+                if hold > 0:
+                    self._sleep(hold)
+                    self.send_held_seconds += hold
             self._inside.active = True
             observer = self.observer
             if observer is not None:
@@ -194,16 +215,7 @@ class WireMeter:
                 raise
             finally:
                 self._inside.active = False
-            try:
-                bound = signature.bind(*args, **kwargs).arguments
-            except TypeError:  # let torch's own error stand; nothing was sent
-                return work
-            group_ranks = self._ranks_of(bound.get("group"))
-            root = bound.get("dst", bound.get("src"))
-            group_root = bound.get("group_dst", bound.get("group_src"))
-            if root is None and group_root is not None:
-                root = group_ranks[group_root]
-            seconds = self.record(group_ranks, senders(who, group_ranks, root), payload_bytes(bound.get(argument)))
+            seconds = self.record(group_ranks, sending, payload)
             if seconds > 0 and self._background and bound.get("async_op") and work is not None:
                 work = LinkDelayedWork(work, self._clock() + seconds, self._sleep, self._clock)
             elif seconds > 0:

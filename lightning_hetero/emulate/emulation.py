@@ -1,10 +1,11 @@
 """Emulate: the strategy's one handle on emulated speeds; :class:`NoEmulation` when none are asked for.
 
-Two ways to be slower (``emulate_slowdown``): ``"compute"`` (:class:`Emulation`) stretches the rank's local compute in
-proportion to its micro-batch (:mod:`.slowdown`); ``"process"`` (:class:`ProcessEmulation`) holds the rank's whole
-process to a fraction of a core, its loop, optimizer and exchange included (:mod:`.throttle`). The strategy calls the
-same methods either way (stretch this compute, pay before this collective, the speed from this step on, stop), so
-that no code path asks whether emulation is on or how.
+Three ways to be slower (``emulate_slowdown``): ``"compute"`` (:class:`Emulation`) stretches the rank's local compute
+in proportion to its micro-batch (:mod:`.slowdown`); ``"process"`` (:class:`ProcessEmulation`) holds the rank's whole
+process to a fraction of a core, its loop, optimizer and exchange included (:mod:`.throttle`); ``"sends"``
+(:class:`SendsEmulation`) puts what the rank sends on a slower link, its compute untouched. The strategy calls the
+same methods either way (stretch this compute, pay before this collective, hold this send, the speed from this step
+on, stop), so that no code path asks whether emulation is on or how.
 """
 
 from __future__ import annotations
@@ -18,8 +19,17 @@ import torch
 from lightning_hetero.emulate import throttle
 from lightning_hetero.emulate.slowdown import SlowdownEmulator, SpeedSchedule
 
-SLOWDOWNS = ("compute", "process")
+SLOWDOWNS = ("compute", "process", "sends")
 SLOWDOWN_ENV_VAR = "LIGHTNING_HETERO_EMULATE_SLOWDOWN"
+# Under "sends", a rank of speed f sends on a link of f times this bandwidth (the emulated link's between nodes,
+# LIGHTNING_HETERO_EMULATE_LINK, where given): 1 Gbit/s, a common Ethernet link between hosts.
+REFERENCE_GBIT_PER_SECOND = 1.0
+
+
+def send_hold_seconds(payload_bytes: float, speed: float, gbit_per_second: float) -> float:
+    """How much longer ``payload_bytes`` take on a link of ``speed`` times ``gbit_per_second`` than on one of
+    ``gbit_per_second``: ``(1 / speed - 1) x payload / bandwidth`` (0 at speed 1; a latency is paid either way)."""
+    return (1.0 / speed - 1.0) * payload_bytes * 8 / (gbit_per_second * 1e9)
 
 
 class Emulation:
@@ -53,6 +63,9 @@ class Emulation:
     def around_deepspeed_exchanges(self, engine: Any) -> None:
         assert self.emulator is not None
         self.emulator.around_deepspeed_exchanges(engine)
+
+    def send_seconds(self, payload_bytes: float) -> float:
+        return 0.0
 
     def stop(self) -> None:
         pass
@@ -101,6 +114,44 @@ class ProcessEmulation:
     def around_deepspeed_exchanges(self, engine: Any) -> None:
         pass
 
+    def send_seconds(self, payload_bytes: float) -> float:
+        return 0.0
+
+
+class SendsEmulation:
+    """This rank's sends on a slower link (``emulate_slowdown="sends"``): at speed ``f`` its payload in each collective
+    of a training step is held back before it is issued for what a link of ``f`` times ``gbit_per_second`` would take
+    longer (:func:`send_hold_seconds`), so the other ranks wait for it inside the collective, as for a slow network
+    card or a congested uplink. Its compute and loop are untouched: the profile sees an equal device. (What a rank
+    sends per step is its gradients' payload, whatever its share of the batch: a smaller share lets it start sending
+    earlier, no more.)"""
+
+    emulator: Optional[SlowdownEmulator] = None
+    added_seconds = 0.0
+
+    def __init__(self, schedule: SpeedSchedule, rank: int, gbit_per_second: float) -> None:
+        self.schedule, self.rank, self.gbit_per_second = schedule, rank, gbit_per_second
+        self.speed = schedule.at(0)[rank]
+
+    def at_step(self, step: int) -> None:
+        self.speed = self.schedule.at(step)[self.rank]
+
+    def send_seconds(self, payload_bytes: float) -> float:
+        """The time to hold back a send of ``payload_bytes`` before it is issued."""
+        return send_hold_seconds(payload_bytes, self.speed, self.gbit_per_second)
+
+    def slowed(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def catch_up(self) -> None:
+        pass
+
+    def around_deepspeed_exchanges(self, engine: Any) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
 
 class NoEmulation:
     """Emulation off: every call is a no-op, and profiles and steps are measured as they are."""
@@ -121,17 +172,29 @@ class NoEmulation:
     def around_deepspeed_exchanges(self, engine: Any) -> None:
         pass
 
+    def send_seconds(self, payload_bytes: float) -> float:
+        return 0.0
+
     def stop(self) -> None:
         pass
 
 
 def emulation_for(
-    schedule: Optional[SpeedSchedule], rank: int, device: torch.device, slowdown: str = "compute"
-) -> Union[Emulation, ProcessEmulation, NoEmulation]:
-    """This rank's emulation: ``slowdown`` is how a slower rank is slower (see the module docstring)."""
+    schedule: Optional[SpeedSchedule],
+    rank: int,
+    device: torch.device,
+    slowdown: str = "compute",
+    send_gbit_per_second: float = REFERENCE_GBIT_PER_SECOND,
+) -> Union[Emulation, ProcessEmulation, SendsEmulation, NoEmulation]:
+    """This rank's emulation: ``slowdown`` is how a slower rank is slower (see the module docstring);
+    ``send_gbit_per_second``: the link a rank of speed 1 sends on under ``"sends"``."""
     if schedule is None:
         return NoEmulation()
-    return ProcessEmulation(schedule, rank) if slowdown == "process" else Emulation(schedule, rank, device)
+    if slowdown == "process":
+        return ProcessEmulation(schedule, rank)
+    if slowdown == "sends":
+        return SendsEmulation(schedule, rank, send_gbit_per_second)
+    return Emulation(schedule, rank, device)
 
 
 def check_slowdown(value: object) -> str:
@@ -142,6 +205,7 @@ def check_slowdown(value: object) -> str:
         raise ValueError(
             f'`emulate_slowdown={value!r}` (or {SLOWDOWN_ENV_VAR}) is not one of {list(SLOWDOWNS)}: "compute"'
             ' stretches a slower rank\'s compute (the default), "process" holds its whole process to a fraction of'
-            " a core (a CPU quota: its loop, optimizer and exchange slowed too)."
+            ' a core (a CPU quota: its loop, optimizer and exchange slowed too), "sends" puts what it sends on a'
+            " slower link."
         )
     return str(value)

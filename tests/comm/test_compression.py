@@ -496,3 +496,32 @@ def test_a_hook_may_replace_the_buffer_as_with_ddp(one_rank_group):
     assert seen == [torch.float16]
     assert model.weight.grad.dtype == torch.float32
     assert torch.allclose(model.weight.grad, torch.full_like(model.weight, 1 / 3), atol=1e-3)
+
+
+def test_an_emulated_slow_sender_holds_its_payload_back_before_the_collective_is_issued(one_rank_group):
+    """`emulate_slowdown="sends"`: before each collective of a step in which this rank sends, it sleeps what a link of
+    its speed times the reference bandwidth takes longer for its payload, then issues it (the others wait inside);
+    nothing for a reduce to it (it sends nothing there), nor outside a step."""
+    from lightning_hetero.emulate.emulation import SendsEmulation, send_hold_seconds
+    from lightning_hetero.emulate.slowdown import speed_schedule
+
+    assert send_hold_seconds(1e6, 0.25, 1.0) == pytest.approx(3 * 8e6 / 1e9)  # 24 ms more for 1 MB at 1/4
+    assert send_hold_seconds(1e6, 1.0, 1.0) == 0.0
+    emulation = SendsEmulation(speed_schedule({0: [1.0, 0.5], 10: [1.0, 1.0]}), 1, 1.0)
+    assert emulation.send_seconds(4000) == pytest.approx(4000 * 8 / 1e9)  # (1/0.5 - 1) x 4000 bytes at 1 Gbit/s
+    emulation.at_step(10)
+    assert emulation.send_seconds(4000) == 0.0  # (the drift schedule's speed 1 from step 10)
+
+    told = []
+    meter = WireMeter(0, Topology((0,)), sleep=lambda seconds: told.append(("slept", seconds)))
+    meter.observer = told.append
+    meter.send_hold = lambda payload: payload * 1e-6
+    try:
+        with meter.counting():
+            dist.all_reduce(torch.zeros(10))  # 40 bytes
+            dist.reduce(torch.zeros(10), dst=0)  # (its destination sends nothing)
+        dist.all_reduce(torch.zeros(5))
+    finally:
+        meter.uninstall()
+    assert told == [("slept", pytest.approx(40e-6)), True, False, True, False]
+    assert meter.send_held_seconds == pytest.approx(40e-6)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -41,9 +42,12 @@ def test_the_cgroup_goes_under_the_one_the_process_is_in(tmp_path):
 
 def test_emulate_slowdown_is_compute_or_process_and_names_the_fix(monkeypatch):
     assert check_slowdown(None) == "compute" and check_slowdown("process") == "process"
+    assert check_slowdown("sends") == "sends"
     monkeypatch.setenv("LIGHTNING_HETERO_EMULATE_SLOWDOWN", "process")
     assert check_slowdown(None) == "process"
-    with pytest.raises(ValueError, match=r"`emulate_slowdown='quota'` .* is not one of \['compute', 'process'\]"):
+    with pytest.raises(
+        ValueError, match=r"`emulate_slowdown='quota'` .* is not one of \['compute', 'process', 'sends'\]"
+    ):
         check_slowdown("quota")
     import torch
 
@@ -184,3 +188,25 @@ def test_a_fit_with_a_rank_held_by_a_cpu_quota_measures_what_the_kernel_held_on_
     if not os.path.exists("/proc/thread-self/schedstat"):
         pytest.skip("the kernel keeps no run delay here")
     assert held[1] > 1.5 * held[0] + 0.002, held
+
+
+@pytest.mark.multiprocess
+def test_a_fit_with_a_rank_on_a_slow_link_holds_its_sends_and_the_other_waits_inside_the_exchange(tmp_path):
+    """`emulate_slowdown="sends"` with speeds [1.0, 0.02]: rank 1 sends on a link of 2 % of 1 Gbit/s, so each of its
+    sends of a step is held back 49 x its payload's time at 1 Gbit/s before it is issued, and rank 0 waits for it inside
+    the gradient exchange (the report's time inside it). Its compute is untouched: the two ranks compute alike."""
+    from conftest import run_fit
+
+    run = run_fit(tmp_path, "--samples", "96", "--hidden", "64", "--depth", "3", "--emulate-speeds", "1.0", "0.02",
+                  "--strategy-args", '{"emulate_slowdown": "sends", "stage": 0}')  # fmt: skip
+    assert run.returncode == 0, run.output[-3000:]
+    report = json.loads((tmp_path / "hetero" / "report.json").read_text())
+    sys.path.insert(0, str(REPO / "tests" / "workers"))
+    from common import make_network
+
+    gradient_bytes = 4 * sum(p.numel() for p in make_network(hidden=64, depth=3).parameters())  # (fp32, ZeRO-0)
+    one_hold = 49 * gradient_bytes * 8 / 1e9
+    inside = report["summary"]["exchange_seconds_per_step"]
+    assert inside[0] >= 0.5 * one_hold, (inside, one_hold)  # rank 0 waits for rank 1's held sends
+    computes = [statistics.median(step["compute_seconds"][rank] for step in report["steps"]) for rank in (0, 1)]
+    assert max(computes) < 0.5 * one_hold, computes  # (the hold is not compute)
