@@ -204,6 +204,13 @@ def median_step_ms(starts: list[float], first: int = FIRST_MEASURED, last: int =
     return statistics.median(gaps) * 1e3
 
 
+def mean_step_ms(starts: list[float], first: int = FIRST_MEASURED, last: int = LAST_MEASURED) -> float:
+    """The mean wall time per step from the start of step ``first`` to the start of step ``last``, in ms: what the
+    fit's throughput over those steps is (its slow steps, a re-plan's first ones, count in full)."""
+    last = min(last, len(starts) - 1)
+    return (starts[last] - starts[first]) / (last - first) * 1e3
+
+
 def best_fixed(sweep: dict[str, float]) -> str:
     """The fixed split (``"fixed:b0,b1"``) with the shortest median step."""
     return min(sweep, key=sweep.__getitem__)
@@ -249,16 +256,23 @@ def run_fit(
     started = time.perf_counter()
     run_job(command, out / "log.txt", environment, FIT_TIMEOUT, f"{variant} at limit {limit}")
     result = json.loads((out / "steps.json").read_text())
+    first, last = measured
     figure = {
         "variant": variant,
         "limit": limit,
-        "median_step_ms": median_step_ms(result["step_starts"], *measured),
+        "median_step_ms": median_step_ms(result["step_starts"], first, last),
+        "mean_step_ms": mean_step_ms(result["step_starts"], first, last),
+        # (the second half of the measured steps: where the automatic split has long settled)
+        "late_median_step_ms": median_step_ms(result["step_starts"], (first + last) // 2, last),
         "seconds": time.perf_counter() - started,
     }
     if "batch_sizes" in result:
         figure["final_batch_sizes"] = result["batch_sizes"][-1]
         figure["late_rank"] = result["late_rank"]
         figure["replans"] = len(result["replans"])
+        figure["replan_steps"] = [
+            (replan["step"], replan["batch_sizes"], replan.get("source")) for replan in result["replans"]
+        ]
     return figure
 
 
@@ -327,12 +341,15 @@ def main() -> None:
         "limits": {},
     }
     for limit in args.limits:
-        sweep = {}
+        sweep, sweep_figures = {}, []
         for share in args.sweep_shares:
             figure = run_fit(fixed_variant(share), limit, args.work, cores, args.steps, tuple(args.measured), None,
                              args.form)  # fmt: skip
             sweep[figure["variant"]] = figure["median_step_ms"]
-            print(f"limit {limit}: sweep {figure['variant']}: {figure['median_step_ms']:.1f} ms", flush=True)
+            sweep_figures.append(figure)
+            late = (figure.get("late_rank") or {}).get("rank")
+            print(f"limit {limit}: sweep {figure['variant']}: {figure['median_step_ms']:.1f} ms (mean"
+                  f" {figure['mean_step_ms']:.1f} ms; the report's late rank: {late})", flush=True)  # fmt: skip
         best = best_fixed(sweep)
         rounds = []
         for pair in range(args.pairs):
@@ -342,10 +359,13 @@ def main() -> None:
             }
             rounds.append(figures)
             auto, ddp, fixed = (figures[name]["median_step_ms"] for name in ("auto", "ddp", "best fixed"))
+            means = [figures[name]["mean_step_ms"] for name in ("auto", "ddp", "best fixed")]
             print(
                 f"limit {limit} round {pair + 1}: auto {auto:.1f} ms (split {figures['auto'].get('final_batch_sizes')},"
                 f" late rank {(figures['auto'].get('late_rank') or {}).get('rank')}), DDP {ddp:.1f} ms, best fixed"
-                f" {best} {fixed:.1f} ms: auto/best {auto / fixed:.3f}, DDP/auto {ddp / auto:.3f}",
+                f" {best} {fixed:.1f} ms: auto/best {auto / fixed:.3f}, DDP/auto {ddp / auto:.3f}; means"
+                f" {means[0]:.1f} / {means[1]:.1f} / {means[2]:.1f} ms: auto/best {means[0] / means[2]:.3f}, DDP/auto"
+                f" {means[1] / means[0]:.3f}",
                 flush=True,
             )
         medians = {name: statistics.median(r[name]["median_step_ms"] for r in rounds) for name in rounds[0]}
@@ -357,16 +377,27 @@ def main() -> None:
             f" {statistics.median(speedups):.3f} [{min(speedups):.3f}, {max(speedups):.3f}]",
             flush=True,
         )
+        mean_over_best = [r["auto"]["mean_step_ms"] / r["best fixed"]["mean_step_ms"] for r in rounds]
+        mean_speedups = [r["ddp"]["mean_step_ms"] / r["auto"]["mean_step_ms"] for r in rounds]
+        print(
+            f"limit {limit}: by the mean step: auto/best fixed {statistics.median(mean_over_best):.3f}"
+            f" [{min(mean_over_best):.3f}, {max(mean_over_best):.3f}], DDP/auto {statistics.median(mean_speedups):.3f}"
+            f" [{min(mean_speedups):.3f}, {max(mean_speedups):.3f}]",
+            flush=True,
+        )
         record["limits"][str(limit)] = {
             "sweep_ms": sweep,
+            "sweep": sweep_figures,
+            "mean_auto_over_best": mean_over_best,
+            "mean_ddp_over_auto": mean_speedups,
             "best_fixed": best,
             "rounds": rounds,
             "medians_ms": medians,
             "auto_over_best": over_best,
             "ddp_over_auto": speedups,
         }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(record, indent=1))  # (after each limit: what ran survives a later failure)
     print(f"written to {args.out}")
 
 
