@@ -11,11 +11,14 @@ one split), with pure arithmetic and no clock: every rank takes the same decisio
 
 1. A window's **level** is the median of its step times, the first step after a switch left out (the loader's
    read-ahead), with the median's standard error from their spread.
-2. The search **starts** when one rank reaches the exchange later than another by more than the noise of their
-   arrivals allows (:func:`late_and_early`: the difference of their medians over the window), or, where the ranks
-   arrive together but every one waits long inside the exchange (a throttle that lands there), one rank's wall time
-   is far less explained by its compute than another's (:func:`held_and_free`): evidence of which way to move.
-   Identical ranks differ by noise only, so on them the search hardly ever starts and costs nothing.
+2. The search runs only where the cost model leaves the step unexplained (:func:`cost_model_leaves_unexplained`: a
+   rank held beyond the others, or every rank waiting long inside the exchange). It **starts** when one rank reaches
+   the exchange later than another by more than the noise of their arrivals allows (:func:`late_and_early`: the
+   difference of their medians over the window), or, where the ranks arrive together but every one waits long inside
+   the exchange (a throttle that lands there), one rank's wall time is far less explained by its compute than
+   another's (:func:`held_and_free`): evidence of which way to move. On identical ranks, or under ``emulate_speeds``,
+   a rank late at the exchange is late by what no split removes, and the cost model explains the step: there the
+   search does not run.
 3. A **trial** moves ``move`` samples from the late rank to the earliest (the first an eighth of the global batch).
    It is kept only when its level is lower than the best split's by ``threshold`` plus ``TRIAL_SIGMAS`` standard
    errors of the difference, so noise alone hardly ever moves the split (a trial neither clearly faster nor clearly
@@ -142,6 +145,23 @@ def held_and_free(steps: Sequence[dict[str, Any]], level: float) -> tuple[Option
     if len(timed) < 2 or statistics.median(min(step["exchange_seconds"]) for step in timed) < EXCHANGE_SHARE * level:
         return None, None
     return held_beyond_others(timed, level)
+
+
+def cost_model_leaves_unexplained(steps: Sequence[dict[str, Any]]) -> bool:
+    """Whether the re-planner's cost model leaves the step unexplained over these ``steps`` (report entries under the
+    split in use): some rank is held beyond the others by what its compute clock does not see
+    (:func:`held_beyond_others`), or every rank waits long inside the exchange (``EXCHANGE_SHARE`` of the median step).
+    Elsewhere the cost model balances what the ranks take, and a rank late at the exchange is late by what no split
+    removes (an emulated delay paid just before it, a core the machine's other work lands on): the search would try
+    splits that are no faster, at a cost (3-10 % of the step on identical ranks and under `emulate_speeds`)."""
+    timed = [step for step in steps if len(step.get("arrival_seconds", ())) > 1 and min(step["arrival_seconds"]) > 0]
+    if len(timed) < 3:
+        return False
+    step_time = statistics.median(step["step_seconds"] for step in timed)
+    if held_beyond_others(timed, step_time)[0] is not None:
+        return True
+    inside = [min(step.get("exchange_seconds", (0.0,))) for step in timed]
+    return statistics.median(inside) >= EXCHANGE_SHARE * step_time
 
 
 def window_of(steps: Sequence[dict[str, Any]]) -> Optional[Window]:

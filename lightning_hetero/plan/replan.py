@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lightning_hetero.measure.cost import CostModel
-from lightning_hetero.plan.explore import StepSearch, held_beyond_others, window_of
+from lightning_hetero.plan.explore import StepSearch, cost_model_leaves_unexplained, held_beyond_others, window_of
 from lightning_hetero.plan.micro_steps import micro_steps_for, plan_micro_steps, rank_time
 from lightning_hetero.plan.planner import plan_min_max, predicted_step_time
 from lightning_hetero.runtime.checks import check_positive_int, is_real
@@ -258,8 +258,9 @@ class Rebalancer:
 
     def consider(self, steps: Sequence[dict[str, Any]], next_step: int) -> Optional[Replan]:
         """Decide before training step ``next_step``, given every step so far (the same list on every rank): the
-        cost models' re-plan, once ``MIN_INTERVAL_WINDOWS`` windows ran under the split in use, else the search's
-        next split (plan/explore.py); while the search holds the split (a trial, or one it kept), the search alone."""
+        cost models' re-plan, once ``MIN_INTERVAL_WINDOWS`` windows ran under the split in use, else, where they leave
+        the step unexplained (:func:`~.explore.cost_model_leaves_unexplained`), the search's next split
+        (plan/explore.py); while the search holds the split (a trial, or one it kept), the search alone."""
         if self.search is not None and self.search.holds:
             return self._searched(steps, next_step)
         if next_step - self.changed_at < MIN_INTERVAL_WINDOWS * self.window:
@@ -269,7 +270,12 @@ class Rebalancer:
             if self.search is not None:
                 self.search.reset()
             return replan
-        return self._searched(steps, next_step) if self.search is not None else None
+        if self.search is None:
+            return None
+        since_change = [step for step in steps if step["step"] >= self.changed_at][-HISTORY_WINDOWS * self.window :]
+        if not cost_model_leaves_unexplained(since_change):
+            return None  # (the cost models balance what the ranks take: nothing for the search to find)
+        return self._searched(steps, next_step)
 
     def _searched(self, steps: Sequence[dict[str, Any]], next_step: int) -> Optional[Replan]:
         """The search's next split from the last window's steps under the split in use (the first left out)."""
