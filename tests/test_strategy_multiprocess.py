@@ -403,14 +403,18 @@ def test_a_resplit_mid_epoch_equals_one_process_and_a_checkpoint_after_it_resume
     common = ["--samples", "160", "--batch-sizes", "8", "8", "--max-epochs", "2"]
     common += ["--emulate-schedule", '{"0": [1, 1], "2": [1, 0.2]}']
     common += ["--strategy-args", '{"rebalance": true, "rebalance_window": 3}']
-    first = run_fit(tmp_path / "first", *common, "--checkpoint-every", "8", "--monitor")
+    first = run_fit(tmp_path / "first", *common, "--checkpoint-every", "4", "--monitor")
     assert first.returncode == 0, first.output[-4000:]
     log_dir = tmp_path / "first" / "csv" / "version_0"  # with a logger, the run's hetero/ is in its log_dir
     run_report = json.loads((log_dir / "hetero" / "report.json").read_text())
     splits = [tuple(step["batch_sizes"]) for step in run_report["steps"]]
     replans = run_report["replans"]
-    assert replans and replans[0]["step"] == 6, (replans, splits)  # the first decision after two windows
-    assert splits[:6] == [(8, 8)] * 6 and splits[6][0] > 8, splits  # mid-epoch 0, towards the fast rank
+    # The first decision after two windows, or, on a machine loaded enough that the kernel holds the ranks unevenly
+    # (the test suite's other workers), after three: the ranks' arrivals then count in the refit, and their noise
+    # can hold the first window's decision back (seen once in a fresh-clone run of the suite).
+    assert replans and replans[0]["step"] in (6, 9), (replans, splits)
+    first_replan = replans[0]["step"]
+    assert splits[:first_replan] == [(8, 8)] * first_replan and splits[first_replan][0] > 8, splits  # to the fast rank
     for replan in replans:  # every rank switched at that step, to what the report says
         assert splits[replan["step"]] == tuple(replan["batch_sizes"]) and replan["predicted_gain"] >= 0.05
     seen = first.result["seen"]
@@ -420,18 +424,22 @@ def test_a_resplit_mid_epoch_equals_one_process_and_a_checkpoint_after_it_resume
         logged = [row for row in csv.DictReader(metrics_file) if row.get("hetero/replan_predicted_gain")]
     assert [int(row["step"]) for row in logged] == [replan["step"] for replan in replans]
 
-    (checkpoint,) = [path for path in (tmp_path / "first" / "ckpt").iterdir() if "step=8" in path.name]
+    resumed_at = 4 * (first_replan // 4 + 1)  # the first checkpoint (every 4 steps) after the re-split: 8 or 12
+    (checkpoint,) = [path for path in (tmp_path / "first" / "ckpt").iterdir() if f"step={resumed_at}." in path.name]
     resumed = run_fit(tmp_path / "resumed", *common, "--ckpt-path", str(checkpoint), "--monitor")
     assert resumed.returncode == 0, resumed.output[-4000:]
     resumed_log = tmp_path / "resumed" / "csv" / "version_0"
     resumed_report = json.loads((resumed_log / "hetero" / "report.json").read_text())
-    # HeteroMonitor's curves continue from the checkpoint's global step (8), not from 0.
+    # HeteroMonitor's curves continue from the checkpoint's global step, not from 0.
     with open(resumed_log / "metrics.csv") as metrics_file:
         monitored = [int(row["step"]) for row in csv.DictReader(metrics_file) if row.get("hetero/samples_per_second")]
-    assert monitored == list(range(8, 20))
-    assert tuple(resumed_report["steps"][0]["batch_sizes"]) == splits[8]  # the checkpoint's split, not [8, 8]
+    assert monitored == list(range(resumed_at, 20))
+    assert tuple(resumed_report["steps"][0]["batch_sizes"]) == splits[resumed_at]  # the checkpoint's, not [8, 8]
+    assert splits[resumed_at] != (8, 8)
     assert "resumes with the checkpoint's micro-batches" in resumed.output
-    assert sorted(sum(resumed.result["seen"], [])) == sorted([*range(8 * 16, 160), *range(160)])
+    epoch, position = divmod(resumed_at, 10)  # (10 steps of 16 samples per epoch, 2 epochs)
+    rest = [*range(position * 16, 160)] + ([*range(160)] if epoch == 0 else [])
+    assert sorted(sum(resumed.result["seen"], [])) == sorted(rest)
     assert max_param_difference(resumed.result, reference_training(dataset, steps)) <= TOLERANCE
 
 
