@@ -71,12 +71,42 @@ class Emulation:
         pass
 
 
-class ProcessEmulation:
+class _NothingStretched:
+    """The calls that stretch compute or hold sends, as no-ops: for emulation off and for the emulations that slow a
+    rank another way (their profile measures the rank as it is: no ``emulator``)."""
+
+    emulator: Optional[SlowdownEmulator] = None
+    schedule: Optional[SpeedSchedule] = None
+    added_seconds = 0.0
+
+    def at_step(self, step: int) -> None:
+        pass
+
+    def slowed(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def catch_up(self) -> None:
+        pass
+
+    def around_deepspeed_exchanges(self, engine: Any) -> None:
+        pass
+
+    def send_seconds(self, payload_bytes: float) -> float:
+        return 0.0
+
+    def stop(self) -> None:
+        pass
+
+
+class NoEmulation(_NothingStretched):
+    """Emulation off: every call is a no-op, and profiles and steps are measured as they are."""
+
+
+class ProcessEmulation(_NothingStretched):
     """This rank's whole process held to its emulated speed of a core (:mod:`.throttle`): nothing in the loop is
     stretched; the kernel's CPU quota (or a helper's duty cycle) stops the process wherever it runs out."""
 
-    emulator: Optional[SlowdownEmulator] = None  # (the profiler measures the throttled process as it is)
-    added_seconds = 0.0
+    schedule: SpeedSchedule
 
     def __init__(self, schedule: SpeedSchedule, rank: int) -> None:
         self.schedule = schedule
@@ -105,20 +135,8 @@ class ProcessEmulation:
             self.throttle = None
         self.speed = 1.0
 
-    def slowed(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
 
-    def catch_up(self) -> None:
-        pass
-
-    def around_deepspeed_exchanges(self, engine: Any) -> None:
-        pass
-
-    def send_seconds(self, payload_bytes: float) -> float:
-        return 0.0
-
-
-class SendsEmulation:
+class SendsEmulation(_NothingStretched):
     """This rank's sends on a slower link (``emulate_slowdown="sends"``): at speed ``f`` its payload in each collective
     of a training step is held back before it is issued for what a link of ``f`` times ``gbit_per_second`` would take
     longer (:func:`send_hold_seconds`), so the other ranks wait for it inside the collective, as for a slow network
@@ -126,8 +144,7 @@ class SendsEmulation:
     sends per step is its gradients' payload, whatever its share of the batch: a smaller share lets it start sending
     earlier, no more.)"""
 
-    emulator: Optional[SlowdownEmulator] = None
-    added_seconds = 0.0
+    schedule: SpeedSchedule
 
     def __init__(self, schedule: SpeedSchedule, rank: int, gbit_per_second: float) -> None:
         self.schedule, self.rank, self.gbit_per_second = schedule, rank, gbit_per_second
@@ -139,44 +156,6 @@ class SendsEmulation:
     def send_seconds(self, payload_bytes: float) -> float:
         """The time to hold back a send of ``payload_bytes`` before it is issued."""
         return send_hold_seconds(payload_bytes, self.speed, self.gbit_per_second)
-
-    def slowed(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-    def catch_up(self) -> None:
-        pass
-
-    def around_deepspeed_exchanges(self, engine: Any) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
-
-
-class NoEmulation:
-    """Emulation off: every call is a no-op, and profiles and steps are measured as they are."""
-
-    emulator: Optional[SlowdownEmulator] = None
-    schedule: Optional[SpeedSchedule] = None
-    added_seconds = 0.0
-
-    def at_step(self, step: int) -> None:
-        pass
-
-    def slowed(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-    def catch_up(self) -> None:
-        pass
-
-    def around_deepspeed_exchanges(self, engine: Any) -> None:
-        pass
-
-    def send_seconds(self, payload_bytes: float) -> float:
-        return 0.0
-
-    def stop(self) -> None:
-        pass
 
 
 def emulation_for(
