@@ -211,6 +211,11 @@ def mean_step_ms(starts: list[float], first: int = FIRST_MEASURED, last: int = L
     return (starts[last] - starts[first]) / (last - first) * 1e3
 
 
+def spread(values: list[float]) -> str:
+    """``median [min, max]`` of ratios, as the printout gives them."""
+    return f"{statistics.median(values):.3f} [{min(values):.3f}, {max(values):.3f}]"
+
+
 def best_fixed(sweep: dict[str, float]) -> str:
     """The fixed split (``"fixed:b0,b1"``) with the shortest median step."""
     return min(sweep, key=sweep.__getitem__)
@@ -289,7 +294,7 @@ def regression(args: argparse.Namespace, cores: list[int]) -> None:
               f" {now.get('final_batch_sizes')}): now/before {now['median_step_ms'] / before['median_step_ms']:.3f}",
               flush=True)  # fmt: skip
     ratios = [r["now"]["median_step_ms"] / r["before"]["median_step_ms"] for r in rounds]
-    print(f"now/before: median {statistics.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}]")
+    print(f"now/before: median {spread(ratios)}")
     record = {"command": " ".join(sys.argv), "machine": platform.node(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
               "regression": str(args.regression), "rounds": rounds, "now_over_before": ratios}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -371,20 +376,12 @@ def main() -> None:
         medians = {name: statistics.median(r[name]["median_step_ms"] for r in rounds) for name in rounds[0]}
         over_best = [r["auto"]["median_step_ms"] / r["best fixed"]["median_step_ms"] for r in rounds]
         speedups = [r["ddp"]["median_step_ms"] / r["auto"]["median_step_ms"] for r in rounds]
-        print(
-            f"limit {limit}: medians {', '.join(f'{k} {v:.1f} ms' for k, v in medians.items())}; auto/best fixed"
-            f" {statistics.median(over_best):.3f} [{min(over_best):.3f}, {max(over_best):.3f}], DDP/auto"
-            f" {statistics.median(speedups):.3f} [{min(speedups):.3f}, {max(speedups):.3f}]",
-            flush=True,
-        )
+        print(f"limit {limit}: medians {', '.join(f'{k} {v:.1f} ms' for k, v in medians.items())}; auto/best fixed"
+              f" {spread(over_best)}, DDP/auto {spread(speedups)}", flush=True)  # fmt: skip
         mean_over_best = [r["auto"]["mean_step_ms"] / r["best fixed"]["mean_step_ms"] for r in rounds]
         mean_speedups = [r["ddp"]["mean_step_ms"] / r["auto"]["mean_step_ms"] for r in rounds]
-        print(
-            f"limit {limit}: by the mean step: auto/best fixed {statistics.median(mean_over_best):.3f}"
-            f" [{min(mean_over_best):.3f}, {max(mean_over_best):.3f}], DDP/auto {statistics.median(mean_speedups):.3f}"
-            f" [{min(mean_speedups):.3f}, {max(mean_speedups):.3f}]",
-            flush=True,
-        )
+        print(f"limit {limit}: by the mean step: auto/best fixed {spread(mean_over_best)}, DDP/auto"
+              f" {spread(mean_speedups)}", flush=True)  # fmt: skip
         record["limits"][str(limit)] = {
             "sweep_ms": sweep,
             "sweep": sweep_figures,
