@@ -22,9 +22,9 @@ split. Every fit's figure goes to the JSON (``--out``), with the machine, the co
 gives every round and each variant's median over the rounds, and the ratios: automatic over best fixed, DDP over
 automatic (the speedup).
 
-``--regression DIR`` compares instead, in pairs of fits back to back, another checkout's automatic split with this
-one's under the package's own emulation (``emulate_speeds=[1.0, --emulated-speed]``, no quota): what the changes cost
-where the cost model already explained the step.
+``--regression DIR`` compares instead, in pairs of fits back to back (in alternating order), another checkout's
+automatic split with this one's under the package's own emulation (``emulate_speeds=[1.0, --emulated-speed]``, no
+quota): what the changes cost where the cost model already explained the step.
 """
 
 from __future__ import annotations
@@ -190,6 +190,7 @@ def fit(variant: str, limit: float, out: Path, steps: int = STEPS) -> None:
         if report.is_file():
             run_report = json.loads(report.read_text())
             result["batch_sizes"] = [step["batch_sizes"] for step in run_report["steps"]]
+            result["report_steps"] = [step["step"] for step in run_report["steps"]]
             result["late_rank"] = run_report["summary"].get("late_rank")
             result["replans"] = run_report["replans"]
         (out / "steps.json").write_text(json.dumps(result))
@@ -209,6 +210,39 @@ def mean_step_ms(starts: list[float], first: int = FIRST_MEASURED, last: int = L
     fit's throughput over those steps is (its slow steps, a re-plan's first ones, count in full)."""
     last = min(last, len(starts) - 1)
     return (starts[last] - starts[first]) / (last - first) * 1e3
+
+
+def away_from_start(
+    starts: list[float], report_steps: list[int], batch_sizes: list[list[int]], replans: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """What the fit's steps away from its starting split cost, measured within the fit (so the machine's drift
+    between fits does not hide it): each such step's time over the median step under the starting split, summed by
+    what moved the split there ("search": the search on the measured step; "model": the cost model's re-plan), as a
+    share of the fit's whole time. On identical ranks the starting (equal) split is the best one, so this is what
+    exploring costs there. The step times are rank 0's, between the starts of consecutive steps."""
+    times = {step: starts[step + 1] - starts[step] for step in range(len(starts) - 1)}
+    split_at = {step: tuple(sizes) for step, sizes in zip(report_steps, batch_sizes) if step in times}
+    if not split_at:
+        return {}
+    first = min(split_at)
+    reference = split_at[first]
+    at_reference = [times[step] for step, split in split_at.items() if split == reference]
+    reference_level = statistics.median(at_reference)
+    moved_by = {replan["step"]: replan.get("source") or "model" for replan in replans}
+    source, excess, away = "plan", {}, {}
+    for step in sorted(split_at):
+        source = moved_by.get(step, source)
+        if split_at[step] != reference:
+            excess[source] = excess.get(source, 0.0) + times[step] - reference_level
+            away[source] = away.get(source, 0) + 1
+    total = sum(times[step] for step in split_at)
+    return {
+        "starting_split": list(reference),
+        "starting_split_median_step_ms": reference_level * 1e3,
+        "steps_away": away,
+        "share_of_fit": {source: value / total for source, value in excess.items()},
+        "share_of_fit_total": sum(excess.values()) / total,
+    }
 
 
 def spread(values: list[float]) -> str:
@@ -278,6 +312,9 @@ def run_fit(
         figure["replan_steps"] = [
             (replan["step"], replan["batch_sizes"], replan.get("source")) for replan in result["replans"]
         ]
+        figure["away_from_start"] = away_from_start(
+            result["step_starts"], result["report_steps"], result["batch_sizes"], result["replans"]
+        )
     return figure
 
 
@@ -286,17 +323,24 @@ def regression(args: argparse.Namespace, cores: list[int]) -> None:
     package's own emulation: compute stretched), no quota; a pair of fits back to back per round."""
     variant, rounds = f"emulated:{args.emulated_speed}", []
     for pair in range(args.pairs):
-        before = run_fit(variant, 1.0, args.work, cores, args.steps, tuple(args.measured), args.regression)
-        now = run_fit(variant, 1.0, args.work, cores, args.steps, tuple(args.measured))
-        rounds.append({"before": before, "now": now})
+        # (in alternating order: a machine that slows down or speeds up within a pair does not favour one side)
+        if pair % 2 == 0:
+            before = run_fit(variant, 1.0, args.work, cores, args.steps, tuple(args.measured), args.regression)
+            now = run_fit(variant, 1.0, args.work, cores, args.steps, tuple(args.measured))
+        else:
+            now = run_fit(variant, 1.0, args.work, cores, args.steps, tuple(args.measured))
+            before = run_fit(variant, 1.0, args.work, cores, args.steps, tuple(args.measured), args.regression)
+        rounds.append({"before": before, "now": now, "first": "before" if pair % 2 == 0 else "now"})
         print(f"emulated speed {args.emulated_speed} round {pair + 1}: before {before['median_step_ms']:.1f} ms"
               f" (split {before.get('final_batch_sizes')}), now {now['median_step_ms']:.1f} ms (split"
               f" {now.get('final_batch_sizes')}): now/before {now['median_step_ms'] / before['median_step_ms']:.3f}",
               flush=True)  # fmt: skip
     ratios = [r["now"]["median_step_ms"] / r["before"]["median_step_ms"] for r in rounds]
-    print(f"now/before: median {spread(ratios)}")
+    mean_ratios = [r["now"]["mean_step_ms"] / r["before"]["mean_step_ms"] for r in rounds]
+    print(f"now/before: by the median step {spread(ratios)}, by the mean step {spread(mean_ratios)}")
     record = {"command": " ".join(sys.argv), "machine": platform.node(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "regression": str(args.regression), "rounds": rounds, "now_over_before": ratios}  # fmt: skip
+              "regression": str(args.regression), "rounds": rounds, "now_over_before": ratios,
+              "mean_now_over_before": mean_ratios}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))
     print(f"written to {args.out}")

@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 # Standard errors of a difference of levels a trial must clear (with the relative threshold) to be kept: one-sided,
@@ -56,6 +56,9 @@ EXCHANGE_SHARE = 0.25
 # hooks, the update) whatever its share, and over a small compute that work alone makes a large ratio (an emulated
 # slow device's fast peer read as held, its arrivals then counted and the re-plan delayed).
 HELD_STEP_SHARE = 0.15
+# A rank the kernel held (runnable, not running) longer than another by this share of the step is still under what held
+# it before (a CPU quota), though its arrival no longer shows it.
+KERNEL_HELD_STEP_SHARE = 0.05
 # A trial neither clearly faster nor clearly slower is measured for up to this many windows (pooled) before it is
 # judged on what it has.
 TRIAL_WINDOWS = 3
@@ -66,13 +69,17 @@ _MEDIAN_EFFICIENCY, _MAD_TO_SIGMA = 1.2533, 1.4826
 @dataclass(frozen=True)
 class Window:
     """One window's steps under one split: the split, the level of its step time and the level's standard error,
-    and the ranks that arrived last and first at the exchange (None: no rank was consistently late)."""
+    the ranks that arrived last and first at the exchange (None: no rank was consistently late) and by how much, and
+    the rank held beyond the others (:func:`held_beyond_others`)."""
 
     split: tuple[int, ...]
     level: float
     error: float
     late: Optional[int] = None
     early: Optional[int] = None
+    lateness: float = 0.0  # the late rank's median arrival less the early rank's (0 where not from the arrivals)
+    lateness_error: float = 0.0  # ... its standard error
+    held: Optional[int] = None  # the rank held beyond the others by what its compute clock does not see, if any
 
 
 def level_of(step_seconds: Sequence[float]) -> tuple[float, float]:
@@ -88,18 +95,24 @@ def late_and_early(arrivals: Sequence[Sequence[float]], level: float) -> tuple[O
     """The rank with the latest median arrival at the exchange over the steps (``arrivals[t][r]``) and the rank with
     the earliest, when the difference of their medians is beyond the noise (``NOISE_MARGIN_SIGMAS`` standard errors of
     it), and at least ``LATE_SECONDS`` and ``LATE_LEVEL_SHARE`` of ``level``; (None, None) otherwise."""
+    late, early, _, _ = lateness_of(arrivals, level)
+    return late, early
+
+
+def lateness_of(arrivals: Sequence[Sequence[float]], level: float) -> tuple[Optional[int], Optional[int], float, float]:
+    """:func:`late_and_early`, with the difference of the two ranks' median arrivals and its standard error (0, 0
+    where no rank is late)."""
     timed = [step for step in arrivals if len(step) > 1 and min(step) > 0]
     if len(timed) < 2:
-        return None, None
+        return None, None, 0.0, 0.0
     ranks = range(len(timed[0]))
     levels = [level_of([step[rank] for step in timed]) for rank in ranks]
     late = max(ranks, key=lambda rank: levels[rank][0])
     early = min(ranks, key=lambda rank: levels[rank][0])
-    lateness = levels[late][0] - levels[early][0]
-    noise = NOISE_MARGIN_SIGMAS * math.hypot(levels[late][1], levels[early][1])
-    if lateness < max(LATE_SECONDS, LATE_LEVEL_SHARE * level, noise):
-        return None, None
-    return late, early
+    lateness, error = levels[late][0] - levels[early][0], math.hypot(levels[late][1], levels[early][1])
+    if lateness < max(LATE_SECONDS, LATE_LEVEL_SHARE * level, NOISE_MARGIN_SIGMAS * error):
+        return None, None, 0.0, 0.0
+    return late, early, lateness, error
 
 
 def unexplained_seconds(steps: Sequence[dict[str, Any]]) -> list[float]:
@@ -134,6 +147,21 @@ def held_beyond_others(steps: Sequence[dict[str, Any]], step_time: float) -> tup
     if unexplained[most] - unexplained[least] < max(LATE_SECONDS, HELD_STEP_SHARE * step_time):
         return None, None
     return most, least
+
+
+def kernel_holds_more(steps: Sequence[dict[str, Any]], rank: int) -> bool:
+    """Whether the kernel held ``rank`` (runnable, not running: its ``held_seconds``) longer per step than the rank it
+    held least, by at least ``LATE_SECONDS`` and ``KERNEL_HELD_STEP_SHARE`` of the median step, over the ``steps``
+    (report entries); False where it was not measured. A rank under a CPU quota shows it even at a share small enough
+    that its work fits the quota before the exchange (at 40 %, with 1-50 of 512 samples: 3-5 ms of a 20 ms step, the
+    other rank 0.2 ms), where its arrival no longer does."""
+    timed = [step for step in steps if len(step.get("held_seconds", ())) > rank and step.get("step_seconds")]
+    if len(timed) < 3:
+        return False
+    ranks = range(len(timed[0]["held_seconds"]))
+    held = [statistics.median(step["held_seconds"][other] for step in timed) for other in ranks]
+    step_time = statistics.median(step["step_seconds"] for step in timed)
+    return held[rank] - min(held) >= max(LATE_SECONDS, KERNEL_HELD_STEP_SHARE * step_time)
 
 
 def held_and_free(steps: Sequence[dict[str, Any]], level: float) -> tuple[Optional[int], Optional[int]]:
@@ -173,10 +201,11 @@ def window_of(steps: Sequence[dict[str, Any]]) -> Optional[Window]:
     if len(kept) < 3 or len({tuple(step["batch_sizes"]) for step in kept}) != 1:
         return None
     level, error = level_of([step["step_seconds"] for step in kept])
-    late, early = late_and_early([step.get("arrival_seconds", ()) for step in kept], level)
+    late, early, lateness, lateness_error = lateness_of([step.get("arrival_seconds", ()) for step in kept], level)
     if late is None:
         late, early = held_and_free(kept, level)
-    return Window(tuple(kept[0]["batch_sizes"]), level, error, late, early)
+    held = held_beyond_others(kept, level)[0] if all("compute_seconds" in step for step in kept) else None
+    return Window(tuple(kept[0]["batch_sizes"]), level, error, late, early, lateness, lateness_error, held)
 
 
 def moved(
@@ -217,6 +246,8 @@ class StepSearch:
     _rechecking: bool = False  # the best split is being measured again for an undecided trial
     said: Optional[str] = None  # "started" or "settled" by the last decision (for the caller's line), else None
     settled: bool = False
+    # The window the search settled on (its late rank and lateness, which do not start it again while they last)
+    _settled_on: Optional[Window] = None
     history: list[dict[str, Any]] = field(default_factory=list)  # each decision, for the report
 
     def __post_init__(self) -> None:
@@ -236,7 +267,7 @@ class StepSearch:
         """The split was changed by something else (the cost model's re-plan, a checkpoint): start from nothing."""
         self.best, self.trial, self.direction, self.settled = None, None, None, False
         self.move, self.trials, self.drifting, self._measured, self._windows = 0, 0, 0, None, 0
-        self._best_windows, self._rechecking = 0, False
+        self._best_windows, self._rechecking, self._settled_on = 0, False, None
 
     def decide(self, window: Window) -> Optional[tuple[int, ...]]:
         """The split to run from the next step on, given the window just measured (under the split in use); None
@@ -269,7 +300,8 @@ class StepSearch:
         if self.settled:
             # A drift: the level moved, or a rank is evidently late, the same way two windows in a row (a throttle
             # that lifts may leave the settled split's step as it was, with the other rank now the late one).
-            sign = self._drift_sign(window, self.best) or (2 + window.late if window.late is not None else 0)
+            late = window.late if self._late_anew(window) else None
+            sign = self._drift_sign(window, self.best) or (2 + late if late is not None else 0)
             if sign and sign == self.drifting:
                 self.best, self.settled, self.trials, self.drifting, self._best_windows = window, False, 0, 0, 1
                 return self._start(window)
@@ -281,11 +313,30 @@ class StepSearch:
 
     def _start(self, window: Window) -> Optional[tuple[int, ...]]:
         if window.late is None or window.early is None:
-            self.settled = True  # (nothing says which way: stay)
+            self._settle()  # (nothing says which way: stay)
             return None
-        self.direction, self.move, self.searches = (window.late, window.early), self.first_move, self.searches + 1
+        self.direction, self.searches = (window.late, window.early), self.searches + 1
+        # Toward a held rank, a quarter of the first move: past the share its quota carries its step jumps by a
+        # period of the quota, so a large trial lands beyond and costs a window of slow steps; from it, the full one.
+        self.move = max(self.smallest, self.first_move // 4) if window.early == window.held else self.first_move
         self.said = "started"
         return self._try()
+
+    def _settle(self) -> None:
+        self.settled, self.trial, self._settled_on = True, None, self.best
+
+    def _late_anew(self, window: Window) -> bool:
+        """A rank is evidently late in ``window`` (under the settled split), and not as it already was when the search
+        settled there (the same rank, late by no more than then beyond the noise): a settled split that leaves the
+        same rank last by the same margin is what the search found best, and searching again from it would try
+        the moves it has just measured (a held rank given more past its quota's share, every few windows)."""
+        if window.late is None:
+            return False
+        settled_on = self._settled_on
+        if settled_on is None or settled_on.late != window.late:
+            return True
+        margin = max(LATE_SECONDS, NOISE_MARGIN_SIGMAS * math.hypot(window.lateness_error, settled_on.lateness_error))
+        return window.lateness > settled_on.lateness + margin
 
     def _try(self) -> Optional[tuple[int, ...]]:
         assert self.best is not None and self.direction is not None
@@ -298,7 +349,7 @@ class StepSearch:
                 self.history.append({"search": self.searches, "tried": list(trial), "from": list(self.best.split)})
                 return trial
             self.move //= 2
-        self.settled, self.trial = True, None
+        self._settle()
         return None
 
     def _verdict(self, on_trial: bool) -> Optional[tuple[int, ...]]:
@@ -343,4 +394,4 @@ def _pooled(a: Window, b: Window) -> Window:
         return b
     wa, wb = 1 / a.error**2, 1 / b.error**2
     level = (a.level * wa + b.level * wb) / (wa + wb)
-    return Window(a.split, level, 1 / math.sqrt(wa + wb), b.late, b.early)
+    return replace(b, level=level, error=1 / math.sqrt(wa + wb))

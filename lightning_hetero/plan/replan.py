@@ -13,7 +13,13 @@ How a decision is made:
    the weights halve every ``window`` steps. The spread of those ratios (their median absolute deviation) gives how
    uncertain each rank's level is. When the newest window's level differs from the older steps' by more than that
    uncertainty allows, the device changed (a drift): the older steps are dropped and the newest window alone
-   decides, so a drift is followed in one switch instead of being averaged with what came before.
+   decides, so a drift is followed in one switch instead of being averaged with what came before. The rank held
+   beyond the others by what its compute clock does not see (:func:`held_most`: a CPU quota), where it ran a share
+   at least ``LINE_SPREAD`` different under the split before, gets the line through its two measured levels
+   instead (:func:`line_through`): its time per step is largely fixed (the quota stretches its update and its loop,
+   not only its samples), and scaling the profile's line, which is mostly per sample, moves it a fraction of the way
+   per re-plan (at a 40 % quota: 5 re-plans, 200 steps). Elsewhere (``emulate_speeds``, a slower device) the
+   profile's shape holds and the scaled line is the steadier one.
 2. **Plan** the split that minimises the slowest rank's predicted compute with the exact planner
    (:func:`lightning_hetero.plan.planner.plan_min_max`), within each device's memory ceiling.
 3. **Switch** only if the new split is predicted faster than the current one by at least ``threshold`` plus the
@@ -29,11 +35,17 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from lightning_hetero.measure.cost import CostModel
-from lightning_hetero.plan.explore import StepSearch, cost_model_leaves_unexplained, held_beyond_others, window_of
+from lightning_hetero.plan.explore import (
+    StepSearch,
+    cost_model_leaves_unexplained,
+    held_beyond_others,
+    kernel_holds_more,
+    window_of,
+)
 from lightning_hetero.plan.micro_steps import micro_steps_for, plan_micro_steps, rank_time
 from lightning_hetero.plan.planner import plan_min_max, predicted_step_time
 from lightning_hetero.runtime.checks import check_positive_int, is_real
@@ -46,6 +58,14 @@ HISTORY_WINDOWS = 4
 # Windows between two switches: a decision rests on at least two windows measured under the split in use (never on
 # one noisy window), and a split runs long enough to repay what switching costs (the loader's read-ahead).
 MIN_INTERVAL_WINDOWS = 2
+# Windows a rank seen held beyond the others (a CPU quota) stays marked after it was last seen so, or held longer than
+# the others by the kernel (explore.kernel_holds_more), doubled each time a mark lapses and the rank is seen held again:
+# the cost model does not give a marked rank more samples. Below the share
+# its quota carries a held rank looks free (its little work fits in the quota), and the model, scaling its time at a
+# few samples, gave it back past that share (at a 40 % quota: from 1 sample to 144, a 42 ms step for a 21 ms one,
+# every third re-plan). A lapsed mark lets the model try once more: a quota that lifted is followed, one that did not
+# costs a window, ever more rarely.
+HELD_MEMORY_WINDOWS = 10
 # Standard errors of the predicted gain that a switch must clear on top of the threshold: with 3, noise alone moves
 # the split in about one decision in a thousand (one-sided normal tail), so hardly ever in a run.
 NOISE_MARGIN_SIGMAS = 3.0
@@ -114,8 +134,40 @@ class RankFit:
     data_wait: float = 0.0  # seconds per step the rank waited for its loader, counted in ``cost.fixed``
 
 
+# Two splits whose shares for a rank differ by at least this fraction of the larger give its line through them; closer
+# ones leave the slope to the timing noise (a 3 % error of each level over a 25 % spread is a 17 % error of the slope).
+LINE_SPREAD = 0.25
+
+
+def line_through(
+    samples: int, seconds: float, earlier_samples: int, earlier_seconds: float, least_per_sample: float
+) -> Optional[tuple[float, float]]:
+    """The line ``(fixed, per_sample)`` through a held rank's measured time per step under two shares, when they
+    differ by at least ``LINE_SPREAD`` of the larger; None otherwise, or where the line needs a negative fixed cost
+    (the caller then scales the profile's line).
+
+    Its slope is at least ``least_per_sample`` (the profile's, measured with nothing holding the rank): a held rank
+    does not take a sample in less time than it did free. Two levels closer than that slope allows, or in the wrong
+    order, are the step's fixed part and its noise (the 10 ms period of a CPU quota makes the step bimodal): the line
+    then keeps the least slope through the newer level, and the time it does not explain is fixed, which moves the
+    split further the way the held rank's time already points, never back (a flat line read as "the samples cost
+    nothing" gave the held rank more again).
+    """
+    if abs(samples - earlier_samples) < LINE_SPREAD * max(samples, earlier_samples):
+        return None
+    per_sample = max((seconds - earlier_seconds) / (samples - earlier_samples), least_per_sample)
+    fixed = seconds - per_sample * samples
+    if fixed < 0:
+        return None
+    return fixed, per_sample
+
+
 def refit_cost_models(
-    base: Sequence[CostModel], steps: Sequence[dict[str, Any]], window: int, micro_steps: bool = False
+    base: Sequence[CostModel],
+    steps: Sequence[dict[str, Any]],
+    window: int,
+    micro_steps: bool = False,
+    earlier: Sequence[dict[str, Any]] = (),
 ) -> Optional[list[RankFit]]:
     """Each rank's ``base`` model scaled to the level its ``steps`` (report entries, oldest first) measured, plus the
     time it waited for its data per step.
@@ -132,20 +184,36 @@ def refit_cost_models(
     A wait for data is paid once per step whatever the rank's share (a loader with too few workers, slow storage): it
     is added to the model's fixed cost, so the planner gives that rank fewer samples until its compute plus its wait
     matches the others'. (A wait that grows with the share is under-corrected once and measured again.)
+
+    ``earlier``: the steps under the split before (one split); the held rank (:func:`held_most`), where its share
+    there differs enough and it ran in one micro-step under both, gets the line through its two levels
+    (:func:`line_through`).
     """
     predict = rank_time if micro_steps else CostModel.time
-    arrivals_count = held_unevenly(steps, len(base))
+    held_rank = held_most(steps, len(base))
+    arrivals_count = held_rank is not None
+
+    def taken(step: dict[str, Any], rank: int) -> float:
+        compute, arrivals = step["compute_seconds"][rank], step.get("arrival_seconds", ())
+        if not arrivals_count or len(arrivals) != len(base):
+            return compute
+        if rank == held_rank:
+            # The held rank's own step: the whole step but its wait for the others at the exchange (and for its
+            # data, counted apart). A CPU quota holds its exchange and its update after it as much as its samples,
+            # and they are what the step is short of: its arrival alone left a third of a 50 ms step unexplained.
+            waited = max(arrivals) - arrivals[rank] + step.get("data_wait_seconds", (0.0,) * len(base))[rank]
+            return max(compute, step.get("step_seconds", 0.0) - waited)
+        # Another rank: what it took before the exchange on the wall clock, its compute and what held its process
+        # besides, which its compute clock does not see.
+        return max(compute, arrivals[rank])
+
     refitted = []
     for rank, model in enumerate(base):
         ratios, waits, weights, newest, per_fixed = [], [], [], 0, 1
         for age, step in enumerate(reversed(steps)):
             compute = step["compute_seconds"][rank]
             if compute > 0:
-                # Where some rank is held unevenly: what it took before the exchange on the wall clock, its compute
-                # and what held its process besides (a CPU quota), which its compute clock does not see.
-                arrival = step.get("arrival_seconds", (0.0,) * len(base))[rank] if arrivals_count else 0.0
-                taken = max(compute, arrival)
-                ratios.append(taken / predict(model, step["batch_sizes"][rank]))
+                ratios.append(taken(step, rank) / predict(model, step["batch_sizes"][rank]))
                 waits.append(step.get("data_wait_seconds", (0.0,) * len(base))[rank])
                 weights.append(0.5 ** (age / window))
                 newest += age < window
@@ -155,21 +223,44 @@ def refit_cost_models(
             return None
         scale, error = _recent_level(ratios, weights, newest, relative=True)
         wait, wait_error = _recent_level(waits, weights, newest, relative=False)
-        predicted = scale * predict(model, steps[-1]["batch_sizes"][rank])
+        samples = steps[-1]["batch_sizes"][rank]
+        predicted = scale * predict(model, samples)
         total_error = math.hypot(error * predicted, wait_error) / (predicted + wait)
-        cost = CostModel(model.fixed * scale + wait / per_fixed, model.per_sample * scale, model.max_batch)
-        refitted.append(RankFit(cost, total_error, wait))
+        fixed, per_sample = model.fixed * scale, model.per_sample * scale
+        if rank == held_rank and per_fixed == 1:
+            line = _line_from_earlier(earlier, rank, samples, predicted, taken, model.per_sample)
+            if line is not None:
+                fixed, per_sample = line
+        refitted.append(RankFit(CostModel(fixed + wait / per_fixed, per_sample, model.max_batch), total_error, wait))
     return refitted
 
 
-def held_unevenly(steps: Sequence[dict[str, Any]], world_size: int) -> bool:
-    """Whether some rank is held beyond the others by what its compute clock does not see
-    (:func:`~.explore.held_beyond_others`, over the median step; ``steps``: report entries; False where arrivals were
-    not timed, or fewer than 3 steps were)."""
+def _line_from_earlier(
+    earlier: Sequence[dict[str, Any]], rank: int, samples: int, level: float, taken: Any, least_per_sample: float
+) -> Optional[tuple[float, float]]:
+    """The line through ``rank``'s ``level`` at ``samples`` and its median time under the ``earlier`` split (the
+    first of those steps left out: the first after a switch, or one of the window before), where it ran there in one
+    micro-step and with a measured compute."""
+    measured = [step for step in earlier[1:] if step["compute_seconds"][rank] > 0]
+    if len(measured) < 3 or any(step.get("micro_steps", (1,) * (rank + 1))[rank] != 1 for step in measured):
+        return None
+    earlier_level = statistics.median(taken(step, rank) for step in measured)
+    return line_through(samples, level, measured[-1]["batch_sizes"][rank], earlier_level, least_per_sample)
+
+
+def held_most(steps: Sequence[dict[str, Any]], world_size: int) -> Optional[int]:
+    """The rank held beyond the others by what its compute clock does not see (:func:`~.explore.held_beyond_others`,
+    over the median step; ``steps``: report entries); None where no rank is, arrivals were not timed, or fewer than 3
+    steps were."""
     timed = [step for step in steps if len(step.get("arrival_seconds", ())) == world_size]
     if len(timed) < 3:
-        return False
-    return held_beyond_others(timed, statistics.median(step["step_seconds"] for step in timed))[0] is not None
+        return None
+    return held_beyond_others(timed, statistics.median(step["step_seconds"] for step in timed))[0]
+
+
+def held_unevenly(steps: Sequence[dict[str, Any]], world_size: int) -> bool:
+    """Whether some rank is held beyond the others (:func:`held_most`)."""
+    return held_most(steps, world_size) is not None
 
 
 def _recent_level(
@@ -255,12 +346,17 @@ class Rebalancer:
     replans: list[Replan] = field(default_factory=list)
     # The search on the measured step, for what the cost models do not explain (plan/explore.py; None: off)
     search: Optional[StepSearch] = None
+    # Ranks seen held beyond the others, and the step from which each mark lapses (``HELD_MEMORY_WINDOWS``)
+    held_until: dict[int, int] = field(default_factory=dict)
+    held_lapses: int = 0  # marks that lapsed and were set again: each doubles how long a mark holds
+    _lapsed: set[int] = field(default_factory=set)
 
     def consider(self, steps: Sequence[dict[str, Any]], next_step: int) -> Optional[Replan]:
         """Decide before training step ``next_step``, given every step so far (the same list on every rank): the
         cost models' re-plan, once ``MIN_INTERVAL_WINDOWS`` windows ran under the split in use, else, where they leave
         the step unexplained (:func:`~.explore.cost_model_leaves_unexplained`), the search's next split
         (plan/explore.py); while the search holds the split (a trial, or one it kept), the search alone."""
+        self._mark_held(steps, next_step)
         if self.search is not None and self.search.holds:
             return self._searched(steps, next_step)
         if next_step - self.changed_at < MIN_INTERVAL_WINDOWS * self.window:
@@ -273,9 +369,30 @@ class Rebalancer:
         if self.search is None:
             return None
         since_change = [step for step in steps if step["step"] >= self.changed_at][-HISTORY_WINDOWS * self.window :]
-        if not cost_model_leaves_unexplained(since_change):
+        if not (self.held_until or cost_model_leaves_unexplained(since_change)):
             return None  # (the cost models balance what the ranks take: nothing for the search to find)
         return self._searched(steps, next_step)
+
+    def _mark_held(self, steps: Sequence[dict[str, Any]], next_step: int) -> None:
+        """Mark the rank held beyond the others over the last window under the split in use, keep the marks of ranks
+        the kernel still holds longer than the others, and let the others' lapse (``held_until``)."""
+        last = [step for step in steps[-self.window :] if step["step"] >= self.changed_at]
+        for rank in list(self.held_until):
+            if kernel_holds_more(last, rank):
+                self.held_until[rank] = next_step + self._held_memory()
+            elif next_step >= self.held_until[rank]:
+                del self.held_until[rank]
+                self._lapsed.add(rank)
+        held = held_most(last, len(self.split))
+        if held is None:
+            return
+        if held in self._lapsed:  # (held again after its mark lapsed: remembered twice as long)
+            self._lapsed.discard(held)
+            self.held_lapses += 1
+        self.held_until[held] = next_step + self._held_memory()
+
+    def _held_memory(self) -> int:
+        return HELD_MEMORY_WINDOWS * self.window * 2**self.held_lapses
 
     def _searched(self, steps: Sequence[dict[str, Any]], next_step: int) -> Optional[Replan]:
         """The search's next split from the last window's steps under the split in use (the first left out)."""
@@ -283,6 +400,8 @@ class Rebalancer:
         window = window_of([step for step in steps[-self.window :] if step["step"] >= self.changed_at])
         if window is None or window.split != tuple(self.split):
             return None
+        if window.held is None and len(self.held_until) == 1:  # (a rank held earlier, free at its share now)
+            window = replace(window, held=next(iter(self.held_until)))
         split = self.search.decide(window)
         if split is None or tuple(split) == tuple(self.split):
             return None
@@ -297,7 +416,7 @@ class Rebalancer:
     def _planned(self, steps: Sequence[dict[str, Any]], next_step: int) -> Optional[Replan]:
         since_change = [step for step in steps if step["step"] >= self.changed_at]
         recent = since_change[-HISTORY_WINDOWS * self.window :]
-        fits = refit_cost_models(self.base_costs, recent, self.window, self.micro_steps)
+        fits = refit_cost_models(self.base_costs, recent, self.window, self.micro_steps, self._earlier(steps))
         if fits is None:
             return None
         costs, margin = [fit.cost for fit in fits], gain_uncertainty(fits)
@@ -305,6 +424,13 @@ class Rebalancer:
         if decision is None:
             return None
         sizes, gain, micro_steps = decision
+        if any(sizes[rank] > self.split[rank] for rank in self.held_until):
+            # A rank held by what its compute clock does not see (a CPU quota), or held within HELD_MEMORY_WINDOWS, is
+            # not given more by the cost model: past the share its quota carries, its step jumps by a period of the
+            # quota (at 40 %: from 21 to 29 ms at the same split, in benchmarks/throttled.py), which no line through
+            # its times foresees. Taking samples from it costs the others a little per sample; the search on the
+            # measured step, which measures what it tries, may still give it more.
+            return None
         micro_steps = micro_steps or self.fixed_micro_steps
         if micro_steps and any(n < k for n, k in zip(sizes, micro_steps)):
             return None  # a rank would get fewer samples than its fixed micro-steps: keep the split that has them
@@ -312,6 +438,18 @@ class Rebalancer:
         self.adopt(replan.batch_sizes, next_step)
         self.replans.append(replan)
         return replan
+
+    def _earlier(self, steps: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The last window of steps of the split run just before the one in use (one window: a device that drifted
+        while that split ran is measured as it was at its end, not averaged with what it was before)."""
+        before = [step for step in steps if step["step"] < self.changed_at][-self.window - 1 :]
+        if not before:
+            return []
+        split = before[-1]["batch_sizes"]
+        start = len(before)
+        while start > 0 and before[start - 1]["batch_sizes"] == split:
+            start -= 1
+        return before[start:]
 
     def micro_steps_of(self, split: Sequence[int]) -> tuple[int, ...]:
         """Each rank's micro-steps under ``split`` (a checkpoint's, which records the samples only): the fixed ones,

@@ -60,7 +60,7 @@ def test_a_windows_level_its_error_and_the_late_rank():
     assert late_and_early([[0.0, 0.0]] * 10, 0.012) == (None, None)  # nothing timed
     steps = [{"step": k, "batch_sizes": [8, 8], "step_seconds": 0.01, "arrival_seconds": [0.004, 0.009]}
              for k in range(WINDOW)]  # fmt: skip
-    assert window_of(steps) == Window((8, 8), 0.01, 0.0, 1, 0)
+    assert window_of(steps) == Window((8, 8), 0.01, 0.0, 1, 0, pytest.approx(0.005), 0.0)
     assert window_of(steps[:3]) is None  # (too few steps, the first left out)
     assert moved((10, 6), 1, 0, 8) == (15, 1) and moved((10, 1), 1, 0, 4) is None
 
@@ -111,3 +111,35 @@ def test_the_exploration_budget_bounds_the_trials_of_one_search():
         sum(entry["search"] == number for entry in search.history) for number in range(1, search.searches + 1)
     ]
     assert per_search[0] == 5 and max(per_search) <= 5
+
+
+def test_a_first_trial_toward_a_held_rank_moves_a_quarter_as_much():
+    """Past the share its quota carries a held rank's step jumps by a period of the quota: the search edges toward
+    it (a quarter of the first move) and moves off it in full."""
+    toward = StepSearch(BATCH)
+    assert toward.decide(Window((480, 32), 0.020, 0.0002, late=0, early=1, lateness=0.01, held=1)) == (464, 48)
+    away = StepSearch(BATCH)
+    assert away.decide(Window((256, 256), 0.050, 0.0005, late=1, early=0, lateness=0.02, held=1)) == (320, 192)
+
+
+def test_a_settled_search_starts_again_on_a_late_rank_only_when_it_is_later_than_where_it_settled():
+    """Settled with rank 0 last by 10 ms (the trials toward rank 1 were measured no faster), windows that leave rank 0
+    last by as much do not start it again (it tried every few windows, each time a window of slow steps at a quota);
+    rank 0 later by beyond the noise (the other rank's throttle lifted) does, as does another rank late."""
+
+    def window(lateness, late=0, level=0.020):
+        return Window((480, 32), level, 0.0002, late=late, early=1 - late, lateness=lateness, lateness_error=0.0005)
+
+    search = StepSearch(BATCH)
+    search.decide(Window((480, 32), 0.020, 0.0002))  # (no rank late: nothing says which way, it settles)
+    assert search.settled
+    search._settled_on = window(0.010)  # (as if it had settled there with rank 0 last by 10 ms)
+    for _ in range(4):
+        assert search.decide(window(0.0105)) is None and search.settled
+    assert search.decide(window(0.016)) is None  # (one window: a drift needs two in a row)
+    assert search.decide(window(0.016)) is not None and search.said == "started"
+    other = StepSearch(BATCH)
+    other.decide(Window((480, 32), 0.020, 0.0002))
+    other._settled_on = window(0.010)
+    other.decide(window(0.004, late=1))
+    assert other.decide(window(0.004, late=1)) is not None

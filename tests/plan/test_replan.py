@@ -324,27 +324,36 @@ def test_adopting_a_checkpoints_split_restarts_the_interval():
 @pytest.mark.parametrize("seed", range(4))
 def test_where_the_cost_model_does_not_explain_the_step_the_search_on_the_measured_step_finishes_the_job(seed):
     """Rank 1's own work per step is mostly a fixed 10 ms its profile never saw (its update, held by a CPU quota, after
-    the exchange), while the profile line says both ranks cost 1 ms + 0.2 ms a sample. Scaling that line to what rank
-    1 measures misreads the fixed cost as a per-sample one, and the cost model alone stops 2-3 % from the best split
-    (its next move predicts less than its threshold); the search on the measured step (its trials recorded as
-    re-plans from the search) ends within 2 %."""
+    the exchange), while the profile line says both ranks cost 1 ms + 0.2 ms a sample. Scaling that line to rank 1's
+    own step misreads the fixed cost as a per-sample one: the cost model alone ends 4-6 % from the best split
+    (past it: it takes more from the held rank than it needs). The search on the measured step (its trials recorded
+    as re-plans from the search) brings the second half of the run within 3 %."""
     from lightning_hetero.plan.explore import StepSearch
 
     profile = [CostModel(0.001, 0.0002)] * 2
     truth = [CostModel(0.001, 0.0002), CostModel(0.011, 0.0002)]
-    rebalancer = Rebalancer(profile, equal(2, 128), window=WINDOW, threshold=0.05, search=StepSearch(128))
-    rng = random.Random(seed)
-    history = []
-    for step in range(2000):
-        if step and step % WINDOW == 0:
-            rebalancer.consider(history, step)
-        own = [cost.time(n) * rng.lognormvariate(0, 0.08) for cost, n in zip(truth, rebalancer.split)]
-        compute = [profile[0].time(n) * rng.lognormvariate(0, 0.08) for n in rebalancer.split]  # (what it computes)
-        history.append({"step": step, "batch_sizes": list(rebalancer.split), "compute_seconds": compute,
-                        "arrival_seconds": own, "step_seconds": max(own) + 0.002})  # fmt: skip
-    best = plan_min_max(truth, 128)
-    assert predicted_step_time(truth, rebalancer.split) <= 1.02 * best.predicted_step_time
+    best = plan_min_max(truth, 128).predicted_step_time
+
+    def second_half(search):
+        rebalancer = Rebalancer(profile, equal(2, 128), window=WINDOW, threshold=0.05, search=search)
+        rng = random.Random(seed)
+        history = []
+        for step in range(2000):
+            if step and step % WINDOW == 0:
+                rebalancer.consider(history, step)
+            own = [cost.time(n) * rng.lognormvariate(0, 0.08) for cost, n in zip(truth, rebalancer.split)]
+            compute = [profile[0].time(n) * rng.lognormvariate(0, 0.08) for n in rebalancer.split]  # (its compute)
+            history.append({"step": step, "batch_sizes": list(rebalancer.split), "compute_seconds": compute,
+                            "arrival_seconds": own, "step_seconds": max(own) + 0.002})  # fmt: skip
+        # (what the split costs over the second half, the search's later trials included)
+        later = [predicted_step_time(truth, step["batch_sizes"]) for step in history[1000:]]
+        return sum(later) / len(later) / best, rebalancer
+
+    searched, rebalancer = second_half(StepSearch(128))
+    assert searched <= 1.03
     assert any(replan.source == "search" for replan in rebalancer.replans)
+    model_alone, _ = second_half(None)
+    assert model_alone > 1.04
 
 
 def test_the_search_runs_where_micro_steps_are_planned_and_its_splits_take_the_micro_steps_memory_needs():
@@ -355,11 +364,12 @@ def test_the_search_runs_where_micro_steps_are_planned_and_its_splits_take_the_m
 
     base = [CostModel(0.001, 0.0002, max_batch=100), CostModel(0.001, 0.0002, max_batch=100)]
     rebalancer = Rebalancer(base, (64, 64), window=WINDOW, micro_steps=True, search=StepSearch(128, first_move=48))
+    rebalancer.threshold = 10.0  # (the cost models move nothing: the search decides)
     # Both ranks reach the exchange together and wait long in it; rank 1's wall time its compute explains least.
     steps = [{"step": k, "batch_sizes": [64, 64], "compute_seconds": [0.013, 0.006], "step_seconds": 0.030,
               "arrival_seconds": [0.020, 0.020 + 0.0001 * (k % 3)], "exchange_seconds": [0.010, 0.010]}
              for k in range(2 * WINDOW)]  # fmt: skip
-    replan = rebalancer.consider(steps, 2 * WINDOW)  # (the arrivals are equal: the cost models move nothing)
+    replan = rebalancer.consider(steps, 2 * WINDOW)
     assert replan is not None and replan.source == "search" and replan.batch_sizes == (112, 16)
     assert replan.micro_steps == (2, 1)  # (112 samples in two micro-batches within the ceiling of 100)
 
@@ -387,3 +397,173 @@ def test_where_the_cost_models_explain_the_step_the_search_does_not_start():
     everyone_waits = steps_with((0.010, 0.010), (0.012, 0.012), (0.012, 0.011))  # (in the exchange: 0.37 of the step)
     assert cost_model_leaves_unexplained(everyone_waits)
     assert not cost_model_leaves_unexplained(late_by_an_offset[:2])  # (too few steps to say)
+
+
+def test_the_line_through_a_held_ranks_two_measured_shares_keeps_at_least_its_profiles_slope():
+    from lightning_hetero.plan.replan import line_through
+
+    assert line_through(100, 0.030, 50, 0.020, 0.0001) == pytest.approx((0.010, 0.0002))
+    assert line_through(50, 0.020, 100, 0.030, 0.0001) == pytest.approx((0.010, 0.0002))  # (either order)
+    assert line_through(100, 0.030, 75, 0.025, 0.0001) == pytest.approx((0.010, 0.0002))
+    assert line_through(100, 0.030, 76, 0.0252, 0.0001) is None  # 24 of 100: below a quarter apart
+    assert line_through(100, 0.030, 100, 0.030, 0.0001) is None
+    # Levels as close as the step's noise, or in the wrong order (a bimodal step): the profile's slope through the
+    # newer level, the rest fixed (the held rank's time is mostly fixed: move further, never back).
+    assert line_through(100, 0.030, 50, 0.0299, 0.0001) == pytest.approx((0.020, 0.0001))
+    assert line_through(50, 0.031, 100, 0.030, 0.0001) == pytest.approx((0.026, 0.0001))
+    assert line_through(100, 0.050, 50, 0.020, 0.0001) is None  # a negative fixed cost: scale the profile instead
+
+
+def held_rank_run(seed, with_line, steps=4 * WINDOW + 1, noise=0.05):
+    """Two equal profiles; rank 1's process held 60 % of the time (a CPU quota), and its own work per step mostly a
+    fixed 25 ms its profile never saw (its update and its loop, stretched by the quota)."""
+    devices = [CostModel(0.001, 0.0002)] * 2
+    truth = [CostModel(0.001, 0.0002), CostModel(0.025, 0.0002)]
+    rebalancer = Rebalancer(devices, equal(2, 128), window=WINDOW, threshold=0.05)
+    if not with_line:
+        rebalancer._earlier = lambda steps: []
+    simulate(lambda step: truth, rebalancer, steps=steps, seed=seed, noise=noise, held=(0.0, 0.6))
+    return rebalancer, truth
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_held_rank_whose_time_is_mostly_fixed_is_found_in_two_re_plans_by_the_line_through_its_two_shares(seed):
+    """Scaling the profile's line (mostly per sample) to what the held rank measures moves it a fraction of the way
+    per re-plan (benchmarks/throttled.py at a 40 % quota: 5 re-plans, 200 steps); the line through its times under
+    the first two splits finds the best split at the second (issue 52)."""
+    lined, truth = held_rank_run(seed, with_line=True)
+    assert relative_to_best(truth, equal(2, 128)) > 0.4
+    assert [replan.step for replan in lined.replans][:2] == [2 * WINDOW, 4 * WINDOW]
+    assert relative_to_best(truth, lined.split) < 0.05, lined.split
+    scaled, _ = held_rank_run(seed, with_line=False)
+    assert relative_to_best(truth, scaled.split) > 0.10, scaled.split  # (what scaling alone reached by then)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_held_ranks_line_stays_at_the_best_split_over_a_long_run(seed):
+    lined, truth = held_rank_run(seed, with_line=True, steps=40 * WINDOW, noise=0.15)
+    assert relative_to_best(truth, lined.split) < 0.08, lined.split
+    assert len(lined.replans) <= 4, [replan.to_dict() for replan in lined.replans]
+
+
+def test_a_rank_slowed_per_sample_and_not_held_keeps_the_scaled_profile_line_whatever_the_split_before():
+    """Under ``emulate_speeds`` (compute stretched per sample) or on a slower device, the profile's shape holds: no
+    rank is held beyond the others, and the two splits' levels do not replace it."""
+    profile = [CostModel(0.001, 0.0002)] * 2
+    truth = [CostModel(0.001, 0.0002), CostModel(0.0025, 0.0005)]
+
+    def steps_under(split, first):
+        times = [cost.time(n) for cost, n in zip(truth, split)]
+        return [
+            {
+                "step": first + i,
+                "batch_sizes": list(split),
+                "compute_seconds": times,
+                "arrival_seconds": [time + 0.001 for time in times],
+                "step_seconds": max(times) + 0.002,
+            }
+            for i in range(WINDOW)
+        ]
+
+    earlier, recent = steps_under((64, 64), 0), steps_under((90, 38), WINDOW)
+    with_earlier = refit_cost_models(profile, recent, WINDOW, earlier=earlier)
+    without = refit_cost_models(profile, recent, WINDOW)
+    assert [fit.cost for fit in with_earlier] == [fit.cost for fit in without]
+    scale = truth[1].time(38) / profile[1].time(38)  # (the profile's line scaled to the level measured at 38)
+    assert with_earlier[1].cost.per_sample == pytest.approx(0.0002 * scale)
+    assert with_earlier[1].cost.fixed == pytest.approx(0.001 * scale)
+
+
+def quota_steps(split, own, compute, step_seconds, first=0, count=WINDOW):
+    """Steps of two ranks under ``split``: each rank's ``own`` arrival at the exchange, ``compute`` and the step."""
+    return [
+        {
+            "step": first + k,
+            "batch_sizes": list(split),
+            "compute_seconds": list(compute),
+            "arrival_seconds": list(own),
+            "step_seconds": step_seconds,
+        }
+        for k in range(count)
+    ]
+
+
+def test_the_held_ranks_time_is_its_whole_step_but_its_wait_for_the_others():
+    """A CPU quota holds rank 1's exchange and its update after it as much as its samples (issue 52, 40 % quota:
+    rank 1 reached the exchange at 34 ms of a 50 ms step): its time is the step less its wait for the others, where
+    the other rank's stays its arrival. Its arrival alone left the step's last third to no one."""
+    profile = [CostModel(0.001, 0.00003)] * 2
+    steps = quota_steps((256, 256), own=(0.011, 0.034), compute=(0.009, 0.010), step_seconds=0.050)
+    fits = refit_cost_models(profile, steps, WINDOW)
+    assert fits[1].cost.time(256) == pytest.approx(0.050)  # (it waited for no one)
+    assert fits[0].cost.time(256) == pytest.approx(0.011)
+    early = quota_steps((480, 32), own=(0.0145, 0.009), compute=(0.014, 0.003), step_seconds=0.020)
+    early_fits = refit_cost_models(profile, early, WINDOW)
+    assert early_fits[1].cost.time(32) == pytest.approx(0.020 - (0.0145 - 0.009))  # (less its wait for rank 0)
+
+
+def test_the_cost_model_does_not_give_a_held_rank_more_samples_but_does_give_a_free_one():
+    """Past the share its quota carries, a held rank's step jumps by a period of the quota (40 %: 21 or 29 ms at the
+    same split in benchmarks/throttled.py), which its measured times do not foresee: the cost model only takes from
+    it. Where no rank is held, the same imbalance the other way is re-planned."""
+    profile = [CostModel(0.001, 0.00003)] * 2
+    # Rank 1 held (its compute explains 3 ms of its 12 ms before the exchange), rank 0 late with 480 samples.
+    held = Rebalancer(profile, (480, 32), window=WINDOW, threshold=0.05)
+    held_steps = quota_steps((480, 32), own=(0.030, 0.012), compute=(0.028, 0.003), step_seconds=0.033, count=40)
+    assert held.consider(held_steps, 40) is None and held.split == (480, 32)
+    free = Rebalancer(profile, (480, 32), window=WINDOW, threshold=0.05)
+    free_steps = quota_steps((480, 32), own=(0.030, 0.004), compute=(0.028, 0.003), step_seconds=0.033, count=40)
+    replan = free.consider(free_steps, 40)
+    assert replan is not None and replan.batch_sizes[1] > 32
+
+
+def test_a_rank_held_earlier_is_not_given_more_by_the_cost_model_until_its_mark_lapses_which_doubles_each_time():
+    """Below the share its quota carries a held rank looks free (its little work fits in the quota): the cost model,
+    scaling its time at a few samples, gave it back past that share (benchmarks/throttled.py, 40 %: from 1 sample to
+    144 and a 42 ms step, every third re-plan). A rank seen held stays marked for ``HELD_MEMORY_WINDOWS`` windows;
+    then the model may give it more once, and a rank held again is marked for twice as long."""
+    from lightning_hetero.plan.replan import HELD_MEMORY_WINDOWS
+
+    profile = [CostModel(0.001, 0.00003)] * 2
+    rebalancer = Rebalancer(profile, (256, 256), window=WINDOW, threshold=0.05)
+    history = quota_steps((256, 256), own=(0.011, 0.034), compute=(0.009, 0.010), step_seconds=0.050, count=40)
+    replan = rebalancer.consider(history, 40)
+    assert replan is not None and replan.batch_sizes[1] < 256 and rebalancer.held_until == {1: 40 + 10 * WINDOW}
+    split = replan.batch_sizes
+    step = 40
+    while True:  # rank 1 now free at its share, rank 0 last: the model would give rank 1 more
+        history += quota_steps(split, own=(0.020, 0.004), compute=(0.019, 0.0035), step_seconds=0.024, first=step)
+        step += WINDOW
+        replan = rebalancer.consider(history, step)
+        if replan is not None:
+            break
+        assert step < 40 + 2 * HELD_MEMORY_WINDOWS * WINDOW, "the mark never lapsed"
+    assert step == 40 + HELD_MEMORY_WINDOWS * WINDOW and replan.batch_sizes[1] > split[1] and not rebalancer.held_until
+    # Held again at the larger share: marked again, for twice as long.
+    history += quota_steps(replan.batch_sizes, own=(0.011, 0.034), compute=(0.009, 0.010), step_seconds=0.050,
+                           first=step)  # fmt: skip
+    step += WINDOW
+    rebalancer.consider(history, step)
+    assert rebalancer.held_until == {1: step + 2 * HELD_MEMORY_WINDOWS * WINDOW} and rebalancer.held_lapses == 1
+
+
+def test_a_marked_rank_the_kernel_still_holds_longer_than_the_others_keeps_its_mark():
+    """At 40 % with 1-50 of 512 samples rank 1's work fits its quota before the exchange, so its arrival no longer shows
+    the quota, but the kernel still holds it 3-5 ms a step (the other rank 0.2 ms): its mark does not lapse, and the
+    cost model never gives it back the share that was held."""
+    from lightning_hetero.plan.explore import kernel_holds_more
+    from lightning_hetero.plan.replan import HELD_MEMORY_WINDOWS
+
+    profile = [CostModel(0.001, 0.00003)] * 2
+    rebalancer = Rebalancer(profile, (256, 256), window=WINDOW, threshold=0.05)
+    history = quota_steps((256, 256), own=(0.011, 0.034), compute=(0.009, 0.010), step_seconds=0.050, count=40)
+    split = rebalancer.consider(history, 40).batch_sizes
+    step = 40
+    for _ in range(3 * HELD_MEMORY_WINDOWS):
+        window = quota_steps(split, own=(0.020, 0.004), compute=(0.019, 0.0035), step_seconds=0.024, first=step)
+        for entry in window:
+            entry["held_seconds"] = [0.0002, 0.004]
+        assert kernel_holds_more(window, 1) and not kernel_holds_more(window, 0)
+        history += window
+        step += WINDOW
+        assert rebalancer.consider(history, step) is None and 1 in rebalancer.held_until
