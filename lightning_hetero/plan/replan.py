@@ -13,15 +13,20 @@ How a decision is made:
    the weights halve every ``window`` steps. The spread of those ratios (their median absolute deviation) gives how
    uncertain each rank's level is. When the newest window's level differs from the older steps' by more than that
    uncertainty allows, the device changed (a drift): the older steps are dropped and the newest window alone
-   decides, so a drift is followed in one switch instead of being averaged with what came before. The rank held
-   beyond the others by what its compute clock does not see (:func:`held_most`: a CPU quota), where it ran a share
-   at least ``LINE_SPREAD`` different under the split before, gets the line through its two measured levels
-   instead (:func:`line_through`): its time per step is largely fixed (the quota stretches its update and its loop,
-   not only its samples), and scaling the profile's line, which is mostly per sample, moves it a fraction of the way
-   per re-plan (at a 40 % quota: 5 re-plans, 200 steps). Elsewhere (``emulate_speeds``, a slower device) the
-   profile's shape holds and the scaled line is the steadier one.
+   decides, so a drift is followed in one switch instead of being averaged with what came before.
+
+   The rank held beyond the others by what its compute clock does not see (:func:`held_most`: a CPU quota) is
+   measured by its whole step less its wait for the others at the exchange: the quota holds its exchange and its
+   update as much as its samples. Where it ran a share at least ``LINE_SPREAD`` different under the split before, it
+   gets the line through its two measured levels (:func:`line_through`): its time per step is largely fixed, and
+   scaling the profile's line, which is mostly per sample, moved it a fraction of the way per re-plan (at a 40 %
+   quota: 5 re-plans, 200 steps). Elsewhere (``emulate_speeds``, a slower device) the profile's shape holds and the
+   scaled line is the steadier one.
 2. **Plan** the split that minimises the slowest rank's predicted compute with the exact planner
-   (:func:`lightning_hetero.plan.planner.plan_min_max`), within each device's memory ceiling.
+   (:func:`lightning_hetero.plan.planner.plan_min_max`), within each device's memory ceiling. A rank seen held stays
+   marked while the kernel holds it longer than the others, else for ``HELD_MEMORY_WINDOWS`` windows (doubled after
+   each lapse), and the plan never gives a marked rank more samples: past the share its quota carries, its step jumps
+   by a period of the quota, which its measured times at a smaller share do not show.
 3. **Switch** only if the new split is predicted faster than the current one by at least ``threshold`` plus the
    noise margin, judged by the same refitted models, and only once ``MIN_INTERVAL_WINDOWS`` windows have been
    measured under the current split. The threshold is a dead band (a split within it of the best is kept); the

@@ -567,3 +567,29 @@ def test_a_marked_rank_the_kernel_still_holds_longer_than_the_others_keeps_its_m
         history += window
         step += WINDOW
         assert rebalancer.consider(history, step) is None and 1 in rebalancer.held_until
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_quota_that_comes_and_goes_is_followed_both_ways_the_lift_once_its_mark_lapses(seed):
+    """Rank 1 held to 40 % from step 100 to step 700: the split moves off it, then, once the quota lifted and its mark
+    lapsed (``HELD_MEMORY_WINDOWS`` windows without the rank seen held), back toward the equal split."""
+    from lightning_hetero.plan.replan import HELD_MEMORY_WINDOWS
+
+    devices = [CostModel(0.001, 0.0002)] * 2
+    start, lift = 100, 700
+    rebalancer = Rebalancer(devices, equal(2, 128), window=WINDOW, threshold=0.05)
+    rng = random.Random(seed)
+    history, splits = [], []
+    for step in range(lift + (HELD_MEMORY_WINDOWS + 8) * WINDOW):
+        if step and step % WINDOW == 0:
+            rebalancer.consider(history, step)
+        held = (0.0, 0.6) if start <= step < lift else (0.0, 0.0)
+        own = [cost.time(n) / (1 - h) * rng.lognormvariate(0, 0.08) for cost, n, h in
+               zip(devices, rebalancer.split, held)]  # fmt: skip
+        history.append({"step": step, "batch_sizes": list(rebalancer.split), "arrival_seconds": own,
+                        "compute_seconds": [t * (1 - h) for t, h in zip(own, held)],
+                        "step_seconds": max(own)})  # fmt: skip
+        splits.append(rebalancer.split)
+    quota = [CostModel(cost.fixed / (1 - h), cost.per_sample / (1 - h)) for cost, h in zip(devices, (0.0, 0.6))]
+    assert relative_to_best(quota, splits[lift - 1]) < 0.10, splits[lift - 1]
+    assert relative_to_best(devices, splits[-1]) < 0.10, splits[-1]
