@@ -306,29 +306,60 @@ def gain_uncertainty(fits: Sequence[RankFit]) -> float:
 
 
 def decide_split(
-    costs: Sequence[CostModel], current: Sequence[int], threshold: float, margin: float = 0.0, micro_steps: bool = False
+    costs: Sequence[CostModel],
+    current: Sequence[int],
+    threshold: float,
+    margin: float = 0.0,
+    micro_steps: bool = False,
+    kept_from_more: Sequence[int] = (),
 ) -> Optional[tuple[tuple[int, ...], float, tuple[int, ...]]]:
     """The planner's split, its predicted gain over ``current`` and its micro-steps, or None when that gain is below
     ``threshold + margin``.
 
     A current split that breaks a memory ceiling is predicted infinitely slow: any split that fits is taken. With
     ``micro_steps`` a rank whose share exceeds its ceiling takes it in several micro-batches
-    (:func:`~lightning_hetero.plan.micro_steps.plan_micro_steps`) instead.
+    (:func:`~lightning_hetero.plan.micro_steps.plan_micro_steps`) instead. A rank in ``kept_from_more`` that the
+    planner would give more keeps its current share, and the other ranks are planned over the rest.
     """
-    if micro_steps:
-        in_steps = plan_micro_steps(costs, sum(current))
-        planned_sizes, planned_time, steps = in_steps.samples, in_steps.predicted_step_time, in_steps.micro_steps
-        current_time = max(rank_time(cost, n) for cost, n in zip(costs, current))
-    else:
-        planned = plan_min_max(costs, sum(current))
-        planned_sizes, planned_time, steps = planned.batch_sizes, planned.predicted_step_time, ()
-        current_time = predicted_step_time(costs, current)
+
+    def step_time(split: Sequence[int]) -> float:
+        if micro_steps:
+            return max(rank_time(cost, n) for cost, n in zip(costs, split))
+        return predicted_step_time(costs, split)  # (inf where a rank's share breaks its memory ceiling)
+
+    ranks, kept = range(len(current)), set[int]()
+    while True:
+        free = [rank for rank in ranks if rank not in kept]
+        if not free:
+            return None
+        planned = _planned_over(
+            [costs[rank] for rank in free], sum(current) - sum(current[r] for r in kept), micro_steps
+        )
+        sizes, steps = dict(zip(free, planned[0])), dict(zip(free, planned[1]))
+        over = {rank for rank in free if rank in kept_from_more and sizes[rank] > current[rank]}
+        if not over:
+            break
+        kept |= over
+    for rank in kept:
+        sizes[rank], steps[rank] = current[rank], micro_steps_for(costs[rank], current[rank]) if micro_steps else 1
+    planned_sizes = tuple(sizes[rank] for rank in ranks)
     if planned_sizes == tuple(current):
         return None
-    gain = current_time / planned_time - 1
+    gain = step_time(current) / step_time(planned_sizes) - 1
     if gain < threshold + margin:
         return None
-    return planned_sizes, gain, steps
+    return planned_sizes, gain, tuple(steps[rank] for rank in ranks) if micro_steps else ()
+
+
+def _planned_over(
+    costs: Sequence[CostModel], samples: int, micro_steps: bool
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The min-max split of ``samples`` over these ranks (:func:`plan_min_max`, or with ``micro_steps``
+    :func:`plan_micro_steps`) and each rank's micro-steps (1 each without)."""
+    if micro_steps:
+        in_steps = plan_micro_steps(costs, samples)
+        return in_steps.samples, in_steps.micro_steps
+    return plan_min_max(costs, samples).batch_sizes, (1,) * len(costs)
 
 
 @dataclass
@@ -425,17 +456,15 @@ class Rebalancer:
         if fits is None:
             return None
         costs, margin = [fit.cost for fit in fits], gain_uncertainty(fits)
-        decision = decide_split(costs, self.split, self.threshold, margin, self.micro_steps)
+        # A rank held by what its compute clock does not see (a CPU quota), or held within HELD_MEMORY_WINDOWS, is not
+        # given more by the cost model: past the share its quota carries, its step jumps by a period of the quota (at
+        # 40 %: from 21 to 29 ms at the same split, in benchmarks/throttled.py), which no line through its times
+        # foresees. Taking samples from it costs the others a little per sample; the search on the measured step,
+        # which measures what it tries, may still give it more.
+        decision = decide_split(costs, self.split, self.threshold, margin, self.micro_steps, tuple(self.held_until))
         if decision is None:
             return None
         sizes, gain, micro_steps = decision
-        if any(sizes[rank] > self.split[rank] for rank in self.held_until):
-            # A rank held by what its compute clock does not see (a CPU quota), or held within HELD_MEMORY_WINDOWS, is
-            # not given more by the cost model: past the share its quota carries, its step jumps by a period of the
-            # quota (at 40 %: from 21 to 29 ms at the same split, in benchmarks/throttled.py), which no line through
-            # its times foresees. Taking samples from it costs the others a little per sample; the search on the
-            # measured step, which measures what it tries, may still give it more.
-            return None
         micro_steps = micro_steps or self.fixed_micro_steps
         if micro_steps and any(n < k for n, k in zip(sizes, micro_steps)):
             return None  # a rank would get fewer samples than its fixed micro-steps: keep the split that has them

@@ -593,3 +593,21 @@ def test_a_quota_that_comes_and_goes_is_followed_both_ways_the_lift_once_its_mar
     quota = [CostModel(cost.fixed / (1 - h), cost.per_sample / (1 - h)) for cost, h in zip(devices, (0.0, 0.6))]
     assert relative_to_best(quota, splits[lift - 1]) < 0.10, splits[lift - 1]
     assert relative_to_best(devices, splits[-1]) < 0.10, splits[-1]
+
+
+def test_a_marked_rank_keeps_its_share_while_the_others_are_re_planned_over_the_rest():
+    """Three ranks, rank 2 held (marked): rank 0 slows, and its samples go to rank 1 alone; the plan that would have
+    given rank 2 some too is planned again over ranks 0 and 1 with rank 2's share left as it is."""
+    costs = [CostModel(0.001, 0.0004), CostModel(0.001, 0.0001), CostModel(0.001, 0.0001)]
+    current = (100, 100, 40)
+    unconstrained = decide_split(costs, current, 0.05)
+    assert unconstrained is not None and unconstrained[0][2] > 40  # (what the plan does without the mark)
+    sizes, gain, _ = decide_split(costs, current, 0.05, kept_from_more=(2,))
+    assert sizes[2] == 40 and sum(sizes) == 240 and sizes[0] < 100 < sizes[1] and gain > 0.05
+    assert sizes[:2] == plan_min_max(costs[:2], 200).batch_sizes
+    # A marked rank the plan gives fewer samples is not held back: it takes them.
+    assert decide_split([costs[1], costs[1], costs[0]], (80, 80, 80), 0.05, kept_from_more=(2,))[0][2] < 80
+    # With micro-steps: the kept rank's micro-steps are those its share needs.
+    capped = [CostModel(0.001, 0.0004), CostModel(0.001, 0.0001), CostModel(0.001, 0.0001, max_batch=30)]
+    sizes, _, steps = decide_split(capped, current, 0.05, micro_steps=True, kept_from_more=(2,))
+    assert sizes[2] == 40 and steps[2] == 2
