@@ -4,7 +4,9 @@
     python benchmarks/throttled.py --limits 0.25 0.4 0.6 --pairs 5
     python benchmarks/throttled.py --limits 1.0 --sweep-shares 256 --steps 500 --measured 1 500  # identical ranks
     python benchmarks/throttled.py --form neighbour --limits 0.5          # a busy process on rank 1's core
-    python benchmarks/throttled.py --form intermittent --steps 400        # the quota from step 100 to step 300
+    python benchmarks/throttled.py --form intermittent --steps 600        # the quota from step 100 to step 300
+    python benchmarks/throttled.py --form emulated --limits 0.4           # the package's emulate_slowdown="process"
+    python benchmarks/throttled.py --form sends --limits 0.4              # the package's emulate_slowdown="sends"
     python benchmarks/throttled.py --regression /path/to/older/checkout   # emulate_speeds=[1.0, 0.4]: older vs now
 
 Two CPU ranks, each pinned to a core of its own (one intra-op thread), train a 64-512-512-10 MLP with AdamW on a
@@ -22,6 +24,12 @@ split. Every fit's figure goes to the JSON (``--out``), with the machine, the co
 gives every round and each variant's median over the rounds, and the ratios: automatic over best fixed, DDP over
 automatic (the speedup).
 
+``--form emulated`` has the package slow rank 1 itself, ``HeteroStrategy(emulate_speeds=[1.0, limit],
+emulate_slowdown="process")``, in the automatic and fixed fits (DDP's fit gets the script's quota, the same kernel
+mechanism): what a user sees who tries the package on identical hardware. ``--form sends`` has the package hold back
+rank 1's sends (``emulate_slowdown="sends"``: each payload by (1/limit - 1) x its bytes / 1 Gbit/s), a delay no split
+removes; there is no DDP fit (DDP cannot be slowed so), and the rounds run the automatic split and the best fixed one.
+
 ``--regression DIR`` compares instead, in pairs of fits back to back (in alternating order), another checkout's
 automatic split with this one's under the package's own emulation (``emulate_speeds=[1.0, --emulated-speed]``, no
 quota): what the changes cost where the cost model already explained the step.
@@ -31,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -100,7 +109,11 @@ def fit(variant: str, limit: float, out: Path, steps: int = STEPS) -> None:
             self.held, self.neighbour = None, None
             if trainer.global_rank != THROTTLED_RANK or (limit >= 1.0 and form != "neighbour"):
                 return
-            if form == "quota":
+            if form in ("emulated", "sends") and isinstance(trainer.strategy, HeteroStrategy):
+                return  # (the package slows the rank itself: emulate_slowdown)
+            if form == "sends":
+                return  # (DDP is not run in this form)
+            if form in ("quota", "emulated"):
                 self.hold()
             elif form == "neighbour":
                 core = os.sched_getaffinity(0)
@@ -160,14 +173,19 @@ def fit(variant: str, limit: float, out: Path, steps: int = STEPS) -> None:
         torch.randn(samples, 64, generator=generator), torch.randint(0, 10, (samples,), generator=generator)
     )
     loader = DataLoader(data, batch_size=GLOBAL_BATCH // 2, shuffle=True)
+    # The package's own emulation of rank 1 (--form emulated / sends): emulate_speeds with emulate_slowdown
+    emulation: dict[str, Any] = {}
+    if form in ("emulated", "sends") and limit < 1.0:
+        emulation = {"emulate_speeds": [1.0, limit], "emulate_slowdown": "process" if form == "emulated" else "sends"}
     if variant == "ddp":
         strategy: Any = DDPStrategy(process_group_backend="gloo")
     elif variant.startswith("emulated:"):  # the package's own emulation: rank 1's compute stretched
         strategy = HeteroStrategy(stage=0, emulate_speeds=[1.0, float(variant.split(":")[1])])
     elif variant == "auto":
-        strategy = HeteroStrategy(stage=0)  # (as a user runs it: re-planned every 20 steps)
+        strategy = HeteroStrategy(stage=0, **emulation)  # (as a user runs it: re-planned every 20 steps)
     else:
-        strategy = HeteroStrategy(stage=0, batch_sizes=[int(size) for size in variant.split(":")[1].split(",")])
+        sizes = [int(size) for size in variant.split(":")[1].split(",")]
+        strategy = HeteroStrategy(stage=0, batch_sizes=sizes, **emulation)
     starts = StepStarts()
     trainer = Trainer(
         accelerator="cpu",
@@ -368,9 +386,10 @@ def main() -> None:
         " under the package's own emulation (--emulated-speed), in pairs",
     )
     parser.add_argument("--emulated-speed", type=float, default=0.4)
-    parser.add_argument("--form", choices=["quota", "intermittent", "neighbour"], default="quota",
+    parser.add_argument("--form", choices=["quota", "intermittent", "neighbour", "emulated", "sends"], default="quota",
                         help="how rank 1 is slowed: its CPU quota (--limits) from the start, the same only from step"
-                        f" {INTERMITTENT[0]} to {INTERMITTENT[1]}, or a busy process on its core")  # fmt: skip
+                        f" {INTERMITTENT[0]} to {INTERMITTENT[1]}, a busy process on its core, the package's own"
+                        " emulate_slowdown='process', or its emulate_slowdown='sends'")  # fmt: skip
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--limit", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -401,11 +420,17 @@ def main() -> None:
                   f" {figure['mean_step_ms']:.1f} ms; the report's late rank: {late})", flush=True)  # fmt: skip
         best = best_fixed(sweep)
         rounds = []
+        # (DDP cannot be slowed in its sends: that form compares the automatic split with the best fixed one only)
+        variants = [("auto", "auto"), ("ddp", "ddp"), ("best fixed", best)]
+        if args.form == "sends":
+            variants = [("auto", "auto"), ("best fixed", best)]
         for pair in range(args.pairs):
             figures = {
                 name: run_fit(variant, limit, args.work, cores, args.steps, tuple(args.measured), None, args.form)
-                for name, variant in (("auto", "auto"), ("ddp", "ddp"), ("best fixed", best))
+                for name, variant in variants
             }
+            if "ddp" not in figures:
+                figures["ddp"] = {"median_step_ms": math.nan, "mean_step_ms": math.nan}
             rounds.append(figures)
             auto, ddp, fixed = (figures[name]["median_step_ms"] for name in ("auto", "ddp", "best fixed"))
             means = [figures[name]["mean_step_ms"] for name in ("auto", "ddp", "best fixed")]
