@@ -386,6 +386,7 @@ class Rebalancer:
     held_until: dict[int, int] = field(default_factory=dict)
     held_lapses: int = 0  # marks that lapsed and were set again: each doubles how long a mark holds
     _lapsed: set[int] = field(default_factory=set)
+    _kernel_held: set[int] = field(default_factory=set)  # marked ranks the kernel held longer in the last window
 
     def consider(self, steps: Sequence[dict[str, Any]], next_step: int) -> Optional[Replan]:
         """Decide before training step ``next_step``, given every step so far (the same list on every rank): the
@@ -416,9 +417,18 @@ class Rebalancer:
         for rank in list(self.held_until):
             if kernel_holds_more(last, rank):
                 self.held_until[rank] = next_step + self._held_memory()
-            elif next_step >= self.held_until[rank]:
+                self._kernel_held.add(rank)
+                continue
+            if rank in self._kernel_held:
+                # The kernel held it longer than the others and no longer does: the quota lifted (or its share now
+                # fits it, which the next windows show), so the mark lapses after MIN_INTERVAL_WINDOWS more windows.
+                self._kernel_held.discard(rank)
+                self.held_until[rank] = min(self.held_until[rank], next_step + MIN_INTERVAL_WINDOWS * self.window)
+            if next_step >= self.held_until[rank]:
                 del self.held_until[rank]
                 self._lapsed.add(rank)
+                if self.search is not None:
+                    self.search.reset()  # (a split the search kept for the held rank is the cost model's again)
         held = held_most(last, len(self.split))
         if held is None:
             return
