@@ -64,12 +64,12 @@ HISTORY_WINDOWS = 4
 # one noisy window), and a split runs long enough to repay what switching costs (the loader's read-ahead).
 MIN_INTERVAL_WINDOWS = 2
 # Windows a rank seen held beyond the others (a CPU quota) stays marked after it was last seen so, or held longer than
-# the others by the kernel (explore.kernel_holds_more), doubled each time a mark lapses and the rank is seen held again:
-# the cost model does not give a marked rank more samples. Below the share
-# its quota carries a held rank looks free (its little work fits in the quota), and the model, scaling its time at a
-# few samples, gave it back past that share (at a 40 % quota: from 1 sample to 144, a 42 ms step for a 21 ms one,
-# every third re-plan). A lapsed mark lets the model try once more: a quota that lifted is followed, one that did not
-# costs a window, ever more rarely.
+# the others by the kernel (explore.kernel_holds_more), doubled each time a mark lapses and the rank is seen held again;
+# two windows once the kernel that held it longer no longer does. The cost model does not give a marked rank more
+# samples: below the share its quota carries a held rank looks free (its little work fits in the quota), and the model,
+# scaling its time at a few samples, gave it back past that share (at a 40 % quota: from 1 sample to 144, a 42 ms step
+# for a 21 ms one, every third re-plan). A lapsed mark lets the model try once more: a quota that lifted is followed,
+# one that did not costs a window, ever more rarely.
 HELD_MEMORY_WINDOWS = 10
 # Standard errors of the predicted gain that a switch must clear on top of the threshold: with 3, noise alone moves
 # the split in about one decision in a thousand (one-sided normal tail), so hardly ever in a run.
