@@ -49,6 +49,7 @@ from lightning_hetero.plan.explore import (
     cost_model_leaves_unexplained,
     held_beyond_others,
     kernel_holds_more,
+    late_and_early,
     window_of,
 )
 from lightning_hetero.plan.micro_steps import micro_steps_for, plan_micro_steps, rank_time
@@ -430,12 +431,22 @@ class Rebalancer:
                 if self.search is not None:
                     self.search.reset()  # (a split the search kept for the held rank is the cost model's again)
         held = held_most(last, len(self.split))
-        if held is None:
+        if held is None or held != self._late_in(last):
+            # (only the rank the others wait for: a fast rank the kernel holds a little under a loaded machine, marked,
+            # kept the samples it should have taken from a slow one for a window or more)
             return
         if held in self._lapsed:  # (held again after its mark lapsed: remembered twice as long)
             self._lapsed.discard(held)
             self.held_lapses += 1
         self.held_until[held] = next_step + self._held_memory()
+
+    def _late_in(self, steps: Sequence[dict[str, Any]]) -> Optional[int]:
+        """The rank evidently last at the exchange over these steps (:func:`~.explore.late_and_early`), if any."""
+        timed = [step for step in steps if len(step.get("arrival_seconds", ())) == len(self.split)]
+        if len(timed) < 3:
+            return None
+        level = statistics.median(step["step_seconds"] for step in timed)
+        return late_and_early([step["arrival_seconds"] for step in timed], level)[0]
 
     def _held_memory(self) -> int:
         return HELD_MEMORY_WINDOWS * self.window * 2**self.held_lapses

@@ -507,14 +507,29 @@ def test_the_cost_model_does_not_give_a_held_rank_more_samples_but_does_give_a_f
     same split in benchmarks/throttled.py), which its measured times do not foresee: the cost model only takes from
     it. Where no rank is held, the same imbalance the other way is re-planned."""
     profile = [CostModel(0.001, 0.00003)] * 2
-    # Rank 1 held (its compute explains 3 ms of its 12 ms before the exchange), rank 0 late with 480 samples.
-    held = Rebalancer(profile, (480, 32), window=WINDOW, threshold=0.05)
-    held_steps = quota_steps((480, 32), own=(0.030, 0.012), compute=(0.028, 0.003), step_seconds=0.033, count=40)
-    assert held.consider(held_steps, 40) is None and held.split == (480, 32)
+    # Rank 1 held and last at the exchange under a larger share (marked), then at 32 samples still held (its compute
+    # explains 3 ms of its 12 ms before the exchange) with rank 0 last, with 480.
+    held = Rebalancer(profile, (384, 128), window=WINDOW, threshold=0.05)
+    history = quota_steps((384, 128), own=(0.013, 0.034), compute=(0.011, 0.008), step_seconds=0.045, count=2 * WINDOW)
+    held.consider(history, 2 * WINDOW)
+    assert held.held_until and 1 in held.held_until
+    held.adopt((480, 32), 2 * WINDOW)
+    history += quota_steps((480, 32), own=(0.030, 0.012), compute=(0.028, 0.003), step_seconds=0.033,
+                           first=2 * WINDOW, count=2 * WINDOW)  # fmt: skip
+    assert held.consider(history, 4 * WINDOW) is None and held.split == (480, 32)
     free = Rebalancer(profile, (480, 32), window=WINDOW, threshold=0.05)
     free_steps = quota_steps((480, 32), own=(0.030, 0.004), compute=(0.028, 0.003), step_seconds=0.033, count=40)
     replan = free.consider(free_steps, 40)
     assert replan is not None and replan.batch_sizes[1] > 32
+    # A rank held but not last (a fast rank the kernel holds a little on a loaded machine) is not marked: the
+    # samples it should take from a slow one are not kept from it.
+    loaded = Rebalancer(profile, (480, 32), window=WINDOW, threshold=0.05)
+    assert loaded.consider(held_steps_of_a_free_last_rank(), 40) is not None and not loaded.held_until
+
+
+def held_steps_of_a_free_last_rank():
+    """Rank 1 held (arrival 12 ms, compute 3 ms) but early; rank 0 free and last."""
+    return quota_steps((480, 32), own=(0.030, 0.012), compute=(0.028, 0.003), step_seconds=0.033, count=40)
 
 
 def test_a_rank_held_earlier_is_not_given_more_by_the_cost_model_until_its_mark_lapses_which_doubles_each_time():
