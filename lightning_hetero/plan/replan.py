@@ -182,10 +182,11 @@ def refit_cost_models(
     some rank has no step with a measured compute (nothing to fit it to). ``micro_steps``: a rank's time is
     :func:`~lightning_hetero.plan.micro_steps.rank_time` (its samples in as many micro-batches as memory needs).
 
-    A rank's measured time is its compute or, where the ranks are held unevenly (:func:`held_unevenly`), its arrival at
-    the gradient exchange where that is longer (:mod:`~.watch.meter`: the wall time of its own work in the step,
-    whatever held its process besides its compute). Where every rank's wall time exceeds its compute alike (cores
-    shared with other processes) the compute clock alone is the steadier measure.
+    A rank's measured time is its compute or, where some rank is held beyond the others (:func:`held_most`), its
+    arrival at the gradient exchange where that is longer (:mod:`~.watch.meter`: the wall time of its own work in the
+    step, whatever held its process besides its compute; the held rank's whole step less its wait for the others).
+    Where every rank's wall time exceeds its compute alike (cores shared with other processes) the compute clock alone
+    is the steadier measure.
 
     A wait for data is paid once per step whatever the rank's share (a loader with too few workers, slow storage): it
     is added to the model's fixed cost, so the planner gives that rank fewer samples until its compute plus its wait
@@ -262,11 +263,6 @@ def held_most(steps: Sequence[dict[str, Any]], world_size: int) -> Optional[int]
     if len(timed) < 3:
         return None
     return held_beyond_others(timed, statistics.median(step["step_seconds"] for step in timed))[0]
-
-
-def held_unevenly(steps: Sequence[dict[str, Any]], world_size: int) -> bool:
-    """Whether some rank is held beyond the others (:func:`held_most`)."""
-    return held_most(steps, world_size) is not None
 
 
 def _recent_level(

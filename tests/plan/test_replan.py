@@ -524,12 +524,8 @@ def test_the_cost_model_does_not_give_a_held_rank_more_samples_but_does_give_a_f
     # A rank held but not last (a fast rank the kernel holds a little on a loaded machine) is not marked: the
     # samples it should take from a slow one are not kept from it.
     loaded = Rebalancer(profile, (480, 32), window=WINDOW, threshold=0.05)
-    assert loaded.consider(held_steps_of_a_free_last_rank(), 40) is not None and not loaded.held_until
-
-
-def held_steps_of_a_free_last_rank():
-    """Rank 1 held (arrival 12 ms, compute 3 ms) but early; rank 0 free and last."""
-    return quota_steps((480, 32), own=(0.030, 0.012), compute=(0.028, 0.003), step_seconds=0.033, count=40)
+    early_but_held = quota_steps((480, 32), own=(0.030, 0.012), compute=(0.028, 0.003), step_seconds=0.033, count=40)
+    assert loaded.consider(early_but_held, 40) is not None and not loaded.held_until
 
 
 def test_a_rank_held_earlier_is_not_given_more_by_the_cost_model_until_its_mark_lapses_which_doubles_each_time():
@@ -591,23 +587,9 @@ def test_a_quota_that_comes_and_goes_is_followed_both_ways_the_lift_once_its_mar
     from lightning_hetero.plan.replan import HELD_MEMORY_WINDOWS
 
     devices = [CostModel(0.001, 0.0002)] * 2
-    start, lift = 100, 700
     rebalancer = Rebalancer(devices, equal(2, 128), window=WINDOW, threshold=0.05)
-    rng = random.Random(seed)
-    history, splits = [], []
-    for step in range(lift + (HELD_MEMORY_WINDOWS + 8) * WINDOW):
-        if step and step % WINDOW == 0:
-            rebalancer.consider(history, step)
-        held = (0.0, 0.6) if start <= step < lift else (0.0, 0.0)
-        own = [cost.time(n) / (1 - h) * rng.lognormvariate(0, 0.08) for cost, n, h in
-               zip(devices, rebalancer.split, held)]  # fmt: skip
-        history.append({"step": step, "batch_sizes": list(rebalancer.split), "arrival_seconds": own,
-                        "compute_seconds": [t * (1 - h) for t, h in zip(own, held)],
-                        "step_seconds": max(own)})  # fmt: skip
-        splits.append(rebalancer.split)
-    quota = [CostModel(cost.fixed / (1 - h), cost.per_sample / (1 - h)) for cost, h in zip(devices, (0.0, 0.6))]
-    assert relative_to_best(quota, splits[lift - 1]) < 0.10, splits[lift - 1]
-    assert relative_to_best(devices, splits[-1]) < 0.10, splits[-1]
+    splits = run_a_quota_that_comes_and_goes(rebalancer, devices, seed, (HELD_MEMORY_WINDOWS + 8) * WINDOW)
+    assert_followed_both_ways(devices, splits)
 
 
 def test_a_marked_rank_keeps_its_share_while_the_others_are_re_planned_over_the_rest():
@@ -640,20 +622,37 @@ def test_a_lifted_quota_is_followed_soon_after_the_kernel_stops_holding_the_rank
     from lightning_hetero.plan.explore import StepSearch
 
     devices = [CostModel(0.001, 0.0002)] * 2
-    start, lift = 100, 700
     rebalancer = Rebalancer(devices, equal(2, 128), window=WINDOW, threshold=0.05, search=StepSearch(128))
+    splits = run_a_quota_that_comes_and_goes(rebalancer, devices, seed, 8 * WINDOW, kernel_held=True)
+    assert_followed_both_ways(devices, splits)
+
+
+QUOTA_START, QUOTA_LIFT, QUOTA_HELD = 100, 700, (0.0, 0.6)
+
+
+def run_a_quota_that_comes_and_goes(rebalancer, devices, seed, after_lift, kernel_held=False):
+    """Rank 1 held to 40 % of its core (60 % of its wall time) from step ``QUOTA_START`` to ``QUOTA_LIFT``, then run
+    ``after_lift`` steps more; ``kernel_held``: the kernel's hold is recorded too (4 ms a step against 0.1 while the
+    quota holds). Returns the split of every step."""
     rng = random.Random(seed)
     history, splits = [], []
-    for step in range(lift + 8 * WINDOW):
+    for step in range(QUOTA_LIFT + after_lift):
         if step and step % WINDOW == 0:
             rebalancer.consider(history, step)
-        held = (0.0, 0.6) if start <= step < lift else (0.0, 0.0)
+        held = QUOTA_HELD if QUOTA_START <= step < QUOTA_LIFT else (0.0, 0.0)
         own = [cost.time(n) / (1 - h) * rng.lognormvariate(0, 0.08) for cost, n, h in
                zip(devices, rebalancer.split, held)]  # fmt: skip
-        history.append({"step": step, "batch_sizes": list(rebalancer.split), "arrival_seconds": own,
-                        "compute_seconds": [t * (1 - h) for t, h in zip(own, held)], "step_seconds": max(own),
-                        "held_seconds": [0.0001, 0.004 if held[1] else 0.0001]})  # fmt: skip
+        entry = {"step": step, "batch_sizes": list(rebalancer.split), "arrival_seconds": own,
+                 "compute_seconds": [t * (1 - h) for t, h in zip(own, held)], "step_seconds": max(own)}  # fmt: skip
+        if kernel_held:
+            entry["held_seconds"] = [0.0001, 0.004 if held[1] else 0.0001]
+        history.append(entry)
         splits.append(rebalancer.split)
-    quota = [CostModel(cost.fixed / (1 - h), cost.per_sample / (1 - h)) for cost, h in zip(devices, (0.0, 0.6))]
-    assert relative_to_best(quota, splits[lift - 1]) < 0.10, splits[lift - 1]
+    return splits
+
+
+def assert_followed_both_ways(devices, splits):
+    """Within 10 % of the best split for the held ranks when the quota lifts, and of the free ranks' at the end."""
+    quota = [CostModel(cost.fixed / (1 - h), cost.per_sample / (1 - h)) for cost, h in zip(devices, QUOTA_HELD)]
+    assert relative_to_best(quota, splits[QUOTA_LIFT - 1]) < 0.10, splits[QUOTA_LIFT - 1]
     assert relative_to_best(devices, splits[-1]) < 0.10, splits[-1]
