@@ -12,7 +12,8 @@ one split), with pure arithmetic and no clock: every rank takes the same decisio
 1. A window's **level** is the median of its step times, the first step after a switch left out (the loader's
    read-ahead), with the median's standard error from their spread.
 2. The search runs only where the cost model leaves the step unexplained (:func:`cost_model_leaves_unexplained`: a
-   rank held beyond the others, or every rank waiting long inside the exchange). It **starts** when one rank reaches
+   rank held beyond the others, or every rank waiting long inside the exchange while the kernel holds one rank
+   longer than the rest). It **starts** when one rank reaches
    the exchange later than another by more than the noise of their arrivals allows (:func:`late_and_early`: the
    difference of their medians over the window), or, where the ranks arrive together but every one waits long inside
    the exchange (a throttle that lands there), one rank's wall time is far less explained by its compute than
@@ -178,10 +179,13 @@ def held_and_free(steps: Sequence[dict[str, Any]], level: float) -> tuple[Option
 def cost_model_leaves_unexplained(steps: Sequence[dict[str, Any]]) -> bool:
     """Whether the re-planner's cost model leaves the step unexplained over these ``steps`` (report entries under the
     split in use): some rank is held beyond the others by what its compute clock does not see
-    (:func:`held_beyond_others`), or every rank waits long inside the exchange (``EXCHANGE_SHARE`` of the median step).
-    Elsewhere the cost model balances what the ranks take, and a rank late at the exchange is late by what no split
-    removes (an emulated delay paid just before it, a core the machine's other work lands on): the search would try
-    splits that are no faster, at a cost (3-10 % of the step on identical ranks and under `emulate_speeds`)."""
+    (:func:`held_beyond_others`), or every rank waits long inside the exchange (``EXCHANGE_SHARE`` of the median step)
+    while the kernel holds one rank longer than the others (:func:`kernel_holds_more`: a quota that lands in the
+    exchange). Elsewhere the cost model balances what the ranks take. A rank late at the exchange is then late by what
+    no split removes (an emulated delay paid just before it, a core the machine's other work lands on), and a long
+    exchange that no rank's hold explains is the all-reduce's own time (5.6 of a 19.6 ms step under `emulate_speeds`
+    here, or a slow link's sends): the search would try splits that are no faster, at a cost (3-10 % of the step on
+    identical ranks and under `emulate_speeds`; a new split's first step is several times the others')."""
     timed = [step for step in steps if len(step.get("arrival_seconds", ())) > 1 and min(step["arrival_seconds"]) > 0]
     if len(timed) < 3:
         return False
@@ -189,7 +193,9 @@ def cost_model_leaves_unexplained(steps: Sequence[dict[str, Any]]) -> bool:
     if held_beyond_others(timed, step_time)[0] is not None:
         return True
     inside = [min(step.get("exchange_seconds", (0.0,))) for step in timed]
-    return statistics.median(inside) >= EXCHANGE_SHARE * step_time
+    if statistics.median(inside) < EXCHANGE_SHARE * step_time:
+        return False
+    return any(kernel_holds_more(timed, rank) for rank in range(len(timed[0]["arrival_seconds"])))
 
 
 def window_of(steps: Sequence[dict[str, Any]]) -> Optional[Window]:
