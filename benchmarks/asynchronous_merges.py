@@ -60,8 +60,9 @@ FITS = {
     "synchronous": {"emulate_speeds": drift_speeds()},
     "asynchronous": {"emulate_speeds": drift_speeds(), "sync_options": {"asynchronous": True}},
 }
-WITHOUT_DRIFT = {name: {key: value for key, value in options.items() if key != "emulate_speeds"}
-                 for name, options in FITS.items()}  # fmt: skip
+WITHOUT_DRIFT = {
+    name: {key: value for key, value in options.items() if key != "emulate_speeds"} for name, options in FITS.items()
+}
 
 
 # ---------------------------------------------------------------------------------------------- analysis (pure)
@@ -147,13 +148,24 @@ def analyse(fits: dict[str, dict[str, Any]], epochs: int) -> dict[str, Any]:
         micro = slow_step_seconds(report)
         cycle = slow_cycle_seconds(fit["merges"]) if name == "asynchronous" else None
         extra: dict[str, Any] = dict.fromkeys(
-            ["slow_cycle_seconds", "most_wait_over_slow_cycle", "most_wait_at_epoch_ends_over_slow_cycle",
-             "most_wait_over_step_waited_for", "most_wait_at_epoch_ends_over_step_waited_for", "claims_taken_over"]
-        )  # fmt: skip
+            [
+                "slow_cycle_seconds",
+                "most_wait_over_slow_cycle",
+                "most_wait_at_epoch_ends_over_slow_cycle",
+                "most_wait_over_step_waited_for",
+                "most_wait_at_epoch_ends_over_step_waited_for",
+                "claims_taken_over",
+            ]
+        )
         if cycle is not None:
             at_ends = asynchronous_waits(fit["merges"], epoch_ends=True)
-            extra.update({"slow_cycle_seconds": cycle, "most_wait_over_slow_cycle": max(waits) / cycle,
-                          "most_wait_at_epoch_ends_over_slow_cycle": max(at_ends) / cycle})  # fmt: skip
+            extra.update(
+                {
+                    "slow_cycle_seconds": cycle,
+                    "most_wait_over_slow_cycle": max(waits) / cycle,
+                    "most_wait_at_epoch_ends_over_slow_cycle": max(at_ends) / cycle,
+                }
+            )
             inside, at_end = (waits_for_the_slowed_rank(fit["merges"], ends) for ends in (False, True))
             if inside:  # (none in the records of a version before last_step_seconds)
                 extra["most_wait_over_step_waited_for"] = max(inside)
@@ -181,10 +193,16 @@ def analyse(fits: dict[str, dict[str, Any]], epochs: int) -> dict[str, Any]:
 
 def read_fit(out: Path) -> dict[str, Any]:
     """What a fit left in ``out``: its curve, its run report and (asynchronous) each rank's merge records."""
-    merges = [json.loads((out / f"merges_rank{r}.json").read_text()) for r in range(2)] if (
-        out / "merges_rank0.json").exists() else None  # fmt: skip
-    return {"curve": json.loads((out / "curve.json").read_text()),
-            "report": json.loads((out / "hetero" / "report.json").read_text()), "merges": merges}  # fmt: skip
+    merges = (
+        [json.loads((out / f"merges_rank{r}.json").read_text()) for r in range(2)]
+        if (out / "merges_rank0.json").exists()
+        else None
+    )
+    return {
+        "curve": json.loads((out / "curve.json").read_text()),
+        "report": json.loads((out / "hetero" / "report.json").read_text()),
+        "merges": merges,
+    }
 
 
 def run_all(
@@ -205,26 +223,34 @@ def run_all(
             fits[name] = read_fit(out)
         figures = analyse(fits, epochs)
         results.append(figures)
-        print(f"run {run + 1}/{runs} (seed {run}, {time.perf_counter() - started:.0f} s): async/sync final loss"
-              f" {figures['loss_ratio']:.3f}")  # fmt: skip
+        print(
+            f"run {run + 1}/{runs} (seed {run}, {time.perf_counter() - started:.0f} s): async/sync final loss"
+            f" {figures['loss_ratio']:.3f}"
+        )
         for name in FITS:
             f = figures[name]
             cycle = ""
             if f["slow_cycle_seconds"]:
-                cycle = (f", the most {f['most_wait_over_slow_cycle']:.2f} of its micro-batch cycle"
-                         f" ({f['slow_cycle_seconds'] * 1e3:.0f} ms) inside an epoch and"
-                         f" {f['most_wait_at_epoch_ends_over_slow_cycle']:.2f} at an epoch's end")  # fmt: skip
+                cycle = (
+                    f", the most {f['most_wait_over_slow_cycle']:.2f} of its micro-batch cycle"
+                    f" ({f['slow_cycle_seconds'] * 1e3:.0f} ms) inside an epoch and"
+                    f" {f['most_wait_at_epoch_ends_over_slow_cycle']:.2f} at an epoch's end"
+                )
             if f["most_wait_over_step_waited_for"] is not None:
-                cycle += (f"; for it, over its micro-batch waited for, the most"
-                          f" {f['most_wait_over_step_waited_for']:.3f} inside an epoch,"
-                          f" {f['most_wait_at_epoch_ends_over_step_waited_for']:.3f} at an epoch's end")  # fmt: skip
+                cycle += (
+                    f"; for it, over its micro-batch waited for, the most"
+                    f" {f['most_wait_over_step_waited_for']:.3f} inside an epoch,"
+                    f" {f['most_wait_at_epoch_ends_over_step_waited_for']:.3f} at an epoch's end"
+                )
             if f.get("claims_taken_over") is not None:
                 cycle += f"; claims taken over by each rank {f['claims_taken_over']}"
-            print(f"  {name}: final val loss {f['final_val_loss']:.4f} (last 3 epochs {f['last3_val_loss']:.4f}),"
-                  f" {f['train_seconds']:.1f} s; after the drift the most wait for the slowest rank"
-                  f" {f['most_wait_over_slow_step']:.2f} of its step ({f['slow_step_seconds'] * 1e3:.0f} ms), median"
-                  f" {f['median_wait_over_slow_step']:.2f}{cycle}; {f['samples_per_epoch']} samples an"
-                  " epoch")  # fmt: skip
+            print(
+                f"  {name}: final val loss {f['final_val_loss']:.4f} (last 3 epochs {f['last3_val_loss']:.4f}),"
+                f" {f['train_seconds']:.1f} s; after the drift the most wait for the slowest rank"
+                f" {f['most_wait_over_slow_step']:.2f} of its step ({f['slow_step_seconds'] * 1e3:.0f} ms), median"
+                f" {f['median_wait_over_slow_step']:.2f}{cycle}; {f['samples_per_epoch']} samples an"
+                " epoch"
+            )
     return results
 
 
@@ -263,20 +289,25 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--no-drift", action="store_true", help="no rank slows down (the waits are then measured from"
-                        f" the {DRIFT_AFTER + 1}th step on all the same)")  # fmt: skip
+    parser.add_argument(
+        "--no-drift",
+        action="store_true",
+        help=f"no rank slows down (the waits are then measured from the {DRIFT_AFTER + 1}th step on all the same)",
+    )
     parser.add_argument("--anneal", action="store_true", help="a cosine learning rate over the epochs in both fits")
     parser.add_argument("--again", action="store_true", help="analyse the fits of an earlier run with this --out")
     args = parser.parse_args(argv)
     assert TRAIN_SAMPLES % MICRO_BATCH == 0
-    results = run_all(args.runs, args.epochs, args.out.parent / "asynchronous_merges_runs", not args.no_drift,
-                      args.again, args.anneal)  # fmt: skip
+    results = run_all(
+        args.runs, args.epochs, args.out.parent / "asynchronous_merges_runs", not args.no_drift, args.again, args.anneal
+    )
     text = table(results)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     setting = {"drift": not args.no_drift, "anneal": args.anneal}
-    args.out.write_text(json.dumps({"runs": args.runs, "epochs": args.epochs, "setting": setting, "results": results,
-                                    "table": text}))  # fmt: skip
+    args.out.write_text(
+        json.dumps({"runs": args.runs, "epochs": args.epochs, "setting": setting, "results": results, "table": text})
+    )
     print(f"written to {args.out}")
 
 

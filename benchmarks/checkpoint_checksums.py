@@ -86,8 +86,10 @@ def main() -> None:
             runs = "  ".join(f"{s:6.3f} s" for s in seconds)
             print(f"{what:12s} {runs}   median {statistics.median(seconds):.3f} s")
     extra = [m - s for m, s in zip(figures["manifest"], figures["sizes"])]
-    print(f"checkpoint of {size / 1e9:.2f} GB: the checksums add {statistics.median(extra):.3f} s to a save"
-          f" ({statistics.median(extra) / statistics.median(figures['write']):.1%} of writing it)")  # fmt: skip
+    print(
+        f"checkpoint of {size / 1e9:.2f} GB: the checksums add {statistics.median(extra):.3f} s to a save"
+        f" ({statistics.median(extra) / statistics.median(figures['write']):.1%} of writing it)"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"bytes": size, "seconds": figures, "manifest_extra_seconds": extra}, indent=1))
     print(f"written to {args.out}")

@@ -117,11 +117,18 @@ def main() -> None:
         results[name] = figures(json.loads(out.read_text()))
         out.unlink()
         row = results[name]
-        print(f"{name:22s} the late rank's all-reduce: median {row['median_ms']:.2f} ms, 90th percentile"
-              f" {row['p90_ms']:.2f} ms, over {SLOW_EXCHANGE_MS:.0f} ms in {row['share_over_2ms']:.0%}",
-              flush=True)  # fmt: skip
-    setting_text = {"rounds": args.rounds, "busy_ms": args.busy_ms, "late_ms": args.late_ms, "kib": args.kib,
-                    "cores_kept_awake": args.keep_cores_awake}  # fmt: skip
+        print(
+            f"{name:22s} the late rank's all-reduce: median {row['median_ms']:.2f} ms, 90th percentile"
+            f" {row['p90_ms']:.2f} ms, over {SLOW_EXCHANGE_MS:.0f} ms in {row['share_over_2ms']:.0%}",
+            flush=True,
+        )
+    setting_text = {
+        "rounds": args.rounds,
+        "busy_ms": args.busy_ms,
+        "late_ms": args.late_ms,
+        "kib": args.kib,
+        "cores_kept_awake": args.keep_cores_awake,
+    }
     args.out.write_text(json.dumps({"setting": setting_text, "results": results}, indent=1))
     print(f"written to {args.out}")
 

@@ -237,8 +237,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     text = table(results)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    setting = {"model": args.model, "batch_sizes": BATCH_SIZES, "steps": STEPS, "measured_from": MEASURED_FROM,
-               "link": LINK}  # fmt: skip
+    setting = {
+        "model": args.model,
+        "batch_sizes": BATCH_SIZES,
+        "steps": STEPS,
+        "measured_from": MEASURED_FROM,
+        "link": LINK,
+    }
     args.out.write_text(json.dumps({"setting": setting, "options": OPTIONS, "runs": results, "table": text}, indent=1))
     print(f"written to {args.out}")
 

@@ -145,8 +145,12 @@ def fit(
 
     class StalledSpirals(SpiralDataModule):
         def train_dataloader(self) -> DataLoader:
-            return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True,
-                              collate_fn=StalledCollate(STALLED_RANK, stall_seconds))  # fmt: skip
+            return DataLoader(
+                self.train_set,
+                batch_size=self.hparams.batch_size,
+                shuffle=True,
+                collate_fn=StalledCollate(STALLED_RANK, stall_seconds),
+            )
 
     class LeanSpirals(SpiralClassifier):
         """The examples' classifier without logging its loss every step (a collective under sync_dist)."""
@@ -195,10 +199,18 @@ def fit(
     strategy = HeteroStrategy(stage=0, rebalance_window=WINDOW)
     data = StalledSpirals(batch_size=global_batch // 2, train_samples=global_batch * STEPS_PER_EPOCH, val_samples=512)
     trainer = Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
         default_root_dir=out,
-    )  # fmt: skip
+    )
     trainer.fit(LeanSpirals(hidden=hidden, depth=4), data)
 
 
@@ -213,10 +225,11 @@ def phase_figures(steps: list[dict[str, Any]]) -> dict[str, Any]:
         "median_step_ms": statistics.median(step["step_seconds"] for step in steps) * 1e3,
         "median_busy_ms": statistics.median(
             max(c + w for c, w in zip(step["compute_seconds"], step["data_wait_seconds"])) for step in steps
-        ) * 1e3,
+        )
+        * 1e3,
         "batch_sizes": steps[-1]["batch_sizes"],
         "stalled_rank_share": steps[-1]["batch_sizes"][STALLED_RANK] / sum(steps[-1]["batch_sizes"]),
-    }  # fmt: skip
+    }
 
 
 def sweep_figures(steps: list[dict[str, Any]], phase_steps: int = SWEEP_PHASE_STEPS) -> dict[str, Any]:
@@ -230,10 +243,13 @@ def sweep_figures(steps: list[dict[str, Any]], phase_steps: int = SWEEP_PHASE_ST
         per_split.setdefault(half[-1]["batch_sizes"][STALLED_RANK], []).append(median)
     equal = statistics.median(per_split[max(per_split)])
     return {
-        str(stalled): {"phase_step_ms": times, "median_step_ms": statistics.median(times),
-                       "speedup_over_equal": equal / statistics.median(times)}
+        str(stalled): {
+            "phase_step_ms": times,
+            "median_step_ms": statistics.median(times),
+            "speedup_over_equal": equal / statistics.median(times),
+        }
         for stalled, times in sorted(per_split.items(), reverse=True)
-    }  # fmt: skip
+    }
 
 
 def run_figures(report: dict[str, Any]) -> dict[str, Any]:
@@ -245,11 +261,14 @@ def run_figures(report: dict[str, Any]) -> dict[str, Any]:
     ]
     pairs = []
     for ignoring, counting in zip(phases[0::2], phases[1::2]):
-        pairs.append({
-            "step_speedup": ignoring["median_step_ms"] / counting["median_step_ms"],
-            "busy_speedup": ignoring["median_busy_ms"] / counting["median_busy_ms"],
-            "ignoring": ignoring, "counting": counting,
-        })  # fmt: skip
+        pairs.append(
+            {
+                "step_speedup": ignoring["median_step_ms"] / counting["median_step_ms"],
+                "busy_speedup": ignoring["median_busy_ms"] / counting["median_busy_ms"],
+                "ignoring": ignoring,
+                "counting": counting,
+            }
+        )
     summary = report["summary"]
     return {
         "phases": phases,
@@ -293,8 +312,11 @@ def main() -> None:
         help="the ignoring phases' split: the equal one, or the re-planner that balances compute alone",
     )
     parser.add_argument("--pin", action="store_true", help="each rank's threads on a core of its own")
-    parser.add_argument("--keep-cores-awake", action="store_true",
-                        help="an idle-priority busy loop on every core while the fits run (see awake.py)")  # fmt: skip
+    parser.add_argument(
+        "--keep-cores-awake",
+        action="store_true",
+        help="an idle-priority busy loop on every core while the fits run (see awake.py)",
+    )
     parser.add_argument("--fit", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.fit:
@@ -305,11 +327,15 @@ def main() -> None:
         os.environ["DATA_STALL_PIN"] = ",".join(str(core) for core in sorted(os.sched_getaffinity(0)))
     if args.sweep:
         if args.sweep_phase_steps <= 0 or args.sweep_phase_steps % WINDOW:
-            parser.error(f"--sweep-phase-steps {args.sweep_phase_steps}: a split changes only every {WINDOW} steps;"
-                         f" give a positive multiple of {WINDOW}")  # fmt: skip
+            parser.error(
+                f"--sweep-phase-steps {args.sweep_phase_steps}: a split changes only every {WINDOW} steps;"
+                f" give a positive multiple of {WINDOW}"
+            )
         if not all(0 < share <= 8 for share in args.sweep_shares) or 8 not in args.sweep_shares:
-            parser.error(f"--sweep-shares {args.sweep_shares}: each share is 1 to 8 sixteenths, and 8 (the equal"
-                         " split, the speedups' reference) is one of them")  # fmt: skip
+            parser.error(
+                f"--sweep-shares {args.sweep_shares}: each share is 1 to 8 sixteenths, and 8 (the equal"
+                " split, the speedups' reference) is one of them"
+            )
     with cores_kept_awake(args.keep_cores_awake):
         (sweep_main if args.sweep else phases_main)(args)
 
@@ -343,8 +369,11 @@ def phases_main(args: argparse.Namespace) -> None:
                 f" {ignoring['stalled_rank_share']:.2f} -> {counting['stalled_rank_share']:.2f}",
                 flush=True,
             )
-        print(f"run {run}: wait for data per step {[round(w, 2) for w in figures['data_wait_ms_per_step']]} ms;"
-              f" the report names rank {STALLED_RANK}: {figures['report_names_the_stall']}", flush=True)  # fmt: skip
+        print(
+            f"run {run}: wait for data per step {[round(w, 2) for w in figures['data_wait_ms_per_step']]} ms;"
+            f" the report names rank {STALLED_RANK}: {figures['report_names_the_stall']}",
+            flush=True,
+        )
     speedups = [pair["step_speedup"] for run in runs for pair in run["pairs"]]
     run_medians = [statistics.median(pair["step_speedup"] for pair in run["pairs"]) for run in runs]
     result = {
@@ -361,7 +390,7 @@ def phases_main(args: argparse.Namespace) -> None:
             "phase_steps": PHASE_STEPS,
             "measured_steps": MEASURED_STEPS,
             "phases": args.phases,
-        },  # fmt: skip
+        },
         "runs": runs,
         "step_speedups": speedups,
         "run_median_step_speedups": run_medians,
@@ -369,9 +398,11 @@ def phases_main(args: argparse.Namespace) -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
-    print(f"step speedup from counting the wait for data, every pair: {', '.join(f'{s:.2f}x' for s in speedups)};"
-          f" per run (median) {', '.join(f'{s:.2f}x' for s in run_medians)}; median of all"
-          f" {result['median_step_speedup']:.2f}x; written to {args.out}")  # fmt: skip
+    print(
+        f"step speedup from counting the wait for data, every pair: {', '.join(f'{s:.2f}x' for s in speedups)};"
+        f" per run (median) {', '.join(f'{s:.2f}x' for s in run_medians)}; median of all"
+        f" {result['median_step_speedup']:.2f}x; written to {args.out}"
+    )
 
 
 def sweep_main(args: argparse.Namespace) -> None:
@@ -380,19 +411,36 @@ def sweep_main(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     setting = [str(args.sweep_epochs), str(args.stall_ms / 1e3), str(args.hidden), str(args.global_batch), str(out)]
     sweep = f"sweep:{args.sweep_phase_steps}:{','.join(str(share) for share in args.sweep_shares)}"
-    run_job([sys.executable, __file__, "--fit", *setting, sweep, "-"], out / "log.txt", dict(os.environ), FIT_TIMEOUT,
-            "sweep")  # fmt: skip
+    run_job(
+        [sys.executable, __file__, "--fit", *setting, sweep, "-"],
+        out / "log.txt",
+        dict(os.environ),
+        FIT_TIMEOUT,
+        "sweep",
+    )
     steps = json.loads((out / "hetero" / "report.json").read_text())["steps"]
     figures = sweep_figures(steps, args.sweep_phase_steps)
     for stalled, split in figures.items():
-        print(f"the stalled rank at {stalled} of {args.global_batch} samples: step"
-              f" {', '.join(f'{t:.2f}' for t in split['phase_step_ms'])} ms (median {split['median_step_ms']:.2f});"
-              f" {split['speedup_over_equal']:.3f}x the equal split")  # fmt: skip
+        print(
+            f"the stalled rank at {stalled} of {args.global_batch} samples: step"
+            f" {', '.join(f'{t:.2f}' for t in split['phase_step_ms'])} ms (median {split['median_step_ms']:.2f});"
+            f" {split['speedup_over_equal']:.3f}x the equal split"
+        )
     best = max(split["speedup_over_equal"] for split in figures.values())
-    result = {"setting": {"stall_ms": args.stall_ms, "pinned": args.pin, "cores_kept_awake": args.keep_cores_awake,
-                          "hidden": args.hidden, "global_batch": args.global_batch, "epochs": args.sweep_epochs,
-                          "phase_steps": args.sweep_phase_steps, "shares_in_sixteenths": args.sweep_shares},
-              "splits": figures, "best_speedup_over_equal": best}  # fmt: skip
+    result = {
+        "setting": {
+            "stall_ms": args.stall_ms,
+            "pinned": args.pin,
+            "cores_kept_awake": args.keep_cores_awake,
+            "hidden": args.hidden,
+            "global_batch": args.global_batch,
+            "epochs": args.sweep_epochs,
+            "phase_steps": args.sweep_phase_steps,
+            "shares_in_sixteenths": args.sweep_shares,
+        },
+        "splits": figures,
+        "best_speedup_over_equal": best,
+    }
     path = args.out.with_name(args.out.stem + "_sweep.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))

@@ -60,22 +60,50 @@ def run(optimizer: str, stage: int, rdzv_conf: str, timeout: float, root: Path) 
     from lightning_hetero.recover import checkpoint
 
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=3",
-        "--monitor-interval=0.5", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        "--rdzv-id=elastic-resume", *([f"--rdzv-conf={rdzv_conf}"] if rdzv_conf else []),
-        str(WORKERS / "fit.py"), "--out", str(root), "--launched-layout", "--global-batch-size", str(GLOBAL_BATCH),
-        "--samples", str(SAMPLES), "--max-epochs", str(EPOCHS), "--checkpoint-every", "5", "--save-last",
-        "--ckpt-path", "last", "--optimizer", optimizer, "--stage", str(stage),
-        "--hold-at", f"5:{root.parent / 'go_on'}",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1:2",
+        "--nproc-per-node=1",
+        "--max-restarts=3",
+        "--monitor-interval=0.5",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "--rdzv-id=elastic-resume",
+        *([f"--rdzv-conf={rdzv_conf}"] if rdzv_conf else []),
+        str(WORKERS / "fit.py"),
+        "--out",
+        str(root),
+        "--launched-layout",
+        "--global-batch-size",
+        str(GLOBAL_BATCH),
+        "--samples",
+        str(SAMPLES),
+        "--max-epochs",
+        str(EPOCHS),
+        "--checkpoint-every",
+        "5",
+        "--save-last",
+        "--ckpt-path",
+        "last",
+        "--optimizer",
+        optimizer,
+        "--stage",
+        str(stage),
+        "--hold-at",
+        f"5:{root.parent / 'go_on'}",
+    ]
     environment = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     agents = []
     with contextlib.ExitStack() as files:
         logs = [files.enter_context(open(root.parent / f"agent{i}.log", "w")) for i in range(2)]
         try:
             for log in logs:  # the first hosts the rendezvous store
-                agents.append(subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                               start_new_session=True, env=environment))  # fmt: skip
+                agents.append(
+                    subprocess.Popen(
+                        command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=environment
+                    )
+                )
                 time.sleep(1.0)
             last = root / "ckpt" / "last.ckpt"
             deadline = time.monotonic() + timeout
@@ -94,11 +122,14 @@ def run(optimizer: str, stage: int, rdzv_conf: str, timeout: float, root: Path) 
                 kill_tree(agent.pid)
     output = (root.parent / "agent0.log").read_text()
     result = {
-        "optimizer": optimizer, "stage": stage, "rdzv_conf": rdzv_conf or "torchrun's defaults",
-        "seconds_after_kill": round(seconds, 1), "survivor_exit_code": code,
+        "optimizer": optimizer,
+        "stage": stage,
+        "rdzv_conf": rdzv_conf or "torchrun's defaults",
+        "seconds_after_kill": round(seconds, 1),
+        "survivor_exit_code": code,
         # Each worker that failed, in order, as the agent logged it: the first is the one that lost its peer (75).
         "worker_failures": [int(c) for c in re.findall(r"failed \(exitcode: (-?\d+)\)", output)],
-    }  # fmt: skip
+    }
     if code == 0:
         from common import IndexedRegression, max_param_difference, reference_training
 

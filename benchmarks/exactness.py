@@ -58,10 +58,20 @@ def main() -> None:
         for stage in args.stages:
             with tempfile.TemporaryDirectory() as tmp:
                 command = [
-                    sys.executable, str(REPO / "tests" / "workers" / "fit.py"), "--out", tmp, "--stage", str(stage),
-                    "--devices", str(len(args.batch_sizes)), "--samples", str(samples),
-                    "--batch-sizes", *map(str, args.batch_sizes), *worker_args,
-                ]  # fmt: skip
+                    sys.executable,
+                    str(REPO / "tests" / "workers" / "fit.py"),
+                    "--out",
+                    tmp,
+                    "--stage",
+                    str(stage),
+                    "--devices",
+                    str(len(args.batch_sizes)),
+                    "--samples",
+                    str(samples),
+                    "--batch-sizes",
+                    *map(str, args.batch_sizes),
+                    *worker_args,
+                ]
                 subprocess.run(command, check=True, capture_output=True, timeout=300)
                 result = json.loads((Path(tmp) / "result.json").read_text())
             difference = max(

@@ -59,22 +59,53 @@ def free_port() -> int:
 
 def start(launcher: str, out: Path, peer_timeout: float) -> list[subprocess.Popen]:
     """The processes started here: [rank 0 (lightning)], [rank 0, rank 1] (env) or [agent] (torchrun)."""
-    args = ["--out", str(out), "--batch-sizes", "8", "8", "--max-epochs", "100000", "--signal-test",
-            "--strategy-args", json.dumps({"peer_timeout": peer_timeout})]  # fmt: skip
+    args = [
+        "--out",
+        str(out),
+        "--batch-sizes",
+        "8",
+        "8",
+        "--max-epochs",
+        "100000",
+        "--signal-test",
+        "--strategy-args",
+        json.dumps({"peer_timeout": peer_timeout}),
+    ]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    popen = {"cwd": REPO, "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True,
-             "start_new_session": True}  # fmt: skip
+    popen = {
+        "cwd": REPO,
+        "stdout": subprocess.PIPE,
+        "stderr": subprocess.STDOUT,
+        "text": True,
+        "start_new_session": True,
+    }
     if launcher == "lightning":
         return [subprocess.Popen([sys.executable, str(WORKER), *args], env=env, **popen)]
     if launcher == "torchrun":
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                   "--max-restarts=0", "--monitor-interval=0.5", str(WORKER), *args]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "--max-restarts=0",
+            "--monitor-interval=0.5",
+            str(WORKER),
+            *args,
+        ]
         return [subprocess.Popen(command, env=env, **popen)]
     port = str(free_port())
     ranks = []
     for rank in (0, 1):
-        by_hand = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2", "RANK": str(rank),
-                   "LOCAL_RANK": str(rank), "NODE_RANK": "0", "LOCAL_WORLD_SIZE": "2"}  # fmt: skip
+        by_hand = {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "WORLD_SIZE": "2",
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "NODE_RANK": "0",
+            "LOCAL_WORLD_SIZE": "2",
+        }
         ranks.append(subprocess.Popen([sys.executable, str(WORKER), *args], env={**env, **by_hand}, **popen))
     return ranks
 
@@ -175,8 +206,11 @@ def main() -> None:
     }
     print(f"peer_timeout={args.peer_timeout:g} s, {args.load} busy processes: {json.dumps(summary)}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"peer_timeout": args.peer_timeout, "load": args.load, "results": results,
-                                    "summary": summary}, indent=1))  # fmt: skip
+    args.out.write_text(
+        json.dumps(
+            {"peer_timeout": args.peer_timeout, "load": args.load, "results": results, "summary": summary}, indent=1
+        )
+    )
     print(f"written to {args.out}")
 
 

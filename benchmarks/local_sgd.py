@@ -129,10 +129,14 @@ def fit(
             if trainer.sanity_checking:
                 return
             metrics = trainer.callback_metrics
-            self.points.append({
-                "seconds": time.perf_counter() - self.started, "epoch": trainer.current_epoch,
-                "val_loss": float(metrics["val_loss"]), "val_acc": float(metrics["val_acc"]),
-            })  # fmt: skip
+            self.points.append(
+                {
+                    "seconds": time.perf_counter() - self.started,
+                    "epoch": trainer.current_epoch,
+                    "val_loss": float(metrics["val_loss"]),
+                    "val_acc": float(metrics["val_acc"]),
+                }
+            )
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             if trainer.is_global_zero:
@@ -149,13 +153,22 @@ def fit(
         speeds = speeds if emulate else None
         strategy = HeteroStrategy(sync=mode, sync_every=sync_every, emulate_speeds=speeds, **options)
         batch = MICRO_BATCH
-    data = SpiralDataModule(batch_size=batch // 2 if mode == "every_step" else batch,
-                            train_samples=TRAIN_SAMPLES, val_samples=VAL_SAMPLES)  # fmt: skip
+    data = SpiralDataModule(
+        batch_size=batch // 2 if mode == "every_step" else batch, train_samples=TRAIN_SAMPLES, val_samples=VAL_SAMPLES
+    )
     trainer = Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, logger=False, callbacks=[Curve()],
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=epochs,
+        logger=False,
+        callbacks=[Curve()],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
         default_root_dir=out,
-    )  # fmt: skip
+    )
     trainer.fit(WideSpirals(), data)
     claims = strategy.job.claims  # asynchronous merges: each rank's merges (its micro-batches, its time in each)
     if claims is not None:
@@ -278,24 +291,36 @@ def run_all(
             for c in (None, "int8", "int4")
         ]
         fits += [
-            (f"diloco H={h} overlap-H{' ' + c if c else ''}", "diloco", h,
-             {"sync_options": {"overlap": True, "overlap_steps": h}, "compression": c})
+            (
+                f"diloco H={h} overlap-H{' ' + c if c else ''}",
+                "diloco",
+                h,
+                {"sync_options": {"overlap": True, "overlap_steps": h}, "compression": c},
+            )
             for h in sync_every
             for c in (None, "int8")
-        ]  # fmt: skip
+        ]
         fits += [
-            (f"diloco H={h} overlap{'-H' if steps else ''} no-eager{' ' + c if c else ''}", "diloco", h,
-             {"sync_options": {"overlap": True, "eager": False, **({"overlap_steps": h} if steps else {})},
-              "compression": c})
+            (
+                f"diloco H={h} overlap{'-H' if steps else ''} no-eager{' ' + c if c else ''}",
+                "diloco",
+                h,
+                {
+                    "sync_options": {"overlap": True, "eager": False, **({"overlap_steps": h} if steps else {})},
+                    "compression": c,
+                },
+            )
             for h in sync_every
             for steps in (False, True)
             for c in (None, "int8")
-        ]  # fmt: skip
+        ]
     if only:
         fits = [fit for fit in fits if fit[0] == "every_step" or fit[0] in only]
     if inner_steps:  # (the same inner steps in every local fit: their losses differ by the merge alone)
-        fits = [(name, mode, h, {**options, "inner_steps": inner_steps} if mode != "every_step" else options)
-                for name, mode, h, options in fits]  # fmt: skip
+        fits = [
+            (name, mode, h, {**options, "inner_steps": inner_steps} if mode != "every_step" else options)
+            for name, mode, h, options in fits
+        ]
     results = []
     for run in range(runs):
         order = fits if run % 2 == 0 else list(reversed(fits))
@@ -304,7 +329,7 @@ def run_all(
         outcome = {
             name: launch(
                 name, mode, h, epochs, folder / name.replace(" ", "_").replace("=", ""), options, seed, anneal, emulate
-            )  # fmt: skip
+            )
             for name, mode, h, options in order
         }
         figures = analyse_run(outcome)
@@ -369,8 +394,9 @@ def against_diloco(results: list[dict[str, Any]]) -> list[str]:
         if name.startswith("diloco ") and name != reference and reference in results[0]:
             ratios = [run[name]["final_val_loss"] / run[reference]["final_val_loss"] for run in results]
             shown = ", ".join(f"{ratio:.3f}" for ratio in ratios)
-            lines.append(f"{name}: final val loss / {reference}'s, run by run: {shown}"
-                         f" (median {statistics.median(ratios):.3f})")  # fmt: skip
+            lines.append(
+                f"{name}: final val loss / {reference}'s, run by run: {shown} (median {statistics.median(ratios):.3f})"
+            )
     return [""] + lines if lines else []
 
 
@@ -393,19 +419,44 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parser.parse_args(argv)
     if args.fit:
         mode, sync_every, epochs, out = args.fit
-        fit(mode, int(sync_every), int(epochs), Path(out), json.loads(args.fit_options), args.fit_seed, args.anneal,
-            not args.no_emulation)  # fmt: skip
+        fit(
+            mode,
+            int(sync_every),
+            int(epochs),
+            Path(out),
+            json.loads(args.fit_options),
+            args.fit_seed,
+            args.anneal,
+            not args.no_emulation,
+        )
         return
     work = args.out.parent / "local_sgd_runs"
-    results = run_all(args.runs, args.epochs, args.sync_every, work, args.variants, args.only, args.seed_per_run,
-                      args.inner_steps, args.anneal, not args.no_emulation, args.first_seed)  # fmt: skip
+    results = run_all(
+        args.runs,
+        args.epochs,
+        args.sync_every,
+        work,
+        args.variants,
+        args.only,
+        args.seed_per_run,
+        args.inner_steps,
+        args.anneal,
+        not args.no_emulation,
+        args.first_seed,
+    )
     text = table(results)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    setting = {"anneal": args.anneal, "emulated": not args.no_emulation, "inner_steps": args.inner_steps,
-               "seed_per_run": args.seed_per_run, "first_seed": args.first_seed}  # fmt: skip
-    args.out.write_text(json.dumps({"runs": args.runs, "epochs": args.epochs, "setting": setting, "results": results,
-                                    "table": text}))  # fmt: skip
+    setting = {
+        "anneal": args.anneal,
+        "emulated": not args.no_emulation,
+        "inner_steps": args.inner_steps,
+        "seed_per_run": args.seed_per_run,
+        "first_seed": args.first_seed,
+    }
+    args.out.write_text(
+        json.dumps({"runs": args.runs, "epochs": args.epochs, "setting": setting, "results": results, "table": text})
+    )
     print(f"written to {args.out}")
 
 

@@ -63,8 +63,9 @@ def fit(strategy: str, steps: int, out: Path) -> None:
     class MLP(LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
-                                     nn.Linear(1024, 10))  # fmt: skip
+            self.net = nn.Sequential(
+                nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
+            )
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             x, y = batch
@@ -88,12 +89,16 @@ def fit(strategy: str, steps: int, out: Path) -> None:
                 steps = [b - a for a, b in zip(self.starts, self.starts[1:])][STEADY_FROM:]
                 started = psutil.Process().create_time()
                 config = getattr(trainer.strategy, "config", None) or {}
-                (out / "timing.json").write_text(json.dumps({
-                    "zero_stage": config.get("zero_optimization", {}).get("stage"),
-                    "step_seconds": statistics.median(steps),
-                    "startup_seconds": self.starts[0] - started,
-                    "peak_bytes": [float(p.item()) for p in peaks],
-                }))  # fmt: skip
+                (out / "timing.json").write_text(
+                    json.dumps(
+                        {
+                            "zero_stage": config.get("zero_optimization", {}).get("stage"),
+                            "step_seconds": statistics.median(steps),
+                            "startup_seconds": self.starts[0] - started,
+                            "peak_bytes": [float(p.item()) for p in peaks],
+                        }
+                    )
+                )
 
     seed_everything(0)
     data = TensorDataset(torch.randn(GLOBAL_BATCH * 8, 256), torch.randint(0, 10, (GLOBAL_BATCH * 8,)))
@@ -105,9 +110,18 @@ def fit(strategy: str, steps: int, out: Path) -> None:
 
         stage = None if strategy == "default" else int(strategy[-1])
         chosen = HeteroStrategy(stage=stage, batch_sizes=[GLOBAL_BATCH // 2] * 2)
-    trainer = Trainer(accelerator="cpu", devices=2, strategy=chosen, max_steps=steps, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[Timing()], default_root_dir=out)  # fmt: skip
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=chosen,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Timing()],
+        default_root_dir=out,
+    )
     trainer.fit(MLP(), loader)
 
 
@@ -140,11 +154,14 @@ def plain_loop(strategy: str, steps: int, out: Path) -> None:
 
         with startup.without_shared_memory_comm_op():
             deepspeed.init_distributed("gloo")
-        config = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // 2, "zero_allow_untested_optimizer": True,
-                  "zero_optimization": {"stage": int(strategy[-1]), "contiguous_gradients": False,
-                                        "overlap_comm": False}}  # fmt: skip
-        engine, *_ = deepspeed.initialize(model=network, optimizer=torch.optim.Adam(network.parameters(), lr=1e-3),
-                                          config=config)  # fmt: skip
+        config = {
+            "train_micro_batch_size_per_gpu": GLOBAL_BATCH // 2,
+            "zero_allow_untested_optimizer": True,
+            "zero_optimization": {"stage": int(strategy[-1]), "contiguous_gradients": False, "overlap_comm": False},
+        }
+        engine, *_ = deepspeed.initialize(
+            model=network, optimizer=torch.optim.Adam(network.parameters(), lr=1e-3), config=config
+        )
 
         def step() -> None:
             engine.backward(nn.functional.cross_entropy(engine(x), y))
@@ -175,8 +192,20 @@ def timed_child(command: list[str], what: str, out: Path) -> dict[str, Any]:
 
 def run_plain(strategy: str, steps: int, out: Path) -> float:
     out.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-               "--plain-fit", strategy, "--steps", str(steps), "--fit-out", str(out)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        __file__,
+        "--plain-fit",
+        strategy,
+        "--steps",
+        str(steps),
+        "--fit-out",
+        str(out),
+    ]
     return timed_child(command, f"plain {strategy}", out)["step_seconds"]
 
 
@@ -214,23 +243,27 @@ def main() -> None:
             row[f"{name}_step_ratio"] = figures[name]["step_seconds"] / ddp["step_seconds"]
             row[f"{name}_startup_extra_seconds"] = figures[name]["startup_seconds"] - ddp["startup_seconds"]
         if args.plain:
-            plain = {name: run_plain(name, args.steps, work / f"pair{pair}_plain_{name}") for name in order
-                     if name in PLAIN}  # fmt: skip
+            plain = {
+                name: run_plain(name, args.steps, work / f"pair{pair}_plain_{name}") for name in order if name in PLAIN
+            }
             row["plain_step_seconds"] = plain
             for name in ("zero0", "zero2"):
                 row[f"plain_{name}_step_ratio"] = plain[name] / plain["ddp"]
-            print(f"pair {pair} plain loops: step ms " + ", ".join(f"{n} {plain[n] * 1e3:.1f}" for n in PLAIN)
-                  + f"; ratio zero0 {row['plain_zero0_step_ratio']:.3f}, zero2 {row['plain_zero2_step_ratio']:.3f}",
-                  flush=True)  # fmt: skip
+            print(
+                f"pair {pair} plain loops: step ms "
+                + ", ".join(f"{n} {plain[n] * 1e3:.1f}" for n in PLAIN)
+                + f"; ratio zero0 {row['plain_zero0_step_ratio']:.3f}, zero2 {row['plain_zero2_step_ratio']:.3f}",
+                flush=True,
+            )
         runs.append(row)
         print(
-            f"pair {pair} ({', '.join(order)}): step ms " + ", ".join(
-                f"{name} {figures[name]['step_seconds'] * 1e3:.1f}" for name in STRATEGIES
-            ) + f"; ratio default (ZeRO-{figures['default']['zero_stage']}) {row['default_step_ratio']:.3f}, zero0"
+            f"pair {pair} ({', '.join(order)}): step ms "
+            + ", ".join(f"{name} {figures[name]['step_seconds'] * 1e3:.1f}" for name in STRATEGIES)
+            + f"; ratio default (ZeRO-{figures['default']['zero_stage']}) {row['default_step_ratio']:.3f}, zero0"
             f" {row['zero0_step_ratio']:.3f}, zero2 {row['zero2_step_ratio']:.3f}; start-up s "
             + ", ".join(f"{name} {figures[name]['startup_seconds']:.1f}" for name in STRATEGIES),
             flush=True,
-        )  # fmt: skip
+        )
     summary: dict[str, Any] = {"default_zero_stages": sorted({r["default"]["zero_stage"] for r in runs})}
     for name in HETERO:
         summary[name] = {

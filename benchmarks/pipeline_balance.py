@@ -77,15 +77,26 @@ def fit(kind: str, out: Path) -> None:
         pipeline["boundaries"] = [BLOCKS // 2]
     strategy = HeteroStrategy(pipeline=pipeline, emulate_speeds=[1.0, 0.4])
     starts = StepStarts()
-    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, enable_checkpointing=False,
-                      logger=False, enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[starts])  # fmt: skip
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=STEPS,
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[starts],
+    )
     trainer.fit(Chain(), DataLoader(data, batch_size=global_batch, shuffle=True))
     pipeline_state = strategy.pipeline
-    record = {"step_times": pipeline_state.step_times, "stage": pipeline_state.stage,
-              "replans": strategy.pipeline_replans,
-              "boundaries": list(pipeline_state.placement.boundaries),
-              "stage_ranks": list(pipeline_state.placement.ranks)}  # fmt: skip
+    record = {
+        "step_times": pipeline_state.step_times,
+        "stage": pipeline_state.stage,
+        "replans": strategy.pipeline_replans,
+        "boundaries": list(pipeline_state.placement.boundaries),
+        "stage_ranks": list(pipeline_state.placement.ranks),
+    }
     if trainer.global_rank == 0:
         record["starts"] = starts.starts
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
@@ -115,10 +126,15 @@ def measure(kind: str, directory: Path) -> dict[str, Any]:
         max(rank["step_times"][i][0] for rank in ranks) for i in range(REPLAN_WINDOW + 5, STEPS - 1)
     )
     return {
-        "step_ms": step, "balance": balance, "first_step_ms": first_step, "first_balance": first_balance,
+        "step_ms": step,
+        "balance": balance,
+        "first_step_ms": first_step,
+        "first_balance": first_balance,
         "slowest_stage_ms": slowest,
-        "boundaries": ranks[0]["boundaries"], "stage_ranks": ranks[0]["stage_ranks"], "replans": ranks[0]["replans"],
-    }  # fmt: skip
+        "boundaries": ranks[0]["boundaries"],
+        "stage_ranks": ranks[0]["stage_ranks"],
+        "replans": ranks[0]["replans"],
+    }
 
 
 def main() -> None:
@@ -138,8 +154,14 @@ def main() -> None:
         runs = {kind: measure(kind, scratch / f"pair{pair}_{kind}") for kind in order}
         ratio = runs["equal"]["step_ms"] / runs["placed"]["step_ms"]
         compute_ratio = runs["equal"]["slowest_stage_ms"] / runs["placed"]["slowest_stage_ms"]
-        pairs.append({"order": order, **{k: v for k, v in runs.items()}, "equal_over_placed": ratio,
-                      "slowest_stage_equal_over_placed": compute_ratio})  # fmt: skip
+        pairs.append(
+            {
+                "order": order,
+                **{k: v for k, v in runs.items()},
+                "equal_over_placed": ratio,
+                "slowest_stage_equal_over_placed": compute_ratio,
+            }
+        )
         placed = runs["placed"]
         print(
             f"pair {pair} ({', '.join(order)}): step ms equal {runs['equal']['step_ms']:.1f} (balance"

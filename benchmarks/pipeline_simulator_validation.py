@@ -29,18 +29,33 @@ CLUSTER = "nodes:\n  - devices: [{kind: cpu, cores: 1}, {kind: cpu, cores: 1, sp
 def predict(scratch: Path) -> dict:
     cluster = scratch / "cluster.yaml"
     cluster.write_text(CLUSTER)
-    command = [shutil.which("lightning-hetero") or "lightning-hetero", "plan", "--cluster", str(cluster), "--model",
-               "examples.spirals:SpiralChain", "--data", "examples.spirals:SpiralDataModule", "--pipeline-blocks",
-               "blocks", "--json"]  # fmt: skip
+    command = [
+        shutil.which("lightning-hetero") or "lightning-hetero",
+        "plan",
+        "--cluster",
+        str(cluster),
+        "--model",
+        "examples.spirals:SpiralChain",
+        "--data",
+        "examples.spirals:SpiralDataModule",
+        "--pipeline-blocks",
+        "blocks",
+        "--json",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300, check=True)
     return json.loads(result.stdout)["pipeline"]
 
 
 def run(scratch: Path, index: int) -> dict:
     root = scratch / f"run{index}"
-    command = [shutil.which("lightning-hetero") or "lightning-hetero", "fit", "--config",
-               "configs/spirals_pipeline.yaml", "--trainer.max_epochs=1",
-               f"--trainer.default_root_dir={root}"]  # fmt: skip
+    command = [
+        shutil.which("lightning-hetero") or "lightning-hetero",
+        "fit",
+        "--config",
+        "configs/spirals_pipeline.yaml",
+        "--trainer.max_epochs=1",
+        f"--trainer.default_root_dir={root}",
+    ]
     subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600, check=True)
     (report,) = root.rglob("pipeline_report.json")
     return json.loads(report.read_text())
@@ -62,12 +77,20 @@ def main() -> None:
         edges = [0, *report["boundaries"], 12]
         slow_blocks = edges[slow_stage + 1] - edges[slow_stage]
         error = report["schedule_ms_median"] / predicted["step_ms"] - 1
-        rows.append({"slow_blocks": slow_blocks, "schedule_ms": report["schedule_ms_median"],
-                     "step_error": error, "replans": len(report["replans"])})  # fmt: skip
+        rows.append(
+            {
+                "slow_blocks": slow_blocks,
+                "schedule_ms": report["schedule_ms_median"],
+                "step_error": error,
+                "replans": len(report["replans"]),
+            }
+        )
     print(f"predicted: {slow_predicted} blocks on the slow rank, step {predicted['step_ms']:.1f} ms")
     for row in rows:
-        print(f"measured: {row['slow_blocks']} blocks on the slow rank, schedule {row['schedule_ms']:.1f} ms"
-              f" (prediction {row['step_error']:+.0%}), {row['replans']} re-plan(s)")  # fmt: skip
+        print(
+            f"measured: {row['slow_blocks']} blocks on the slow rank, schedule {row['schedule_ms']:.1f} ms"
+            f" (prediction {row['step_error']:+.0%}), {row['replans']} re-plan(s)"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"predicted": predicted, "runs": rows, "date": time.strftime("%Y-%m-%d")}, indent=1))
     print(f"written to {args.out}")

@@ -49,8 +49,11 @@ from lightning_hetero.simulate import predict as step_model  # noqa: E402
 from lightning_hetero.simulate.cluster import load_cluster_text  # noqa: E402
 from lightning_hetero.simulate.step_options import Options  # noqa: E402
 
-MODELS = {"resnet50": "published_models:ResNet50", "bert-base": "published_models:BertBase",
-          "bert-large": "published_models:BertLarge"}  # fmt: skip
+MODELS = {
+    "resnet50": "published_models:ResNet50",
+    "bert-base": "published_models:BertBase",
+    "bert-large": "published_models:BertLarge",
+}
 REFERENCE_KIND = "A100-80GB"
 SPLIT_CLUSTER = "nodes:\n  - devices: [{kind: A100-80GB}, {kind: V100-16GB}, {kind: A10}]\n"
 LAPTOP_CLUSTER = "nodes:\n  - devices: [{kind: A100-80GB}, {kind: V100-16GB}, {kind: T4}]\n"
@@ -96,10 +99,15 @@ def linearity(name: str, sizes: tuple[int, ...]) -> list[dict]:
         flops = sum(op.flops + op.flops_per_sample * size for op in lines)
         moved = sum(op.bytes + op.bytes_per_sample * size for op in lines)
         saved = at_small.saved_bytes + saved_slope * (size - small)
-        checks.append({"model": name, "batch": size,
-                       "flops_error": flops / measured.flops - 1,
-                       "bytes_error": moved / sum(r[1] for r in measured.records) - 1,
-                       "saved_error": saved / measured.saved_bytes - 1})  # fmt: skip
+        checks.append(
+            {
+                "model": name,
+                "batch": size,
+                "flops_error": flops / measured.flops - 1,
+                "bytes_error": moved / sum(r[1] for r in measured.records) - 1,
+                "saved_error": saved / measured.saved_bytes - 1,
+            }
+        )
     return checks
 
 
@@ -137,8 +145,10 @@ def fit(rows: list[dict], workloads: dict) -> dict:
 
             def loss(efficiency: float, name: str = name, rows_of: list[dict] = rows_of) -> float:
                 kind = replace(catalog.lookup(name), bandwidth_efficiency=efficiency)
-                return sum(math.log(predicted(r, workloads[r["model"]], kind)[0] / r["samples_per_second"]) ** 2
-                           for r in rows_of)  # fmt: skip
+                return sum(
+                    math.log(predicted(r, workloads[r["model"]], kind)[0] / r["samples_per_second"]) ** 2
+                    for r in rows_of
+                )
 
             low, high = 0.05, 1.5  # golden-section search: the loss is unimodal in the efficiency
             for _ in range(40):
@@ -170,14 +180,26 @@ def table(rows: list[dict], workloads: dict) -> list[dict]:
     results = []
     for row in rows:
         speed, max_batch = predicted(row, workloads[row["model"]])
-        results.append({**{k: row[k] for k in ("role", "source", "model", "kind", "samples_per_second", "batch")},
-                        "predicted": speed, "error": speed / row["samples_per_second"] - 1, "max_batch": max_batch,
-                        "shown_to_fit": row["shown_to_fit"],
-                        "room_gib": room_bytes(row, workloads[row["model"]]) / 2**30,
-                        "max_batch_ratio": max_batch / row["shown_to_fit"]})  # fmt: skip
+        results.append(
+            {
+                **{k: row[k] for k in ("role", "source", "model", "kind", "samples_per_second", "batch")},
+                "predicted": speed,
+                "error": speed / row["samples_per_second"] - 1,
+                "max_batch": max_batch,
+                "shown_to_fit": row["shown_to_fit"],
+                "room_gib": room_bytes(row, workloads[row["model"]]) / 2**30,
+                "max_batch_ratio": max_batch / row["shown_to_fit"],
+            }
+        )
     for result in results:  # speed relative to the reference kind of the same source and model
-        reference = next((r for r in results if (r["source"], r["model"], r["kind"]) ==
-                          (result["source"], result["model"], REFERENCE_KIND)), None)  # fmt: skip
+        reference = next(
+            (
+                r
+                for r in results
+                if (r["source"], r["model"], r["kind"]) == (result["source"], result["model"], REFERENCE_KIND)
+            ),
+            None,
+        )
         if reference is None or reference is result:
             result["ratio_error"] = None
             continue
@@ -239,8 +261,14 @@ def laptop_check() -> list[dict]:
             if done.returncode != 0:
                 raise SystemExit(f"plan failed for {name}: {done.stderr[-2000:]}")
             plan = json.loads(done.stdout)
-            results.append({"model": name, "seconds": seconds, "peak_rss_gib": peak / 2**20,
-                            "samples": [d["samples"] for d in plan["devices"]]})  # fmt: skip
+            results.append(
+                {
+                    "model": name,
+                    "seconds": seconds,
+                    "peak_rss_gib": peak / 2**20,
+                    "samples": [d["samples"] for d in plan["devices"]],
+                }
+            )
     return results
 
 
@@ -270,8 +298,9 @@ def show(results: list[dict], split: dict, laptop: list[dict], linearity_checks:
     # How consistent the published batches are with any memory model linear in the batch: the largest batch shown to
     # fit per GiB left after the state, DeepSpeed's buffer and the context, across kinds (one model: one ratio).
     for model in MODELS:
-        density = [r["shown_to_fit"] / r["room_gib"] for r in results
-                   if r["model"] == model and r["source"] == "Lambda"]  # fmt: skip
+        density = [
+            r["shown_to_fit"] / r["room_gib"] for r in results if r["model"] == model and r["source"] == "Lambda"
+        ]
         lines.append(
             f"{model}: the largest published batch per GiB of room ranges {min(density):.1f} to {max(density):.1f}"
             f" across kinds: any one bytes-per-sample that never allows more than a published run used allows at most"
@@ -331,10 +360,25 @@ def main() -> None:
         with open(os.path.join(HERE, "planner_fit.json"), "w") as handle:
             json.dump(fitted, handle, indent=1)
     with open(os.path.join(HERE, "results", "planner_validation.json"), "w") as handle:
-        json.dump({"rows": results, "split": split, "laptop": laptop, "fitted": fitted, "linearity": linearity_checks,
-                   "workloads": {n: {"flops_per_sample": w.flops_per_sample, "activation_bytes_per_sample":
-                                     w.activation_bytes_per_sample, "operators": len(w.operators)}
-                                 for n, w in workloads.items()}}, handle, indent=1)  # fmt: skip
+        json.dump(
+            {
+                "rows": results,
+                "split": split,
+                "laptop": laptop,
+                "fitted": fitted,
+                "linearity": linearity_checks,
+                "workloads": {
+                    n: {
+                        "flops_per_sample": w.flops_per_sample,
+                        "activation_bytes_per_sample": w.activation_bytes_per_sample,
+                        "operators": len(w.operators),
+                    }
+                    for n, w in workloads.items()
+                },
+            },
+            handle,
+            indent=1,
+        )
 
 
 if __name__ == "__main__":

@@ -65,9 +65,11 @@ class ResNet50(pl.LightningModule):
                 layers.append(_Bottleneck(inputs, width, stride if index == 0 else 1))
                 inputs = width * _Bottleneck.expansion
         self.stem = nn.Sequential(
-            nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True),
+            nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False),
+            nn.BatchNorm2d(64),
+            nn.ReLU(inplace=True),
             nn.MaxPool2d(3, stride=2, padding=1),
-        )  # fmt: skip
+        )
         self.layers = nn.Sequential(*layers)
         self.head = nn.Linear(inputs, classes)
 
@@ -129,9 +131,14 @@ class _BertLayer(nn.Module):
 
 class BertBase(pl.LightningModule):
     def __init__(
-        self, seq_len: int = 384, layers: int = 12, hidden: int = 768, heads: int = 12, vocabulary: int = 30522,
+        self,
+        seq_len: int = 384,
+        layers: int = 12,
+        hidden: int = 768,
+        heads: int = 12,
+        vocabulary: int = 30522,
         batch_size: int = 8,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__()
         self.seq_len, self.vocabulary, self.batch_size = seq_len, vocabulary, batch_size
         self.tokens = nn.Embedding(vocabulary, hidden)

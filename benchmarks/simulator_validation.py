@@ -271,8 +271,14 @@ def measure_here(world_size: int) -> Any:
 
 # Equal speeds at unequal micro-batches: two points of the loop's compute line, so its fixed part and its factor
 # over the step measured here can both be told.
-CALIBRATION = {"name": "calibration: 2 ranks 1 : 1 at 176/80, ZeRO-0", "speeds": [1.0, 1.0], "stage": 0,
-               "compression": None, "nodes": None, "batch_sizes": [176, 80]}  # fmt: skip
+CALIBRATION = {
+    "name": "calibration: 2 ranks 1 : 1 at 176/80, ZeRO-0",
+    "speeds": [1.0, 1.0],
+    "stage": 0,
+    "compression": None,
+    "nodes": None,
+    "batch_sizes": [176, 80],
+}
 
 
 def calibrate(work: Path, workloads: dict[int, Any], link: tuple[float, float]) -> Any:
@@ -308,8 +314,11 @@ def summary(rows: list[dict[str, Any]]) -> str:
     for name in dict.fromkeys(row["name"] for row in rows):
         mine = [row for row in rows if row["name"] == name]
         parts = []
-        for key, label, fmt in [("split_error", "split", "{:.0%}"), ("step_error", "step", "{:+.0%}"),
-                                ("step_error_at_used_split", "step at used split", "{:+.0%}")]:  # fmt: skip
+        for key, label, fmt in [
+            ("split_error", "split", "{:.0%}"),
+            ("step_error", "step", "{:+.0%}"),
+            ("step_error_at_used_split", "step at used split", "{:+.0%}"),
+        ]:
             values = [row[key] for row in mine]
             parts.append(
                 f"{label} {fmt.format(statistics.median(values))} ({', '.join(fmt.format(v) for v in values)})"

@@ -54,8 +54,9 @@ def pair_ratios(starts: list[float]) -> list[dict[str, float]]:
     for start in range(2 * PHASE_STEPS, len(intervals) - 2 * PHASE_STEPS + 1, 2 * PHASE_STEPS):
         every = statistics.median(intervals[start + PHASE_STEPS // 2 : start + PHASE_STEPS - 1])
         paced = statistics.median(intervals[start + PHASE_STEPS + PHASE_STEPS // 2 : start + 2 * PHASE_STEPS - 1])
-        pairs.append({"first_step": start, "every_step_ms": every * 1e3, "paced_ms": paced * 1e3,
-                      "ratio": every / paced})  # fmt: skip
+        pairs.append(
+            {"first_step": start, "every_step_ms": every * 1e3, "paced_ms": paced * 1e3, "ratio": every / paced}
+        )
     return pairs
 
 
@@ -104,10 +105,19 @@ def fit(steps: int, hidden: int, global_batch: int, out: Path, pin: bool) -> Non
     half = global_batch // 2
     strategy = HeteroStrategy(stage=0, batch_sizes=[global_batch - half, half], rebalance_window=PHASE_STEPS)
     trainer = Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        default_root_dir=out, callbacks=[starts],
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=out,
+        callbacks=[starts],
+    )
     data = SpiralDataModule(batch_size=half, train_samples=global_batch * steps, val_samples=512)
     trainer.fit(LeanSpirals(hidden=hidden, depth=4), data)
     if trainer.global_rank == 0:
@@ -136,24 +146,38 @@ def main() -> None:
         out = args.out.parent / "stop_checks_runs" / f"run{run}"
         out.mkdir(parents=True, exist_ok=True)
         setting = [str(args.steps), str(args.hidden), str(args.global_batch), str(out), "pin" if args.pin else "-"]
-        run_job([sys.executable, __file__, "--fit", *setting], out / "log.txt", dict(os.environ), FIT_TIMEOUT,
-                f"run {run}")  # fmt: skip
+        run_job(
+            [sys.executable, __file__, "--fit", *setting], out / "log.txt", dict(os.environ), FIT_TIMEOUT, f"run {run}"
+        )
         pairs = pair_ratios(json.loads((out / "starts.json").read_text()))
         runs.append(pairs)
         each = ", ".join(f"{pair['ratio']:.3f}" for pair in pairs)
-        print(f"run {run}: agreeing at every step / paced, per pair: {each} (median"
-              f" {statistics.median(pair['ratio'] for pair in pairs):.3f}; paced steps"
-              f" {statistics.median(pair['paced_ms'] for pair in pairs):.2f} ms)", flush=True)  # fmt: skip
+        print(
+            f"run {run}: agreeing at every step / paced, per pair: {each} (median"
+            f" {statistics.median(pair['ratio'] for pair in pairs):.3f}; paced steps"
+            f" {statistics.median(pair['paced_ms'] for pair in pairs):.2f} ms)",
+            flush=True,
+        )
     ratios = [pair["ratio"] for pairs in runs for pair in pairs]
     result = {
-        "setting": {"ranks": 2, "hidden": args.hidden, "global_batch": args.global_batch, "steps": args.steps,
-                    "phase_steps": PHASE_STEPS, "pinned": args.pin},
-        "runs": runs, "ratios": ratios, "median_ratio": statistics.median(ratios),
-    }  # fmt: skip
+        "setting": {
+            "ranks": 2,
+            "hidden": args.hidden,
+            "global_batch": args.global_batch,
+            "steps": args.steps,
+            "phase_steps": PHASE_STEPS,
+            "pinned": args.pin,
+        },
+        "runs": runs,
+        "ratios": ratios,
+        "median_ratio": statistics.median(ratios),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
-    print(f"a step with the agreement at every step takes {result['median_ratio']:.3f}x the paced one (median of"
-          f" {len(ratios)} pairs; {sum(r > 1 for r in ratios)} above 1); written to {args.out}")  # fmt: skip
+    print(
+        f"a step with the agreement at every step takes {result['median_ratio']:.3f}x the paced one (median of"
+        f" {len(ratios)} pairs; {sum(r > 1 for r in ratios)} above 1); written to {args.out}"
+    )
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ def main() -> None:
         default_root_dir=args.root,
         callbacks=[
             ModelCheckpoint(dirpath=Path(args.root) / "checkpoints", save_last=True, every_n_train_steps=args.every)
-        ],  # fmt: skip
+        ],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,

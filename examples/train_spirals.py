@@ -116,14 +116,19 @@ def main() -> None:
     split.add_argument("--weights", type=float, nargs="+", default=None, help="relative speed per rank")
     split.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="micro-batch per rank")
     parser.add_argument(
-        "--emulate-speeds", type=float, nargs="+", default=None,
+        "--emulate-speeds",
+        type=float,
+        nargs="+",
+        default=None,
         help="speed in (0, 1] per rank (default: 1.0 0.4 with 2 devices, none otherwise)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--device-precision", nargs="+", default=None,
+        "--device-precision",
+        nargs="+",
+        default=None,
         help="'auto' or one of bf16-mixed, 16-mixed, 32-true per rank: each rank trains in its own precision, a real"
         " difference in speed on a CPU with AVX512-BF16 or AMX (no speed emulation unless --emulate-speeds is given)",
-    )  # fmt: skip
+    )
     parser.add_argument("--no-baseline", action="store_true", help="skip the second run with the equal split")
     parser.add_argument("--root", default="runs/spirals", help="log directory (plan and per-rank configs go here)")
     args = parser.parse_args()

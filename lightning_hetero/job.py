@@ -76,8 +76,15 @@ class HeteroJob:
         self.local: Optional[LocalTraining] = None  # local SGD / DiLoCo (train/local_sgd.py)
         self.pipeline: Optional[PipelineTraining] = None  # the model split into stages, from join()
         if settings.local:
-            self.local = LocalTraining(settings.sync, settings.sync_every, settings.outer, settings.compression.mode,
-                                       settings.fragments, settings.overlap, settings.eager)  # fmt: skip
+            self.local = LocalTraining(
+                settings.sync,
+                settings.sync_every,
+                settings.outer,
+                settings.compression.mode,
+                settings.fragments,
+                settings.overlap,
+                settings.eager,
+            )
             self.loss_weights.local = True
         self.claims = AsynchronousTraining(self, settings.sync_every) if settings.asynchronous else None
         self.recovery = Recovery(settings.peer_timeout)
@@ -104,8 +111,15 @@ class HeteroJob:
 
     # ------------------------------------------------------------------ setup
 
-    def check_job(self, world_size: int, device_type: str, config: dict[str, Any], sync_batchnorm: bool,
-                  plugin: Any, trainer: Optional[Any]) -> None:  # fmt: skip
+    def check_job(
+        self,
+        world_size: int,
+        device_type: str,
+        config: dict[str, Any],
+        sync_batchnorm: bool,
+        plugin: Any,
+        trainer: Optional[Any],
+    ) -> None:
         """What the world size, the device and the trainer refuse, on every rank before the process group exists
         (``plugin``: the strategy's precision plugin; ours, from an earlier trainer call, is not the Trainer's)."""
         given = None if isinstance(plugin, HeteroPrecision) else (str(plugin.precision), type(plugin).__name__)
@@ -115,8 +129,16 @@ class HeteroJob:
         if trainer is not None:
             self.sharding.take_over_distributed_sampling(trainer)
 
-    def join(self, rank: int, world_size: int, device: torch.device, trainer: Optional[Any], plugin: Any,
-             sync_batchnorm: bool = False, collectives: Optional[Collectives] = None) -> None:  # fmt: skip
+    def join(
+        self,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        trainer: Optional[Any],
+        plugin: Any,
+        sync_batchnorm: bool = False,
+        collectives: Optional[Collectives] = None,
+    ) -> None:
         """The process group exists: each capability learns its rank, the world size and the device. ``plugin``: a
         callable returning the strategy's precision plugin (it is replaced at setup); ``sync_batchnorm``:
         `Trainer(sync_batchnorm=True)`; ``collectives``: the job's (a test's fake; default: the default group's)."""
@@ -134,10 +156,15 @@ class HeteroJob:
         self.split.rank = rank
         self.loss_weights.join(rank, world_size, self.collectives.sum, self.collectives.reduce_in_place)
         window = 0 if self.claims is not None else self.settings.rebalance_window  # (0: exchanged at the end only)
-        self.watcher = Watcher(device, window, lambda: self.emulation.added_seconds,
-                               self.communication.reading, self.collectives.gather_tensor,
-                               lambda: self.local.link_wait_seconds if self.local is not None else 0.0,
-                               self.settings.trace)  # fmt: skip
+        self.watcher = Watcher(
+            device,
+            window,
+            lambda: self.emulation.added_seconds,
+            self.communication.reading,
+            self.collectives.gather_tensor,
+            lambda: self.local.link_wait_seconds if self.local is not None else 0.0,
+            self.settings.trace,
+        )
         self.watcher.skipped_steps = lambda: list(self.nonfinite.skipped)
         self.communication.collective_observer = self.watcher.meter.collective  # (time blocked before the exchange)
         self.communication.send_hold = self.emulation.send_seconds
@@ -149,9 +176,16 @@ class HeteroJob:
             timeout = self.settings.peer_timeout or 1800.0
             self.pipeline = PipelineTraining(self, Pipeline(choice, rank, world_size, device, timeout))
 
-    def configure(self, config: dict[str, Any], trainer: Any, module: Any, device: torch.device, precision: Any,
-                  automatic_stages: Optional[tuple[int, ...]],
-                  half_precision_engine: bool) -> tuple[Any, int]:  # fmt: skip
+    def configure(
+        self,
+        config: dict[str, Any],
+        trainer: Any,
+        module: Any,
+        device: torch.device,
+        precision: Any,
+        automatic_stages: Optional[tuple[int, ...]],
+        half_precision_engine: bool,
+    ) -> tuple[Any, int]:
         """Measure and plan this trainer call (the setup survey, this rank's precision, the ZeRO stage, the exchange,
         the split or the pipeline's stages); ``config`` gets the stage and the exchange's entries. Returns this rank's
         own precision plugin (None: keep the Trainer's) and its micro-batch."""
@@ -241,8 +275,12 @@ class HeteroJob:
             return self.pipeline.shard(dataloader, trainer)
         assert self.watcher is not None
         training = trainer.state.stage == RunningStage.TRAINING
-        listeners = BatchListeners(self.training_batch, self.loss_weights.evaluation_batch,
-                                   self.loss_weights.forget_evaluation_batch, self.watcher.before_fetch)  # fmt: skip
+        listeners = BatchListeners(
+            self.training_batch,
+            self.loss_weights.evaluation_batch,
+            self.loss_weights.forget_evaluation_batch,
+            self.watcher.before_fetch,
+        )
         split = self.split.batch_sizes if training else None
         loader = self.sharding.shard(dataloader, trainer, split, self.collectives, self.rank, listeners)
         if training and self.claims is not None:  # (asynchronous merges: each rank claims its micro-batches)
@@ -265,8 +303,9 @@ class HeteroJob:
         engine = self.engine
         if self.pipeline is not None:
             assert engine is not None  # (attach() ran: Lightning steps only after setting the engine up)
-            return self.pipeline.step(batch, user_step, engine.backward, engine.module, trainer.global_step,
-                                      engine.optimizer)  # fmt: skip
+            return self.pipeline.step(
+                batch, user_step, engine.backward, engine.module, trainer.global_step, engine.optimizer
+            )
         return self.steps.training_step(batch, user_step, trainer.global_step)
 
     def backward(self, closure_loss: Tensor, backward: Backward, trainer: Any, zero_stage: int) -> None:
@@ -275,8 +314,9 @@ class HeteroJob:
         if self.pipeline is not None:
             self.pipeline.backward()
             return
-        self.steps.backward(closure_loss, backward, trainer.accumulate_grad_batches, zero_stage,
-                            trainer.lightning_module)  # fmt: skip
+        self.steps.backward(
+            closure_loss, backward, trainer.accumulate_grad_batches, zero_stage, trainer.lightning_module
+        )
 
     def optimizer_step(self, step: Callable[[], Any], backward: Backward, trainer: Any, closure: Any = None) -> Any:
         """Lightning's optimizer step (``step``, with its closure), then local training's inner steps; the exchange
@@ -341,10 +381,13 @@ class HeteroJob:
             return self.pipeline.write_report(trainer)
         assert self.watcher is not None
         directory = self.report_directory or report_directory(trainer, self.collectives.gather_objects)
-        sections: dict[str, Any] = {"precision": plugin.summary() if isinstance(plugin, HeteroPrecision) else None,
-                    "communication": self.communication.summary(), "nonfinite": self.nonfinite.summary(),
-                    "asynchronous": self.claims.summary() if self.claims else None,
-                    "could_replan": self.settings.rebalancing(profiled=True, world_size=self.world_size)}  # fmt: skip
+        sections: dict[str, Any] = {
+            "precision": plugin.summary() if isinstance(plugin, HeteroPrecision) else None,
+            "communication": self.communication.summary(),
+            "nonfinite": self.nonfinite.summary(),
+            "asynchronous": self.claims.summary() if self.claims else None,
+            "could_replan": self.settings.rebalancing(profiled=True, world_size=self.world_size),
+        }
         self.watcher.write_report(directory, self.rank, self.world_size, **sections)
         published = publish_to_loggers(trainer, directory) if self.rank == 0 and directory is not None else []
         if published:
@@ -356,8 +399,9 @@ class HeteroJob:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save_checkpoint(self, target: Path, saved: dict[str, Any], write: Callable[[Path], None],
-                        zero_stage: int, engine: Any) -> None:  # fmt: skip
+    def save_checkpoint(
+        self, target: Path, saved: dict[str, Any], write: Callable[[Path], None], zero_stage: int, engine: Any
+    ) -> None:
         """Complete or ignored: staged, listed in a manifest, published atomically (:mod:`~.recover.checkpoint`).
         ``write(directory)``: DeepSpeed's save of this rank's files (the parent strategy's); ``engine``: the
         strategy's (it outlives the trainer call: `trainer.save_checkpoint` after a fit)."""
@@ -378,19 +422,32 @@ class HeteroJob:
         def facts() -> dict[str, Any]:
             plan = self.split.plan
             return manifest_facts(
-                saved, self.world_size, plan.batch_sizes if plan is not None else None,
-                self.split.global_samples_consumed(), zero_stage, engine,
-                [facts.describe() for facts in self.setup.device_facts], self.communication.checkpoint_facts(),
-            )  # fmt: skip
+                saved,
+                self.world_size,
+                plan.batch_sizes if plan is not None else None,
+                self.split.global_samples_consumed(),
+                zero_stage,
+                engine,
+                [facts.describe() for facts in self.setup.device_facts],
+                self.communication.checkpoint_facts(),
+            )
 
         self.recovery.save(target, write_this_rank, facts)
 
     def remove_checkpoint(self, path: Path, remove: Callable[[Path], None]) -> None:
         self.recovery.remove(path, remove)  # (rank 0 alone, and never the only complete checkpoint)
 
-    def load_checkpoint(self, path: Path, load: Callable[[str], Any], module: Any, trainer: Optional[Any],
-                        zero_stage: int, stage_is_automatic: bool, engine: Any,
-                        weights_only: Optional[bool] = None) -> dict[str, Any]:  # fmt: skip
+    def load_checkpoint(
+        self,
+        path: Path,
+        load: Callable[[str], Any],
+        module: Any,
+        trainer: Optional[Any],
+        zero_stage: int,
+        stage_is_automatic: bool,
+        engine: Any,
+        weights_only: Optional[bool] = None,
+    ) -> dict[str, Any]:
         """Resume ``path`` the way its manifest says (:func:`~lightning_hetero.recover.resume.resume_route`);
         ``load(directory)``: DeepSpeed's load (the parent strategy's); ``weights_only``: Lightning's, for a file."""
         # DeepSpeed restores the checkpoint after setup requested the training loader, and the state it restores may
@@ -399,13 +456,25 @@ class HeteroJob:
         if path.is_file():  # a .ckpt file another strategy (DDP...) wrote
             file_route(path, pipeline=self.pipeline is not None)
             self.setup.settle_the_global_batch(path, {}, zero_stage, module, same_world_size=True)  # (none recorded)
-            return self.recovery.resume_from_lightning_file(path, module, engine, self._optimizer_parameters,
-                self.sharding.training_order(), self.split.global_batch_size, weights_only)  # fmt: skip
+            return self.recovery.resume_from_lightning_file(
+                path,
+                module,
+                engine,
+                self._optimizer_parameters,
+                self.sharding.training_order(),
+                self.split.global_batch_size,
+                weights_only,
+            )
         chosen, manifest = self.recovery.choose(path, weights_only)
-        route = resume_route(chosen, manifest, pipeline=self.pipeline is not None,
-                             local=self.settings.sync if self.local is not None else None,
-                             world_size=self.world_size, zero_stage=zero_stage,
-                             stage_is_automatic=stage_is_automatic)  # fmt: skip
+        route = resume_route(
+            chosen,
+            manifest,
+            pipeline=self.pipeline is not None,
+            local=self.settings.sync if self.local is not None else None,
+            world_size=self.world_size,
+            zero_stage=zero_stage,
+            stage_is_automatic=stage_is_automatic,
+        )
         if route is Route.PIPELINE:
             assert self.pipeline is not None
             return self.pipeline.load_checkpoint(chosen, manifest, engine, weights_only)

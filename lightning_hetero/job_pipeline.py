@@ -62,8 +62,9 @@ def check_pipeline_job(choice: PipelineChoice, trainer: Any, precision: str, wor
         return
     module = trainer.lightning_module
     evaluating = trainer.state.fn != TrainerFn.FITTING  # (a fit's validation runs through the stages)
-    refusal = pipeline_job_refusal(precision, trainer.gradient_clip_val, trainer.accumulate_grad_batches,
-                                   module.automatic_optimization, evaluating)  # fmt: skip
+    refusal = pipeline_job_refusal(
+        precision, trainer.gradient_clip_val, trainer.accumulate_grad_batches, module.automatic_optimization, evaluating
+    )
     if refusal:
         raise ValueError(refusal)
     if not is_overridden("configure_model", module):  # (else the chain exists only later: checked at setup)
@@ -138,15 +139,27 @@ class PipelineTraining:
                         f"measuring the blocks (rank {turn})", functools.partial(measure_in_turn, turn)
                     )[1][turn]
                     for turn in range(self._job.world_size)
-                ]  # fmt: skip
+                ]
             measured = [BlockMeasurement.from_dict(m) for m in gathered]
-        costs = block_costs(measured, len(names), self._job.world_size, [training_bytes(block) for block in blocks],
-                            training_bytes(module) - sum(training_bytes(block) for block in blocks),
-                            memory.capped_free_bytes([None] * self._job.world_size,
-                                                     self._job.setup.memory_byte_ceilings))  # fmt: skip
-        placement = place_stages(costs, choice.stages, choice.schedule, micro_batches, micro_batch, choice.boundaries,
-                                 ranks=tuple(range(choice.stages)), search_orders=replicas == 1,
-                                 last_rank=0)  # fmt: skip
+        costs = block_costs(
+            measured,
+            len(names),
+            self._job.world_size,
+            [training_bytes(block) for block in blocks],
+            training_bytes(module) - sum(training_bytes(block) for block in blocks),
+            memory.capped_free_bytes([None] * self._job.world_size, self._job.setup.memory_byte_ceilings),
+        )
+        placement = place_stages(
+            costs,
+            choice.stages,
+            choice.schedule,
+            micro_batches,
+            micro_batch,
+            choice.boundaries,
+            ranks=tuple(range(choice.stages)),
+            search_orders=replicas == 1,
+            last_rank=0,
+        )
         if measured is not None and replicas > 1:  # a faster pipeline takes more samples
             pipeline.shares = pipeline_shares(costs, placement, replicas, global_batch_size)
         else:
@@ -155,13 +168,25 @@ class PipelineTraining:
         pipeline.install(module, placement, replicas, global_batch_size)
         settings = self._job.settings
         # Blocks follow what the ranks measure, as the batch split does: on when placed by measurement, unless off.
-        self._replan = (choice.boundaries is None and settings.rebalance is not False, costs,
-                        micro_batches, micro_batch)  # fmt: skip
+        self._replan = (
+            choice.boundaries is None and settings.rebalance is not False,
+            costs,
+            micro_batches,
+            micro_batch,
+        )
         self._placed_at = 0
         if self._job.rank == 0:
-            described = describe_pipeline(placement, names, choice, replicas, micro_batches, micro_batch, measured,
-                                          costs.memory_bytes if self._job.setup.memory_byte_ceilings else None,
-                                          pipeline.shares)  # fmt: skip
+            described = describe_pipeline(
+                placement,
+                names,
+                choice,
+                replicas,
+                micro_batches,
+                micro_batch,
+                measured,
+                costs.memory_bytes if self._job.setup.memory_byte_ceilings else None,
+                pipeline.shares,
+            )
             rank_zero_info(described)
         return micro_batch
 
@@ -189,11 +214,19 @@ class PipelineTraining:
     def shard(self, dataloader: DataLoader, trainer: Any) -> Any:
         """Every stage of a pipeline takes the same samples: the split is over the pipelines."""
         job, pipeline = self._job, self.pipeline
-        listeners = BatchListeners(self._batch_ready, job.loss_weights.evaluation_batch,
-                                   job.loss_weights.forget_evaluation_batch, lambda: None)  # fmt: skip
+        listeners = BatchListeners(
+            self._batch_ready, job.loss_weights.evaluation_batch, job.loss_weights.forget_evaluation_batch, lambda: None
+        )
         evaluation = [loader_batch_size(dataloader) or 1] * pipeline.replicas
-        return job.sharding.shard(dataloader, trainer, pipeline.replica_batch_sizes(), job.collectives,
-                                  pipeline.replica, listeners, evaluation_split=evaluation)  # fmt: skip
+        return job.sharding.shard(
+            dataloader,
+            trainer,
+            pipeline.replica_batch_sizes(),
+            job.collectives,
+            pipeline.replica,
+            listeners,
+            evaluation_split=evaluation,
+        )
 
     def _batch_ready(self, local_samples: int, global_samples: int) -> None:
         self._samples, self._global_samples = local_samples, global_samples
@@ -231,14 +264,22 @@ class PipelineTraining:
         by_rank = [0.0] * layout.stages
         for stage, slot_factor in enumerate(slots):
             by_rank[layout.order[stage]] = slot_factor
-        decision = replan_stages(costs, pipeline.placement, by_rank, self._job.settings.rebalance_threshold,
-                                 pipeline.choice.schedule, micro_batches, micro_batch)  # fmt: skip
+        decision = replan_stages(
+            costs,
+            pipeline.placement,
+            by_rank,
+            self._job.settings.rebalance_threshold,
+            pipeline.choice.schedule,
+            micro_batches,
+            micro_batch,
+        )
         if decision.placement is None:
             return
         pipeline.move_blocks(decision.placement, optimizer)
         self._placed_at = global_step
-        self.replans.append({"step": global_step, "boundaries": list(decision.placement.boundaries),
-                             "reason": decision.reason})  # fmt: skip
+        self.replans.append(
+            {"step": global_step, "boundaries": list(decision.placement.boundaries), "reason": decision.reason}
+        )
         rank_zero_info(f"HeteroStrategy pipeline re-plan before step {global_step}: {decision.reason}")
 
     def step(
@@ -273,18 +314,25 @@ class PipelineTraining:
 
         def facts() -> dict[str, Any]:
             return {
-                "world_size": self._job.world_size, "global_step": saved.get("global_step"),
+                "world_size": self._job.world_size,
+                "global_step": saved.get("global_step"),
                 "epoch": saved.get("epoch"),
-                "zero_stage": 0, "optimizer": type(engine.optimizer).__name__,
+                "zero_stage": 0,
+                "optimizer": type(engine.optimizer).__name__,
                 "devices": [facts.describe() for facts in self._job.device_facts],
-                "pipeline": {"stages": pipeline.choice.stages, "replicas": layout.replicas,
-                             "boundaries": list(placement.boundaries), "stage_ranks": list(placement.ranks)},
-            }  # fmt: skip
+                "pipeline": {
+                    "stages": pipeline.choice.stages,
+                    "replicas": layout.replicas,
+                    "boundaries": list(placement.boundaries),
+                    "stage_ranks": list(placement.ranks),
+                },
+            }
 
         self._job.recovery.save(target, write, facts)
 
-    def load_checkpoint(self, chosen: Path, manifest: dict[str, Any], engine: Any,
-                        weights_only: Optional[bool] = None) -> dict[str, Any]:  # fmt: skip
+    def load_checkpoint(
+        self, chosen: Path, manifest: dict[str, Any], engine: Any, weights_only: Optional[bool] = None
+    ) -> dict[str, Any]:
         """A pipeline checkpoint into this pipeline run, whatever its boundaries and number of pipelines
         (``weights_only``: Lightning's, for the trainer's state it holds)."""
         if not manifest.get("pipeline"):
@@ -318,8 +366,11 @@ class PipelineTraining:
             return
         summary = summarize_stages([times for _, times in gathered], [stage for stage, _ in gathered])
         assert pipeline.placement is not None
-        summary.update(boundaries=list(pipeline.placement.boundaries), stage_ranks=list(pipeline.placement.ranks),
-                       replans=self.replans)  # fmt: skip
+        summary.update(
+            boundaries=list(pipeline.placement.boundaries),
+            stage_ranks=list(pipeline.placement.ranks),
+            replans=self.replans,
+        )
         rank_zero_info(describe_stages(summary))
         if directory is None:  # (no logger and no folder named: printed only)
             return

@@ -92,18 +92,26 @@ class JobSetup:
             if fitting:
                 loader = job.sharding.request_training_loader(trainer)
                 global_batch_size = settings.global_batch_size_for(loader, job.world_size)
-                check_trainable(loader, global_batch_size, job.world_size, settings.loss_reduction,
-                                module.automatic_optimization)  # fmt: skip
+                check_trainable(
+                    loader, global_batch_size, job.world_size, settings.loss_reduction, module.automatic_optimization
+                )
             facts = collect_device_facts(device)
             precision = trainer_precision
             if settings.device_precision is not None:  # may refuse this rank's device: raised on every rank
                 precision = rank_precision(settings.device_precision, job.rank, facts)
             if fitting:
-                settings.check_fit(zero_stage=zero_stage, precision=precision, sync_batchnorm=self.sync_batchnorm,
-                                   automatic_optimization=module.automatic_optimization,
-                                   accumulate_grad_batches=trainer.accumulate_grad_batches)  # fmt: skip
-                refusal = describe_asynchronous_refusal(trainer, loader, module, job.world_size) \
-                    if settings.asynchronous else None  # fmt: skip
+                settings.check_fit(
+                    zero_stage=zero_stage,
+                    precision=precision,
+                    sync_batchnorm=self.sync_batchnorm,
+                    automatic_optimization=module.automatic_optimization,
+                    accumulate_grad_batches=trainer.accumulate_grad_batches,
+                )
+                refusal = (
+                    describe_asynchronous_refusal(trainer, loader, module, job.world_size)
+                    if settings.asynchronous
+                    else None
+                )
                 if refusal:
                     raise ValueError(refusal)
             profile, loss_ratio = None, None
@@ -135,8 +143,9 @@ class JobSetup:
 
     def _profile(self, module: Any, loader: Any, global_batch_size: int, device: torch.device, precision: str) -> Any:
         autocast = autocast_for(precision, device.type)  # measured as it will train
-        return profile_rank(module, loader, global_batch_size, self._job.world_size, device,
-                            self._job.emulation.emulator, autocast)  # fmt: skip
+        return profile_rank(
+            module, loader, global_batch_size, self._job.world_size, device, self._job.emulation.emulator, autocast
+        )
 
     def _fixed_split_loss_ratio(
         self, module: Any, loader: Any, device: torch.device, precision: str, global_batch_size: Optional[int]
@@ -148,9 +157,15 @@ class JobSetup:
         has partitioned, a step that fails outside the loop): the first steps' losses tell there instead
         (:class:`~lightning_hetero.watch.loss_reduction.LossReductionCheck`)."""
         job, settings = self._job, self._job.settings
-        if (job.world_size == 1 or not settings.fixed_split_is_unequal or settings.local
-                or settings.pipeline is not None or not module.automatic_optimization
-                or settings.loss_reduction not in ("mean", "sum") or partitioned_parameters(module)):  # fmt: skip
+        if (
+            job.world_size == 1
+            or not settings.fixed_split_is_unequal
+            or settings.local
+            or settings.pipeline is not None
+            or not module.automatic_optimization
+            or settings.loss_reduction not in ("mean", "sum")
+            or partitioned_parameters(module)
+        ):
             return None
         # (the rank's micro-batch: the ratio is exact at any size, the size only keeps the check within its memory)
         if settings.batch_sizes is not None:
@@ -186,8 +201,14 @@ class JobSetup:
     def plugin_for_this_rank(self, current: Any) -> Optional[HeteroPrecision]:
         """This rank's plugin when ranks have their own precisions (``device_precision``); None: keep ``current``."""
         job = self._job
-        return job_plugin(job.settings.device_precision, self.precisions, job.rank, self.device_facts,
-                          job.collectives.gather_tensor, current)  # fmt: skip
+        return job_plugin(
+            job.settings.device_precision,
+            self.precisions,
+            job.rank,
+            self.device_facts,
+            job.collectives.gather_tensor,
+            current,
+        )
 
     def configure_communication(self, config: dict[str, Any]) -> None:
         """Nodes from the ranks' hosts (or the emulated ones), and the exchange's settings in the DeepSpeed config."""
@@ -198,14 +219,23 @@ class JobSetup:
         self._job.communication.setup(nodes, slow_link, config, stage, self._job.rank)
         config.update(self._job.communication.deepspeed_entries())
 
-    def choose_zero_stage(self, global_batch_size: int, module: LightningModule, fitting: bool,
-                          allowed: tuple[int, ...], half_precision_engine: bool) -> int:  # fmt: skip
+    def choose_zero_stage(
+        self,
+        global_batch_size: int,
+        module: LightningModule,
+        fitting: bool,
+        allowed: tuple[int, ...],
+        half_precision_engine: bool,
+    ) -> int:
         """The lowest of ``allowed`` ZeRO stages at which every rank's model state and activations fit its memory
         (:func:`~lightning_hetero.plan.zero_stage.choose_stage`; the same decision on every rank: what it reads was
         gathered). Its reason goes into the plan output."""
         parameters = list(module.parameters())
-        size = ModelSize(sum(p.numel() for p in parameters), sum(p.numel() for p in parameters if p.requires_grad),
-                         half_precision_engine)  # fmt: skip
+        size = ModelSize(
+            sum(p.numel() for p in parameters),
+            sum(p.numel() for p in parameters if p.requires_grad),
+            half_precision_engine,
+        )
         profiles = self.profiles if fitting else None
         free = [p.free_bytes for p in profiles] if profiles else [f.free_memory_bytes for f in self.device_facts]
         devices = [(f.hostname, f.kind, f.index if f.kind == "cuda" else None) for f in self.device_facts]
@@ -234,20 +264,31 @@ class JobSetup:
     # ------------------------------------------------------------------ plan
 
     def _held_bytes(self, zero_stage: int, module: torch.nn.Module) -> float:
-        return gradient_bytes_held_until_step(self._job.settings.device_precision, self.precisions,
-                                              self.device_facts, zero_stage, module)  # fmt: skip
+        return gradient_bytes_held_until_step(
+            self._job.settings.device_precision, self.precisions, self.device_facts, zero_stage, module
+        )
 
     def _unequal_steps(self, zero_stage: int, module: LightningModule) -> bool:
-        return automatic_micro_steps_allowed(zero_stage, self._job.settings.loss_reduction,
-                                             module.automatic_optimization, self.sync_batchnorm)  # fmt: skip
+        return automatic_micro_steps_allowed(
+            zero_stage, self._job.settings.loss_reduction, module.automatic_optimization, self.sync_batchnorm
+        )
 
     def _plan_start(self, global_batch_size: int, held_bytes: float, unequal_steps: bool) -> InitialPlan:
         """The split a fit starts with (``held_bytes``: :meth:`_held_bytes`; ``unequal_steps``:
         :meth:`_unequal_steps`, both at the fit's ZeRO stage)."""
         settings = self._job.settings
-        return initial_plan(self._job.world_size, global_batch_size, settings.batch_sizes, settings.weights,
-                            self.profiles, settings.loss_reduction, self.identical_devices, held_bytes,
-                            settings.micro_steps, unequal_steps)  # fmt: skip
+        return initial_plan(
+            self._job.world_size,
+            global_batch_size,
+            settings.batch_sizes,
+            settings.weights,
+            self.profiles,
+            settings.loss_reduction,
+            self.identical_devices,
+            held_bytes,
+            settings.micro_steps,
+            unequal_steps,
+        )
 
     def start_the_split(self, global_batch_size: int, zero_stage: int, module: LightningModule) -> None:
         """The split this fit starts with and the re-planner that follows it (both planned again when a resume on
@@ -280,11 +321,16 @@ class JobSetup:
         job.loss_check.start(job.world_size > 1 and not told and bool(module.automatic_optimization))
         rebalancer = None
         if settings.rebalancing(profiled=self.profiles is not None, world_size=job.world_size):
-            rebalancer = rebalancer_for(start.plan, self.profiles, held,
-                                        settings.rebalance_window, settings.rebalance_threshold,
-                                        fixed_micro_steps=settings.micro_steps is not None,
-                                        unequal_micro_steps=unequal,
-                                        ceilings=self.memory_ceilings)  # fmt: skip
+            rebalancer = rebalancer_for(
+                start.plan,
+                self.profiles,
+                held,
+                settings.rebalance_window,
+                settings.rebalance_threshold,
+                fixed_micro_steps=settings.micro_steps is not None,
+                unequal_micro_steps=unequal,
+                ceilings=self.memory_ceilings,
+            )
         assert job.watcher is not None  # (joined)
         job.watcher.follow(job.split, rebalancer)
 
@@ -325,8 +371,9 @@ class JobSetup:
         if restored is not None and self._inner_steps_rebalancer is not None:
             self._inner_steps_rebalancer.restored = restored
 
-    def settle_the_global_batch(self, path: Path, manifest: dict[str, Any], zero_stage: int, module: LightningModule,
-                                same_world_size: bool) -> None:  # fmt: skip
+    def settle_the_global_batch(
+        self, path: Path, manifest: dict[str, Any], zero_stage: int, module: LightningModule, same_world_size: bool
+    ) -> None:
         """A resume whose global batch differs from the checkpoint's (``manifest``'s split; none: a file).
 
         By default a resume on another number of ranks continues the same optimisation: the default global batch (the
@@ -342,16 +389,20 @@ class JobSetup:
         saved, current = sum(manifest.get("batch_sizes") or []) or None, job.split.plan.global_batch_size
         rule = job.settings.lr_scaling
         if saved is None and rule is not None:
-            rank_zero_info(f"HeteroStrategy: checkpoint {path} does not record its global batch: lr_scaling={rule!r}"
-                           " has nothing to scale from.")  # fmt: skip
+            rank_zero_info(
+                f"HeteroStrategy: checkpoint {path} does not record its global batch: lr_scaling={rule!r}"
+                " has nothing to scale from."
+            )
         if saved is None or saved == current:
             return
         if rule is not None or same_world_size:
             self.pending_lr_scaling = lr_scaling_for(rule, saved, current)
             if rule is None and job.local is None:  # (local SGD's plan: micro-batch x inner steps, re-planned)
-                rank_zero_info(f"HeteroStrategy: the global batch is {current} samples, the checkpoint's {saved};"
-                               " the learning rate is the checkpoint's (`lr_scaling='linear'` or `'sqrt'` scales"
-                               " it).")  # fmt: skip
+                rank_zero_info(
+                    f"HeteroStrategy: the global batch is {current} samples, the checkpoint's {saved};"
+                    " the learning rate is the checkpoint's (`lr_scaling='linear'` or `'sqrt'` scales"
+                    " it)."
+                )
             return
         if job.settings.global_batch_size is not None or job.settings.batch_sizes is not None:
             raise ResumeRefused(
@@ -401,14 +452,24 @@ class JobSetup:
         job = self._job
         assert job.split.plan is not None and job.watcher is not None
         schedule = job.settings.speed_schedule
-        facts = JobFacts(self.device_facts, self.precisions, self.profiles, schedule.to_json() if schedule else None,
-                         job.communication.summary(), self.plan_lines(job.split.plan))  # fmt: skip
+        facts = JobFacts(
+            self.device_facts,
+            self.precisions,
+            self.profiles,
+            schedule.to_json() if schedule else None,
+            job.communication.summary(),
+            self.plan_lines(job.split.plan),
+        )
         reduction = job.settings.loss_reduction
         # (a token mean's weight is taken from each batch's token counts)
         weight = None if reduction == "token_mean" else job.split.plan.loss_weight(job.rank, reduction)
         choice = self.stage_choice.reason if self.stage_choice else None
-        record = {"loss_weight": weight, "loss_reduction": reduction, "deepspeed_config": config,
-                  "zero_stage_choice": choice}  # fmt: skip
+        record = {
+            "loss_weight": weight,
+            "loss_reduction": reduction,
+            "deepspeed_config": config,
+            "zero_stage_choice": choice,
+        }
         directory = report_directory(trainer, job.collectives.gather_objects)
         job.watcher.write_plan(directory, job.split, facts, record)
         return directory

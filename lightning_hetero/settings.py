@@ -54,15 +54,36 @@ from lightning_hetero.watch.trace import check_trace
 # Arguments of DeepSpeedStrategy that only build its default DeepSpeed config: a user config replaces them all.
 DEFAULT_CONFIG_ARGUMENTS = frozenset(
     {
-        "zero_optimization", "offload_optimizer", "offload_parameters", "offload_params_device", "nvme_path",
-        "params_buffer_count", "params_buffer_size", "max_in_cpu", "offload_optimizer_device",
-        "optimizer_buffer_count", "block_size", "queue_depth", "single_submit", "overlap_events", "thread_count",
-        "pin_memory", "sub_group_size", "contiguous_gradients", "overlap_comm", "allgather_partitions",
-        "reduce_scatter", "allgather_bucket_size", "reduce_bucket_size", "zero_allow_untested_optimizer",
-        "partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+        "zero_optimization",
+        "offload_optimizer",
+        "offload_parameters",
+        "offload_params_device",
+        "nvme_path",
+        "params_buffer_count",
+        "params_buffer_size",
+        "max_in_cpu",
+        "offload_optimizer_device",
+        "optimizer_buffer_count",
+        "block_size",
+        "queue_depth",
+        "single_submit",
+        "overlap_events",
+        "thread_count",
+        "pin_memory",
+        "sub_group_size",
+        "contiguous_gradients",
+        "overlap_comm",
+        "allgather_partitions",
+        "reduce_scatter",
+        "allgather_bucket_size",
+        "reduce_bucket_size",
+        "zero_allow_untested_optimizer",
+        "partition_activations",
+        "cpu_checkpointing",
+        "contiguous_memory_optimization",
         "synchronize_checkpoint_boundary",
     }
-)  # fmt: skip
+)
 
 
 @dataclass(frozen=True)
@@ -108,18 +129,24 @@ class HeteroSettings:
         micro_steps: Optional[Sequence[int]],
         emulate_speeds: Any,
         loss_reduction: str,
-        rebalance: Optional[bool], rebalance_window: int, rebalance_threshold: float,
+        rebalance: Optional[bool],
+        rebalance_window: int,
+        rebalance_threshold: float,
         peer_timeout: Optional[float],
         device_precision: Any,
-        compression_mode: Any, compression_options: Any, hierarchical: Any,
+        compression_mode: Any,
+        compression_options: Any,
+        hierarchical: Any,
         max_nonfinite_steps: Optional[int],
-        sync: str = "every_step", sync_every: int = 1, inner_steps: Optional[Sequence[int]] = None,
+        sync: str = "every_step",
+        sync_every: int = 1,
+        inner_steps: Optional[Sequence[int]] = None,
         sync_options: Optional[dict[str, Any]] = None,
         pipeline: Any = None,
         lr_scaling: Optional[str] = None,
         trace: Any = None,
         emulate_slowdown: Any = None,
-    ) -> HeteroSettings:  # fmt: skip
+    ) -> HeteroSettings:
         """Every argument checked, each error naming the argument, its value and the fix (keyword-only: twenty
         arguments, two of which swapped would otherwise pass unnoticed)."""
         schedule, both_given = emulated_speeds(emulate_speeds)
@@ -135,18 +162,33 @@ class HeteroSettings:
         outer = check_sync_arguments(sync, sync_every, inner_steps, sync_options, rebalance)
         # What the arguments alone refuse (the stage a user config sets, precisions and the module are checked at
         # setup, in the survey).
-        refusal = sync_refusal(sync, stage if stage is not None else 0, compression.check_compression(
-            compression_mode, compression_options).mode, [], micro_steps, weights, global_batch_size, hierarchical,
-            automatic_optimization=True)  # fmt: skip
+        refusal = sync_refusal(
+            sync,
+            stage if stage is not None else 0,
+            compression.check_compression(compression_mode, compression_options).mode,
+            [],
+            micro_steps,
+            weights,
+            global_batch_size,
+            hierarchical,
+            automatic_optimization=True,
+        )
         if refusal:
             raise ValueError(refusal)
         pipeline_choice = check_pipeline_argument(pipeline)
         if pipeline_choice is not None:
             refusal = pipeline_argument_refusal(
-                stage=stage, sync=sync, batch_sizes=batch_sizes, weights=weights, micro_steps=micro_steps,
-                loss_reduction=loss_reduction, compression=compression_mode, hierarchical=hierarchical,
-                device_precision=device_precision, rebalance=rebalance,
-            )  # fmt: skip
+                stage=stage,
+                sync=sync,
+                batch_sizes=batch_sizes,
+                weights=weights,
+                micro_steps=micro_steps,
+                loss_reduction=loss_reduction,
+                compression=compression_mode,
+                hierarchical=hierarchical,
+                device_precision=device_precision,
+                rebalance=rebalance,
+            )
             if refusal:
                 raise ValueError(refusal)
         return cls(
@@ -304,8 +346,13 @@ class HeteroSettings:
         if steps is None and self.micro_steps is not None and len(self.micro_steps) != world_size:
             steps = self.micro_steps
         resolve_split(world_size, known_global_batch or world_size, self.batch_sizes, self.weights, steps)
-        refusal = micro_steps_refusal(self.micro_steps, config["zero_optimization"]["stage"], self.loss_reduction,
-                                      automatic_optimization=True, sync_batchnorm=sync_batchnorm)  # fmt: skip
+        refusal = micro_steps_refusal(
+            self.micro_steps,
+            config["zero_optimization"]["stage"],
+            self.loss_reduction,
+            automatic_optimization=True,
+            sync_batchnorm=sync_batchnorm,
+        )
         if refusal:
             raise ValueError(refusal)
         memory.check_ceilings(memory.emulated_ceilings_from_environment(), world_size)
@@ -315,8 +362,12 @@ class HeteroSettings:
         if trainer_precision is not None:
             precision.check_trainer_precision(self.device_precision, *trainer_precision)
         if self.speed_schedule is not None:
-            check_one_per_rank(f"`emulate_speeds={self.speed_schedule.to_json()}` (or {EMULATE_ENV_VAR})",
-                               self.speed_schedule.world_size, world_size, "Give one speed per rank.")  # fmt: skip
+            check_one_per_rank(
+                f"`emulate_speeds={self.speed_schedule.to_json()}` (or {EMULATE_ENV_VAR})",
+                self.speed_schedule.world_size,
+                world_size,
+                "Give one speed per rank.",
+            )
         if sync_batchnorm and self.local:
             raise ValueError(
                 f"`Trainer(sync_batchnorm=True)` with `sync={self.sync!r}`: between two merges each rank trains its own"
@@ -338,8 +389,9 @@ class HeteroSettings:
         survey's gather, so a refusal on one rank is raised on every rank. The same checks as the constructor's and
         :meth:`check_job`'s, with what those could not know yet (the module's optimization, the stage a config set,
         the rank's precision)."""
-        refusal = micro_steps_refusal(self.micro_steps, zero_stage, self.loss_reduction, automatic_optimization,
-                                      sync_batchnorm)  # fmt: skip
+        refusal = micro_steps_refusal(
+            self.micro_steps, zero_stage, self.loss_reduction, automatic_optimization, sync_batchnorm
+        )
         if refusal:
             raise ValueError(refusal)
         if not self.local:
@@ -350,9 +402,17 @@ class HeteroSettings:
                 " steps its own optimizer on every micro-batch. Raise `sync_every` (fewer synchronizations) or the"
                 " batch size instead."
             )
-        refusal = sync_refusal(self.sync, zero_stage, self.compression.mode, [precision], self.micro_steps,
-                               self.weights, self.global_batch_size, self.hierarchical,
-                               automatic_optimization)  # fmt: skip
+        refusal = sync_refusal(
+            self.sync,
+            zero_stage,
+            self.compression.mode,
+            [precision],
+            self.micro_steps,
+            self.weights,
+            self.global_batch_size,
+            self.hierarchical,
+            automatic_optimization,
+        )
         if refusal:
             raise ValueError(refusal)
 
@@ -392,8 +452,16 @@ class HeteroSettings:
             "batch_sizes": list(self.batch_sizes) if self.batch_sizes is not None else None,
             "weights": list(self.weights) if self.weights is not None else None,
             "micro_steps": list(self.micro_steps) if self.micro_steps is not None else None,
-            "sync": [self.sync, self.sync_every, [*(self.inner_steps or [])], self.outer, self.fragments,
-                     self.overlap, self.eager, self.asynchronous],
+            "sync": [
+                self.sync,
+                self.sync_every,
+                [*(self.inner_steps or [])],
+                self.outer,
+                self.fragments,
+                self.overlap,
+                self.eager,
+                self.asynchronous,
+            ],
             "emulate_memory": memory.emulated_ceilings_from_environment(),
             "emulate_memory_bytes": memory.emulated_byte_ceilings_from_environment(),
             "emulate_speeds": self.speed_schedule.to_json() if self.speed_schedule else None,
@@ -408,7 +476,7 @@ class HeteroSettings:
             **communication_arguments,
             "emulate_nodes": emulated_topology[0],
             "emulate_link": str(emulated_topology[1]),
-        }  # fmt: skip
+        }
 
 
 def check_ranks_agree(agreements: list[dict[str, Any]], models: list[Any]) -> None:

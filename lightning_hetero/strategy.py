@@ -147,15 +147,31 @@ class HeteroStrategy(DeepSpeedStrategy):
         if logging_batch_size:
             rank_zero_warn(logging_batch_size)
         settings = HeteroSettings.from_arguments(
-            stage=stage, global_batch_size=global_batch_size, batch_sizes=batch_sizes, weights=weights,
-            micro_steps=micro_steps, emulate_speeds=emulate_speeds, loss_reduction=loss_reduction,
-            rebalance=rebalance, rebalance_window=rebalance_window, rebalance_threshold=rebalance_threshold,
-            peer_timeout=peer_timeout, device_precision=device_precision, compression_mode=compression,
-            compression_options=compression_options, hierarchical=hierarchical,
-            max_nonfinite_steps=max_nonfinite_steps, sync=sync, sync_every=sync_every, inner_steps=inner_steps,
-            sync_options=sync_options, pipeline=pipeline, lr_scaling=lr_scaling, trace=trace,
+            stage=stage,
+            global_batch_size=global_batch_size,
+            batch_sizes=batch_sizes,
+            weights=weights,
+            micro_steps=micro_steps,
+            emulate_speeds=emulate_speeds,
+            loss_reduction=loss_reduction,
+            rebalance=rebalance,
+            rebalance_window=rebalance_window,
+            rebalance_threshold=rebalance_threshold,
+            peer_timeout=peer_timeout,
+            device_precision=device_precision,
+            compression_mode=compression,
+            compression_options=compression_options,
+            hierarchical=hierarchical,
+            max_nonfinite_steps=max_nonfinite_steps,
+            sync=sync,
+            sync_every=sync_every,
+            inner_steps=inner_steps,
+            sync_options=sync_options,
+            pipeline=pipeline,
+            lr_scaling=lr_scaling,
+            trace=trace,
             emulate_slowdown=emulate_slowdown,
-        )  # fmt: skip
+        )
         config = check_config_argument(config)
         quiet.install_lasting_filters()
         quiet.hide_the_srun_hint_outside_slurm_jobs()
@@ -232,8 +248,14 @@ class HeteroStrategy(DeepSpeedStrategy):
                 rank_zero_warn(unused)
         # Checked before the process group exists: every rank raises the same error, none waits. (`world_size`
         # comes from the cluster environment, which is only filled in by setup_distributed.)
-        self.job.check_job(self._launched_world_size(), self.root_device.type, self._base_config,
-                           self._layer_sync is not None, self.precision_plugin, self._trainer())  # fmt: skip
+        self.job.check_job(
+            self._launched_world_size(),
+            self.root_device.type,
+            self._base_config,
+            self._layer_sync is not None,
+            self.precision_plugin,
+            self._trainer(),
+        )
         if self.root_device.type == "cpu":
             if self._cpu_zero_defaults:
                 self._base_config = with_cpu_zero_settings(self._base_config)
@@ -246,8 +268,14 @@ class HeteroStrategy(DeepSpeedStrategy):
         # Without this a gloo job can abort at exit after a successful fit (exit code -6; see shutdown.py). Lightning
         # destroys the process group at exit for NCCL only, and only on its own init path, which DeepSpeed bypasses.
         register_exit_cleanup()
-        self.job.join(self.global_rank, self.world_size, self.root_device, self._trainer(),
-                      lambda: self.precision_plugin, sync_batchnorm=self._layer_sync is not None)  # fmt: skip
+        self.job.join(
+            self.global_rank,
+            self.world_size,
+            self.root_device,
+            self._trainer(),
+            lambda: self.precision_plugin,
+            sync_batchnorm=self._layer_sync is not None,
+        )
 
     def _launched_world_size(self) -> int:
         """Nodes times processes per node, before the process group exists (Ray Train's strategy overrides it)."""
@@ -294,8 +322,9 @@ class HeteroStrategy(DeepSpeedStrategy):
             return
         trainer = module.trainer
         half = str(self.precision_plugin.precision) in HALF_PRECISION_ENGINES
-        own_plugin, micro_batch = self.job.configure(self.config, trainer, module, self.root_device,
-                                                     self.precision_plugin, self._automatic_stages, half)  # fmt: skip
+        own_plugin, micro_batch = self.job.configure(
+            self.config, trainer, module, self.root_device, self.precision_plugin, self._automatic_stages, half
+        )
         if own_plugin is not None:  # ranks of their own precisions: it replaces the Trainer's (Lightning's plug point)
             self.precision_plugin = own_plugin
         self.config["train_micro_batch_size_per_gpu"] = micro_batch
@@ -381,16 +410,21 @@ class HeteroStrategy(DeepSpeedStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         parent = super().backward
-        self.job.backward(closure_loss, lambda loss: parent(loss, optimizer, *args, **kwargs), self._trainer(),
-                          self._zero_stage())  # fmt: skip
+        self.job.backward(
+            closure_loss, lambda loss: parent(loss, optimizer, *args, **kwargs), self._trainer(), self._zero_stage()
+        )
         return closure_loss
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
         optimizer, closure = args[0] if args else kwargs.get("optimizer"), args[1] if len(args) > 1 else None
         step, backward = super().optimizer_step, super().backward
-        return self.job.optimizer_step(lambda: step(*args, **kwargs), lambda loss: backward(loss, optimizer),
-                                       self._trainer(), closure or kwargs.get("closure"))  # fmt: skip
+        return self.job.optimizer_step(
+            lambda: step(*args, **kwargs),
+            lambda loss: backward(loss, optimizer),
+            self._trainer(),
+            closure or kwargs.get("closure"),
+        )
 
     @override
     def on_train_start(self) -> None:
@@ -458,9 +492,16 @@ class HeteroStrategy(DeepSpeedStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
         parent_load = super().load_checkpoint
         load = lambda directory: parent_load(directory, *args, **kwargs)  # noqa: E731
-        return self.job.load_checkpoint(Path(checkpoint_path), load, self.lightning_module, self._trainer(),
-                                        self._zero_stage(), self._automatic_stages is not None, self.deepspeed_engine,
-                                        safe_load.requested_weights_only(args, kwargs))  # fmt: skip
+        return self.job.load_checkpoint(
+            Path(checkpoint_path),
+            load,
+            self.lightning_module,
+            self._trainer(),
+            self._zero_stage(),
+            self._automatic_stages is not None,
+            self.deepspeed_engine,
+            safe_load.requested_weights_only(args, kwargs),
+        )
 
     @override
     def teardown(self) -> None:

@@ -157,18 +157,25 @@ def write_deepspeed_checkpoint(path, stage=2, world_size=2, optimizer_state=None
     folder.mkdir(parents=True)
     (path / "latest").write_text("checkpoint")
     states = {
-        "module": {}, "dp_world_size": world_size, "global_steps": 3, "global_step": 3, "epoch": 0,
+        "module": {},
+        "dp_world_size": world_size,
+        "global_steps": 3,
+        "global_step": 3,
+        "epoch": 0,
         "ds_config": {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": 8},
-        "optimizer": optimizer_state if stage == 0 else None, **client_state,
-    }  # fmt: skip
+        "optimizer": optimizer_state if stage == 0 else None,
+        **client_state,
+    }
     names = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world_size)] if stage == 3 else []
     names = names or ["mp_rank_00_model_states.pt"]
     for name in names:
         torch.save(states, folder / name)
     if stage > 0:
         for rank in range(world_size):
-            torch.save({"optimizer_state_dict": {"base_optimizer_state": optimizer_state or {}}},
-                       folder / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")  # fmt: skip
+            torch.save(
+                {"optimizer_state_dict": {"base_optimizer_state": optimizer_state or {}}},
+                folder / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
+            )
     for name in skip:
         (folder / name).unlink()
     return path
@@ -178,8 +185,15 @@ def sigterm_mid_training(command: list[str], out: Path, rank: int, ranks: int) -
     """Start ``command`` (a worker that writes ``pid_rank<r>`` into ``out`` once training runs and ``exit_rank<r>``
     as it exits), SIGTERM rank ``rank`` by its PID, and return the job's exit code, its output and every rank's
     recorded exit code. Bounded: 120 s to start training, 60 s to stop; the process group is killed after."""
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})  # fmt: skip
+    process = subprocess.Popen(
+        command,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     try:
         pid_file = out / f"pid_rank{rank}"
         deadline = time.monotonic() + 120
@@ -301,8 +315,10 @@ def run_warm_job(
                 os.killpg(job, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            pytest.fail(f"{script} {' '.join(argv)} did not finish within {timeout} s (a hang?). Output:\n"
-                        f"{log.read_text()[-4000:]}")  # fmt: skip
+            pytest.fail(
+                f"{script} {' '.join(argv)} did not finish within {timeout} s (a hang?). Output:\n"
+                f"{log.read_text()[-4000:]}"
+            )
         time.sleep(0.05)
     return json.loads(result.read_text())["returncode"], log.read_text()
 

@@ -37,11 +37,18 @@ def test_cli_fits_with_string_and_class_path_strategy(config, expected_rows, ext
     assert executable, "the console script is missing: install the package with `pip install -e .`"
     returncode, output = run_bounded(
         [
-            executable, "fit", "--config", config, "--trainer.max_epochs=1", "--trainer.limit_train_batches=3",
-            "--trainer.limit_val_batches=2", f"--trainer.default_root_dir={tmp_path}", *extra,
+            executable,
+            "fit",
+            "--config",
+            config,
+            "--trainer.max_epochs=1",
+            "--trainer.limit_train_batches=3",
+            "--trainer.limit_val_batches=2",
+            f"--trainer.default_root_dir={tmp_path}",
+            *extra,
         ],
         timeout=180,
-    )  # fmt: skip
+    )
     assert returncode == 0, output[-4000:]
     rows = plan_rows(output)
     assert [rank for rank, _ in rows] == [0, 1] and sum(micro for _, micro in rows) == 128
@@ -57,10 +64,18 @@ def test_cli_fits_a_pipeline_from_the_yaml(tmp_path):
     executable = shutil.which("lightning-hetero")
     assert executable, "the console script is missing: install the package with `pip install -e .`"
     returncode, output = run_bounded(
-        [executable, "fit", "--config", "configs/spirals_pipeline.yaml", "--trainer.max_epochs=1",
-         "--trainer.limit_train_batches=4", "--trainer.limit_val_batches=2", f"--trainer.default_root_dir={tmp_path}"],
+        [
+            executable,
+            "fit",
+            "--config",
+            "configs/spirals_pipeline.yaml",
+            "--trainer.max_epochs=1",
+            "--trainer.limit_train_batches=4",
+            "--trainer.limit_val_batches=2",
+            f"--trainer.default_root_dir={tmp_path}",
+        ],
         timeout=180,
-    )  # fmt: skip
+    )
     assert returncode == 0, output[-4000:]
     stages = re.findall(r"^  stage (\d) on rank (\d): blocks (\d+)\.\.(\d+) \((\d+)\)", output, re.M)
     assert [s[0] for s in stages] == ["0", "1"] and stages[1][1] == "0"  # rank 0 runs the last stage
@@ -75,14 +90,21 @@ def test_cli_fits_with_diloco_from_the_command_line(tmp_path):
     assert executable, "the console script is missing: install the package with `pip install -e .`"
     returncode, output = run_bounded(
         [
-            executable, "fit", "--config", "configs/spirals.yaml", "--trainer.max_epochs=1",
-            "--trainer.limit_train_batches=4", "--trainer.limit_val_batches=2",
+            executable,
+            "fit",
+            "--config",
+            "configs/spirals.yaml",
+            "--trainer.max_epochs=1",
+            "--trainer.limit_train_batches=4",
+            "--trainer.limit_val_batches=2",
             f"--trainer.default_root_dir={tmp_path}",
-            "--trainer.strategy=lightning_hetero.HeteroStrategy", "--trainer.strategy.init_args.sync=diloco",
-            "--trainer.strategy.init_args.sync_every=2", "--trainer.strategy.init_args.inner_steps=[2, 1]",
+            "--trainer.strategy=lightning_hetero.HeteroStrategy",
+            "--trainer.strategy.init_args.sync=diloco",
+            "--trainer.strategy.init_args.sync_every=2",
+            "--trainer.strategy.init_args.inner_steps=[2, 1]",
         ],
         timeout=180,
-    )  # fmt: skip
+    )
     assert returncode == 0, output[-4000:]
     (plan,) = tmp_path.rglob("plan.json")
     recorded = json.loads(plan.read_text())
@@ -144,11 +166,21 @@ def test_example_splits_by_measured_precision_without_emulation(tmp_path):
     from lightning_hetero.measure.devices import collect_device_facts
 
     returncode, output = run_bounded(
-        [sys.executable, "examples/train_spirals.py", "--epochs", "1", "--no-baseline", "--device-precision",
-         "bf16-mixed", "32-true", "--root", str(tmp_path)],
+        [
+            sys.executable,
+            "examples/train_spirals.py",
+            "--epochs",
+            "1",
+            "--no-baseline",
+            "--device-precision",
+            "bf16-mixed",
+            "32-true",
+            "--root",
+            str(tmp_path),
+        ],
         timeout=300,
         cwd=REPO,
-    )  # fmt: skip
+    )
     assert returncode == 0, output[-4000:]
     rows = re.findall(r"^(\d)\s+cpu: [^\n]*?\)\s+(bf16-mixed|32-true)\s+(\d+)\s", output, re.M)
     assert [(rank, precision) for rank, precision, _ in rows] == [("0", "bf16-mixed"), ("1", "32-true")]
@@ -167,5 +199,7 @@ def test_example_splits_by_measured_precision_without_emulation(tmp_path):
         assert plan["prediction"]["speedup"] == 1.0
     else:
         assert (bf16_batch > fp32_batch) == (bf16_cost < fp32_cost), output[-3000:]
-    print(f"equal-share compute: bf16 {bf16_cost * 1e3:.2f} ms, fp32 {fp32_cost * 1e3:.2f} ms"
-          f" (bf16 native: {collect_device_facts('cpu').bf16_native})")  # fmt: skip
+    print(
+        f"equal-share compute: bf16 {bf16_cost * 1e3:.2f} ms, fp32 {fp32_cost * 1e3:.2f} ms"
+        f" (bf16 native: {collect_device_facts('cpu').bf16_native})"
+    )

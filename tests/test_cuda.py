@@ -90,9 +90,20 @@ def test_each_precision_reaches_the_step_inside_deepspeeds_engine_on_cuda(precis
         pytest.skip("this GPU has no bf16")
     strategy = {"device_precision": [precision], "batch_sizes": [16]}
     run = run_fit(
-        tmp_path, "--accelerator", "cuda", "--devices", "1", "--stage", "2", "--max-epochs", "3",
-        "--strategy-args", json.dumps(strategy), "--record-autocast", "--record-every-step",
-    )  # fmt: skip
+        tmp_path,
+        "--accelerator",
+        "cuda",
+        "--devices",
+        "1",
+        "--stage",
+        "2",
+        "--max-epochs",
+        "3",
+        "--strategy-args",
+        json.dumps(strategy),
+        "--record-autocast",
+        "--record-every-step",
+    )
     assert run.returncode == 0, run.output[-4000:]
     seen = json.loads((tmp_path / "autocast_rank0.json").read_text())
     dtype = {"bf16-mixed": "torch.bfloat16", "16-mixed": "torch.float16"}[precision]
@@ -110,11 +121,24 @@ def test_each_precision_reaches_the_step_inside_deepspeeds_engine_on_cuda(precis
 
 def test_the_example_trains_on_cuda_with_automatic_precision(tmp_path):
     returncode, output = run_bounded(
-        [sys.executable, "examples/train_spirals.py", "--accelerator", "cuda", "--devices", "1", "--epochs", "1",
-         "--no-baseline", "--device-precision", "auto", "--root", str(tmp_path)],
+        [
+            sys.executable,
+            "examples/train_spirals.py",
+            "--accelerator",
+            "cuda",
+            "--devices",
+            "1",
+            "--epochs",
+            "1",
+            "--no-baseline",
+            "--device-precision",
+            "auto",
+            "--root",
+            str(tmp_path),
+        ],
         timeout=300,
         cwd=REPO,
-    )  # fmt: skip
+    )
     assert returncode == 0, output[-4000:]
     expected = best_precision(collect_device_facts("cuda:0"))
     assert re.search(rf"^0\s+[^\n]*\bSMs\b[^\n]*\)\s+{expected}\s+128\s", output, re.M), output[-3000:]
@@ -124,7 +148,19 @@ def test_the_example_trains_on_cuda_with_automatic_precision(tmp_path):
 def test_sync_batchnorm_is_applied_on_cuda(tmp_path):
     """DeepSpeedStrategy ignored `Trainer(sync_batchnorm=True)`; the strategy applies it where DDP does (on CPU it is
     refused: tests/test_bad_inputs.py)."""
-    run = run_fit(tmp_path, "--accelerator", "cuda", "--devices", "1", "--batch-sizes", "8", "--max-steps", "2",
-                  "--batchnorm", "--sync-batchnorm", timeout=300)  # fmt: skip
+    run = run_fit(
+        tmp_path,
+        "--accelerator",
+        "cuda",
+        "--devices",
+        "1",
+        "--batch-sizes",
+        "8",
+        "--max-steps",
+        "2",
+        "--batchnorm",
+        "--sync-batchnorm",
+        timeout=300,
+    )
     assert run.returncode == 0, run.output[-3000:]
     assert run.result["batchnorm_types"] == ["SyncBatchNorm"]

@@ -46,8 +46,13 @@ def test_every_python_snippet_runs(code):
     import lightning_hetero
     from lightning_hetero import HeteroMonitor, HeteroStrategy
 
-    namespace = {"Trainer": Trainer, "HeteroStrategy": HeteroStrategy, "HeteroMonitor": HeteroMonitor,
-                 "lightning_hetero": lightning_hetero, "my_hook": _my_hook}  # fmt: skip
+    namespace = {
+        "Trainer": Trainer,
+        "HeteroStrategy": HeteroStrategy,
+        "HeteroMonitor": HeteroMonitor,
+        "lightning_hetero": lightning_hetero,
+        "my_hook": _my_hook,
+    }
     exec(compile(code, "<snippet>", "exec"), namespace)
 
 

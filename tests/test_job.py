@@ -22,11 +22,23 @@ from lightning_hetero.runtime.collectives import Collectives
 from lightning_hetero.settings import HeteroSettings
 
 ARGUMENTS = dict(
-    stage=0, global_batch_size=None, batch_sizes=None, weights=None, micro_steps=None, emulate_speeds=None,
-    loss_reduction="mean", rebalance=None, rebalance_window=20, rebalance_threshold=0.05, peer_timeout=None,
-    device_precision=None, compression_mode=None, compression_options=None, hierarchical="auto",
+    stage=0,
+    global_batch_size=None,
+    batch_sizes=None,
+    weights=None,
+    micro_steps=None,
+    emulate_speeds=None,
+    loss_reduction="mean",
+    rebalance=None,
+    rebalance_window=20,
+    rebalance_threshold=0.05,
+    peer_timeout=None,
+    device_precision=None,
+    compression_mode=None,
+    compression_options=None,
+    hierarchical="auto",
     max_nonfinite_steps=3,
-)  # fmt: skip
+)
 
 
 class MirrorCollectives(Collectives):
@@ -83,23 +95,39 @@ class Source:
 def fitting_trainer(module, loader, tmp_path, accumulate_grad_batches=1):
     return SimpleNamespace(
         state=SimpleNamespace(fn=TrainerFn.FITTING, stage=RunningStage.TRAINING, status=TrainerStatus.RUNNING),
-        fit_loop=SimpleNamespace(_data_source=Source(loader)), _accelerator_connector=SimpleNamespace(
-            use_distributed_sampler=True), accumulate_grad_batches=accumulate_grad_batches, global_step=0,
-        is_last_batch=False, lightning_module=module, loggers=[], log_dir=None, default_root_dir=str(tmp_path),
-        callbacks=[], current_epoch=0, is_global_zero=True,
-    )  # fmt: skip
+        fit_loop=SimpleNamespace(_data_source=Source(loader)),
+        _accelerator_connector=SimpleNamespace(use_distributed_sampler=True),
+        accumulate_grad_batches=accumulate_grad_batches,
+        global_step=0,
+        is_last_batch=False,
+        lightning_module=module,
+        loggers=[],
+        log_dir=None,
+        default_root_dir=str(tmp_path),
+        callbacks=[],
+        current_epoch=0,
+        is_global_zero=True,
+    )
 
 
 def fake_engine(module):
     """What the job reads of DeepSpeed's engine at ZeRO-0 in fp32."""
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
     return SimpleNamespace(
-        module=module, optimizer=optimizer, skipped_steps=0, fp16_enabled=lambda: False,
-        bfloat16_enabled=lambda: False, zero_optimization_stage=lambda: 0, torch_autocast_enabled=lambda: False,
+        module=module,
+        optimizer=optimizer,
+        skipped_steps=0,
+        fp16_enabled=lambda: False,
+        bfloat16_enabled=lambda: False,
+        zero_optimization_stage=lambda: 0,
+        torch_autocast_enabled=lambda: False,
         checkpoint_engine=SimpleNamespace(save=lambda *a, **k: None, makedirs=lambda *a, **k: None),
-        save_checkpoint=lambda *a, **k: None, _copy_recovery_script=lambda *a, **k: None,
-        global_steps=0, global_samples=0, step=optimizer.step,  # (wrapped as the trace's optimizer update)
-    )  # fmt: skip
+        save_checkpoint=lambda *a, **k: None,
+        _copy_recovery_script=lambda *a, **k: None,
+        global_steps=0,
+        global_samples=0,
+        step=optimizer.step,  # (wrapped as the trace's optimizer update)
+    )
 
 
 def joined_job(tmp_path, **arguments):
@@ -169,16 +197,24 @@ def test_a_fit_through_the_job_makes_every_collective_through_collectives_and_we
     assert len(written) == 1
     manifest = json.loads((tmp_path / "step=4" / "hetero_manifest.json").read_text())
     assert manifest["batch_sizes"] == [3, 5] and manifest["world_size"] == 2
-    loaded = job.load_checkpoint(tmp_path / "step=4", lambda directory: {"loaded": directory}, module, trainer, 0,
-                                 stage_is_automatic=False, engine=engine)  # fmt: skip
+    loaded = job.load_checkpoint(
+        tmp_path / "step=4",
+        lambda directory: {"loaded": directory},
+        module,
+        trainer,
+        0,
+        stage_is_automatic=False,
+        engine=engine,
+    )
     assert loaded == {"loaded": str(tmp_path / "step=4")}
     assert not torch.distributed.is_initialized()
     assert {"gather_objects", "gather_tensor", "reduce_in_place:sum"} <= set(collectives.calls)
 
 
 def test_a_refusal_in_the_survey_is_raised_through_the_gather_on_this_rank(tmp_path):
-    job, collectives, trainer, module, _, config, plugin = joined_job(tmp_path, sync="local_sgd",
-                                                                      accumulate_grad_batches=2)  # fmt: skip
+    job, collectives, trainer, module, _, config, plugin = joined_job(
+        tmp_path, sync="local_sgd", accumulate_grad_batches=2
+    )
     with pytest.raises(ValueError, match=r"accumulate_grad_batches=2\)` with `sync='local_sgd'`"):
         job.configure(config, trainer, module, torch.device("cpu"), plugin, None, False)
     assert collectives.calls == ["gather_objects"]  # the other rank learns of it in the same gather

@@ -19,8 +19,9 @@ CHECKPOINT = Path("/checkpoints/epoch=0-step=3.ckpt")
 def setup_for(current=8, rule=None, fixed=None, fitting=True, local=None):
     settings = SimpleNamespace(lr_scaling=rule, global_batch_size=fixed, batch_sizes=None)
     plan = SimpleNamespace(global_batch_size=current, batch_sizes=(current,))
-    job = SimpleNamespace(settings=settings, world_size=1, local=local,
-                          split=SimpleNamespace(plan=plan, batch_sizes=(current,)))  # fmt: skip
+    job = SimpleNamespace(
+        settings=settings, world_size=1, local=local, split=SimpleNamespace(plan=plan, batch_sizes=(current,))
+    )
     setup = JobSetup(job)
     setup.fitting = fitting
     setup.started = []

@@ -9,11 +9,23 @@ from lightning_hetero.comm import topology
 from lightning_hetero.settings import HeteroSettings, check_ranks_agree
 
 DEFAULTS = dict(
-    stage=None, global_batch_size=None, batch_sizes=None, weights=None, micro_steps=None, emulate_speeds=None,
+    stage=None,
+    global_batch_size=None,
+    batch_sizes=None,
+    weights=None,
+    micro_steps=None,
+    emulate_speeds=None,
     loss_reduction="mean",
-    rebalance=None, rebalance_window=20, rebalance_threshold=0.05, peer_timeout=30.0, device_precision=None,
-    compression_mode=None, compression_options=None, hierarchical="auto", max_nonfinite_steps=3,
-)  # fmt: skip
+    rebalance=None,
+    rebalance_window=20,
+    rebalance_threshold=0.05,
+    peer_timeout=30.0,
+    device_precision=None,
+    compression_mode=None,
+    compression_options=None,
+    hierarchical="auto",
+    max_nonfinite_steps=3,
+)
 
 
 def settings(**changes):
@@ -55,9 +67,15 @@ def test_the_checked_settings_keep_what_was_given_in_plain_types():
 
 @pytest.mark.parametrize(
     ("rebalance", "profiled", "world_size", "expected"),
-    [(None, True, 2, True), (None, False, 2, False), (True, False, 2, True), (False, True, 2, False),
-     (True, True, 1, False), (None, True, 1, False)],
-)  # fmt: skip
+    [
+        (None, True, 2, True),
+        (None, False, 2, False),
+        (True, False, 2, True),
+        (False, True, 2, False),
+        (True, True, 1, False),
+        (None, True, 1, False),
+    ],
+)
 def test_re_planning_is_on_for_the_automatic_split_and_as_asked_otherwise_and_never_on_one_rank(
     rebalance, profiled, world_size, expected
 ):

@@ -60,9 +60,14 @@ def test_uneven_batches_equal_one_process_and_resume_mid_epoch(stage, tmp_path):
 
     extensions = tmp_path / "torch_extensions"
     first = run_fit(
-        tmp_path / "first", *common, "--max-steps", "2", "--checkpoint-every", "2",
+        tmp_path / "first",
+        *common,
+        "--max-steps",
+        "2",
+        "--checkpoint-every",
+        "2",
         env={"TORCH_EXTENSIONS_DIR": str(extensions)},
-    )  # fmt: skip
+    )
     assert first.returncode == 0, first.output[-4000:]
     assert first.result["global_step"] == 2
     # DeepSpeed's shared-memory inference op is never compiled (no compiler, no build lock, nothing cached).
@@ -121,9 +126,21 @@ def test_three_ranks_shuffled_two_epochs_with_partial_last_batch(tmp_path):
     batch_sizes = [2, 5, 9]
     dataset = IndexedRegression(70)
     run = run_fit(
-        tmp_path, "--devices", "3", "--stage", "1", "--batch-sizes", *map(str, batch_sizes),
-        "--samples", "70", "--shuffle", "--max-epochs", "2", "--test-samples", "11",
-    )  # fmt: skip
+        tmp_path,
+        "--devices",
+        "3",
+        "--stage",
+        "1",
+        "--batch-sizes",
+        *map(str, batch_sizes),
+        "--samples",
+        "70",
+        "--shuffle",
+        "--max-epochs",
+        "2",
+        "--test-samples",
+        "11",
+    )
     assert run.returncode == 0, run.output[-4000:]
     steps = []
     for epoch in range(2):
@@ -194,8 +211,7 @@ def test_an_iterable_dataset_takes_each_micro_batch_from_the_ranks_own_stream_an
     first = run_fit(tmp_path / "first", *common, "--max-steps", "2", "--checkpoint-every", "2", warnings=True)
     assert first.returncode == 0, first.output[-3000:]
     (checkpoint,) = (tmp_path / "first" / "ckpt").iterdir()
-    resumed = run_fit(tmp_path / "resumed", *common, "--max-epochs", "2", "--ckpt-path", str(checkpoint),
-                      warnings=True)  # fmt: skip
+    resumed = run_fit(tmp_path / "resumed", *common, "--max-epochs", "2", "--ckpt-path", str(checkpoint), warnings=True)
     assert resumed.returncode == 0, resumed.output[-3000:]
     evens, odds = list(range(0, 64, 2)), list(range(1, 64, 2))
     epoch = [evens[0:3] + odds[0:13], evens[3:6] + odds[13:26], evens[6:9] + odds[26:32]]
@@ -236,9 +252,16 @@ def test_gradient_accumulation_equals_ddp(stage, tmp_path):
     """`Trainer(accumulate_grad_batches=3)`: the update is DDP's, one step per 3 global batches and one at the end of
     each epoch (4 batches per epoch: windows of 3 and 1), each loss divided by 3 once, not twice."""
     run = run_fit(
-        tmp_path, "--stage", str(stage), "--batch-sizes", *map(str, BATCH_SIZES), "--max-epochs", "2",
-        "--accumulate", "3",
-    )  # fmt: skip
+        tmp_path,
+        "--stage",
+        str(stage),
+        "--batch-sizes",
+        *map(str, BATCH_SIZES),
+        "--max-epochs",
+        "2",
+        "--accumulate",
+        "3",
+    )
     assert run.returncode == 0, run.output[-4000:]
     assert run.result["global_step"] == 4  # optimizer steps, as DDP counts them
     dataset = IndexedRegression(64)
@@ -262,9 +285,16 @@ def test_summed_loss_with_loss_reduction_sum_equals_ddp(stage, tmp_path):
     """`loss = sum over the batch` (Lightning's DemoModel): with `loss_reduction="sum"` the uneven split makes DDP's
     update, the gradient of the global batch's sum divided by the world size."""
     run = run_fit(
-        tmp_path, "--stage", str(stage), "--batch-sizes", *map(str, BATCH_SIZES), "--loss-reduction", "sum",
-        "--max-steps", "3",
-    )  # fmt: skip
+        tmp_path,
+        "--stage",
+        str(stage),
+        "--batch-sizes",
+        *map(str, BATCH_SIZES),
+        "--loss-reduction",
+        "sum",
+        "--max-steps",
+        "3",
+    )
     assert run.returncode == 0, run.output[-4000:]
     reference = reference_training(IndexedRegression(64), contiguous_steps(64, 16, 3), lr=0.05, sum_over_ranks=2)
     assert max_param_difference(run.result, reference) <= TOLERANCE
@@ -305,10 +335,13 @@ def test_different_seeds_on_the_ranks_use_rank_0s_order_and_say_so(tmp_path):
     assert sorted(sum(run.result["seen"], [])) == list(range(64))
 
 
-@pytest.mark.parametrize(("rank", "where", "error"), [
-    (1, "training_step", "RuntimeError: training_step failed on this rank only"),
-    (0, "collate_fn", "ValueError: collate_fn failed on this rank only"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("rank", "where", "error"),
+    [
+        (1, "training_step", "RuntimeError: training_step failed on this rank only"),
+        (0, "collate_fn", "ValueError: collate_fn failed on this rank only"),
+    ],
+)
 def test_a_failure_during_training_is_named_on_every_rank(rank, where, error, tmp_path):
     """The other rank does not stop at gloo's "Connection reset by peer" alone: it names the failed rank and error."""
     run = run_fit(
@@ -366,8 +399,19 @@ def test_a_rank_whose_loader_stalls_is_named_and_given_fewer_samples_and_trainin
     HeteroMonitor logs it; and the run still equals one process on the same global batches, every sample used once.
     """
     dataset = IndexedRegression(320)
-    common = ["--samples", "320", "--batch-sizes", "8", "8", "--stall-on-rank-1", "0.04", "--emulate-speeds", "0.25",
-              "0.25", "--monitor"]  # fmt: skip
+    common = [
+        "--samples",
+        "320",
+        "--batch-sizes",
+        "8",
+        "8",
+        "--stall-on-rank-1",
+        "0.04",
+        "--emulate-speeds",
+        "0.25",
+        "0.25",
+        "--monitor",
+    ]
     run = run_fit(tmp_path, *common, "--strategy-args", '{"rebalance": true, "rebalance_window": 3}')
     assert run.returncode == 0, run.output[-4000:]
     log_dir = tmp_path / "csv" / "version_0"
@@ -384,8 +428,11 @@ def test_a_rank_whose_loader_stalls_is_named_and_given_fewer_samples_and_trainin
     assert run_report["summary"]["data_stalled_ranks"] == [1]
     assert "waiting for the data loader per step: rank 1 " in run.output and "num_workers" in run.output
     with open(log_dir / "metrics.csv") as metrics_file:
-        logged = [float(row["hetero/rank_1/data_wait_ms"]) for row in csv.DictReader(metrics_file)
-                  if row.get("hetero/rank_1/data_wait_ms")]  # fmt: skip
+        logged = [
+            float(row["hetero/rank_1/data_wait_ms"])
+            for row in csv.DictReader(metrics_file)
+            if row.get("hetero/rank_1/data_wait_ms")
+        ]
     assert logged and max(logged) >= 38.0
     assert sorted(sum(run.result["seen"], [])) == list(range(320))  # each sample once
     steps = contiguous_steps(320, 16, 20)
@@ -448,8 +495,19 @@ def test_all_gather_of_predictions_works_in_validation_test_and_predict(tmp_path
     predictions) aborted inside gloo ("Received data size doesn't match") when evaluation batches were cut unevenly.
     Evaluation is split as DDP splits it: 10 validation samples give steps of 4+4 and 1+1, 7 test samples are padded to
     8 (4+4); prediction keeps Lightning's own sharding (12 samples: 3+3 twice). Training stays unequal (3/13)."""
-    run = run_fit(tmp_path, "--batch-sizes", "3", "13", "--val-samples", "10", "--test-samples", "7",
-                  "--predict-samples", "12", "--gather-in-eval")  # fmt: skip
+    run = run_fit(
+        tmp_path,
+        "--batch-sizes",
+        "3",
+        "13",
+        "--val-samples",
+        "10",
+        "--test-samples",
+        "7",
+        "--predict-samples",
+        "12",
+        "--gather-in-eval",
+    )
     assert run.returncode == 0, run.output[-3000:]
     gathered = json.loads((tmp_path / "gathered_shapes.json").read_text())
     assert gathered["validation"] == [[2, 4, 1], [2, 1, 1]]  # (ranks, samples, outputs) per validation step
@@ -470,14 +528,20 @@ def test_a_summed_loss_left_at_loss_reduction_mean_is_said_by_the_profile(tmp_pa
 @pytest.mark.parametrize(
     ("arguments", "said"),
     [
-        (["--model-reduction", "sum"], "loss doubles when its batch is given twice (the check before the first step"
-         " measured 2.00, 2.00), as a sum over the batch does, but `loss_reduction='mean'`"),
-        (["--model-reduction", "mean", "--loss-reduction", "sum"], "loss stays the same when its batch is given"
-         " twice (the check before the first step measured 1.00, 1.00), as a mean over the batch does"),
+        (
+            ["--model-reduction", "sum"],
+            "loss doubles when its batch is given twice (the check before the first step"
+            " measured 2.00, 2.00), as a sum over the batch does, but `loss_reduction='mean'`",
+        ),
+        (
+            ["--model-reduction", "mean", "--loss-reduction", "sum"],
+            "loss stays the same when its batch is given"
+            " twice (the check before the first step measured 1.00, 1.00), as a mean over the batch does",
+        ),
         (["--noisy-loss", "1.0"], None),
     ],
     ids=["summed loss, loss_reduction mean", "mean loss, loss_reduction sum", "noisy mean loss"],
-)  # fmt: skip
+)
 def test_a_fixed_split_checks_the_loss_with_a_batch_given_twice_before_the_first_step(arguments, said, tmp_path):
     """Issue 51 item 2: with `batch_sizes=[3, 13]` on the small unshuffled 64-sample set, a summed loss left at the
     default `loss_reduction="mean"` gave no warning at 4, 12 or 40 steps: the first steps' slope was 0.83 at 10
@@ -525,8 +589,9 @@ def test_the_default_stage_is_the_lowest_that_fits_and_a_checkpoint_of_another_s
     zero2 = run_fit(tmp_path / "zero2", "--stage", "2", *common)
     assert zero2.returncode == 0, zero2.output[-3000:]
     (checkpoint,) = (tmp_path / "zero2" / "ckpt").iterdir()
-    resumed = run_fit(tmp_path / "resumed", "--stage", "auto", "--batch-sizes", "3", "13", "--ckpt-path",
-                      str(checkpoint), timeout=120)  # fmt: skip
+    resumed = run_fit(
+        tmp_path / "resumed", "--stage", "auto", "--batch-sizes", "3", "13", "--ckpt-path", str(checkpoint), timeout=120
+    )
     assert resumed.returncode != 0
     assert resumed.output.count("was saved at ZeRO stage 2, and this run is at ZeRO stage 0 (chosen automatically") >= 2
     assert "Pass `stage=2`" in resumed.output

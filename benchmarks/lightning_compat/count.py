@@ -30,8 +30,9 @@ WORST_FIRST = ("FAILED", "ERROR", "XPASS", "XFAIL", "SKIPPED", "PASSED")
 
 def run(arguments: list[str], env: dict[str, str], timeout: float) -> str:
     command = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *arguments]
-    process = subprocess.Popen(command, cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)  # fmt: skip
+    process = subprocess.Popen(
+        command, cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -70,8 +71,10 @@ def main() -> None:
         started = time.perf_counter()
         results[test] = outcome(run([f"{TESTS}::{test}"], {**env, "LT_STANDALONE": "1"}, 420), test)
         print(f"{results[test]:8s} {time.perf_counter() - started:5.0f}s {test}", flush=True)
-    print(f"{args.strategy}: CPU tests {dict(Counter(cpu.values()))} of {len(cpu)}; moved tests"
-          f" {dict(Counter(results.values()))} of {len(results)}")  # fmt: skip
+    print(
+        f"{args.strategy}: CPU tests {dict(Counter(cpu.values()))} of {len(cpu)}; moved tests"
+        f" {dict(Counter(results.values()))} of {len(results)}"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"strategy": args.strategy, "cpu": cpu, "moved": results}, indent=1))
 

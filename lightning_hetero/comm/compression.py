@@ -248,9 +248,17 @@ def restore_blocker(
 # The parts of a hook state that are progress, not settings: restored from a checkpoint (settings come from the
 # job's arguments, which must describe the same compression).
 PROGRESS_SLOTS = frozenset(
-    {"error_dict", "p_memory_dict", "q_memory_dict", "iter", "rng", "total_numel_before_compression",
-     "total_numel_after_compression", "next_stats_report"}
-)  # fmt: skip
+    {
+        "error_dict",
+        "p_memory_dict",
+        "q_memory_dict",
+        "iter",
+        "rng",
+        "total_numel_before_compression",
+        "total_numel_after_compression",
+        "next_stats_report",
+    }
+)
 
 
 def hooked_exchange_reason(choice: CompressionChoice, hierarchical: bool) -> Optional[str]:
@@ -343,8 +351,13 @@ def random_state_as_data(generator: np.random.RandomState) -> dict[str, Any]:
     """A numpy ``RandomState`` (PowerSGD's) as tensors and numbers, which ``torch.load(weights_only=True)`` reads."""
     kind, keys, position, has_gauss, cached_gaussian = generator.get_state(legacy=True)
     assert isinstance(keys, np.ndarray)  # (the legacy form: a tuple)
-    return {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
-            "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}  # fmt: skip
+    return {
+        "kind": kind,
+        "keys": torch.from_numpy(keys.astype(np.int64)),
+        "position": int(position),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached_gaussian),
+    }
 
 
 def random_state_from_data(data: dict[str, Any]) -> np.random.RandomState:

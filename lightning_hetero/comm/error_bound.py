@@ -269,8 +269,11 @@ class ErrorBoundState:
         *errors, norm = self._agreed([*estimates, float(self._sums[1])])
         relative = [math.sqrt(error / norm) if norm > 0 else 0.0 for error in errors]
         chosen = next((s for s, e in zip(settings, relative) if e <= self.max_error), settings[-1])
-        self.checks.append(ErrorCheck(self.step_label(), relative[0], self.setting,
-                                      chosen if chosen != self.setting else None, estimated=True))  # fmt: skip
+        self.checks.append(
+            ErrorCheck(
+                self.step_label(), relative[0], self.setting, chosen if chosen != self.setting else None, estimated=True
+            )
+        )
         if chosen != self.setting:
             estimate = ", ".join(f"{s:g}: {e:.3f}" for s, e in zip(settings, relative))
             why = (
@@ -352,8 +355,12 @@ class ErrorBoundState:
     def progress(self) -> dict[str, Any]:
         """What a checkpoint keeps of the bound (the inner state's progress is saved beside it, by
         :func:`~lightning_hetero.comm.compression.hook_state_dict`)."""
-        return {"setting": self.setting, "steps_done": self.steps_done, "next_check": self.next_check,
-                "checks": [asdict(check) for check in self.checks]}  # fmt: skip
+        return {
+            "setting": self.setting,
+            "steps_done": self.steps_done,
+            "next_check": self.next_check,
+            "checks": [asdict(check) for check in self.checks],
+        }
 
     def restore_progress(self, saved: Mapping[str, Any]) -> None:
         setattr(self.inner_state, SETTING[self.mode], saved["setting"])

@@ -96,8 +96,12 @@ def emulated_ceilings_from_environment() -> Optional[tuple[Optional[int], ...]]:
 
 def check_ceilings(ceilings: Optional[Sequence[Optional[int]]], world_size: int) -> None:
     if ceilings is not None:
-        check_one_per_rank(f"`{ENV_VAR}={os.environ.get(ENV_VAR)!r}`", len(ceilings), world_size,
-                           "Give one ceiling per rank (- for none).")  # fmt: skip
+        check_one_per_rank(
+            f"`{ENV_VAR}={os.environ.get(ENV_VAR)!r}`",
+            len(ceilings),
+            world_size,
+            "Give one ceiling per rank (- for none).",
+        )
 
 
 def lower_ceiling(measured: Optional[int], emulated: Optional[int]) -> Optional[int]:

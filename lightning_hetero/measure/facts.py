@@ -17,13 +17,33 @@ _T = TypeVar("_T")
 ML_ISA_FEATURES = frozenset(
     {
         # x86
-        "sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni",
-        "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16", "avx512_fp16",
-        "amx_tile", "amx_bf16", "amx_int8", "amx_fp16",
+        "sse4_2",
+        "avx",
+        "avx2",
+        "fma",
+        "f16c",
+        "avx_vnni",
+        "avx512f",
+        "avx512bw",
+        "avx512vl",
+        "avx512dq",
+        "avx512_vnni",
+        "avx512_bf16",
+        "avx512_fp16",
+        "amx_tile",
+        "amx_bf16",
+        "amx_int8",
+        "amx_fp16",
         # arm64 ("Features" line)
-        "asimd", "asimdhp", "sve", "sve2", "bf16", "svebf16", "i8mm",
+        "asimd",
+        "asimdhp",
+        "sve",
+        "sve2",
+        "bf16",
+        "svebf16",
+        "i8mm",
     }
-)  # fmt: skip
+)
 # Hardware bf16 arithmetic; without it CPU autocast still runs bf16, but by converting to fp32.
 _BF16_NATIVE_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16", "svebf16"})
 

@@ -114,11 +114,14 @@ def merge_summary(records_by_rank: list[list[dict[str, Any]]]) -> dict[str, Any]
     over (``claims_taken_over``). Every contribution was trained from the last merged parameters: ``staleness`` is 0
     merges."""
     merges = [
-        {"epoch": same[0]["epoch"], "micro_batches": [record["micro_batches"] for record in same],
-         "wait_seconds": [record["seconds"] - min(r["seconds"] for r in same) for record in same],
-         "last_step_seconds": [record.get("last_step_seconds") for record in same]}
+        {
+            "epoch": same[0]["epoch"],
+            "micro_batches": [record["micro_batches"] for record in same],
+            "wait_seconds": [record["seconds"] - min(r["seconds"] for r in same) for record in same],
+            "last_step_seconds": [record.get("last_step_seconds") for record in same],
+        }
         for same in zip(*records_by_rank)
-    ]  # fmt: skip
+    ]
     ranks = range(len(records_by_rank))
     return {
         "merges": len(merges),

@@ -51,8 +51,13 @@ def check_deepspeed_keys(config: Mapping[str, Any]) -> None:
         raise ValueError(_section_error_message(recorded.last_key, error)) from None
     except (DeepSpeedConfigError, AssertionError, ValueError, TypeError, KeyError):
         parsed = False  # DeepSpeed raises it again at setup, unless a value of the wrong type (below) explains it
-    wrong = [line for key, default in recorded.defaults.items() if key in config
-             for line in [_wrong_scalar_type(key, config[key], default)] if line]  # fmt: skip
+    wrong = [
+        line
+        for key, default in recorded.defaults.items()
+        if key in config
+        for line in [_wrong_scalar_type(key, config[key], default)]
+        if line
+    ]
     if wrong:
         raise ValueError(
             f"The DeepSpeed config has values of the wrong type: {'; '.join(wrong)}. DeepSpeed does not check these"

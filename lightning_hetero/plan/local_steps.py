@@ -235,8 +235,12 @@ def sync_eager(sync_options: Optional[Mapping[str, Any]]) -> bool:
     return True if eager is None else bool(eager)
 
 
-def sync_asynchronous(sync_options: Optional[Mapping[str, Any]], inner_steps: Optional[Sequence[int]],
-                      rebalance: Optional[bool], batch_sizes: Optional[Sequence[int]]) -> bool:  # fmt: skip
+def sync_asynchronous(
+    sync_options: Optional[Mapping[str, Any]],
+    inner_steps: Optional[Sequence[int]],
+    rebalance: Optional[bool],
+    batch_sizes: Optional[Sequence[int]],
+) -> bool:
     """``sync_options['asynchronous']`` checked (False when not given): merges by speed, which take the place of the
     inner steps (each rank trains as many micro-batches as it has time for) and of their re-planning."""
     options = sync_options or {}
@@ -273,8 +277,12 @@ def is_sync_step(steps_done: int, sync_every: int, last_of_epoch: bool) -> bool:
 
 def check_inner_steps_length(inner_steps: Optional[Sequence[int]], world_size: int) -> None:
     if inner_steps is not None:
-        check_one_per_rank(f"`inner_steps={list(inner_steps)}`", len(inner_steps), world_size,
-                           "Give one count per rank, in global rank order.")  # fmt: skip
+        check_one_per_rank(
+            f"`inner_steps={list(inner_steps)}`",
+            len(inner_steps),
+            world_size,
+            "Give one count per rank, in global rank order.",
+        )
 
 
 def describe_sync(

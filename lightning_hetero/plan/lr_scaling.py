@@ -74,8 +74,12 @@ class LrScaling:
         return self.ratio / self.lr_factor
 
     def describe(self, decoupled: bool) -> str:
-        decay = (f", decoupled weight decay x{self.decoupled_decay_factor:.4g} (lr x weight decay x{self.ratio:.4g},"
-                 " the same decay per epoch)" if decoupled else "")  # fmt: skip
+        decay = (
+            f", decoupled weight decay x{self.decoupled_decay_factor:.4g} (lr x weight decay x{self.ratio:.4g},"
+            " the same decay per epoch)"
+            if decoupled
+            else ""
+        )
         return (
             f"HeteroStrategy: the global batch changed from the checkpoint's {self.old} to {self.new} samples"
             f" (x{self.ratio:.4g}); lr_scaling={self.rule!r}: learning rate x{self.lr_factor:.4g}{decay}"

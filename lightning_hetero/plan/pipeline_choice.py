@@ -82,8 +82,9 @@ def check_pipeline_argument(value: Any) -> Optional[PipelineChoice]:
     if schedule not in SCHEDULES:
         raise ValueError(f"HeteroStrategy(pipeline=...): `schedule` {schedule!r} must be one of {list(SCHEDULES)}.")
     micro_batches = value.get("micro_batches")
-    if micro_batches is not None and (isinstance(micro_batches, bool) or not isinstance(micro_batches, int)
-                                      or micro_batches < 1):  # fmt: skip
+    if micro_batches is not None and (
+        isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1
+    ):
         raise ValueError(
             f"HeteroStrategy(pipeline=...): `micro_batches` {micro_batches!r} must be an integer >= 1 (each"
             " pipeline's batch is cut into that many micro-batches per step); leave it out for twice the stages."
@@ -104,8 +105,10 @@ def replicas_of(choice: PipelineChoice, world_size: int) -> int:
 def pipeline_argument_refusal(**arguments: Any) -> Optional[str]:
     """Why the strategy's other arguments cannot go with ``pipeline`` (yet), or None. Checked in the constructor."""
     refused = {
-        "stage": ("ZeRO-1/2/3 inside a stage are not built yet: each stage holds its own blocks whole (ZeRO-0)",
-                  lambda v: v not in (None, 0)),
+        "stage": (
+            "ZeRO-1/2/3 inside a stage are not built yet: each stage holds its own blocks whole (ZeRO-0)",
+            lambda v: v not in (None, 0),
+        ),
         "sync": ("local SGD / DiLoCo between pipelines is not built", lambda v: v != "every_step"),
         "batch_sizes": ("the pipelines share the global batch equally for now", lambda v: v is not None),
         "weights": ("the pipelines share the global batch equally for now", lambda v: v is not None),
@@ -113,7 +116,7 @@ def pipeline_argument_refusal(**arguments: Any) -> Optional[str]:
         "loss_reduction": ("a token mean needs each micro-batch's token count", lambda v: v == "token_mean"),
         "compression": ("the pipeline sums its gradients itself, uncompressed", lambda v: v is not None),
         "hierarchical": ("the pipeline sums its gradients itself, in flat groups", lambda v: v is True),
-    }  # fmt: skip
+    }
     for name, (why, is_refused) in refused.items():
         value = arguments.get(name)
         if is_refused(value):
@@ -139,26 +142,39 @@ def check_pipeline_config(config: Mapping[str, Any]) -> None:
 
 
 def pipeline_job_refusal(
-    precision: str, gradient_clip_val: Any, accumulate_grad_batches: int, automatic_optimization: bool,
+    precision: str,
+    gradient_clip_val: Any,
+    accumulate_grad_batches: int,
+    automatic_optimization: bool,
     evaluating: bool,
-) -> Optional[str]:  # fmt: skip
+) -> Optional[str]:
     """Why this trainer call cannot run with a pipeline (yet), or None; checked at setup on every rank, before any
     collective (every rank sees the same trainer)."""
     if precision not in ("32-true", "32"):
-        return (f"HeteroStrategy(pipeline=...) with `Trainer(precision={precision!r})`: the stages train in 32-bit"
-                " for now. Use `precision='32-true'`, or train without `pipeline`.")  # fmt: skip
+        return (
+            f"HeteroStrategy(pipeline=...) with `Trainer(precision={precision!r})`: the stages train in 32-bit"
+            " for now. Use `precision='32-true'`, or train without `pipeline`."
+        )
     if gradient_clip_val:
-        return (f"HeteroStrategy(pipeline=...) with `Trainer(gradient_clip_val={gradient_clip_val})`: the gradient"
-                " norm spans every stage, which the pipeline does not compute yet. Leave it out.")  # fmt: skip
+        return (
+            f"HeteroStrategy(pipeline=...) with `Trainer(gradient_clip_val={gradient_clip_val})`: the gradient"
+            " norm spans every stage, which the pipeline does not compute yet. Leave it out."
+        )
     if accumulate_grad_batches != 1:
-        return (f"HeteroStrategy(pipeline=...) with `Trainer(accumulate_grad_batches={accumulate_grad_batches})`:"
-                " raise the batch size instead (the pipeline's micro-batches are its accumulation).")  # fmt: skip
+        return (
+            f"HeteroStrategy(pipeline=...) with `Trainer(accumulate_grad_batches={accumulate_grad_batches})`:"
+            " raise the batch size instead (the pipeline's micro-batches are its accumulation)."
+        )
     if not automatic_optimization:
-        return ("HeteroStrategy(pipeline=...) with manual optimization: the pipeline runs the backward of every"
-                " micro-batch itself. Use automatic optimization.")  # fmt: skip
+        return (
+            "HeteroStrategy(pipeline=...) with manual optimization: the pipeline runs the backward of every"
+            " micro-batch itself. Use automatic optimization."
+        )
     if evaluating:
-        return ("HeteroStrategy(pipeline=...) runs `trainer.fit` (its validation included); `validate`, `test` and"
-                " `predict` do not run through the stages yet. Run them without `pipeline`, with the weights of a"
-                " pipeline checkpoint: `model.load_state_dict(lightning_hetero.recover.pipeline_state."
-                "whole_model_state(path))`.")  # fmt: skip
+        return (
+            "HeteroStrategy(pipeline=...) runs `trainer.fit` (its validation included); `validate`, `test` and"
+            " `predict` do not run through the stages yet. Run them without `pipeline`, with the weights of a"
+            " pipeline checkpoint: `model.load_state_dict(lightning_hetero.recover.pipeline_state."
+            "whole_model_state(path))`."
+        )
     return None

@@ -14,10 +14,16 @@ from lightning_hetero.plan.stages import StagePlacement
 
 
 def describe_pipeline(
-    placement: StagePlacement, names: Sequence[str], choice: PipelineChoice, replicas: int, micro_batches: int,
-    micro_batch: int, measured: Optional[Sequence[Any]], memory_bytes: Optional[Sequence[Optional[int]]] = None,
+    placement: StagePlacement,
+    names: Sequence[str],
+    choice: PipelineChoice,
+    replicas: int,
+    micro_batches: int,
+    micro_batch: int,
+    measured: Optional[Sequence[Any]],
+    memory_bytes: Optional[Sequence[Optional[int]]] = None,
     shares: Sequence[int] = (),
-) -> str:  # fmt: skip
+) -> str:
     """The plan as printed at fit start: each stage's rank, blocks, time per micro-batch and memory."""
     lines = [
         f"HeteroStrategy pipeline: {choice.stages} stages x {replicas} pipeline(s), {choice.schedule}, {micro_batches}"

@@ -12,8 +12,14 @@ from typing import Any
 PRESETS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("hetero", "DeepSpeed ZeRO with per-rank micro-batches", {}),
     *((f"hetero_stage_{stage}", f"HeteroStrategy at ZeRO stage {stage}", {"stage": stage}) for stage in range(4)),
-    ("hetero_stage_2_offload", "HeteroStrategy at ZeRO stage 2, optimizer offloaded to the CPU",
-     {"stage": 2, "offload_optimizer": True}),
-    ("hetero_stage_3_offload", "HeteroStrategy at ZeRO stage 3, optimizer and parameters offloaded to the CPU",
-     {"stage": 3, "offload_optimizer": True, "offload_parameters": True}),
-)  # fmt: skip
+    (
+        "hetero_stage_2_offload",
+        "HeteroStrategy at ZeRO stage 2, optimizer offloaded to the CPU",
+        {"stage": 2, "offload_optimizer": True},
+    ),
+    (
+        "hetero_stage_3_offload",
+        "HeteroStrategy at ZeRO stage 3, optimizer and parameters offloaded to the CPU",
+        {"stage": 3, "offload_optimizer": True, "offload_parameters": True},
+    ),
+)

@@ -87,8 +87,11 @@ def check_rebalance_arguments(rebalance: Any, window: Any, threshold: Any) -> No
             f"`rebalance={rebalance!r}` must be True, False or None (None: on for the automatic split, off when"
             " `batch_sizes` or `weights` fix it)."
         )
-    check_positive_int("rebalance_window", window, ": the training steps between two exchanges of the ranks'"
-                       f" measurements (default {DEFAULT_WINDOW}).")  # fmt: skip
+    check_positive_int(
+        "rebalance_window",
+        window,
+        f": the training steps between two exchanges of the ranks' measurements (default {DEFAULT_WINDOW}).",
+    )
     if not is_real(threshold) or not math.isfinite(threshold) or threshold < 0:
         raise ValueError(
             f"`rebalance_threshold={threshold!r}` must be a finite number >= 0: the predicted gain a new split needs"
@@ -112,9 +115,15 @@ class Replan:
 
     def to_dict(self) -> dict[str, Any]:
         steps = list(self.micro_steps) or [1] * len(self.batch_sizes)
-        return {"step": self.step, "batch_sizes": list(self.batch_sizes), "micro_steps": steps,
-                "predicted_gain": self.predicted_gain, "data_wait_seconds": list(self.data_waits),
-                "source": self.source, "late_rank": self.late_rank}  # fmt: skip
+        return {
+            "step": self.step,
+            "batch_sizes": list(self.batch_sizes),
+            "micro_steps": steps,
+            "predicted_gain": self.predicted_gain,
+            "data_wait_seconds": list(self.data_waits),
+            "source": self.source,
+            "late_rank": self.late_rank,
+        }
 
 
 def weighted_median(values: Sequence[float], weights: Sequence[float]) -> float:

@@ -138,10 +138,13 @@ def check_split_arguments(
     """Checks that need no world size: run them in the constructor so a mistake fails before any process starts."""
     if micro_steps is not None:
         micro_steps = positive_integers_per_rank(
-            "micro_steps", micro_steps, "[3, 1]", "one count of micro-batches",
+            "micro_steps",
+            micro_steps,
+            "[3, 1]",
+            "one count of micro-batches",
             "each rank takes a whole number >= 1 of micro-batches per optimizer step (1: its whole share in one"
             " forward/backward)",
-        )  # fmt: skip
+        )
         if batch_sizes is not None and len(per_rank_list("batch_sizes", batch_sizes, "[8, 24]")) != len(micro_steps):
             raise ValueError(
                 f"`batch_sizes={list(batch_sizes)}` and `micro_steps={list(micro_steps)}` have different lengths:"
@@ -153,14 +156,21 @@ def check_split_arguments(
             " Pass one of them: `batch_sizes` fixes each rank's micro-batch, `weights` derives them."
         )
     if global_batch_size is not None:
-        check_positive_int("global_batch_size", global_batch_size, " (samples per optimizer step across all ranks), or"
-                           " None to use the training loader's batch_size times the world size.")  # fmt: skip
+        check_positive_int(
+            "global_batch_size",
+            global_batch_size,
+            " (samples per optimizer step across all ranks), or"
+            " None to use the training loader's batch_size times the world size.",
+        )
     if batch_sizes is not None:
         batch_sizes = positive_integers_per_rank(
-            "batch_sizes", batch_sizes, "[8, 24]", "one micro-batch size",
+            "batch_sizes",
+            batch_sizes,
+            "[8, 24]",
+            "one micro-batch size",
             "every rank needs an integer micro-batch of at least 1. Raise those entries, or leave the rank out of the"
             " job",
-        )  # fmt: skip
+        )
         steps = list(micro_steps) if micro_steps is not None else [1] * len(batch_sizes)
         total = sum(b * k for b, k in zip(batch_sizes, steps))
         if global_batch_size is not None and total != global_batch_size:
@@ -215,17 +225,27 @@ def resolve_split(
     """
     check_split_arguments(global_batch_size, batch_sizes, weights, micro_steps)
     if micro_steps is not None:
-        check_one_per_rank(f"`micro_steps={list(micro_steps)}`", len(micro_steps), world_size,
-                           "Give exactly one micro-step count per rank, in global rank order.")  # fmt: skip
+        check_one_per_rank(
+            f"`micro_steps={list(micro_steps)}`",
+            len(micro_steps),
+            world_size,
+            "Give exactly one micro-step count per rank, in global rank order.",
+        )
     steps = tuple(int(k) for k in micro_steps) if micro_steps is not None else (1,) * world_size
     if batch_sizes is not None:
         check_one_per_rank(
-            f"`batch_sizes={list(batch_sizes)}`", len(batch_sizes), world_size,
+            f"`batch_sizes={list(batch_sizes)}`",
+            len(batch_sizes),
+            world_size,
             "Give exactly one micro-batch size per rank (in global rank order), or use `weights`.",
-        )  # fmt: skip
+        )
     if weights is not None:
-        check_one_per_rank(f"`weights={list(weights)}`", len(weights), world_size,
-                           "Give exactly one weight per rank, in global rank order.")  # fmt: skip
+        check_one_per_rank(
+            f"`weights={list(weights)}`",
+            len(weights),
+            world_size,
+            "Give exactly one weight per rank, in global rank order.",
+        )
     check_global_batch_covers_ranks(global_batch_size, world_size)
     if batch_sizes is not None:
         return SplitPlan(tuple(int(b) * k for b, k in zip(batch_sizes, steps)), "batch_sizes", steps)

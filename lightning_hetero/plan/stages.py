@@ -97,8 +97,9 @@ class StagePlacement:
     @property
     def balance(self) -> float:
         """Mean stage time over the slowest: 1.0 when every stage takes as long (no stage waits for another)."""
-        return (sum(self.stage_seconds) / (len(self.stage_seconds) * self.slowest_seconds) if self.slowest_seconds
-                else 1.0)  # fmt: skip
+        return (
+            sum(self.stage_seconds) / (len(self.stage_seconds) * self.slowest_seconds) if self.slowest_seconds else 1.0
+        )
 
     def step_seconds(self, micro_batches: int, micro_batch: int) -> float:
         """A step of ``micro_batches`` micro-batches of ``micro_batch`` samples by GPipe's or 1F1B's schedule: the
@@ -250,9 +251,13 @@ def _mib(values: Sequence[Optional[int]]) -> list:
 
 
 def block_costs(
-    measured: Optional[Sequence[Any]], blocks: int, ranks: int, parameter_bytes: Sequence[int], outside_bytes: int,
+    measured: Optional[Sequence[Any]],
+    blocks: int,
+    ranks: int,
+    parameter_bytes: Sequence[int],
+    outside_bytes: int,
     ceilings: Sequence[Optional[float]],
-) -> BlockCosts:  # fmt: skip
+) -> BlockCosts:
     """The placement's input: every rank's measured block costs (:class:`~lightning_hetero.measure.blocks.
     BlockMeasurement`), or without measurements (fixed ``boundaries``) one second per block and no activations.
     ``parameter_bytes``: each block's training state; ``ceilings``: each rank's emulated device memory (None: none),
@@ -261,10 +266,17 @@ def block_costs(
 
     capped = [None if c is None else int(MEMORY_HEADROOM * c) for c in ceilings]
     if not measured:
-        return BlockCosts(((1.0,) * blocks,) * ranks, tuple(parameter_bytes), (0,) * blocks, tuple(capped),
-                          outside_bytes=outside_bytes)  # fmt: skip
-    memory = [m.memory_bytes if c is None else (c if m.memory_bytes is None else min(c, m.memory_bytes))
-              for m, c in zip(measured, capped)]  # fmt: skip
+        return BlockCosts(
+            ((1.0,) * blocks,) * ranks,
+            tuple(parameter_bytes),
+            (0,) * blocks,
+            tuple(capped),
+            outside_bytes=outside_bytes,
+        )
+    memory = [
+        m.memory_bytes if c is None else (c if m.memory_bytes is None else min(c, m.memory_bytes))
+        for m, c in zip(measured, capped)
+    ]
     return BlockCosts(
         seconds=tuple(tuple(m.seconds) for m in measured),
         parameter_bytes=tuple(parameter_bytes),
@@ -317,16 +329,22 @@ class StageReplan:
 
 
 def replan_stages(
-    costs: BlockCosts, current: StagePlacement, factors: Sequence[float], threshold: float, schedule: str,
-    micro_batches: int, micro_batch: int,
-) -> StageReplan:  # fmt: skip
+    costs: BlockCosts,
+    current: StagePlacement,
+    factors: Sequence[float],
+    threshold: float,
+    schedule: str,
+    micro_batches: int,
+    micro_batch: int,
+) -> StageReplan:
     """Blocks moved between the stages (the ranks keep their stages) when, with each rank's times scaled by what it
     measured (``factors``), another split's slowest stage is faster than the current one's by more than
     ``threshold`` (a fraction). Pure: the same decision on every rank from the same gathered factors."""
     scaled = scaled_costs(costs, factors)
     now = _placement(scaled, current.ranks, current.starts, [0] * len(current.ranks), "balanced").slowest_seconds
-    best = place_stages(scaled, len(current.ranks), schedule, micro_batches, micro_batch, ranks=current.ranks,
-                        search_orders=False)  # fmt: skip
+    best = place_stages(
+        scaled, len(current.ranks), schedule, micro_batches, micro_batch, ranks=current.ranks, search_orders=False
+    )
     gain = 1.0 - best.slowest_seconds / now if now > 0 else 0.0
     if best.boundaries == current.boundaries or gain <= threshold:
         return StageReplan(None, f"kept boundaries {list(current.boundaries)} (predicted gain {gain:.0%})")

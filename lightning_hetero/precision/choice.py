@@ -72,8 +72,12 @@ def check_device_precision(value: Any) -> DevicePrecision:
 
 def check_rank_count(setting: DevicePrecision, world_size: int) -> None:
     if isinstance(setting, tuple):
-        check_one_per_rank(f"`device_precision={list(setting)}`", len(setting), world_size,
-                           "Give one precision per rank in global rank order, or 'auto'.")  # fmt: skip
+        check_one_per_rank(
+            f"`device_precision={list(setting)}`",
+            len(setting),
+            world_size,
+            "Give one precision per rank in global rank order, or 'auto'.",
+        )
 
 
 def check_trainer_precision(setting: DevicePrecision, trainer_precision: str, plugin_name: str) -> None:

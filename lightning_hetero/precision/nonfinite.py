@@ -36,9 +36,13 @@ DEFAULT_MAX_NONFINITE_STEPS = 3
 
 def check_max_nonfinite_steps(value: Any) -> None:
     if value is not None:
-        check_positive_int("max_nonfinite_steps", value, " (optimizer steps in a row skipped for non-finite gradients"
-                           " before the run stops, when there is no loss scale to lower) or None to never stop. The"
-                           f" default is {DEFAULT_MAX_NONFINITE_STEPS}.")  # fmt: skip
+        check_positive_int(
+            "max_nonfinite_steps",
+            value,
+            " (optimizer steps in a row skipped for non-finite gradients"
+            " before the run stops, when there is no loss scale to lower) or None to never stop. The"
+            f" default is {DEFAULT_MAX_NONFINITE_STEPS}.",
+        )
 
 
 def gradients_are_finite(parameters: Any) -> bool:

@@ -258,8 +258,14 @@ def check_convertible(path: Path, manifest: dict[str, Any], world_size: int, in_
     on as many ranks would be refused."""
     tag = (path / "latest").read_text().strip()
     keys = universal.state_keys(path / tag, in_full)
-    why = universal.refusal(path, str(manifest.get("optimizer")), manifest.get("zero_stage", 0),
-                            manifest.get("world_size"), world_size, keys)  # fmt: skip
+    why = universal.refusal(
+        path,
+        str(manifest.get("optimizer")),
+        manifest.get("zero_stage", 0),
+        manifest.get("world_size"),
+        world_size,
+        keys,
+    )
     if why is not None:
         raise ResumeRefused(why)
 

@@ -28,12 +28,30 @@ from lightning_hetero.runtime.lightning_internals import LIGHTNING_CHECKPOINT_LO
 from lightning_hetero.runtime.safe_load import check_checkpoint_directory, load_deepspeed_file, unpickles_in_full
 
 # DeepSpeed's own entries in the model-states file; what remains is the client state Lightning saved.
-_DEEPSPEED_STATES = frozenset({
-    "module", "optimizer", "lr_scheduler", "csr_tensor_module_names", "skipped_steps", "global_steps",
-    "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version", "buffer_names", "param_shapes",
-    "frozen_param_shapes", "shared_params", "frozen_param_fragments", "data_sampler", "random_ltd",
-    "sparse_tensor_module_names", "checkpoint_parallel_dimensions",
-})  # fmt: skip
+_DEEPSPEED_STATES = frozenset(
+    {
+        "module",
+        "optimizer",
+        "lr_scheduler",
+        "csr_tensor_module_names",
+        "skipped_steps",
+        "global_steps",
+        "global_samples",
+        "dp_world_size",
+        "mp_world_size",
+        "ds_config",
+        "ds_version",
+        "buffer_names",
+        "param_shapes",
+        "frozen_param_shapes",
+        "shared_params",
+        "frozen_param_fragments",
+        "data_sampler",
+        "random_ltd",
+        "sparse_tensor_module_names",
+        "checkpoint_parallel_dimensions",
+    }
+)
 
 
 def is_hetero_checkpoint(path: Any) -> bool:

@@ -51,8 +51,9 @@ def deepspeed_strategy_facts(path: Path, in_full: bool = False) -> Optional[dict
         return None
     tag = (path / "latest").read_text().strip()
     folder = path / tag
-    first = next((f for f in (folder / _MODEL_STATES, folder / _ZERO_3_MODEL_STATES.format(rank=0)) if f.is_file()),
-                 None)  # fmt: skip
+    first = next(
+        (f for f in (folder / _MODEL_STATES, folder / _ZERO_3_MODEL_STATES.format(rank=0)) if f.is_file()), None
+    )
     if not tag or first is None or checkpoint.package_files(path):
         return None
     states = _read_if_deepspeeds(first, in_full)

@@ -72,8 +72,13 @@ def loader_state_for(
     done = batches_done_in_epoch(checkpoint)
     if done == 0:
         return None
-    epoch = int(checkpoint.get(_LOOPS, {}).get(_FIT_LOOP, {}).get("epoch_progress", {}).get("current", {})
-                .get("completed", checkpoint.get("epoch", 0)))  # fmt: skip
+    epoch = int(
+        checkpoint.get(_LOOPS, {})
+        .get(_FIT_LOOP, {})
+        .get("epoch_progress", {})
+        .get("current", {})
+        .get("completed", checkpoint.get("epoch", 0))
+    )
     return {
         STATE_EPOCH: epoch,
         STATE_SAMPLES_CONSUMED: min(done * global_batch, num_samples),
@@ -165,7 +170,8 @@ def _create_state(base: torch.optim.Optimizer, partitions: list[torch.Tensor], e
     creates it at its first step; DeepSpeed's tensor-fragment API writes into it)."""
     for partition in partitions:
         base.state[partition] = {
-            key: torch.zeros_like(partition) if isinstance(value, torch.Tensor) and value.dim() else
-            (value.clone() if isinstance(value, torch.Tensor) else value)
+            key: torch.zeros_like(partition)
+            if isinstance(value, torch.Tensor) and value.dim()
+            else (value.clone() if isinstance(value, torch.Tensor) else value)
             for key, value in example.items()
-        }  # fmt: skip
+        }

@@ -35,8 +35,12 @@ def named_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -
     state = {names[id(ordered[index])]: value for index, value in saved["state"].items()}
     groups = []
     for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
-        groups.append({**{k: v for k, v in saved_group.items() if k != "params"},
-                       "params": [names[id(p)] for p in group["params"]]})  # fmt: skip
+        groups.append(
+            {
+                **{k: v for k, v in saved_group.items() if k != "params"},
+                "params": [names[id(p)] for p in group["params"]],
+            }
+        )
     return {"state": state, "param_groups": groups}
 
 
@@ -99,8 +103,9 @@ def _load_optimizer(module: nn.Module, optimizer: Any, state: dict[str, Any], gr
     rebuilt_groups = []
     for group, saved in zip(optimizer.param_groups, groups):
         count = len(group["params"])
-        rebuilt_groups.append({**{k: v for k, v in saved.items() if k != "params"},
-                               "params": list(range(index, index + count))})  # fmt: skip
+        rebuilt_groups.append(
+            {**{k: v for k, v in saved.items() if k != "params"}, "params": list(range(index, index + count))}
+        )
         index += count
     rebuilt_state = {i: state[name] for i, name in enumerate(ordered) if name in state}
     optimizer.load_state_dict({"state": rebuilt_state, "param_groups": rebuilt_groups})

@@ -264,8 +264,10 @@ class Recovery:
                         " the epoch is not exactly the samples DDP had not used (later epochs are whole). Give the"
                         " loader `shuffle=True` to continue DDP's epoch exactly."
                     )
-        rank_zero_info(f"HeteroStrategy: continuing from {path}, a Lightning checkpoint file (weights, optimizer"
-                       " state, loops and data position restored).")  # fmt: skip
+        rank_zero_info(
+            f"HeteroStrategy: continuing from {path}, a Lightning checkpoint file (weights, optimizer"
+            " state, loops and data position restored)."
+        )
         return saved
 
 

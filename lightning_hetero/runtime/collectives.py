@@ -120,8 +120,9 @@ class Collectives:
         failed = [(rank, entry) for rank, entry in enumerate(gathered) if entry["failure"]]
         if failed:
             rank, entry = failed[0]
-            stopped = RuntimeError(f"HeteroStrategy: {what} failed on rank {rank} ({entry['failure']}); every rank"
-                                   " stops here.")  # fmt: skip
+            stopped = RuntimeError(
+                f"HeteroStrategy: {what} failed on rank {rank} ({entry['failure']}); every rank stops here."
+            )
             if entry["exit_code"] is not None:  # (a refusal that every restart repeats: every rank exits alike)
                 exit_with_if_uncaught(stopped, entry["exit_code"])
             raise stopped

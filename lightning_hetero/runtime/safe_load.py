@@ -48,12 +48,14 @@ class UnsafeCheckpointFile(ValueError):
 # DeepSpeed 0.19: the loss scaler, ZeRO's stage, the fragment addresses of its flat groups): what a checkpoint
 # directory's files may hold (its files DeepSpeed's engine then unpickles in full), and what a weights-only read of
 # one of them allows.
-DEEPSPEED_OWN_GLOBALS = frozenset({
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-    "deepspeed.runtime.zero.config.ZeroStageEnum",
-    "deepspeed.utils.tensor_fragment.fragment_address",
-})  # fmt: skip
+DEEPSPEED_OWN_GLOBALS = frozenset(
+    {
+        "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+        "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+        "deepspeed.runtime.zero.config.ZeroStageEnum",
+        "deepspeed.utils.tensor_fragment.fragment_address",
+    }
+)
 
 
 def requested_weights_only(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[bool]:

@@ -53,8 +53,9 @@ def run_cluster(report: dict[str, Any], ranks: list[dict[str, Any]], workload: W
     nodes = communication.get("nodes") or [0] * len(ranks)
     emulated = communication.get("emulated_link")
     between = Link(emulated["gbit_per_second"] * 1e9 / 8, emulated["latency_ms"] / 1e3) if emulated else link
-    devices = tuple(SimulatedDevice(with_overrides(workload.here_kind, speed=speed), node) for speed, node in
-                    zip(speeds, nodes))  # fmt: skip
+    devices = tuple(
+        SimulatedDevice(with_overrides(workload.here_kind, speed=speed), node) for speed, node in zip(speeds, nodes)
+    )
     count = max(nodes) + 1
     return Cluster(devices, (link,) * count, between if count > 1 else None)
 

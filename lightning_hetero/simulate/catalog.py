@@ -87,9 +87,17 @@ BANDWIDTH_EFFICIENCY_SOURCE = (
 )
 MATMUL_EFFICIENCY = 1.0
 BANDWIDTH_EFFICIENCY = {
-    "V100-16GB": 0.41, "RTX-3090": 0.47, "A10": 0.43, "A100-40GB": 0.41, "A100-80GB-PCIe": 0.36,
-    "A100-80GB": 0.37, "RTX-4090": 0.59, "H100-PCIe": 0.45, "H100": 0.38, "H200": 0.31,
-}  # fmt: skip
+    "V100-16GB": 0.41,
+    "RTX-3090": 0.47,
+    "A10": 0.43,
+    "A100-40GB": 0.41,
+    "A100-80GB-PCIe": 0.36,
+    "A100-80GB": 0.37,
+    "RTX-4090": 0.59,
+    "H100-PCIe": 0.45,
+    "H100": 0.38,
+    "H200": 0.31,
+}
 DEFAULT_BANDWIDTH_EFFICIENCY = 0.41  # the median of the fitted kinds
 
 

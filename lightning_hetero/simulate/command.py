@@ -161,8 +161,9 @@ def main(args: Optional[list[str]] = None) -> int:
     if chain is not None:
         try:
             stages = options.pipeline_stages or len(cluster.devices)
-            result["pipeline"] = predict_pipeline(cluster, workload, chain, replace(base, zero_stage=0), stages,
-                                                  options.pipeline_schedule)  # fmt: skip
+            result["pipeline"] = predict_pipeline(
+                cluster, workload, chain, replace(base, zero_stage=0), stages, options.pipeline_schedule
+            )
             result["pipeline"]["data_parallel_error"] = result.get("data_parallel_error")
         except ValueError as error:
             print(f"lightning-hetero plan: {error}", file=sys.stderr)
@@ -323,24 +324,30 @@ def local_settings(
     refusal = sync_refusal(options.sync, stage, compression, precisions, None, None, None, "auto", True)
     if options.sync == "every_step":
         if sync_options or options.inner_steps or options.sync_every is not None:
-            raise ValueError("`--sync-every`, `--sync-options` and `--inner-steps` plan local training: give `--sync"
-                             " local_sgd` or `--sync diloco` with them, or drop them.")  # fmt: skip
+            raise ValueError(
+                "`--sync-every`, `--sync-options` and `--inner-steps` plan local training: give `--sync"
+                " local_sgd` or `--sync diloco` with them, or drop them."
+            )
         if refusal is not None:
             raise ValueError(refusal)
         return None
     sync_every = options.sync_every if options.sync_every is not None else 8
     check_sync_arguments(options.sync, sync_every, options.inner_steps, sync_options)
     if sync_options.get("asynchronous"):
-        raise ValueError("`--sync-options` with `asynchronous`: `plan` predicts merges whose ranks take their planned"
-                         " inner steps in step; an asynchronous merge follows each rank's speed micro-batch by"
-                         " micro-batch, which it does not model. Drop `asynchronous`: the prediction with planned"
-                         " inner steps is the closest (it shares out the samples by speed too).")  # fmt: skip
+        raise ValueError(
+            "`--sync-options` with `asynchronous`: `plan` predicts merges whose ranks take their planned"
+            " inner steps in step; an asynchronous merge follows each rank's speed micro-batch by"
+            " micro-batch, which it does not model. Drop `asynchronous`: the prediction with planned"
+            " inner steps is the closest (it shares out the samples by speed too)."
+        )
     check_inner_steps_length(options.inner_steps, len(clusters[0].devices))
     if refusal is not None:
         raise ValueError(f"{refusal} (`--precision` sets every device's; `--stage` the ZeRO stage)")
     if options.inner_steps and (options.drop or options.add):
-        raise ValueError("`--inner-steps` with `--drop`/`--add`: the what-if has other devices. Drop `--inner-steps`"
-                         " to plan the inner steps of both.")  # fmt: skip
+        raise ValueError(
+            "`--inner-steps` with `--drop`/`--add`: the what-if has other devices. Drop `--inner-steps`"
+            " to plan the inner steps of both."
+        )
     return {
         "sync": options.sync,
         "sync_every": sync_every,

@@ -103,8 +103,17 @@ def plan_local(
     counts, exchange, crossing = merge_exchange(cluster, payload, compression in quantize.BITS)
     between = sync_every // fragments
     hidden = 0.0 if overlap_steps is None else min(exchange, overlap_steps * compute)  # (the counts are waited for)
-    return LocalPlan(steps, tuple(micro_batches), inner, compute, payload, counts + exchange, crossing, between,
-                     (counts + exchange - hidden) / between)  # fmt: skip
+    return LocalPlan(
+        steps,
+        tuple(micro_batches),
+        inner,
+        compute,
+        payload,
+        counts + exchange,
+        crossing,
+        between,
+        (counts + exchange - hidden) / between,
+    )
 
 
 def evaluate_local(
@@ -124,8 +133,18 @@ def evaluate_local(
                 " `--global-batch-size`."
             )
     optimizer = [optimizer_seconds(device.kind, workload.parameters, 0, world) for device in cluster.devices]
-    plan = plan_local(cluster, workload, costs, optimizer, micro, merge["sync_every"], merge["fragments"],
-                      merge["overlap_steps"], merge["compression"], merge["inner_steps"])  # fmt: skip
+    plan = plan_local(
+        cluster,
+        workload,
+        costs,
+        optimizer,
+        micro,
+        merge["sync_every"],
+        merge["fragments"],
+        merge["overlap_steps"],
+        merge["compression"],
+        merge["inner_steps"],
+    )
     overhead = options.loop.step_overhead_seconds
     rate = plan.samples_per_step / (plan.step_seconds + overhead)
     return {

@@ -39,9 +39,14 @@ class ChainShares:
 
 
 def predict_pipeline(
-    cluster: Cluster, workload: Workload, chain: ChainShares, options: Options, stages: int, schedule: str = "1f1b",
+    cluster: Cluster,
+    workload: Workload,
+    chain: ChainShares,
+    options: Options,
+    stages: int,
+    schedule: str = "1f1b",
     micro_batches: Optional[int] = None,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """The placement and step of a pipeline of ``stages`` stages on the cluster's devices (several pipelines side by
     side when there are more devices: each takes an equal share of the global batch)."""
     devices = cluster.devices
@@ -62,27 +67,40 @@ def predict_pipeline(
         before.append(per_sample * chain.before_share)
         after.append(per_sample * chain.after_share)
     costs = BlockCosts(
-        seconds=tuple(seconds), parameter_bytes=chain.parameter_bytes, activation_bytes=chain.activation_bytes,
+        seconds=tuple(seconds),
+        parameter_bytes=chain.parameter_bytes,
+        activation_bytes=chain.activation_bytes,
         memory_bytes=tuple(int(usable_memory_bytes(d.kind)) for d in first),
-        after_seconds=tuple(after), outside_bytes=chain.outside_bytes, before_seconds=tuple(before),
-    )  # fmt: skip
-    placement = place_stages(costs, stages, schedule, micro_batches, micro_batch, ranks=tuple(range(stages)),
-                             last_rank=0)  # fmt: skip
+        after_seconds=tuple(after),
+        outside_bytes=chain.outside_bytes,
+        before_seconds=tuple(before),
+    )
+    placement = place_stages(
+        costs, stages, schedule, micro_batches, micro_batch, ranks=tuple(range(stages)), last_rank=0
+    )
     compute = placement.step_seconds(micro_batches, micro_batch)
     transfer = 0.0
     for index, boundary in enumerate(placement.boundaries):  # an activation forward, a gradient back, per micro-batch
         sender, receiver = placement.ranks[index], placement.ranks[index + 1]
-        link = cluster.node_links[first[sender].node] if first[sender].node == first[receiver].node else (
-            cluster.inter_node or cluster.node_links[0])  # fmt: skip
+        link = (
+            cluster.node_links[first[sender].node]
+            if first[sender].node == first[receiver].node
+            else (cluster.inter_node or cluster.node_links[0])
+        )
         message = chain.output_bytes[boundary - 1] * micro_batch
         transfer += 2 * micro_batches * (message / link.bandwidth + link.latency)
     busy = micro_batches * placement.slowest_seconds * micro_batch
     return {
         "stages": [
-            {"device": s, "kind": first[rank].kind.name, "rank": rank,
-             "blocks": [chain.names[b] for b in placement.blocks_of(s)],
-             "compute_ms_per_micro_batch": 1e3 * placement.stage_seconds[s] * micro_batch,
-             "memory_bytes": placement.stage_bytes[s], "memory_capacity_bytes": first[rank].kind.memory_bytes}
+            {
+                "device": s,
+                "kind": first[rank].kind.name,
+                "rank": rank,
+                "blocks": [chain.names[b] for b in placement.blocks_of(s)],
+                "compute_ms_per_micro_batch": 1e3 * placement.stage_seconds[s] * micro_batch,
+                "memory_bytes": placement.stage_bytes[s],
+                "memory_capacity_bytes": first[rank].kind.memory_bytes,
+            }
             for s, rank in enumerate(placement.ranks)
         ],
         "replicas": replicas,
@@ -93,7 +111,7 @@ def predict_pipeline(
         "transfer_ms": 1e3 * transfer,
         "bubble": max(0.0, 1.0 - busy / compute) if compute else 0.0,
         "balance": placement.balance,
-    }  # fmt: skip
+    }
 
 
 def describe_pipeline_prediction(result: dict[str, Any], data_parallel_ms: Optional[float], why_not: str) -> list[str]:
@@ -109,8 +127,10 @@ def describe_pipeline_prediction(result: dict[str, Any], data_parallel_ms: Optio
             f" {stage['compute_ms_per_micro_batch']:.2f} ms per micro-batch, {stage['memory_bytes'] / 2**30:.2f} of"
             f" {stage['memory_capacity_bytes'] / 2**30:.0f} GiB"
         )
-    line = (f"  step {result['step_ms']:.2f} ms (boundaries {result['transfer_ms']:.2f} ms), bubble"
-            f" {result['bubble']:.0%}, balance {result['balance']:.2f}")  # fmt: skip
+    line = (
+        f"  step {result['step_ms']:.2f} ms (boundaries {result['transfer_ms']:.2f} ms), bubble"
+        f" {result['bubble']:.0%}, balance {result['balance']:.2f}"
+    )
     if data_parallel_ms is None:
         line += f"; data parallelism cannot train this ({why_not}): the pipeline can"
     else:
@@ -135,9 +155,12 @@ def chain_shares(module: Any, path: str, batch: Any, samples: int, device: Any) 
     measured = measure_blocks(module, blocks, batch, samples, device)
     total = sum(measured.seconds) + measured.before_seconds + measured.after_seconds
     outputs: dict[int, int] = {}
-    handles = [block.register_forward_hook(
-        lambda _m, _a, out, index=index: outputs.__setitem__(index, out.numel() * out.element_size()))
-        for index, block in enumerate(blocks)]  # fmt: skip
+    handles = [
+        block.register_forward_hook(
+            lambda _m, _a, out, index=index: outputs.__setitem__(index, out.numel() * out.element_size())
+        )
+        for index, block in enumerate(blocks)
+    ]
     try:
         with preserved_training_state(module, device), training_step_in_isolation(module), torch.no_grad():
             module.training_step(batch, 0)

@@ -77,8 +77,9 @@ def automatic_stage(cluster: Cluster, workload: Workload, options: Options) -> S
     activations = [d.micro_batch * activation_bytes(workload, d.precision) for d in roomiest.devices]
     # (choose_stage fills MEMORY_HEADROOM of a run's free memory; the simulator's devices may fill their usable bytes)
     free = [usable_memory_bytes(d.kind) / MEMORY_HEADROOM for d in cluster.devices]
-    return zero_stage_plan.choose_stage(ModelSize(workload.parameters, workload.parameters), len(cluster.devices),
-                                        free, activations, allowed)  # fmt: skip
+    return zero_stage_plan.choose_stage(
+        ModelSize(workload.parameters, workload.parameters), len(cluster.devices), free, activations, allowed
+    )
 
 
 def predict(cluster: Cluster, workload: Workload, options: Options, equal: bool = False) -> Prediction:
@@ -115,9 +116,12 @@ def predict(cluster: Cluster, workload: Workload, options: Options, equal: bool 
     )
     optimizer = max(optimizer_seconds(kind, workload.parameters, stage, world) for kind in kinds.values())
     return Prediction(
-        devices, plan.predicted_step_time, exchange(cluster, workload, options), optimizer,
+        devices,
+        plan.predicted_step_time,
+        exchange(cluster, workload, options),
+        optimizer,
         options.loop.step_overhead_seconds,
-    )  # fmt: skip
+    )
 
 
 def equal_split(costs: Sequence[CostModel], global_batch_size: int) -> MicroStepPlan:

@@ -95,8 +95,12 @@ def _step_counts(module: LightningModule, batch: Any) -> _StepCounts:
     recorder, saved = OperatorRecorder(), DistinctSavedBytes()
     # (the kernels a GPU launches: CPU's split dropout and attention counted as CUDA's fused ones)
     with contextlib.ExitStack() as counting:
-        for context in (preserved_training_state(module, torch.device("cpu")), training_step_in_isolation(module),
-                        launched_as_on_cuda(), recorder):  # fmt: skip
+        for context in (
+            preserved_training_state(module, torch.device("cpu")),
+            training_step_in_isolation(module),
+            launched_as_on_cuda(),
+            recorder,
+        ):
             counting.enter_context(context)
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
             loss = loss_of(module.training_step(batch, 0))

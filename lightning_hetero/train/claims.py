@@ -58,8 +58,17 @@ class ClaimingBatchSampler(Sampler[list[int]]):
     epoch's end any claim it takes over from a slower rank (also in :attr:`taken_over`). The claims it yields are
     queued in :attr:`pending` (in order), for the loader to tell which claim each batch came from."""
 
-    def __init__(self, order: Any, micro_batch: int, drop_last: bool, rank: int, world_size: int, counter: ClaimCounter,
-                 epoch_of: Optional[Callable[[], int]] = None, merge_every: Optional[int] = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        order: Any,
+        micro_batch: int,
+        drop_last: bool,
+        rank: int,
+        world_size: int,
+        counter: ClaimCounter,
+        epoch_of: Optional[Callable[[], int]] = None,
+        merge_every: Optional[int] = None,
+    ) -> None:
         self.sampler, self.micro_batch, self.drop_last, self.merge_every = order, micro_batch, drop_last, merge_every
         self.rank, self.world_size, self.counter, self.epoch_of = rank, world_size, counter, epoch_of
         self.pending: collections.deque[int] = collections.deque()
@@ -145,9 +154,15 @@ class ClaimingDataLoader(DataLoader):
     as the loop receives it, ``on_empty()`` when an epoch ends before this rank received any (it still joins
     the merges; the setup refuses an epoch of fewer micro-batches than ranks, so every rank has its own first)."""
 
-    def __init__(self, dataset: Any, batch_sampler: ClaimingBatchSampler, on_start: Callable[[], None],
-                 on_batch: Callable[[int], None], on_empty: Callable[[], None],
-                 **loader_kwargs: Any) -> None:  # fmt: skip
+    def __init__(
+        self,
+        dataset: Any,
+        batch_sampler: ClaimingBatchSampler,
+        on_start: Callable[[], None],
+        on_batch: Callable[[int], None],
+        on_empty: Callable[[], None],
+        **loader_kwargs: Any,
+    ) -> None:
         super().__init__(dataset, batch_sampler=batch_sampler, **loader_kwargs)
         self.on_start, self.on_batch, self.on_empty = on_start, on_batch, on_empty
 
@@ -181,8 +196,14 @@ class AsynchronousMerges:
     ``merge()`` runs one merge on this rank (the ranks' collectives; every rank runs the same sequence of them: the
     merges of an epoch in order, then the epoch's last). ``taken(epoch)`` reads the counter."""
 
-    def __init__(self, sync_every: int, world_size: int, taken: Callable[[int], int], merge: Callable[[], None],
-                 link_clock: Callable[[], float] = lambda: 0.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        sync_every: int,
+        world_size: int,
+        taken: Callable[[int], int],
+        merge: Callable[[], None],
+        link_clock: Callable[[], float] = lambda: 0.0,
+    ) -> None:
         self.every = sync_every * world_size  # claims between two merges
         self.world_size, self._taken, self._merge, self._link_clock = world_size, taken, merge, link_clock
         self.epoch, self.claims = 0, 0
@@ -235,10 +256,18 @@ class AsynchronousMerges:
         step = started - self._step_started if self.trained else None
         self._merge()
         self._since = time.perf_counter()
-        self.records.append({"epoch": self.epoch, "micro_batches": self.trained, "seconds": self._since - started,
-                             "link_seconds": self._link_clock() - link, "cycle_seconds": cycle,
-                             "last_step_seconds": step, "gave_away": self.gave_away,
-                             "took_over": self.took_over})  # fmt: skip
+        self.records.append(
+            {
+                "epoch": self.epoch,
+                "micro_batches": self.trained,
+                "seconds": self._since - started,
+                "link_seconds": self._link_clock() - link,
+                "cycle_seconds": cycle,
+                "last_step_seconds": step,
+                "gave_away": self.gave_away,
+                "took_over": self.took_over,
+            }
+        )
         self.trained = self.gave_away = self.took_over = 0
 
 
@@ -267,16 +296,23 @@ class AsynchronousTraining:
         counter = ClaimCounter(self._store.add, run, getattr(self._store, "delete_key", None))
         records = self.merges.records if run == self._run else []  # (a loader reloaded in the same fit keeps them)
         self._run = run
-        self.merges = AsynchronousMerges(self._sync_every, job.world_size, counter.taken, self._merge,
-                                         lambda: job.local.link_wait_seconds)  # fmt: skip
+        self.merges = AsynchronousMerges(
+            self._sync_every, job.world_size, counter.taken, self._merge, lambda: job.local.link_wait_seconds
+        )
         self.merges.records = records
         micro_batch = job.split.batch_sizes[job.rank]  # (the loader's batch size: one inner step a training step)
         # The epoch: the number Lightning gives set_epoch (the epochs processed), right also before it restored a
         # resumed fit's epoch into `current_epoch`
-        sampler = ClaimingBatchSampler(hetero_loader.hetero_batch_sampler.sampler, micro_batch,
-                                       hetero_loader.hetero_batch_sampler.drop_last, job.rank, job.world_size,
-                                       counter, lambda: trainer.fit_loop.epoch_progress.current.processed,
-                                       self.merges.every)  # fmt: skip
+        sampler = ClaimingBatchSampler(
+            hetero_loader.hetero_batch_sampler.sampler,
+            micro_batch,
+            hetero_loader.hetero_batch_sampler.drop_last,
+            job.rank,
+            job.world_size,
+            counter,
+            lambda: trainer.fit_loop.epoch_progress.current.processed,
+            self.merges.every,
+        )
         self._sampler = sampler
 
         def on_start() -> None:

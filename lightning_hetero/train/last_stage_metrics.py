@@ -45,8 +45,9 @@ class LastStageMetrics(Callback):
     stage runs the rest of ``training_step`` and ``validation_step``, so only it logs; rank 0 is a last stage."""
 
     def _share(self, trainer: Any) -> None:
-        shared = [{k: v.detach().cpu() for k, v in trainer.callback_metrics.items()} if trainer.global_rank == 0
-                  else None]  # fmt: skip
+        shared = [
+            {k: v.detach().cpu() for k, v in trainer.callback_metrics.items()} if trainer.global_rank == 0 else None
+        ]
         dist.broadcast_object_list(shared, src=0)
         if trainer.global_rank != 0:
             trainer.callback_metrics.update(shared[0])

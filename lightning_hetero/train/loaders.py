@@ -271,8 +271,9 @@ def rebuild_loader(
     batch_sampler = HeteroBatchSampler(
         GlobalOrder(user_batch_sampler.sampler, seed, pad_to), batch_sizes, rank, drop_last=drop_last
     )
-    return HeteroDataLoader(dataloader.dataset, batch_sampler, on_batch=on_batch, on_fetch=on_fetch,
-                            **kept_loader_settings(dataloader))  # fmt: skip
+    return HeteroDataLoader(
+        dataloader.dataset, batch_sampler, on_batch=on_batch, on_fetch=on_fetch, **kept_loader_settings(dataloader)
+    )
 
 
 def kept_loader_settings(dataloader: DataLoader) -> dict[str, Any]:

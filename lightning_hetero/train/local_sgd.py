@@ -70,8 +70,16 @@ class LocalTraining:
     else the training steps after which a merge sent in the background is applied; ``eager``: meanwhile the rank trains
     on from its own progress's outer step, else from its own parameters)."""
 
-    def __init__(self, mode: str, sync_every: int, outer: Optional[dict[str, Any]], compression: Optional[str],
-                 fragments: int = 1, overlap: Optional[int] = None, eager: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        mode: str,
+        sync_every: int,
+        outer: Optional[dict[str, Any]],
+        compression: Optional[str],
+        fragments: int = 1,
+        overlap: Optional[int] = None,
+        eager: bool = True,
+    ) -> None:
         self.mode, self.sync_every, self.outer_settings = mode, sync_every, outer
         self.fragments, self.overlap_steps, self.eager = fragments, overlap, eager
         self.overlap = overlap is not None
@@ -137,9 +145,11 @@ class LocalTraining:
             self._outer_parameters = [torch.nn.Parameter(anchor, requires_grad=False) for anchor in self._anchor]
             self._anchor = [p.data for p in self._outer_parameters]
             self._outer = torch.optim.SGD(
-                self._outer_parameters, lr=settings["outer_lr"], momentum=settings["outer_momentum"],
+                self._outer_parameters,
+                lr=settings["outer_lr"],
+                momentum=settings["outer_momentum"],
                 nesterov=settings["nesterov"],
-            )  # fmt: skip
+            )
 
     def detach(self) -> None:
         """The fit ended (a merge still in flight after a failure is dropped: its peers may be gone)."""

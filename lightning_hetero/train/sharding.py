@@ -126,9 +126,13 @@ class DataSharding:
                 raise ValueError(problem)
             if is_stream(dataloader):  # each rank takes its micro-batch from its own stream
                 stream = HeteroStreamLoader(
-                    dataloader, batch_sizes, rank, collectives.gather_counts, lambda: trainer.current_epoch,
+                    dataloader,
+                    batch_sizes,
+                    rank,
+                    collectives.gather_counts,
+                    lambda: trainer.current_epoch,
                     on_draw=None if training else listeners.evaluation_stream_draw,
-                )  # fmt: skip
+                )
                 return stream, {"stream_dataset": type(dataloader.dataset).__name__}
             loader = rebuild_loader(
                 dataloader,

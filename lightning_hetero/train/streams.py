@@ -41,9 +41,17 @@ STATE_SAMPLES_CONSUMED = "global_samples_consumed"
 STATE_BATCH_SIZES = "batch_sizes"
 # DataLoader arguments carried over to the loader of single samples (batching is ours).
 _KEPT_STREAM_SETTINGS = (
-    "num_workers", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context", "generator",
-    "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order",
-)  # fmt: skip
+    "num_workers",
+    "pin_memory",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "generator",
+    "prefetch_factor",
+    "persistent_workers",
+    "pin_memory_device",
+    "in_order",
+)
 
 
 def is_stream(dataloader: Any) -> bool:

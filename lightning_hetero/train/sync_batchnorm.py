@@ -60,8 +60,16 @@ class _GlobalBatchNorm(torch.autograd.Function):
     over the global batch too (each rank's gradient is then that of the sum of every rank's loss)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], mean: Tensor, invstd: Tensor,
-                total: float, all_reduce: AllReduce) -> Tensor:  # fmt: skip
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        weight: Optional[Tensor],
+        bias: Optional[Tensor],
+        mean: Tensor,
+        invstd: Tensor,
+        total: float,
+        all_reduce: AllReduce,
+    ) -> Tensor:
         normalized = (x - _per_channel(mean, x)) * _per_channel(invstd, x)
         ctx.save_for_backward(normalized, weight, invstd)
         ctx.total, ctx.all_reduce = total, all_reduce
@@ -99,8 +107,15 @@ class SampleWeightedSyncBatchNorm(_BatchNorm):
     """A BatchNorm whose training-mode statistics are those of every rank's samples together (each rank weighs by its
     sample count); in eval mode, or without a process group of several ranks, a plain BatchNorm."""
 
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1, affine: bool = True,
-                 track_running_stats: bool = True, all_reduce: AllReduce = _sum_over_ranks) -> None:  # fmt: skip
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: Optional[float] = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        all_reduce: AllReduce = _sum_over_ranks,
+    ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats)
         self.all_reduce = all_reduce
         self.replaced: type = nn.BatchNorm1d  # the class it stands for (put back by HeteroSyncBatchNorm.revert)
@@ -140,8 +155,9 @@ class SampleWeightedSyncBatchNorm(_BatchNorm):
                 unbiased = variance * total / (total - 1)
                 self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
         invstd = torch.rsqrt(variance + self.eps).to(compute.dtype)
-        output = _GlobalBatchNorm.apply(compute, self.weight, self.bias, mean.to(compute.dtype), invstd, total,
-                                        self.all_reduce)  # fmt: skip
+        output = _GlobalBatchNorm.apply(
+            compute, self.weight, self.bias, mean.to(compute.dtype), invstd, total, self.all_reduce
+        )
         # (as torch's batch_norm under autocast, a half-precision input gives a float32 output)
         return output
 
@@ -151,8 +167,9 @@ def convert_batchnorms(module: nn.Module, all_reduce: AllReduce = _sum_over_rank
     and buffers (the same tensors: an optimizer built before still updates them)."""
     converted = module
     if isinstance(module, _BatchNorm) and not isinstance(module, SampleWeightedSyncBatchNorm):
-        converted = SampleWeightedSyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
-                                                module.track_running_stats, all_reduce)  # fmt: skip
+        converted = SampleWeightedSyncBatchNorm(
+            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats, all_reduce
+        )
         converted.replaced = type(module)
         _take_tensors(converted, module)
         if hasattr(module, "qconfig"):

@@ -28,8 +28,21 @@ FIRST_CHECK, LAST_CHECK = 10, 40  # training steps recorded before each of the (
 MIN_STEPS = 3  # informative steps needed for a verdict (the spread needs a few)
 _BOUNDARY = 0.5  # between a mean's slope (0) and a sum's (1)
 # Student's t, one-sided 99.5 %, by degrees of freedom (steps - 1); 2.58 beyond the table (the normal's).
-_T_995 = {2: 9.925, 3: 5.841, 4: 4.604, 5: 4.032, 6: 3.707, 7: 3.499, 8: 3.355, 9: 3.250, 10: 3.169, 15: 2.947,
-          20: 2.845, 30: 2.750, 40: 2.704}  # fmt: skip
+_T_995 = {
+    2: 9.925,
+    3: 5.841,
+    4: 4.604,
+    5: 4.032,
+    6: 3.707,
+    7: 3.499,
+    8: 3.355,
+    9: 3.250,
+    10: 3.169,
+    15: 2.947,
+    20: 2.845,
+    30: 2.750,
+    40: 2.704,
+}
 
 
 @dataclass(frozen=True)

@@ -219,7 +219,7 @@ class StepMeter:
                 arrival,
                 inside or 0.0,
                 max(0.0, self._held_clock() - self._held_at_fetch),
-            )  # fmt: skip
+            )
         )
         self._steps += 1
 
@@ -333,7 +333,7 @@ def pack_records(records: Sequence[StepRecord]) -> Tensor:
             r.arrival_seconds,
             r.exchange_seconds,
             r.held_seconds,
-        ]  # fmt: skip
+        ]
         for r in records
     ]
     return torch.tensor(rows, dtype=torch.float64).reshape(len(records), _FIELDS)
@@ -354,7 +354,7 @@ def unpack_records(packed: Tensor) -> list[StepRecord]:
             row[9],
             row[10],
             row[11],
-        )  # fmt: skip
+        )
         for row in packed.tolist()
     ]
 

@@ -25,11 +25,14 @@ def summarize_stages(step_times: Sequence[Sequence[Sequence[float]]], stage_of_r
         ranks = [r for r, s in enumerate(stage_of_rank) if s == stage]
         compute = [max(step_times[r][i][0] for r in ranks) for i in range(first, steps)]
         waiting = [max(step_times[r][i][1] for r in ranks) for i in range(first, steps)]
-        per_stage.append({
-            "stage": stage, "ranks": ranks,
-            "compute_ms_median": 1e3 * statistics.median(compute) if compute else None,
-            "waiting_ms_median": 1e3 * statistics.median(waiting) if waiting else None,
-        })  # fmt: skip
+        per_stage.append(
+            {
+                "stage": stage,
+                "ranks": ranks,
+                "compute_ms_median": 1e3 * statistics.median(compute) if compute else None,
+                "waiting_ms_median": 1e3 * statistics.median(waiting) if waiting else None,
+            }
+        )
     schedule = [max(sum(step_times[r][i]) for r in range(len(step_times))) for i in range(first, steps)]
     balances = []
     for i in range(first, steps):

@@ -76,8 +76,15 @@ def plan_text(
     """
     rows = []
     for rank, (device, size, share) in enumerate(zip(devices, plan.batch_sizes, plan.shares())):
-        row = {"rank": rank, "device": device, "precision": precisions[rank], "micro_batch": size,
-               "share": f"{share:.1%}", "samples": size, "micro_steps": plan.micro_steps[rank]}  # fmt: skip
+        row = {
+            "rank": rank,
+            "device": device,
+            "precision": precisions[rank],
+            "micro_batch": size,
+            "share": f"{share:.1%}",
+            "samples": size,
+            "micro_steps": plan.micro_steps[rank],
+        }
         if plan.has_micro_steps:
             row["micro_batch"] = plan.micro_batches[rank]
         if profiles is not None and prediction is not None:
@@ -198,8 +205,12 @@ def late_rank_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
     inside = [statistics.median(step["exchange_seconds"][rank] for step in timed) for rank in ranks]
     held = [statistics.median(step.get("held_seconds", (0.0,) * len(ranks))[rank] for step in timed) for rank in ranks]
     unexplained = unexplained_seconds(timed) or [0.0] * len(ranks)
-    summary: dict[str, Any] = {"arrival_seconds_per_step": arrivals, "exchange_seconds_per_step": inside,
-                               "held_seconds_per_step": held, "unexplained_seconds_per_step": unexplained}  # fmt: skip
+    summary: dict[str, Any] = {
+        "arrival_seconds_per_step": arrivals,
+        "exchange_seconds_per_step": inside,
+        "held_seconds_per_step": held,
+        "unexplained_seconds_per_step": unexplained,
+    }
     lasts = [max(ranks, key=lambda rank: step["arrival_seconds"][rank]) for step in timed]
     late = max(ranks, key=lasts.count)
     share = lasts.count(late) / len(timed)
@@ -210,11 +221,14 @@ def late_rank_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
         kernel_held = held[late] - min(held)
         kernel_counted = kernel_held >= max(LATE_SECONDS, HELD_STEP_SHARE * step_time)
         summary["late_rank"] = {
-            "rank": late, "last_share": share, "median_lateness_seconds": lateness,
+            "rank": late,
+            "last_share": share,
+            "median_lateness_seconds": lateness,
             "held_beyond_others": held_most == late,
             "held_beyond_others_seconds": unexplained[late] - min(unexplained),
-            "kernel_held_beyond_others_seconds": kernel_held, "kernel_counted": kernel_counted,
-        }  # fmt: skip
+            "kernel_held_beyond_others_seconds": kernel_held,
+            "kernel_counted": kernel_counted,
+        }
     return summary
 
 

@@ -106,8 +106,10 @@ class StepTracer:
 def merge_rank_traces(traces: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Every rank's trace on one time axis: each event's time made absolute (``ts`` is microseconds after the file's
     ``baseTimeNanoseconds``), measured from the earliest, and each rank one process (``pid`` = its rank), named."""
-    starts = [_base_microseconds(trace) + min((e["ts"] for e in trace["traceEvents"] if "ts" in e), default=0.0)
-              for trace in traces]  # fmt: skip
+    starts = [
+        _base_microseconds(trace) + min((e["ts"] for e in trace["traceEvents"] if "ts" in e), default=0.0)
+        for trace in traces
+    ]
     origin = min(starts, default=0.0)
     events: list[dict[str, Any]] = []
     for trace in traces:

@@ -55,8 +55,14 @@ class Watcher:
         link_wait: Callable[[], float] = lambda: 0.0,
         trace: Optional[tuple[int, ...]] = None,
     ) -> None:
-        self.meter = StepMeter(compute_clock(device), added_seconds, wire_bytes=wire_bytes, link_wait=link_wait,
-                               host_clock=host_clock(device), held_clock=held_clock())  # fmt: skip
+        self.meter = StepMeter(
+            compute_clock(device),
+            added_seconds,
+            wire_bytes=wire_bytes,
+            link_wait=link_wait,
+            host_clock=host_clock(device),
+            held_clock=held_clock(),
+        )
         self.run = RunWatch(self.meter, window=window)
         self.tracer = StepTracer(trace, device) if trace else None
         self.run.tracer = self.tracer
@@ -142,8 +148,9 @@ class Watcher:
         table = report.plan_text(split.plan, stage, devices, list(job.precisions), job.profiles, split.prediction)
         rank_zero_info(f"{table}\n{job.communication_line}" + (f"\nwritten to {directory}" if directory else ""))
 
-    def write_report(self, directory: Optional[Path], rank: int, world_size: int, could_replan: bool = False,
-                     **sections: Any) -> None:  # fmt: skip
+    def write_report(
+        self, directory: Optional[Path], rank: int, world_size: int, could_replan: bool = False, **sections: Any
+    ) -> None:
         """Every rank hands in its last records; rank 0 writes the run report and prints its summary (``directory``:
         None prints it only).
 
@@ -158,8 +165,9 @@ class Watcher:
         measuring = self.run.exchange_seconds + (self.follower.decision_seconds if self.follower else 0.0)
         followed = self.follower is not None and self.follower.rebalancer is not None
         replanning = True if followed else (False if could_replan else None)
-        run_report = report.build_report(steps, self.replans, world_size, exchange_seconds=measuring,
-                                         replanning=replanning, **sections)  # fmt: skip
+        run_report = report.build_report(
+            steps, self.replans, world_size, exchange_seconds=measuring, replanning=replanning, **sections
+        )
         if self.tracer is not None and directory is not None:
             run_report["traces"] = write_merged(directory, world_size, self.tracer.steps)
         summary = report.summary_text(run_report) + traces_text(run_report.get("traces"), len(steps))

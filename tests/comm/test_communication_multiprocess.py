@@ -73,8 +73,10 @@ def test_half_precision_on_the_wire_stays_close_to_uncompressed(compression, sta
 # must raise alike, and a resume must continue at the raised setting. A wider model than the default's (whose 8x4
 # matrix PowerSGD sends whole from rank 2 on, more than the budget less the checks, which sample every entry here).
 WIDER = ["--depth", "2", "--hidden", "32"]
-HOOKS = [("powersgd", {"start_powerSGD_iter": 2, "error_check_every": 2, "max_bytes_fraction": 1.0}),
-         ("topk", {"ratio": 0.1, "error_check_every": 2, "max_bytes_fraction": 1.0})]  # fmt: skip
+HOOKS = [
+    ("powersgd", {"start_powerSGD_iter": 2, "error_check_every": 2, "max_bytes_fraction": 1.0}),
+    ("topk", {"ratio": 0.1, "error_check_every": 2, "max_bytes_fraction": 1.0}),
+]
 
 
 def error_bound(out: Path) -> dict:
@@ -138,10 +140,24 @@ def test_hierarchical_reduction_equals_flat_with_half_the_bytes_between_nodes(tm
     for hierarchical in (False, True):
         out = tmp_path / str(hierarchical)
         run = run_fit(
-            out, "--devices", "4", "--stage", "0", "--samples", "56", "--batch-sizes", "5", "3", "4", "2",
-            "--record-every-step", "--monitor", "--strategy-args", json.dumps({"hierarchical": hierarchical}),
+            out,
+            "--devices",
+            "4",
+            "--stage",
+            "0",
+            "--samples",
+            "56",
+            "--batch-sizes",
+            "5",
+            "3",
+            "4",
+            "2",
+            "--record-every-step",
+            "--monitor",
+            "--strategy-args",
+            json.dumps({"hierarchical": hierarchical}),
             env=TWO_NODES,
-        )  # fmt: skip
+        )
         assert run.returncode == 0, run.output[-3000:]
         hetero = next(out.rglob("report.json")).parent  # in the CSV logger's version directory
         runs[hierarchical] = (per_step(out), json.loads((hetero / "report.json").read_text()), hetero)
@@ -176,9 +192,22 @@ def test_hierarchical_reduction_equals_flat_on_uneven_nodes(tmp_path):
     for hierarchical in (False, True):
         out = tmp_path / str(hierarchical)
         run = run_fit(
-            out, "--devices", "3", "--stage", "0", "--samples", "48", "--batch-sizes", "5", "3", "4",
-            "--record-every-step", "--strategy-args", json.dumps({"hierarchical": hierarchical}), env=TWO_NODES,
-        )  # fmt: skip
+            out,
+            "--devices",
+            "3",
+            "--stage",
+            "0",
+            "--samples",
+            "48",
+            "--batch-sizes",
+            "5",
+            "3",
+            "4",
+            "--record-every-step",
+            "--strategy-args",
+            json.dumps({"hierarchical": hierarchical}),
+            env=TWO_NODES,
+        )
         assert run.returncode == 0, run.output[-3000:]
         records[hierarchical] = per_step(out)
     assert "hierarchical on (hierarchical=True): 2 nodes" in run.output

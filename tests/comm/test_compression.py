@@ -461,8 +461,11 @@ def test_deepspeed_modes_a_hooked_exchange_would_get_wrong_are_refused(flags, me
 def test_scalar_and_empty_parameters_and_a_freeze_during_training(one_rank_group):
     """0-dim parameters travel as (1,) (PowerSGD reads shape[0]); empty ones not at all; a parameter frozen between
     steps leaves the exchange and the per-bucket state is dropped, on every rank alike."""
-    scale, empty, weight = (torch.nn.Parameter(torch.tensor(2.0)), torch.nn.Parameter(torch.zeros(0)),
-                            torch.nn.Parameter(torch.zeros(8, 8)))  # fmt: skip
+    scale, empty, weight = (
+        torch.nn.Parameter(torch.tensor(2.0)),
+        torch.nn.Parameter(torch.zeros(0)),
+        torch.nn.Parameter(torch.zeros(8, 8)),
+    )
     choice = compress.check_compression("powersgd", {"start_powerSGD_iter": 2})
     hook, bounded = compress.builtin_hook(choice, None)
     exchange = HookedExchange([scale, empty, weight], hook, bounded, cap_bytes=4)  # one bucket per parameter

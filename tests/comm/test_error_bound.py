@@ -23,7 +23,10 @@ from lightning_hetero.runtime.safe_load import load_package_file
 def test_options_default_and_off():
     assert bound.check_error_bound_options("powersgd", {}) == bound.ERROR_BOUND_DEFAULTS
     assert bound.check_error_bound_options("topk", {"max_error": 0.3, "error_check_every": 1}) == {
-        **bound.ERROR_BOUND_DEFAULTS, "max_error": 0.3, "error_check_every": 1}  # fmt: skip
+        **bound.ERROR_BOUND_DEFAULTS,
+        "max_error": 0.3,
+        "error_check_every": 1,
+    }
     assert bound.check_error_bound_options("powersgd", {"max_error": None}) == {}
 
 
@@ -70,8 +73,11 @@ def test_payload_is_what_torchs_hook_counts(rank, rate, one_rank_group):
 def test_largest_setting_is_the_last_within_the_budget():
     # A 1024x1024 matrix: rank r sends 2048 r of 1048576 entries; a tenth allows r = 51.
     assert bound.largest_setting("powersgd", [(1024, 1024)], 0.1, 2.0) == 51
-    assert bound.powersgd_payload([(1024, 1024)], 51, 2.0) <= 0.1 * 1024 * 1024 < bound.powersgd_payload(
-        [(1024, 1024)], 52, 2.0)  # fmt: skip
+    assert (
+        bound.powersgd_payload([(1024, 1024)], 51, 2.0)
+        <= 0.1 * 1024 * 1024
+        < bound.powersgd_payload([(1024, 1024)], 52, 2.0)
+    )
     # Vectors always travel whole: with a budget they alone exceed, rank 1 stays.
     assert bound.largest_setting("powersgd", [(1000, 1), (10, 10)], 0.1, 2.0) == 1
     # From the rank where compressing no longer pays every matrix travels whole (exact): a larger one adds nothing.
@@ -84,9 +90,18 @@ def test_largest_setting_is_the_last_within_the_budget():
 
 @pytest.mark.parametrize(
     ("current", "error", "largest", "expected"),
-    [(1, 0.5, 51, 2), (4, 0.5, 51, 8), (32, 0.5, 51, 51), (51, 0.5, 51, None), (4, 0.1, 51, None),
-     (4, 0.05, 51, None), (0.01, 0.5, 0.05, 0.02), (0.04, 0.5, 0.05, 0.05), (0.05, 0.9, 0.05, None)],
-)  # fmt: skip
+    [
+        (1, 0.5, 51, 2),
+        (4, 0.5, 51, 8),
+        (32, 0.5, 51, 51),
+        (51, 0.5, 51, None),
+        (4, 0.1, 51, None),
+        (4, 0.05, 51, None),
+        (0.01, 0.5, 0.05, 0.02),
+        (0.04, 0.5, 0.05, 0.05),
+        (0.05, 0.9, 0.05, None),
+    ],
+)
 def test_raised_setting(current, error, largest, expected):
     raised = bound.raised_setting(current, error, 0.1, largest)
     assert raised == (pytest.approx(expected) if isinstance(expected, float) else expected)
@@ -130,8 +145,9 @@ def test_the_measured_error_is_the_true_one_and_the_rank_doubles_while_above(one
     given, the gradient plus its feedback."""
     torch.manual_seed(0)
     parameters = [torch.nn.Parameter(torch.zeros(40, 30)), torch.nn.Parameter(torch.zeros(30))]
-    exchange, state = _exchange({"start_powerSGD_iter": 2, "error_check_every": 3, "max_bytes_fraction": 1.0},
-                                parameters)  # fmt: skip
+    exchange, state = _exchange(
+        {"start_powerSGD_iter": 2, "error_check_every": 3, "max_bytes_fraction": 1.0}, parameters
+    )
     ranks, errors = [], {}
     for step in range(16):
         gradients = [_drifting(step), torch.randn(30)]
@@ -203,8 +219,9 @@ def test_the_byte_budget_caps_the_rank_counting_the_checks(one_rank_group):
     through the rank-1 warm-up, then the checks double it to 8 and hold it there."""
     torch.manual_seed(0)
     parameters = [torch.nn.Parameter(torch.zeros(256, 256))]
-    exchange, state = _exchange({"start_powerSGD_iter": 2, "error_check_every": 1, "max_bytes_fraction": 0.1},
-                                parameters)  # fmt: skip
+    exchange, state = _exchange(
+        {"start_powerSGD_iter": 2, "error_check_every": 1, "max_bytes_fraction": 0.1}, parameters
+    )
     for step in range(8):
         _step(exchange, parameters, [_drifting(step, 256, 256)])
     assert bound.largest_setting("powersgd", [(256, 256)], 0.1, 2.0) == 12
@@ -271,8 +288,9 @@ def test_a_large_bucket_is_checked_on_a_sample(one_rank_group):
 def _checked_state(steps=7):
     torch.manual_seed(0)
     parameters = [torch.nn.Parameter(torch.zeros(40, 30))]
-    exchange, state = _exchange({"start_powerSGD_iter": 2, "error_check_every": 2, "max_bytes_fraction": 1.0},
-                                parameters)  # fmt: skip
+    exchange, state = _exchange(
+        {"start_powerSGD_iter": 2, "error_check_every": 2, "max_bytes_fraction": 1.0}, parameters
+    )
     done: list[int] = []
 
     def run(count):
@@ -292,8 +310,10 @@ def test_the_report_says_the_error_and_the_setting_it_ended_at(one_rank_group, c
     assert [check["step"] for check in summary["checks"]] == [1, 2, 3, 4] and summary["current"] == 8
     assert summary["bytes_fraction"] == pytest.approx(bound.powersgd_payload([(40, 30)], 8, 2.0) / 1200)
     text = report.error_bound_text(summary)
-    assert text == (f"; compression error {state.checks[-1].relative_error:.3f} at the last of 4 checks (max_error"
-                    " 0.1) at matrix_approximation_rank 8 (raised from 1)")  # fmt: skip
+    assert text == (
+        f"; compression error {state.checks[-1].relative_error:.3f} at the last of 4 checks (max_error"
+        " 0.1) at matrix_approximation_rank 8 (raised from 1)"
+    )
     assert report.error_bound_text(None) == "" and report.error_bound_text({**summary, "last_error": None}) == ""
 
 
@@ -312,8 +332,13 @@ def test_the_monitor_logs_each_check_at_its_step_once(one_rank_group):
 
     state, run = _checked_state(steps=0)
     logger = Logger()
-    watcher = Watcher(torch.device("cpu"), window=20, added_seconds=lambda: 0.0, wire_bytes=lambda: None,
-                      gather_tensor=lambda tensor: [tensor])  # fmt: skip
+    watcher = Watcher(
+        torch.device("cpu"),
+        window=20,
+        added_seconds=lambda: 0.0,
+        wire_bytes=lambda: None,
+        gather_tensor=lambda tensor: [tensor],
+    )
     strategy = SimpleNamespace(watcher=watcher, communication=SimpleNamespace(error_bound=lambda: state))
     trainer = SimpleNamespace(strategy=strategy, is_global_zero=True, loggers=[logger], global_step=0)
     monitor = HeteroMonitor()
@@ -337,8 +362,9 @@ def test_a_non_finite_gradient_is_neither_recorded_nor_acted_on(one_rank_group):
     checked instead."""
     torch.manual_seed(0)
     parameters = [torch.nn.Parameter(torch.zeros(40, 30))]
-    exchange, state = _exchange({"start_powerSGD_iter": 2, "error_check_every": 5, "max_bytes_fraction": 1.0},
-                                parameters)  # fmt: skip
+    exchange, state = _exchange(
+        {"start_powerSGD_iter": 2, "error_check_every": 5, "max_bytes_fraction": 1.0}, parameters
+    )
     for step in range(2):
         _step(exchange, parameters, [_drifting(step)])
     poisoned = torch.outer(torch.randn(40), torch.randn(30))

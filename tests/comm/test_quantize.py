@@ -139,8 +139,10 @@ def test_a_quantized_merge_leaves_every_rank_the_same_parameters_near_the_fp32_m
     trainings, quantized = ranks(mode)
     for a, b in zip(quantized[0], quantized[1]):
         assert torch.equal(a, b)
-    step = max(moved_delta.abs().max().item() for moved_delta in [torch.cat([(s - m).reshape(-1) for s, m in
-               zip(start, moved[r])]) for r in range(2)]) / largest_level(8 if mode == "int8" else 4)  # fmt: skip
+    step = max(
+        moved_delta.abs().max().item()
+        for moved_delta in [torch.cat([(s - m).reshape(-1) for s, m in zip(start, moved[r])]) for r in range(2)]
+    ) / largest_level(8 if mode == "int8" else 4)
     difference = max((q - e).abs().max().item() for q, e in zip(quantized[0], exact[0]))
     assert 0 < difference <= step
     for training in trainings:

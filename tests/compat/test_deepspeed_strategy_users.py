@@ -37,8 +37,15 @@ def test_a_config_without_a_zero_section_trains_at_zero_0_with_a_plain_torch_opt
     ZeRO Optimizer" (it needs `zero_allow_untested_optimizer`)."""
     config = tmp_path / "deepspeed.json"
     config.write_text(json.dumps({"gradient_clipping": 0.0}))
-    run = run_fit(tmp_path / "run", "--strategy-args", '{"stage": null}', "--batch-sizes", "3", "13",
-                  env={"PL_DEEPSPEED_CONFIG_PATH": str(config)})  # fmt: skip
+    run = run_fit(
+        tmp_path / "run",
+        "--strategy-args",
+        '{"stage": null}',
+        "--batch-sizes",
+        "3",
+        "13",
+        env={"PL_DEEPSPEED_CONFIG_PATH": str(config)},
+    )
     assert run.returncode == 0, run.output[-3000:]
     rank_0 = json.loads((tmp_path / "run" / "hetero" / "rank_0.json").read_text())
     assert rank_0["deepspeed_config"]["zero_optimization"]["stage"] == 0
@@ -50,8 +57,20 @@ def test_bf16_mixed_fits_validates_and_tests_at_zero_0(tmp_path):
     """`Trainer(precision="bf16-mixed")` is DeepSpeed's own bf16, as under DeepSpeedStrategy. At ZeRO-0 the fit failed
     at setup, and validate/test at every stage, with a TypeError about `device_precision` and fp16 ranks: the
     non-finite-step guard tried to patch DeepSpeed's own mixed-precision optimizer (which skips such steps itself)."""
-    run = run_fit(tmp_path, "--stage", "0", "--precision", "bf16-mixed", "--batch-sizes", "3", "13",
-                  "--val-samples", "8", "--test-samples", "8")  # fmt: skip
+    run = run_fit(
+        tmp_path,
+        "--stage",
+        "0",
+        "--precision",
+        "bf16-mixed",
+        "--batch-sizes",
+        "3",
+        "13",
+        "--val-samples",
+        "8",
+        "--test-samples",
+        "8",
+    )
     assert run.returncode == 0, run.output[-3000:]
     rank_0 = json.loads((tmp_path / "hetero" / "rank_0.json").read_text())
     assert rank_0["deepspeed_config"]["bf16"]["enabled"] is True
@@ -85,8 +104,18 @@ def test_at_zero_3_a_test_before_the_fit_of_a_partitioned_model_then_trains_as_o
     assert json.loads((tmp_path / "auto" / "test_result.json").read_text())["test_loss"] > 0
     reference = reference_training(IndexedRegression(64), contiguous_steps(64, 16))
     assert max_param_difference(run.result, reference) <= TOLERANCE
-    fixed = run_fit(tmp_path / "fixed", "--stage", "3", "--configure-model", "--test-first", "--test-samples", "8",
-                    "--batch-sizes", "3", "13")  # fmt: skip
+    fixed = run_fit(
+        tmp_path / "fixed",
+        "--stage",
+        "3",
+        "--configure-model",
+        "--test-first",
+        "--test-samples",
+        "8",
+        "--batch-sizes",
+        "3",
+        "13",
+    )
     assert fixed.returncode == 0, fixed.output[-3000:]
     assert max_param_difference(fixed.result, reference) <= TOLERANCE
 
@@ -98,13 +127,15 @@ def test_a_deepspeedstrategy_checkpoint_directory_continues_under_hetero_as_the_
     global batch) continues from it: DeepSpeed's states, the loops and the place in the shuffled epoch carry over, and
     two epochs end with the parameters one process reaches. It was refused: "it has no hetero_manifest.json"."""
     common = ["--samples", "96", "--shuffle", "--optimizer", "adam", "--record-steps", "--stage", str(stage)]
-    before = run_fit(tmp_path / "deepspeed", *common, "--deepspeed-strategy", "--max-steps", "3",
-                     "--checkpoint-every", "3")  # fmt: skip
+    before = run_fit(
+        tmp_path / "deepspeed", *common, "--deepspeed-strategy", "--max-steps", "3", "--checkpoint-every", "3"
+    )
     assert before.returncode == 0, before.output[-3000:]
     (saved,) = (tmp_path / "deepspeed" / "ckpt").iterdir()
     assert saved.is_dir() and not (saved / "hetero_manifest.json").exists()
-    resumed = run_fit(tmp_path / "hetero", *common, "--batch-sizes", "5", "11", "--max-epochs", "2",
-                      "--ckpt-path", str(saved))  # fmt: skip
+    resumed = run_fit(
+        tmp_path / "hetero", *common, "--batch-sizes", "5", "11", "--max-epochs", "2", "--ckpt-path", str(saved)
+    )
     assert resumed.returncode == 0, resumed.output[-3000:]
     assert f"continuing from {saved}, a checkpoint of Lightning's DeepSpeedStrategy (ZeRO-{stage}" in resumed.output
     assert resumed.result["global_step"] == 12
@@ -123,8 +154,9 @@ def test_a_deepspeedstrategy_checkpoint_continues_on_another_number_of_ranks(tmp
     """The same directory (ZeRO-2, 2 ranks, Adam) resumed on 1 rank, as a DDP file can be: the facts read from its
     files take it through DeepSpeed's universal format, and the checkpoint's global batch of 16 is kept."""
     common = ["--samples", "96", "--shuffle", "--optimizer", "adam", "--record-steps", "--stage", "2"]
-    before = run_fit(tmp_path / "deepspeed", *common, "--deepspeed-strategy", "--max-steps", "3",
-                     "--checkpoint-every", "3")  # fmt: skip
+    before = run_fit(
+        tmp_path / "deepspeed", *common, "--deepspeed-strategy", "--max-steps", "3", "--checkpoint-every", "3"
+    )
     assert before.returncode == 0, before.output[-3000:]
     (saved,) = (tmp_path / "deepspeed" / "ckpt").iterdir()
     resumed = run_fit(tmp_path / "hetero", *common, "--devices", "1", "--max-epochs", "2", "--ckpt-path", str(saved))

@@ -1024,6 +1024,7 @@ def test_standalone_cases(cases):
     other in one process."""
     ranks = 1 if len(cases) > 1 else 2
     argv = ["-q", "-p", "no:cacheprovider", *(f"{__file__}::{c}" for c in cases)]
-    code, output = run_warm_job(argv, ranks, timeout=240 if len(cases) > 1 else 150, env={STANDALONE: "1"},
-                                script="pytest")  # fmt: skip
+    code, output = run_warm_job(
+        argv, ranks, timeout=240 if len(cases) > 1 else 150, env={STANDALONE: "1"}, script="pytest"
+    )
     assert code == 0 and len(re.findall(rf"(?<!\d){len(cases)} passed", output)) == ranks, output[-6000:]

@@ -465,8 +465,13 @@ def test_bookkeeping_wrapped_without_paying_first_does_not_sleep_when_called():
 def test_a_schedule_changes_speeds_at_the_given_global_steps():
     schedule = parse_schedule("1.0,1.0;200:1.0,0.4;300:0.5,1")
     assert [schedule.at(step) for step in (0, 199, 200, 299, 300, 10_000)] == [
-        (1.0, 1.0), (1.0, 1.0), (1.0, 0.4), (1.0, 0.4), (0.5, 1.0), (0.5, 1.0)
-    ]  # fmt: skip
+        (1.0, 1.0),
+        (1.0, 1.0),
+        (1.0, 0.4),
+        (1.0, 0.4),
+        (0.5, 1.0),
+        (0.5, 1.0),
+    ]
     assert schedule.world_size == 2
     assert schedule == speed_schedule({0: [1.0, 1.0], 300: [0.5, 1.0], 200: [1.0, 0.4]})  # any key order
     assert schedule.to_json() == {"0": [1.0, 1.0], "200": [1.0, 0.4], "300": [0.5, 1.0]}

@@ -188,8 +188,20 @@ def test_a_fit_with_a_rank_held_by_a_cpu_quota_measures_what_the_kernel_held_on_
     run beside this test: 0.4 of a core did not bind there, the core already shared)."""
     from conftest import run_fit
 
-    run = run_fit(tmp_path, "--samples", "160", "--hidden", "64", "--depth", "3", "--emulate-speeds", "1.0", "0.2",
-                  "--strategy-args", '{"emulate_slowdown": "process"}')  # fmt: skip
+    run = run_fit(
+        tmp_path,
+        "--samples",
+        "160",
+        "--hidden",
+        "64",
+        "--depth",
+        "3",
+        "--emulate-speeds",
+        "1.0",
+        "0.2",
+        "--strategy-args",
+        '{"emulate_slowdown": "process"}',
+    )
     assert run.returncode == 0, run.output[-3000:]
     summary = json.loads((tmp_path / "hetero" / "report.json").read_text())["summary"]
     held = summary["held_seconds_per_step"]
@@ -205,8 +217,20 @@ def test_a_fit_with_a_rank_on_a_slow_link_holds_its_sends_and_the_other_waits_in
     the gradient exchange (the report's time inside it). Its compute is untouched: the two ranks compute alike."""
     from conftest import run_fit
 
-    run = run_fit(tmp_path, "--samples", "96", "--hidden", "64", "--depth", "3", "--emulate-speeds", "1.0", "0.02",
-                  "--strategy-args", '{"emulate_slowdown": "sends", "stage": 0}')  # fmt: skip
+    run = run_fit(
+        tmp_path,
+        "--samples",
+        "96",
+        "--hidden",
+        "64",
+        "--depth",
+        "3",
+        "--emulate-speeds",
+        "1.0",
+        "0.02",
+        "--strategy-args",
+        '{"emulate_slowdown": "sends", "stage": 0}',
+    )
     assert run.returncode == 0, run.output[-3000:]
     report = json.loads((tmp_path / "hetero" / "report.json").read_text())
     sys.path.insert(0, str(REPO / "tests" / "workers"))

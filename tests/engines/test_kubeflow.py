@@ -44,10 +44,19 @@ def trainjob_pods(manifest: dict, shared: Path, port: int) -> list[tuple[list[st
     command = [part.replace(MOUNT, str(shared)).replace(IMAGE_ROOT, str(REPO)) for part in trainer["command"]]
     own = {item["name"]: item["value"] for item in trainer.get("env", [])}
     return [
-        (command, {**own, "PET_NNODES": str(trainer["numNodes"]), "PET_NPROC_PER_NODE": str(trainer["numProcPerNode"]),
-                   "PET_NODE_RANK": str(node), "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port)})
+        (
+            command,
+            {
+                **own,
+                "PET_NNODES": str(trainer["numNodes"]),
+                "PET_NPROC_PER_NODE": str(trainer["numProcPerNode"]),
+                "PET_NODE_RANK": str(node),
+                "PET_MASTER_ADDR": "127.0.0.1",
+                "PET_MASTER_PORT": str(port),
+            },
+        )
         for node in range(trainer["numNodes"])
-    ]  # fmt: skip
+    ]
 
 
 def test_the_trainjob_sets_only_what_kubeflow_trainer_accepts_and_restarts_on_a_lost_pod():
@@ -75,8 +84,9 @@ def pytorchjob_pods(manifest: dict, shared: Path, port: int) -> list[tuple[list[
     for rank, (role, _) in enumerate(replicas):
         (container,) = specs[role]["template"]["spec"]["containers"]
         environment = {item["name"]: item["value"] for item in container.get("env", [])}
-        environment.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(len(replicas)),
-                           RANK=str(rank))  # fmt: skip
+        environment.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(len(replicas)), RANK=str(rank)
+        )
         command = [expand(part, environment).replace(MOUNT, str(shared)) for part in container["command"]]
         pods.append((command, environment))
     return pods
@@ -92,9 +102,17 @@ def start_pods(pods: list[tuple[list[str], dict[str, str]]]) -> list[subprocess.
     for command, environment in pods:
         assert command[0] == "torchrun", command
         argv = [sys.executable, "-m", "torch.distributed.run", *command[1:]]
-        started.append(subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        start_new_session=True,
-                                        env={**os.environ, "PYTHONWARNINGS": "ignore", **environment}))  # fmt: skip
+        started.append(
+            subprocess.Popen(
+                argv,
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+                env={**os.environ, "PYTHONWARNINGS": "ignore", **environment},
+            )
+        )
     return started
 
 
@@ -116,7 +134,7 @@ def final_weights(root: Path) -> dict[str, torch.Tensor]:
         root / "checkpoints" / "last.ckpt" / "checkpoint" / "mp_rank_00_model_states.pt",
         map_location="cpu",
         weights_only=False,
-    )  # fmt: skip (our own test's file)
+    )  # (our own test's file)
     return {name: tensor.clone() for name, tensor in states["module"].items()}
 
 

@@ -95,9 +95,21 @@ def test_ray_elastic_loses_a_node_and_resumes_on_one_worker_with_the_same_global
     # (whole states on every rank: SGD's momentum goes to another world size as it is). At step 6 of 12 the second
     # node is removed from the cluster: Ray restarts on the one worker left, which resumes the 2-worker checkpoint.
     # After the loss Ray first waits for 2 workers to start (60 s by default), then starts the 1 that fits.
-    result = run_ray(tmp_path, "--elastic", "--batch-sizes", "--stage", "0", "--epochs", "3",
-                     "--lose-node-at-step", "6", "--max-failures", "1", timeout=280,
-                     env={"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "15"})  # fmt: skip
+    result = run_ray(
+        tmp_path,
+        "--elastic",
+        "--batch-sizes",
+        "--stage",
+        "0",
+        "--epochs",
+        "3",
+        "--lose-node-at-step",
+        "6",
+        "--max-failures",
+        "1",
+        timeout=280,
+        env={"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "15"},
+    )
     assert (tmp_path / "node_lost").exists()
     (only,) = result["by_rank"]
     assert (only["world_size"], only["batch_sizes"], only["global_step"]) == (1, [GLOBAL_BATCH], 12)

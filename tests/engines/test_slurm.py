@@ -55,8 +55,9 @@ def slurm(tmp_path_factory):
     directory = tmp_path_factory.mktemp("slurm_cluster")
     env = {**os.environ, "SLURM_PORTS_BASE": str(_free_port_pair())}
     try:
-        started = subprocess.run([str(CLUSTER), "start", str(directory)], capture_output=True, text=True, env=env,
-                                 timeout=60)  # fmt: skip
+        started = subprocess.run(
+            [str(CLUSTER), "start", str(directory)], capture_output=True, text=True, env=env, timeout=60
+        )
         assert started.returncode == 0, started.stdout + started.stderr
         yield {"SLURM_CONF": str(directory / "slurm.conf")}
     finally:
@@ -81,8 +82,9 @@ def job_fields(slurm: dict, job: str) -> dict[str, str]:
 
 def submit(slurm: dict, root: Path, *args: str) -> tuple[str, Path]:
     log = root / "job.out"
-    out = slurm_run(slurm, "sbatch", "--parsable", f"--output={log}", str(SBATCH), *EXAMPLE_ARGS, *args,
-                    "--root", str(root))  # fmt: skip
+    out = slurm_run(
+        slurm, "sbatch", "--parsable", f"--output={log}", str(SBATCH), *EXAMPLE_ARGS, *args, "--root", str(root)
+    )
     return out.strip().split(";")[0], log
 
 

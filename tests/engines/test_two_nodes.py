@@ -75,22 +75,63 @@ def test_a_job_on_two_nodes_reduces_hierarchically_and_survives_the_loss_of_one(
     agents, logs = [], []
     try:
         for namespace, interface, host, _ in two_nodes:
-            torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=2",
-                        "--max-restarts=3", "--monitor-interval=0.5", "--rdzv-backend=c10d",
-                        f"--rdzv-endpoint={two_nodes[0][3]}:{PORT}", "--rdzv-id=two-nodes",
-                        "--rdzv-conf=last_call_timeout=5", str(REPO / "examples" / "fault_tolerant.py"),
-                        "--root", str(root), "--train-samples", "1536", "--epochs", "4", "--every", "3",
-                        "--stage", "0"]  # fmt: skip
+            torchrun = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=1:2",
+                "--nproc-per-node=2",
+                "--max-restarts=3",
+                "--monitor-interval=0.5",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={two_nodes[0][3]}:{PORT}",
+                "--rdzv-id=two-nodes",
+                "--rdzv-conf=last_call_timeout=5",
+                str(REPO / "examples" / "fault_tolerant.py"),
+                "--root",
+                str(root),
+                "--train-samples",
+                "1536",
+                "--epochs",
+                "4",
+                "--every",
+                "3",
+                "--stage",
+                "0",
+            ]
             # A node: its own network (ip netns exec) and host name (unshare --uts), gloo on its veth end.
-            command = ["ip", "netns", "exec", namespace, "unshare", "--uts", "sh", "-c",
-                       f'hostname {host} && exec "$@"', "sh", *torchrun]  # fmt: skip
+            command = [
+                "ip",
+                "netns",
+                "exec",
+                namespace,
+                "unshare",
+                "--uts",
+                "sh",
+                "-c",
+                f'hostname {host} && exec "$@"',
+                "sh",
+                *torchrun,
+            ]
             log = tmp_path / f"{host}.log"
             logs.append(log)
-            environment = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1",
-                           "GLOO_SOCKET_IFNAME": interface}  # fmt: skip
+            environment = {
+                **os.environ,
+                "PYTHONWARNINGS": "ignore",
+                "OMP_NUM_THREADS": "1",
+                "GLOO_SOCKET_IFNAME": interface,
+            }
             with open(log, "w") as handle:
-                agents.append(subprocess.Popen(command, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT,
-                                               start_new_session=True, env=environment))  # fmt: skip
+                agents.append(
+                    subprocess.Popen(
+                        command,
+                        cwd=REPO,
+                        stdout=handle,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                        env=environment,
+                    )
+                )
             time.sleep(1.0)  # node a hosts the rendezvous store
         deadline = time.monotonic() + 240
         while checkpoint.incompleteness(root / "checkpoints" / "last.ckpt") is not None:

@@ -131,10 +131,20 @@ def test_cpu_facts_on_this_machine_are_sane_and_round_trip_through_json():
 
 
 A100 = DeviceFacts(
-    kind="cuda", name="NVIDIA A100-SXM4-80GB", hostname="node-a", index=0, total_memory_bytes=80 * 2**30,
-    free_memory_bytes=70 * 2**30, sm_count=108, compute_capability=(8, 0), sm_clock_mhz=1410, max_sm_clock_mhz=1410,
-    max_memory_clock_mhz=1593, pci_bus_id="0000:07:00.0", sources=("torch", "nvml"),
-)  # fmt: skip
+    kind="cuda",
+    name="NVIDIA A100-SXM4-80GB",
+    hostname="node-a",
+    index=0,
+    total_memory_bytes=80 * 2**30,
+    free_memory_bytes=70 * 2**30,
+    sm_count=108,
+    compute_capability=(8, 0),
+    sm_clock_mhz=1410,
+    max_sm_clock_mhz=1410,
+    max_memory_clock_mhz=1593,
+    pci_bus_id="0000:07:00.0",
+    sources=("torch", "nvml"),
+)
 
 
 @pytest.mark.parametrize(

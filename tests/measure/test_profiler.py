@@ -512,9 +512,15 @@ class NoisyRegression(Regression):
         return super().training_step(batch, batch_idx) * torch.exp(torch.randn(()))
 
 
-@pytest.mark.parametrize(("model", "reduction", "ratio"), [
-    (Regression, "sum", 2.0), (Regression, "mean", 1.0), (NoisyRegression, "mean", 1.0), (NoisyRegression, "sum", 2.0),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("model", "reduction", "ratio"),
+    [
+        (Regression, "sum", 2.0),
+        (Regression, "mean", 1.0),
+        (NoisyRegression, "mean", 1.0),
+        (NoisyRegression, "sum", 2.0),
+    ],
+)
 def test_a_fixed_splits_check_measures_a_micro_batch_of_the_loader_given_twice_and_changes_nothing(
     model, reduction, ratio
 ):

@@ -155,8 +155,9 @@ def test_rank_config_sets_micro_batch_drops_train_batch_and_copies():
     assert carried == lightning_owns_accumulation(BASE)
 
 
-@pytest.mark.parametrize(("stage", "managed", "overlap_comm"), [(0, False, False), (1, False, False), (2, False, True),
-                                                                 (3, True, True)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("stage", "managed", "overlap_comm"), [(0, False, False), (1, False, False), (2, False, True), (3, True, True)]
+)
 def test_lightning_owns_accumulation_per_stage(stage, managed, overlap_comm):
     """One DeepSpeed micro-step per optimizer update; ZeRO 0-2 reduce in step() (DeepSpeed's unmanaged mode, which
     allows overlap_comm with ZeRO-2 only); ZeRO-3 stays managed and keeps overlap_comm."""
@@ -332,8 +333,10 @@ def test_deepspeeds_gpu_minded_zero_defaults_give_way_on_cpu_unless_the_user_cho
 
     config = {"zero_optimization": {"stage": 2, "contiguous_gradients": True, "overlap_comm": True}}
     assert with_cpu_zero_settings(config)["zero_optimization"] == {
-        "stage": 2, "contiguous_gradients": False, "overlap_comm": False
-    }  # fmt: skip
+        "stage": 2,
+        "contiguous_gradients": False,
+        "overlap_comm": False,
+    }
     assert config["zero_optimization"]["overlap_comm"] is True  # a copy
     assert HeteroStrategy()._cpu_zero_defaults
     assert not HeteroStrategy(contiguous_gradients=True)._cpu_zero_defaults

@@ -32,10 +32,18 @@ def simulate(work, search, split, windows, seed, noise=0.08, outliers=0.03, star
         steps = []
         for step in range(WINDOW):
             factor = rng.lognormvariate(0, noise) * (rng.uniform(2, 6) if rng.random() < outliers else 1)
-            own = [(fixed + per_sample * n) * rng.lognormvariate(0, noise) for (fixed, per_sample), n in
-                   zip(work(index), split)]  # fmt: skip
-            steps.append({"step": index * WINDOW + step, "batch_sizes": list(split), "arrival_seconds": own,
-                          "step_seconds": (max(own) + 0.002) * factor})  # fmt: skip
+            own = [
+                (fixed + per_sample * n) * rng.lognormvariate(0, noise)
+                for (fixed, per_sample), n in zip(work(index), split)
+            ]
+            steps.append(
+                {
+                    "step": index * WINDOW + step,
+                    "batch_sizes": list(split),
+                    "arrival_seconds": own,
+                    "step_seconds": (max(own) + 0.002) * factor,
+                }
+            )
         decided = search.decide(window_of(steps))
         split = decided if decided is not None else split
     return splits
@@ -58,8 +66,10 @@ def test_a_windows_level_its_error_and_the_late_rank():
     assert late_and_early([[0.004, 0.010], [0.010, 0.004]] * 5, 0.012) == (None, None)  # taking turns
     assert late_and_early([[0.004, 0.0045]] * 10, 0.012) == (None, None)  # within the exchange's jitter
     assert late_and_early([[0.0, 0.0]] * 10, 0.012) == (None, None)  # nothing timed
-    steps = [{"step": k, "batch_sizes": [8, 8], "step_seconds": 0.01, "arrival_seconds": [0.004, 0.009]}
-             for k in range(WINDOW)]  # fmt: skip
+    steps = [
+        {"step": k, "batch_sizes": [8, 8], "step_seconds": 0.01, "arrival_seconds": [0.004, 0.009]}
+        for k in range(WINDOW)
+    ]
     assert window_of(steps) == Window((8, 8), 0.01, 0.0, 1, 0, pytest.approx(0.005), 0.0)
     assert window_of(steps[:3]) is None  # (too few steps, the first left out)
     assert moved((10, 6), 1, 0, 8) == (15, 1) and moved((10, 1), 1, 0, 4) is None

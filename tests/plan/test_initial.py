@@ -10,14 +10,29 @@ from lightning_hetero.plan.split import SplitPlan
 
 
 def profile(per_sample, fixed=0.001, max_batch=None, loss_ratio=None):
-    return RankProfile(batch_sizes=(2, 4), seconds=(fixed + 2 * per_sample, fixed + 4 * per_sample),
-                       fixed_seconds=fixed, seconds_per_sample=per_sample, max_batch=max_batch, bytes_per_sample=None,
-                       wall_seconds=0.1, loss_ratio=loss_ratio)  # fmt: skip
+    return RankProfile(
+        batch_sizes=(2, 4),
+        seconds=(fixed + 2 * per_sample, fixed + 4 * per_sample),
+        fixed_seconds=fixed,
+        seconds_per_sample=per_sample,
+        max_batch=max_batch,
+        bytes_per_sample=None,
+        wall_seconds=0.1,
+        loss_ratio=loss_ratio,
+    )
 
 
 def plan(**changes):
-    arguments = dict(world_size=2, global_batch_size=30, batch_sizes=None, weights=None, profiles=None,
-                     loss_reduction="mean", identical_devices=False, held_bytes=0.0)  # fmt: skip
+    arguments = dict(
+        world_size=2,
+        global_batch_size=30,
+        batch_sizes=None,
+        weights=None,
+        profiles=None,
+        loss_reduction="mean",
+        identical_devices=False,
+        held_bytes=0.0,
+    )
     return initial_plan(**{**arguments, **changes})
 
 

@@ -29,8 +29,10 @@ def test_sync_arguments_give_the_outer_optimizer():
     assert check_sync_arguments("local_sgd", 8, [2, 1], None) is None
     assert check_sync_arguments("diloco", 8, None, None) == DILOCO_DEFAULTS
     assert check_sync_arguments("diloco", 8, None, {"outer_lr": 1.0, "outer_momentum": 0.0}) == {
-        "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False,  # (no Nesterov without momentum)
-    }  # fmt: skip
+        "outer_lr": 1.0,
+        "outer_momentum": 0.0,
+        "nesterov": False,  # (no Nesterov without momentum)
+    }
 
 
 @pytest.mark.parametrize(
@@ -57,8 +59,17 @@ def test_bad_sync_arguments_are_named(arguments, message):
     assert message in str(error.value)
 
 
-BASE = dict(sync="diloco", stage=0, compression_mode=None, precisions=["32-true"], micro_steps=None, weights=None,
-            global_batch_size=None, hierarchical="auto", automatic_optimization=True)  # fmt: skip
+BASE = dict(
+    sync="diloco",
+    stage=0,
+    compression_mode=None,
+    precisions=["32-true"],
+    micro_steps=None,
+    weights=None,
+    global_batch_size=None,
+    hierarchical="auto",
+    automatic_optimization=True,
+)
 
 
 @pytest.mark.parametrize(
@@ -117,8 +128,10 @@ def test_a_rank_that_waits_for_its_data_gets_fewer_inner_steps_and_the_others_fi
     assert inner_steps_for([0.02, 0.02], [0.0, 0.03]) == (3, 1)
     assert balance((3, 1), [0.02, 0.02], [0.0, 0.03]) > balance((1, 1), [0.02, 0.02], [0.0, 0.03])
     rebalancer = InnerStepsRebalancer([64, 64], (1, 1), window=2)
-    steps = [{"step": s, "batch_sizes": [64, 64], "compute_seconds": [0.02, 0.02], "data_wait_seconds": [0.0, 0.03]}
-             for s in range(4)]  # fmt: skip
+    steps = [
+        {"step": s, "batch_sizes": [64, 64], "compute_seconds": [0.02, 0.02], "data_wait_seconds": [0.0, 0.03]}
+        for s in range(4)
+    ]
     replan = rebalancer.consider(steps, 4)
     assert replan is not None and replan.micro_steps == (3, 1) and replan.data_waits == (0.0, 0.03)
     no_wait = [{**step, "data_wait_seconds": [0.0, 0.0]} for step in steps]
@@ -191,10 +204,15 @@ def test_overlap_is_a_sync_option_of_both_local_modes_and_the_plan_says_what_it_
 
 @pytest.mark.parametrize(
     "options",
-    [{"overlap_steps": 1}, {"overlap": False, "overlap_steps": 1}, {"overlap": True, "overlap_steps": 0},
-     {"overlap": True, "overlap_steps": 5}, {"overlap": True, "overlap_steps": 1.5},
-     {"overlap": True, "fragments": 2, "overlap_steps": 3}],
-)  # fmt: skip
+    [
+        {"overlap_steps": 1},
+        {"overlap": False, "overlap_steps": 1},
+        {"overlap": True, "overlap_steps": 0},
+        {"overlap": True, "overlap_steps": 5},
+        {"overlap": True, "overlap_steps": 1.5},
+        {"overlap": True, "fragments": 2, "overlap_steps": 3},
+    ],
+)
 def test_overlap_steps_are_refused_outside_1_to_the_steps_between_merges_or_without_overlap(options):
     interval = 4 // options.get("fragments", 1)
     message = (
@@ -219,9 +237,15 @@ def test_eager_is_an_overlap_option_of_diloco_true_by_default():
 
 @pytest.mark.parametrize(
     "options",
-    [{"eager": False}, {"overlap": False, "eager": True}, {"overlap": True, "eager": 0},
-     {"overlap": True, "eager": "no"}, {"overlap": True, "eager": None}, {"eager": None}],
-)  # fmt: skip
+    [
+        {"eager": False},
+        {"overlap": False, "eager": True},
+        {"overlap": True, "eager": 0},
+        {"overlap": True, "eager": "no"},
+        {"overlap": True, "eager": None},
+        {"eager": None},
+    ],
+)
 def test_eager_is_refused_without_overlap_or_other_than_true_or_false(options):
     message = rf"`sync_options\['eager'\]={options['eager']!r}` must be True or False, given with `overlap=True`"
     with pytest.raises(ValueError, match=message):

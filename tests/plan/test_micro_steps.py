@@ -165,8 +165,9 @@ def test_what_micro_steps_are_refused(micro_steps, stage, reduction, automatic, 
         assert message is None
     else:
         assert refused in message and str(micro_steps) in message
-    assert automatic_micro_steps_allowed(stage, reduction, automatic) == (stage < 3 and reduction != "token_mean"
-                                                                           and automatic)  # fmt: skip
+    assert automatic_micro_steps_allowed(stage, reduction, automatic) == (
+        stage < 3 and reduction != "token_mean" and automatic
+    )
 
 
 def test_synchronized_batchnorm_needs_as_many_passes_on_every_rank():

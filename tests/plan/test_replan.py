@@ -45,8 +45,13 @@ def simulate(truth, rebalancer, steps, seed, noise=0.15, outliers=0.03, data_wai
             compute.append(cost.time(size) * factor)
             wait = data_waits(step)[rank] if data_waits else 0.0
             waits.append(wait * rng.lognormvariate(0, noise) + rng.uniform(0, 2e-5))  # plus a timer's jitter
-        record = {"step": step, "batch_sizes": list(rebalancer.split), "compute_seconds": compute,
-                  "data_wait_seconds": waits, "step_seconds": max(c + w for c, w in zip(compute, waits))}  # fmt: skip
+        record = {
+            "step": step,
+            "batch_sizes": list(rebalancer.split),
+            "compute_seconds": compute,
+            "data_wait_seconds": waits,
+            "step_seconds": max(c + w for c, w in zip(compute, waits)),
+        }
         if held is not None:  # (the compute clock sees only the part the process ran)
             record["arrival_seconds"] = compute
             record["compute_seconds"] = [c * (1 - h) for c, h in zip(compute, held)]
@@ -343,8 +348,15 @@ def test_where_the_cost_model_does_not_explain_the_step_the_search_on_the_measur
                 rebalancer.consider(history, step)
             own = [cost.time(n) * rng.lognormvariate(0, 0.08) for cost, n in zip(truth, rebalancer.split)]
             compute = [profile[0].time(n) * rng.lognormvariate(0, 0.08) for n in rebalancer.split]  # (its compute)
-            history.append({"step": step, "batch_sizes": list(rebalancer.split), "compute_seconds": compute,
-                            "arrival_seconds": own, "step_seconds": max(own) + 0.002})  # fmt: skip
+            history.append(
+                {
+                    "step": step,
+                    "batch_sizes": list(rebalancer.split),
+                    "compute_seconds": compute,
+                    "arrival_seconds": own,
+                    "step_seconds": max(own) + 0.002,
+                }
+            )
         # (what the split costs over the second half, the search's later trials included)
         later = [predicted_step_time(truth, step["batch_sizes"]) for step in history[1000:]]
         return sum(later) / len(later) / best, rebalancer
@@ -366,9 +378,17 @@ def test_the_search_runs_where_micro_steps_are_planned_and_its_splits_take_the_m
     rebalancer = Rebalancer(base, (64, 64), window=WINDOW, micro_steps=True, search=StepSearch(128, first_move=48))
     rebalancer.threshold = 10.0  # (the cost models move nothing: the search decides)
     # Both ranks reach the exchange together and wait long in it; rank 1's wall time its compute explains least.
-    steps = [{"step": k, "batch_sizes": [64, 64], "compute_seconds": [0.013, 0.006], "step_seconds": 0.030,
-              "arrival_seconds": [0.020, 0.020 + 0.0001 * (k % 3)], "exchange_seconds": [0.010, 0.010]}
-             for k in range(2 * WINDOW)]  # fmt: skip
+    steps = [
+        {
+            "step": k,
+            "batch_sizes": [64, 64],
+            "compute_seconds": [0.013, 0.006],
+            "step_seconds": 0.030,
+            "arrival_seconds": [0.020, 0.020 + 0.0001 * (k % 3)],
+            "exchange_seconds": [0.010, 0.010],
+        }
+        for k in range(2 * WINDOW)
+    ]
     replan = rebalancer.consider(steps, 2 * WINDOW)
     assert replan is not None and replan.source == "search" and replan.batch_sizes == (112, 16)
     assert replan.micro_steps == (2, 1)  # (112 samples in two micro-batches within the ceiling of 100)
@@ -383,9 +403,17 @@ def test_where_the_cost_models_explain_the_step_the_search_does_not_start():
     from lightning_hetero.plan.explore import StepSearch, cost_model_leaves_unexplained
 
     def steps_with(compute, arrival, exchange):
-        return [{"step": k, "batch_sizes": [64, 64], "compute_seconds": list(compute), "step_seconds": 0.030,
-                 "arrival_seconds": [arrival[0], arrival[1] + 0.0001 * (k % 3)], "exchange_seconds": list(exchange)}
-                for k in range(2 * WINDOW)]  # fmt: skip
+        return [
+            {
+                "step": k,
+                "batch_sizes": [64, 64],
+                "compute_seconds": list(compute),
+                "step_seconds": 0.030,
+                "arrival_seconds": [arrival[0], arrival[1] + 0.0001 * (k % 3)],
+                "exchange_seconds": list(exchange),
+            }
+            for k in range(2 * WINDOW)
+        ]
 
     late_by_an_offset = steps_with((0.020, 0.020), (0.022, 0.025), (0.005, 0.002))
     assert not cost_model_leaves_unexplained(late_by_an_offset)
@@ -519,8 +547,9 @@ def test_the_cost_model_does_not_give_a_held_rank_more_samples_but_does_give_a_f
     held.consider(history, 2 * WINDOW)
     assert held.held_until and 1 in held.held_until
     held.adopt((480, 32), 2 * WINDOW)
-    history += quota_steps((480, 32), own=(0.030, 0.012), compute=(0.028, 0.003), step_seconds=0.033,
-                           first=2 * WINDOW, count=2 * WINDOW)  # fmt: skip
+    history += quota_steps(
+        (480, 32), own=(0.030, 0.012), compute=(0.028, 0.003), step_seconds=0.033, first=2 * WINDOW, count=2 * WINDOW
+    )
     assert held.consider(history, 4 * WINDOW) is None and held.split == (480, 32)
     free = Rebalancer(profile, (480, 32), window=WINDOW, threshold=0.05)
     free_steps = quota_steps((480, 32), own=(0.030, 0.004), compute=(0.028, 0.003), step_seconds=0.033, count=40)
@@ -556,8 +585,9 @@ def test_a_rank_held_earlier_is_not_given_more_by_the_cost_model_until_its_mark_
         assert step < 40 + 2 * HELD_MEMORY_WINDOWS * WINDOW, "the mark never lapsed"
     assert step == 40 + HELD_MEMORY_WINDOWS * WINDOW and replan.batch_sizes[1] > split[1] and not rebalancer.held_until
     # Held again at the larger share: marked again, for twice as long.
-    history += quota_steps(replan.batch_sizes, own=(0.011, 0.034), compute=(0.009, 0.010), step_seconds=0.050,
-                           first=step)  # fmt: skip
+    history += quota_steps(
+        replan.batch_sizes, own=(0.011, 0.034), compute=(0.009, 0.010), step_seconds=0.050, first=step
+    )
     step += WINDOW
     rebalancer.consider(history, step)
     assert rebalancer.held_until == {1: step + 2 * HELD_MEMORY_WINDOWS * WINDOW} and rebalancer.held_lapses == 1
@@ -645,10 +675,16 @@ def run_a_quota_that_comes_and_goes(rebalancer, devices, seed, after_lift, kerne
         if step and step % WINDOW == 0:
             rebalancer.consider(history, step)
         held = QUOTA_HELD if QUOTA_START <= step < QUOTA_LIFT else (0.0, 0.0)
-        own = [cost.time(n) / (1 - h) * rng.lognormvariate(0, 0.08) for cost, n, h in
-               zip(devices, rebalancer.split, held)]  # fmt: skip
-        entry = {"step": step, "batch_sizes": list(rebalancer.split), "arrival_seconds": own,
-                 "compute_seconds": [t * (1 - h) for t, h in zip(own, held)], "step_seconds": max(own)}  # fmt: skip
+        own = [
+            cost.time(n) / (1 - h) * rng.lognormvariate(0, 0.08) for cost, n, h in zip(devices, rebalancer.split, held)
+        ]
+        entry = {
+            "step": step,
+            "batch_sizes": list(rebalancer.split),
+            "arrival_seconds": own,
+            "compute_seconds": [t * (1 - h) for t, h in zip(own, held)],
+            "step_seconds": max(own),
+        }
         if kernel_held:
             entry["held_seconds"] = [0.0001, 0.004 if held[1] else 0.0001]
         history.append(entry)

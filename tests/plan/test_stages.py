@@ -74,8 +74,10 @@ def test_the_placement_is_the_brute_force_optimum(seed):
 def test_a_slow_device_gets_fewer_equal_blocks():
     costs = BlockCosts(
         seconds=((1.0,) * 8, (2.5,) * 8),  # rank 1 runs at 0.4 of rank 0's speed
-        parameter_bytes=(1,) * 8, activation_bytes=(1,) * 8, memory_bytes=(None, None),
-    )  # fmt: skip
+        parameter_bytes=(1,) * 8,
+        activation_bytes=(1,) * 8,
+        memory_bytes=(None, None),
+    )
     placement = place_stages(costs, 2, ranks=(0, 1))
     # 6 blocks at 1.0 beside 2 at 2.5 (6 vs 5 s); the equal split would take 4 x 2.5 = 10 s.
     assert placement.slowest_seconds == 6.0
@@ -85,16 +87,18 @@ def test_a_slow_device_gets_fewer_equal_blocks():
 
 
 def test_memory_moves_blocks_off_a_small_device():
-    costs = BlockCosts(seconds=((1.0,) * 4, (1.0,) * 4), parameter_bytes=(10,) * 4, activation_bytes=(0,) * 4,
-                       memory_bytes=(10, None))  # fmt: skip
+    costs = BlockCosts(
+        seconds=((1.0,) * 4, (1.0,) * 4), parameter_bytes=(10,) * 4, activation_bytes=(0,) * 4, memory_bytes=(10, None)
+    )
     placement = place_stages(costs, 2)
     assert [len(placement.blocks_of(s)) for s in range(2)] == [1, 3]
     assert placement.ranks == (0, 1)
 
 
 def test_given_boundaries_are_kept_and_checked():
-    costs = BlockCosts(seconds=((1.0,) * 4,) * 2, parameter_bytes=(10,) * 4, activation_bytes=(0,) * 4,
-                       memory_bytes=(15, None))  # fmt: skip
+    costs = BlockCosts(
+        seconds=((1.0,) * 4,) * 2, parameter_bytes=(10,) * 4, activation_bytes=(0,) * 4, memory_bytes=(15, None)
+    )
     with pytest.raises(ValueError, match=r"stage 0 \(blocks \[0, 1\]\) needs .* `boundaries`"):
         place_stages(costs, 2, boundaries=[2])
     assert place_stages(costs, 2, boundaries=[1]).source == "boundaries"
@@ -102,17 +106,23 @@ def test_given_boundaries_are_kept_and_checked():
 
 @pytest.mark.parametrize(
     ("boundaries", "stages", "blocks", "match"),
-    [([2, 1], 3, 4, "increase strictly"), ([0], 2, 4, "between 1 and 3"), ([4], 2, 4, "between 1 and 3"),
-     ([1, 2], 2, 4, "2 entries for 2 stages"), ([2, 2], 3, 4, "increase strictly")],
-)  # fmt: skip
+    [
+        ([2, 1], 3, 4, "increase strictly"),
+        ([0], 2, 4, "between 1 and 3"),
+        ([4], 2, 4, "between 1 and 3"),
+        ([1, 2], 2, 4, "2 entries for 2 stages"),
+        ([2, 2], 3, 4, "increase strictly"),
+    ],
+)
 def test_bad_boundaries_name_the_argument(boundaries, stages, blocks, match):
     with pytest.raises(ValueError, match=match):
         check_boundaries(boundaries, stages, blocks)
 
 
 def test_more_stages_than_blocks_is_refused():
-    costs = BlockCosts(seconds=((1.0,) * 2,) * 3, parameter_bytes=(1,) * 2, activation_bytes=(1,) * 2,
-                       memory_bytes=(None,) * 3)  # fmt: skip
+    costs = BlockCosts(
+        seconds=((1.0,) * 2,) * 3, parameter_bytes=(1,) * 2, activation_bytes=(1,) * 2, memory_bytes=(None,) * 3
+    )
     with pytest.raises(ValueError, match="`stages` 3 is more than the chain's 2 blocks"):
         place_stages(costs, 3)
 
@@ -125,8 +135,12 @@ def test_in_flight_by_schedule():
 
 @pytest.mark.parametrize("boundaries", [None, [2, 4]])
 def test_rank_0_runs_the_last_stage_when_asked(boundaries):
-    costs = BlockCosts(seconds=((1.0,) * 6, (2.5,) * 6, (1.0,) * 6), parameter_bytes=(1,) * 6,
-                       activation_bytes=(1,) * 6, memory_bytes=(None,) * 3)  # fmt: skip
+    costs = BlockCosts(
+        seconds=((1.0,) * 6, (2.5,) * 6, (1.0,) * 6),
+        parameter_bytes=(1,) * 6,
+        activation_bytes=(1,) * 6,
+        memory_bytes=(None,) * 3,
+    )
     placement = place_stages(costs, 3, boundaries=boundaries, last_rank=0)
     assert placement.ranks[-1] == 0
     free = place_stages(costs, 3)
@@ -137,8 +151,9 @@ def test_rank_0_runs_the_last_stage_when_asked(boundaries):
 def test_a_rank_that_slowed_down_gives_blocks_away():
     from lightning_hetero.plan.stages import replan_stages
 
-    costs = BlockCosts(seconds=((1.0,) * 8, (1.0,) * 8), parameter_bytes=(1,) * 8, activation_bytes=(1,) * 8,
-                       memory_bytes=(None, None))  # fmt: skip
+    costs = BlockCosts(
+        seconds=((1.0,) * 8, (1.0,) * 8), parameter_bytes=(1,) * 8, activation_bytes=(1,) * 8, memory_bytes=(None, None)
+    )
     current = place_stages(costs, 2, ranks=(1, 0), search_orders=False)
     assert current.boundaries == (4,)
     # Rank 1 (stage 0) now takes 2.5x as long as planned: it keeps 2 or 3 blocks (2 x 2.5 = 5 vs 6; 3 x 2.5 = 7.5).

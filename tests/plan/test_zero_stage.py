@@ -72,8 +72,9 @@ def test_unknown_free_memory_is_taken_to_fit_and_evaluation_holds_only_the_param
     assert choose_stage(MILLION, 2, [None, 100e9], [1e6, 1e6]).stage == 0
     # 5 MB free: training's 16 MB does not fit at ZeRO-0, evaluation's 4 MB of parameters does.
     assert choose_stage(MILLION, 2, [5e6 / MEMORY_HEADROOM] * 2, None, training=True).stage > 0
-    evaluation = choose_stage(MILLION, 2, [5e6 / MEMORY_HEADROOM / UNPROFILED_ACTIVATION_SHARE] * 2, None,
-                              training=False)  # fmt: skip
+    evaluation = choose_stage(
+        MILLION, 2, [5e6 / MEMORY_HEADROOM / UNPROFILED_ACTIVATION_SHARE] * 2, None, training=False
+    )
     assert evaluation.stage == 0 and evaluation.reason.startswith("ZeRO stage 0 (auto): the model (")
 
 

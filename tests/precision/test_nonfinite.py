@@ -149,8 +149,19 @@ def test_gradients_are_finite():
 def test_a_loss_that_goes_nan_on_one_rank_stops_every_rank_naming_it(stage, tmp_path):
     """Rank 1's loss is NaN from step 3 on. It used to train on (ZeRO-0: every parameter NaN; ZeRO-2: every step
     skipped) and exit 0; now steps 3 to 5 are skipped with the parameters untouched, and both ranks stop there."""
-    run = run_fit(tmp_path, "--batch-sizes", "8", "8", "--samples", "128", "--stage", str(stage), "--nan-from", "1:3",
-                  "--record-every-step")  # fmt: skip
+    run = run_fit(
+        tmp_path,
+        "--batch-sizes",
+        "8",
+        "8",
+        "--samples",
+        "128",
+        "--stage",
+        str(stage),
+        "--nan-from",
+        "1:3",
+        "--record-every-step",
+    )
     assert run.returncode != 0
     expected = "3 optimizer steps in a row (steps 3 to 5) had non-finite gradients"
     assert run.output.count(expected) >= 2 and "on rank 1 from step 3" in run.output, run.output[-3000:]
@@ -161,8 +172,23 @@ def test_a_loss_that_goes_nan_on_one_rank_stops_every_rank_naming_it(stage, tmp_
 @pytest.mark.multiprocess
 def test_skipped_steps_are_counted_in_the_report_and_by_the_monitor_when_the_run_may_go_on(tmp_path):
     """max_nonfinite_steps=None: a NaN on rank 1 at steps 2 and 3 only is skipped at ZeRO-0 and the run finishes."""
-    run = run_fit(tmp_path, "--batch-sizes", "8", "8", "--samples", "128", "--stage", "0", "--nan-from", "1:2",
-                  "--nan-until", "4", "--monitor", "--strategy-args", '{"max_nonfinite_steps": null}')  # fmt: skip
+    run = run_fit(
+        tmp_path,
+        "--batch-sizes",
+        "8",
+        "8",
+        "--samples",
+        "128",
+        "--stage",
+        "0",
+        "--nan-from",
+        "1:2",
+        "--nan-until",
+        "4",
+        "--monitor",
+        "--strategy-args",
+        '{"max_nonfinite_steps": null}',
+    )
     assert run.returncode == 0, run.output[-3000:]
     report = json.loads(next(tmp_path.rglob("hetero/report.json")).read_text())
     assert report["nonfinite"]["skipped_steps"] == [2, 3] and report["summary"]["skipped_steps"] == 2

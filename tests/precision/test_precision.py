@@ -39,14 +39,20 @@ from lightning_hetero.watch.report import build_report, summary_text
 def cuda(capability: tuple[int, int], bf16_runs: bool = True) -> DeviceFacts:
     """As devices.cuda_facts reports a GPU: bf16 runs (emulated below 8.0) unless a bf16 tensor op failed there."""
     return DeviceFacts(
-        kind="cuda", name="gpu", hostname="h", compute_capability=capability, supports_bf16=bf16_runs,
-        bf16_native=capability >= (8, 0), supports_fp16=capability >= (5, 3),
-    )  # fmt: skip
+        kind="cuda",
+        name="gpu",
+        hostname="h",
+        compute_capability=capability,
+        supports_bf16=bf16_runs,
+        bf16_native=capability >= (8, 0),
+        supports_fp16=capability >= (5, 3),
+    )
 
 
 def cpu(bf16_native: bool) -> DeviceFacts:
-    return DeviceFacts(kind="cpu", name="cpu", hostname="h", supports_bf16=True, bf16_native=bf16_native,
-                       supports_fp16=True)  # fmt: skip
+    return DeviceFacts(
+        kind="cpu", name="cpu", hostname="h", supports_bf16=True, bf16_native=bf16_native, supports_fp16=True
+    )
 
 
 # ------------------------------------------------------------------------------------------------------- arguments
@@ -220,8 +226,9 @@ def test_the_loss_scale_is_saved_and_restored_with_the_plugin_and_the_report_say
     assert fresh.loss_scale == plugin.loss_scale and fresh.loss_scale.scale == 2.0**15
     assert HeteroPrecision(BF16, "cpu", (BF16, FP32), gather_flags=lambda t: [t]).state_dict() == {}
     summary = {"precisions": [FP16, FP32], "loss_scale": 2.0**15, "skipped_steps": [{"step": 3, "ranks": [0]}]}
-    steps = [{"step": 0, "batch_sizes": [8, 8], "compute_seconds": [1.0, 1.0], "wait_seconds": [0, 0],
-              "step_seconds": 1.0}]  # fmt: skip
+    steps = [
+        {"step": 0, "batch_sizes": [8, 8], "compute_seconds": [1.0, 1.0], "wait_seconds": [0, 0], "step_seconds": 1.0}
+    ]
     text = summary_text(build_report(steps, [], 2, precision=summary))
     assert "fp16 loss scale 32768, 1 step skipped on every rank" in text
 

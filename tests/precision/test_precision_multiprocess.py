@@ -46,9 +46,19 @@ def test_ranks_in_different_precisions_compute_the_mixed_batch_exactly(stage, pr
     batch_sizes, accumulate, epochs = [10, 6], 2, 2
     strategy = {"device_precision": precisions, "batch_sizes": batch_sizes}
     run = run_fit(
-        tmp_path, "--stage", str(stage), "--samples", str(SAMPLES), "--max-epochs", str(epochs),
-        "--accumulate", str(accumulate), "--strategy-args", json.dumps(strategy), "--record-every-step",
-    )  # fmt: skip
+        tmp_path,
+        "--stage",
+        str(stage),
+        "--samples",
+        str(SAMPLES),
+        "--max-epochs",
+        str(epochs),
+        "--accumulate",
+        str(accumulate),
+        "--strategy-args",
+        json.dumps(strategy),
+        "--record-every-step",
+    )
     assert run.returncode == 0, run.output[-3000:]
     records = per_step(tmp_path)
     steps = epochs * SAMPLES // sum(batch_sizes)
@@ -81,9 +91,21 @@ def test_ranks_in_different_precisions_compute_the_mixed_batch_exactly(stage, pr
 def overflow_run(out: Path, stage: int, *extra: str):
     strategy = {"device_precision": ["16-mixed", "32-true"], "batch_sizes": [8, 8]}
     return run_fit(
-        out, "--stage", str(stage), "--samples", str(SAMPLES), "--max-epochs", "2", "--overflow", "0:5",
-        "--strategy-args", json.dumps(strategy), "--record-every-step", "--monitor", *extra,
-    )  # fmt: skip
+        out,
+        "--stage",
+        str(stage),
+        "--samples",
+        str(SAMPLES),
+        "--max-epochs",
+        "2",
+        "--overflow",
+        "0:5",
+        "--strategy-args",
+        json.dumps(strategy),
+        "--record-every-step",
+        "--monitor",
+        *extra,
+    )
 
 
 def assert_overflows_skip_on_every_rank(out: Path) -> list[dict]:
@@ -109,8 +131,11 @@ def assert_overflows_skip_on_every_rank(out: Path) -> list[dict]:
     assert report["precision"]["loss_scale"] == records[-1]["loss_scale"]
     # HeteroMonitor logs the scale after every optimizer step to the user's logger.
     with open(log_dir / "metrics.csv") as file:
-        logged = {int(row["step"]): float(row["hetero/loss_scale"]) for row in csv.DictReader(file)
-                  if row.get("hetero/loss_scale")}  # fmt: skip
+        logged = {
+            int(row["step"]): float(row["hetero/loss_scale"])
+            for row in csv.DictReader(file)
+            if row.get("hetero/loss_scale")
+        }
     assert logged == {index: record["loss_scale"] for index, record in enumerate(records)}
     return records
 

@@ -59,7 +59,7 @@ def test_the_manifest_lists_every_file_with_its_size_and_checksum_and_the_facts(
             "format version 99",
         ),
         (flip_a_byte, "checkpoint/mp_rank_00_model_states.pt does not match its checksum"),
-    ],  # fmt: skip
+    ],
 )
 def test_a_damaged_checkpoint_is_incomplete_and_says_why(damage, reason, tmp_path):
     path = write_checkpoint(tmp_path / "a.ckpt", 1)
@@ -209,12 +209,15 @@ def test_save_atomically_orders_the_ranks_and_publishes_on_rank_0(tmp_path):
         write_checkpoint(directory, 5, manifest=False)
 
     locked = []
-    elastic.save_atomically(target, write, lambda: {"global_step": 5}, True, agree_in_one_process(events),
-                            locked.append)  # fmt: skip
+    elastic.save_atomically(
+        target, write, lambda: {"global_step": 5}, True, agree_in_one_process(events), locked.append
+    )
     assert events == [
-        "preparing the checkpoint", "writing the checkpoint", ("write", ".last.ckpt.partial"),
+        "preparing the checkpoint",
+        "writing the checkpoint",
+        ("write", ".last.ckpt.partial"),
         "publishing the checkpoint",
-    ]  # fmt: skip
+    ]
     assert locked == [target.parent]
     assert checkpoint.read_manifest(target)["global_step"] == 5 and checkpoint.incompleteness(target) is None
     assert os.listdir(target.parent) == ["last.ckpt"]
@@ -231,8 +234,14 @@ def test_a_rank_that_does_not_see_rank_0s_folder_stops_every_rank_before_anyone_
         tokens.append(shared)
         return local, [shared]
 
-    elastic.save_atomically(rank_0_disk / "last.ckpt", lambda d: write_checkpoint(d, 3, manifest=False),
-                            lambda: {"global_step": 3}, True, rank_0_agrees, lambda d: None)  # fmt: skip
+    elastic.save_atomically(
+        rank_0_disk / "last.ckpt",
+        lambda d: write_checkpoint(d, 3, manifest=False),
+        lambda: {"global_step": 3},
+        True,
+        rank_0_agrees,
+        lambda d: None,
+    )
     # The mark is gone from the published checkpoint and not in its manifest.
     assert elastic.SHARED_FOLDER_MARK not in checkpoint.read_manifest(rank_0_disk / "last.ckpt")["files"]
     assert not (rank_0_disk / "last.ckpt" / elastic.SHARED_FOLDER_MARK).exists()
@@ -244,8 +253,9 @@ def test_a_rank_that_does_not_see_rank_0s_folder_stops_every_rank_before_anyone_
 
     written = []
     with pytest.raises(RuntimeError, match="does not see the checkpoint folder rank 0 prepared .* Save to shared"):
-        elastic.save_atomically(rank_1_disk / "last.ckpt", written.append, lambda: {}, False, rank_1_agrees,
-                                lambda d: None)  # fmt: skip
+        elastic.save_atomically(
+            rank_1_disk / "last.ckpt", written.append, lambda: {}, False, rank_1_agrees, lambda d: None
+        )
     assert written == [] and events == ["preparing the checkpoint", "writing the checkpoint"]
 
 
@@ -362,9 +372,10 @@ def test_failed_writes_inside_deepspeeds_save_are_raised_after_its_collectives(t
     with elastic.DeferredWriteErrors(engine) as deferred:
         engine.save_checkpoint(tmp_path, tag="checkpoint")
     assert engine.reached_barrier and [str(e) for e in deferred.errors] == [
-        "[Errno 28] No space left on device", "[Errno 28] No space left on device",
+        "[Errno 28] No space left on device",
+        "[Errno 28] No space left on device",
         "[Errno 28] No space left on device (copying zero_to_fp32.py)",
-    ]  # fmt: skip
+    ]
     assert not (tmp_path / "latest").exists()  # written by rank 0 afterwards, where a failure can be shared
     deferred.write_latest(is_global_zero=True)
     assert (tmp_path / "latest").read_text() == "checkpoint" and (tmp_path / "model.pt").exists()
@@ -389,10 +400,16 @@ def test_a_lightning_checkpoint_files_place_in_its_epoch_becomes_the_loaders_sta
     from lightning_hetero.recover import from_lightning as resume_lightning
 
     def saved(processed, epoch):
-        return {"state_dict": {}, "epoch": epoch, "loops": {"fit_loop": {
-            "epoch_loop.batch_progress": {"current": {"completed": processed - 1, "processed": processed}},
-            "epoch_progress": {"current": {"completed": epoch}},
-        }}}  # fmt: skip
+        return {
+            "state_dict": {},
+            "epoch": epoch,
+            "loops": {
+                "fit_loop": {
+                    "epoch_loop.batch_progress": {"current": {"completed": processed - 1, "processed": processed}},
+                    "epoch_progress": {"current": {"completed": epoch}},
+                }
+            },
+        }
 
     state = resume_lightning.loader_state_for(saved(3, 1), global_batch=16, num_samples=96, seed=7)
     assert state == {"epoch": 1, "global_samples_consumed": 48, "num_samples": 96, "seed": 7}

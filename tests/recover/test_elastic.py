@@ -42,8 +42,15 @@ def contiguous_steps(num_samples, global_batch):
 def start_fit(out, *args, env=None):
     command = [sys.executable, str(WORKERS / "fit.py"), "--out", str(out), *args]
     environment = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
-    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env=environment)  # fmt: skip
+    return subprocess.Popen(
+        command,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env=environment,
+    )
 
 
 def wait_for_pids(out, process, ranks, timeout=120):
@@ -75,8 +82,17 @@ def test_a_lost_rank_never_leaves_the_others_waiting(victim, how, tmp_path):
     open, so no collective ever breaks), or rank 0 frozen, which hosts the rendezvous store under Lightning's
     launcher (a store call to it blocks until it runs again): every other process is gone within 60 s, having said
     why; peer_timeout=5 here (benchmarks/faults.py measures how soon)."""
-    process = start_fit(tmp_path, "--batch-sizes", "8", "8", "--max-epochs", "100000", "--signal-test",
-                        "--strategy-args", '{"peer_timeout": 5}')  # fmt: skip
+    process = start_fit(
+        tmp_path,
+        "--batch-sizes",
+        "8",
+        "8",
+        "--max-epochs",
+        "100000",
+        "--signal-test",
+        "--strategy-args",
+        '{"peer_timeout": 5}',
+    )
     try:
         pids = wait_for_pids(tmp_path, process, [0, 1])
         killed_at = time.monotonic()
@@ -98,9 +114,11 @@ def test_a_lost_rank_never_leaves_the_others_waiting(victim, how, tmp_path):
     elif how == signal.SIGSTOP:  # rank 1 said so before exiting; rank 0, still frozen, was killed by the test
         # Either the store went silent first, or (rank 0's heartbeat thread starved just before the stop, seen under
         # load) rank 0's counter did: both name rank 0 and the store it hosts.
-        said = re.search(r"rank 0 has been lost: (the rendezvous store stopped answering \(rank 0 hosts it\) for 5 s"
-                         r"|no heartbeat came for 5 s and the rendezvous store \(rank 0 hosts it\) has not answered)",
-                         output)  # fmt: skip
+        said = re.search(
+            r"rank 0 has been lost: (the rendezvous store stopped answering \(rank 0 hosts it\) for 5 s"
+            r"|no heartbeat came for 5 s and the rendezvous store \(rank 0 hosts it\) has not answered)",
+            output,
+        )
         assert said, output[-3000:]
     elif victim == 0:  # rank 1 noticed (the watchdog or a broken collective), named what was lost, and exited 75
         assert "exits with code 75" in output, output[-3000:]
@@ -114,8 +132,19 @@ def test_a_frozen_rank_never_leaves_the_other_waiting_for_an_overlapped_merge(tm
     the background or in the blocking sum of the sample counts. Rank 1 frozen (SIGSTOP: no collective ever breaks),
     the heartbeat names it within peer_timeout=5 and rank 0 exits, as for the every-step exchange above."""
     arguments = json.dumps({"peer_timeout": 5, "sync": "diloco", "sync_every": 2, "sync_options": {"overlap": True}})
-    process = start_fit(tmp_path, "--stage", "0", "--batch-sizes", "8", "8", "--max-epochs", "100000",
-                        "--signal-test", "--strategy-args", arguments)  # fmt: skip
+    process = start_fit(
+        tmp_path,
+        "--stage",
+        "0",
+        "--batch-sizes",
+        "8",
+        "8",
+        "--max-epochs",
+        "100000",
+        "--signal-test",
+        "--strategy-args",
+        arguments,
+    )
     try:
         pids = wait_for_pids(tmp_path, process, [0, 1])
         stopped_at = time.monotonic()
@@ -136,11 +165,34 @@ def test_a_frozen_rank_never_leaves_the_other_waiting_for_an_overlapped_merge(tm
 def test_a_frozen_torchrun_agent_stops_both_workers_naming_the_store(tmp_path):
     """The agent hosts the store under torchrun: frozen (SIGSTOP), every store call to it blocks until it runs again,
     whatever the store's timeout. Both workers notice within the peer timeout all the same and exit naming it."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0",
-               str(WORKERS / "fit.py"), "--out", str(tmp_path), "--batch-sizes", "8", "8", "--max-epochs", "100000",
-               "--signal-test", "--strategy-args", '{"peer_timeout": 5}']  # fmt: skip
-    agent = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=0",
+        str(WORKERS / "fit.py"),
+        "--out",
+        str(tmp_path),
+        "--batch-sizes",
+        "8",
+        "8",
+        "--max-epochs",
+        "100000",
+        "--signal-test",
+        "--strategy-args",
+        '{"peer_timeout": 5}',
+    ]
+    agent = subprocess.Popen(
+        command,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     workers = []
     try:
         workers = wait_for_pids(tmp_path, agent, [0, 1])
@@ -164,17 +216,29 @@ def test_a_frozen_torchrun_agent_stops_both_workers_naming_the_store(tmp_path):
             rf"rank {peer} has been lost: (the rendezvous store stopped answering \(the torchrun agent hosts it\)"
             r"|no heartbeat came for 5 s and the rendezvous store \(the torchrun agent hosts it\) has not answered)",
             output,
-        )  # fmt: skip
-        collective = (f"rank {rank} lost its connection to the other ranks, and the torchrun agent, which hosts the"
-                      " rendezvous store, no longer answers")  # fmt: skip
+        )
+        collective = (
+            f"rank {rank} lost its connection to the other ranks, and the torchrun agent, which hosts the"
+            " rendezvous store, no longer answers"
+        )
         assert watchdog or collective in output, output[-3000:]
         assert f"Rank {rank} exits with code 75" in output, output[-3000:]
 
 
 def torchrun(out, *args, restarts=1, timeout=300):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               f"--max-restarts={restarts}", "--monitor-interval=0.5", str(WORKERS / "fit.py"), "--out", str(out),
-               *args]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        f"--max-restarts={restarts}",
+        "--monitor-interval=0.5",
+        str(WORKERS / "fit.py"),
+        "--out",
+        str(out),
+        *args,
+    ]
     return run_bounded(command, timeout, env={"OMP_NUM_THREADS": "1"})
 
 
@@ -188,9 +252,23 @@ def test_torchrun_restarts_after_a_sigkill_and_the_run_equals_an_uninterrupted_o
     step = random.Random().randrange(1, 12) if where == "step" else 8  # 12 steps in all
     print(f"fault injection: rank 1 at step {step} ({where})")  # to reproduce a failure
     returncode, output = torchrun(
-        tmp_path, "--batch-sizes", "10", "6", "--samples", "96", "--max-epochs", "2", "--checkpoint-every", "4",
-        "--save-last", "--ckpt-path", "last", "--record-steps", "--kill", f"1:{step}:{where}",
-    )  # fmt: skip
+        tmp_path,
+        "--batch-sizes",
+        "10",
+        "6",
+        "--samples",
+        "96",
+        "--max-epochs",
+        "2",
+        "--checkpoint-every",
+        "4",
+        "--save-last",
+        "--ckpt-path",
+        "last",
+        "--record-steps",
+        "--kill",
+        f"1:{step}:{where}",
+    )
     assert returncode == 0, output[-4000:]
     assert f"rank 1 SIGKILLs itself at step {step}" in output
     records = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
@@ -275,11 +353,23 @@ def test_checkpoints_of_2_ranks_resume_on_1_and_on_3_ranks_as_the_uninterrupted_
         out = tmp_path / directory / f"{name}{stage}"
         return ["--out", str(out), "--stage", str(stage), "--optimizer", name, *more]
 
-    first = run_fit(tmp_path / "two", *common, "--batch-sizes", "8", "8", "--checkpoint-every", "3", "--each",
-                    json.dumps([case("two", s, n) for s, n in [*RESIZED, REFUSED]]), timeout=400)  # fmt: skip
+    first = run_fit(
+        tmp_path / "two",
+        *common,
+        "--batch-sizes",
+        "8",
+        "8",
+        "--checkpoint-every",
+        "3",
+        "--each",
+        json.dumps([case("two", s, n) for s, n in [*RESIZED, REFUSED]]),
+        timeout=400,
+    )
     assert first.returncode == 0, first.output[-3000:]
-    references = {name: reference_training(IndexedRegression(96), contiguous_steps(96, 16), optimizer_name=name)
-                  for name in {n for _, n in [*RESIZED, REFUSED]}}  # fmt: skip
+    references = {
+        name: reference_training(IndexedRegression(96), contiguous_steps(96, 16), optimizer_name=name)
+        for name in {n for _, n in [*RESIZED, REFUSED]}
+    }
     for stage, name in [*RESIZED, REFUSED]:  # the uninterrupted runs
         result = json.loads((tmp_path / "two" / f"{name}{stage}" / "result.json").read_text())
         assert max_param_difference(result, references[name]) <= TOLERANCE, (stage, name)
@@ -287,10 +377,28 @@ def test_checkpoints_of_2_ranks_resume_on_1_and_on_3_ranks_as_the_uninterrupted_
     def saved(stage, name):
         return str(tmp_path / "two" / f"{name}{stage}" / "ckpt" / "epoch=0-step=3.ckpt")
 
-    one = run_fit(tmp_path / "one", *common, "--devices", "1", "--each", json.dumps(
-        [case("one", s, n, "--ckpt-path", saved(s, n)) for s, n in [*RESIZED, REFUSED]]), timeout=400)  # fmt: skip
-    three = run_fit(tmp_path / "three", *common, "--devices", "3", "--batch-sizes", "6", "5", "5", "--each", json.dumps(
-        [case("three", s, n, "--ckpt-path", saved(s, n)) for s, n in RESIZED]), timeout=400)  # fmt: skip
+    one = run_fit(
+        tmp_path / "one",
+        *common,
+        "--devices",
+        "1",
+        "--each",
+        json.dumps([case("one", s, n, "--ckpt-path", saved(s, n)) for s, n in [*RESIZED, REFUSED]]),
+        timeout=400,
+    )
+    three = run_fit(
+        tmp_path / "three",
+        *common,
+        "--devices",
+        "3",
+        "--batch-sizes",
+        "6",
+        "5",
+        "5",
+        "--each",
+        json.dumps([case("three", s, n, "--ckpt-path", saved(s, n)) for s, n in RESIZED]),
+        timeout=400,
+    )
     assert three.returncode == 0, three.output[-3000:]
     for directory, run in (("one", one), ("three", three)):
         for stage, name in RESIZED:
@@ -309,10 +417,12 @@ def test_checkpoints_of_2_ranks_resume_on_1_and_on_3_ranks_as_the_uninterrupted_
     assert three.output.count("using the universal copy") == len(RESIZED) - 1  # converted once (ZeRO-0 needs none)
     stage, name = REFUSED
     assert one.returncode == EXIT_CODE_WILL_FAIL_AGAIN, one.output[-3000:]
-    refusal = (f"Checkpoint {saved(stage, name)} was saved by 2 ranks with ZeRO-2; this job has 1. ZeRO splits the"
-               " optimizer state by rank, and resuming on another number of ranks cuts it per parameter and splits it"
-               " again, but the NAdam optimizer keeps state that is not per parameter: 'mu_product' (a number that is"
-               " not the step). Resume on 2 ranks")  # fmt: skip
+    refusal = (
+        f"Checkpoint {saved(stage, name)} was saved by 2 ranks with ZeRO-2; this job has 1. ZeRO splits the"
+        " optimizer state by rank, and resuming on another number of ranks cuts it per parameter and splits it"
+        " again, but the NAdam optimizer keeps state that is not per parameter: 'mu_product' (a number that is"
+        " not the step). Resume on 2 ranks"
+    )
     assert refusal in one.output and "exits with code 78 (retrying cannot help)" in one.output, one.output[-3000:]
 
 
@@ -328,13 +438,27 @@ def test_lr_scaling_on_a_resize_scales_the_learning_rate_and_adamw_decay_by_its_
     assert first.returncode == 0, first.output[-3000:]
     saved = str(tmp_path / "two" / "ckpt" / "epoch=0-step=3.ckpt")
     cases = {"sqrt": {"lr_scaling": "sqrt"}, "linear": {"lr_scaling": "linear"}, "default": {}}
-    one = run_fit(tmp_path / "one", *common, "--devices", "1", "--each", json.dumps([
-        ["--out", str(tmp_path / "one" / name), "--ckpt-path", saved, "--strategy-args", json.dumps(arguments)]
-        for name, arguments in cases.items()]), timeout=300)  # fmt: skip
+    one = run_fit(
+        tmp_path / "one",
+        *common,
+        "--devices",
+        "1",
+        "--each",
+        json.dumps(
+            [
+                ["--out", str(tmp_path / "one" / name), "--ckpt-path", saved, "--strategy-args", json.dumps(arguments)]
+                for name, arguments in cases.items()
+            ]
+        ),
+        timeout=300,
+    )
     assert one.returncode == 0, one.output[-3000:]
     lr, decay, k = 0.05 / 5, 0.01, 8 / 16  # (tests/workers/common.py's AdamW)
-    expected = {"sqrt": (lr * math.sqrt(k), decay * math.sqrt(k), 9), "linear": (lr * k, decay, 9),
-                "default": (lr, decay, 6)}  # fmt: skip
+    expected = {
+        "sqrt": (lr * math.sqrt(k), decay * math.sqrt(k), 9),
+        "linear": (lr * k, decay, 9),
+        "default": (lr, decay, 6),
+    }
     for name, (scaled_lr, scaled_decay, steps) in expected.items():
         result = json.loads((tmp_path / "one" / name / "result.json").read_text())
         (group,) = result["param_groups"]
@@ -360,15 +484,39 @@ def test_a_second_job_saving_into_the_same_directory_is_refused_and_the_first_go
     directory as a leftover (A then died with FileNotFoundError): B's first save is refused on both of its ranks,
     naming A, and A goes on to save a complete checkpoint."""
     shared = tmp_path / "checkpoints"
-    first = start_fit(tmp_path / "a", "--batch-sizes", "8", "8", "--samples", "160", "--max-epochs", "100000",
-                      "--checkpoint-every", "5", "--checkpoint-dir", str(shared), "--signal-test")  # fmt: skip
+    first = start_fit(
+        tmp_path / "a",
+        "--batch-sizes",
+        "8",
+        "8",
+        "--samples",
+        "160",
+        "--max-epochs",
+        "100000",
+        "--checkpoint-every",
+        "5",
+        "--checkpoint-dir",
+        str(shared),
+        "--signal-test",
+    )
     try:
         (rank0,) = wait_for_pids(tmp_path / "a", first, [0])
         while not any(p.name.endswith(".ckpt") for p in shared.glob("*")):
             assert first.poll() is None, first.communicate()[0][-3000:]
             time.sleep(0.1)
-        second = run_fit(tmp_path / "b", "--batch-sizes", "8", "8", "--max-steps", "3", "--checkpoint-every", "1",
-                         "--checkpoint-dir", str(shared), timeout=180)  # fmt: skip
+        second = run_fit(
+            tmp_path / "b",
+            "--batch-sizes",
+            "8",
+            "8",
+            "--max-steps",
+            "3",
+            "--checkpoint-every",
+            "1",
+            "--checkpoint-dir",
+            str(shared),
+            timeout=180,
+        )
         assert second.returncode != 0
         refusal = f"another job is saving checkpoints into {shared} (process {rank0} on"
         assert refusal in second.output and second.output.count("preparing the checkpoint") >= 1, second.output[-3000:]
@@ -387,16 +535,29 @@ def test_a_second_job_saving_into_the_same_directory_is_refused_and_the_first_go
 def test_a_full_disk_stops_every_rank_saying_so_and_keeps_the_previous_checkpoint(tmp_path):
     """Rank 1's writes fail with ENOSPC from the save of step 4 on: both ranks stop with the reason and the path, the
     partial save is removed, and last.ckpt is still the complete checkpoint of step 2."""
-    run = run_fit(tmp_path, "--batch-sizes", "8", "8", "--max-steps", "6", "--checkpoint-every", "2", "--save-last",
-                  "--disk-full-at", "4", timeout=180)  # fmt: skip
+    run = run_fit(
+        tmp_path,
+        "--batch-sizes",
+        "8",
+        "8",
+        "--max-steps",
+        "6",
+        "--checkpoint-every",
+        "2",
+        "--save-last",
+        "--disk-full-at",
+        "4",
+        timeout=180,
+    )
     assert run.returncode != 0
     message = "No space left on device (ENOSPC) while writing checkpoint"
     assert run.output.count(message) >= 2, run.output[-4000:]  # rank 1 raises it, rank 0 names rank 1 and it
     assert "writing the checkpoint failed on rank 1" in run.output
     directory = tmp_path / "ckpt"
     assert sorted(p.name for p in directory.iterdir() if not p.name.startswith(".hetero")) == [
-        "epoch=0-step=2.ckpt", "last.ckpt"
-    ]  # fmt: skip
+        "epoch=0-step=2.ckpt",
+        "last.ckpt",
+    ]
     assert checkpoint.read_manifest(directory / "last.ckpt")["global_step"] == 2
     assert checkpoint.incompleteness(directory / "last.ckpt", verify_checksums=True) is None
 
@@ -404,17 +565,32 @@ def test_a_full_disk_stops_every_rank_saying_so_and_keeps_the_previous_checkpoin
 def test_a_damaged_last_checkpoint_is_skipped_for_a_sound_one_of_the_same_step(tmp_path):
     """A byte of last.ckpt damaged in place (same size): `ckpt_path="last"` used to choose it on every restart and
     fail ('pop from empty list'); the resume names the damaged file and continues from the step's own checkpoint."""
-    first = run_fit(tmp_path / "a", "--batch-sizes", "8", "8", "--max-steps", "4", "--checkpoint-every", "4",
-                    "--save-last")  # fmt: skip
+    first = run_fit(
+        tmp_path / "a", "--batch-sizes", "8", "8", "--max-steps", "4", "--checkpoint-every", "4", "--save-last"
+    )
     assert first.returncode == 0, first.output[-3000:]
     directory = tmp_path / "a" / "ckpt"
     damaged = directory / "last.ckpt" / "checkpoint" / "mp_rank_00_model_states.pt"
     content = bytearray(damaged.read_bytes())
     content[len(content) // 2] ^= 0xFF
     damaged.write_bytes(bytes(content))
-    resumed = run_fit(tmp_path / "b", "--batch-sizes", "8", "8", "--max-steps", "6", "--max-epochs", "2",
-                      "--checkpoint-every", "100",
-                      "--checkpoint-dir", str(directory), "--ckpt-path", "last", warnings=True)  # fmt: skip
+    resumed = run_fit(
+        tmp_path / "b",
+        "--batch-sizes",
+        "8",
+        "8",
+        "--max-steps",
+        "6",
+        "--max-epochs",
+        "2",
+        "--checkpoint-every",
+        "100",
+        "--checkpoint-dir",
+        str(directory),
+        "--ckpt-path",
+        "last",
+        warnings=True,
+    )
     assert resumed.returncode == 0, resumed.output[-3000:]
     assert "checkpoint/mp_rank_00_model_states.pt does not match its checksum" in resumed.output
     assert f"Resuming from {directory / 'epoch=0-step=4.ckpt'}" in resumed.output
@@ -432,8 +608,17 @@ def test_a_last_checkpoint_that_lost_its_manifest_is_skipped_exactly_or_refused_
     assert first.returncode == 0, first.output[-3000:]
     directory = tmp_path / "a" / "ckpt"
     (directory / "last.ckpt" / checkpoint.MANIFEST_NAME).unlink()
-    resume = [*common, "--max-epochs", "2", "--checkpoint-every", "100", "--checkpoint-dir", str(directory),
-              "--ckpt-path", "last"]  # fmt: skip
+    resume = [
+        *common,
+        "--max-epochs",
+        "2",
+        "--checkpoint-every",
+        "100",
+        "--checkpoint-dir",
+        str(directory),
+        "--ckpt-path",
+        "last",
+    ]
     resumed = run_fit(tmp_path / "b", *resume, warnings=True)
     assert resumed.returncode == 0, resumed.output[-3000:]
     assert f"skipping checkpoint {directory / 'last.ckpt'}: it has no {checkpoint.MANIFEST_NAME}" in resumed.output
@@ -465,8 +650,19 @@ def test_a_ddp_checkpoint_file_continues_under_hetero_as_the_uninterrupted_run(s
     assert ddp.returncode == 0, ddp.output[-3000:]
     (saved,) = (tmp_path / "ddp" / "ckpt").iterdir()
     assert saved.is_file()
-    resumed = run_fit(tmp_path / "hetero", *common, "--stage", str(stage), "--batch-sizes", "5", "11",
-                      "--max-epochs", "2", "--ckpt-path", str(saved))  # fmt: skip
+    resumed = run_fit(
+        tmp_path / "hetero",
+        *common,
+        "--stage",
+        str(stage),
+        "--batch-sizes",
+        "5",
+        "11",
+        "--max-epochs",
+        "2",
+        "--ckpt-path",
+        str(saved),
+    )
     assert resumed.returncode == 0, resumed.output[-3000:]
     assert f"continuing from {saved}, a Lightning checkpoint file" in resumed.output
     assert resumed.result["global_step"] == 12
@@ -489,17 +685,43 @@ def test_an_elastic_job_of_two_torchrun_agents_loses_one_and_finishes_on_the_oth
     holds the whole state; a ZeRO-2 job goes through the universal format: the SGD test below). The
     example used to fail at once: "You set devices=2 and num_nodes=1 ... does not match the world size (4)"."""
     root = tmp_path / "run"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=2",
-               "--max-restarts=3", "--monitor-interval=0.5", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=elastic-test",
-               "--rdzv-conf=last_call_timeout=5", str(REPO / "examples" / "fault_tolerant.py"), "--root", str(root),
-               "--train-samples", "1536", "--epochs", "4", "--every", "3"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1:2",
+        "--nproc-per-node=2",
+        "--max-restarts=3",
+        "--monitor-interval=0.5",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "--rdzv-id=elastic-test",
+        "--rdzv-conf=last_call_timeout=5",
+        str(REPO / "examples" / "fault_tolerant.py"),
+        "--root",
+        str(root),
+        "--train-samples",
+        "1536",
+        "--epochs",
+        "4",
+        "--every",
+        "3",
+    ]
     environment = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     agents = []
     try:
         for _ in range(2):  # the first hosts the rendezvous store; each agent is a node, in a session of its own
-            agents.append(subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                           text=True, start_new_session=True, env=environment))  # fmt: skip
+            agents.append(
+                subprocess.Popen(
+                    command,
+                    cwd=REPO,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    start_new_session=True,
+                    env=environment,
+                )
+            )
             time.sleep(1.0)
         deadline = time.monotonic() + 240
         while checkpoint.incompleteness(root / "checkpoints" / "last.ckpt") is not None:
@@ -527,19 +749,55 @@ def test_an_elastic_sgd_job_at_zero_2_loses_an_agent_and_finishes_on_the_other_a
     parameters of one process trained on the same global batches. It used to be refused ("resume on the original
     number of ranks") on every restart until torchrun gave up."""
     out, go_on = tmp_path / "run", tmp_path / "go_on"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
-               "--max-restarts=3", "--monitor-interval=0.5", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=elastic-sgd",
-               "--rdzv-conf=last_call_timeout=5", str(WORKERS / "fit.py"), "--out", str(out), "--launched-layout",
-               "--global-batch-size", "16", "--samples", "160", "--max-epochs", "4", "--checkpoint-every", "5",
-               "--save-last", "--ckpt-path", "last", "--optimizer", "sgd", "--stage", "2",
-               "--hold-at", f"5:{go_on}"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1:2",
+        "--nproc-per-node=1",
+        "--max-restarts=3",
+        "--monitor-interval=0.5",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "--rdzv-id=elastic-sgd",
+        "--rdzv-conf=last_call_timeout=5",
+        str(WORKERS / "fit.py"),
+        "--out",
+        str(out),
+        "--launched-layout",
+        "--global-batch-size",
+        "16",
+        "--samples",
+        "160",
+        "--max-epochs",
+        "4",
+        "--checkpoint-every",
+        "5",
+        "--save-last",
+        "--ckpt-path",
+        "last",
+        "--optimizer",
+        "sgd",
+        "--stage",
+        "2",
+        "--hold-at",
+        f"5:{go_on}",
+    ]
     environment = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     agents = []
     try:
         for _ in range(2):  # the first hosts the rendezvous store; each agent is a node, in a session of its own
-            agents.append(subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                           text=True, start_new_session=True, env=environment))  # fmt: skip
+            agents.append(
+                subprocess.Popen(
+                    command,
+                    cwd=REPO,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    start_new_session=True,
+                    env=environment,
+                )
+            )
             time.sleep(1.0)
         last = out / "ckpt" / "last.ckpt"
         deadline = time.monotonic() + 240

@@ -118,9 +118,10 @@ def test_the_place_in_the_epoch_comes_from_the_loops_progress_in_deepspeedstrate
     assert from_deepspeed.with_data_position(dict(saved), facts, None) == saved  # not fitting, or a stream
     with pytest.warns(UserWarning, match="this unshuffled loader keeps its own order"):
         from_deepspeed.with_data_position(
-            {"loops": {"fit_loop": {"epoch_loop.batch_progress": {"current": {"processed": 1}}}}}, facts,
+            {"loops": {"fit_loop": {"epoch_loop.batch_progress": {"current": {"processed": 1}}}}},
+            facts,
             Order(96, shuffles=False),
-        )  # fmt: skip
+        )
 
 
 def test_a_last_checkpoint_that_cannot_be_read_safely_beside_complete_ones_is_skipped_not_refused(tmp_path):

@@ -98,9 +98,16 @@ class Rounds:
     def __init__(self, connect, rank: int, world_size: int) -> None:
         self.clock, self.messages = Clock(), []
         self.watchdog = liveness.PeerWatchdog(
-            connect, rank, world_size, TIMEOUT, run_id="t", on_lost=self.messages.append, interval=INTERVAL,
-            check_every=CHECK_EVERY, clock=self.clock,
-        )  # fmt: skip
+            connect,
+            rank,
+            world_size,
+            TIMEOUT,
+            run_id="t",
+            on_lost=self.messages.append,
+            interval=INTERVAL,
+            check_every=CHECK_EVERY,
+            clock=self.clock,
+        )
         self.watchdog._begin(self.clock.now)
         self.store, self.counts = None, {}
 
@@ -284,9 +291,15 @@ def test_the_threads_give_up_on_a_silent_peer_against_a_real_store_and_say_they_
     lost = threading.Event()
     messages = []
     watchdog = liveness.PeerWatchdog(
-        connect, rank=0, world_size=2, timeout=0.5, run_id="e", interval=0.02, check_every=0.01,
+        connect,
+        rank=0,
+        world_size=2,
+        timeout=0.5,
+        run_id="e",
+        interval=0.02,
+        check_every=0.01,
         on_lost=lambda message: (messages.append(message), lost.set()),
-    )  # fmt: skip
+    )
     watchdog.start()
     try:
         assert lost.wait(30)

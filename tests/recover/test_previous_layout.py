@@ -24,8 +24,21 @@ def test_a_checkpoint_written_before_the_redesign_resumes_as_the_uninterrupted_r
     saved = tmp_path / SAVED.name
     shutil.copytree(SAVED, saved)  # (a resume may add derived files next to it)
     assert checkpoint.incompleteness(saved) is None
-    resumed = run_fit(tmp_path / "resumed", "--samples", "160", "--stage", "2", "--optimizer", "adam",
-                      "--batch-sizes", "10", "6", "--monitor", "--ckpt-path", str(saved))  # fmt: skip
+    resumed = run_fit(
+        tmp_path / "resumed",
+        "--samples",
+        "160",
+        "--stage",
+        "2",
+        "--optimizer",
+        "adam",
+        "--batch-sizes",
+        "10",
+        "6",
+        "--monitor",
+        "--ckpt-path",
+        str(saved),
+    )
     assert resumed.returncode == 0, resumed.output[-3000:]
     assert resumed.result["global_step"] == 10
     assert sorted(sum(resumed.result["seen"], [])) == list(range(64, 160))

@@ -48,9 +48,16 @@ def test_the_manifest_records_the_split_the_position_and_the_optimizer():
 
     facts = manifest_facts({"global_step": 4, "epoch": 0}, 2, (10, 6), 64, 2, Engine(), ["cpu", "cpu"], {"hook": 0})
     assert facts == {
-        "world_size": 2, "global_step": 4, "epoch": 0, "global_samples": 64, "batch_sizes": [10, 6],
-        "zero_stage": 2, "optimizer": "Adam", "devices": ["cpu", "cpu"], "communication": {"hook": 0},
-    }  # fmt: skip
+        "world_size": 2,
+        "global_step": 4,
+        "epoch": 0,
+        "global_samples": 64,
+        "batch_sizes": [10, 6],
+        "zero_stage": 2,
+        "optimizer": "Adam",
+        "devices": ["cpu", "cpu"],
+        "communication": {"hook": 0},
+    }
 
 
 def test_one_rank_or_no_peer_timeout_starts_no_watchdog_and_teardown_releases_the_locks(tmp_path):

@@ -14,16 +14,22 @@ CHOSEN = Path("/checkpoints/step=10")
 
 
 def route(manifest, pipeline=False, local=None, world_size=2, zero_stage=0, stage_is_automatic=False):
-    return resume_route(CHOSEN, manifest, pipeline=pipeline, local=local, world_size=world_size,
-                        zero_stage=zero_stage, stage_is_automatic=stage_is_automatic)  # fmt: skip
+    return resume_route(
+        CHOSEN,
+        manifest,
+        pipeline=pipeline,
+        local=local,
+        world_size=world_size,
+        zero_stage=zero_stage,
+        stage_is_automatic=stage_is_automatic,
+    )
 
 
 @pytest.mark.parametrize(
     ("saved_pipeline", "pipeline", "saved_world", "world_size", "local"),
     list(itertools.product([False, True], [False, True], [2, 4, None], [2, 4], [None, "diloco"])),
 )
-def test_every_job_and_manifest_gets_one_route_or_one_refusal(saved_pipeline, pipeline, saved_world, world_size,
-                                                              local):  # fmt: skip
+def test_every_job_and_manifest_gets_one_route_or_one_refusal(saved_pipeline, pipeline, saved_world, world_size, local):
     manifest = {"zero_stage": 0, **({"pipeline": {"stages": 2}} if saved_pipeline else {})}
     if saved_world is not None:
         manifest["world_size"] = saved_world

@@ -28,8 +28,9 @@ from lightning_hetero.recover.stopping import (
 
 def fake_trainer(world_size: int = 2) -> SimpleNamespace:
     connector = SimpleNamespace(received_sigterm=False)
-    return SimpleNamespace(world_size=world_size, _signal_connector=connector,
-                           fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace()))  # fmt: skip
+    return SimpleNamespace(
+        world_size=world_size, _signal_connector=connector, fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace())
+    )
 
 
 @pytest.mark.parametrize(("own", "other", "requeue"), [("usr1", None, True), (None, 2, True), ("term", 1, False)])

@@ -168,23 +168,35 @@ def test_zero3_partitions_put_together_give_back_every_parameter(world_size):
 
 def test_the_pieces_of_the_tests_two_rank_model_as_deepspeed_saved_them():
     """Read from the 2-rank checkpoints of the tests' model (Linear(4, 8), Tanh, Linear(8, 1): 49 parameters)."""
-    shapes = [("network.0.weight", (8, 4)), ("network.0.bias", (8,)), ("network.2.weight", (1, 8)),
-              ("network.2.bias", (1,))]  # fmt: skip
+    shapes = [
+        ("network.0.weight", (8, 4)),
+        ("network.0.bias", (8,)),
+        ("network.2.weight", (1, 8)),
+        ("network.2.bias", (1,)),
+    ]
     # ZeRO-3: 16 + 4 + 4 + 1 = 25 elements per rank; the 1-element bias on rank 0 only (rank 1 holds its padding).
     assert universal.zero3_pieces(shapes, 2) == {
-        "network.0.weight": [(0, 0, 16), (1, 0, 16)], "network.0.bias": [(0, 16, 4), (1, 16, 4)],
-        "network.2.weight": [(0, 20, 4), (1, 20, 4)], "network.2.bias": [(0, 24, 1)],
-    }  # fmt: skip
+        "network.0.weight": [(0, 0, 16), (1, 0, 16)],
+        "network.0.bias": [(0, 16, 4), (1, 16, 4)],
+        "network.2.weight": [(0, 20, 4), (1, 20, 4)],
+        "network.2.bias": [(0, 24, 1)],
+    }
     # ZeRO-1/2: 49 elements padded to 52, 26 per rank (DeepSpeed's param_slice_mappings, as saved).
     mappings = [
         {"network.0.weight": FragmentAddress(26, 0)},
-        {"network.0.weight": FragmentAddress(6, 0), "network.0.bias": FragmentAddress(8, 6),
-         "network.2.weight": FragmentAddress(8, 14), "network.2.bias": FragmentAddress(1, 22)},
-    ]  # fmt: skip
+        {
+            "network.0.weight": FragmentAddress(6, 0),
+            "network.0.bias": FragmentAddress(8, 6),
+            "network.2.weight": FragmentAddress(8, 14),
+            "network.2.bias": FragmentAddress(1, 22),
+        },
+    ]
     assert universal.zero12_pieces(mappings) == {
-        "network.0.weight": [(0, 0, 26), (1, 0, 6)], "network.0.bias": [(1, 6, 8)],
-        "network.2.weight": [(1, 14, 8)], "network.2.bias": [(1, 22, 1)],
-    }  # fmt: skip
+        "network.0.weight": [(0, 0, 26), (1, 0, 6)],
+        "network.0.bias": [(1, 6, 8)],
+        "network.2.weight": [(1, 14, 8)],
+        "network.2.bias": [(1, 22, 1)],
+    }
 
 
 def test_pieces_that_do_not_hold_the_parameter_are_an_error_naming_it():
@@ -225,15 +237,22 @@ def write_zero_checkpoint(tag, stage, world_size, state_for_rank, shapes):
             optimizer = {
                 c.BASE_OPTIMIZER_STATE: {"state": {0: state}, c.PARAM_GROUPS: groups},
                 c.SINGLE_PARTITION_OF_FP32_GROUPS: [flat[: flat.numel() - padding]],
-                c.GROUP_PADDINGS: [padding], c.ZERO_STAGE: stage, c.PARAM_SLICE_MAPPINGS: [
-                    {names[int(k[1:])]: fragment_address(v.numel, v.start) for k, v in mappings[rank].items()}],
-                "loss_scaler": "scaler", "ds_version": "0.19.8",
-            }  # fmt: skip
+                c.GROUP_PADDINGS: [padding],
+                c.ZERO_STAGE: stage,
+                c.PARAM_SLICE_MAPPINGS: [
+                    {names[int(k[1:])]: fragment_address(v.numel, v.start) for k, v in mappings[rank].items()}
+                ],
+                "loss_scaler": "scaler",
+                "ds_version": "0.19.8",
+            }
         else:
             optimizer = {
-                c.OPTIMIZER_STATE_DICT: {"state": {0: state}, c.PARAM_GROUPS: groups}, c.FP32_FLAT_GROUPS: [flat],
-                c.ZERO_STAGE: stage, "partition_count": world_size, "loss_scaler": "scaler",
-            }  # fmt: skip
+                c.OPTIMIZER_STATE_DICT: {"state": {0: state}, c.PARAM_GROUPS: groups},
+                c.FP32_FLAT_GROUPS: [flat],
+                c.ZERO_STAGE: stage,
+                "partition_count": world_size,
+                "loss_scaler": "scaler",
+            }
         torch.save({c.OPTIMIZER_STATE_DICT: optimizer}, tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
     return full
 
@@ -242,9 +261,13 @@ def write_zero_checkpoint(tag, stage, world_size, state_for_rank, shapes):
 def test_a_three_rank_checkpoint_is_written_in_deepspeeds_universal_layout_with_every_state(stage, tmp_path):
     shapes = [(5, 3), (5,), (2, 5), (1,)]
     # Every state is a known function of the weights, so each can be checked where it lands.
-    full = write_zero_checkpoint(tmp_path / "ckpt" / "tag", stage, 3,
-                                 lambda flat: {"momentum_buffer": 2 * flat, "sum": -flat, "step": torch.tensor(4.0)},
-                                 shapes)  # fmt: skip
+    full = write_zero_checkpoint(
+        tmp_path / "ckpt" / "tag",
+        stage,
+        3,
+        lambda flat: {"momentum_buffer": 2 * flat, "sum": -flat, "step": torch.tensor(4.0)},
+        shapes,
+    )
     out = tmp_path / "universal" / "tag"
     universal.convert(tmp_path / "ckpt" / "tag", out)
     assert (tmp_path / "universal" / "latest_universal").read_text() == "tag"
@@ -280,9 +303,17 @@ def test_for_adam_the_conversion_writes_what_deepspeeds_own_converter_writes(sta
     source = DEEPSPEED_WRITTEN[stage]
     ours, theirs = tmp_path / "ours" / "tag", tmp_path / "deepspeed" / "tag"
     universal.convert(source, ours)
-    ds_to_universal.main(argparse.Namespace(input_folder=str(source), output_folder=str(theirs), num_extract_workers=1,
-                                            num_merge_workers=1, keep_temp_folder=False, strict=True,
-                                            inject_missing_state=True))  # fmt: skip
+    ds_to_universal.main(
+        argparse.Namespace(
+            input_folder=str(source),
+            output_folder=str(theirs),
+            num_extract_workers=1,
+            num_merge_workers=1,
+            keep_temp_folder=False,
+            strict=True,
+            inject_missing_state=True,
+        )
+    )
     parameters = sorted(p.name for p in (theirs / "zero").iterdir() if p.is_dir())
     assert parameters == sorted(p.name for p in (ours / "zero").iterdir() if p.is_dir())
     assert len(parameters) == 4

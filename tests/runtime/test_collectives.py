@@ -61,8 +61,9 @@ def test_a_failure_that_asks_for_an_exit_code_makes_every_rank_exit_with_it():
     refused = ValueError("refused")
     exit_with_if_uncaught(refused, 78)
     collectives = gathering([{"shared": None, "failure": None, "exit_code": None}])
-    collectives.gather_objects = lambda mine: sent.append(mine) or [mine, {"shared": None, "failure": None,
-                                                                           "exit_code": None}]  # fmt: skip
+    collectives.gather_objects = lambda mine: (
+        sent.append(mine) or [mine, {"shared": None, "failure": None, "exit_code": None}]
+    )
 
     def refuse():
         raise refused

@@ -112,8 +112,10 @@ def test_every_private_attribute_the_package_reads_is_its_own_or_listed():
         f"{path.relative_to(package)}:{node.lineno} .{node.attr}"
         for path, tree in trees.items()
         for node in ast.walk(tree)
-        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+        if isinstance(node, ast.Attribute)
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
         and node.attr not in defined | listed | set(STANDARD_LIBRARY_PRIVATES)
-    )  # fmt: skip
+    )
     where = "lightning_hetero/runtime/internals.py"
     assert not unlisted, f"private attributes read but not listed in {where}: " + ", ".join(unlisted)

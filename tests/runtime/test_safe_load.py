@@ -67,8 +67,14 @@ def test_what_lightning_and_the_package_write_loads_weights_only(tmp_path):
     """A Lightning checkpoint's plain data (hyper-parameters, which Lightning saves as a dict, loops) and the
     package's local-SGD state (its optimizers' states, the error feedback) load without `weights_only=False`."""
     path = tmp_path / "plain.ckpt"
-    torch.save({"state_dict": {"w": torch.ones(2)}, "hyper_parameters": {"lr": 0.1},
-                "loops": {"fit_loop": {"epoch_progress": {"current": {"completed": 1}}}}}, path)  # fmt: skip
+    torch.save(
+        {
+            "state_dict": {"w": torch.ones(2)},
+            "hyper_parameters": {"lr": 0.1},
+            "loops": {"fit_loop": {"epoch_progress": {"current": {"completed": 1}}}},
+        },
+        path,
+    )
     loaded = load_lightning_file(path)
     assert loaded["hyper_parameters"] == {"lr": 0.1} and torch.equal(loaded["state_dict"]["w"], torch.ones(2))
     parameter = torch.nn.Parameter(torch.zeros(3))
@@ -217,9 +223,13 @@ MODEL_STATES = "checkpoint/mp_rank_00_model_states.pt"
 
 # (what DeepSpeed's zero_to_fp32 reads from the model-states file before it opens the optimizer files)
 DEEPSPEEDS_MODEL_STATES = {
-    "buffer_names": [], "param_shapes": [{"w": torch.Size([2])}], "shared_params": {}, "frozen_param_shapes": None,
-    "frozen_param_fragments": None, "ds_version": "0.19.8",
-}  # fmt: skip
+    "buffer_names": [],
+    "param_shapes": [{"w": torch.Size([2])}],
+    "shared_params": {},
+    "frozen_param_shapes": None,
+    "frozen_param_fragments": None,
+    "ds_version": "0.19.8",
+}
 
 
 def optim_states(rank: int) -> str:
@@ -317,9 +327,19 @@ def test_deepspeeds_own_files_read_weights_only_with_its_classes(tmp_path):
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    saved = {"loss_scaler": DynamicLossScaler(init_scale=8.0, scale_window=10, min_scale=1.0, delayed_shift=1,
-             consecutive_hysteresis=False, raise_error_at_min_scale=True, dtype=torch.float16),
-             "zero_stage": ZeroStageEnum(2), "slice": fragment_address(numel=3, start=1)}  # fmt: skip
+    saved = {
+        "loss_scaler": DynamicLossScaler(
+            init_scale=8.0,
+            scale_window=10,
+            min_scale=1.0,
+            delayed_shift=1,
+            consecutive_hysteresis=False,
+            raise_error_at_min_scale=True,
+            dtype=torch.float16,
+        ),
+        "zero_stage": ZeroStageEnum(2),
+        "slice": fragment_address(numel=3, start=1),
+    }
     torch.save(saved, tmp_path / "ds.pt")
     loaded = load_deepspeed_file(tmp_path / "ds.pt")
     assert loaded["loss_scaler"].cur_scale == 8.0 and loaded["zero_stage"] == 2 and loaded["slice"].start == 1

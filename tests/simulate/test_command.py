@@ -136,20 +136,29 @@ def test_local_training_is_planned_with_its_inner_steps_merges_on_the_link_overl
     overlapped, sends a quarter of the model at about a byte a value and waits less on the link than the merge in fp32
     that is waited for; both train more samples a second than every-step training over that link."""
     path = tmp_path / "cluster.yaml"
-    path.write_text("nodes:\n  - {devices: [{kind: A100-80GB}]}\n  - {devices: [{kind: A10}]}\n"
-                    "inter_node: {bandwidth: 1Gbit, latency: 500us}\n")  # fmt: skip
+    path.write_text(
+        "nodes:\n  - {devices: [{kind: A100-80GB}]}\n  - {devices: [{kind: A10}]}\n"
+        "inter_node: {bandwidth: 1Gbit, latency: 500us}\n"
+    )
     base = ["--cluster", str(path), *MODEL, "--init-args", '{"hidden": 512}', "--global-batch-size", "128", "--json"]
     code, out, _ = run([*base, "--sync", "diloco"], capsys)
     assert code == 0
     waited = json.loads(out)
-    code, out, _ = run([*base, "--sync", "diloco", "--sync-options", '{"fragments": 4, "overlap": true}',
-                        "--compression", "int8"], capsys)  # fmt: skip
+    code, out, _ = run(
+        [*base, "--sync", "diloco", "--sync-options", '{"fragments": 4, "overlap": true}', "--compression", "int8"],
+        capsys,
+    )
     assert code == 0
     result = json.loads(out)
     local = result["local"]
     assert result["settings"]["compression"] is None  # (the every-step plan above it: uncompressed)
     assert (local["sync"], local["sync_every"], local["fragments"], local["overlap_steps"], local["compression"]) == (
-        "diloco", 8, 4, 1, "int8")  # fmt: skip
+        "diloco",
+        8,
+        4,
+        1,
+        "int8",
+    )
     assert [d["micro_batch"] for d in local["devices"]] == [64, 64] and all(
         d["inner_steps"] >= 1 for d in local["devices"]
     )
@@ -243,8 +252,16 @@ def test_a_pipeline_is_planned_beside_the_batch_split(tmp_path, capsys, monkeypa
     monkeypatch.chdir(ROOT)
     path = tmp_path / "cluster.yaml"
     path.write_text("nodes:\n  - devices: [{kind: A100-80GB, count: 2}, {kind: V100-32GB, count: 2}]\n")
-    chain = ["--model", "examples.spirals:SpiralChain", "--data", "examples.spirals:SpiralDataModule",
-             "--pipeline-blocks", "blocks", "--pipeline-stages", "2"]  # fmt: skip
+    chain = [
+        "--model",
+        "examples.spirals:SpiralChain",
+        "--data",
+        "examples.spirals:SpiralDataModule",
+        "--pipeline-blocks",
+        "blocks",
+        "--pipeline-stages",
+        "2",
+    ]
     code, out, _ = run(["--cluster", str(path), *chain, "--json"], capsys)
     assert code == 0
     pipeline = json.loads(out)["pipeline"]

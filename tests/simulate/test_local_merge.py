@@ -14,10 +14,17 @@ from lightning_hetero.simulate.workload import Workload
 
 VALUES = 2**20  # a multiple of the quantizer's 256-value blocks
 WORKLOAD = Workload(
-    name="test", parameters=VALUES, matrix_shapes=((1024, 1024),), flops_per_sample=1e6, fixed_flops=0.0,
-    operators_per_step=10, activation_bytes_per_sample=1e3, here_fixed_seconds=0.0, here_seconds_per_sample=1e-3,
+    name="test",
+    parameters=VALUES,
+    matrix_shapes=((1024, 1024),),
+    flops_per_sample=1e6,
+    fixed_flops=0.0,
+    operators_per_step=10,
+    activation_bytes_per_sample=1e3,
+    here_fixed_seconds=0.0,
+    here_seconds_per_sample=1e-3,
     here_kind=cpu_kind(1, "avx512", 2.5),
-)  # fmt: skip
+)
 GBIT = Link(bandwidth=125e6, latency=5e-4)  # 1 Gbit/s, 0.5 ms: the local-SGD benchmark's emulated link
 
 

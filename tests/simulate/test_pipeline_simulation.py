@@ -15,14 +15,27 @@ from lightning_hetero.simulate.workload import Workload
 GIB = 2**30
 # 8 equal blocks of 3 GiB of training state each (24 GiB in all, 1.5 G parameters counted with Adam's state).
 WORKLOAD = Workload(
-    name="big", parameters=1_610_612_736, matrix_shapes=((1, 1),), flops_per_sample=8e12, fixed_flops=0.0,
-    operators_per_step=0, activation_bytes_per_sample=8e6, here_fixed_seconds=0.0, here_seconds_per_sample=1.0,
+    name="big",
+    parameters=1_610_612_736,
+    matrix_shapes=((1, 1),),
+    flops_per_sample=8e12,
+    fixed_flops=0.0,
+    operators_per_step=0,
+    activation_bytes_per_sample=8e6,
+    here_fixed_seconds=0.0,
+    here_seconds_per_sample=1.0,
     here_kind=cpu_kind(1, "avx512", 2.5),
-)  # fmt: skip
+)
 CHAIN = ChainShares(
-    names=tuple(str(i) for i in range(8)), time_shares=(0.125,) * 8, before_share=0.0, after_share=0.0,
-    parameter_bytes=(3 * GIB,) * 8, outside_bytes=0, activation_bytes=(10**6,) * 8, output_bytes=(4096,) * 8,
-)  # fmt: skip
+    names=tuple(str(i) for i in range(8)),
+    time_shares=(0.125,) * 8,
+    before_share=0.0,
+    after_share=0.0,
+    parameter_bytes=(3 * GIB,) * 8,
+    outside_bytes=0,
+    activation_bytes=(10**6,) * 8,
+    output_bytes=(4096,) * 8,
+)
 CLUSTER = "nodes:\n  - devices: [{kind: A100-80GB}, {kind: V100-16GB}]\n    link: 100Gbit\n"
 
 

@@ -16,9 +16,16 @@ def test_sizes_take_their_unit():
 
 def _device(kind: str, node: int, batch: int) -> dict:
     return {
-        "kind": kind, "node": node, "precision": "bf16-mixed", "micro_batch": batch, "micro_steps": 1,
-        "samples": batch, "memory_bytes": 2**30, "memory_capacity_bytes": 80 * 2**30, "compute_ms": 10.0,
-    }  # fmt: skip
+        "kind": kind,
+        "node": node,
+        "precision": "bf16-mixed",
+        "micro_batch": batch,
+        "micro_steps": 1,
+        "samples": batch,
+        "memory_bytes": 2**30,
+        "memory_capacity_bytes": 80 * 2**30,
+        "compute_ms": 10.0,
+    }
 
 
 def test_identical_nodes_share_one_row_that_names_them():

@@ -80,8 +80,18 @@ def test_the_fast_rank_trains_what_it_has_time_for_every_sample_once_and_diloco_
     """64 samples in 16 micro-batches of 4, two epochs; rank 1 is emulated 10x slower. A merge every 2 x 2 = 4
     micro-batches (3 inside each epoch, and the epoch's end), each rank weighted by what it trained since the last.
     ``reload``: Lightning rebuilds the loader at each epoch, and starts it twice at the second epoch's start."""
-    run = run_fit(tmp_path, *asynchronous_args(), "--samples", "64", "--emulate-speeds", "1.0", "0.1",
-                  "--max-epochs", "2", *(["--reload-every", "1"] if reload else []))  # fmt: skip
+    run = run_fit(
+        tmp_path,
+        *asynchronous_args(),
+        "--samples",
+        "64",
+        "--emulate-speeds",
+        "1.0",
+        "0.1",
+        "--max-epochs",
+        "2",
+        *(["--reload-every", "1"] if reload else []),
+    )
     assert run.returncode == 0, run.output[-4000:]
     seen, merges = run.result["seen"], run.result["merges"]
     assert sorted(sum(seen, [])) == sorted(list(range(64)) * 2)  # every sample once an epoch
@@ -101,8 +111,9 @@ def test_the_fast_rank_trains_what_it_has_time_for_every_sample_once_and_diloco_
     assert len(report["steps"]) == len(seen[0]) // 4
     merged = report["asynchronous"]  # each rank's contributions, merge by merge, and its waits
     assert merged["merges"] == 8 and merged["micro_batches"] == [len(s) // 4 for s in seen]
-    assert [m["micro_batches"] for m in merged["per_merge"]] == [list(pair) for pair in zip(*(
-        [r["micro_batches"] for r in records] for records in merges))]  # fmt: skip
+    assert [m["micro_batches"] for m in merged["per_merge"]] == [
+        list(pair) for pair in zip(*([r["micro_batches"] for r in records] for records in merges))
+    ]
     assert "asynchronous merges: 8 merges, micro-batches per rank" in run.output
     # At each epoch's end the slow rank held a claim drawn ahead, and the fast one (10x) took it over: the slow
     # rank's hooks saw that batch emptied (`seen` is recorded in on_train_batch_start: every sample once above).
@@ -125,8 +136,16 @@ def test_a_sigterm_stops_every_rank_at_the_next_merge_with_a_checkpoint_whose_re
     from lightning_hetero.recover.stopping import EXIT_CODE_INTERRUPTED
 
     common = [*asynchronous_args(), "--samples", "160", "--emulate-speeds", "1.0", "0.25", "--record-steps"]
-    command = [sys.executable, str(Path(__file__).parents[1] / "workers" / "fit.py"), "--out", str(tmp_path), *common,
-               "--max-epochs", "100000", "--signal-test"]  # fmt: skip
+    command = [
+        sys.executable,
+        str(Path(__file__).parents[1] / "workers" / "fit.py"),
+        "--out",
+        str(tmp_path),
+        *common,
+        "--max-epochs",
+        "100000",
+        "--signal-test",
+    ]
     returncode, output, codes = sigterm_mid_training(command, tmp_path, 1, 2)
     assert codes.get(1) == str(EXIT_CODE_INTERRUPTED), (codes, output[-3000:])
     assert codes.get(0, str(EXIT_CODE_INTERRUPTED)) == str(EXIT_CODE_INTERRUPTED), codes

@@ -20,8 +20,10 @@ def test_every_buffer_takes_rank_0s_values_one_broadcast_per_dtype():
     rank0.running_mean += torch.tensor([1.0, 2.0, 3.0])
     rank0.num_batches_tracked += 7
     rank1.running_var *= 5
-    flats_of_rank0 = [torch.cat([b.reshape(-1) for b in rank0.buffers() if b.dtype == dtype])
-                      for dtype in (torch.float32, torch.int64)]  # fmt: skip
+    flats_of_rank0 = [
+        torch.cat([b.reshape(-1) for b in rank0.buffers() if b.dtype == dtype])
+        for dtype in (torch.float32, torch.int64)
+    ]
     broadcasts = []
 
     def broadcast(flat):  # what torch.distributed.broadcast(flat, src=0) leaves on rank 1

@@ -164,8 +164,17 @@ class ThreadRanks:
     next micro-batch as it starts one, as Lightning reads a batch ahead of a loader without a length; ``durations``:
     each rank's seconds a micro-batch (default: random, scaled by ``speeds``)."""
 
-    def __init__(self, world: int, samples: int, micro: int, sync_every: int, speeds: list[float], seed: int,
-                 read_ahead: bool = False, durations: list[float] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        world: int,
+        samples: int,
+        micro: int,
+        sync_every: int,
+        speeds: list[float],
+        seed: int,
+        read_ahead: bool = False,
+        durations: list[float] | None = None,
+    ) -> None:
         self.world, self.samples, self.micro, self.sync_every, self.speeds = world, samples, micro, sync_every, speeds
         self.lock, self.values, self.log = threading.Lock(), {}, []
         self.barriers: dict[tuple[int, int], threading.Barrier] = {}
@@ -197,8 +206,9 @@ class ThreadRanks:
 
                 counter = LoggedCounter(self.add, "test")
                 order = GlobalOrder(range(self.samples))
-                sampler = ClaimingBatchSampler(order, self.micro, False, rank, self.world, counter,
-                                               merge_every=self.sync_every * self.world)  # fmt: skip
+                sampler = ClaimingBatchSampler(
+                    order, self.micro, False, rank, self.world, counter, merge_every=self.sync_every * self.world
+                )
                 merges_done = [0]
 
                 def merge() -> None:
@@ -325,8 +335,7 @@ def test_at_an_epochs_end_a_slow_rank_that_reads_ahead_leaves_the_last_claims_to
     the fast rank would wait for both at the epoch's last merge. It leaves them to the fast rank instead: once the
     fast rank entered the last merge, the slow one starts no micro-batch before it enters too."""
     world, samples, micro, sync_every, epochs = 2, 200, 4, 20, 2  # (one merge inside an epoch, 10 claims after it)
-    ranks = ThreadRanks(world, samples, micro, sync_every, [1.0, 0.05], seed, read_ahead=True,
-                        durations=[0.001, 0.020])  # fmt: skip
+    ranks = ThreadRanks(world, samples, micro, sync_every, [1.0, 0.05], seed, read_ahead=True, durations=[0.001, 0.020])
     ranks.run(epochs)
     log = ranks.log
     for epoch in range(epochs):
@@ -346,8 +355,7 @@ def test_when_a_slow_rank_drew_ahead_at_an_epochs_end_the_fast_one_takes_that_cl
     the slow one starts no micro-batch before it enters too (it gives away the one it drew ahead)."""
     monkeypatch.setattr("lightning_hetero.train.claims.leaves_the_rest", lambda remaining, rate, others: False)
     world, samples, micro, sync_every, epochs = 2, 200, 4, 20, 2  # (one merge inside an epoch, 10 claims after it)
-    ranks = ThreadRanks(world, samples, micro, sync_every, [1.0, 0.05], seed, read_ahead=True,
-                        durations=[0.001, 0.020])  # fmt: skip
+    ranks = ThreadRanks(world, samples, micro, sync_every, [1.0, 0.05], seed, read_ahead=True, durations=[0.001, 0.020])
     ranks.run(epochs)
     log = ranks.log
     given = [e for e in log if e[0] == "given"]
@@ -584,11 +592,15 @@ def test_the_records_of_ranks_with_different_step_counts_are_exchanged_once_padd
 
 def test_the_reports_section_gives_each_merges_contributions_and_each_ranks_wait_for_the_last_to_arrive():
     records = [
-        [{"epoch": 0, "micro_batches": 6, "seconds": 0.30, "last_step_seconds": 0.05},
-         {"epoch": 0, "micro_batches": 7, "seconds": 0.10, "last_step_seconds": 0.04}],
-        [{"epoch": 0, "micro_batches": 2, "seconds": 0.10, "last_step_seconds": 0.22},
-         {"epoch": 0, "micro_batches": 1, "seconds": 0.25, "last_step_seconds": None, "gave_away": 1}],
-    ]  # fmt: skip
+        [
+            {"epoch": 0, "micro_batches": 6, "seconds": 0.30, "last_step_seconds": 0.05},
+            {"epoch": 0, "micro_batches": 7, "seconds": 0.10, "last_step_seconds": 0.04},
+        ],
+        [
+            {"epoch": 0, "micro_batches": 2, "seconds": 0.10, "last_step_seconds": 0.22},
+            {"epoch": 0, "micro_batches": 1, "seconds": 0.25, "last_step_seconds": None, "gave_away": 1},
+        ],
+    ]
     records[0][1]["took_over"] = 1
     summary = merge_summary(records)
     assert summary["claims_given_away"] == [0, 1] and summary["claims_taken_over"] == [1, 0]

@@ -709,8 +709,10 @@ def test_an_evaluation_order_is_padded_to_a_multiple_of_the_ranks_as_ddps_sample
     assert len(drawn) == 8 and drawn[7] == drawn[0] and sorted(drawn[:7]) == list(range(7))
 
 
-@pytest.mark.parametrize(("samples", "drop_last", "per_rank"), [(11, False, [[4, 4, 4]]), (10, False, [[4, 4], [1, 1]]),
-                                                                (10, True, [[4, 4]])])  # fmt: skip
+@pytest.mark.parametrize(
+    ("samples", "drop_last", "per_rank"),
+    [(11, False, [[4, 4, 4]]), (10, False, [[4, 4], [1, 1]]), (10, True, [[4, 4]])],
+)
 def test_evaluation_loaders_give_every_rank_the_same_number_of_samples_at_every_step(samples, drop_last, per_rank):
     world_size = len(per_rank[0])
     user = DataLoader(list(range(samples)), batch_size=4, drop_last=drop_last)

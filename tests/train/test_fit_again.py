@@ -15,8 +15,9 @@ def test_three_fits_in_one_process_return_to_the_level_after_the_first(tmp_path)
     """Threads, worker processes and open files after the second and third fits are those after the first; memory
     grows by less than 40 MiB; each trainer, dropped with its model and loaders, is freed (persistent loader workers
     included: none is left)."""
-    code, output = run_bounded([sys.executable, str(WORKERS / "fit_three_times.py"), str(tmp_path)], timeout=300,
-                               cwd=REPO)  # fmt: skip
+    code, output = run_bounded(
+        [sys.executable, str(WORKERS / "fit_three_times.py"), str(tmp_path)], timeout=300, cwd=REPO
+    )
     assert code == 0, output[-3000:]
     fits = [json.loads(line) for line in output.splitlines() if line.startswith('{"fit"')]
     assert [fit["fit"] for fit in fits] == [0, 1, 2], output[-3000:]

@@ -76,8 +76,9 @@ def local_reference(
     anchor = [torch.nn.Parameter(p.detach().clone()) for p in start.parameters()]
     outer_optimizer = None
     if outer is not None:
-        outer_optimizer = torch.optim.SGD(anchor, lr=outer["outer_lr"], momentum=outer["outer_momentum"],
-                                          nesterov=outer["nesterov"])  # fmt: skip
+        outer_optimizer = torch.optim.SGD(
+            anchor, lr=outer["outer_lr"], momentum=outer["outer_momentum"], nesterov=outer["nesterov"]
+        )
     samples = [0] * len(micro)
     for number, step in enumerate(steps, start=1):
         for rank, trained in enumerate(inner_training_step(dataset, step, micro, inner, nets, inner_optimizers)):
@@ -117,9 +118,7 @@ def local_args(sync: str, batch_sizes: list[int], **strategy: Any) -> list[str]:
 def test_one_synchronization_per_step_is_synchronous_sgd(sync, options, tmp_path):
     """Uneven micro-batches 3/13, one inner SGD-with-momentum step each, merged every step weighted 3/16 and 13/16:
     the update is one process's on the global batch of 16 (momentum too: the weighted average is linear)."""
-    run = run_fit(
-        tmp_path, *local_args(sync, [3, 13], sync_every=1, inner_steps=[1, 1], **options), "--max-steps", "4"
-    )  # fmt: skip
+    run = run_fit(tmp_path, *local_args(sync, [3, 13], sync_every=1, inner_steps=[1, 1], **options), "--max-steps", "4")
     assert run.returncode == 0, run.output[-4000:]
     assert run.result["global_step"] == 4
     steps = contiguous_steps(64, 16, 4)
@@ -187,8 +186,9 @@ def test_the_pseudo_gradient_travels_quantized_with_error_feedback(mode, bits, t
     an eighth of fp32's bytes, plus the scales, counted on the wire), the parameters are the same on both ranks after
     every merge, and four merges stay near synchronous SGD."""
     arguments = ["--max-steps", "4"]
-    quantized = run_fit(tmp_path / "q", *local_args("local_sgd", [3, 13], compression=mode), *arguments,
-                        "--record-every-step")  # fmt: skip
+    quantized = run_fit(
+        tmp_path / "q", *local_args("local_sgd", [3, 13], compression=mode), *arguments, "--record-every-step"
+    )
     full = run_fit(tmp_path / "full", *local_args("local_sgd", [3, 13]), *arguments)
     assert quantized.returncode == 0 and full.returncode == 0, (quantized.output + full.output)[-4000:]
     parameters = sum(torch.tensor(value).numel() for value in full.result["params"].values())
@@ -201,8 +201,9 @@ def test_the_pseudo_gradient_travels_quantized_with_error_feedback(mode, bits, t
     # quantized blocks.
     others = {f - 4.0 * parameters for f in sent(tmp_path / "full")}
     assert len(others) == 1 and 0 < others.pop() < 64
-    assert [q - wire_bytes(parameters, bits) for q in sent(tmp_path / "q")] == [f - 4.0 * parameters for f in
-                                                                               sent(tmp_path / "full")]  # fmt: skip
+    assert [q - wire_bytes(parameters, bits) for q in sent(tmp_path / "q")] == [
+        f - 4.0 * parameters for f in sent(tmp_path / "full")
+    ]
     records = [json.loads(line) for line in (tmp_path / "q" / "per_step.jsonl").read_text().splitlines()]
     assert [record["spread"] for record in records] == [0.0] * 4  # (the largest difference between the ranks)
     reference = reference_training(IndexedRegression(64), contiguous_steps(64, 16, 4))
@@ -217,8 +218,14 @@ def test_a_quantized_resume_carries_each_ranks_error_feedback_and_equals_the_uni
     merge in flight applied and every fragment merged first) holds what each rank's rounding left out, and the
     resumed run ends bit-near the uninterrupted one, which saved at step 2 too (without the error feedback, the
     resumed merges would send less and end elsewhere)."""
-    arguments = local_args("diloco", [4, 4], sync_every=2, inner_steps=[2, 1], compression="int8",
-                           sync_options={"fragments": fragments, "overlap": overlap})  # fmt: skip
+    arguments = local_args(
+        "diloco",
+        [4, 4],
+        sync_every=2,
+        inner_steps=[2, 1],
+        compression="int8",
+        sync_options={"fragments": fragments, "overlap": overlap},
+    )
     whole = run_fit(tmp_path / "whole", *arguments, "--samples", "60", "--checkpoint-every", "2")
     first = run_fit(tmp_path / "first", *arguments, "--samples", "60", "--max-steps", "2", "--checkpoint-every", "2")
     assert whole.returncode == 0 and first.returncode == 0, (whole.output + first.output)[-4000:]
@@ -285,8 +292,9 @@ def streaming_reference(
 
     anchor = [torch.nn.Parameter(value.clone()) for value in piece_values(start)]
     sent_from = [[value.clone() for value in piece_values(start)] for _ in micro]
-    outer_optimizer = torch.optim.SGD(anchor, lr=outer["outer_lr"], momentum=outer["outer_momentum"],
-                                      nesterov=outer["nesterov"])  # fmt: skip
+    outer_optimizer = torch.optim.SGD(
+        anchor, lr=outer["outer_lr"], momentum=outer["outer_momentum"], nesterov=outer["nesterov"]
+    )
     samples = [[0] * len(micro) for _ in range(fragments)]  # per fragment, per rank, since its last merge
     pending: Optional[tuple[list[int], list[torch.Tensor]]] = None
 
@@ -317,8 +325,9 @@ def streaming_reference(
             continue
         indices = [index for fragment in due for index, owner in enumerate(owners) if owner == fragment]
         with torch.no_grad():
-            progress = [{i: sent_from[rank][i] - piece_values(net)[i] for i in indices}
-                        for rank, net in enumerate(nets)]  # fmt: skip
+            progress = [
+                {i: sent_from[rank][i] - piece_values(net)[i] for i in indices} for rank, net in enumerate(nets)
+            ]
         averages = []
         for fragment in due:
             total = sum(samples[fragment])
@@ -331,8 +340,9 @@ def streaming_reference(
                 overlap is not None and eager and not last
             ):  # the outer step of its own progress (a copy of the outer optimizer's)
                 copies = [torch.nn.Parameter(value.detach().clone()) for value in anchor]
-                tentative = torch.optim.SGD(copies, lr=outer["outer_lr"], momentum=outer["outer_momentum"],
-                                            nesterov=outer["nesterov"])  # fmt: skip
+                tentative = torch.optim.SGD(
+                    copies, lr=outer["outer_lr"], momentum=outer["outer_momentum"], nesterov=outer["nesterov"]
+                )
                 tentative.load_state_dict(copy.deepcopy(outer_optimizer.state_dict()))
                 for index in indices:
                     copies[index].grad = progress[rank][index].detach().clone()
@@ -369,8 +379,12 @@ def test_streaming_fragments_merge_in_turn_as_the_plain_torch_reference_with_a_f
     reference = streaming_reference(IndexedRegression(60), steps, [4, 4], [2, 1], 2, fragments, outer)
     assert max_param_difference(run.result, reference) <= TOLERANCE
     # (without fragments the same run differs: the check above is not met by merging everything at once)
-    assert max_param_difference(run.result, local_reference(IndexedRegression(60), steps, [4, 4], [2, 1], {2, 4, 5},
-                                                            outer)) > 1e-4  # fmt: skip
+    assert (
+        max_param_difference(
+            run.result, local_reference(IndexedRegression(60), steps, [4, 4], [2, 1], {2, 4, 5}, outer)
+        )
+        > 1e-4
+    )
     sizes = [value.numel() for value in reference.values()]
     fragment_values = [sum(sizes) * (f + 1) // fragments - sum(sizes) * f // fragments for f in range(fragments)]
     report = json.loads((tmp_path / "hetero" / "report.json").read_text())
@@ -380,8 +394,9 @@ def test_streaming_fragments_merge_in_turn_as_the_plain_torch_reference_with_a_f
     assert sent[4] == others + 4 * sum(sizes) + 8  # the epoch's end: both fragments (a count each)
 
 
-@pytest.mark.parametrize(("fragments", "overlap_steps", "eager"), [(1, 2, True), (2, None, True), (1, None, True),
-                                                                    (1, 2, False)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("fragments", "overlap_steps", "eager"), [(1, 2, True), (2, None, True), (1, None, True), (1, 2, False)]
+)
 def test_an_overlapped_merge_is_applied_one_merge_late_as_the_plain_torch_reference(
     fragments, overlap_steps, eager, tmp_path
 ):
@@ -404,11 +419,13 @@ def test_an_overlapped_merge_is_applied_one_merge_late_as_the_plain_torch_refere
     outer = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
     dataset = IndexedRegression(60)
     applied_after = overlap_steps or 1
-    reference = streaming_reference(dataset, steps, [4, 4], [2, 1], 2, fragments, outer, overlap=applied_after,
-                                    eager=eager)  # fmt: skip
+    reference = streaming_reference(
+        dataset, steps, [4, 4], [2, 1], 2, fragments, outer, overlap=applied_after, eager=eager
+    )
     assert max_param_difference(run.result, reference) <= TOLERANCE
-    other_stand_in = streaming_reference(dataset, steps, [4, 4], [2, 1], 2, fragments, outer, overlap=applied_after,
-                                         eager=not eager)  # fmt: skip
+    other_stand_in = streaming_reference(
+        dataset, steps, [4, 4], [2, 1], 2, fragments, outer, overlap=applied_after, eager=not eager
+    )
     assert max_param_difference(run.result, other_stand_in) > 1e-4
     waited = streaming_reference(dataset, steps, [4, 4], [2, 1], 2, fragments, outer)
     assert max_param_difference(run.result, waited) > 1e-4
@@ -416,8 +433,9 @@ def test_an_overlapped_merge_is_applied_one_merge_late_as_the_plain_torch_refere
     assert f"each merge is sent in the background while the ranks train on from {stand_in}" in run.output
     if fragments == 1:  # (one step or two later: not the same run)
         other = 1 if applied_after == 2 else 2
-        applied_otherwise = streaming_reference(dataset, steps, [4, 4], [2, 1], 2, fragments, outer, overlap=other,
-                                                eager=eager)  # fmt: skip
+        applied_otherwise = streaming_reference(
+            dataset, steps, [4, 4], [2, 1], 2, fragments, outer, overlap=other, eager=eager
+        )
         assert max_param_difference(run.result, applied_otherwise) > 1e-4
     report = json.loads((tmp_path / "hetero" / "report.json").read_text())
     assert all(len(step["link_wait_seconds"]) == 2 for step in report["steps"])
@@ -426,8 +444,12 @@ def test_an_overlapped_merge_is_applied_one_merge_late_as_the_plain_torch_refere
 
 
 def test_an_inner_micro_batch_over_the_emulated_memory_is_refused_on_every_rank(tmp_path):
-    run = run_fit(tmp_path, *local_args("diloco", [8, 8], inner_steps=[2, 1]), timeout=120,
-                  env={"LIGHTNING_HETERO_EMULATE_MEMORY": "4,-"})  # fmt: skip
+    run = run_fit(
+        tmp_path,
+        *local_args("diloco", [8, 8], inner_steps=[2, 1]),
+        timeout=120,
+        env={"LIGHTNING_HETERO_EMULATE_MEMORY": "4,-"},
+    )
     assert run.returncode != 0
     message = "Rank 0's micro-batch of 8 samples (16 in 2 micro-steps) does not fit in its memory"
     assert run.output.count(message) >= 2, run.output[-3000:]

@@ -24,8 +24,13 @@ def test_micro_batches_differ_by_at_most_one_and_none_is_empty(samples, steps, s
 
 def test_every_kind_of_batch_is_cut_along_the_samples():
     x, y = torch.arange(10.0).reshape(5, 2), torch.arange(5)
-    batch = {"pair": Pair(x, y), "names": ["a", "b", "c", "d", "e"], "scale": torch.tensor(2.0), "tag": "t",
-             "nested": [x, (y,)]}  # fmt: skip
+    batch = {
+        "pair": Pair(x, y),
+        "names": ["a", "b", "c", "d", "e"],
+        "scale": torch.tensor(2.0),
+        "tag": "t",
+        "nested": [x, (y,)],
+    }
     pieces = split_batch(batch, [3, 2])
     assert [type(p["pair"]) for p in pieces] == [Pair, Pair]
     assert torch.equal(pieces[0]["pair"].x, x[:3]) and torch.equal(pieces[1]["pair"].y, y[3:])

@@ -61,8 +61,15 @@ def test_micro_steps_with_lightnings_accumulation_and_a_short_last_batch_equal_o
     """70 samples, global batch 16: four full batches and one of 6 (rank 1 takes 4 of them in 3 micro-batches of
     2, 1, 1), with `accumulate_grad_batches=2`: steps after batches 2, 4 and 5, each batch's loss divided by 2."""
     run = run_fit(
-        tmp_path, *micro_step_args(2), "--samples", "70", "--accumulate", "2", "--max-epochs", "2",
-    )  # fmt: skip
+        tmp_path,
+        *micro_step_args(2),
+        "--samples",
+        "70",
+        "--accumulate",
+        "2",
+        "--max-epochs",
+        "2",
+    )
     assert run.returncode == 0, run.output[-4000:]
     assert run.result["global_step"] == 6
     dataset = IndexedRegression(70)
@@ -85,9 +92,16 @@ def test_the_automatic_split_takes_micro_steps_where_the_memory_holds_less_than_
     samples, unless this tiny model's fixed cost per micro-step outweighs that), and the update is still one
     process's on the same global batches."""
     run = run_fit(
-        tmp_path, "--stage", "2", "--emulate-speeds", "1.0", "0.4", "--max-steps", "3",
+        tmp_path,
+        "--stage",
+        "2",
+        "--emulate-speeds",
+        "1.0",
+        "0.4",
+        "--max-steps",
+        "3",
         env={"LIGHTNING_HETERO_EMULATE_MEMORY": "4,4"},
-    )  # fmt: skip
+    )
     assert run.returncode == 0, run.output[-4000:]
     plan = json.loads((tmp_path / "hetero" / "plan.json").read_text())
     samples, steps = plan["batch_sizes"], plan["micro_steps"]
@@ -100,9 +114,7 @@ def test_the_automatic_split_takes_micro_steps_where_the_memory_holds_less_than_
 
 
 def test_a_fixed_split_over_the_emulated_memory_is_refused_on_every_rank(tmp_path):
-    run = run_fit(
-        tmp_path, "--batch-sizes", "12", "4", timeout=120, env={"LIGHTNING_HETERO_EMULATE_MEMORY": "4,-"}
-    )  # fmt: skip
+    run = run_fit(tmp_path, "--batch-sizes", "12", "4", timeout=120, env={"LIGHTNING_HETERO_EMULATE_MEMORY": "4,-"})
     assert run.returncode != 0
     message = "Rank 0's micro-batch of 12 samples (12 in 1 micro-step) does not fit"
     assert run.output.count(message) >= 2, run.output[-4000:]

@@ -101,11 +101,14 @@ def test_the_layout_places_pipelines_side_by_side():
     assert layout.stage_ranks(0) == [1, 3]
 
 
-@pytest.mark.parametrize(("path", "match"), [
-    ("layers", r"`blocks` 'layers': Model has no attribute 'layers' \(its modules: \['embed', 'net', 'head'\]\)"),
-    ("net.inner", r"`blocks` 'net.inner': net has no attribute 'inner'"),
-    ("head", r"`blocks` 'head' is a Linear, not a chain the strategy can split"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("path", "match"),
+    [
+        ("layers", r"`blocks` 'layers': Model has no attribute 'layers' \(its modules: \['embed', 'net', 'head'\]\)"),
+        ("net.inner", r"`blocks` 'net.inner': net has no attribute 'inner'"),
+        ("head", r"`blocks` 'head' is a Linear, not a chain the strategy can split"),
+    ],
+)
 def test_a_chain_that_is_not_there_is_named(path, match):
     with pytest.raises(ValueError, match=match):
         find_chain(Model(), path)
@@ -119,11 +122,14 @@ def test_stages_and_boundaries_are_checked_against_the_chain():
     assert check_chain_shape(Model(), PipelineChoice(2, "net", (3,)))[1] == ["0", "1", "2", "3", "4"]
 
 
-@pytest.mark.parametrize(("use", "match"), [
-    ([0, 1, 1, 2, 3, 4], "runs block '1' more than once"),
-    ([0, 2, 1, 3, 4], r"runs them out of order \(\['0', '2', '1', '3', '4'\]\)"),
-    ([0, 1, 2], r"runs only \['0', '1', '2'\]"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("use", "match"),
+    [
+        ([0, 1, 1, 2, 3, 4], "runs block '1' more than once"),
+        ([0, 2, 1, 3, 4], r"runs them out of order \(\['0', '2', '1', '3', '4'\]\)"),
+        ([0, 1, 2], r"runs only \['0', '1', '2'\]"),
+    ],
+)
 def test_a_chain_that_cannot_be_split_is_refused_naming_the_block(use, match):
     model = Model(container="list", use=use)
     before = copy.deepcopy(model.state_dict())

@@ -86,8 +86,21 @@ def test_a_resume_in_the_middle_equals_the_uninterrupted_run(tmp_path, devices, 
     first = tmp_path / "first"
     run_pipeline(first, "--boundaries", "2", "--optimizer", "adam", "--steps", "4", "--save-every", "4")
     (saved,) = sorted((first / "out" / "ckpt").iterdir())
-    ranks = run_pipeline(tmp_path / "resumed", "--devices", str(devices), "--boundaries", boundaries, "--optimizer",
-                         "adam", "--steps", "8", "--batch", str(batch), "--ckpt-path", str(saved))  # fmt: skip
+    ranks = run_pipeline(
+        tmp_path / "resumed",
+        "--devices",
+        str(devices),
+        "--boundaries",
+        boundaries,
+        "--optimizer",
+        "adam",
+        "--steps",
+        "8",
+        "--batch",
+        str(batch),
+        "--ckpt-path",
+        str(saved),
+    )
     assert largest_difference(one_process("adam", 8, 12), ranks) <= 1e-5
 
 
@@ -116,8 +129,9 @@ def test_a_model_that_fits_no_rank_with_data_parallelism_trains_as_a_pipeline(tm
     of which 2 MiB may be planned: below even ZeRO-3's share (3.2 MiB). Data parallelism (Adam) is refused before
     training, naming `pipeline`; the pipeline places one block on rank 1, says so in its plan, and trains exactly."""
     memory = {"LIGHTNING_HETERO_EMULATE_MEMORY": "-,2.5MiB"}
-    code, output = run_worker(tmp_path / "dp", "--stages", "0", "--width", "256", "--optimizer", "adam",
-                              timeout=120, env=memory)  # fmt: skip
+    code, output = run_worker(
+        tmp_path / "dp", "--stages", "0", "--width", "256", "--optimizer", "adam", timeout=120, env=memory
+    )
     assert code != 0
     assert output.count("do not fit at any stage") == 2 and "Split the model instead of only the batch" in output
     out = tmp_path / "pipeline"
@@ -136,8 +150,17 @@ def test_a_model_that_fits_no_rank_with_data_parallelism_trains_as_a_pipeline(tm
 def test_a_drift_moves_blocks_and_the_update_stays_exact(tmp_path):
     """Rank 1 slows to 0.2 from step 6 (re-plan windows of 4 steps): within two windows blocks move off it (its
     parameters, buffers and Adam state sent to rank 0), and 16 Adam steps still equal one process's."""
-    ranks = run_pipeline(tmp_path, "--speed-schedule", '{"0": [1.0, 1.0], "6": [1.0, 0.2]}', "--rebalance-window",
-                         "4", "--steps", "16", "--optimizer", "adam")  # fmt: skip
+    ranks = run_pipeline(
+        tmp_path,
+        "--speed-schedule",
+        '{"0": [1.0, 1.0], "6": [1.0, 0.2]}',
+        "--rebalance-window",
+        "4",
+        "--steps",
+        "16",
+        "--optimizer",
+        "adam",
+    )
     replans = json.loads((tmp_path / "out" / "rank0.json").read_text())["replans"]
     assert replans and replans[0]["step"] <= 12, replans  # the windows ending at steps 8 and 12
     blocks_on_rank_1 = sorted({n.split(".")[1] for n in ranks[1] if n.startswith("net.")})
@@ -166,8 +189,9 @@ def test_the_monitor_logs_each_stage_s_times(tmp_path):
     rows = list(csv.DictReader(metrics.open()))
     logged = [row for row in rows if row.get("hetero/stage_0/compute_ms")]
     assert [int(row["step"]) for row in logged] == list(range(6))
-    assert all(float(row["hetero/stage_1/wait_ms"]) >= 0 and 0 < float(row["hetero/pipeline_balance"]) <= 1
-               for row in logged)  # fmt: skip
+    assert all(
+        float(row["hetero/stage_1/wait_ms"]) >= 0 and 0 < float(row["hetero/pipeline_balance"]) <= 1 for row in logged
+    )
 
 
 @pytest.mark.multiprocess
@@ -175,8 +199,9 @@ def test_a_faster_pipeline_takes_more_of_the_batch_and_the_update_stays_exact(tm
     """Two pipelines of two stages, the second (ranks 2, 3) emulated at 0.4: placed by measurement, each pipeline's
     share follows its measured throughput (the fast one more than half of the 24 samples), and 4 Adam steps equal
     one process's on the whole batch."""
-    code, output = run_worker(tmp_path / "out", "--devices", "4", "--speeds", "1.0,1.0,0.4,0.4", "--optimizer",
-                              "adam", "--steps", "4")  # fmt: skip
+    code, output = run_worker(
+        tmp_path / "out", "--devices", "4", "--speeds", "1.0,1.0,0.4,0.4", "--optimizer", "adam", "--steps", "4"
+    )
     assert code == 0, output[-4000:]
     shares = json.loads(re.search(r"the pipelines' shares of the global batch: (\[\d+, \d+\])", output).group(1))
     assert sum(shares) == 24 and shares[0] > 12 > shares[1]
@@ -210,8 +235,22 @@ def test_a_pipeline_updates_as_one_process(
     tmp_path, devices, stages, boundaries, schedule, optimizer, speeds, micro, launcher
 ):
     steps, batch = 4, 12
-    arguments = ["--devices", str(devices), "--stages", str(stages), "--boundaries", boundaries, "--schedule",
-                 schedule, "--optimizer", optimizer, "--steps", str(steps), "--batch", str(batch)]  # fmt: skip
+    arguments = [
+        "--devices",
+        str(devices),
+        "--stages",
+        str(stages),
+        "--boundaries",
+        boundaries,
+        "--schedule",
+        schedule,
+        "--optimizer",
+        optimizer,
+        "--steps",
+        str(steps),
+        "--batch",
+        str(batch),
+    ]
     if speeds:
         arguments += ["--speeds", speeds]
     if micro:
@@ -250,8 +289,17 @@ def test_a_pipeline_mistake_stops_every_rank_with_the_message(tmp_path, argument
 def test_sigterm_to_a_stage_stops_every_rank_with_the_interrupted_exit_code(tmp_path, signalled_rank):
     """SIGTERM to the last stage (rank 0) or the first (rank 1) mid-training: every rank stops with 143 (the ranks
     agree at a step boundary, outside the schedule's sends and receives), none waits for the other."""
-    command = [sys.executable, str(WORKER), "--out", str(tmp_path), "--boundaries", "3", "--steps", "100000",
-               "--signal-test"]  # fmt: skip
+    command = [
+        sys.executable,
+        str(WORKER),
+        "--out",
+        str(tmp_path),
+        "--boundaries",
+        "3",
+        "--steps",
+        "100000",
+        "--signal-test",
+    ]
     returncode, output, codes = sigterm_mid_training(command, tmp_path, signalled_rank, 2)
     assert returncode != 0, output[-3000:]
     assert codes.get(1) == str(EXIT_CODE_INTERRUPTED), (codes, output[-3000:])
@@ -265,10 +313,29 @@ def test_a_lost_stage_stops_the_other_within_the_peer_timeout(tmp_path, how):
     Lightning's launcher (rank 0's process) ends the job. Frozen (its sockets stay open, so no send or receive
     breaks): the heartbeat watchdog or the receive's deadline stops rank 0 within the peer timeout, naming rank 1.
     Nothing waits longer."""
-    command = [sys.executable, str(WORKER), "--out", str(tmp_path), "--boundaries", "3", "--kill",
-               "1:2" + (":freeze" if how == "freeze" else ""), "--steps", "1000", "--peer-timeout", "5"]  # fmt: skip
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})  # fmt: skip
+    command = [
+        sys.executable,
+        str(WORKER),
+        "--out",
+        str(tmp_path),
+        "--boundaries",
+        "3",
+        "--kill",
+        "1:2" + (":freeze" if how == "freeze" else ""),
+        "--steps",
+        "1000",
+        "--peer-timeout",
+        "5",
+    ]
+    process = subprocess.Popen(
+        command,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     started = time.monotonic()
     try:
         while process.poll() is None and time.monotonic() - started < 90:

@@ -57,8 +57,9 @@ def test_the_counts_follow_the_batch_trained_not_the_one_drawn_ahead():
 
 def test_a_resume_skips_what_each_stream_gave_and_a_new_split_applies_from_the_next_draw():
     loader, _ = loader_for(range(20), [3, 5], 0, lambda step: [5] * 10, epoch=lambda: 1)
-    loader.load_state_dict({"epoch": 1, "samples_taken_per_rank": [6, 10], "global_samples_consumed": 16,
-                            "batch_sizes": [3, 5]})  # fmt: skip
+    loader.load_state_dict(
+        {"epoch": 1, "samples_taken_per_rank": [6, 10], "global_samples_consumed": 16, "batch_sizes": [3, 5]}
+    )
     iterator = iter(loader)
     assert next(iterator).tolist() == [6, 7, 8]
     loader.hetero_batch_sampler.use_split([4, 4])
@@ -78,7 +79,10 @@ def test_a_checkpoint_of_another_epoch_or_world_size_starts_the_streams_afresh()
 
 
 def test_the_users_collate_function_makes_the_micro_batch():
-    user = DataLoader(Stream([{"x": i} for i in range(4)]), batch_size=2,
-                      collate_fn=lambda samples: torch.tensor([s["x"] * 10 for s in samples]))  # fmt: skip
+    user = DataLoader(
+        Stream([{"x": i} for i in range(4)]),
+        batch_size=2,
+        collate_fn=lambda samples: torch.tensor([s["x"] * 10 for s in samples]),
+    )
     loader = HeteroStreamLoader(user, [2, 2], 1, lambda count: [count, count], lambda: 0)
     assert [batch.tolist() for batch in loader] == [[0, 10], [20, 30]]

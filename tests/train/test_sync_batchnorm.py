@@ -73,12 +73,16 @@ def make(image: bool, momentum) -> nn.Module:
     if image:
         torch.manual_seed(0)
         return nn.Sequential(
-            nn.Conv2d(5, features, 1), nn.BatchNorm2d(features, momentum=momentum), nn.Tanh(), nn.Flatten(),
+            nn.Conv2d(5, features, 1),
+            nn.BatchNorm2d(features, momentum=momentum),
+            nn.Tanh(),
+            nn.Flatten(),
             nn.Linear(features * 2 * 3, 1),
-        )  # fmt: skip
+        )
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(3, features), nn.BatchNorm1d(features, momentum=momentum), nn.Tanh(),
-                         nn.Linear(features, 1))  # fmt: skip
+    return nn.Sequential(
+        nn.Linear(3, features), nn.BatchNorm1d(features, momentum=momentum), nn.Tanh(), nn.Linear(features, 1)
+    )
 
 
 @pytest.mark.parametrize("image", [False, True], ids=["BatchNorm1d", "BatchNorm2d"])

@@ -24,14 +24,28 @@ TOLERANCE = 1e-5
 BATCH_SIZES = [3, 13]
 
 
-@pytest.mark.parametrize(("stage", "micro_steps"), [(0, [1, 1]), (2, [1, 1]), (2, [2, 2]), (3, [1, 1])],
-                         ids=["zero0", "zero2", "zero2-micro-steps", "zero3"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("stage", "micro_steps"),
+    [(0, [1, 1]), (2, [1, 1]), (2, [2, 2]), (3, [1, 1])],
+    ids=["zero0", "zero2", "zero2-micro-steps", "zero3"],
+)
 def test_sync_batchnorm_equals_one_process_on_the_global_batch(stage, micro_steps, tmp_path):
     global_batch = sum(b * k for b, k in zip(BATCH_SIZES, micro_steps))
     dataset, steps = IndexedRegression(64), contiguous_steps(64, global_batch, 64 // global_batch)
-    run = run_fit(tmp_path, "--stage", str(stage), "--batch-sizes", *map(str, BATCH_SIZES), "--batchnorm",
-                  "--sync-batchnorm", "--strategy-args", json.dumps({"micro_steps": micro_steps}), "--samples", "64",
-                  warnings=True)  # fmt: skip
+    run = run_fit(
+        tmp_path,
+        "--stage",
+        str(stage),
+        "--batch-sizes",
+        *map(str, BATCH_SIZES),
+        "--batchnorm",
+        "--sync-batchnorm",
+        "--strategy-args",
+        json.dumps({"micro_steps": micro_steps}),
+        "--samples",
+        "64",
+        warnings=True,
+    )
     assert run.returncode == 0, run.output[-4000:]
     assert run.result["batchnorm_types"] == ["SampleWeightedSyncBatchNorm"]
     parameters, statistics = batchnorm_reference_training(dataset, steps, BATCH_SIZES, micro_steps)

@@ -72,8 +72,12 @@ def test_a_summed_loss_that_varies_a_lot_between_batches_never_looks_like_a_mean
 def test_steps_that_cannot_tell_are_left_out():
     # Equal micro-batches (a mean and a sum train alike), a loss of zero, of mixed signs, or not finite.
     assert loss_scaling([[(8.0, 1.0), (8.0, 3.0)]] * 10).reduction is None
-    for bad in ([(3.0, 0.0), (13.0, 1.0)], [(3.0, -1.0), (13.0, 1.0)], [(3.0, math.nan), (13.0, 1.0)],
-                [(math.nan, 1.0), (13.0, 1.0)]):  # fmt: skip
+    for bad in (
+        [(3.0, 0.0), (13.0, 1.0)],
+        [(3.0, -1.0), (13.0, 1.0)],
+        [(3.0, math.nan), (13.0, 1.0)],
+        [(math.nan, 1.0), (13.0, 1.0)],
+    ):
         assert loss_scaling([bad] * 10).steps == 0
     # Losses of one sign, all negative: a negative summed loss still grows with the batch.
     assert loss_scaling([[(3.0, -6.0), (13.0, -26.0)]] * 3).reduction == "sum"

@@ -10,8 +10,12 @@ from lightning_hetero.watch.pipeline_report import describe_stages, summarize_st
 def test_each_stage_its_compute_its_waiting_and_the_balance():
     # Two pipelines of two stages: ranks 0 and 2 hold stage 1, ranks 1 and 3 stage 0. Two warm-up steps are left out.
     slow, fast = (0.9, 0.0), (0.3, 0.5)
-    times = [[(5.0, 5.0)] * 2 + [slow] * 3, [(5.0, 5.0)] * 2 + [fast] * 3,
-             [(5.0, 5.0)] * 2 + [(0.6, 0.1)] * 3, [(5.0, 5.0)] * 2 + [(0.2, 0.4)] * 3]  # fmt: skip
+    times = [
+        [(5.0, 5.0)] * 2 + [slow] * 3,
+        [(5.0, 5.0)] * 2 + [fast] * 3,
+        [(5.0, 5.0)] * 2 + [(0.6, 0.1)] * 3,
+        [(5.0, 5.0)] * 2 + [(0.2, 0.4)] * 3,
+    ]
     summary = summarize_stages(times, [1, 0, 1, 0])
     assert summary["steps"] == 5 and summary["steps_summarized"] == 3
     stage0, stage1 = summary["stages"]

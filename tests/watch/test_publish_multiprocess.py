@@ -18,8 +18,17 @@ def test_with_mlflow_the_report_is_a_run_artifact_and_the_store_root_stays_mlflo
     store = tmp_path / "mlruns"
     # A file store, the one whose root the report used to land in (MLflow 3 asks to opt in to it).
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    run = run_fit(tmp_path / "out", "--batch-sizes", "3", "13", "--max-steps", "2", "--mlflow", str(store),
-                  env={"MLFLOW_ALLOW_FILE_STORE": "true"})  # fmt: skip
+    run = run_fit(
+        tmp_path / "out",
+        "--batch-sizes",
+        "3",
+        "13",
+        "--max-steps",
+        "2",
+        "--mlflow",
+        str(store),
+        env={"MLFLOW_ALLOW_FILE_STORE": "true"},
+    )
     assert run.returncode == 0, run.output[-4000:]
     assert not (store / "hetero").exists()  # MLflow read it as a malformed experiment
     client = mlflow.tracking.MlflowClient(tracking_uri=f"file:{store}")
@@ -37,8 +46,17 @@ def test_with_wandb_the_report_is_in_the_runs_files(tmp_path):
     pytest.importorskip("wandb")  # (in the test extra)
     save_dir = tmp_path / "wandb_runs"
     # Offline: W&B writes the run, its files included, under save_dir/wandb/offline-run-*/ and sends nothing.
-    run = run_fit(tmp_path / "out", "--batch-sizes", "3", "13", "--max-steps", "2", "--wandb", str(save_dir),
-                  env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})  # fmt: skip
+    run = run_fit(
+        tmp_path / "out",
+        "--batch-sizes",
+        "3",
+        "13",
+        "--max-steps",
+        "2",
+        "--wandb",
+        str(save_dir),
+        env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"},
+    )
     assert run.returncode == 0, run.output[-4000:]
     assert not (save_dir / "hetero").exists()  # not in the logger's save directory (the store root)
     (local,) = (tmp_path / "out" / "hetero").iterdir()  # the run's own folder under the Trainer's root

@@ -122,8 +122,12 @@ def test_the_ranks_traces_share_one_time_axis_one_process_each():
 def test_rank_0_merges_the_files_it_finds_and_names_the_missing(tmp_path):
     (tmp_path / "trace_rank_0.json").write_text(json.dumps(trace_of(0, 0, [("hetero: backward", 1.0, 2.0)])))
     section = write_merged(tmp_path, world_size=2)
-    assert section == {"ranks": ["trace_rank_0.json"], "missing": ["trace_rank_1.json"], "merged": MERGED_NAME,
-                       "steps": [4, 5]}  # fmt: skip
+    assert section == {
+        "ranks": ["trace_rank_0.json"],
+        "missing": ["trace_rank_1.json"],
+        "merged": MERGED_NAME,
+        "steps": [4, 5],
+    }
     assert json.loads((tmp_path / MERGED_NAME).read_text())["hetero"]["ranks"] == [0]
 
 

@@ -31,13 +31,29 @@ def test_a_trace_of_three_steps_puts_both_ranks_on_one_timeline_with_the_phases_
     phases are named on both ranks, inside the traced steps only. The fast rank's time in the exchange's collectives
     (where it waits for the slow one) matches the run report's wait for it over the same steps within 10 %: the
     report's also holds the host's work after backward, small beside that wait."""
-    run = run_fit(tmp_path, "--samples", "160", "--batch-sizes", "8", "8", "--emulate-speeds", "1.0", "0.05",
-                  "--hidden", "64", "--strategy-args", json.dumps({"trace": {"steps": TRACED}}))  # fmt: skip
+    run = run_fit(
+        tmp_path,
+        "--samples",
+        "160",
+        "--batch-sizes",
+        "8",
+        "8",
+        "--emulate-speeds",
+        "1.0",
+        "0.05",
+        "--hidden",
+        "64",
+        "--strategy-args",
+        json.dumps({"trace": {"steps": TRACED}}),
+    )
     assert run.returncode == 0, run.output[-4000:]
     directory = tmp_path / "hetero"
     report = json.loads((directory / "report.json").read_text())
-    assert report["traces"] == {"ranks": ["trace_rank_0.json", "trace_rank_1.json"],
-                                "merged": "trace_all_ranks.json", "steps": TRACED}  # fmt: skip
+    assert report["traces"] == {
+        "ranks": ["trace_rank_0.json", "trace_rank_1.json"],
+        "merged": "trace_all_ranks.json",
+        "steps": TRACED,
+    }
     assert "a profiler trace of steps [4, 5, 6]: trace_all_ranks.json (every rank on one timeline" in run.output
     assert "profiler_start" not in run.output  # (the profiler's own line on stderr, at its start)
     merged = json.loads((directory / "trace_all_ranks.json").read_text())  # valid JSON, as Perfetto reads it

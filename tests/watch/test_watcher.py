@@ -15,8 +15,13 @@ from lightning_hetero.watch.watcher import JobFacts, Watcher
 
 
 def watcher():
-    return Watcher(torch.device("cpu"), window=20, added_seconds=lambda: 0.0, wire_bytes=lambda: None,
-                   gather_tensor=lambda tensor: [tensor, tensor])  # fmt: skip
+    return Watcher(
+        torch.device("cpu"),
+        window=20,
+        added_seconds=lambda: 0.0,
+        wire_bytes=lambda: None,
+        gather_tensor=lambda tensor: [tensor, tensor],
+    )
 
 
 def job_facts():

@@ -184,8 +184,13 @@ class RecordSteps(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-        record = {"attempt": attempt, "rank": trainer.global_rank, "step": trainer.global_step,
-                  "epoch": trainer.current_epoch, "indices": batch[2].tolist()}  # fmt: skip
+        record = {
+            "attempt": attempt,
+            "rank": trainer.global_rank,
+            "step": trainer.global_step,
+            "epoch": trainer.current_epoch,
+            "indices": batch[2].tolist(),
+        }
         with open(self.out / "steps.jsonl", "a") as handle:
             handle.write(json.dumps(record) + "\n")
 
@@ -432,10 +437,16 @@ def main() -> None:
     parser.add_argument("--nan-until", type=int, default=1 << 30, help="... and before this global step")
     parser.add_argument("--config-by-rank", help="JSON list: rank r's DeepSpeed config (to provoke a mismatch)")
     parser.add_argument("--hold-at", help="STEP:FILE: every rank waits at that global step until FILE exists")
-    parser.add_argument("--launched-layout", action="store_true",
-                        help="devices and num_nodes from torchrun, as an elastic job's script takes them")  # fmt: skip
-    parser.add_argument("--each", help="JSON list of argument lists: one fit after another in these ranks, each with"
-                        " its arguments added to the others (several cases in one job)")  # fmt: skip
+    parser.add_argument(
+        "--launched-layout",
+        action="store_true",
+        help="devices and num_nodes from torchrun, as an elastic job's script takes them",
+    )
+    parser.add_argument(
+        "--each",
+        help="JSON list of argument lists: one fit after another in these ranks, each with"
+        " its arguments added to the others (several cases in one job)",
+    )
     args = parser.parse_args()
     if args.each is None:
         return fit(args)
@@ -486,7 +497,7 @@ def fit(args: argparse.Namespace) -> None:
                 every_n_train_steps=args.checkpoint_every,
                 save_top_k=-1,
                 save_last=args.save_last,
-            )  # fmt: skip
+            )
         )
     if args.kill:
         kill_rank, kill_step, where = args.kill.split(":")

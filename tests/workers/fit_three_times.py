@@ -44,20 +44,31 @@ def main() -> None:
         train = DataLoader(data.train_set, batch_size=64, shuffle=True, num_workers=2, persistent_workers=True)
         val = DataLoader(data.val_set, batch_size=64, num_workers=1, persistent_workers=True)
         model = SpiralClassifier()
-        trainer = Trainer(accelerator="cpu", devices=1, strategy=HeteroStrategy(), max_epochs=1,
-                          default_root_dir=root, enable_progress_bar=False)  # fmt: skip
+        trainer = Trainer(
+            accelerator="cpu",
+            devices=1,
+            strategy=HeteroStrategy(),
+            max_epochs=1,
+            default_root_dir=root,
+            enable_progress_bar=False,
+        )
         trainer.fit(model, train, val)
         trainer_ref = weakref.ref(trainer)
         del trainer, model, train, val
         gc.collect()
-        print(json.dumps({
-            "fit": fit,
-            "trainer_freed": trainer_ref() is None,
-            "threads": settled_threads(),
-            "children": [child.pid for child in process.children(recursive=True)],
-            "open_files": process.num_fds(),
-            "rss_mib": process.memory_info().rss / 2**20,
-        }), flush=True)  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "fit": fit,
+                    "trainer_freed": trainer_ref() is None,
+                    "threads": settled_threads(),
+                    "children": [child.pid for child in process.children(recursive=True)],
+                    "open_files": process.num_fds(),
+                    "rss_mib": process.memory_info().rss / 2**20,
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

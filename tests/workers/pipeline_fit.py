@@ -156,12 +156,21 @@ def main() -> None:
         rebalance_window=args.rebalance_window,
         device_precision=args.device_precision.split(",") if args.device_precision else None,
     )
-    trainer = Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
-                      enable_checkpointing=args.checkpointing or bool(callbacks), callbacks=callbacks,
-                      logger=logger, enable_progress_bar=False,
-                      default_root_dir=str(args.out),
-                      enable_model_summary=False, limit_val_batches=2 if args.val_every else 0,
-                      val_check_interval=args.val_every or None, num_sanity_val_steps=0)  # fmt: skip
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy,
+        max_steps=args.steps,
+        enable_checkpointing=args.checkpointing or bool(callbacks),
+        callbacks=callbacks,
+        logger=logger,
+        enable_progress_bar=False,
+        default_root_dir=str(args.out),
+        enable_model_summary=False,
+        limit_val_batches=2 if args.val_every else 0,
+        val_check_interval=args.val_every or None,
+        num_sanity_val_steps=0,
+    )
     data = Stream(dataset()) if args.iterable else dataset()
     loader = DataLoader(data, batch_size=args.batch, shuffle=False)
     validation = DataLoader(dataset(), batch_size=args.batch, shuffle=False) if args.val_every else None

@@ -172,8 +172,14 @@ def main() -> None:
         ray.init(address=cluster.address, runtime_env=runtime_env, log_to_driver=True)
         nodes = [cluster.head_node, second_node]
     else:
-        ray.init(num_cpus=args.workers, include_dashboard=False, _node_ip_address="127.0.0.1", _temp_dir=temp_dir,
-                 log_to_driver=True, runtime_env=runtime_env)  # fmt: skip
+        ray.init(
+            num_cpus=args.workers,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            _temp_dir=temp_dir,
+            log_to_driver=True,
+            runtime_env=runtime_env,
+        )
         nodes = [ray._private.worker._global_node]
     pids = [info.process.pid for node in nodes for infos in node.all_processes.values() for info in infos]
     (args.out / "ray_pids").write_text("\n".join(map(str, pids)))

@@ -20,9 +20,19 @@ from lightning_hetero import HeteroStrategy  # noqa: E402
 
 
 def fit(root: Path, steps: int, ckpt_path=None, weights_only=None) -> Trainer:
-    trainer = Trainer(accelerator="cpu", devices=1, strategy=HeteroStrategy(stage=2), max_steps=steps, logger=False,
-                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                      num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=root)  # fmt: skip
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=HeteroStrategy(stage=2),
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=root,
+    )
     data = SpiralDataModule(batch_size=16, train_samples=128, val_samples=16)
     trainer.fit(SpiralClassifier(hidden=16, depth=1), data, ckpt_path=ckpt_path, weights_only=weights_only)
     return trainer
