@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import lightning_hetero
@@ -92,3 +93,20 @@ def test_no_import_cycle_between_modules():
     for name in sorted(graph):
         visit(name)
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def test_lines_are_not_packed_past_the_formatter():
+    """`ruff format` decides the line breaks: at most a handful of `# fmt: skip` in the repository's Python, each with
+    its reason after it (`# fmt: skip (why)`), so that no call is packed onto one line to save lines."""
+    root = PACKAGE.parent
+    markers = []
+    for folder in ("lightning_hetero", "tests", "benchmarks", "examples"):
+        for path in sorted((root / folder).rglob("*.py")):
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if "fmt: skip" in line or "fmt: off" in line:
+                    markers.append((f"{path.relative_to(root)}:{number}", line.split("#", 1)[-1].strip()))
+    this_test = [marker for marker in markers if marker[0].startswith("tests/test_layering.py")]
+    markers = [marker for marker in markers if marker not in this_test]
+    unexplained = [where for where, comment in markers if not re.search(r"fmt: skip \(.+\)", comment)]
+    assert not unexplained, "a `# fmt: skip` without its reason: " + ", ".join(unexplained)
+    assert len(markers) <= 5, f"{len(markers)} `# fmt: skip` markers: " + ", ".join(where for where, _ in markers)

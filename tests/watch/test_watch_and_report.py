@@ -251,9 +251,14 @@ def synthetic_steps(count: int) -> list[dict]:
         slow = 0.02 if step < count // 2 else 0.01
         batch_sizes = [8, 8] if step < count // 2 else [10, 6]
         steps.append(
-            {"step": step, "batch_sizes": batch_sizes, "compute_seconds": [0.01, slow],
-             "wait_seconds": [slow - 0.01, 0.0], "step_seconds": 0.025}
-        )  # fmt: skip
+            {
+                "step": step,
+                "batch_sizes": batch_sizes,
+                "compute_seconds": [0.01, slow],
+                "wait_seconds": [slow - 0.01, 0.0],
+                "step_seconds": 0.025,
+            }
+        )
     return steps
 
 
@@ -281,8 +286,13 @@ def test_an_empty_run_has_a_report_too(tmp_path):
 
 
 def test_step_metrics_per_rank_and_for_the_job():
-    step = {"step": 3, "batch_sizes": [12, 4], "compute_seconds": [0.012, 0.008], "wait_seconds": [0.0, 0.004],
-            "step_seconds": 0.016}  # fmt: skip
+    step = {
+        "step": 3,
+        "batch_sizes": [12, 4],
+        "compute_seconds": [0.012, 0.008],
+        "wait_seconds": [0.0, 0.004],
+        "step_seconds": 0.016,
+    }
     metrics = step_metrics(step)
     assert metrics["hetero/samples_per_second"] == pytest.approx(1000)
     assert metrics["hetero/balance_efficiency"] == pytest.approx(0.02 / 0.024)
@@ -354,9 +364,18 @@ def test_the_arrival_at_the_gradient_exchange_and_the_time_inside_are_measured_p
 
 
 def late_steps(arrivals_by_step, compute=(0.004, 0.004), step_seconds=0.020):
-    return [{"step": k, "batch_sizes": [8, 8], "compute_seconds": list(compute), "wait_seconds": [0.0, 0.0],
-             "arrival_seconds": list(arrivals), "exchange_seconds": [0.009, 0.001], "step_seconds": step_seconds}
-            for k, arrivals in enumerate(arrivals_by_step)]  # fmt: skip
+    return [
+        {
+            "step": k,
+            "batch_sizes": [8, 8],
+            "compute_seconds": list(compute),
+            "wait_seconds": [0.0, 0.0],
+            "arrival_seconds": list(arrivals),
+            "exchange_seconds": [0.009, 0.001],
+            "step_seconds": step_seconds,
+        }
+        for k, arrivals in enumerate(arrivals_by_step)
+    ]
 
 
 def test_the_report_names_the_rank_the_others_wait_for_and_what_holds_it():
@@ -366,9 +385,15 @@ def test_the_report_names_the_rank_the_others_wait_for_and_what_holds_it():
     merges) says nothing."""
     throttled = late_steps([(0.004, 0.010)] * 9 + [(0.011, 0.010)])
     summary = report.summarize(throttled, [])
-    assert summary["late_rank"] == {"rank": 1, "last_share": 0.9, "median_lateness_seconds": pytest.approx(0.006),
-                                    "held_beyond_others": True, "held_beyond_others_seconds": pytest.approx(0.006),
-                                    "kernel_held_beyond_others_seconds": 0.0, "kernel_counted": False}  # fmt: skip
+    assert summary["late_rank"] == {
+        "rank": 1,
+        "last_share": 0.9,
+        "median_lateness_seconds": pytest.approx(0.006),
+        "held_beyond_others": True,
+        "held_beyond_others_seconds": pytest.approx(0.006),
+        "kernel_held_beyond_others_seconds": 0.0,
+        "kernel_counted": False,
+    }
     text = report.late_rank_text(summary)
     assert "the others wait for rank 1: it reaches the gradient exchange last in 90% of the steps" in text
     assert "6.0 ms after the first: its wall time before the exchange exceeds its compute by 6.0 ms per step" in text
@@ -425,11 +450,45 @@ def test_a_fetch_held_by_the_kernel_is_not_a_wait_for_data_and_the_step_counts_w
 
 
 def test_the_kernels_run_delay_is_read_for_this_thread():
+    """The clock reads the calling thread's run delay, each thread its own (its file is kept open per thread)."""
+    import gc
+    import os
+    import threading
+    from pathlib import Path
+
     from lightning_hetero.emulate.slowdown import held_clock
 
+    if not Path("/proc/thread-self/schedstat").exists():
+        pytest.skip("the kernel keeps no run delay here")
     clock = held_clock()
     first = clock()
     assert first >= 0.0 and clock() >= first
+
+    def read_directly() -> float:
+        return int(Path("/proc/thread-self/schedstat").read_text().split()[1]) / 1e9
+
+    seen = {}
+
+    def in_a_thread(name: str) -> None:
+        sum(range(200_000))  # (some run time of its own, beside the others)
+        seen[name] = (read_directly(), clock(), read_directly())
+
+    threads = [threading.Thread(target=in_a_thread, args=(name,)) for name in "ab"]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    before, read, after = read_directly(), clock(), read_directly()
+    assert before <= read <= after  # (this thread's, after another thread opened its own)
+    for low, value, high in seen.values():
+        assert low <= value <= high
+    opened = set(os.listdir("/proc/self/fd"))
+    threads = [threading.Thread(target=clock) for _ in range(5)]
+    for thread in threads:
+        thread.start()
+        thread.join(timeout=30)
+    gc.collect()
+    assert len(set(os.listdir("/proc/self/fd")) - opened) <= 1  # (each thread's file went with it: 5 if kept)
 
 
 def test_where_the_kernel_counts_it_the_late_rank_is_named_with_the_time_it_was_held():
