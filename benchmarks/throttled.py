@@ -117,8 +117,10 @@ def fit(variant: str, limit: float, out: Path, steps: int = STEPS) -> None:
                 self.hold()
             elif form == "neighbour":
                 core = os.sched_getaffinity(0)
-                self.neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR, str(os.getpid())],
-                                                  preexec_fn=lambda: os.sched_setaffinity(0, core))  # fmt: skip
+                self.neighbour = subprocess.Popen(
+                    [sys.executable, "-c", NEIGHBOUR, str(os.getpid())],
+                    preexec_fn=lambda: os.sched_setaffinity(0, core),
+                )
 
         def hold(self) -> None:
             from lightning_hetero.emulate import throttle
@@ -263,6 +265,12 @@ def away_from_start(
     }
 
 
+def commit_of(checkout: Path) -> str:
+    """The short commit of a git checkout ("" where it is not one: a copy of a working tree)."""
+    found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=checkout)
+    return found.stdout.strip() if found.returncode == 0 else ""
+
+
 def spread(values: list[float]) -> str:
     """``median [min, max]`` of ratios, as the printout gives them."""
     return f"{statistics.median(values):.3f} [{min(values):.3f}, {max(values):.3f}]"
@@ -349,16 +357,26 @@ def regression(args: argparse.Namespace, cores: list[int]) -> None:
             now = run_fit(variant, 1.0, args.work, cores, args.steps, tuple(args.measured))
             before = run_fit(variant, 1.0, args.work, cores, args.steps, tuple(args.measured), args.regression)
         rounds.append({"before": before, "now": now, "first": "before" if pair % 2 == 0 else "now"})
-        print(f"emulated speed {args.emulated_speed} round {pair + 1}: before {before['median_step_ms']:.1f} ms"
-              f" (split {before.get('final_batch_sizes')}), now {now['median_step_ms']:.1f} ms (split"
-              f" {now.get('final_batch_sizes')}): now/before {now['median_step_ms'] / before['median_step_ms']:.3f}",
-              flush=True)  # fmt: skip
+        print(
+            f"emulated speed {args.emulated_speed} round {pair + 1}: before {before['median_step_ms']:.1f} ms"
+            f" (split {before.get('final_batch_sizes')}), now {now['median_step_ms']:.1f} ms (split"
+            f" {now.get('final_batch_sizes')}): now/before {now['median_step_ms'] / before['median_step_ms']:.3f}",
+            flush=True,
+        )
     ratios = [r["now"]["median_step_ms"] / r["before"]["median_step_ms"] for r in rounds]
     mean_ratios = [r["now"]["mean_step_ms"] / r["before"]["mean_step_ms"] for r in rounds]
     print(f"now/before: by the median step {spread(ratios)}, by the mean step {spread(mean_ratios)}")
-    record = {"command": " ".join(sys.argv), "machine": platform.node(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "regression": str(args.regression), "rounds": rounds, "now_over_before": ratios,
-              "mean_now_over_before": mean_ratios}  # fmt: skip
+    record = {
+        "command": " ".join(sys.argv),
+        "commit": commit_of(HERE),
+        "before_commit": commit_of(args.regression),
+        "machine": platform.node(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "regression": str(args.regression),
+        "rounds": rounds,
+        "now_over_before": ratios,
+        "mean_now_over_before": mean_ratios,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))
     print(f"written to {args.out}")
@@ -386,10 +404,14 @@ def main() -> None:
         " under the package's own emulation (--emulated-speed), in pairs",
     )
     parser.add_argument("--emulated-speed", type=float, default=0.4)
-    parser.add_argument("--form", choices=["quota", "intermittent", "neighbour", "emulated", "sends"], default="quota",
-                        help="how rank 1 is slowed: its CPU quota (--limits) from the start, the same only from step"
-                        f" {INTERMITTENT[0]} to {INTERMITTENT[1]}, a busy process on its core, the package's own"
-                        " emulate_slowdown='process', or its emulate_slowdown='sends'")  # fmt: skip
+    parser.add_argument(
+        "--form",
+        choices=["quota", "intermittent", "neighbour", "emulated", "sends"],
+        default="quota",
+        help="how rank 1 is slowed: its CPU quota (--limits) from the start, the same only from step"
+        f" {INTERMITTENT[0]} to {INTERMITTENT[1]}, a busy process on its core, the package's own"
+        " emulate_slowdown='process', or its emulate_slowdown='sends'",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--limit", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -398,11 +420,10 @@ def main() -> None:
     cores = sorted(os.sched_getaffinity(0))[:2]
     if args.regression is not None:
         return regression(args, cores)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout
     record: dict[str, Any] = {
         "form": args.form,
         "command": " ".join(sys.argv),
-        "commit": commit.strip(),
+        "commit": commit_of(HERE),
         "machine": platform.node(),
         "cpus": os.cpu_count(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -411,13 +432,17 @@ def main() -> None:
     for limit in args.limits:
         sweep, sweep_figures = {}, []
         for share in args.sweep_shares:
-            figure = run_fit(fixed_variant(share), limit, args.work, cores, args.steps, tuple(args.measured), None,
-                             args.form)  # fmt: skip
+            figure = run_fit(
+                fixed_variant(share), limit, args.work, cores, args.steps, tuple(args.measured), None, args.form
+            )
             sweep[figure["variant"]] = figure["median_step_ms"]
             sweep_figures.append(figure)
             late = (figure.get("late_rank") or {}).get("rank")
-            print(f"limit {limit}: sweep {figure['variant']}: {figure['median_step_ms']:.1f} ms (mean"
-                  f" {figure['mean_step_ms']:.1f} ms; the report's late rank: {late})", flush=True)  # fmt: skip
+            print(
+                f"limit {limit}: sweep {figure['variant']}: {figure['median_step_ms']:.1f} ms (mean"
+                f" {figure['mean_step_ms']:.1f} ms; the report's late rank: {late})",
+                flush=True,
+            )
         best = best_fixed(sweep)
         rounds = []
         # (DDP cannot be slowed in its sends: that form compares the automatic split with the best fixed one only)
@@ -445,12 +470,18 @@ def main() -> None:
         medians = {name: statistics.median(r[name]["median_step_ms"] for r in rounds) for name in rounds[0]}
         over_best = [r["auto"]["median_step_ms"] / r["best fixed"]["median_step_ms"] for r in rounds]
         speedups = [r["ddp"]["median_step_ms"] / r["auto"]["median_step_ms"] for r in rounds]
-        print(f"limit {limit}: medians {', '.join(f'{k} {v:.1f} ms' for k, v in medians.items())}; auto/best fixed"
-              f" {spread(over_best)}, DDP/auto {spread(speedups)}", flush=True)  # fmt: skip
+        print(
+            f"limit {limit}: medians {', '.join(f'{k} {v:.1f} ms' for k, v in medians.items())}; auto/best fixed"
+            f" {spread(over_best)}, DDP/auto {spread(speedups)}",
+            flush=True,
+        )
         mean_over_best = [r["auto"]["mean_step_ms"] / r["best fixed"]["mean_step_ms"] for r in rounds]
         mean_speedups = [r["ddp"]["mean_step_ms"] / r["auto"]["mean_step_ms"] for r in rounds]
-        print(f"limit {limit}: by the mean step: auto/best fixed {spread(mean_over_best)}, DDP/auto"
-              f" {spread(mean_speedups)}", flush=True)  # fmt: skip
+        print(
+            f"limit {limit}: by the mean step: auto/best fixed {spread(mean_over_best)}, DDP/auto"
+            f" {spread(mean_speedups)}",
+            flush=True,
+        )
         record["limits"][str(limit)] = {
             "sweep_ms": sweep,
             "sweep": sweep_figures,

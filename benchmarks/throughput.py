@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -288,11 +289,23 @@ def main(argv: Optional[list[str]] = None) -> None:
         fit(scenario, split, Path(out))
         return
     work = args.out.parent / "throughput_runs"
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
     results = run_all(args.scenarios, args.runs, work)
     text = table(results)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"runs": args.runs, "results": results, "table": text}, indent=1))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE)
+    record = {
+        "command": " ".join(["benchmarks/throughput.py", *(argv if argv is not None else sys.argv[1:])]),
+        "commit": commit.stdout.strip() if commit.returncode == 0 else "",
+        "machine": platform.node(),
+        "cpus": os.cpu_count(),
+        "started": started,
+        "runs": args.runs,
+        "results": results,
+        "table": text,
+    }
+    args.out.write_text(json.dumps(record, indent=1))
     print(f"written to {args.out}")
 
 
