@@ -17,12 +17,19 @@ The layout follows a run's flow, one folder per stage, lowest first::
     train/      the data order cut into per-rank slices, streams, buffers kept equal, micro-batches, local SGD
     watch/      per-step measurements, the split that follows them, the run report, the monitor callback
     recover/    checkpoints, resumes, lost or signalled ranks, failures said on every rank
+
+Above the stages, a folder per capability holds all of it: its options and their checks, its decisions, its
+training object, its state in checkpoints and its report fields::
+
+    pipeline/   the model split into stages: options, blocks measured, stages placed and re-placed, the stage's
+                schedule, its state by block name, its report
+
     simulate/   the cluster planner: a mixed cluster described in YAML, planned and predicted before it is used
 
-A module imports only from its own folder and the folders listed above it. On top, imported by no stage:
+A module imports only from its own folder and the folders listed above it. On top, imported by no folder:
 ``strategy.py`` (Lightning's hook order and the DeepSpeed overrides) calls only ``job.py``'s HeteroJob, one method
 per lifecycle point, which hands each over to a stage's object (``job_setup.py``: the survey and the plan of each
-trainer call; ``job_pipeline.py``: pipeline parallelism); ``settings.py`` checks every argument, and holds every
+trainer call; ``pipeline/training.py``: pipeline parallelism); ``settings.py`` checks every argument, and holds every
 refusal. ``tests/test_layering.py`` keeps it so.
 """
 

@@ -30,8 +30,9 @@ from lightning_hetero.emulate.emulation import (
     SendsEmulation,
     emulation_for,
 )
-from lightning_hetero.job_pipeline import PipelineTraining, check_pipeline_job
 from lightning_hetero.job_setup import JobSetup
+from lightning_hetero.pipeline.stage import Pipeline
+from lightning_hetero.pipeline.training import PipelineTraining, check_pipeline_job
 from lightning_hetero.plan.deepspeed_config import config_disagreements, disagreement_message
 from lightning_hetero.precision.job import loss_scale_value
 from lightning_hetero.precision.nonfinite import NonFiniteGuard
@@ -46,7 +47,6 @@ from lightning_hetero.train.buffers import BufferSync
 from lightning_hetero.train.claims import REBUILT_LOADERS, AsynchronousTraining
 from lightning_hetero.train.local_sgd import LocalTraining
 from lightning_hetero.train.micro_batches import MicroBatchGuard
-from lightning_hetero.train.pipeline import Pipeline
 from lightning_hetero.train.sharding import BatchListeners, DataSharding
 from lightning_hetero.train.split_in_force import SplitInForce
 from lightning_hetero.train.steps import Backward, TrainingSteps, UserStep
@@ -92,7 +92,8 @@ class HeteroJob:
         caught_up = lambda t: self.collectives.gather_tensor(t, catch_up=True)  # noqa: E731
         self.loss_check = LossReductionCheck(settings.loss_reduction, caught_up, rank_zero_warn)
         self.watcher: Optional[Watcher] = None
-        self.setup = JobSetup(self)  # what the ranks told each other at setup (every rank holds the same)
+        # What the ranks told each other at setup (every rank holds the same), and the planning that reads it.
+        self.setup = JobSetup(settings, self.split, self.sharding, self.communication, self.loss_check, self.local)
         self.engine: Optional[Any] = None  # DeepSpeed's engine of this trainer call, from attach()
         self.report_directory: Optional[Path] = None  # where this fit's plan and report go (watch/publish.py)
         self._optimizer_parameters: list[tuple[str, Any]] = []  # (name, parameter) in the optimizer's order
@@ -166,6 +167,7 @@ class HeteroJob:
             self.settings.trace,
         )
         self.watcher.skipped_steps = lambda: list(self.nonfinite.skipped)
+        self.setup.join(rank, world_size, self.collectives, self.emulation, self.watcher)
         self.communication.collective_observer = self.watcher.meter.collective  # (time blocked before the exchange)
         self.communication.send_hold = self.emulation.send_seconds
         self.watcher.loss_scale = lambda: loss_scale_value(plugin())
@@ -174,7 +176,21 @@ class HeteroJob:
         choice = self.settings.pipeline
         if choice is not None:  # (a point-to-point wait has a deadline; without a watchdog, torch's default's 30 min)
             timeout = self.settings.peer_timeout or 1800.0
-            self.pipeline = PipelineTraining(self, Pipeline(choice, rank, world_size, device, timeout))
+            settings = self.settings
+            self.pipeline = PipelineTraining(
+                Pipeline(choice, rank, world_size, device, timeout),
+                rank=rank,
+                world_size=world_size,
+                collectives=self.collectives,
+                sharding=self.sharding,
+                loss_weights=self.loss_weights,
+                emulation=self.emulation,
+                recovery=self.recovery,
+                rebalance=settings.rebalance,
+                rebalance_window=settings.rebalance_window,
+                rebalance_threshold=settings.rebalance_threshold,
+                loss_reduction=settings.loss_reduction,
+            )
 
     def configure(
         self,
@@ -198,7 +214,11 @@ class HeteroJob:
             zero["stage"] = self.setup.choose_zero_stage(global_batch_size, module, fitting, automatic_stages, half)
         self.setup.configure_communication(config)
         if self.pipeline is not None:  # (only fit reaches here then: check_pipeline_job refused the rest)
-            return own_plugin, self.pipeline.start(global_batch_size, module, device)
+            setup = self.setup
+            started = self.pipeline.start(
+                global_batch_size, module, device, setup.precisions, setup.device_facts, setup.memory_byte_ceilings
+            )
+            return own_plugin, started
         if fitting:
             self.setup.start_the_split(global_batch_size, zero["stage"], module)
         return own_plugin, self.split.micro_batch
@@ -407,7 +427,7 @@ class HeteroJob:
         strategy's (it outlives the trainer call: `trainer.save_checkpoint` after a fit)."""
         # (a checkpoint that loses its manifest is still known for the package's: incomplete, never another strategy's)
         saved[checkpoint.PACKAGE_MARK] = {"format_version": checkpoint.FORMAT_VERSION}
-        if self.pipeline is not None:  # each rank's blocks by name (recover/pipeline_state.py)
+        if self.pipeline is not None:  # each rank's blocks by name (pipeline/state.py)
             self.pipeline.save_checkpoint(target, saved, engine)
             return
         # Local SGD / DiLoCo: a checkpoint holds synchronized parameters (one model), each rank's own optimizer state.

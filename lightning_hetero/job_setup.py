@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_hetero.comm import topology
+from lightning_hetero.comm.communication import Communication
 from lightning_hetero.emulate import memory
 from lightning_hetero.measure.devices import collect_device_facts
 from lightning_hetero.measure.facts import DeviceFacts
@@ -36,17 +37,17 @@ from lightning_hetero.precision.choice import rank_precision
 from lightning_hetero.precision.job import gradient_bytes_held_until_step, job_plugin
 from lightning_hetero.precision.plugin import HeteroPrecision, autocast_for
 from lightning_hetero.recover.refusal import ResumeRefused
-from lightning_hetero.settings import check_ranks_agree
+from lightning_hetero.settings import HeteroSettings, check_ranks_agree
 from lightning_hetero.train.claims_refusal import describe_asynchronous_refusal
+from lightning_hetero.train.local_sgd import LocalTraining
 from lightning_hetero.train.lr_scaling import scale_optimizers
 from lightning_hetero.train.order import agreed_seed, local_seed
-from lightning_hetero.train.sharding import check_trainable
+from lightning_hetero.train.sharding import DataSharding, check_trainable
+from lightning_hetero.train.split_in_force import SplitInForce
 from lightning_hetero.train.sync_batchnorm import small_batchnorm_warning
+from lightning_hetero.watch.loss_reduction import LossReductionCheck
 from lightning_hetero.watch.publish import report_directory
-from lightning_hetero.watch.watcher import JobFacts
-
-if TYPE_CHECKING:  # (job.py imports this module: the type only, for the checker)
-    from lightning_hetero.job import HeteroJob
+from lightning_hetero.watch.watcher import JobFacts, Watcher
 
 
 def _mib_list(values: Any) -> list:
@@ -54,11 +55,26 @@ def _mib_list(values: Any) -> list:
 
 
 class JobSetup:
-    """What the ranks established at setup, and the planning that reads it. ``job``: the
-    :class:`~lightning_hetero.job.HeteroJob` (its settings, ranks, collectives, sharding, split and watcher)."""
+    """What the ranks established at setup, and the planning that reads it. Its inputs are named: the ``settings``,
+    the ``split`` in force, the data ``sharding``, the ``communication``, the ``loss_check``, and local training
+    (``local``, or None); what exists once the process group does (the ranks, their collectives, the emulation and
+    the watcher) comes with :meth:`join`."""
 
-    def __init__(self, job: HeteroJob) -> None:
-        self._job = job
+    def __init__(
+        self,
+        settings: HeteroSettings,
+        split: SplitInForce,
+        sharding: DataSharding,
+        communication: Communication,
+        loss_check: LossReductionCheck,
+        local: Optional[LocalTraining],
+    ) -> None:
+        self._settings, self._split, self._sharding = settings, split, sharding
+        self._communication, self._loss_check, self._local = communication, loss_check, local
+        self._rank, self._world_size = 0, 1
+        self._collectives: Any = None  # (from join)
+        self._emulation: Any = None
+        self._watcher: Optional[Watcher] = None
         self.device_facts: list[DeviceFacts] = []
         self.precisions: list[str] = []
         self.profiles: Optional[list[Any]] = None  # every rank's RankProfile (automatic split only)
@@ -73,6 +89,11 @@ class JobSetup:
         self.pending_lr_scaling: Optional[LrScaling] = None  # decided at a resume, applied as training starts
         self.fitting = False  # whether this trainer call fits (set by the survey)
 
+    def join(self, rank: int, world_size: int, collectives: Any, emulation: Any, watcher: Optional[Watcher]) -> None:
+        """The process group exists: this rank, the world size, the job's collectives, emulation and watcher."""
+        self._rank, self._world_size = rank, world_size
+        self._collectives, self._emulation, self._watcher = collectives, emulation, watcher
+
     # ------------------------------------------------------------------ measure
 
     def survey(
@@ -80,7 +101,7 @@ class JobSetup:
     ) -> int:
         """The setup gather: every rank's arguments, data-order seed, model, device facts, precision and (automatic
         split) profile, checked to agree. Returns the global batch (0 outside fit)."""
-        job, settings = self._job, self._job.settings
+        settings = self._settings
         # (A scaling that an earlier resumed fit never applied is not this call's.)
         self.fitting, self.pending_lr_scaling = fitting, None
         # A ZeRO-3 model whose parameters are partitioned is profiled whole, once the ranks have agreed: gathering it
@@ -90,15 +111,15 @@ class JobSetup:
         def survey_this_rank() -> tuple[None, dict[str, Any]]:
             loader, global_batch_size = None, None  # (outside fit: none)
             if fitting:
-                loader = job.sharding.request_training_loader(trainer)
-                global_batch_size = settings.global_batch_size_for(loader, job.world_size)
+                loader = self._sharding.request_training_loader(trainer)
+                global_batch_size = settings.global_batch_size_for(loader, self._world_size)
                 check_trainable(
-                    loader, global_batch_size, job.world_size, settings.loss_reduction, module.automatic_optimization
+                    loader, global_batch_size, self._world_size, settings.loss_reduction, module.automatic_optimization
                 )
             facts = collect_device_facts(device)
             precision = trainer_precision
             if settings.device_precision is not None:  # may refuse this rank's device: raised on every rank
-                precision = rank_precision(settings.device_precision, job.rank, facts)
+                precision = rank_precision(settings.device_precision, self._rank, facts)
             if fitting:
                 settings.check_fit(
                     zero_stage=zero_stage,
@@ -108,7 +129,7 @@ class JobSetup:
                     accumulate_grad_batches=trainer.accumulate_grad_batches,
                 )
                 refusal = (
-                    describe_asynchronous_refusal(trainer, loader, module, job.world_size)
+                    describe_asynchronous_refusal(trainer, loader, module, self._world_size)
                     if settings.asynchronous
                     else None
                 )
@@ -121,30 +142,30 @@ class JobSetup:
             elif fitting:
                 loss_ratio = self._fixed_split_loss_ratio(module, loader, device, precision, global_batch_size)
             self._emulated_topology = topology.emulated_topology()
-            agreement = settings.agreement(global_batch_size, job.communication.arguments(), self._emulated_topology)
+            agreement = settings.agreement(global_batch_size, self._communication.arguments(), self._emulated_topology)
             return None, RankSurvey(
                 agreement, local_seed(), model_signature(module), facts, precision, profile, loss_ratio
             ).to_dict()
 
-        gathered = job.collectives.gather_or_raise("setup", survey_this_rank)[1]
+        gathered = self._collectives.gather_or_raise("setup", survey_this_rank)[1]
         surveyed = JobSurvey([RankSurvey.from_dict(entry) for entry in gathered])
         check_ranks_agree([rank.agreement for rank in surveyed.ranks], [rank.model for rank in surveyed.ranks])
         if fitting and settings.profiles_needed and not profile_in_survey:
             surveyed = self._profile_partitioned(surveyed, module, device)
-        job.sharding.data_seed = agreed_seed([rank.seed for rank in surveyed.ranks])
+        self._sharding.data_seed = agreed_seed([rank.seed for rank in surveyed.ranks])
         self.device_facts, self.precisions = surveyed.device_facts, surveyed.precisions
-        self.memory_ceilings = surveyed.ranks[job.rank].agreement["emulate_memory"]
-        self.memory_byte_ceilings = surveyed.ranks[job.rank].agreement.get("emulate_memory_bytes")
+        self.memory_ceilings = surveyed.ranks[self._rank].agreement["emulate_memory"]
+        self.memory_byte_ceilings = surveyed.ranks[self._rank].agreement.get("emulate_memory_bytes")
         if fitting:
             self.profiles = within_emulated_memory(surveyed.profiles, self.memory_ceilings)
             self.loss_ratios = surveyed.loss_ratios
             self.identical_devices = surveyed.identical_devices(emulated=settings.speed_schedule is not None)
-        return surveyed.ranks[job.rank].agreement["global_batch_size"] or 0
+        return surveyed.ranks[self._rank].agreement["global_batch_size"] or 0
 
     def _profile(self, module: Any, loader: Any, global_batch_size: int, device: torch.device, precision: str) -> Any:
         autocast = autocast_for(precision, device.type)  # measured as it will train
         return profile_rank(
-            module, loader, global_batch_size, self._job.world_size, device, self._job.emulation.emulator, autocast
+            module, loader, global_batch_size, self._world_size, device, self._emulation.emulator, autocast
         )
 
     def _fixed_split_loss_ratio(
@@ -156,9 +177,9 @@ class JobSetup:
         an equal split, local training, a pipeline, manual optimization) or cannot be made (a stream, a model ZeRO-3
         has partitioned, a step that fails outside the loop): the first steps' losses tell there instead
         (:class:`~lightning_hetero.watch.loss_reduction.LossReductionCheck`)."""
-        job, settings = self._job, self._job.settings
+        settings = self._settings
         if (
-            job.world_size == 1
+            self._world_size == 1
             or not settings.fixed_split_is_unequal
             or settings.local
             or settings.pipeline is not None
@@ -169,13 +190,13 @@ class JobSetup:
             return None
         # (the rank's micro-batch: the ratio is exact at any size, the size only keeps the check within its memory)
         if settings.batch_sizes is not None:
-            size = settings.batch_sizes[job.rank]
+            size = settings.batch_sizes[self._rank]
         elif settings.weights is not None and global_batch_size:
-            size = int(global_batch_size * settings.weights[job.rank] / sum(settings.weights))
+            size = int(global_batch_size * settings.weights[self._rank] / sum(settings.weights))
         else:
             return None
         if settings.micro_steps is not None and size:
-            size = micro_batch_sizes(size, settings.micro_steps[job.rank])[0]
+            size = micro_batch_sizes(size, settings.micro_steps[self._rank])[0]
         if not size:
             return None
         module.to(device)  # DeepSpeed would move it there next anyway
@@ -186,12 +207,11 @@ class JobSetup:
 
     def _profile_partitioned(self, surveyed: JobSurvey, module: Any, device: torch.device) -> JobSurvey:
         """Every rank's profile of a model ZeRO-3 has partitioned, its parameters gathered whole for it."""
-        job = self._job
-        loader = job.sharding.requested_training_loader
-        global_batch_size = surveyed.ranks[job.rank].agreement["global_batch_size"]
-        precision = surveyed.ranks[job.rank].precision
+        loader = self._sharding.requested_training_loader
+        global_batch_size = surveyed.ranks[self._rank].agreement["global_batch_size"]
+        precision = surveyed.ranks[self._rank].precision
         with whole_parameters(module):
-            profiles = job.collectives.gather_or_raise(
+            profiles = self._collectives.gather_or_raise(
                 "profiling", lambda: (None, self._profile(module, loader, global_batch_size, device, precision))
             )[1]
         return JobSurvey([replace(rank, profile=profile) for rank, profile in zip(surveyed.ranks, profiles)])
@@ -200,13 +220,12 @@ class JobSetup:
 
     def plugin_for_this_rank(self, current: Any) -> Optional[HeteroPrecision]:
         """This rank's plugin when ranks have their own precisions (``device_precision``); None: keep ``current``."""
-        job = self._job
         return job_plugin(
-            job.settings.device_precision,
+            self._settings.device_precision,
             self.precisions,
-            job.rank,
+            self._rank,
             self.device_facts,
-            job.collectives.gather_tensor,
+            self._collectives.gather_tensor,
             current,
         )
 
@@ -216,8 +235,8 @@ class JobSetup:
         emulated_nodes, slow_link = self._emulated_topology
         nodes = topology.topology_from_hosts(hosts, emulated_nodes)
         stage = config["zero_optimization"]["stage"]
-        self._job.communication.setup(nodes, slow_link, config, stage, self._job.rank)
-        config.update(self._job.communication.deepspeed_entries())
+        self._communication.setup(nodes, slow_link, config, stage, self._rank)
+        config.update(self._communication.deepspeed_entries())
 
     def choose_zero_stage(
         self,
@@ -249,7 +268,7 @@ class JobSetup:
             activations = [p.bytes_per_sample * b for p, b in zip(profiles, largest)]
         # (an emulated ceiling is one rank's own device: applied after the host's memory is shared among its ranks)
         room = memory.capped_free_bytes(shared_free_bytes(free, devices), self.memory_byte_ceilings)
-        choice = choose_stage(size, self._job.world_size, room, activations, allowed, fitting)
+        choice = choose_stage(size, self._world_size, room, activations, allowed, fitting)
         if self.memory_byte_ceilings is not None and choice.spare_bytes is not None and choice.spare_bytes < 0:
             # (an emulated device that a real run would overflow: refused, as a real one would fail)
             raise ValueError(
@@ -265,20 +284,20 @@ class JobSetup:
 
     def _held_bytes(self, zero_stage: int, module: torch.nn.Module) -> float:
         return gradient_bytes_held_until_step(
-            self._job.settings.device_precision, self.precisions, self.device_facts, zero_stage, module
+            self._settings.device_precision, self.precisions, self.device_facts, zero_stage, module
         )
 
     def _unequal_steps(self, zero_stage: int, module: LightningModule) -> bool:
         return automatic_micro_steps_allowed(
-            zero_stage, self._job.settings.loss_reduction, module.automatic_optimization, self.sync_batchnorm
+            zero_stage, self._settings.loss_reduction, module.automatic_optimization, self.sync_batchnorm
         )
 
     def _plan_start(self, global_batch_size: int, held_bytes: float, unequal_steps: bool) -> InitialPlan:
         """The split a fit starts with (``held_bytes``: :meth:`_held_bytes`; ``unequal_steps``:
         :meth:`_unequal_steps`, both at the fit's ZeRO stage)."""
-        settings = self._job.settings
+        settings = self._settings
         return initial_plan(
-            self._job.world_size,
+            self._world_size,
             global_batch_size,
             settings.batch_sizes,
             settings.weights,
@@ -293,7 +312,7 @@ class JobSetup:
     def start_the_split(self, global_batch_size: int, zero_stage: int, module: LightningModule) -> None:
         """The split this fit starts with and the re-planner that follows it (both planned again when a resume on
         another number of ranks keeps the checkpoint's global batch)."""
-        job, settings = self._job, self._job.settings
+        settings = self._settings
         if settings.local:
             self._start_local_training(global_batch_size)
             return
@@ -308,7 +327,7 @@ class JobSetup:
         overflow = memory.describe_overflow(start.plan.batch_sizes, start.plan.micro_steps, self.memory_ceilings)
         if overflow:  # (every rank holds the same plan and ceilings: every rank raises it)
             raise ValueError(overflow)
-        job.split.start(start.plan, start.prediction)
+        self._split.start(start.plan, start.prediction)
         # A batch given twice tells mean from sum: the automatic split's profile (warned as start.warning) or a fixed
         # split's check before the first step; where no rank could double one, the first steps' losses tell.
         told = any(ratio is not None for ratio in self.loss_ratios)
@@ -318,9 +337,9 @@ class JobSetup:
             )
             if mismatch:
                 rank_zero_warn(mismatch)
-        job.loss_check.start(job.world_size > 1 and not told and bool(module.automatic_optimization))
+        self._loss_check.start(self._world_size > 1 and not told and bool(module.automatic_optimization))
         rebalancer = None
-        if settings.rebalancing(profiled=self.profiles is not None, world_size=job.world_size):
+        if settings.rebalancing(profiled=self.profiles is not None, world_size=self._world_size):
             rebalancer = rebalancer_for(
                 start.plan,
                 self.profiles,
@@ -331,43 +350,42 @@ class JobSetup:
                 unequal_micro_steps=unequal,
                 ceilings=self.memory_ceilings,
             )
-        assert job.watcher is not None  # (joined)
-        job.watcher.follow(job.split, rebalancer)
+        assert self._watcher is not None  # (joined)
+        self._watcher.follow(self._split, rebalancer)
 
     def _start_local_training(self, global_batch_size: int) -> None:
         """Local SGD / DiLoCo: each rank's micro-batch taken ``inner_steps[r]`` times per training step
         (:func:`~lightning_hetero.plan.local_steps.local_split`); unless given, the inner steps follow what the ranks
         measure, as the split does (one decision on all)."""
-        job, settings = self._job, self._job.settings
+        settings = self._settings
         costs = [profile.cost_model() for profile in self.profiles] if self.profiles is not None else None
         # (Asynchronous merges: one micro-batch a training step on every rank, as many steps as each has time for.)
-        inner_steps = (1,) * job.world_size if settings.asynchronous else settings.inner_steps
-        plan = local_split(settings.sync, job.world_size, global_batch_size, settings.batch_sizes, inner_steps, costs)
+        inner_steps = (1,) * self._world_size if settings.asynchronous else settings.inner_steps
+        plan = local_split(settings.sync, self._world_size, global_batch_size, settings.batch_sizes, inner_steps, costs)
         overflow = memory.describe_overflow(plan.batch_sizes, plan.micro_steps, self.memory_ceilings, True)
         if overflow:  # (each inner step holds one micro-batch: it must fit, as in every-step training)
             raise ValueError(overflow)
-        job.split.start(plan, None)
+        self._split.start(plan, None)
         rebalancer = None
-        if inner_steps is None and settings.rebalance is not False and job.world_size > 1:
+        if inner_steps is None and settings.rebalance is not False and self._world_size > 1:
             micro = tuple(b // k for b, k in zip(plan.batch_sizes, plan.micro_steps))
             rebalancer = InnerStepsRebalancer(micro, plan.micro_steps, settings.rebalance_window)
         self._inner_steps_rebalancer = rebalancer
-        assert job.local is not None and job.watcher is not None  # (local training, joined)
+        assert self._local is not None and self._watcher is not None  # (local training, joined)
 
         def inner_steps_in_force() -> tuple[int, ...]:  # (what a checkpoint records)
-            assert job.split.plan is not None
-            return job.split.plan.micro_steps
+            assert self._split.plan is not None
+            return self._split.plan.micro_steps
 
-        job.local.inner_steps = inner_steps_in_force
-        job.watcher.follow(job.split, rebalancer)
+        self._local.inner_steps = inner_steps_in_force
+        self._watcher.follow(self._split, rebalancer)
 
     def load_local_training(self, directory: Path) -> None:
         """Local training resumes: each rank's own state, and the inner steps the checkpoint ran with (nothing to do
         without local training)."""
-        job = self._job
-        if job.local is None:
+        if self._local is None:
             return
-        restored = job.local.load(directory, job.rank)
+        restored = self._local.load(directory, self._rank)
         if restored is not None and self._inner_steps_rebalancer is not None:
             self._inner_steps_rebalancer.restored = restored
 
@@ -382,12 +400,11 @@ class JobSetup:
         kept and the learning rate follows it as training starts (:meth:`scale_learning_rate`). On the same ranks
         a changed global batch is the user's: it is kept, and said.
         """
-        job = self._job
         self.pending_lr_scaling = None
-        if job.split.plan is None or not self.fitting:  # (validate/test(ckpt_path=...) keep the last fit's plan)
+        if self._split.plan is None or not self.fitting:  # (validate/test(ckpt_path=...) keep the last fit's plan)
             return
-        saved, current = sum(manifest.get("batch_sizes") or []) or None, job.split.plan.global_batch_size
-        rule = job.settings.lr_scaling
+        saved, current = sum(manifest.get("batch_sizes") or []) or None, self._split.plan.global_batch_size
+        rule = self._settings.lr_scaling
         if saved is None and rule is not None:
             rank_zero_info(
                 f"HeteroStrategy: checkpoint {path} does not record its global batch: lr_scaling={rule!r}"
@@ -397,14 +414,14 @@ class JobSetup:
             return
         if rule is not None or same_world_size:
             self.pending_lr_scaling = lr_scaling_for(rule, saved, current)
-            if rule is None and job.local is None:  # (local SGD's plan: micro-batch x inner steps, re-planned)
+            if rule is None and self._local is None:  # (local SGD's plan: micro-batch x inner steps, re-planned)
                 rank_zero_info(
                     f"HeteroStrategy: the global batch is {current} samples, the checkpoint's {saved};"
                     " the learning rate is the checkpoint's (`lr_scaling='linear'` or `'sqrt'` scales"
                     " it)."
                 )
             return
-        if job.settings.global_batch_size is not None or job.settings.batch_sizes is not None:
+        if self._settings.global_batch_size is not None or self._settings.batch_sizes is not None:
             raise ResumeRefused(
                 f"Checkpoint {path} was trained with a global batch of {saved} samples; this job's is {current}."
                 f" Pass `global_batch_size={saved}` to continue the same optimisation (the split over this job's"
@@ -413,8 +430,8 @@ class JobSetup:
             )
         self.start_the_split(saved, zero_stage, module)
         rank_zero_info(
-            f"HeteroStrategy: keeping the checkpoint's global batch of {saved} on {job.world_size} ranks:"
-            f" micro-batches {list(job.split.batch_sizes)}."
+            f"HeteroStrategy: keeping the checkpoint's global batch of {saved} on {self._world_size} ranks:"
+            f" micro-batches {list(self._split.batch_sizes)}."
         )
 
     def scale_learning_rate(self, trainer: Any) -> None:
@@ -429,8 +446,8 @@ class JobSetup:
 
     def plan_lines(self, plan: SplitPlan) -> str:
         """The plan output's lines below the table: the ZeRO stage's reason, the exchange, local training's sync."""
-        settings = self._job.settings
-        line = self._job.communication.plan_line()
+        settings = self._settings
+        line = self._communication.plan_line()
         if self.stage_choice is not None:
             line = f"{self.stage_choice.reason}\n{line}"
         if settings.local:
@@ -449,20 +466,19 @@ class JobSetup:
         """Rank 0 prints the plan table; every rank writes its config (and rank 0 the whole plan) as JSON, in the
         directory returned (decided once per fit: a tracking logger's run name; the report lands beside it; None
         when nothing is written: no logger and no folder named)."""
-        job = self._job
-        assert job.split.plan is not None and job.watcher is not None
-        schedule = job.settings.speed_schedule
+        assert self._split.plan is not None and self._watcher is not None
+        schedule = self._settings.speed_schedule
         facts = JobFacts(
             self.device_facts,
             self.precisions,
             self.profiles,
             schedule.to_json() if schedule else None,
-            job.communication.summary(),
-            self.plan_lines(job.split.plan),
+            self._communication.summary(),
+            self.plan_lines(self._split.plan),
         )
-        reduction = job.settings.loss_reduction
+        reduction = self._settings.loss_reduction
         # (a token mean's weight is taken from each batch's token counts)
-        weight = None if reduction == "token_mean" else job.split.plan.loss_weight(job.rank, reduction)
+        weight = None if reduction == "token_mean" else self._split.plan.loss_weight(self._rank, reduction)
         choice = self.stage_choice.reason if self.stage_choice else None
         record = {
             "loss_weight": weight,
@@ -470,6 +486,6 @@ class JobSetup:
             "deepspeed_config": config,
             "zero_stage_choice": choice,
         }
-        directory = report_directory(trainer, job.collectives.gather_objects)
-        job.watcher.write_plan(directory, job.split, facts, record)
+        directory = report_directory(trainer, self._collectives.gather_objects)
+        self._watcher.write_plan(directory, self._split, facts, record)
         return directory

@@ -22,6 +22,12 @@ from lightning_hetero.emulate import memory
 from lightning_hetero.emulate.emulation import check_slowdown
 from lightning_hetero.emulate.slowdown import ENV_VAR as EMULATE_ENV_VAR
 from lightning_hetero.emulate.slowdown import SpeedSchedule, emulated_speeds
+from lightning_hetero.pipeline.options import (
+    PipelineChoice,
+    check_pipeline_argument,
+    check_pipeline_config,
+    pipeline_argument_refusal,
+)
 from lightning_hetero.plan.deepspeed_config import check_user_config, raise_if_arguments_differ, user_config_stage
 from lightning_hetero.plan.local_steps import (
     LOCAL_MODES,
@@ -36,12 +42,6 @@ from lightning_hetero.plan.local_steps import (
 from lightning_hetero.plan.lr_scaling import check_lr_scaling
 from lightning_hetero.plan.micro_steps import micro_steps_refusal
 from lightning_hetero.plan.model_agreement import model_disagreement
-from lightning_hetero.plan.pipeline_choice import (
-    PipelineChoice,
-    check_pipeline_argument,
-    check_pipeline_config,
-    pipeline_argument_refusal,
-)
 from lightning_hetero.plan.replan import check_rebalance_arguments
 from lightning_hetero.plan.split import check_split_arguments, resolve_split
 from lightning_hetero.precision import choice as precision
@@ -113,7 +113,7 @@ class HeteroSettings:
     overlap: Optional[int] = None  # merges sent in the background, applied this many training steps later
     eager: bool = True  # overlap: each rank trains on from its own progress's outer step until the average arrives
     asynchronous: bool = False  # merges by speed: each rank trains what it has time for (train/claims.py)
-    pipeline: Optional[PipelineChoice] = None  # the model split into stages (train/pipeline.py)
+    pipeline: Optional[PipelineChoice] = None  # the model split into stages (pipeline/stage.py)
     lr_scaling: Optional[str] = None  # a resume with another global batch scales the learning rate (plan/lr_scaling.py)
     trace: Optional[tuple[int, ...]] = None  # the training steps a profiler trace records (watch/trace.py)
     emulate_slowdown: str = "compute"  # how an emulated slower rank is slower (emulate/emulation.py)
@@ -262,7 +262,7 @@ class HeteroSettings:
     @property
     def profiles_needed(self) -> bool:
         """Every rank profiles its step: the automatic split, or the inner steps of local training unless given."""
-        if self.pipeline is not None:  # (the blocks are measured instead: train/pipeline.py)
+        if self.pipeline is not None:  # (the blocks are measured instead: pipeline/stage.py)
             return False
         return self.split_is_automatic and not (self.local and (self.inner_steps is not None or self.asynchronous))
 

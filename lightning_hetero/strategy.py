@@ -100,7 +100,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         pipeline: split the model, not only the batch: ``{"stages": 2, "blocks": "net"}`` runs the chain of blocks
             at the module's attribute ``net`` as ``stages`` stages placed by speed and memory; optional
             ``boundaries``, ``schedule`` (``"1f1b"`` or ``"gpipe"``) and ``micro_batches`` (see
-            :mod:`lightning_hetero.train.pipeline_chain`).
+            :mod:`lightning_hetero.pipeline.chain`).
         config: a DeepSpeed config dict or JSON path, as for :class:`DeepSpeedStrategy`. It must not set the
             micro-batch, the train batch or ``gradient_accumulation_steps``; the strategy owns them.
         **kwargs: any other :class:`DeepSpeedStrategy` argument. Those that only build the default DeepSpeed config

@@ -1,4 +1,4 @@
-"""JobSetup's decision at a resume whose global batch differs from the checkpoint's, on a stand-in job (no process
+"""JobSetup's decision at a resume whose global batch differs from the checkpoint's, on stand-in inputs (no process
 group): what is kept, what is refused, what is scaled, and what is said."""
 
 from __future__ import annotations
@@ -19,10 +19,8 @@ CHECKPOINT = Path("/checkpoints/epoch=0-step=3.ckpt")
 def setup_for(current=8, rule=None, fixed=None, fitting=True, local=None):
     settings = SimpleNamespace(lr_scaling=rule, global_batch_size=fixed, batch_sizes=None)
     plan = SimpleNamespace(global_batch_size=current, batch_sizes=(current,))
-    job = SimpleNamespace(
-        settings=settings, world_size=1, local=local, split=SimpleNamespace(plan=plan, batch_sizes=(current,))
-    )
-    setup = JobSetup(job)
+    split = SimpleNamespace(plan=plan, batch_sizes=(current,))
+    setup = JobSetup(settings, split, sharding=None, communication=None, loss_check=None, local=local)
     setup.fitting = fitting
     setup.started = []
     setup.start_the_split = lambda size, stage, module: setup.started.append(size)

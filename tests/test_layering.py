@@ -10,7 +10,19 @@ import lightning_hetero
 
 PACKAGE = Path(lightning_hetero.__file__).parent
 # Lowest first, as in the package docstring; the modules at the top level sit above every stage.
-STAGES = ("runtime", "emulate", "measure", "plan", "precision", "comm", "train", "watch", "recover", "simulate")
+STAGES = (
+    "runtime",
+    "emulate",
+    "measure",
+    "plan",
+    "precision",
+    "comm",
+    "train",
+    "watch",
+    "recover",
+    "pipeline",
+    "simulate",
+)
 
 
 def package_imports(path: Path, at_run_time: bool = False) -> list[tuple[int, str]]:
@@ -63,7 +75,7 @@ def test_imports_point_down_the_stage_order_and_no_stage_imports_the_strategy():
 
 
 def test_no_import_cycle_between_modules():
-    # (an import for the type checker alone, `if TYPE_CHECKING:`, runs never: job_setup.py names HeteroJob that way)
+    # (an import for the type checker alone, `if TYPE_CHECKING:`, runs never; it is refused apart, below)
     modules = {}
     for path in PACKAGE.rglob("*.py"):
         name = ".".join(("lightning_hetero", *path.relative_to(PACKAGE).with_suffix("").parts))
@@ -110,3 +122,17 @@ def test_lines_are_not_packed_past_the_formatter():
     unexplained = [where for where, comment in markers if not re.search(r"fmt: skip \(.+\)", comment)]
     assert not unexplained, "a `# fmt: skip` without its reason: " + ", ".join(unexplained)
     assert len(markers) <= 5, f"{len(markers)} `# fmt: skip` markers: " + ", ".join(where for where, _ in markers)
+
+
+def test_no_module_imports_the_job_or_the_strategy_back():
+    """The facade points down: only the strategy imports the job, and only the package's entry points import the
+    strategy, not even for the type checker (an object the job builds gets its inputs by name, not the job)."""
+    allowed = {"lightning_hetero.job": {"strategy.py"}, "lightning_hetero.strategy": {"__init__.py", "ray.py"}}
+    back = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = str(path.relative_to(PACKAGE))
+        for line, target in package_imports(path):
+            for facade, importers in allowed.items():
+                if (target == facade or target.startswith(facade + ".")) and relative not in importers:
+                    back.append(f"{relative}:{line} imports {target}")
+    assert not back, "imports of the facade from below it:\n" + "\n".join(back)

@@ -1,7 +1,7 @@
 """Exchange: tensors sent from one pipeline stage to the next, each wait bounded by a deadline.
 
 A stage sends each micro-batch's activation forward and receives its gradient back
-(:mod:`lightning_hetero.train.pipeline`). Each tensor travels as two messages: a fixed-size header (dtype, shape) and
+(:mod:`lightning_hetero.pipeline.stage`). Each tensor travels as two messages: a fixed-size header (dtype, shape) and
 the data, so the receiver allocates what arrives whatever the micro-batch's size. Sends are asynchronous (1F1B needs a
 stage to go on while its send is in flight; a blocking send of two neighbours to each other would wait for ever);
 every wait, for a receive or for the sends before the step ends, has the deadline ``timeout_seconds``: a dead or

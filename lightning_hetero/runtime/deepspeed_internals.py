@@ -172,7 +172,7 @@ ENGINE_STATE = (
         _DS_ENGINE,
         "DeepSpeedEngine.allreduce_gradients",
         "patched",
-        "comm/communication.py, emulate/slowdown.py, job_pipeline.py, watch/meter.py",
+        "comm/communication.py, emulate/slowdown.py, pipeline/training.py, watch/meter.py",
         "the ZeRO-0 exchange: replaced by a comm hook or the hierarchical reduction, or a no-op under a pipeline"
         " (which sums its stages' gradients itself); " + _EMULATION + "; " + _TIMED,
         _POPPED,
@@ -181,7 +181,7 @@ ENGINE_STATE = (
         _DS_ENGINE,
         "DeepSpeedEngine._broadcast_model",
         "patched",
-        "job_pipeline.py",
+        "pipeline/training.py",
         "a no-op while a pipeline's engine is built: its ranks hold different blocks, which the pipeline"
         " broadcasts within each stage's group itself",
         "restored after deepspeed.initialize",

@@ -60,7 +60,7 @@ TORCH_STATE = (
         "torch.nn",
         "Module()._modules",
         "read",
-        "train/pipeline_chain.py, train/pipeline.py, job_pipeline.py",
+        "pipeline/chain.py, pipeline/stage.py, pipeline/training.py",
         "a chain's blocks by name, in order, and the place where a block another stage holds is replaced (a"
         " ModuleDict's keys and a Sequential's indices alike)",
     ),

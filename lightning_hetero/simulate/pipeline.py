@@ -1,10 +1,10 @@
 """Simulate: a pipeline on the described cluster (``lightning-hetero plan --pipeline-blocks NAME``).
 
-The chain's blocks are measured here (:func:`lightning_hetero.measure.blocks.measure_blocks`: each block's share of
+The chain's blocks are measured here (:func:`lightning_hetero.pipeline.blocks.measure_blocks`: each block's share of
 the step's time on this CPU, its parameters and the activations it keeps), each share turned into FLOPs of the
 measured step, and each device's time for a block is those FLOPs at its rate, as the batch split's model has it
 (:func:`lightning_hetero.simulate.device_model.device_cost`). The stages are placed as a run places them
-(:func:`lightning_hetero.plan.stages.place_stages`, within each device's memory), the first pipeline on the first
+(:func:`lightning_hetero.pipeline.placement.place_stages`, within each device's memory), the first pipeline on the first
 ``stages`` devices. The step: the schedule over the micro-batches (the slowest stage for each, the others while the
 pipeline fills and drains) plus each boundary's activation and gradient over its node's link (the slower link between
 nodes). Per-micro-batch overheads (the training step's Python path, each send's latency on a host) are not
@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from lightning_hetero.plan.stages import BlockCosts, place_stages
+from lightning_hetero.pipeline.placement import BlockCosts, place_stages
 from lightning_hetero.simulate.cluster import Cluster
 from lightning_hetero.simulate.device_model import device_seconds, usable_memory_bytes
 from lightning_hetero.simulate.step_options import Options
@@ -145,9 +145,9 @@ def chain_shares(module: Any, path: str, batch: Any, samples: int, device: Any) 
     """:class:`ChainShares` of ``module``'s chain at ``path``, measured here on ``batch``."""
     import torch
 
-    from lightning_hetero.measure.blocks import check_chain_order, measure_blocks, training_bytes
     from lightning_hetero.measure.profiler import preserved_training_state, training_step_in_isolation
-    from lightning_hetero.train.pipeline_chain import block_of, find_chain
+    from lightning_hetero.pipeline.blocks import check_chain_order, measure_blocks, training_bytes
+    from lightning_hetero.pipeline.chain import block_of, find_chain
 
     chain, names = find_chain(module, path)
     blocks = [block_of(chain, name) for name in names]

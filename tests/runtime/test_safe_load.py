@@ -96,7 +96,7 @@ def test_a_pipeline_checkpoints_trainer_state_loads_as_weights_only_asks(tmp_pat
     """The pipeline checkpoint's trainer state holds what the user's module saved (a `Path` hyper-parameter): refused
     under Lightning's default, loaded with `weights_only=False`, while the rank files stay weights-only (a resume
     with `Trainer.fit(weights_only=False)` used to be refused with no way past it)."""
-    from lightning_hetero.recover import pipeline_state
+    from lightning_hetero.pipeline import state as pipeline_state
 
     module = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)

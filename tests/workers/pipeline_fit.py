@@ -1,5 +1,5 @@
 """A small fit with HeteroStrategy(pipeline=...) on CPU ranks; each rank saves its parameters (by name) and the
-losses Lightning saw, for tests/train/test_pipeline_multiprocess.py to compare with one process.
+losses Lightning saw, for tests/pipeline/test_pipeline_multiprocess.py to compare with one process.
 
     python tests/workers/pipeline_fit.py --out DIR --devices 2 --stages 2 [--boundaries 3] [--schedule gpipe]
         [--optimizer adam] [--speeds 1.0,0.4] [--steps 4]

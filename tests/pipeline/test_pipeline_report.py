@@ -1,10 +1,10 @@
-"""The pipeline's per-stage summary (watch/pipeline_report.py)."""
+"""The pipeline's per-stage summary (pipeline/report.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from lightning_hetero.watch.pipeline_report import describe_stages, summarize_stages
+from lightning_hetero.pipeline.report import describe_stages, summarize_stages
 
 
 def test_each_stage_its_compute_its_waiting_and_the_balance():

@@ -2,7 +2,7 @@
 
 Each check runs before any collective, in the constructor (the argument, the strategy's other arguments, the DeepSpeed
 config) or at setup (the number of ranks, the trainer call), and its message names what to change. Apart from the
-placement (:mod:`lightning_hetero.plan.stages`): none of it needs the blocks' costs, and the settings check the
+placement (:mod:`lightning_hetero.pipeline.placement`): none of it needs the blocks' costs, and the settings check the
 argument without the search.
 """
 
@@ -174,7 +174,7 @@ def pipeline_job_refusal(
         return (
             "HeteroStrategy(pipeline=...) runs `trainer.fit` (its validation included); `validate`, `test` and"
             " `predict` do not run through the stages yet. Run them without `pipeline`, with the weights of a"
-            " pipeline checkpoint: `model.load_state_dict(lightning_hetero.recover.pipeline_state."
+            " pipeline checkpoint: `model.load_state_dict(lightning_hetero.pipeline.state."
             "whole_model_state(path))`."
         )
     return None

@@ -1,4 +1,4 @@
-"""The pipeline's pieces that need no process (train/pipeline.py, measure/blocks.py, comm/point_to_point.py)."""
+"""The pipeline's pieces that need no process (pipeline/stage.py, pipeline/blocks.py, comm/point_to_point.py)."""
 
 from __future__ import annotations
 
@@ -10,16 +10,16 @@ from lightning.pytorch import LightningModule
 from torch import nn
 
 from lightning_hetero.comm.point_to_point import empty_from, header_of
-from lightning_hetero.measure.blocks import check_chain_order
-from lightning_hetero.plan.pipeline_choice import PipelineChoice
-from lightning_hetero.train.pipeline import PipelineLayout, schedule_actions
-from lightning_hetero.train.pipeline_chain import (
+from lightning_hetero.pipeline.blocks import check_chain_order
+from lightning_hetero.pipeline.chain import (
     ElsewhereBlock,
     HandOff,
     StageOfChain,
     check_chain_shape,
     find_chain,
 )
+from lightning_hetero.pipeline.options import PipelineChoice
+from lightning_hetero.pipeline.stage import PipelineLayout, schedule_actions
 
 
 class Model(LightningModule):

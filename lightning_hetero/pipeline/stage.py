@@ -4,8 +4,8 @@
 chain, runs each step's schedule over the micro-batches (:func:`schedule_actions`), exchanging activations and
 gradients with the neighbouring stages, sums the gradients after it, and moves blocks when the stages are re-planned.
 The contract with the user's module (the chain, what runs on which stage, what is refused) is in
-:mod:`lightning_hetero.train.pipeline_chain`; the last stages' logging in
-:mod:`lightning_hetero.train.last_stage_metrics`.
+:mod:`lightning_hetero.pipeline.chain`; the last stages' logging in
+:mod:`lightning_hetero.pipeline.last_stage_metrics`.
 
 The modules outside the chain are held by every rank, whole; their gradients are summed over every rank (only the
 first and last stages give them any), so they stay equal everywhere. A block's gradients are summed over the pipelines
@@ -27,12 +27,12 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
 from lightning_hetero.comm.point_to_point import PeerLink
-from lightning_hetero.plan.pipeline_choice import PipelineChoice
+from lightning_hetero.pipeline.chain import HandOff, StageOfChain, block_of, find_chain
+from lightning_hetero.pipeline.last_stage_metrics import log_synced_over
+from lightning_hetero.pipeline.options import PipelineChoice
+from lightning_hetero.pipeline.placement import StagePlacement
 from lightning_hetero.plan.split import micro_batch_sizes
-from lightning_hetero.plan.stages import StagePlacement
-from lightning_hetero.train.last_stage_metrics import log_synced_over
 from lightning_hetero.train.micro_batches import split_batch, step_loss
-from lightning_hetero.train.pipeline_chain import HandOff, StageOfChain, block_of, find_chain
 
 
 def schedule_actions(schedule: str, stage: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:

@@ -5,7 +5,7 @@ Each rank holds different blocks, so DeepSpeed's own save (rank 0 writes "the" m
 modules outside the chain) and its optimizer's state keyed by parameter name (any optimizer whose state is per
 parameter: SGD's momentum, Adam's moments and step). Rank 0 also writes what Lightning's checkpoint holds besides
 (loops, epoch, callbacks, schedulers, the training loader's position). The files go through the same staged,
-manifested, atomic save as every checkpoint of the package (:mod:`.elastic`).
+manifested, atomic save as every checkpoint of the package (:mod:`~lightning_hetero.recover.elastic`).
 
 On resume each rank reads every file and keeps the names it holds now: another ``boundaries`` (a re-planned split)
 or another number of pipelines resumes exactly. A name no file holds, or an optimizer whose state has no per-parameter

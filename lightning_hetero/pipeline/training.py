@@ -1,10 +1,10 @@
 """The job's pipeline parallelism, from the placement at setup to the report at the end.
 
 :class:`PipelineTraining` is the job's one object for a model split into stages (``HeteroStrategy(pipeline=...)``):
-it measures the blocks on every rank and places them by speed and memory (:mod:`lightning_hetero.plan.stages`),
-installs this rank's stage (:class:`~lightning_hetero.train.pipeline.Pipeline`), runs each step's schedule, moves
+it measures the blocks on every rank and places them by speed and memory (:mod:`lightning_hetero.pipeline.placement`),
+installs this rank's stage (:class:`~lightning_hetero.pipeline.stage.Pipeline`), runs each step's schedule, moves
 blocks when the ranks' measured times say so, and saves and loads each rank's blocks by name
-(:mod:`lightning_hetero.recover.pipeline_state`). What it refuses before the process group exists is
+(:mod:`lightning_hetero.pipeline.state`). What it refuses before the process group exists is
 :func:`check_pipeline_job`.
 """
 
@@ -14,10 +14,10 @@ import contextlib
 import functools
 import json
 import statistics
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
@@ -28,30 +28,36 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lightning_hetero.emulate import memory
-from lightning_hetero.measure.blocks import (
+from lightning_hetero.pipeline import state as pipeline_state
+from lightning_hetero.pipeline.blocks import (
     BlockMeasurement,
     check_chain_order,
     first_batch,
     measure_blocks,
     training_bytes,
 )
-from lightning_hetero.plan.pipeline_choice import PipelineChoice, pipeline_job_refusal, replicas_of
-from lightning_hetero.plan.pipeline_description import describe_pipeline
+from lightning_hetero.pipeline.chain import block_of, check_chain_shape
+from lightning_hetero.pipeline.description import describe_pipeline
+from lightning_hetero.pipeline.last_stage_metrics import LastStageMetrics
+from lightning_hetero.pipeline.options import PipelineChoice, pipeline_job_refusal, replicas_of
+from lightning_hetero.pipeline.placement import (
+    block_costs,
+    pipeline_shares,
+    place_stages,
+    replan_stages,
+    stage_seconds_under,
+)
+from lightning_hetero.pipeline.report import describe_stages, summarize_stages
+from lightning_hetero.pipeline.stage import Pipeline
 from lightning_hetero.plan.split import micro_batch_sizes
-from lightning_hetero.plan.stages import block_costs, pipeline_shares, place_stages, replan_stages, stage_seconds_under
-from lightning_hetero.recover import pipeline_state
+from lightning_hetero.recover.recovery import Recovery
 from lightning_hetero.recover.refusal import ResumeRefused
-from lightning_hetero.train.last_stage_metrics import LastStageMetrics
+from lightning_hetero.runtime.collectives import Collectives
 from lightning_hetero.train.loaders import loader_batch_size
-from lightning_hetero.train.pipeline import Pipeline
-from lightning_hetero.train.pipeline_chain import block_of, check_chain_shape
-from lightning_hetero.train.sharding import BatchListeners
+from lightning_hetero.train.sharding import BatchListeners, DataSharding
 from lightning_hetero.train.streams import is_stream
-from lightning_hetero.watch.pipeline_report import describe_stages, summarize_stages
+from lightning_hetero.train.weights import LossWeights
 from lightning_hetero.watch.publish import report_directory
-
-if TYPE_CHECKING:  # (job.py imports this module: the type only, for the checker)
-    from lightning_hetero.job import HeteroJob
 
 
 def check_pipeline_job(choice: PipelineChoice, trainer: Any, precision: str, world_size: int) -> None:
@@ -75,12 +81,38 @@ def check_pipeline_job(choice: PipelineChoice, trainer: Any, precision: str, wor
 
 
 class PipelineTraining:
-    """This rank's part of the pipelines. ``job``: the :class:`~lightning_hetero.job.HeteroJob` (its settings, ranks,
-    collectives, emulation, device facts, data sharding and recovery are read when needed)."""
+    """This rank's part of the pipelines: its stage (``pipeline``), and what it needs of the job, each named: the
+    ranks, their collectives, the data sharding, the loss weights (evaluation batches), the emulation, the
+    recovery's atomic save, and the re-plan settings. What the setup survey established (every rank's precision,
+    device facts and emulated memory) comes with :meth:`start`."""
 
-    def __init__(self, job: HeteroJob, pipeline: Pipeline) -> None:
-        self._job = job
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        *,
+        rank: int,
+        world_size: int,
+        collectives: Collectives,
+        sharding: DataSharding,
+        loss_weights: LossWeights,
+        emulation: Any,
+        recovery: Recovery,
+        rebalance: Optional[bool],
+        rebalance_window: int,
+        rebalance_threshold: float,
+        loss_reduction: str,
+    ) -> None:
         self.pipeline = pipeline
+        self._rank, self._world_size = rank, world_size
+        self._collectives, self._sharding, self._loss_weights = collectives, sharding, loss_weights
+        self._emulation, self._recovery = emulation, recovery
+        self._rebalance, self._rebalance_window, self._rebalance_threshold = (
+            rebalance,
+            rebalance_window,
+            rebalance_threshold,
+        )
+        self._loss_reduction = loss_reduction
+        self._device_facts: list[Any] = []  # every rank's, from start()
         self.replans: list[dict[str, Any]] = []  # this fit's block moves (the report's)
         self._samples = 0  # this pipeline's samples of the batch in hand
         self._global_samples = 0  # the global batch's (short at an epoch's end)
@@ -88,14 +120,24 @@ class PipelineTraining:
         self._replan_blocked = False
         self._placed_at = 0
 
-    def start(self, global_batch_size: int, module: LightningModule, device: torch.device) -> int:
-        """Pipeline parallelism (train/pipeline.py): the blocks measured on every rank (unless ``boundaries`` are
-        given), placed on the stages by speed and memory, and this rank's stage kept; then the plan is printed."""
+    def start(
+        self,
+        global_batch_size: int,
+        module: LightningModule,
+        device: torch.device,
+        precisions: Sequence[str],
+        device_facts: Sequence[Any],
+        memory_byte_ceilings: Optional[list[Optional[int]]],
+    ) -> int:
+        """Pipeline parallelism (pipeline/stage.py): the blocks measured on every rank (unless ``boundaries`` are
+        given), placed on the stages by speed and memory, and this rank's stage kept; then the plan is printed.
+        ``precisions``, ``device_facts``, ``memory_byte_ceilings``: every rank's, from the setup survey."""
         pipeline, choice = self.pipeline, self.pipeline.choice
-        replicas = replicas_of(choice, self._job.world_size)
-        if "16-mixed" in self._job.precisions:  # (every rank has every rank's precision: every rank raises)
+        self._device_facts = list(device_facts)
+        replicas = replicas_of(choice, self._world_size)
+        if "16-mixed" in precisions:  # (every rank has every rank's precision: every rank raises)
             raise ValueError(
-                f"HeteroStrategy(pipeline=...) with ranks in '16-mixed' (precisions {list(self._job.precisions)}):"
+                f"HeteroStrategy(pipeline=...) with ranks in '16-mixed' (precisions {list(precisions)}):"
                 " fp16's loss scaling is not built into the pipeline's backward. Give those ranks 'bf16-mixed' or"
                 " '32-true' in `device_precision`."
             )
@@ -104,13 +146,13 @@ class PipelineTraining:
         micro_batch = -(-replica_batch // micro_batches)
         chain, names = check_chain_shape(module, choice)
         blocks = [block_of(chain, name) for name in names]
-        loader = self._job.sharding.requested_training_loader
+        loader = self._sharding.requested_training_loader
         if is_stream(loader):  # (every rank has the same loader: every rank raises)
             raise ValueError(
                 "HeteroStrategy(pipeline=...) with an IterableDataset: every stage of a pipeline must take the same"
                 " samples, which a stream per rank cannot give. Use a map-style Dataset (with `__getitem__`)."
             )
-        emulator, rank = self._job.emulation.emulator, self._job.rank
+        emulator, rank = self._emulation.emulator, self._rank
 
         def check() -> tuple[None, None]:
             # The whole model runs here, before it is split: a chain that cannot be split fails on every rank.
@@ -125,29 +167,29 @@ class PipelineTraining:
             batch = first_batch(loader, micro_batch, device, move_data_to_device)
             return measure_blocks(module, blocks, batch, micro_batch, device, emulator).to_dict()
 
-        self._job.collectives.gather_or_raise("checking the chain of blocks", check)
+        self._collectives.gather_or_raise("checking the chain of blocks", check)
         measured = None
         if choice.boundaries is None:
-            hosts = [facts.hostname for facts in self._job.device_facts]
+            hosts = [facts.hostname for facts in device_facts]
             if len(set(hosts)) == len(hosts):  # one rank per machine: all measure at once
-                gathered = self._job.collectives.gather_or_raise("measuring the blocks", lambda: (None, measure()))[1]
+                gathered = self._collectives.gather_or_raise("measuring the blocks", lambda: (None, measure()))[1]
             else:
                 # Ranks that share a machine measure in turns: at once, they slowed each other's block times
                 # unevenly (memory bandwidth, shared cores), which misplaced a block in one run of three.
                 gathered = [
-                    self._job.collectives.gather_or_raise(
+                    self._collectives.gather_or_raise(
                         f"measuring the blocks (rank {turn})", functools.partial(measure_in_turn, turn)
                     )[1][turn]
-                    for turn in range(self._job.world_size)
+                    for turn in range(self._world_size)
                 ]
             measured = [BlockMeasurement.from_dict(m) for m in gathered]
         costs = block_costs(
             measured,
             len(names),
-            self._job.world_size,
+            self._world_size,
             [training_bytes(block) for block in blocks],
             training_bytes(module) - sum(training_bytes(block) for block in blocks),
-            memory.capped_free_bytes([None] * self._job.world_size, self._job.setup.memory_byte_ceilings),
+            memory.capped_free_bytes([None] * self._world_size, memory_byte_ceilings),
         )
         placement = place_stages(
             costs,
@@ -166,16 +208,15 @@ class PipelineTraining:
             pipeline.shares = tuple(micro_batch_sizes(global_batch_size, replicas))
         micro_batch = -(-max(pipeline.shares) // micro_batches)
         pipeline.install(module, placement, replicas, global_batch_size)
-        settings = self._job.settings
         # Blocks follow what the ranks measure, as the batch split does: on when placed by measurement, unless off.
         self._replan = (
-            choice.boundaries is None and settings.rebalance is not False,
+            choice.boundaries is None and self._rebalance is not False,
             costs,
             micro_batches,
             micro_batch,
         )
         self._placed_at = 0
-        if self._job.rank == 0:
+        if self._rank == 0:
             described = describe_pipeline(
                 placement,
                 names,
@@ -184,7 +225,7 @@ class PipelineTraining:
                 micro_batches,
                 micro_batch,
                 measured,
-                costs.memory_bytes if self._job.setup.memory_byte_ceilings else None,
+                costs.memory_bytes if memory_byte_ceilings else None,
                 pipeline.shares,
             )
             rank_zero_info(described)
@@ -213,16 +254,19 @@ class PipelineTraining:
 
     def shard(self, dataloader: DataLoader, trainer: Any) -> Any:
         """Every stage of a pipeline takes the same samples: the split is over the pipelines."""
-        job, pipeline = self._job, self.pipeline
+        pipeline = self.pipeline
         listeners = BatchListeners(
-            self._batch_ready, job.loss_weights.evaluation_batch, job.loss_weights.forget_evaluation_batch, lambda: None
+            self._batch_ready,
+            self._loss_weights.evaluation_batch,
+            self._loss_weights.forget_evaluation_batch,
+            lambda: None,
         )
         evaluation = [loader_batch_size(dataloader) or 1] * pipeline.replicas
-        return job.sharding.shard(
+        return self._sharding.shard(
             dataloader,
             trainer,
             pipeline.replica_batch_sizes(),
-            job.collectives,
+            self._collectives,
             pipeline.replica,
             listeners,
             evaluation_split=evaluation,
@@ -234,11 +278,11 @@ class PipelineTraining:
     def _move_blocks_if_due(self, global_step: int, optimizer: Any) -> None:
         """Every ``rebalance_window`` steps: each rank's compute over the last window (the steps two after the last
         move on) against what the placement predicted; the same decision on every rank from the gathered factors,
-        and the blocks moved, state and all, before this step (:mod:`lightning_hetero.plan.stages`)."""
+        and the blocks moved, state and all, before this step (:mod:`lightning_hetero.pipeline.placement`)."""
         pipeline, replan = self.pipeline, self._replan
         assert pipeline.placement is not None and pipeline.layout is not None
-        window = self._job.settings.rebalance_window
-        if replan is None or not replan[0] or global_step == 0 or global_step % window or self._job.world_size == 1:
+        window = self._rebalance_window
+        if replan is None or not replan[0] or global_step == 0 or global_step % window or self._world_size == 1:
             return
         enabled, costs, micro_batches, micro_batch = replan
         first = max(global_step - window, self._placed_at + 2)
@@ -247,7 +291,7 @@ class PipelineTraining:
         own = replace(pipeline.placement, ranks=tuple(pipeline.replica * stages + r for r in pipeline.placement.ranks))
         predicted = stage_seconds_under(costs, own)[pipeline.stage] * pipeline.shares[pipeline.replica]
         factor = statistics.median(recent) / predicted if recent and predicted > 0 else None
-        factors = self._job.collectives.gather_objects(factor)
+        factors = self._collectives.gather_objects(factor)
         if any(f is None for f in factors):
             return  # (too few steps under this placement yet)
         if len(optimizer.param_groups) != 1:
@@ -268,7 +312,7 @@ class PipelineTraining:
             costs,
             pipeline.placement,
             by_rank,
-            self._job.settings.rebalance_threshold,
+            self._rebalance_threshold,
             pipeline.choice.schedule,
             micro_batches,
             micro_batch,
@@ -288,17 +332,17 @@ class PipelineTraining:
         """One training step through the stages: every micro-batch forward and backward, then the gradient sums.
         Returns the global batch's loss (on every rank, for the progress bar)."""
         pipeline = self.pipeline
-        self._job.emulation.at_step(global_step)
+        self._emulation.at_step(global_step)
         self._move_blocks_if_due(global_step, optimizer)
         samples = self._samples
-        reduction = self._job.settings.loss_reduction
+        reduction = self._loss_reduction
         global_batch = self._global_samples or pipeline.global_batch  # (the last batch may be short)
 
         def weight_of(micro_batch_samples: int) -> float:
             return micro_batch_samples / global_batch if reduction == "mean" else 1.0
 
         micro_batches = pipeline.micro_batches_of(batch, samples)
-        loss = pipeline.run_step(micro_batches, forward, weight_of, self._job.emulation.slowed, backward)
+        loss = pipeline.run_step(micro_batches, forward, weight_of, self._emulation.slowed, backward)
         pipeline.reduce_gradients()
         pipeline.hold_gradients(module)
         return loss
@@ -310,16 +354,16 @@ class PipelineTraining:
         assert placement is not None and layout is not None
 
         def write(directory: Path) -> None:
-            pipeline_state.save_stage(directory, self._job.rank, engine.module, engine.optimizer, saved)
+            pipeline_state.save_stage(directory, self._rank, engine.module, engine.optimizer, saved)
 
         def facts() -> dict[str, Any]:
             return {
-                "world_size": self._job.world_size,
+                "world_size": self._world_size,
                 "global_step": saved.get("global_step"),
                 "epoch": saved.get("epoch"),
                 "zero_stage": 0,
                 "optimizer": type(engine.optimizer).__name__,
-                "devices": [facts.describe() for facts in self._job.device_facts],
+                "devices": [facts.describe() for facts in self._device_facts],
                 "pipeline": {
                     "stages": pipeline.choice.stages,
                     "replicas": layout.replicas,
@@ -328,7 +372,7 @@ class PipelineTraining:
                 },
             }
 
-        self._job.recovery.save(target, write, facts)
+        self._recovery.save(target, write, facts)
 
     def load_checkpoint(
         self, chosen: Path, manifest: dict[str, Any], engine: Any, weights_only: Optional[bool] = None
@@ -360,9 +404,9 @@ class PipelineTraining:
     def write_report(self, trainer: Any) -> None:
         """Every rank's stage times gathered; rank 0 prints the per-stage summary and writes it as JSON."""
         pipeline = self.pipeline
-        gathered = self._job.collectives.gather_objects((pipeline.stage, pipeline.step_times))
-        directory = self._job.report_directory or report_directory(trainer, self._job.collectives.gather_objects)
-        if self._job.rank != 0:
+        gathered = self._collectives.gather_objects((pipeline.stage, pipeline.step_times))
+        directory = report_directory(trainer, self._collectives.gather_objects)  # (a pipeline writes no plan file)
+        if self._rank != 0:
             return
         summary = summarize_stages([times for _, times in gathered], [stage for stage, _ in gathered])
         assert pipeline.placement is not None

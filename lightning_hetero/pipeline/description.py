@@ -1,7 +1,7 @@
 """Plan: the pipeline's plan as printed at fit start: each stage's rank, blocks, time per micro-batch and memory.
 
-Apart from the placement search (:mod:`lightning_hetero.plan.stages`), whose result it only reads: the wording can
-change without touching the arithmetic that the brute-force tests pin down.
+Apart from the placement search (:mod:`.placement`), whose result it only reads: the wording can change
+without touching the arithmetic that the brute-force tests pin down.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from lightning_hetero.plan.pipeline_choice import PipelineChoice
-from lightning_hetero.plan.stages import StagePlacement
+from lightning_hetero.pipeline.options import PipelineChoice
+from lightning_hetero.pipeline.placement import StagePlacement
 
 
 def describe_pipeline(

@@ -3,7 +3,7 @@
 Only the last stage of each pipeline runs the rest of ``training_step`` and ``validation_step``, so only it logs:
 ``self.log(..., sync_dist=True)`` reduces over the last stages alone (:func:`log_synced_over`), and rank 0's
 metrics reach every rank before the callbacks that read them (:class:`LastStageMetrics`). Apart from the schedule
-(:mod:`lightning_hetero.train.pipeline`): this is about Lightning's logging, not about the stages' exchange.
+(:mod:`lightning_hetero.pipeline.stage`): this is about Lightning's logging, not about the stages' exchange.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Plan: which contiguous blocks of the model's chain each pipeline stage holds, and which rank runs each stage.
 
 A pipeline of ``S`` stages runs a chain of ``B`` blocks (``HeteroStrategy(pipeline=...)``,
-:mod:`lightning_hetero.train.pipeline`): stage ``s`` holds blocks ``boundaries[s-1] .. boundaries[s]-1``. Every
+:mod:`lightning_hetero.pipeline.stage`): stage ``s`` holds blocks ``boundaries[s-1] .. boundaries[s]-1``. Every
 micro-batch passes through every stage, so in the steady state the pipeline moves at the pace of its slowest stage;
 the placement minimizes that stage's time per sample, within every device's memory:
 
@@ -16,8 +16,8 @@ against brute force. Pure functions (values in, values out; no process group, no
 
 The same search places the stages again in training (:func:`replan_stages`, on the times scaled by what each rank
 measured), and prices a placement on other ranks (:func:`pipeline_shares`), so those stay here beside it. The
-``pipeline`` argument's checks are in :mod:`lightning_hetero.plan.pipeline_choice`, the plan as printed in
-:mod:`lightning_hetero.plan.pipeline_description`.
+``pipeline`` argument's checks are in :mod:`lightning_hetero.pipeline.options`, the plan as printed in
+:mod:`lightning_hetero.pipeline.description`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class BlockCosts:
     ``seconds[r][b]``: forward + backward of block ``b`` on rank ``r``'s device, per sample. ``parameter_bytes[b]``:
     the block's parameters, gradients and optimizer state. ``activation_bytes[b]``: what one sample's forward through
     it keeps for the backward. ``memory_bytes[r]``: what rank ``r`` may use (None: no ceiling). The modules outside
-    the chain (:mod:`lightning_hetero.train.pipeline`), per sample on each rank: ``before_seconds``, what precedes the
+    the chain (:mod:`lightning_hetero.pipeline.stage`), per sample on each rank: ``before_seconds``, what precedes the
     chain, which every stage runs; ``after_seconds``, what follows it and the loss, the last stage's;
     ``outside_bytes``, their parameters, which every stage holds.
     """
@@ -258,7 +258,7 @@ def block_costs(
     outside_bytes: int,
     ceilings: Sequence[Optional[float]],
 ) -> BlockCosts:
-    """The placement's input: every rank's measured block costs (:class:`~lightning_hetero.measure.blocks.
+    """The placement's input: every rank's measured block costs (:class:`~lightning_hetero.pipeline.blocks.
     BlockMeasurement`), or without measurements (fixed ``boundaries``) one second per block and no activations.
     ``parameter_bytes``: each block's training state; ``ceilings``: each rank's emulated device memory (None: none),
     of which :data:`~lightning_hetero.measure.profiler.MEMORY_HEADROOM` may be planned, as of free memory."""

@@ -1,4 +1,4 @@
-"""Pipeline parallelism against one process: the same global batches, the same update (train/pipeline.py)."""
+"""Pipeline parallelism against one process: the same global batches, the same update (pipeline/stage.py)."""
 
 from __future__ import annotations
 

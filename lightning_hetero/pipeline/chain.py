@@ -3,8 +3,8 @@ stage installed in it (``HeteroStrategy(pipeline={"stages": S, "blocks": "net"})
 
 The contract. The LightningModule holds a chain of blocks at the attribute ``blocks`` (an ``nn.Sequential``, or a
 ``ModuleList`` / ``ModuleDict`` that its forward applies in order), and ``training_step`` is unchanged. Stage ``s``
-holds blocks ``boundaries[s-1] .. boundaries[s]-1`` (:mod:`lightning_hetero.plan.stages`); the others are replaced in
-the chain by :class:`ElsewhereBlock`, which holds nothing, so the rank's ``state_dict()`` names its blocks under their
+holds blocks ``boundaries[s-1] .. boundaries[s]-1`` (:mod:`.placement`); the others are replaced in the
+chain by :class:`ElsewhereBlock`, which holds nothing, so the rank's ``state_dict()`` names its blocks under their
 own names (``net.3.weight``). Every stage runs the user's ``training_step`` on every micro-batch of its pipeline:
 
 - what comes before the chain (an embedding) runs on every stage; on the first stage its output enters the chain, on
@@ -19,7 +19,7 @@ block applied out of order or twice, a stage output that is not one tensor. A sk
 to a later stage's is not detected (the later stage would use its own, discarded, value): the chain's blocks must pass
 everything on through their output.
 
-Apart from the schedule that runs the stages (:mod:`lightning_hetero.train.pipeline`): what is accepted of the user's
+Apart from the schedule that runs the stages (:mod:`lightning_hetero.pipeline.stage`): what is accepted of the user's
 module, and how a stage sits in it, can be read (and tested) without any process group.
 """
 
@@ -30,8 +30,8 @@ from typing import Any, Optional
 
 from torch import Tensor, nn
 
-from lightning_hetero.plan.pipeline_choice import PipelineChoice
-from lightning_hetero.plan.stages import check_boundaries
+from lightning_hetero.pipeline.options import PipelineChoice
+from lightning_hetero.pipeline.placement import check_boundaries
 
 CHAINS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -83,7 +83,7 @@ def check_chain_shape(module: nn.Module, choice: PipelineChoice) -> tuple[nn.Mod
         raise ValueError(
             f"HeteroStrategy(pipeline=...): `{choice.blocks}` was split by an earlier pipeline fit on this rank (blocks"
             f" {elsewhere[:5]} are held elsewhere): build the model again for another fit, or load a pipeline"
-            " checkpoint into a whole model with `lightning_hetero.recover.pipeline_state.whole_model_state(path)`."
+            " checkpoint into a whole model with `lightning_hetero.pipeline.state.whole_model_state(path)`."
         )
     if choice.stages > len(names):
         raise ValueError(

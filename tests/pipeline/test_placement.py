@@ -1,4 +1,4 @@
-"""The pipeline's stage placement (:mod:`lightning_hetero.plan.stages`) against brute force."""
+"""The pipeline's stage placement (:mod:`lightning_hetero.pipeline.placement`) against brute force."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from lightning_hetero.plan.stages import BlockCosts, check_boundaries, in_flight, place_stages
+from lightning_hetero.pipeline.placement import BlockCosts, check_boundaries, in_flight, place_stages
 
 
 def brute_force(costs: BlockCosts, stages: int, holds: list[int]) -> float | None:
@@ -149,7 +149,7 @@ def test_rank_0_runs_the_last_stage_when_asked(boundaries):
 
 
 def test_a_rank_that_slowed_down_gives_blocks_away():
-    from lightning_hetero.plan.stages import replan_stages
+    from lightning_hetero.pipeline.placement import replan_stages
 
     costs = BlockCosts(
         seconds=((1.0,) * 8, (1.0,) * 8), parameter_bytes=(1,) * 8, activation_bytes=(1,) * 8, memory_bytes=(None, None)
@@ -166,7 +166,7 @@ def test_a_rank_that_slowed_down_gives_blocks_away():
 
 
 def test_a_faster_pipeline_gets_a_larger_share():
-    from lightning_hetero.plan.stages import pipeline_shares
+    from lightning_hetero.pipeline.placement import pipeline_shares
 
     # Pipeline 0 on ranks 0-1 at full speed, pipeline 1 on ranks 2-3 at 0.4: shares 1 : 0.4 of 70 samples.
     seconds = ((1.0,) * 4, (1.0,) * 4, (2.5,) * 4, (2.5,) * 4)
