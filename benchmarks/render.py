@@ -112,6 +112,7 @@ def throttled_sections(files: Sequence[Path]) -> list[Section]:
     (``--regression``: the automatic split under `emulate_speeds`, this checkout against an older one)."""
     by_form: dict[str, list[Row]] = {form: [] for form in THROTTLED_FORMS}
     regression: list[Row] = []
+    quota_regression: list[Row] = []
     for path in files:
         record = json.loads(path.read_text())
         date = record.get("started", "")[:10]
@@ -121,6 +122,10 @@ def throttled_sections(files: Sequence[Path]) -> list[Section]:
             if record.get("before_commit"):
                 commit = f"{commit} vs {record['before_commit']}"
             values = {column.key: record.get(column.key, []) for column in THROTTLED_REGRESSION}
+            if record.get("regression_limit") is not None:
+                setting = f"quota {record['regression_limit']}"
+                quota_regression.append(Row(path.name, commit, date, setting, values, note))
+                continue
             speed = _emulated_speed(record["command"])
             regression.append(Row(path.name, commit, date, f"speeds [1.0, {speed}]", values, note))
             continue
@@ -146,6 +151,21 @@ def throttled_sections(files: Sequence[Path]) -> list[Section]:
                 THROTTLED_REGRESSION,
                 tuple(regression),
                 "throttled_regression.png",
+            )
+        )
+    if quota_regression:
+        intro = (
+            "Rank 1 held by the CPU quota, the automatic split of this checkout (*now*) against an older one "
+            "(*before*), in pairs of fits run back to back in alternating order: where separate runs of the sweep "
+            "cannot tell two versions apart. Under 1 is faster now."
+        )
+        sections.append(
+            Section(
+                "The quota: the package against an older version",
+                intro,
+                THROTTLED_REGRESSION,
+                tuple(quota_regression),
+                "throttled_quota_regression.png",
             )
         )
     return sections

@@ -32,7 +32,9 @@ removes; there is no DDP fit (DDP cannot be slowed so), and the rounds run the a
 
 ``--regression DIR`` compares instead, in pairs of fits back to back (in alternating order), another checkout's
 automatic split with this one's under the package's own emulation (``emulate_speeds=[1.0, --emulated-speed]``, no
-quota): what the changes cost where the cost model already explained the step.
+quota): what the changes cost where the cost model already explained the step. With ``--regression-limit L`` the
+pairs run under the quota instead (rank 1 held to L of its core): two versions of the package compared where the
+best fixed split is too flat to tell them apart by separate runs.
 """
 
 from __future__ import annotations
@@ -346,19 +348,24 @@ def run_fit(
 
 def regression(args: argparse.Namespace, cores: list[int]) -> None:
     """This checkout's automatic split against ``args.regression``'s, rank 1 at ``emulate_speeds=[1.0, s]`` (the
-    package's own emulation: compute stretched), no quota; a pair of fits back to back per round."""
-    variant, rounds = f"emulated:{args.emulated_speed}", []
+    package's own emulation: compute stretched), no quota; or, with ``--regression-limit``, rank 1 held by the
+    script's CPU quota to that share of its core. A pair of fits back to back per round."""
+    if args.regression_limit is not None:
+        variant, limit, label = "auto", args.regression_limit, f"quota {args.regression_limit}"
+    else:
+        variant, limit, label = f"emulated:{args.emulated_speed}", 1.0, f"emulated speed {args.emulated_speed}"
+    rounds = []
     for pair in range(args.pairs):
         # (in alternating order: a machine that slows down or speeds up within a pair does not favour one side)
         if pair % 2 == 0:
-            before = run_fit(variant, 1.0, args.work, cores, args.steps, tuple(args.measured), args.regression)
-            now = run_fit(variant, 1.0, args.work, cores, args.steps, tuple(args.measured))
+            before = run_fit(variant, limit, args.work, cores, args.steps, tuple(args.measured), args.regression)
+            now = run_fit(variant, limit, args.work, cores, args.steps, tuple(args.measured))
         else:
-            now = run_fit(variant, 1.0, args.work, cores, args.steps, tuple(args.measured))
-            before = run_fit(variant, 1.0, args.work, cores, args.steps, tuple(args.measured), args.regression)
+            now = run_fit(variant, limit, args.work, cores, args.steps, tuple(args.measured))
+            before = run_fit(variant, limit, args.work, cores, args.steps, tuple(args.measured), args.regression)
         rounds.append({"before": before, "now": now, "first": "before" if pair % 2 == 0 else "now"})
         print(
-            f"emulated speed {args.emulated_speed} round {pair + 1}: before {before['median_step_ms']:.1f} ms"
+            f"{label} round {pair + 1}: before {before['median_step_ms']:.1f} ms"
             f" (split {before.get('final_batch_sizes')}), now {now['median_step_ms']:.1f} ms (split"
             f" {now.get('final_batch_sizes')}): now/before {now['median_step_ms'] / before['median_step_ms']:.3f}",
             flush=True,
@@ -373,6 +380,7 @@ def regression(args: argparse.Namespace, cores: list[int]) -> None:
         "machine": platform.node(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "regression": str(args.regression),
+        "regression_limit": args.regression_limit,
         "rounds": rounds,
         "now_over_before": ratios,
         "mean_now_over_before": mean_ratios,
@@ -404,6 +412,11 @@ def main() -> None:
         " under the package's own emulation (--emulated-speed), in pairs",
     )
     parser.add_argument("--emulated-speed", type=float, default=0.4)
+    parser.add_argument(
+        "--regression-limit",
+        type=float,
+        help="with --regression: compare under the script's CPU quota at this share of rank 1's core instead",
+    )
     parser.add_argument(
         "--form",
         choices=["quota", "intermittent", "neighbour", "emulated", "sends"],
