@@ -210,7 +210,7 @@ def held_clock() -> Callable[[], float]:
     def run_delay() -> float:
         try:
             schedstat = getattr(opened, "schedstat", None)
-            if schedstat is None:
+            if schedstat is None or schedstat.pid != os.getpid():  # (a forked child: its own thread, not the parent's)
                 schedstat = opened.schedstat = _ThreadFile("/proc/thread-self/schedstat")
             return int(os.pread(schedstat.descriptor, 128, 0).split()[1]) / 1e9
         except (OSError, IndexError, ValueError):
@@ -222,10 +222,11 @@ def held_clock() -> Callable[[], float]:
 class _ThreadFile:
     """A file held open by one thread's local state, closed when that state goes (the thread ends)."""
 
-    __slots__ = ("descriptor",)
+    __slots__ = ("descriptor", "pid")
 
     def __init__(self, path: str) -> None:
         self.descriptor = os.open(path, os.O_RDONLY)
+        self.pid = os.getpid()  # (a child forked after it opened inherits the descriptor, which names this thread)
 
     def __del__(self) -> None:
         with contextlib.suppress(OSError):

@@ -489,6 +489,23 @@ def test_the_kernels_run_delay_is_read_for_this_thread():
         thread.join(timeout=30)
     gc.collect()
     assert len(set(os.listdir("/proc/self/fd")) - opened) <= 1  # (each thread's file went with it: 5 if kept)
+    # A child forked after this thread read the clock reads its own thread's, not its parent's.
+    sum(range(2_000_000))  # (run time of the parent's own, which a child reading the parent's file would see)
+    clock()
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # (the child: its own read against a direct one, then out without Python's shutdown)
+        os.close(read_end)
+        low, value, high = read_directly(), clock(), read_directly()
+        os.write(write_end, b"1" if low <= value <= high else b"0")
+        os._exit(0)
+    os.close(write_end)
+    try:
+        answer = os.read(read_end, 1)
+    finally:
+        os.close(read_end)
+        os.waitpid(child, 0)
+    assert answer == b"1"
 
 
 def test_where_the_kernel_counts_it_the_late_rank_is_named_with_the_time_it_was_held():
