@@ -440,7 +440,8 @@ def test_a_rank_whose_loader_stalls_is_named_and_given_fewer_samples_and_trainin
 
 
 def test_a_resplit_mid_epoch_equals_one_process_and_a_checkpoint_after_it_resumes_with_its_split(tmp_path):
-    """Rank 1 slows down 5x at step 2; re-planning (every 3 steps) moves samples to rank 0 in the middle of epoch 0.
+    """Rank 1 slows down 5x at step 2; re-planning (every 3 steps) moves samples to rank 0 in the middle of an epoch
+    (of 10 steps: epoch 0, or epoch 1's third step on a loaded machine).
 
     The global batches stay the same positions whatever the split, so the run must equal one process on them, use
     every sample once per epoch, and a checkpoint taken after the re-split must resume with the split it recorded.
@@ -457,9 +458,11 @@ def test_a_resplit_mid_epoch_equals_one_process_and_a_checkpoint_after_it_resume
     splits = [tuple(step["batch_sizes"]) for step in run_report["steps"]]
     replans = run_report["replans"]
     # The first decision after two windows, or, on a machine loaded enough that the kernel holds the ranks unevenly
-    # (the test suite's other workers), after three: the ranks' arrivals then count in the refit, and their noise
-    # can hold the first window's decision back (seen once in a fresh-clone run of the suite).
-    assert replans and replans[0]["step"] in (6, 9), (replans, splits)
+    # (the test suite's other workers), after three or four: the ranks' arrivals then count in the refit, and their
+    # noise can hold the first windows' decisions back (after three seen once in a fresh-clone run of the suite, after
+    # four once more, 2026-11-29; the data-stall test above allows the same). How soon the re-planner decides is its
+    # pure tests' (tests/plan/test_replan.py, on a fake clock); this test is about a split changed inside an epoch.
+    assert replans and replans[0]["step"] in (6, 9, 12), (replans, splits)
     first_replan = replans[0]["step"]
     assert splits[:first_replan] == [(8, 8)] * first_replan and splits[first_replan][0] > 8, splits  # to the fast rank
     for replan in replans:  # every rank switched at that step, to what the report says
@@ -471,7 +474,7 @@ def test_a_resplit_mid_epoch_equals_one_process_and_a_checkpoint_after_it_resume
         logged = [row for row in csv.DictReader(metrics_file) if row.get("hetero/replan_predicted_gain")]
     assert [int(row["step"]) for row in logged] == [replan["step"] for replan in replans]
 
-    resumed_at = 4 * (first_replan // 4 + 1)  # the first checkpoint (every 4 steps) after the re-split: 8 or 12
+    resumed_at = 4 * (first_replan // 4 + 1)  # the first checkpoint (every 4 steps) after the re-split: 8, 12 or 16
     (checkpoint,) = [path for path in (tmp_path / "first" / "ckpt").iterdir() if f"step={resumed_at}." in path.name]
     resumed = run_fit(tmp_path / "resumed", *common, "--ckpt-path", str(checkpoint), "--monitor")
     assert resumed.returncode == 0, resumed.output[-4000:]
