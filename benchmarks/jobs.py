@@ -1,5 +1,5 @@
 """A benchmark's job: one fit in a process session of its own, its output in a log file, and the whole session
-killed when it runs past its deadline (no benchmark waits for ever on a stuck job)."""
+killed when it runs past its deadline (no benchmark waits for ever on a stuck job); and the commit a run records."""
 
 from __future__ import annotations
 
@@ -23,3 +23,9 @@ def run_job(command: list[str], log: Path, environment: dict[str, str], timeout:
             raise RuntimeError(f"{name} did not finish in {timeout} s; see {log}") from None
     if process.returncode != 0:
         raise RuntimeError(f"{name} failed ({process.returncode}); see {log}")
+
+
+def commit_of(checkout: Path) -> str:
+    """The short commit of a git checkout ("" where it is not one: a copy of a working tree), for a run's record."""
+    found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=checkout)
+    return found.stdout.strip() if found.returncode == 0 else ""

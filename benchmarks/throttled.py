@@ -56,7 +56,7 @@ sys.path.insert(0, str(HERE))
 # (the checkout whose package a fit imports: another one's for --regression, else this one)
 sys.path.insert(0, os.environ.get("THROTTLED_PACKAGE") or str(HERE.parent))
 
-from jobs import run_job  # noqa: E402
+from jobs import commit_of, run_job  # noqa: E402
 
 DEFAULT_OUT = HERE / "results" / "throttled.json"
 GLOBAL_BATCH = 512
@@ -265,12 +265,6 @@ def away_from_start(
         "share_of_fit": {source: value / total for source, value in excess.items()},
         "share_of_fit_total": sum(excess.values()) / total,
     }
-
-
-def commit_of(checkout: Path) -> str:
-    """The short commit of a git checkout ("" where it is not one: a copy of a working tree)."""
-    found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=checkout)
-    return found.stdout.strip() if found.returncode == 0 else ""
 
 
 def spread(values: list[float]) -> str:

@@ -47,6 +47,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # (the benchmarks' shared helpers, whatever the working directory)
+from jobs import commit_of  # noqa: E402
+
 DEFAULT_OUT = HERE / "results" / "throughput.json"
 GLOBAL_BATCH = 512
 STEPS = 240
@@ -294,10 +297,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     text = table(results)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE)
     record = {
         "command": " ".join(["benchmarks/throughput.py", *(argv if argv is not None else sys.argv[1:])]),
-        "commit": commit.stdout.strip() if commit.returncode == 0 else "",
+        "commit": commit_of(HERE),
         "machine": platform.node(),
         "cpus": os.cpu_count(),
         "started": started,
