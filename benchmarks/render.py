@@ -260,14 +260,15 @@ SCRIPTS = {
 # ------------------------------------------------------------------------------------------ rendering
 
 
+def measured_files(script: str) -> list[Path]:
+    """``script``'s committed JSON files, oldest run first."""
+    files = MEASURED.glob(f"{script}_*.json")
+    return sorted(files, key=lambda path: (json.loads(path.read_text()).get("started", ""), path.name))
+
+
 def sections_of(script: str) -> list[Section]:
     """The sections of ``script``'s page, from its committed JSON, oldest run first."""
-    files = sorted(MEASURED.glob(f"{script}_*.json"), key=lambda path: (_started(path), path.name))
-    return SCRIPTS[script][2](files)
-
-
-def _started(path: Path) -> str:
-    return json.loads(path.read_text()).get("started", "")
+    return SCRIPTS[script][2](measured_files(script))
 
 
 def page(script: str, sections: Sequence[Section]) -> str:
@@ -299,7 +300,7 @@ def page(script: str, sections: Sequence[Section]) -> str:
         if notes:
             lines += ["Notes the runs recorded:", "", *notes, ""]
     lines += ["## Commands", ""]
-    for path in sorted(MEASURED.glob(f"{script}_*.json"), key=lambda path: (_started(path), path.name)):
+    for path in measured_files(script):
         lines.append(f"- `{path.name}`: `{json.loads(path.read_text())['command']}`")
     return "\n".join(lines) + "\n"
 
