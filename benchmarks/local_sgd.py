@@ -170,7 +170,8 @@ def fit(
         default_root_dir=out,
     )
     trainer.fit(WideSpirals(), data)
-    claims = strategy.job.claims  # asynchronous merges: each rank's merges (its micro-batches, its time in each)
+    # Asynchronous merges: each rank's merges (its micro-batches, its time in each).
+    claims = getattr(strategy.job.mode, "claims", None)
     if claims is not None:
         (out / f"merges_rank{trainer.global_rank}.json").write_text(json.dumps(claims.merges.records))
 

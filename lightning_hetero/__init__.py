@@ -18,9 +18,11 @@ The layout follows a run's flow, one folder per stage, lowest first::
     watch/      per-step measurements, the split that follows them, the run report, the monitor callback
     recover/    checkpoints, resumes, lost or signalled ranks, failures said on every rank
 
-Above the stages, a folder per capability holds all of it: its options and their checks, its decisions, its
-training object, its state in checkpoints and its report fields::
+Above the stages, a folder per way of training holds its training mode (``train/mode.py``'s lifecycle, which the job
+calls at each hook point), with what belongs to that way alone::
 
+    split/      data parallel on the uneven split: one step's micro-batches, the mode, its report and checkpoints
+    local/      local SGD / DiLoCo and asynchronous merges: the modes, the claiming loader and its counter
     pipeline/   the model split into stages: options, blocks measured, stages placed and re-placed, the stage's
                 schedule, its state by block name, its report
 
@@ -28,9 +30,8 @@ training object, its state in checkpoints and its report fields::
 
 A module imports only from its own folder and the folders listed above it. On top, imported by no folder:
 ``strategy.py`` (Lightning's hook order and the DeepSpeed overrides) calls only ``job.py``'s HeteroJob, one method
-per lifecycle point, which hands each over to a stage's object (``job_setup.py``: the survey and the plan of each
-trainer call; ``pipeline/training.py``: pipeline parallelism); ``settings.py`` checks every argument, and holds every
-refusal. ``tests/test_layering.py`` keeps it so.
+per lifecycle point: the shared part, then the training mode the settings chose (``job_setup.py``: the survey and the
+plan of each trainer call); ``settings.py`` checks every argument. ``tests/test_layering.py`` keeps it so.
 """
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES

@@ -1,10 +1,13 @@
 """The job: the facade the strategy calls at Lightning's lifecycle points, and the one owner of a run's state.
 
 :class:`HeteroJob` holds, for one strategy across its trainer calls, what the ranks established at setup (device
-facts, precisions, profiles, the data seed), the split in force, and one object per capability (collectives,
-emulation, data sharding, loss weights, the training steps, watch, recovery, non-finite steps, communication, local
-training, the pipeline). Each method is one lifecycle point, handed over to the stages' objects; the strategy keeps
-only Lightning's hook order and the DeepSpeed overrides. The setup survey and the start of a fit are :mod:`.job_setup`.
+facts, precisions, profiles, the data seed), the split in force, the capabilities every way of training shares
+(collectives, emulation, data sharding, loss weights, watch, recovery, non-finite steps, communication), and the one
+training mode its settings chose (:func:`mode_class`): data parallel (:mod:`lightning_hetero.split.training`), local
+training (:mod:`lightning_hetero.local.training`) or a pipeline (:mod:`lightning_hetero.pipeline.training`). Each
+method is one lifecycle point: the shared part, then the mode's (:class:`~lightning_hetero.train.mode.TrainingMode`);
+the strategy keeps only Lightning's hook order and the DeepSpeed overrides. The setup survey and the start of a fit
+are :mod:`.job_setup`.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader
 
@@ -31,38 +34,53 @@ from lightning_hetero.emulate.emulation import (
     emulation_for,
 )
 from lightning_hetero.job_setup import JobSetup
+from lightning_hetero.local.claims import REBUILT_LOADERS
+from lightning_hetero.local.training import AsynchronousTrainingMode, LocalTrainingMode, local_training_state
 from lightning_hetero.pipeline.stage import Pipeline
-from lightning_hetero.pipeline.training import PipelineTraining, check_pipeline_job
+from lightning_hetero.pipeline.training import PipelineTraining
 from lightning_hetero.plan.deepspeed_config import config_disagreements, disagreement_message
 from lightning_hetero.precision.job import loss_scale_value
 from lightning_hetero.precision.nonfinite import NonFiniteGuard
 from lightning_hetero.precision.plugin import HeteroPrecision
-from lightning_hetero.recover import checkpoint, from_deepspeed
-from lightning_hetero.recover.recovery import Recovery, manifest_facts
-from lightning_hetero.recover.resume import Route, file_route, resume_route
+from lightning_hetero.recover import checkpoint
+from lightning_hetero.recover.recovery import Recovery
 from lightning_hetero.runtime.collectives import Collectives
-from lightning_hetero.runtime.tracing import phase, traced
+from lightning_hetero.runtime.tracing import traced
 from lightning_hetero.settings import HeteroSettings
-from lightning_hetero.train.buffers import BufferSync
-from lightning_hetero.train.claims import REBUILT_LOADERS, AsynchronousTraining
-from lightning_hetero.train.local_sgd import LocalTraining
+from lightning_hetero.split.steps import RankParts
+from lightning_hetero.split.training import DataParallelTraining
 from lightning_hetero.train.micro_batches import MicroBatchGuard
-from lightning_hetero.train.sharding import BatchListeners, DataSharding
+from lightning_hetero.train.mode import Backward, Surveyed, TrainingMode, UserStep
+from lightning_hetero.train.sharding import DataSharding
 from lightning_hetero.train.split_in_force import SplitInForce
-from lightning_hetero.train.steps import Backward, TrainingSteps, UserStep
 from lightning_hetero.train.weights import LossWeights
 from lightning_hetero.watch.loss_reduction import LossReductionCheck
-from lightning_hetero.watch.meter import time_deepspeed_exchanges
-from lightning_hetero.watch.publish import publish_to_loggers, report_directory
 from lightning_hetero.watch.watcher import Watcher
+
+ModeClass = Union[
+    type[DataParallelTraining], type[LocalTrainingMode], type[AsynchronousTrainingMode], type[PipelineTraining]
+]
+
+
+def mode_class(settings: HeteroSettings) -> ModeClass:
+    """The way of training ``settings`` chose: the one place that asks (the settings refused every mix of them)."""
+    if settings.pipeline is not None:
+        return PipelineTraining
+    if settings.local and settings.asynchronous:
+        return AsynchronousTrainingMode
+    if settings.local:
+        return LocalTrainingMode
+    return DataParallelTraining
 
 
 class HeteroJob:
-    """This rank's view of the job. Objects that need the job (ranks, device) are set up in :meth:`join`;
-    ``follow_split(micro_batch)`` is told each time the split in force changes this rank's micro-batch."""
+    """This rank's view of the job. The training mode and the objects that need the ranks and the device are set up
+    in :meth:`join`; ``follow_split(micro_batch)`` is told each time the split in force changes this rank's
+    micro-batch."""
 
     def __init__(self, settings: HeteroSettings, follow_split: Callable[[int], None] = lambda micro_batch: None):
         self.settings = settings
+        self.mode_class = mode_class(settings)
         self.communication = Communication(settings.compression, settings.hierarchical)
         self.rank, self.world_size = 0, 1
         self.emulation: Union[Emulation, ProcessEmulation, SendsEmulation, NoEmulation] = NoEmulation()
@@ -72,21 +90,9 @@ class HeteroJob:
         self.sharding = DataSharding()
         self.loss_weights = LossWeights(settings.loss_reduction)
         self.micro_batch_guard = MicroBatchGuard()
-        self.steps = TrainingSteps(self)
-        self.local: Optional[LocalTraining] = None  # local SGD / DiLoCo (train/local_sgd.py)
-        self.pipeline: Optional[PipelineTraining] = None  # the model split into stages, from join()
-        if settings.local:
-            self.local = LocalTraining(
-                settings.sync,
-                settings.sync_every,
-                settings.outer,
-                settings.compression.mode,
-                settings.fragments,
-                settings.overlap,
-                settings.eager,
-            )
-            self.loss_weights.local = True
-        self.claims = AsynchronousTraining(self, settings.sync_every) if settings.asynchronous else None
+        # Local SGD / DiLoCo's state (train/local_sgd.py): the setup plans its inner steps, the mode merges with it.
+        self.local = local_training_state(settings)
+        self.loss_weights.local = self.local is not None
         self.recovery = Recovery(settings.peer_timeout)
         self.nonfinite = NonFiniteGuard(settings.max_nonfinite_steps, lambda t: self.collectives.gather_tensor(t))
         caught_up = lambda t: self.collectives.gather_tensor(t, catch_up=True)  # noqa: E731
@@ -94,8 +100,8 @@ class HeteroJob:
         self.watcher: Optional[Watcher] = None
         # What the ranks told each other at setup (every rank holds the same), and the planning that reads it.
         self.setup = JobSetup(settings, self.split, self.sharding, self.communication, self.loss_check, self.local)
+        self.mode: Optional[TrainingMode] = None  # the way of training, from join()
         self.engine: Optional[Any] = None  # DeepSpeed's engine of this trainer call, from attach()
-        self.report_directory: Optional[Path] = None  # where this fit's plan and report go (watch/publish.py)
         self._optimizer_parameters: list[tuple[str, Any]] = []  # (name, parameter) in the optimizer's order
 
     # What the run established, for users and the monitor (HeteroStrategy's properties of the same names).
@@ -107,8 +113,22 @@ class HeteroJob:
     profiles = property(lambda self: self.setup.profiles, doc="Every rank's profile (automatic split only).")
     device_facts = property(lambda self: self.setup.device_facts, doc="Every rank's device facts.")
     precisions = property(lambda self: self.setup.precisions, doc="Every rank's precision.")
-    pipeline_stage = property(lambda self: self.pipeline.pipeline if self.pipeline else None, doc="This rank's stage.")
-    pipeline_replans = property(lambda self: self.pipeline.replans if self.pipeline else [], doc="Blocks moved.")
+
+    @property
+    def pipeline_stage(self) -> Optional[Pipeline]:
+        """This rank's stage of a pipeline (None in another mode)."""
+        return self.mode.pipeline if isinstance(self.mode, PipelineTraining) else None
+
+    @property
+    def pipeline_replans(self) -> list[dict[str, Any]]:
+        """This fit's moves of a pipeline's blocks."""
+        return self.mode.replans if isinstance(self.mode, PipelineTraining) else []
+
+    def _mode(self) -> TrainingMode:
+        if self.mode is None:  # (a lifecycle point before any setup, `strategy.load_checkpoint` alone: one rank's)
+            self.watcher = self.watcher or self._new_watcher(torch.device("cpu"))
+            self.mode = self._build_mode(torch.device("cpu"), self.watcher)
+        return self.mode
 
     # ------------------------------------------------------------------ setup
 
@@ -125,8 +145,7 @@ class HeteroJob:
         (``plugin``: the strategy's precision plugin; ours, from an earlier trainer call, is not the Trainer's)."""
         given = None if isinstance(plugin, HeteroPrecision) else (str(plugin.precision), type(plugin).__name__)
         self.settings.check_job(world_size, device_type, config, sync_batchnorm, trainer_precision=given)
-        if self.settings.pipeline is not None:
-            check_pipeline_job(self.settings.pipeline, trainer, str(plugin.precision), world_size)
+        self.mode_class.check_trainer(self.settings, trainer, str(plugin.precision), world_size)
         if trainer is not None:
             self.sharding.take_over_distributed_sampling(trainer)
 
@@ -140,9 +159,10 @@ class HeteroJob:
         sync_batchnorm: bool = False,
         collectives: Optional[Collectives] = None,
     ) -> None:
-        """The process group exists: each capability learns its rank, the world size and the device. ``plugin``: a
-        callable returning the strategy's precision plugin (it is replaced at setup); ``sync_batchnorm``:
-        `Trainer(sync_batchnorm=True)`; ``collectives``: the job's (a test's fake; default: the default group's)."""
+        """The process group exists: each capability learns its rank, the world size and the device, and the training
+        mode is built. ``plugin``: a callable returning the strategy's precision plugin (it is replaced at setup);
+        ``sync_batchnorm``: `Trainer(sync_batchnorm=True)`; ``collectives``: the job's (a test's fake; default: the
+        default group's)."""
         self.rank, self.world_size = rank, world_size
         self.setup.sync_batchnorm = sync_batchnorm
         self.emulation.stop()  # (an earlier trainer call's, if it did not end through detach)
@@ -156,31 +176,43 @@ class HeteroJob:
         self.recovery.watch_peers()
         self.split.rank = rank
         self.loss_weights.join(rank, world_size, self.collectives.sum, self.collectives.reduce_in_place)
-        window = 0 if self.claims is not None else self.settings.rebalance_window  # (0: exchanged at the end only)
-        self.watcher = Watcher(
-            device,
-            window,
-            lambda: self.emulation.added_seconds,
-            self.communication.reading,
-            self.collectives.gather_tensor,
-            lambda: self.local.link_wait_seconds if self.local is not None else 0.0,
-            self.settings.trace,
-        )
-        self.watcher.skipped_steps = lambda: list(self.nonfinite.skipped)
+        self.watcher = self._new_watcher(device)
         self.setup.join(rank, world_size, self.collectives, self.emulation, self.watcher)
         self.communication.collective_observer = self.watcher.meter.collective  # (time blocked before the exchange)
         self.communication.send_hold = self.emulation.send_seconds
         self.watcher.loss_scale = lambda: loss_scale_value(plugin())
         if trainer is not None:
-            self.recovery.stop_together_on_sigterm(trainer, device, at_each_step=self.claims is None)
-        choice = self.settings.pipeline
-        if choice is not None:  # (a point-to-point wait has a deadline; without a watchdog, torch's default's 30 min)
-            timeout = self.settings.peer_timeout or 1800.0
-            settings = self.settings
-            self.pipeline = PipelineTraining(
-                Pipeline(choice, rank, world_size, device, timeout),
-                rank=rank,
-                world_size=world_size,
+            at_each_step = self.mode_class.exchanges_each_step
+            self.recovery.stop_together_on_sigterm(trainer, device, at_each_step=at_each_step)
+        self.mode = self._build_mode(device, self.watcher)
+
+    def _new_watcher(self, device: torch.device) -> Watcher:
+        """The watch of this trainer call's steps; a mode whose ranks meet only at merges exchanges its records at
+        the end only (window 0)."""
+        window = self.settings.rebalance_window if self.mode_class.exchanges_each_step else 0
+        watcher = Watcher(
+            device,
+            window,
+            lambda: self.emulation.added_seconds,
+            self.communication.reading,
+            self.collectives.gather_tensor,
+            lambda: self._mode().link_wait_seconds(),
+            self.settings.trace,
+        )
+        watcher.skipped_steps = lambda: list(self.nonfinite.skipped)
+        return watcher
+
+    def _build_mode(self, device: torch.device, watcher: Watcher) -> TrainingMode:
+        """The training mode of :func:`mode_class`, given each input it needs by name."""
+        settings, kind = self.settings, self.mode_class
+        if kind is PipelineTraining:
+            assert settings.pipeline is not None
+            # (a point-to-point wait has a deadline; without a watchdog, torch's default's 30 min)
+            timeout = settings.peer_timeout or 1800.0
+            return PipelineTraining(
+                Pipeline(settings.pipeline, self.rank, self.world_size, device, timeout),
+                rank=self.rank,
+                world_size=self.world_size,
                 collectives=self.collectives,
                 sharding=self.sharding,
                 loss_weights=self.loss_weights,
@@ -191,6 +223,32 @@ class HeteroJob:
                 rebalance_threshold=settings.rebalance_threshold,
                 loss_reduction=settings.loss_reduction,
             )
+        parts = RankParts(
+            rank=self.rank,
+            world_size=self.world_size,
+            collectives=self.collectives,
+            emulation=self.emulation,
+            watcher=watcher,
+            communication=self.communication,
+            split=self.split,
+            sharding=self.sharding,
+            loss_weights=self.loss_weights,
+            micro_batch_guard=self.micro_batch_guard,
+            nonfinite=self.nonfinite,
+            loss_check=self.loss_check,
+            recovery=self.recovery,
+        )
+        could_replan = settings.rebalancing(profiled=True, world_size=self.world_size)
+        order = lambda: self._optimizer_parameters  # noqa: E731
+        if kind is DataParallelTraining:
+            return DataParallelTraining(parts, self.setup, could_replan, order)
+        assert self.local is not None and settings.sync is not None
+        load_local = self.setup.load_local_training
+        if kind is AsynchronousTrainingMode:
+            return AsynchronousTrainingMode(
+                parts, self.setup, could_replan, order, self.local, settings.sync, load_local, settings.sync_every
+            )
+        return LocalTrainingMode(parts, self.setup, could_replan, order, self.local, settings.sync, load_local)
 
     def configure(
         self,
@@ -203,8 +261,8 @@ class HeteroJob:
         half_precision_engine: bool,
     ) -> tuple[Any, int]:
         """Measure and plan this trainer call (the setup survey, this rank's precision, the ZeRO stage, the exchange,
-        the split or the pipeline's stages); ``config`` gets the stage and the exchange's entries. Returns this rank's
-        own precision plugin (None: keep the Trainer's) and its micro-batch."""
+        then the mode's split, inner steps or stages); ``config`` gets the stage and the exchange's entries. Returns
+        this rank's own precision plugin (None: keep the Trainer's) and its micro-batch."""
         fitting = trainer.state.fn == TrainerFn.FITTING
         zero = config["zero_optimization"]
         global_batch_size = self.setup.survey(trainer, fitting, module, device, str(precision.precision), zero["stage"])
@@ -213,15 +271,10 @@ class HeteroJob:
             half = own_plugin is None and half_precision_engine
             zero["stage"] = self.setup.choose_zero_stage(global_batch_size, module, fitting, automatic_stages, half)
         self.setup.configure_communication(config)
-        if self.pipeline is not None:  # (only fit reaches here then: check_pipeline_job refused the rest)
-            setup = self.setup
-            started = self.pipeline.start(
-                global_batch_size, module, device, setup.precisions, setup.device_facts, setup.memory_byte_ceilings
-            )
-            return own_plugin, started
-        if fitting:
-            self.setup.start_the_split(global_batch_size, zero["stage"], module)
-        return own_plugin, self.split.micro_batch
+        setup = self.setup
+        surveyed = Surveyed(setup.precisions, setup.device_facts, setup.memory_byte_ceilings)
+        micro_batch = self._mode().start(global_batch_size, module, device, zero["stage"], fitting, surveyed)
+        return own_plugin, micro_batch
 
     def check_configs_agree(self, config: dict[str, Any]) -> None:
         """Every rank's finished DeepSpeed config agrees where it must (one gather; every rank raises alike)."""
@@ -231,16 +284,17 @@ class HeteroJob:
 
     def write_plan(self, trainer: Any, config: dict[str, Any]) -> None:
         """Rank 0 prints the plan table; every rank writes its config (and rank 0 the whole plan) as JSON."""
-        self.report_directory = self.setup.write_plan(trainer, config) if self.pipeline is None else None  # (its own)
+        self._mode().write_plan(trainer, config)
 
     @contextlib.contextmanager
     def engine_built(self, module: Any, optimizer: Any) -> Iterator[None]:
-        """Around ``deepspeed.initialize`` (a pipeline skips the engine's broadcast of rank 0's parameters); the
-        optimizer's parameters kept in its order, which another strategy's optimizer state is indexed by."""
+        """Around ``deepspeed.initialize`` (the mode's part: a pipeline skips the engine's broadcast of rank 0's
+        parameters); the optimizer's parameters kept in its order, which another strategy's optimizer state is
+        indexed by."""
         names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
         groups = optimizer.param_groups if optimizer is not None else []
         self._optimizer_parameters = [(names.get(id(p), ""), p) for g in groups for p in g["params"]]
-        with self.pipeline.engine_built() if self.pipeline is not None else contextlib.nullcontext():
+        with self._mode().engine_built():
             yield
 
     def attach(self, engine: Any, plugin: Any) -> None:
@@ -253,19 +307,7 @@ class HeteroJob:
         scaled = own_precision and plugin.loss_scale is not None
         precisions = ", ".join(sorted(set(self.setup.precisions))) or str(plugin.precision)
         self.nonfinite.attach(engine, has_loss_scale=scaled, skipping_installed=scaled, precision=precisions)
-        if self.watcher is not None and self.pipeline is None:  # (the arrivals at the exchange: watch/meter.py)
-            # (inside the emulation's wrapper: an emulated slower rank arrives once it has paid its delay)
-            time_deepspeed_exchanges(engine, self.watcher.meter)
-        self.emulation.around_deepspeed_exchanges(engine)
-        if self.local is not None and engine.optimizer is not None:
-            # No exchange at the step: each rank steps its own optimizer on its own gradients until a synchronization.
-            engine.enable_backward_allreduce = False
-            self.local.attach([p for p in engine.module.parameters() if p.requires_grad], engine.optimizer)
-            self.nonfinite.rank_local = self.rank
-        if self.pipeline is not None:
-            self.pipeline.attach(engine)
-        elif self.world_size > 1 and engine.optimizer is not None:
-            self.steps.buffer_sync = BufferSync(engine.module.buffers(), self.collectives.broadcast_in_place)
+        self._mode().attach(engine)
 
     def detach(self, plugin: Any, trainer: Optional[Any]) -> None:
         """The trainer call ends: the patches are undone (the engine's traced step dies with it), the watch stops."""
@@ -273,112 +315,57 @@ class HeteroJob:
             plugin.detach()
         self.communication.detach()
         self.nonfinite.detach()
-        if self.local is not None:
-            self.local.detach()
-        if self.pipeline is not None:
-            self.pipeline.detach()
+        if self.mode is not None:
+            self.mode.detach()
         if self.watcher is not None:  # (a rank that raised while a trace recorded: what it has is written)
             self.watcher.stop_tracing()
         self.recovery.teardown(finished=trainer is not None and trainer.state.status != TrainerStatus.INTERRUPTED)
         self.sharding.forget_served_loader(trainer)  # (a fit that failed before its loop asked for it: not the next's)
         self.emulation.stop()  # (a throttled process runs freely between trainer calls)
-        self.report_directory, self.engine, self.steps.buffer_sync = None, None, None
+        self.engine = None
 
     # ------------------------------------------------------------------ data and steps
 
     def shard(self, dataloader: Any, trainer: Any) -> Any:
-        """A loader rebuilt for this rank: the training loader by the split in force, evaluation loaders equally
-        (a loader the strategy already rebuilt, or none of torch's, is returned as it is)."""
+        """A loader rebuilt for this rank by the mode (a loader the strategy already rebuilt, or none of torch's, is
+        returned as it is)."""
         if not isinstance(dataloader, DataLoader) or isinstance(dataloader, REBUILT_LOADERS):
             return dataloader
-        if self.pipeline is not None:
-            return self.pipeline.shard(dataloader, trainer)
-        assert self.watcher is not None
-        training = trainer.state.stage == RunningStage.TRAINING
-        listeners = BatchListeners(
-            self.training_batch,
-            self.loss_weights.evaluation_batch,
-            self.loss_weights.forget_evaluation_batch,
-            self.watcher.before_fetch,
-        )
-        split = self.split.batch_sizes if training else None
-        loader = self.sharding.shard(dataloader, trainer, split, self.collectives, self.rank, listeners)
-        if training and self.claims is not None:  # (asynchronous merges: each rank claims its micro-batches)
-            return self.claims.loader(loader, trainer, self.recovery.run, self.recovery.connect_to_store)
-        if training:
-            self.split.cut_by(loader)
-        return loader
+        return self._mode().shard(dataloader, trainer)
 
-    def training_batch(self, local_samples: int, global_samples: int) -> None:
-        self.loss_weights.training_batch(local_samples, global_samples)
-        assert self.watcher is not None
-        self.watcher.meter.batch_ready(local_samples, self.split.micro_steps)
+    def batch_received(self, batch: Any, trainer: Any) -> Any:
+        """A training batch as the strategy moves it to the device, before the user's batch hooks."""
+        return self._mode().batch_received(batch, trainer) if self.mode is not None else batch
 
     def current_loss_weight(self) -> float:
         """The loss weight of the batch being trained on (see :mod:`lightning_hetero.train.weights`)."""
         return self.loss_weights.current(self.split.plan)
 
     def training_step(self, batch: Any, user_step: UserStep, trainer: Any) -> Any:
-        """Lightning's ``training_step``: through the pipeline's stages, else this rank's first micro-batch."""
-        engine = self.engine
-        if self.pipeline is not None:
-            assert engine is not None  # (attach() ran: Lightning steps only after setting the engine up)
-            return self.pipeline.step(
-                batch, user_step, engine.backward, engine.module, trainer.global_step, engine.optimizer
-            )
-        return self.steps.training_step(batch, user_step, trainer.global_step)
+        return self._mode().training_step(batch, user_step, trainer)
 
     def backward(self, closure_loss: Tensor, backward: Backward, trainer: Any, zero_stage: int) -> None:
-        """Lightning's ``backward``: the pipeline's schedule ran it already; else the weighted backward of this
-        rank's micro-batches (:class:`~lightning_hetero.train.steps.TrainingSteps`)."""
-        if self.pipeline is not None:
-            self.pipeline.backward()
-            return
-        self.steps.backward(
-            closure_loss, backward, trainer.accumulate_grad_batches, zero_stage, trainer.lightning_module
-        )
+        self._mode().backward(closure_loss, backward, trainer, zero_stage)
 
     def optimizer_step(self, step: Callable[[], Any], backward: Backward, trainer: Any, closure: Any = None) -> Any:
-        """Lightning's optimizer step (``step``, with its closure), then local training's inner steps; the exchange
-        inside is counted, the watch told, and a run of non-finite steps stops every rank together."""
-        if self.pipeline is not None:
-            return step()
-        with self.communication.counting(), phase("optimizer step (its closure: training_step and backward)"):
-            result = step() if self.claims is None else self.claims.optimizer_step(step, closure)
-            if self.local is not None:
-                self.steps.inner_steps(backward, self.engine, trainer.is_last_batch)
-        assert self.watcher is not None
-        self.watcher.meter.optimizer_step_ended()
-        self.nonfinite.step_ended(trainer.global_step)  # may stop every rank, together
-        return result
-
-    def synchronize_local_training(self, counted: bool = True) -> None:
-        """Local training: synchronize now if any rank trained since the last synchronization (before a checkpoint,
-        a validation inside a fit, the end of a fit); every rank calls it at the same point and decides alike.
-        ``counted``: the exchange counts in the report (a checkpoint's does not: it is not training's)."""
-        if self.local is not None and self.local.merge_pending:
-            with self.communication.counting() if counted else contextlib.nullcontext():
-                self.collectives.before_each()
-                self.local.synchronize(self.collectives.reduce_in_place, self.collectives.gather_tensor)
+        """Lightning's optimizer step (``step``, with its closure), as the mode takes it."""
+        return self._mode().optimizer_step(step, backward, trainer, closure)
 
     def validation_starts(self, trainer: Any) -> None:
-        """Local SGD / DiLoCo: validation during a fit sees one model, the ranks' merged parameters (at an epoch's
-        end they are merged already; a `val_check_interval` inside an epoch or `limit_train_batches` merges here)."""
+        """Validation during a fit sees one model: a mode whose ranks drift apart merges them first (at an epoch's end
+        they are merged already; a `val_check_interval` inside an epoch or `limit_train_batches` merges here)."""
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            self.synchronize_local_training()
+            self._mode().synchronize(counted=True)
 
     def training_ends(self) -> None:
-        """The fit's training loop ends on every rank: local training synchronizes a last time (one model on every
-        rank); then the loss check decides on the steps it has, if not yet (bookkeeping gathers, not counted)."""
-        self.synchronize_local_training()
+        """The fit's training loop ends on every rank: one model on every rank; then the loss check decides on the
+        steps it has, if not yet (bookkeeping gathers, not counted)."""
+        self._mode().synchronize(counted=True)
         self.loss_check.fit_ends()
 
     def evaluation_step(self, batch: Any, user_step: Callable[[Any], Any]) -> Any:
-        """A validation or test step: through the pipeline's stages, else with a logged "mean" weighted by samples."""
-        if self.pipeline is not None:
-            return self.pipeline.evaluation_step(batch, user_step)
-        with self.loss_weights.weighted_sync(evaluating=True):
-            return user_step(batch)
+        """A validation or test step, as the mode takes it."""
+        return self._mode().evaluation_step(batch, user_step)
 
     def before_collective(self, name: str) -> None:
         """The user's ``all_gather``, ``broadcast`` or ``barrier``: refused in a micro-batch before the rank's last.
@@ -397,21 +384,7 @@ class HeteroJob:
 
     def write_report(self, trainer: Any, plugin: Any) -> None:
         """Every rank hands in its last records; rank 0 writes the run report and prints its summary."""
-        if self.pipeline is not None:
-            return self.pipeline.write_report(trainer)
-        assert self.watcher is not None
-        directory = self.report_directory or report_directory(trainer, self.collectives.gather_objects)
-        sections: dict[str, Any] = {
-            "precision": plugin.summary() if isinstance(plugin, HeteroPrecision) else None,
-            "communication": self.communication.summary(),
-            "nonfinite": self.nonfinite.summary(),
-            "asynchronous": self.claims.summary() if self.claims else None,
-            "could_replan": self.settings.rebalancing(profiled=True, world_size=self.world_size),
-        }
-        self.watcher.write_report(directory, self.rank, self.world_size, **sections)
-        published = publish_to_loggers(trainer, directory) if self.rank == 0 and directory is not None else []
-        if published:
-            rank_zero_info(f"HeteroStrategy: the plan and run report are in the {' and '.join(published)} run too.")
+        self._mode().write_report(trainer, plugin)
 
     def on_exception(self, exception: BaseException, trainer: Any) -> None:
         """Say on every rank which rank failed and how (see :mod:`lightning_hetero.recover.failures`)."""
@@ -427,32 +400,9 @@ class HeteroJob:
         strategy's (it outlives the trainer call: `trainer.save_checkpoint` after a fit)."""
         # (a checkpoint that loses its manifest is still known for the package's: incomplete, never another strategy's)
         saved[checkpoint.PACKAGE_MARK] = {"format_version": checkpoint.FORMAT_VERSION}
-        if self.pipeline is not None:  # each rank's blocks by name (pipeline/state.py)
-            self.pipeline.save_checkpoint(target, saved, engine)
-            return
-        # Local SGD / DiLoCo: a checkpoint holds synchronized parameters (one model), each rank's own optimizer state.
-        self.synchronize_local_training(counted=False)
-
-        def write_this_rank(directory: Path) -> None:
-            self.recovery.write_with_deferred_errors(engine, lambda: write(directory), self.rank == 0)
-            self.communication.save(directory, self.rank)  # per-rank error feedback, in the manifest
-            if self.local is not None:
-                self.local.save(directory, self.rank)
-
-        def facts() -> dict[str, Any]:
-            plan = self.split.plan
-            return manifest_facts(
-                saved,
-                self.world_size,
-                plan.batch_sizes if plan is not None else None,
-                self.split.global_samples_consumed(),
-                zero_stage,
-                engine,
-                [facts.describe() for facts in self.setup.device_facts],
-                self.communication.checkpoint_facts(),
-            )
-
-        self.recovery.save(target, write_this_rank, facts)
+        mode = self._mode()
+        mode.synchronize(counted=False)  # (a checkpoint holds one model; its exchange is not training's)
+        mode.save_checkpoint(target, saved, write, zero_stage, engine)
 
     def remove_checkpoint(self, path: Path, remove: Callable[[Path], None]) -> None:
         self.recovery.remove(path, remove)  # (rank 0 alone, and never the only complete checkpoint)
@@ -468,44 +418,9 @@ class HeteroJob:
         engine: Any,
         weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
-        """Resume ``path`` the way its manifest says (:func:`~lightning_hetero.recover.resume.resume_route`);
-        ``load(directory)``: DeepSpeed's load (the parent strategy's); ``weights_only``: Lightning's, for a file."""
+        """Resume ``path`` (a checkpoint directory, or another strategy's file) as the mode takes it; ``load``:
+        DeepSpeed's load (the parent strategy's); ``weights_only``: Lightning's, for a file."""
         # DeepSpeed restores the checkpoint after setup requested the training loader, and the state it restores may
         # change what `train_dataloader()` returns: the fit loop asks again, as under DDP.
         self.sharding.forget_served_loader(trainer)
-        if path.is_file():  # a .ckpt file another strategy (DDP...) wrote
-            file_route(path, pipeline=self.pipeline is not None)
-            self.setup.settle_the_global_batch(path, {}, zero_stage, module, same_world_size=True)  # (none recorded)
-            return self.recovery.resume_from_lightning_file(
-                path,
-                module,
-                engine,
-                self._optimizer_parameters,
-                self.sharding.training_order(),
-                self.split.global_batch_size,
-                weights_only,
-            )
-        chosen, manifest = self.recovery.choose(path, weights_only)
-        route = resume_route(
-            chosen,
-            manifest,
-            pipeline=self.pipeline is not None,
-            local=self.settings.sync if self.local is not None else None,
-            world_size=self.world_size,
-            zero_stage=zero_stage,
-            stage_is_automatic=stage_is_automatic,
-        )
-        if route is Route.PIPELINE:
-            assert self.pipeline is not None
-            return self.pipeline.load_checkpoint(chosen, manifest, engine, weights_only)
-        same_world_size = route is Route.SAME_WORLD_SIZE
-        self.communication.load(chosen, self.rank, manifest, same_world_size)
-        self.setup.settle_the_global_batch(chosen, manifest, zero_stage, module, same_world_size)
-        if same_world_size:
-            client_state = load(str(chosen))
-            self.setup.load_local_training(chosen)  # (local SGD / DiLoCo only)
-        else:
-            client_state = self.recovery.load_on_another_world_size(chosen, manifest, engine, load, weights_only)
-        if from_deepspeed.is_deepspeed_strategys(manifest):  # Lightning's DeepSpeedStrategy wrote it (no manifest)
-            return from_deepspeed.with_data_position(client_state, manifest, self.sharding.training_order())
-        return client_state
+        return self._mode().load_checkpoint(path, load, module, zero_stage, stage_is_automatic, engine, weights_only)

@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_hetero.comm import topology
 from lightning_hetero.comm.communication import Communication
 from lightning_hetero.emulate import memory
+from lightning_hetero.local.claims_refusal import describe_asynchronous_refusal
 from lightning_hetero.measure.devices import collect_device_facts
 from lightning_hetero.measure.facts import DeviceFacts
 from lightning_hetero.measure.partitioned import partitioned_parameters, whole_parameters
@@ -38,7 +39,6 @@ from lightning_hetero.precision.job import gradient_bytes_held_until_step, job_p
 from lightning_hetero.precision.plugin import HeteroPrecision, autocast_for
 from lightning_hetero.recover.refusal import ResumeRefused
 from lightning_hetero.settings import HeteroSettings, check_ranks_agree
-from lightning_hetero.train.claims_refusal import describe_asynchronous_refusal
 from lightning_hetero.train.local_sgd import LocalTraining
 from lightning_hetero.train.lr_scaling import scale_optimizers
 from lightning_hetero.train.order import agreed_seed, local_seed

@@ -112,7 +112,7 @@ class HeteroSettings:
     fragments: int = 1  # the streaming merge: fragments of the parameters merged in turn
     overlap: Optional[int] = None  # merges sent in the background, applied this many training steps later
     eager: bool = True  # overlap: each rank trains on from its own progress's outer step until the average arrives
-    asynchronous: bool = False  # merges by speed: each rank trains what it has time for (train/claims.py)
+    asynchronous: bool = False  # merges by speed: each rank trains what it has time for (local/claims.py)
     pipeline: Optional[PipelineChoice] = None  # the model split into stages (pipeline/stage.py)
     lr_scaling: Optional[str] = None  # a resume with another global batch scales the learning rate (plan/lr_scaling.py)
     trace: Optional[tuple[int, ...]] = None  # the training steps a profiler trace records (watch/trace.py)

@@ -392,7 +392,7 @@ class HeteroStrategy(DeepSpeedStrategy):
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[Any] = None, dataloader_idx: int = 0) -> Any:
-        batch = self.job.claims.received(batch, self._trainer()) if self.job.claims is not None else batch
+        batch = self.job.batch_received(batch, self._trainer())
         return super().batch_to_device(batch, device, dataloader_idx)
 
     @override

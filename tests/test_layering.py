@@ -20,6 +20,8 @@ STAGES = (
     "train",
     "watch",
     "recover",
+    "split",
+    "local",
     "pipeline",
     "simulate",
 )

@@ -14,7 +14,7 @@ import contextlib
 import functools
 import json
 import statistics
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
@@ -25,6 +25,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_hetero.emulate import memory
@@ -51,9 +52,10 @@ from lightning_hetero.pipeline.report import describe_stages, summarize_stages
 from lightning_hetero.pipeline.stage import Pipeline
 from lightning_hetero.plan.split import micro_batch_sizes
 from lightning_hetero.recover.recovery import Recovery
-from lightning_hetero.recover.refusal import ResumeRefused
+from lightning_hetero.recover.resume import file_route, resume_route
 from lightning_hetero.runtime.collectives import Collectives
 from lightning_hetero.train.loaders import loader_batch_size
+from lightning_hetero.train.mode import Backward, LoadCheckpoint, Surveyed, UserStep, WriteCheckpoint
 from lightning_hetero.train.sharding import BatchListeners, DataSharding
 from lightning_hetero.train.streams import is_stream
 from lightning_hetero.train.weights import LossWeights
@@ -84,7 +86,9 @@ class PipelineTraining:
     """This rank's part of the pipelines: its stage (``pipeline``), and what it needs of the job, each named: the
     ranks, their collectives, the data sharding, the loss weights (evaluation batches), the emulation, the
     recovery's atomic save, and the re-plan settings. What the setup survey established (every rank's precision,
-    device facts and emulated memory) comes with :meth:`start`."""
+    device facts and emulated memory) comes with :meth:`start`. A :class:`~lightning_hetero.train.mode.TrainingMode`."""
+
+    exchanges_each_step = True
 
     def __init__(
         self,
@@ -119,19 +123,29 @@ class PipelineTraining:
         self._replan: Any = None  # (re-planning on, block costs, micro-batches, micro-batch), from start()
         self._replan_blocked = False
         self._placed_at = 0
+        self._engine: Optional[Any] = None  # DeepSpeed's, from attach to detach
+
+    @staticmethod
+    def check_trainer(settings: Any, trainer: Optional[Any], precision: str, world_size: int) -> None:
+        """What a pipeline cannot run (yet), refused on every rank before the process group exists
+        (:func:`check_pipeline_job`)."""
+        check_pipeline_job(settings.pipeline, trainer, precision, world_size)
 
     def start(
         self,
         global_batch_size: int,
         module: LightningModule,
         device: torch.device,
-        precisions: Sequence[str],
-        device_facts: Sequence[Any],
-        memory_byte_ceilings: Optional[list[Optional[int]]],
+        zero_stage: int,
+        fitting: bool,
+        surveyed: Surveyed,
     ) -> int:
         """Pipeline parallelism (pipeline/stage.py): the blocks measured on every rank (unless ``boundaries`` are
         given), placed on the stages by speed and memory, and this rank's stage kept; then the plan is printed.
-        ``precisions``, ``device_facts``, ``memory_byte_ceilings``: every rank's, from the setup survey."""
+        ``surveyed``: every rank's precision, device facts and emulated memory, from the setup survey (only a fit
+        reaches here: :func:`check_pipeline_job` refused the rest)."""
+        precisions, device_facts = surveyed.precisions, surveyed.device_facts
+        memory_byte_ceilings = surveyed.memory_byte_ceilings
         pipeline, choice = self.pipeline, self.pipeline.choice
         self._device_facts = list(device_facts)
         replicas = replicas_of(choice, self._world_size)
@@ -231,6 +245,9 @@ class PipelineTraining:
             rank_zero_info(described)
         return micro_batch
 
+    def write_plan(self, trainer: Any, config: dict[str, Any]) -> None:
+        return None  # (start printed the placement; the report finds its directory at the end)
+
     @contextlib.contextmanager
     def engine_built(self) -> Iterator[None]:
         """Around ``deepspeed.initialize``: with a pipeline, the engine's broadcast of every parameter from rank 0 is
@@ -246,11 +263,15 @@ class PipelineTraining:
 
     def attach(self, engine: Any) -> None:
         """DeepSpeed's engine exists: the pipeline sums the gradients itself (per stage, and the modules outside the
-        chain over every rank), so the engine's reduction is replaced by nothing."""
+        chain over every rank), so the engine's reduction is replaced by nothing (after the emulation's wrapper of it,
+        which it replaces too)."""
+        self._emulation.around_deepspeed_exchanges(engine)
         engine.allreduce_gradients = lambda *args, **kwargs: None
+        self._engine = engine
 
     def detach(self) -> None:
         self.pipeline.uninstall()
+        self._engine = None
 
     def shard(self, dataloader: DataLoader, trainer: Any) -> Any:
         """Every stage of a pipeline takes the same samples: the split is over the pipelines."""
@@ -271,6 +292,9 @@ class PipelineTraining:
             listeners,
             evaluation_split=evaluation,
         )
+
+    def batch_received(self, batch: Any, trainer: Any) -> Any:
+        return batch
 
     def _batch_ready(self, local_samples: int, global_samples: int) -> None:
         self._samples, self._global_samples = local_samples, global_samples
@@ -326,12 +350,12 @@ class PipelineTraining:
         )
         rank_zero_info(f"HeteroStrategy pipeline re-plan before step {global_step}: {decision.reason}")
 
-    def step(
-        self, batch: Any, forward: Any, backward: Any, module: torch.nn.Module, global_step: int, optimizer: Any
-    ) -> torch.Tensor:
+    def training_step(self, batch: Any, user_step: UserStep, trainer: Any) -> torch.Tensor:
         """One training step through the stages: every micro-batch forward and backward, then the gradient sums.
         Returns the global batch's loss (on every rank, for the progress bar)."""
-        pipeline = self.pipeline
+        pipeline, engine, global_step = self.pipeline, self._engine, trainer.global_step
+        assert engine is not None  # (attach() ran: Lightning steps only after setting the engine up)
+        module, optimizer = engine.module, engine.optimizer
         self._emulation.at_step(global_step)
         self._move_blocks_if_due(global_step, optimizer)
         samples = self._samples
@@ -342,18 +366,21 @@ class PipelineTraining:
             return micro_batch_samples / global_batch if reduction == "mean" else 1.0
 
         micro_batches = pipeline.micro_batches_of(batch, samples)
-        loss = pipeline.run_step(micro_batches, forward, weight_of, self._emulation.slowed, backward)
+        loss = pipeline.run_step(micro_batches, user_step, weight_of, self._emulation.slowed, engine.backward)
         pipeline.reduce_gradients()
         pipeline.hold_gradients(module)
         return loss
 
-    def save_checkpoint(self, target: Path, saved: dict[str, Any], engine: Any) -> None:
-        """Each rank's blocks and optimizer state by name, rank 0's trainer state: staged, manifested, atomic."""
+    def save_checkpoint(
+        self, target: Path, saved: dict[str, Any], write: WriteCheckpoint, zero_stage: int, engine: Any
+    ) -> None:
+        """Each rank's blocks and optimizer state by name, rank 0's trainer state: staged, manifested, atomic
+        (``write``, DeepSpeed's save of the whole engine, is not used: a stage's files are its blocks')."""
         pipeline = self.pipeline
         placement, layout = pipeline.placement, pipeline.layout
         assert placement is not None and layout is not None
 
-        def write(directory: Path) -> None:
+        def write_this_rank(directory: Path) -> None:
             pipeline_state.save_stage(directory, self._rank, engine.module, engine.optimizer, saved)
 
         def facts() -> dict[str, Any]:
@@ -372,18 +399,32 @@ class PipelineTraining:
                 },
             }
 
-        self._recovery.save(target, write, facts)
+        self._recovery.save(target, write_this_rank, facts)
 
     def load_checkpoint(
-        self, chosen: Path, manifest: dict[str, Any], engine: Any, weights_only: Optional[bool] = None
+        self,
+        path: Path,
+        load: LoadCheckpoint,
+        module: Any,
+        zero_stage: int,
+        stage_is_automatic: bool,
+        engine: Any,
+        weights_only: Optional[bool],
     ) -> dict[str, Any]:
         """A pipeline checkpoint into this pipeline run, whatever its boundaries and number of pipelines
-        (``weights_only``: Lightning's, for the trainer's state it holds)."""
-        if not manifest.get("pipeline"):
-            raise ResumeRefused(
-                f"Checkpoint {chosen} was saved without `pipeline`: resume it without `pipeline`; a checkpoint of"
-                " data-parallel training into a pipeline is not built yet."
-            )
+        (``weights_only``: Lightning's, for the trainer's state it holds); anything else is refused."""
+        if path.is_file():  # (a Lightning checkpoint file: refused)
+            file_route(path, pipeline=True)
+        chosen, manifest = self._recovery.choose(path, weights_only)
+        resume_route(
+            chosen,
+            manifest,
+            pipeline=True,
+            local=None,
+            world_size=self._world_size,
+            zero_stage=zero_stage,
+            stage_is_automatic=stage_is_automatic,
+        )
         saved = manifest["pipeline"]
         assert self.pipeline.placement is not None and self.pipeline.layout is not None  # (installed at setup)
         rank_zero_info(
@@ -393,15 +434,24 @@ class PipelineTraining:
         )
         return pipeline_state.load_stage(chosen, engine.module, engine.optimizer, weights_only)
 
-    def evaluation_step(self, batch: Any, forward: Any) -> Any:
-        """A validation step through the stages (forward only); the last stage's output, None on the others."""
-        return self.pipeline.evaluation_step(batch, forward)
-
-    def backward(self) -> None:
+    def backward(self, closure_loss: Tensor, backward: Backward, trainer: Any, zero_stage: int) -> None:
         """Lightning's backward of the step: the schedule ran it; its gradients go back on the parameters."""
         self.pipeline.return_gradients()
 
-    def write_report(self, trainer: Any) -> None:
+    def optimizer_step(self, step: Callable[[], Any], backward: Backward, trainer: Any, closure: Any) -> Any:
+        return step()
+
+    def synchronize(self, counted: bool) -> None:
+        pass  # (the stages' gradients were summed at each step: one model)
+
+    def link_wait_seconds(self) -> float:
+        return 0.0  # (the stages' exchanges are inside the step)
+
+    def evaluation_step(self, batch: Any, user_step: Callable[[Any], Any]) -> Any:
+        """A validation step through the stages (forward only); the last stage's output, None on the others."""
+        return self.pipeline.evaluation_step(batch, user_step)
+
+    def write_report(self, trainer: Any, plugin: Any) -> None:
         """Every rank's stage times gathered; rank 0 prints the per-stage summary and writes it as JSON."""
         pipeline = self.pipeline
         gathered = self._collectives.gather_objects((pipeline.stage, pipeline.step_times))

@@ -1,4 +1,4 @@
-"""Plan: the asynchronous merge's decisions, as pure functions (see :mod:`lightning_hetero.train.claims`).
+"""Plan: the asynchronous merge's decisions, as pure functions (see :mod:`lightning_hetero.local.claims`).
 
 With ``sync_options={"asynchronous": True}`` an epoch's order is cut into micro-batches of the loader's batch size
 ("claims"), numbered in order. Each rank's first claim is its own (claim ``r`` for rank ``r``, so every rank trains at

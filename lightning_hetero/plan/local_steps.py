@@ -34,7 +34,7 @@ DILOCO_DEFAULTS = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
 # exchange runs behind the next ``overlap_steps`` training steps (1 by default), each rank meanwhile training on from
 # the outer step of its own progress (``eager``, True by default: eager DiLoCo) or its own parameters (local_sgd.py).
 STREAMING_KEYS = ("fragments", "overlap", "overlap_steps", "eager")
-# Merges by speed (train/claims.py): each rank takes the micro-batches it has time for, and a merge takes what it has.
+# Merges by speed (local/claims.py): each rank takes the micro-batches it has time for, and a merge takes what it has.
 ASYNCHRONOUS_KEY = "asynchronous"
 SYNC_OPTION_KEYS = (*DILOCO_DEFAULTS, *STREAMING_KEYS, ASYNCHRONOUS_KEY)
 

@@ -253,7 +253,7 @@ TRAINER_STATE = (
         "lightning.fabric.utilities.data",
         "_set_sampler_epoch",
         "read",
-        "train/order.py, train/claims.py",
+        "train/order.py, local/claims.py",
         "finds GlobalOrder through batch_sampler.sampler and calls its set_epoch: HeteroBatchSampler and"
         " ClaimingBatchSampler keep that attribute name (the claims' counter is named by the epoch)",
     ),
@@ -285,7 +285,7 @@ TRAINER_STATE = (
         "lightning.pytorch.trainer.trainer",
         "Trainer()._val_check_time_interval",
         "read",
-        "train/claims_refusal.py",
+        "local/claims_refusal.py",
         "a time-based `val_check_interval` (each rank's clock would validate it at its own step), which"
         " asynchronous merges refuse; `trainer.val_check_interval` is not set then",
     ),
@@ -293,14 +293,14 @@ TRAINER_STATE = (
         "lightning.pytorch.callbacks.model_checkpoint",
         "ModelCheckpoint()._every_n_train_steps",
         "read",
-        "train/claims_refusal.py",
+        "local/claims_refusal.py",
         "a checkpoint every N training steps, which asynchronous merges refuse (the ranks' steps are not in step)",
     ),
     Internal(
         "lightning.pytorch.callbacks.model_checkpoint",
         "ModelCheckpoint()._train_time_interval",
         "read",
-        "train/claims_refusal.py",
+        "local/claims_refusal.py",
         "a checkpoint at a time interval, which asynchronous merges refuse likewise",
     ),
     Internal(

@@ -127,7 +127,7 @@ class MicroBatchGuard:
 
     def __init__(self) -> None:
         self.early = False
-        # Asynchronous merges (train/claims.py), from an epoch's first step to its end: the ranks' steps are not in
+        # Asynchronous merges (local/claims.py), from an epoch's first step to its end: the ranks' steps are not in
         # step, so whatever a step reduces or exchanges would meet another step of another rank.
         self.between_merges = False
 

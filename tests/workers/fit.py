@@ -327,7 +327,8 @@ class WriteResult(Callback):
         torch.distributed.all_gather_object(emulated_delay, pl_module.emulated_delay)
         buffer_traces = [None] * trainer.world_size
         torch.distributed.all_gather_object(buffer_traces, pl_module.buffer_trace)
-        claims = getattr(getattr(trainer.strategy, "job", None), "claims", None)  # (asynchronous merges)
+        mode = getattr(getattr(trainer.strategy, "job", None), "mode", None)
+        claims = getattr(mode, "claims", None)  # (asynchronous merges' training mode)
         merges = [None] * trainer.world_size
         torch.distributed.all_gather_object(merges, claims.merges.records if claims is not None else None)
         if trainer.is_global_zero:

@@ -35,6 +35,7 @@ from typing import Any, Optional
 
 from torch.utils.data import DataLoader, Sampler
 
+from lightning_hetero.local.claim_counter import ClaimCounter
 from lightning_hetero.plan.claims import (
     claim_positions,
     claims_in_epoch,
@@ -45,8 +46,10 @@ from lightning_hetero.plan.claims import (
     others_per_micro_batch,
     takes_over_read_ahead,
 )
-from lightning_hetero.train.claim_counter import ClaimCounter
+from lightning_hetero.split.steps import RankParts
+from lightning_hetero.train.buffers import BufferSync
 from lightning_hetero.train.loaders import HeteroDataLoader, kept_loader_settings
+from lightning_hetero.train.local_sgd import LocalTraining
 from lightning_hetero.train.micro_batches import split_batch
 from lightning_hetero.train.streams import HeteroStreamLoader
 
@@ -272,11 +275,21 @@ class AsynchronousMerges:
 
 
 class AsynchronousTraining:
-    """The job's side of the asynchronous merges: the training loader that claims, the merges at step boundaries,
-    and what stays on the rank meanwhile (``job``: the :class:`~lightning_hetero.job.HeteroJob`)."""
+    """The rank's side of the asynchronous merges: the training loader that claims, the merges at step boundaries,
+    and what stays on the rank meanwhile. ``parts``: the rank's (:class:`~lightning_hetero.split.steps.RankParts`);
+    ``local``: the merges' state; ``batch_ready(local, global)``: a micro-batch's samples told to the loss weights and
+    the watch; ``buffer_sync()``: rank 0's buffers' sync, sent at each merge (None: none)."""
 
-    def __init__(self, job: Any, sync_every: int) -> None:
-        self._job, self._sync_every = job, sync_every
+    def __init__(
+        self,
+        parts: RankParts,
+        local: LocalTraining,
+        sync_every: int,
+        batch_ready: Callable[[int, int], None],
+        buffer_sync: Callable[[], Optional[BufferSync]],
+    ) -> None:
+        self._parts, self._local, self._sync_every = parts, local, sync_every
+        self._batch_ready, self._buffer_sync = batch_ready, buffer_sync
         self.merges = AsynchronousMerges(sync_every, 1, lambda epoch: 0, self._merge)
         # The claims of the batches handed to the loop and not yet trained (Lightning draws one a step ahead of an
         # unsized loader, so a step's counts are taken when it starts, as for a stream)
@@ -289,7 +302,7 @@ class AsynchronousTraining:
     def loader(self, hetero_loader: Any, trainer: Any, run: str, connect: Callable[[], Any]) -> ClaimingDataLoader:
         """The training loader rebuilt to claim its micro-batches (``hetero_loader``: the strategy's, whose order,
         settings and checks it keeps; ``connect`` opens a client of the job's store)."""
-        job = self._job
+        parts = self._parts
         self._handed.clear()
         if self._store is None:
             self._store = connect()
@@ -297,18 +310,18 @@ class AsynchronousTraining:
         records = self.merges.records if run == self._run else []  # (a loader reloaded in the same fit keeps them)
         self._run = run
         self.merges = AsynchronousMerges(
-            self._sync_every, job.world_size, counter.taken, self._merge, lambda: job.local.link_wait_seconds
+            self._sync_every, parts.world_size, counter.taken, self._merge, lambda: self._local.link_wait_seconds
         )
         self.merges.records = records
-        micro_batch = job.split.batch_sizes[job.rank]  # (the loader's batch size: one inner step a training step)
+        micro_batch = parts.split.batch_sizes[parts.rank]  # (the loader's batch size: one inner step a training step)
         # The epoch: the number Lightning gives set_epoch (the epochs processed), right also before it restored a
         # resumed fit's epoch into `current_epoch`
         sampler = ClaimingBatchSampler(
             hetero_loader.hetero_batch_sampler.sampler,
             micro_batch,
             hetero_loader.hetero_batch_sampler.drop_last,
-            job.rank,
-            job.world_size,
+            parts.rank,
+            parts.world_size,
             counter,
             lambda: trainer.fit_loop.epoch_progress.current.processed,
             self.merges.every,
@@ -330,7 +343,7 @@ class AsynchronousTraining:
 
     def summary(self) -> dict[str, Any]:
         """Every rank's merge records gathered (a collective: every rank calls it), summarized for the run report."""
-        return merge_summary(self._job.collectives.gather_objects(self.merges.records))
+        return merge_summary(self._parts.collectives.gather_objects(self.merges.records))
 
     def received(self, batch: Any, trainer: Any) -> Any:
         """A training batch as the strategy moves it to the device, before the user's batch hooks (not
@@ -358,19 +371,19 @@ class AsynchronousTraining:
     def step_starts(self) -> None:
         """Before this rank trains its next micro-batch: the step's measurement opens, then the merges that are due
         (their wait is part of the step)."""
-        job = self._job
-        job.watcher.before_fetch()
+        parts = self._parts
+        parts.watcher.before_fetch()
         sampler = self._sampler
         assert sampler is not None  # (the loader was built: Lightning steps on its batches)
         claim = self._handed.popleft()
         samples = 0 if self.given_away else len(claim_positions(claim, sampler.micro_batch, len(sampler.sampler)))
-        job.training_batch(samples, samples)
+        self._batch_ready(samples, samples)
         self.merges.before_micro_batch(claim, {claim, *self._handed, *sampler.pending}, trains=not self.given_away)
         self.merges.took_over += claim in sampler.taken_over
-        job.micro_batch_guard.between_merges = True  # (until the epoch's end: see MicroBatchGuard)
+        parts.micro_batch_guard.between_merges = True  # (until the epoch's end: see MicroBatchGuard)
 
     def step_ended(self, samples: int, last_of_epoch: bool) -> None:
-        local = self._job.local
+        local = self._local
         if self.given_away:
             self.merges.gave_away += 1
         else:
@@ -379,7 +392,7 @@ class AsynchronousTraining:
             local.samples_since_sync += samples
             self.merges.micro_batch_trained()
         if last_of_epoch:
-            self._job.micro_batch_guard.between_merges = False
+            self._parts.micro_batch_guard.between_merges = False
             self.merges.epoch_ends()
             sampler = self._sampler
             if sampler is not None:  # (after the epoch's last merge: no rank takes a claim of it over any more)
@@ -388,13 +401,14 @@ class AsynchronousTraining:
     def _merge(self) -> None:
         """One merge, the same collectives on every rank: the local training's synchronization (a rank that trained
         nothing since the last contributes nothing), rank 0's buffers, and the agreement on a stop (SIGTERM)."""
-        job = self._job
+        parts = self._parts
         # (between merges no longer: an agreed stop below raises into the checkpoint on exit, whose collectives run
         # on every rank at this same merge; the next step sets it again)
-        job.micro_batch_guard.between_merges = False
-        job.collectives.before_each()
-        with job.communication.counting():
-            job.local.synchronize(job.collectives.reduce_in_place, job.collectives.gather_tensor, [0])
-        if job.steps.buffer_sync:
-            job.steps.buffer_sync.sync()
-        job.recovery.agree_on_stop()
+        parts.micro_batch_guard.between_merges = False
+        parts.collectives.before_each()
+        with parts.communication.counting():
+            self._local.synchronize(parts.collectives.reduce_in_place, parts.collectives.gather_tensor, [0])
+        buffer_sync = self._buffer_sync()
+        if buffer_sync is not None:
+            buffer_sync.sync()
+        parts.recovery.agree_on_stop()

@@ -11,6 +11,9 @@ import pytest
 import torch
 
 from lightning_hetero import HeteroStrategy
+from lightning_hetero.local.claim_counter import ClaimCounter
+from lightning_hetero.local.claims import AsynchronousMerges, ClaimingBatchSampler
+from lightning_hetero.local.claims_refusal import describe_asynchronous_refusal
 from lightning_hetero.plan.claims import (
     claim_positions,
     claims_in_epoch,
@@ -22,9 +25,6 @@ from lightning_hetero.plan.claims import (
     others_per_micro_batch,
     takes_over_read_ahead,
 )
-from lightning_hetero.train.claim_counter import ClaimCounter
-from lightning_hetero.train.claims import AsynchronousMerges, ClaimingBatchSampler
-from lightning_hetero.train.claims_refusal import describe_asynchronous_refusal
 from lightning_hetero.train.micro_batches import MicroBatchGuard
 from lightning_hetero.train.order import GlobalOrder
 from lightning_hetero.watch.meter import RunWatch, StepMeter, pack_records
@@ -353,7 +353,7 @@ def test_when_a_slow_rank_drew_ahead_at_an_epochs_end_the_fast_one_takes_that_cl
     slow rank draws to the end and holds a claim it read ahead: the fast rank, twenty times faster, takes it over as
     it reads past the end. Every sample is still trained once, and once the fast rank entered an epoch's last merge
     the slow one starts no micro-batch before it enters too (it gives away the one it drew ahead)."""
-    monkeypatch.setattr("lightning_hetero.train.claims.leaves_the_rest", lambda remaining, rate, others: False)
+    monkeypatch.setattr("lightning_hetero.local.claims.leaves_the_rest", lambda remaining, rate, others: False)
     world, samples, micro, sync_every, epochs = 2, 200, 4, 20, 2  # (one merge inside an epoch, 10 claims after it)
     ranks = ThreadRanks(world, samples, micro, sync_every, [1.0, 0.05], seed, read_ahead=True, durations=[0.001, 0.020])
     ranks.run(epochs)
@@ -369,11 +369,13 @@ def test_when_a_slow_rank_drew_ahead_at_an_epochs_end_the_fast_one_takes_that_cl
     )
 
 
-@pytest.mark.parametrize("durations, sync_every", [([0.04, 0.04], 20), ([0.04, 0.04, 0.04], 20), ([0.02, 0.04], 1)])
+@pytest.mark.parametrize("durations, sync_every", [([0.1, 0.1], 20), ([0.1, 0.1, 0.1], 20), ([0.02, 0.04], 1)])
 def test_ranks_of_equal_speeds_or_in_lockstep_behind_frequent_merges_draw_to_the_end(durations, sync_every):
     """Leaving would end their epoch later: the others have as much in hand as the one that would leave. (Micro-batches
-    of tens of milliseconds: with 10 ms ones, a thread held up about 20 ms on a busy machine, as in one CI run beside
-    another test, measured the other rank 1.5 times as fast, and leaving was then right.)"""
+    of 100 ms: the rate is the mean of a rank's last four intervals, and equal ranks leave at a rate 1.25 times theirs,
+    so one thread woken a micro-batch late near the end makes a rank leave, which is right for what it measured. With
+    10 ms micro-batches a 20 ms hold-up did so in a CI run, and with 40 ms ones three threads did in two runs of the
+    suite on 2 busy cores.)"""
     world, samples, micro, epochs = len(durations), 160, 4, 2
     ranks = ThreadRanks(world, samples, micro, sync_every, [1.0] * world, 0, read_ahead=True, durations=durations)
     ranks.run(epochs)
@@ -384,7 +386,7 @@ def test_ranks_of_equal_speeds_or_in_lockstep_behind_frequent_merges_draw_to_the
 
 
 def test_when_every_rank_would_leave_the_last_to_ask_draws_every_claim_left(monkeypatch):
-    monkeypatch.setattr("lightning_hetero.train.claims.leaves_the_rest", lambda remaining, rate, others: True)
+    monkeypatch.setattr("lightning_hetero.local.claims.leaves_the_rest", lambda remaining, rate, others: True)
     # (a merge every 3 x 3 claims: its intervals clear of a merge give each rank a rate before the end)
     world, samples, micro, sync_every, epochs = 3, 101, 3, 3, 2
     ranks = ThreadRanks(world, samples, micro, sync_every, [1.0, 0.7, 0.4], 0, read_ahead=True)
@@ -619,7 +621,7 @@ def test_a_merge_records_the_time_from_the_start_of_the_ranks_last_micro_batch_a
     merges due before it) and a cycle of 0.25 s, the mean time per micro-batch since the epoch's start (the loop's
     own time included)."""
     clock = [100.0]
-    monkeypatch.setattr("lightning_hetero.train.claims.time.perf_counter", lambda: clock[0])
+    monkeypatch.setattr("lightning_hetero.local.claims.time.perf_counter", lambda: clock[0])
     merges = AsynchronousMerges(sync_every=8, world_size=1, taken=lambda epoch: 0, merge=lambda: None)
     merges.epoch_starts(0, claims=2)
     for claim, seconds in enumerate([0.1, 0.3]):
@@ -638,7 +640,7 @@ def test_the_last_micro_batchs_time_leaves_out_the_merges_joined_before_it(monke
     the end of that merge (its decision to train comes after it), so each merge's record holds that micro-batch's
     0.2 s, not the merge's second."""
     clock = [0.0]
-    monkeypatch.setattr("lightning_hetero.train.claims.time.perf_counter", lambda: clock[0])
+    monkeypatch.setattr("lightning_hetero.local.claims.time.perf_counter", lambda: clock[0])
 
     def merge():
         clock[0] += 1.0

@@ -1,4 +1,4 @@
-"""Train: what the asynchronous merges by speed (:mod:`lightning_hetero.train.claims`) cannot run with, checked on
+"""Train: what the asynchronous merges by speed (:mod:`lightning_hetero.local.claims`) cannot run with, checked on
 every rank at setup, before any collective."""
 
 from __future__ import annotations

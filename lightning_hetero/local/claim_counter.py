@@ -1,4 +1,4 @@
-"""Train: the counter of an epoch's claims for the asynchronous merges (:mod:`lightning_hetero.train.claims`), kept
+"""Train: the counter of an epoch's claims for the asynchronous merges (:mod:`lightning_hetero.local.claims`), kept
 in the job's rendezvous store, whose atomic ``add`` every rank shares."""
 
 from __future__ import annotations
