@@ -42,7 +42,7 @@ sys.path.insert(0, str(HERE))
 
 from local_sgd import MICRO_BATCH, SPEEDS, TRAIN_SAMPLES, launch  # noqa: E402
 
-from lightning_hetero.plan.claims import merge_summary  # noqa: E402
+from lightning_hetero.local.claim_decisions import merge_summary  # noqa: E402
 
 DEFAULT_OUT = HERE / "results" / "asynchronous_merges.json"
 SYNC_EVERY = 8
@@ -97,8 +97,9 @@ def after_the_drift(merges: list[list[dict[str, Any]]]) -> list[int]:
 
 
 def merges_after_the_drift(merges: list[list[dict[str, Any]]], epoch_ends: bool) -> list[dict[str, Any]]:
-    """The run report's summary of each merge after the drift (:func:`lightning_hetero.plan.claims.merge_summary`):
-    the merges inside the epochs, or (``epoch_ends``) each epoch's last."""
+    """The run report's summary of each merge after the drift
+    (:func:`lightning_hetero.local.claim_decisions.merge_summary`): the merges inside the epochs, or (``epoch_ends``)
+    each epoch's last."""
     per_merge = merge_summary(merges)["per_merge"]
     last = {merge["epoch"]: index for index, merge in enumerate(per_merge)}  # each epoch's last merge
     return [per_merge[i] for i in after_the_drift(merges) if (i == last[per_merge[i]["epoch"]]) == epoch_ends]

@@ -14,7 +14,7 @@ The layout follows a run's flow, one folder per stage, lowest first::
     plan/       the split (arithmetic, exact planner), re-plan decisions, each rank's DeepSpeed config
     precision/  each rank's precision: the choice, the Precision plugin, one loss scale, non-finite steps
     comm/       compression, topology, the gradient exchange and the bytes on the wire
-    train/      the data order cut into per-rank slices, streams, buffers kept equal, micro-batches, local SGD
+    train/      the data order cut into per-rank slices, streams, buffers kept equal, micro-batches, modes' lifecycle
     watch/      per-step measurements, the split that follows them, the run report, the monitor callback
     recover/    checkpoints, resumes, lost or signalled ranks, failures said on every rank
 
@@ -22,7 +22,8 @@ Above the stages, a folder per way of training holds its training mode (``train/
 calls at each hook point), with what belongs to that way alone::
 
     split/      data parallel on the uneven split: one step's micro-batches, the mode, its report and checkpoints
-    local/      local SGD / DiLoCo and asynchronous merges: the modes, the claiming loader and its counter
+    local/      local SGD / DiLoCo and asynchronous merges: inner steps, fragments and claims decided, the merges'
+                state, the claiming loader, the modes
     pipeline/   the model split into stages: options, blocks measured, stages placed and re-placed, the stage's
                 schedule, its state by block name, its report
 

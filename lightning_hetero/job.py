@@ -90,7 +90,7 @@ class HeteroJob:
         self.sharding = DataSharding()
         self.loss_weights = LossWeights(settings.loss_reduction)
         self.micro_batch_guard = MicroBatchGuard()
-        # Local SGD / DiLoCo's state (train/local_sgd.py): the setup plans its inner steps, the mode merges with it.
+        # Local SGD / DiLoCo's state (local/merges.py): the setup plans its inner steps, the mode merges with it.
         self.local = local_training_state(settings)
         self.loss_weights.local = self.local is not None
         self.recovery = Recovery(settings.peer_timeout)

@@ -21,6 +21,8 @@ from lightning_hetero.comm import topology
 from lightning_hetero.comm.communication import Communication
 from lightning_hetero.emulate import memory
 from lightning_hetero.local.claims_refusal import describe_asynchronous_refusal
+from lightning_hetero.local.inner_steps import InnerStepsRebalancer, describe_sync, local_split
+from lightning_hetero.local.merges import LocalTraining
 from lightning_hetero.measure.devices import collect_device_facts
 from lightning_hetero.measure.facts import DeviceFacts
 from lightning_hetero.measure.partitioned import partitioned_parameters, whole_parameters
@@ -28,7 +30,6 @@ from lightning_hetero.measure.profiler import loss_ratio_from_loader
 from lightning_hetero.measure.rank_profile import loss_reduction_mismatch
 from lightning_hetero.measure.survey import JobSurvey, RankSurvey, profile_rank
 from lightning_hetero.plan.initial import InitialPlan, initial_plan, rebalancer_for, within_emulated_memory
-from lightning_hetero.plan.local_steps import InnerStepsRebalancer, describe_sync, local_split
 from lightning_hetero.plan.lr_scaling import LrScaling, lr_scaling_for
 from lightning_hetero.plan.micro_steps import automatic_micro_steps_allowed
 from lightning_hetero.plan.model_agreement import model_signature
@@ -39,7 +40,6 @@ from lightning_hetero.precision.job import gradient_bytes_held_until_step, job_p
 from lightning_hetero.precision.plugin import HeteroPrecision, autocast_for
 from lightning_hetero.recover.refusal import ResumeRefused
 from lightning_hetero.settings import HeteroSettings, check_ranks_agree
-from lightning_hetero.train.local_sgd import LocalTraining
 from lightning_hetero.train.lr_scaling import scale_optimizers
 from lightning_hetero.train.order import agreed_seed, local_seed
 from lightning_hetero.train.sharding import DataSharding, check_trainable
@@ -355,7 +355,7 @@ class JobSetup:
 
     def _start_local_training(self, global_batch_size: int) -> None:
         """Local SGD / DiLoCo: each rank's micro-batch taken ``inner_steps[r]`` times per training step
-        (:func:`~lightning_hetero.plan.local_steps.local_split`); unless given, the inner steps follow what the ranks
+        (:func:`~lightning_hetero.local.inner_steps.local_split`); unless given, the inner steps follow what the ranks
         measure, as the split does (one decision on all)."""
         settings = self._settings
         costs = [profile.cost_model() for profile in self.profiles] if self.profiles is not None else None

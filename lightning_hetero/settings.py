@@ -22,14 +22,7 @@ from lightning_hetero.emulate import memory
 from lightning_hetero.emulate.emulation import check_slowdown
 from lightning_hetero.emulate.slowdown import ENV_VAR as EMULATE_ENV_VAR
 from lightning_hetero.emulate.slowdown import SpeedSchedule, emulated_speeds
-from lightning_hetero.pipeline.options import (
-    PipelineChoice,
-    check_pipeline_argument,
-    check_pipeline_config,
-    pipeline_argument_refusal,
-)
-from lightning_hetero.plan.deepspeed_config import check_user_config, raise_if_arguments_differ, user_config_stage
-from lightning_hetero.plan.local_steps import (
+from lightning_hetero.local.inner_steps import (
     LOCAL_MODES,
     check_inner_steps_length,
     check_sync_arguments,
@@ -39,6 +32,13 @@ from lightning_hetero.plan.local_steps import (
     sync_overlap,
     sync_refusal,
 )
+from lightning_hetero.pipeline.options import (
+    PipelineChoice,
+    check_pipeline_argument,
+    check_pipeline_config,
+    pipeline_argument_refusal,
+)
+from lightning_hetero.plan.deepspeed_config import check_user_config, raise_if_arguments_differ, user_config_stage
 from lightning_hetero.plan.lr_scaling import check_lr_scaling
 from lightning_hetero.plan.micro_steps import micro_steps_refusal
 from lightning_hetero.plan.model_agreement import model_disagreement
@@ -105,7 +105,7 @@ class HeteroSettings:
     hierarchical: Union[str, bool]
     max_nonfinite_steps: Optional[int]
     speed_schedule: Optional[SpeedSchedule]  # emulated speeds (the argument, else the environment variable)
-    sync: str = "every_step"  # local SGD / DiLoCo (plan/local_steps.py)
+    sync: str = "every_step"  # local SGD / DiLoCo (local/inner_steps.py)
     sync_every: int = 1
     inner_steps: Optional[tuple[int, ...]] = None
     outer: Optional[dict[str, Any]] = None  # DiLoCo's outer optimizer settings

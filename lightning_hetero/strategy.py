@@ -90,7 +90,7 @@ class HeteroStrategy(DeepSpeedStrategy):
             every rank, naming the ranks, when no loss scale can be lowered (default 3; None: never stop).
         sync: ``"every_step"`` (default), or ``"local_sgd"`` / ``"diloco"``: each rank trains on its own and every
             ``sync_every`` steps the ranks merge their deltas weighted by samples, a fast rank taking more inner steps
-            (``inner_steps``, e.g. ``[2, 1]``; default: planned) (:mod:`lightning_hetero.plan.local_steps`). ZeRO-0.
+            (``inner_steps``, e.g. ``[2, 1]``; default: planned) (:mod:`lightning_hetero.local.inner_steps`). ZeRO-0.
         sync_options: DiLoCo's outer optimizer (``outer_lr`` 0.7, ``outer_momentum`` 0.9, ``nesterov`` True),
             ``fragments``, ``overlap``/``overlap_steps``/``eager`` and ``asynchronous`` (see docs/usage.md).
         lr_scaling: ``"linear"`` or ``"sqrt"``: a resume whose global batch differs from the checkpoint's keeps it and

@@ -10,7 +10,7 @@ rank, so the parameters stay the same everywhere. A rank then receives every oth
 (W - 1) times its own, against about 2 (W - 1) / W of fp32's for a ring all-reduce, so int8 sends fewer bytes than
 fp32 up to about 8 ranks and int4 up to about 16 (a quantized reduce-scatter would lift that; not built).
 
-Pure tensor functions; :class:`lightning_hetero.train.local_sgd.LocalTraining` calls them at a merge.
+Pure tensor functions; :class:`lightning_hetero.local.merges.LocalTraining` calls them at a merge.
 """
 
 from __future__ import annotations

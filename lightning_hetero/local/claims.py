@@ -14,11 +14,11 @@ another between merges, and a rank that is slow contributes what it has:
 - **Merges.** Merge ``m`` falls at claim ``m * sync_every * world_size`` (as many samples between merges as the
   synchronous modes with one inner step per rank), and no rank trains that claim or a later one before the merge.
   Before training a micro-batch each rank reads the counter: it joins a merge whose claim another rank drew at once,
-  and one whose claim it drew itself when it reaches it (:func:`~lightning_hetero.plan.claims.merges_to_join`). So
+  and one whose claim it drew itself when it reaches it (:func:`~.claim_decisions.merges_to_join`). So
   the merge's collectives wait for the last rank to finish the micro-batch it is in, no more (at an epoch's end a
-  slower rank leaves the last claims to faster ones, :func:`~lightning_hetero.plan.claims.leaves_the_rest`, or it
+  slower rank leaves the last claims to faster ones, :func:`~.claim_decisions.leaves_the_rest`, or it
   would also hold the one Lightning read ahead for it; a rank at least twice as fast takes that one over if it is
-  not started, :func:`~lightning_hetero.plan.claims.takes_over_read_ahead`, and the slower rank steps through it
+  not started, :func:`~.claim_decisions.takes_over_read_ahead`, and the slower rank steps through it
   training nothing). Each rank's progress is weighted by the samples it trained
   since the last merge (one all-reduce of the counts), so a rank that slowed contributes fewer samples, not stale
   ones: every rank trained from the same merged parameters. The epoch's end merges what is left, so validation and
@@ -36,7 +36,7 @@ from typing import Any, Optional
 from torch.utils.data import DataLoader, Sampler
 
 from lightning_hetero.local.claim_counter import ClaimCounter
-from lightning_hetero.plan.claims import (
+from lightning_hetero.local.claim_decisions import (
     claim_positions,
     claims_in_epoch,
     leaves_the_rest,
@@ -46,10 +46,10 @@ from lightning_hetero.plan.claims import (
     others_per_micro_batch,
     takes_over_read_ahead,
 )
+from lightning_hetero.local.merges import LocalTraining
 from lightning_hetero.split.steps import RankParts
 from lightning_hetero.train.buffers import BufferSync
 from lightning_hetero.train.loaders import HeteroDataLoader, kept_loader_settings
-from lightning_hetero.train.local_sgd import LocalTraining
 from lightning_hetero.train.micro_batches import split_batch
 from lightning_hetero.train.streams import HeteroStreamLoader
 
@@ -130,7 +130,7 @@ class ClaimingBatchSampler(Sampler[list[int]]):
 
     def _take_over(self, positions: list[int], total: int, epoch: int, rate: Optional[float]) -> Iterator[list[int]]:
         """Every claim of the epoch is drawn: take over, one at each read-ahead, the claim each slower rank drew last
-        if it has not started it (:func:`~lightning_hetero.plan.claims.takes_over_read_ahead`)."""
+        if it has not started it (:func:`~.claim_decisions.takes_over_read_ahead`)."""
         if not takes_over_read_ahead(rate):
             return
         for other in range(self.world_size):
@@ -142,7 +142,7 @@ class ClaimingBatchSampler(Sampler[list[int]]):
                 yield [positions[p] for p in claim_positions(claim, self.micro_batch, len(positions))]
 
     def _would_leave_the_rest(self, draws: list[int], total: int, epoch: int) -> bool:
-        """:func:`~lightning_hetero.plan.claims.leaves_the_rest` for the claims left undrawn, read from the counter
+        """:func:`~.claim_decisions.leaves_the_rest` for the claims left undrawn, read from the counter
         (a round trip) near the epoch's end only: the others draw about ``rate`` before this rank's next draw."""
         rate = others_per_micro_batch(draws, self.merge_every)
         if rate is None or total - 1 - draws[-1] > 4 * rate + 2:
@@ -230,7 +230,7 @@ class AsynchronousMerges:
     def before_micro_batch(self, claim: int, held: Collection[int], trains: bool = True) -> None:
         """Before this rank trains claim ``claim`` (``held``: every claim it drew and has not trained, ``claim``
         included; ``trains`` False: a faster rank took it over): the merges it joins now
-        (:func:`~lightning_hetero.plan.claims.merges_to_join`)."""
+        (:func:`~.claim_decisions.merges_to_join`)."""
         drawn = self.world_size + self._taken(self.epoch)  # (each rank's own first claim, and the counter's)
         due = merges_to_join(claim, drawn, held, self.joined, self.every, self.claims)
         for _ in range(due):

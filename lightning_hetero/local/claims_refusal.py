@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import Timer
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch.utils.data import DataLoader
 
-from lightning_hetero.plan.claims import claims_in_epoch
+from lightning_hetero.local.claim_decisions import claims_in_epoch
 from lightning_hetero.train.loaders import loader_batch_size
 
 

@@ -2,7 +2,7 @@
 
 Each rank steps its own optimizer on its own gradients (no exchange at the step); its micro-batches after the first
 are inner steps of their own, and the ranks merge their parameters when a synchronization is due
-(:class:`~lightning_hetero.train.local_sgd.LocalTraining`), before a checkpoint, a validation inside a fit and the end
+(:class:`~lightning_hetero.local.merges.LocalTraining`), before a checkpoint, a validation inside a fit and the end
 of a fit. With ``asynchronous=True`` the ranks claim their micro-batches from a shared counter and merge at step
 boundaries (:mod:`.claims`).
 """
@@ -19,10 +19,10 @@ from lightning.pytorch.trainer.states import RunningStage
 from torch import Tensor
 
 from lightning_hetero.local.claims import AsynchronousTraining
+from lightning_hetero.local.merges import LocalTraining
 from lightning_hetero.runtime.tracing import phase
 from lightning_hetero.split.steps import RankParts
 from lightning_hetero.split.training import DataParallelTraining, SplitSetup
-from lightning_hetero.train.local_sgd import LocalTraining
 from lightning_hetero.train.micro_batches import step_loss
 from lightning_hetero.train.mode import Backward, UserStep
 

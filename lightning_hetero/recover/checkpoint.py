@@ -42,9 +42,11 @@ from typing import Any, Optional
 
 from lightning_hetero.comm.communication import STATE_DIRNAME as HOOK_STATE_DIRNAME
 from lightning_hetero.recover.refusal import ResumeRefused
-from lightning_hetero.train.local_sgd import STATE_DIRNAME as LOCAL_STATE_DIRNAME
 
 MANIFEST_NAME = "hetero_manifest.json"
+# Local training's per-rank state (each rank's inner optimizer, DiLoCo's outer one, the error feedback) in a checkpoint
+# directory: written and read by lightning_hetero.local.merges, listed here with the package's other rank files.
+LOCAL_STATE_DIRNAME = "hetero_local_sgd"
 # 2: each file's size and CRC-32 ({"size": n, "crc32": "8 hex digits"}); 1: its size only (still read).
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)

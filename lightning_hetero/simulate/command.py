@@ -15,7 +15,7 @@ import textwrap
 from dataclasses import replace
 from typing import Any, Optional
 
-from lightning_hetero.plan.local_steps import (
+from lightning_hetero.local.inner_steps import (
     check_inner_steps_length,
     check_sync_arguments,
     sync_fragments,

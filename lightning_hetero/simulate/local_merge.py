@@ -19,8 +19,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from lightning_hetero.comm import quantize
+from lightning_hetero.local.inner_steps import plan_inner_steps
 from lightning_hetero.measure.cost import CostModel
-from lightning_hetero.plan.local_steps import plan_inner_steps
 from lightning_hetero.simulate.cluster import Cluster
 from lightning_hetero.simulate.device_model import PARAMETER_BYTES, cluster_costs, optimizer_seconds
 from lightning_hetero.simulate.gradient_exchange import ring_seconds, slowest_used_link

@@ -11,13 +11,13 @@ recorded first, when re-planning is on.
 from __future__ import annotations
 
 import time
-from typing import Optional, Union
+from collections.abc import Sequence
+from typing import Any, Optional, Protocol
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_hetero.plan.explore import StepSearch
-from lightning_hetero.plan.local_steps import InnerStepsRebalancer
-from lightning_hetero.plan.replan import Rebalancer, Replan
+from lightning_hetero.plan.replan import Replan
 from lightning_hetero.train.split_in_force import SplitInForce
 from lightning_hetero.watch.meter import RunWatch, TensorGather
 
@@ -52,6 +52,20 @@ def search_text(search: StepSearch, step: int) -> str:
     return ""
 
 
+class SplitRebalancer(Protocol):
+    """What re-plans the split in force from the watch's steps: the data-parallel split's
+    :class:`~lightning_hetero.plan.replan.Rebalancer`, or local training's inner steps'
+    (:class:`~lightning_hetero.local.inner_steps.InnerStepsRebalancer`). Pure decisions: every rank holds the same."""
+
+    replans: list[Replan]
+
+    def consider(self, steps: Sequence[dict[str, Any]], next_step: int) -> Optional[Replan]: ...
+
+    def micro_steps_of(self, split: Sequence[int]) -> tuple[int, ...]: ...
+
+    def adopt(self, split: Sequence[int], step: int) -> None: ...
+
+
 class SplitFollower:
     """Called by the training loader before each batch (its ``on_fetch``); see the module docstring.
 
@@ -62,7 +76,7 @@ class SplitFollower:
         self,
         watch: RunWatch,
         all_gather: TensorGather,
-        rebalancer: Optional[Union[Rebalancer, InnerStepsRebalancer]],
+        rebalancer: Optional[SplitRebalancer],
         split: SplitInForce,
     ) -> None:
         self.watch = watch

@@ -11,7 +11,7 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -19,11 +19,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_hetero.emulate.slowdown import compute_clock, held_clock, host_clock
 from lightning_hetero.measure.facts import DeviceFacts
 from lightning_hetero.measure.rank_profile import RankProfile
-from lightning_hetero.plan.local_steps import InnerStepsRebalancer
-from lightning_hetero.plan.replan import Rebalancer
 from lightning_hetero.train.split_in_force import SplitInForce
 from lightning_hetero.watch import report
-from lightning_hetero.watch.follower import SplitFollower
+from lightning_hetero.watch.follower import SplitFollower, SplitRebalancer
 from lightning_hetero.watch.meter import RunWatch, StepMeter, TensorGather
 from lightning_hetero.watch.trace import StepTracer, traces_text, write_merged
 
@@ -71,7 +69,7 @@ class Watcher:
         self.skipped_steps: Callable[[], list[int]] = list
         self.loss_scale: Callable[[], Optional[float]] = lambda: None
 
-    def follow(self, split: SplitInForce, rebalancer: Optional[Union[Rebalancer, InnerStepsRebalancer]]) -> None:
+    def follow(self, split: SplitInForce, rebalancer: Optional[SplitRebalancer]) -> None:
         """Re-plan ``split`` with ``rebalancer`` (None: measure and exchange only, for the report)."""
         if self.follower is None:
             self.follower = SplitFollower(self.run, self._gather_tensor, rebalancer, split)

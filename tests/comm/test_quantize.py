@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_hetero.comm.quantize import BLOCK, dequantize, largest_level, quantize, wire_bytes
-from lightning_hetero.train.local_sgd import LocalTraining
+from lightning_hetero.local.merges import LocalTraining
 
 
 @pytest.mark.parametrize("bits", [8, 4])

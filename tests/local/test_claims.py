@@ -12,9 +12,7 @@ import torch
 
 from lightning_hetero import HeteroStrategy
 from lightning_hetero.local.claim_counter import ClaimCounter
-from lightning_hetero.local.claims import AsynchronousMerges, ClaimingBatchSampler
-from lightning_hetero.local.claims_refusal import describe_asynchronous_refusal
-from lightning_hetero.plan.claims import (
+from lightning_hetero.local.claim_decisions import (
     claim_positions,
     claims_in_epoch,
     leaves_the_rest,
@@ -25,6 +23,8 @@ from lightning_hetero.plan.claims import (
     others_per_micro_batch,
     takes_over_read_ahead,
 )
+from lightning_hetero.local.claims import AsynchronousMerges, ClaimingBatchSampler
+from lightning_hetero.local.claims_refusal import describe_asynchronous_refusal
 from lightning_hetero.train.micro_batches import MicroBatchGuard
 from lightning_hetero.train.order import GlobalOrder
 from lightning_hetero.watch.meter import RunWatch, StepMeter, pack_records

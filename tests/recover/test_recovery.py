@@ -82,8 +82,8 @@ def test_rank_0_checks_every_ranks_own_files_before_any_rank_reads_its_own(tmp_p
     from conftest import crafted
 
     from lightning_hetero.comm.communication import STATE_DIRNAME as HOOK_STATE_DIRNAME
+    from lightning_hetero.local.merges import STATE_DIRNAME as LOCAL_STATE_DIRNAME
     from lightning_hetero.runtime.safe_load import UnsafeCheckpointFile
-    from lightning_hetero.train.local_sgd import STATE_DIRNAME as LOCAL_STATE_DIRNAME
 
     STATE_DIRNAME = LOCAL_STATE_DIRNAME if kind == "local training" else HOOK_STATE_DIRNAME
     saved = tmp_path / "step=4.ckpt"

@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import WORKERS, crafted, run_bounded, run_fit, write_deepspeed_checkpoint
 
+from lightning_hetero.local.merges import STATE_DIRNAME, LocalTraining
 from lightning_hetero.recover import checkpoint, elastic, export, from_deepspeed, universal
 from lightning_hetero.recover.from_lightning import read_lightning_checkpoint
 from lightning_hetero.recover.recovery import Recovery
@@ -20,7 +21,6 @@ from lightning_hetero.runtime.safe_load import (
     load_package_file,
     unpickles_in_full,
 )
-from lightning_hetero.train.local_sgd import STATE_DIRNAME, LocalTraining
 
 
 def test_the_crafted_file_does_run_code_when_everything_is_unpickled(tmp_path):

@@ -105,7 +105,7 @@ def test_a_gradient_left_after_the_last_zero_2_backward_is_named():
 def test_the_merge_weighs_each_ranks_pseudo_gradient_by_its_samples():
     """Rank 0 trained on 30 samples from the anchor 1.0 to 0.4, rank 1 on 10 samples to 0.8: local SGD ends at
     (30 * 0.4 + 10 * 0.8) / 40 = 0.5; DiLoCo with outer lr 1 and no momentum at the same place."""
-    from lightning_hetero.train.local_sgd import LocalTraining
+    from lightning_hetero.local.merges import LocalTraining
 
     other_count, other_delta = 10.0, 1.0 - 0.8
 

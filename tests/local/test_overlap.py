@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "comm"))
 
 from test_quantize import SumOfTwo, ThreadGather, on_two_threads  # noqa: E402
 
-from lightning_hetero.plan.fragments import due_fragments  # noqa: E402
-from lightning_hetero.train.local_sgd import LocalTraining  # noqa: E402
+from lightning_hetero.local.fragments import due_fragments  # noqa: E402
+from lightning_hetero.local.merges import LocalTraining  # noqa: E402
 
 OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
 SAMPLES = [3, 1]  # each rank's samples per training step

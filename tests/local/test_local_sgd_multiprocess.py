@@ -25,7 +25,7 @@ from conftest import run_fit  # noqa: E402
 from test_strategy_multiprocess import contiguous_steps  # noqa: E402
 
 from lightning_hetero.comm.quantize import wire_bytes  # noqa: E402
-from lightning_hetero.plan.fragments import due_fragments  # noqa: E402
+from lightning_hetero.local.fragments import due_fragments  # noqa: E402
 from lightning_hetero.plan.split import micro_batch_sizes  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
@@ -244,7 +244,7 @@ def test_a_quantized_resume_carries_each_ranks_error_feedback_and_equals_the_uni
 
 
 def equal_pieces(sizes: list[int], fragments: int) -> tuple[list[tuple[int, int, int]], list[int]]:
-    """The reference's cut, written apart from plan/fragments.py: the model's values in ``fragments`` ranges of equal
+    """The reference's cut, written apart from local/fragments.py: the model's values in ``fragments`` ranges of equal
     size (to a value), as pieces (tensor, first value, end value) of the tensors, and each piece's fragment."""
     total, pieces, owners, offset = sum(sizes), [], [], 0
     edges = [total * fragment // fragments for fragment in range(fragments + 1)]

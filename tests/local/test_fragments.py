@@ -1,4 +1,4 @@
-"""The streaming merge's fragments (plan/fragments.py): which values of the model merge when."""
+"""The streaming merge's fragments (local/fragments.py): which values of the model merge when."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from lightning_hetero.plan.fragments import due_fragments, fragment_pieces
-from lightning_hetero.plan.local_steps import is_sync_step
+from lightning_hetero.local.fragments import due_fragments, fragment_pieces
+from lightning_hetero.local.inner_steps import is_sync_step
 
 
 @pytest.mark.parametrize("sync_every", [1, 2, 3, 4, 6, 8, 12])

@@ -6,8 +6,7 @@ import math
 
 import pytest
 
-from lightning_hetero.measure.cost import CostModel
-from lightning_hetero.plan.local_steps import (
+from lightning_hetero.local.inner_steps import (
     DILOCO_DEFAULTS,
     InnerStepsRebalancer,
     balance,
@@ -22,6 +21,7 @@ from lightning_hetero.plan.local_steps import (
     sync_overlap,
     sync_refusal,
 )
+from lightning_hetero.measure.cost import CostModel
 
 
 def test_sync_arguments_give_the_outer_optimizer():

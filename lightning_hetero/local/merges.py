@@ -1,4 +1,4 @@
-"""Train: local SGD and DiLoCo, the synchronization (see :mod:`lightning_hetero.plan.local_steps` for the idea).
+"""Train: local SGD and DiLoCo, the synchronization (see :mod:`lightning_hetero.local.inner_steps` for the idea).
 
 :class:`LocalTraining` keeps, for one fit, the parameters as they were at the last synchronization (the anchor), the
 samples this rank trained on since, and DiLoCo's outer optimizer. Between synchronizations DeepSpeed's engine steps
@@ -44,10 +44,11 @@ import torch
 from torch import Tensor
 
 from lightning_hetero.comm import quantize
-from lightning_hetero.plan.fragments import Piece, due_fragments, fragment_pieces
+from lightning_hetero.local.fragments import Piece, due_fragments, fragment_pieces
+from lightning_hetero.recover.checkpoint import LOCAL_STATE_DIRNAME
 from lightning_hetero.runtime.safe_load import load_package_file
 
-STATE_DIRNAME = "hetero_local_sgd"
+STATE_DIRNAME = LOCAL_STATE_DIRNAME  # (each rank's file in it: rank_<r>.pt)
 _DTYPES = {None: torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 # Starts one exchange of a merge in the background: ``(tensor, quantized)`` -> a wait; the tensor is summed over the
@@ -94,7 +95,7 @@ class LocalTraining:
         # every rank: what decides an extra synchronization).
         self._samples: list[int] = [0] * fragments
         self._steps: list[int] = [0] * fragments
-        self._pieces: list[Piece] = []  # the parameter tensors' pieces (plan/fragments.py)
+        self._pieces: list[Piece] = []  # the parameter tensors' pieces (local/fragments.py)
         self._bounds: list[tuple[int, int]] = [(0, 0)]  # each fragment's pieces [begin, end)
         self._parameters: list[torch.nn.Parameter] = []
         self._anchor: list[Tensor] = []  # per piece
