@@ -1,12 +1,17 @@
 """A benchmark's job: one fit in a process session of its own, its output in a log file, and the whole session
-killed when it runs past its deadline (no benchmark waits for ever on a stuck job); and the commit a run records."""
+killed when it runs past its deadline (no benchmark waits for ever on a stuck job); and what a run's record holds
+besides its figures (the command, the commit, the machine, the date)."""
 
 from __future__ import annotations
 
 import os
+import platform
 import signal
 import subprocess
+import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 
 def run_job(command: list[str], log: Path, environment: dict[str, str], timeout: float, name: str) -> None:
@@ -29,3 +34,15 @@ def commit_of(checkout: Path) -> str:
     """The short commit of a git checkout ("" where it is not one: a copy of a working tree), for a run's record."""
     found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=checkout)
     return found.stdout.strip() if found.returncode == 0 else ""
+
+
+def run_facts(script: str, argv: Sequence[str], checkout: Path) -> dict[str, Any]:
+    """What every run's JSON records beside its figures, so that a results page can say what was run, where and when:
+    the command (``script`` with ``argv``), the commit of ``checkout``, the machine, its CPUs and the start time."""
+    return {
+        "command": " ".join([script, *argv]),
+        "commit": commit_of(checkout),
+        "machine": platform.node(),
+        "cpus": os.cpu_count(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }

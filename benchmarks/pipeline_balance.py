@@ -15,7 +15,9 @@ placed fit's steps 5-19, as first placed, are printed too):
     balance     per step, the mean of the two stages' compute over the larger (1 = both stages as busy), median
 
 Targets (issue 30): equal / placed >= 1.3 within each pair; the placed step within 10 % of the balanced one
-(balance >= 0.9). Results are printed and written to ``benchmarks/results/pipeline_balance.json``.
+(balance >= 0.9). Results are printed and written to ``--out`` (default ``benchmarks/results/pipeline_balance.json``)
+with the command, the commit, the machine and the date; a run worth keeping is committed as
+``benchmarks/measured/pipeline_balance_<what>.json`` and rendered by ``python benchmarks/render.py``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from jobs import run_facts  # noqa: E402  (benchmarks/ is no package: its scripts run as files)
+
 DEFAULT_OUT = HERE / "results" / "pipeline_balance.json"
 WIDTH, BLOCKS, MICRO_BATCHES, MICRO_BATCH, STEPS = 1024, 8, 4, 16, 50
 REPLAN_WINDOW = 20  # HeteroStrategy's default rebalance_window: the placed fit may move blocks at steps 20 and 40
@@ -147,6 +152,7 @@ def main() -> None:
     if args.fit:
         fit(args.fit, args.fit_out)
         return
+    facts = run_facts("benchmarks/pipeline_balance.py", sys.argv[1:], HERE)
     scratch = Path("/tmp/pipeline_balance_runs")
     pairs = []
     for pair in range(args.pairs):
@@ -181,7 +187,7 @@ def main() -> None:
     }
     print(json.dumps(summary, indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"pairs": pairs, "summary": summary, "date": time.strftime("%Y-%m-%d")}, indent=1))
+    args.out.write_text(json.dumps({**facts, "pairs": pairs, "summary": summary}, indent=1))
     print(f"written to {args.out}")
 
 

@@ -50,6 +50,6 @@ def test_every_measured_file_is_rendered_by_its_scripts_page(render):
     """A JSON in benchmarks/measured/ belongs to a script the renderer knows (its name's prefix), and its command
     is listed on that script's page."""
     for path in sorted(render.MEASURED.glob("*.json")):
-        script = path.name.split("_")[0]
-        assert script in render.SCRIPTS, f"{path.name}: no renderer for {script!r} (benchmarks/render.py SCRIPTS)"
+        script = render.script_of(path.name)
+        assert script in render.SCRIPTS, f"{path.name}: no renderer for its script (benchmarks/render.py SCRIPTS)"
         assert f"`{path.name}`: `" in render.page(script, render.sections_of(script))
