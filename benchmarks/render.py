@@ -226,7 +226,7 @@ def throughput_sections(files: Sequence[Path]) -> list[Section]:
     ]
 
 
-# ------------------------------------------------------------------------------------------ benchmarks/pipeline_balance.py
+# ------------------------------------------------------------------------------ benchmarks/pipeline_balance.py
 
 PIPELINE_COLUMNS = (
     Column("equal / placed, step", "equal_over_placed"),
@@ -248,8 +248,8 @@ def pipeline_balance_sections(files: Sequence[Path]) -> list[Section]:
         "Two fits per pair, back to back in alternating order: *equal* with 4 blocks per stage, *placed* with the "
         "blocks measured on each rank and placed by the planner (re-planned every 20 steps). *equal / placed* over "
         "1 is the placed pipeline's gain; the slowest stage's compute leaves out the step's fixed costs; *placed "
-        "balance* is, per step, the mean of the stages' compute over the larger (1: both stages as busy; 0.917 is "
-        "the best integer split of 8 blocks at these speeds)."
+        "balance* is, per step, the mean of the stages' compute over the larger (1: both stages as busy; in theory "
+        "0.917 for the best integer split of 8 blocks at these speeds)."
     )
     if not rows:
         return []
