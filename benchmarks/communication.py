@@ -21,7 +21,9 @@ uncompressed bytes; powersgd-fixed: rank 1 without the bound), flat and hierarch
     final loss            cross-entropy of the final weights on 2048 held-out samples (rank 0, after fit)
 
 Ratios are against the uncompressed flat fit of the same run; the losses are deterministic, the times are not (2
-cores, shared): the step-time ratio is the figure to read, taken between fits run one after the other.
+cores, shared): the step-time ratio is the figure to read, taken between fits run one after the other. The JSON
+(``--out``) holds every run with the command, the commit, the machine and the date; a run worth keeping is committed
+as ``benchmarks/measured/communication_<what>.json`` and rendered by ``python benchmarks/render.py``.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from jobs import run_job  # benchmarks/jobs.py (scripts run from this folder)
+from jobs import run_facts, run_job  # benchmarks/jobs.py (scripts run from this folder)
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results" / "communication.json"
@@ -214,6 +216,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         return
     if args.out is None:
         args.out = DEFAULT_OUT if args.model == "mlp" else DEFAULT_OUT.with_name(f"communication_{args.model}.json")
+    facts = run_facts("benchmarks/communication.py", argv if argv is not None else sys.argv[1:], HERE)
     modes = ["none"] + [mode for mode in args.modes if mode != "none"]
     configurations = [(mode, hierarchical) for mode in modes for hierarchical in (False, True)]
     results = []
@@ -244,7 +247,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         "measured_from": MEASURED_FROM,
         "link": LINK,
     }
-    args.out.write_text(json.dumps({"setting": setting, "options": OPTIONS, "runs": results, "table": text}, indent=1))
+    record = {**facts, "setting": setting, "options": OPTIONS, "runs": results, "table": text}
+    args.out.write_text(json.dumps(record, indent=1))
     print(f"written to {args.out}")
 
 
