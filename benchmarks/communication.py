@@ -40,6 +40,8 @@ from typing import Any, Optional
 from jobs import run_facts, run_job  # benchmarks/jobs.py (scripts run from this folder)
 
 HERE = Path(__file__).resolve().parent
+# The package beside this script, not an installed one: a run measures the checkout it is run from (a worktree).
+sys.path.insert(0, str(HERE.parent))
 DEFAULT_OUT = HERE / "results" / "communication.json"
 MODES = ("none", "fp16", "powersgd", "powersgd-fixed", "topk")
 BATCH_SIZES = [20, 12, 20, 12]

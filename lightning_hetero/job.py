@@ -273,7 +273,7 @@ class HeteroJob:
         self.setup.configure_communication(config)
         setup = self.setup
         surveyed = Surveyed(setup.precisions, setup.device_facts, setup.memory_byte_ceilings)
-        micro_batch = self._mode().start(global_batch_size, module, device, zero["stage"], fitting, surveyed)
+        micro_batch = self._mode().start(global_batch_size, module, device, zero["stage"], fitting, surveyed, config)
         return own_plugin, micro_batch
 
     def check_configs_agree(self, config: dict[str, Any]) -> None:

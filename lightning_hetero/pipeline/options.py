@@ -141,29 +141,15 @@ def check_pipeline_config(config: Mapping[str, Any]) -> None:
         )
 
 
-def pipeline_job_refusal(
-    precision: str,
-    gradient_clip_val: Any,
-    accumulate_grad_batches: int,
-    automatic_optimization: bool,
-    evaluating: bool,
-) -> Optional[str]:
+def pipeline_job_refusal(precision: str, automatic_optimization: bool, evaluating: bool) -> Optional[str]:
     """Why this trainer call cannot run with a pipeline (yet), or None; checked at setup on every rank, before any
-    collective (every rank sees the same trainer)."""
+    collective (every rank sees the same trainer). Gradient clipping and `accumulate_grad_batches` run: the norm is
+    taken over every stage (:meth:`~lightning_hetero.pipeline.stage.Pipeline.clip_gradients`), and each batch's
+    gradients are added to the accumulated ones after its own sums."""
     if precision not in ("32-true", "32"):
         return (
             f"HeteroStrategy(pipeline=...) with `Trainer(precision={precision!r})`: the stages train in 32-bit"
             " for now. Use `precision='32-true'`, or train without `pipeline`."
-        )
-    if gradient_clip_val:
-        return (
-            f"HeteroStrategy(pipeline=...) with `Trainer(gradient_clip_val={gradient_clip_val})`: the gradient"
-            " norm spans every stage, which the pipeline does not compute yet. Leave it out."
-        )
-    if accumulate_grad_batches != 1:
-        return (
-            f"HeteroStrategy(pipeline=...) with `Trainer(accumulate_grad_batches={accumulate_grad_batches})`:"
-            " raise the batch size instead (the pipeline's micro-batches are its accumulation)."
         )
     if not automatic_optimization:
         return (

@@ -177,13 +177,16 @@ class Pipeline:
         weight_of: Callable[[int], float],
         slowed: Callable[[], contextlib.AbstractContextManager],
         backward: Callable[[Tensor], None],
+        accumulated: int = 1,
     ) -> Tensor:
         """One step's schedule on this stage; returns the global batch's loss (the same on every rank).
 
         ``forward(batch, samples)`` runs the user's ``training_step`` on one micro-batch; ``weight_of(samples)`` is
         its loss's factor; ``slowed()`` bounds the local compute (the emulated device's speed); ``backward(scalar)``
         is the engine's backward (DeepSpeed refuses a direct ``tensor.backward()``): a stage before the last runs it
-        on ``(output * received_gradient).sum()``, whose gradients are those of the output's backward with it."""
+        on ``(output * received_gradient).sum()``, whose gradients are those of the output's backward with it.
+        ``accumulated``: the Trainer's ``accumulate_grad_batches``; the last stage's backward divides each loss by it
+        (as Lightning's closure divides a step's loss), the returned loss does not."""
         assert self.layout is not None and self.stage_of_chain is not None
         stage, stages, layout = self.stage, self.choice.stages, self.layout
         previous = layout.rank_of(self.replica, stage - 1) if stage > 0 else None
@@ -217,7 +220,7 @@ class Pipeline:
                         )
                     weighted = loss * weight_of(samples)
                     total += weighted.detach().double().cpu()
-                    outputs[m] = weighted
+                    outputs[m] = weighted / accumulated if accumulated > 1 else weighted
             else:
                 gradient = None
                 if following is not None:
@@ -315,6 +318,42 @@ class Pipeline:
             _sum_gradients(self.stage_of_chain.parameters(), self._stage_group)
         if self.world_size > 1 and self.outside:
             _sum_gradients(self.outside, None)
+
+    def set_aside_gradients(self, module: nn.Module) -> list[tuple[nn.Parameter, Tensor]]:
+        """Take the gradients accumulated by earlier batches of an optimizer step off the parameters, so that this
+        batch's sums (:meth:`reduce_gradients`) add its own gradients only; :meth:`add_back` adds them again."""
+        earlier = [(p, p.grad) for p in module.parameters() if p.grad is not None]
+        for parameter, _ in earlier:
+            parameter.grad = None
+        return earlier
+
+    @staticmethod
+    def add_back(earlier: Sequence[tuple[nn.Parameter, Tensor]]) -> None:
+        for parameter, grad in earlier:
+            parameter.grad = grad if parameter.grad is None else parameter.grad + grad
+
+    def clip_gradients(self, module: nn.Module, max_norm: float) -> float:
+        """Scale every gradient by one factor so that the whole model's gradient norm is at most ``max_norm``, as one
+        process's ``torch.nn.utils.clip_grad_norm_`` on the whole model (``coefficient = max_norm / (norm + 1e-6)``,
+        applied when under 1). The squared norm is summed over the stages in one all-reduce, each stage counted once
+        (by its first pipeline: the pipelines holding a stage hold the same summed gradients) and the modules outside
+        the chain once (by rank 0: every rank holds them equal). Returns the norm."""
+        assert self.stage_of_chain is not None
+        counted = [p for p in self.stage_of_chain.parameters() if p.grad is not None] if self.replica == 0 else []
+        if self.rank == 0:
+            counted += [p for p in self.outside if p.grad is not None]
+        squares = torch.zeros((), dtype=torch.float64, device=self.device)
+        for parameter in counted:
+            assert parameter.grad is not None
+            squares += parameter.grad.detach().double().pow(2).sum()
+        dist.all_reduce(squares)
+        norm = float(squares.sqrt())
+        coefficient = max_norm / (norm + 1e-6)
+        if coefficient < 1.0:
+            for parameter in module.parameters():
+                if parameter.grad is not None:
+                    parameter.grad.mul_(coefficient)
+        return norm
 
     def hold_gradients(self, module: nn.Module) -> None:
         """Take the step's gradients off the parameters: Lightning zeroes them between ``training_step`` (where the

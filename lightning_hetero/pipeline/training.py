@@ -64,15 +64,13 @@ from lightning_hetero.watch.publish import report_directory
 
 def check_pipeline_job(choice: PipelineChoice, trainer: Any, precision: str, world_size: int) -> None:
     """What a pipeline cannot run (yet), raised at setup on every rank before the process group exists (the
-    trainer's precision, gradient clipping, accumulation, manual optimization, a chain that cannot be split)."""
+    trainer's precision, manual optimization, evaluation outside a fit, a chain that cannot be split)."""
     replicas_of(choice, world_size)
     if trainer is None:
         return
     module = trainer.lightning_module
     evaluating = trainer.state.fn != TrainerFn.FITTING  # (a fit's validation runs through the stages)
-    refusal = pipeline_job_refusal(
-        precision, trainer.gradient_clip_val, trainer.accumulate_grad_batches, module.automatic_optimization, evaluating
-    )
+    refusal = pipeline_job_refusal(precision, module.automatic_optimization, evaluating)
     if refusal:
         raise ValueError(refusal)
     if not is_overridden("configure_model", module):  # (else the chain exists only later: checked at setup)
@@ -122,8 +120,11 @@ class PipelineTraining:
         self._global_samples = 0  # the global batch's (short at an epoch's end)
         self._replan: Any = None  # (re-planning on, block costs, micro-batches, micro-batch), from start()
         self._replan_blocked = False
-        self._placed_at = 0
+        self._placed_at_batch = 0  # the batches trained (pipeline.step_times) when the blocks were last placed
         self._engine: Optional[Any] = None  # DeepSpeed's, from attach to detach
+        self._max_norm = 0.0  # gradient clipping over every stage (0: none), from start()
+        self._accumulated = 1  # the Trainer's accumulate_grad_batches, from start()
+        self._batches_since_step = 0  # this optimizer step's batches trained so far
 
     @staticmethod
     def check_trainer(settings: Any, trainer: Optional[Any], precision: str, world_size: int) -> None:
@@ -139,11 +140,20 @@ class PipelineTraining:
         zero_stage: int,
         fitting: bool,
         surveyed: Surveyed,
+        config: dict[str, Any],
     ) -> int:
         """Pipeline parallelism (pipeline/stage.py): the blocks measured on every rank (unless ``boundaries`` are
         given), placed on the stages by speed and memory, and this rank's stage kept; then the plan is printed.
         ``surveyed``: every rank's precision, device facts and emulated memory, from the setup survey (only a fit
-        reaches here: :func:`check_pipeline_job` refused the rest)."""
+        reaches here: :func:`check_pipeline_job` refused the rest). Gradient clipping is taken over from DeepSpeed,
+        whose engine would clip each stage by its own norm: ``config``'s ``gradient_clipping`` (else the Trainer's
+        ``gradient_clip_val``) is the whole model's, and the engine's is set to 0."""
+        trainer = module.trainer
+        given = config.get("gradient_clipping")
+        self._max_norm = float(given if given is not None else (trainer.gradient_clip_val or 0.0))
+        config["gradient_clipping"] = 0.0
+        self._accumulated = trainer.accumulate_grad_batches
+        self._batches_since_step = 0
         precisions, device_facts = surveyed.precisions, surveyed.device_facts
         memory_byte_ceilings = surveyed.memory_byte_ceilings
         pipeline, choice = self.pipeline, self.pipeline.choice
@@ -229,7 +239,7 @@ class PipelineTraining:
             micro_batches,
             micro_batch,
         )
-        self._placed_at = 0
+        self._placed_at_batch = 0
         if self._rank == 0:
             described = describe_pipeline(
                 placement,
@@ -268,6 +278,19 @@ class PipelineTraining:
         self._emulation.around_deepspeed_exchanges(engine)
         engine.allreduce_gradients = lambda *args, **kwargs: None
         self._engine = engine
+        engine.step = self._clipped_step(engine.step, engine.module)
+
+    def _clipped_step(self, step: Callable[..., Any], module: torch.nn.Module) -> Callable[..., Any]:
+        """DeepSpeed's step, after the whole model's gradients are clipped (when clipping is on); the next batch
+        starts an optimizer step's accumulation."""
+
+        def clipped(*args: Any, **kwargs: Any) -> Any:
+            if self._max_norm > 0:
+                self.pipeline.clip_gradients(module, self._max_norm)
+            self._batches_since_step = 0
+            return step(*args, **kwargs)
+
+        return clipped
 
     def detach(self) -> None:
         self.pipeline.uninstall()
@@ -309,8 +332,10 @@ class PipelineTraining:
         if replan is None or not replan[0] or global_step == 0 or global_step % window or self._world_size == 1:
             return
         enabled, costs, micro_batches, micro_batch = replan
-        first = max(global_step - window, self._placed_at + 2)
-        recent = [compute for compute, _ in pipeline.step_times[first:global_step]]
+        # (each optimizer step trains `accumulate_grad_batches` batches, each with its own entry in step_times)
+        batches, per_step = len(pipeline.step_times), self._accumulated
+        first = max(batches - window * per_step, self._placed_at_batch + 2 * per_step)
+        recent = [compute for compute, _ in pipeline.step_times[first:batches]]
         stages = pipeline.layout.stages
         own = replace(pipeline.placement, ranks=tuple(pipeline.replica * stages + r for r in pipeline.placement.ranks))
         predicted = stage_seconds_under(costs, own)[pipeline.stage] * pipeline.shares[pipeline.replica]
@@ -344,7 +369,7 @@ class PipelineTraining:
         if decision.placement is None:
             return
         pipeline.move_blocks(decision.placement, optimizer)
-        self._placed_at = global_step
+        self._placed_at_batch = len(pipeline.step_times)
         self.replans.append(
             {"step": global_step, "boundaries": list(decision.placement.boundaries), "reason": decision.reason}
         )
@@ -357,7 +382,8 @@ class PipelineTraining:
         assert engine is not None  # (attach() ran: Lightning steps only after setting the engine up)
         module, optimizer = engine.module, engine.optimizer
         self._emulation.at_step(global_step)
-        self._move_blocks_if_due(global_step, optimizer)
+        if self._batches_since_step == 0:  # (blocks move between optimizer steps, never inside an accumulation)
+            self._move_blocks_if_due(global_step, optimizer)
         samples = self._samples
         reduction = self._loss_reduction
         global_batch = self._global_samples or pipeline.global_batch  # (the last batch may be short)
@@ -366,9 +392,14 @@ class PipelineTraining:
             return micro_batch_samples / global_batch if reduction == "mean" else 1.0
 
         micro_batches = pipeline.micro_batches_of(batch, samples)
-        loss = pipeline.run_step(micro_batches, user_step, weight_of, self._emulation.slowed, engine.backward)
+        # With accumulate_grad_batches, the earlier batches' gradients (summed already) stay out of this batch's sums.
+        earlier = pipeline.set_aside_gradients(module)
+        slowed, accumulated = self._emulation.slowed, self._accumulated
+        loss = pipeline.run_step(micro_batches, user_step, weight_of, slowed, engine.backward, accumulated)
         pipeline.reduce_gradients()
+        pipeline.add_back(earlier)
         pipeline.hold_gradients(module)
+        self._batches_since_step += 1
         return loss
 
     def save_checkpoint(

@@ -82,6 +82,7 @@ class DataParallelTraining:
         zero_stage: int,
         fitting: bool,
         surveyed: Surveyed,
+        config: dict[str, Any],
     ) -> int:
         if fitting:
             self._setup.start_the_split(global_batch_size, zero_stage, module)

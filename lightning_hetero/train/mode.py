@@ -59,8 +59,11 @@ class TrainingMode(Protocol):
         zero_stage: int,
         fitting: bool,
         surveyed: Surveyed,
+        config: dict[str, Any],
     ) -> int:
-        """Plan this trainer call (the split, local steps or the stages); returns this rank's micro-batch."""
+        """Plan this trainer call (the split, local steps or the stages); returns this rank's micro-batch. ``config``:
+        the DeepSpeed config this rank's engine will be built from, before Lightning fills in its defaults (a mode
+        sets the entries it takes over)."""
         ...
 
     def write_plan(self, trainer: Any, config: dict[str, Any]) -> Optional[Path]:

@@ -28,18 +28,33 @@ from lightning_hetero.recover.stopping import EXIT_CODE_INTERRUPTED  # noqa: E40
 WORKER = REPO / "tests" / "workers" / "pipeline_fit.py"
 
 
-def one_process(optimizer: str, steps: int, global_batch: int, width: int = WIDTH) -> dict[str, torch.Tensor]:
-    """The reference: one process, the whole model, the same global batches in the loader's order."""
+def one_process(
+    optimizer: str,
+    steps: int,
+    global_batch: int,
+    width: int = WIDTH,
+    clip: Optional[float] = None,
+    accumulate: int = 1,
+) -> dict[str, torch.Tensor]:
+    """The reference: one process, the whole model, the same global batches in the loader's order; ``accumulate``
+    batches per step, each batch's mean loss divided by it (as Lightning's closure does), an epoch's last step taking
+    what is left (as Lightning steps at an epoch's last batch), and the whole model's gradient clipped to the norm
+    ``clip`` before each step."""
     seed_everything(1, verbose=False)
     model = ChainModel(optimizer, width=width)
     (opt,) = [model.configure_optimizers()]
     x, y = dataset().tensors
     epoch = [(start, min(start + global_batch, len(x))) for start in range(0, len(x), global_batch)]
+    windows = [epoch[first : first + accumulate] for first in range(0, len(epoch), accumulate)]
     for step in range(steps):
-        start, end = epoch[step % len(epoch)]  # (an epoch's last batch is short when the batch does not divide it)
-        loss = torch.nn.functional.mse_loss(model(x[start:end]), y[start:end])
         opt.zero_grad()
-        loss.backward()
+        for start, end in windows[
+            step % len(windows)
+        ]:  # (an epoch's last batch is short when the batch does not divide it)
+            loss = torch.nn.functional.mse_loss(model(x[start:end]), y[start:end])
+            (loss / accumulate).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
     return {name: tensor.detach() for name, tensor in model.state_dict().items()}
 
@@ -263,6 +278,35 @@ def test_a_pipeline_updates_as_one_process(
     # Each rank holds only its stage's blocks, under the model's own names.
     blocks_held = [sorted({n.split(".")[1] for n in state if n.startswith("net.")}) for state in ranks]
     assert all(0 < len(held) < 6 for held in blocks_held)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("devices", "clip", "accumulate", "optimizer"),
+    [
+        pytest.param(2, 0.05, 1, "sgd", id="2-stages-clipped"),
+        pytest.param(4, 0.05, 3, "adam", id="2-pipelines-clipped-and-accumulated"),
+    ],
+)
+def test_clipping_over_every_stage_and_accumulation_update_as_one_process(
+    tmp_path, devices, clip, accumulate, optimizer
+):
+    """`gradient_clip_val` clips the whole model's norm (the stages' squared norms summed, each stage once however
+    many pipelines hold it), and `accumulate_grad_batches` sums the batches' gradients as one process does."""
+    steps, batch = 4, 6
+    arguments = ["--devices", str(devices), "--stages", "2", "--boundaries", "3", "--optimizer", optimizer]
+    arguments += ["--steps", str(steps), "--batch", str(batch), "--clip", str(clip), "--accumulate", str(accumulate)]
+    arguments += ["--speeds", ",".join(["1.0", "0.5"] * (devices // 2))]
+    ranks = run_pipeline(tmp_path, *arguments)
+    global_batch = batch * (devices // 2)
+    reference = one_process(optimizer, steps, global_batch, clip=clip, accumulate=accumulate)
+    assert largest_difference(reference, ranks) <= 1e-5
+    # The clip and the accumulation were in force: without either, one process ends elsewhere.
+    unclipped = one_process(optimizer, steps, global_batch, accumulate=accumulate)
+    assert largest_difference(unclipped, ranks) > 1e-3
+    if accumulate > 1:
+        one_batch_steps = one_process(optimizer, steps, global_batch, clip=clip)
+        assert largest_difference(one_batch_steps, ranks) > 1e-3
 
 
 SETUP = [

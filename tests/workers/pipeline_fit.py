@@ -129,6 +129,8 @@ def main() -> None:
     parser.add_argument("--device-precision", help="comma-separated, one per rank")
     parser.add_argument("--signal-test", action="store_true", help="PIDs at step 3, every rank's exit code in OUT")
     parser.add_argument("--iterable", action="store_true", help="train on an IterableDataset")
+    parser.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...)")
+    parser.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
     args = parser.parse_args()
     seed_everything(1, verbose=False)
     model = ChainModel(args.optimizer, args.container, args.kill, args.width)
@@ -161,6 +163,8 @@ def main() -> None:
         devices=args.devices,
         strategy=strategy,
         max_steps=args.steps,
+        gradient_clip_val=args.clip,
+        accumulate_grad_batches=args.accumulate,
         enable_checkpointing=args.checkpointing or bool(callbacks),
         callbacks=callbacks,
         logger=logger,
