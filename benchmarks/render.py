@@ -258,6 +258,49 @@ def pipeline_balance_sections(files: Sequence[Path]) -> list[Section]:
     ]
 
 
+# ------------------------------------------------------------------------------ benchmarks/communication.py
+
+COMMUNICATION_COLUMNS = (
+    Column("step time / none flat", "step_seconds"),
+    Column("bytes between nodes / none flat", "inter_node_bytes_per_step"),
+    Column("final loss / none flat", "final_loss"),
+)
+
+
+def communication_sections(files: Sequence[Path]) -> list[Section]:
+    """``benchmarks/communication.py``'s runs: a section per model, a row per compression and reduction of each run
+    of the script, each figure over the uncompressed flat fit of the same round."""
+    by_model: dict[str, list[Row]] = {}
+    for path in files:
+        record = json.loads(path.read_text())
+        rounds = record["runs"]
+        date = record.get("started", "")[:10]
+        for name in rounds[0]:
+            values = {
+                column.key: [run[name][column.key] / run["none/flat"][column.key] for run in rounds]
+                for column in COMMUNICATION_COLUMNS
+            }
+            row = Row(
+                path.name,
+                record.get("commit", ""),
+                date,
+                name,
+                values,
+                record.get("note", "") if name == "none/flat" else "",
+            )
+            by_model.setdefault(record["setting"]["model"], []).append(row)
+    intro = (
+        "4 ranks as 2 emulated nodes of 2 joined by an emulated 1 Gbit/s link with 0.1 ms latency, ZeRO-0, 60 steps "
+        "of a fixed split 20/12/20/12; each compression flat and hierarchical, every fit of a round back to back (the "
+        "order reversed in every other round). Each figure is over the uncompressed flat fit of the same round: the "
+        "bytes and the loss are the same in every round, the step time is not."
+    )
+    return [
+        Section(f"Model: {model}", intro, COMMUNICATION_COLUMNS, tuple(rows), f"communication_{model}.png")
+        for model, rows in by_model.items()
+    ]
+
+
 def _dotted(record: dict, key: str) -> float:
     for part in key.split("."):
         record = record[part]
@@ -270,6 +313,14 @@ def _emulated_speed(command: str) -> str:
 
 
 SCRIPTS = {
+    "communication": (
+        "Compression and hierarchical reduction: `benchmarks/communication.py`",
+        "What fp16 on the wire, PowerSGD and top-k under the error bound (and PowerSGD at a fixed rank 1, without it) "
+        "and hierarchical reduction save between two emulated nodes, and what they cost in loss. The model is an MLP "
+        "256-1024-1024-10 (1.3 M parameters) with Adam on a teacher-labelled task; the script's docstring says how "
+        "each figure is taken. The how-to page is [Communication](../communication.md).",
+        communication_sections,
+    ),
     "pipeline_balance": (
         "A pipeline placed by speed: `benchmarks/pipeline_balance.py`",
         "Two CPU ranks, rank 1 emulated at 0.4 of rank 0's speed (`emulate_speeds=[1.0, 0.4]`), train a chain of 8 "
