@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+# The package beside this script, not an installed one: a run measures the checkout it is run from (a worktree).
+sys.path.insert(0, str(HERE.parent))
 DEFAULT_OUT = HERE / "results" / "overhead.json"
 STRATEGIES = ("ddp", "default", "zero0", "zero2")
 HETERO = STRATEGIES[1:]

@@ -48,6 +48,8 @@ from typing import Any, Optional
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # (the benchmarks' shared helpers, whatever the working directory)
+# The package beside this script, not an installed one: a run measures the checkout it is run from (a worktree).
+sys.path.insert(0, str(HERE.parent))
 from jobs import commit_of  # noqa: E402
 
 DEFAULT_OUT = HERE / "results" / "throughput.json"
