@@ -18,6 +18,9 @@ import psutil
 import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_hetero.emulate.slowdown import SlowdownEmulator, compute_clock
 from lightning_hetero.measure.profiler import (
@@ -157,6 +160,67 @@ def measure_blocks(
     )
 
 
+# Where a tensor was made while the whole model runs once: inside block i ("in", i), or after block i finished and
+# before the next began ("after", i). Block i's output is retagged ("after", i): what the next stage receives.
+Zone = tuple[str, int]
+
+
+def reads_another_stage_could_hold(producer: Zone, reader: Zone) -> bool:
+    """Whether code running in zone ``reader`` reads a tensor made in zone ``producer`` that a stage boundary could
+    keep from it: a stage hands the next only its last block's output (and every stage recomputes what runs before
+    the chain). Inside block j, what block j made and what followed block j-1's end are at hand; after block k, only
+    what followed block k's end."""
+    kind, index = reader
+    if kind == "in":
+        return producer not in (("in", index), ("after", index - 1))
+    return producer != ("after", index)
+
+
+class _Provenance(TorchDispatchMode):
+    """Tags every tensor an operation makes with the zone it was made in, and records each read of a tensor from a
+    zone the reading zone cannot rely on (:func:`reads_another_stage_could_hold`); before the first block nothing is
+    tagged (every stage runs that part)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.zone: Optional[Zone] = None
+        self.tags: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.skips: list[tuple[Zone, Zone]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        zone = self.zone
+        if zone is not None:
+            for value in tree_leaves((args, kwargs or {})):
+                producer = self.tags.get(value) if isinstance(value, Tensor) else None
+                if producer is not None and reads_another_stage_could_hold(producer, zone):
+                    if (producer, zone) not in self.skips:
+                        self.skips.append((producer, zone))
+        result = func(*args, **(kwargs or {}))
+        if zone is not None:
+            for value in tree_leaves(result):
+                if isinstance(value, Tensor) and value not in self.tags:
+                    self.tags[value] = zone
+        return result
+
+    def block_ended(self, index: int, output: Any) -> None:
+        for value in tree_leaves(output):
+            if isinstance(value, Tensor):
+                self.tags[value] = ("after", index)
+        self.zone = ("after", index)
+
+
+def describe_skip(producer: Zone, reader: Zone, names: Sequence[str]) -> str:
+    """``block 'a'`` -> ``block 'c'`` in words: where the tensor was made, and where it was read."""
+    made = f"inside block {names[producer[1]]!r}" if producer[0] == "in" else f"after block {names[producer[1]]!r}"
+    if reader[0] == "in":
+        read = f"block {names[reader[1]]!r}"
+    elif reader[1] == len(names) - 1:
+        read = "the code after the chain (the last stage's)"
+    else:
+        read = f"the code between block {names[reader[1]]!r} and the next"
+    return f"{read} reads a tensor made {made}"
+
+
 def check_chain_order(
     module: LightningModule,
     blocks: Sequence[nn.Module],
@@ -165,17 +229,28 @@ def check_chain_order(
     batch: Any,
     device: torch.device,
 ) -> None:
-    """``training_step`` on ``batch`` (no backward, nothing kept) runs each block once, in the chain's order: what a
-    pipeline needs (its stages hand their output to the next). Raises naming the attribute and the block."""
+    """``training_step`` on ``batch`` (no backward, nothing kept) runs each block once, in the chain's order, and no
+    block (or the code after one) reads a tensor that an earlier block made other than the previous block's output:
+    what a pipeline needs (a stage hands the next only its output). Raises naming the attribute and the blocks."""
     called: list[int] = []
+    provenance = _Provenance()
+
+    def starts(index: int) -> None:
+        called.append(index)
+        provenance.zone = ("in", index)
+
     handles = [
-        block.register_forward_pre_hook(lambda _m, _a, index=index: called.append(index))
+        block.register_forward_pre_hook(lambda _m, _a, index=index: starts(index)) for index, block in enumerate(blocks)
+    ]
+    handles += [
+        block.register_forward_hook(lambda _m, _a, output, index=index: provenance.block_ended(index, output))
         for index, block in enumerate(blocks)
     ]
     try:
         with preserved_training_state(module, device), training_step_in_isolation(module), torch.no_grad():
             module.train()
-            module.training_step(batch, 0)
+            with provenance:
+                module.training_step(batch, 0)
     finally:
         for handle in handles:
             handle.remove()
@@ -193,6 +268,14 @@ def check_chain_order(
             f"HeteroStrategy(pipeline=...): `training_step` {what} of the {len(blocks)} blocks of `{path}`. A pipeline"
             " needs every block applied once, in the chain's order (each stage hands its output to the next). Apply"
             " them so, or train without `pipeline`."
+        )
+    if provenance.skips:
+        found = "; ".join(describe_skip(producer, reader, names) for producer, reader in provenance.skips[:3])
+        raise ValueError(
+            f"HeteroStrategy(pipeline=...): a skip connection in the chain `{path}`: {found}. A stage hands the next"
+            " only its last block's output, so on another stage that tensor would not be there (the stage would use"
+            " its own discarded copy, silently). Pass everything a later block needs through each block's output, or"
+            " compute it before the chain (every stage runs that part), or train without `pipeline`."
         )
 
 

@@ -68,9 +68,17 @@ TORCH_STATE = (
         "torch.utils._python_dispatch",
         "TorchDispatchMode",
         "called",
-        "measure/operators.py",
+        "measure/operators.py, pipeline/blocks.py",
         "subclassed to record each aten operator of one forward + backward with its FLOPs and bytes (the GPU"
-        " roofline's inputs); FlopCounterMode, the public counter, is one such mode",
+        " roofline's inputs; FlopCounterMode, the public counter, is one such mode), and to tag each tensor a"
+        " pipeline's chain makes with the block it was made in (a skip connection between stages is refused)",
+    ),
+    Internal(
+        "torch.utils._pytree",
+        "tree_leaves",
+        "called",
+        "pipeline/blocks.py",
+        "the tensors among an operator's arguments and outputs, and among a block's outputs (nested containers)",
     ),
     Internal(
         "torch.utils._pytree",

@@ -10,7 +10,7 @@ from lightning.pytorch import LightningModule
 from torch import nn
 
 from lightning_hetero.comm.point_to_point import empty_from, header_of
-from lightning_hetero.pipeline.blocks import check_chain_order
+from lightning_hetero.pipeline.blocks import check_chain_order, reads_another_stage_could_hold
 from lightning_hetero.pipeline.chain import (
     ElsewhereBlock,
     HandOff,
@@ -141,6 +141,103 @@ def test_a_chain_that_cannot_be_split_is_refused_naming_the_block(use, match):
 def test_a_chain_applied_in_order_passes_the_check():
     model = Model(container="dict")
     check_chain_order(model, list(model.net.values()), list(model.net), "net", BATCH, torch.device("cpu"))
+
+
+class SkipModel(Model):
+    """The blocks in a ModuleList, applied in order, with one of the ways a later block can read an earlier one's
+    tensor (``skip``), or with what every stage may read (what runs before the chain, the previous block's output)."""
+
+    def __init__(self, skip: str) -> None:
+        super().__init__(blocks=5, container="list")
+        self.skip = skip
+
+    def forward(self, x):
+        x = self.embed(x)
+        before_chain = x * 2  # (every stage runs what precedes the chain: any block may read it)
+        kept = None
+        for index, block in enumerate(self.net):
+            if self.skip == "residual" and index == 3:
+                x = block(x + kept)  # (before block 3) block 1's output, which a later stage may not hold
+            elif self.skip == "attribute" and index == 4:
+                x = block(x) + self.net[1].hidden  # a tensor made after block 1, kept on the module
+            elif self.skip == "before the chain":
+                x = block(x + before_chain)
+            else:
+                x = block(x)
+            if index == 1:
+                kept = x
+                self.net[1].hidden = x * 1 if self.skip == "attribute" else None
+        if self.skip == "head":
+            x = x + kept  # the head reads block 1's output
+        return self.head(x)
+
+
+@pytest.mark.parametrize(
+    ("skip", "match"),
+    [
+        ("residual", "the code between block '2' and the next reads a tensor made after block '1'"),
+        ("attribute", "the code after the chain \\(the last stage's\\) reads a tensor made after block '1'"),
+        ("head", "the code after the chain \\(the last stage's\\) reads a tensor made after block '1'"),
+    ],
+)
+def test_a_skip_connection_between_blocks_is_refused_naming_them(skip, match):
+    """A tensor an earlier block made, read by a later block (or the head) other than through the previous block's
+    output: on another stage it would not be there. Found in the one run of the whole model before the split."""
+    model = SkipModel(skip)
+    with pytest.raises(ValueError, match=f"a skip connection in the chain `net`: {match}"):
+        check_chain_order(model, list(model.net), [str(i) for i in range(5)], "net", BATCH, torch.device("cpu"))
+
+
+class Remembering(nn.Module):
+    """A block that keeps a tensor it made in a shared store, or reads one another block kept there, inside its own
+    forward (as a cache shared by layers would)."""
+
+    def __init__(self, inner: nn.Module, store: dict, keep: str = "", read: str = "") -> None:
+        super().__init__()
+        self.inner, self.store, self.keep, self.read = inner, store, keep, read
+
+    def forward(self, x):
+        hidden = self.inner(x)
+        if self.read:
+            hidden = hidden + self.store[self.read]
+        if self.keep:
+            self.store[self.keep] = hidden * 0.5
+        return hidden
+
+
+def test_a_tensor_one_block_makes_and_a_later_block_reads_inside_itself_is_refused():
+    model = Model(container="list")
+    store: dict = {}
+    model.net[1] = Remembering(model.net[1], store, keep="h1")
+    model.net[3] = Remembering(model.net[3], store, read="h1")
+    with pytest.raises(ValueError, match="block '3' reads a tensor made inside block '1'"):
+        check_chain_order(model, list(model.net), [str(i) for i in range(5)], "net", BATCH, torch.device("cpu"))
+    # Kept and read inside the same block (a block's own cache): nothing crosses a stage.
+    model = Model(container="list")
+    model.net[2] = Remembering(Remembering(model.net[2], store, keep="h2"), store, read="h2")
+    check_chain_order(model, list(model.net), [str(i) for i in range(5)], "net", BATCH, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("skip", ["none", "before the chain"])
+def test_what_every_stage_holds_is_no_skip_connection(skip):
+    model = SkipModel(skip)
+    check_chain_order(model, list(model.net), [str(i) for i in range(5)], "net", BATCH, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    ("producer", "reader", "crosses"),
+    [
+        (("in", 2), ("in", 2), False),
+        (("after", 1), ("in", 2), False),
+        (("after", 2), ("after", 2), False),
+        (("in", 1), ("in", 2), True),  # an inner tensor of the previous block: only its output is handed on
+        (("after", 0), ("in", 2), True),
+        (("in", 2), ("after", 2), True),
+        (("after", 1), ("after", 2), True),
+    ],
+)
+def test_which_reads_a_stage_boundary_could_cut(producer, reader, crosses):
+    assert reads_another_stage_could_hold(producer, reader) is crosses
 
 
 @pytest.mark.parametrize("container", ["sequential", "list", "dict"])
