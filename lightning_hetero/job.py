@@ -218,6 +218,7 @@ class HeteroJob:
                 loss_weights=self.loss_weights,
                 emulation=self.emulation,
                 recovery=self.recovery,
+                nonfinite=self.nonfinite,
                 rebalance=settings.rebalance,
                 rebalance_window=settings.rebalance_window,
                 rebalance_threshold=settings.rebalance_threshold,

@@ -16,6 +16,7 @@ one process on the whole batch.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -337,7 +338,8 @@ class Pipeline:
         process's ``torch.nn.utils.clip_grad_norm_`` on the whole model (``coefficient = max_norm / (norm + 1e-6)``,
         applied when under 1). The squared norm is summed over the stages in one all-reduce, each stage counted once
         (by its first pipeline: the pipelines holding a stage hold the same summed gradients) and the modules outside
-        the chain once (by rank 0: every rank holds them equal). Returns the norm."""
+        the chain once (by rank 0: every rank holds them equal). Returns the norm (every rank the same); an inf or
+        NaN norm scales nothing (the step is skipped: see PipelineTraining), ``max_norm`` inf only measures it."""
         assert self.stage_of_chain is not None
         counted = [p for p in self.stage_of_chain.parameters() if p.grad is not None] if self.replica == 0 else []
         if self.rank == 0:
@@ -349,7 +351,7 @@ class Pipeline:
         dist.all_reduce(squares)
         norm = float(squares.sqrt())
         coefficient = max_norm / (norm + 1e-6)
-        if coefficient < 1.0:
+        if math.isfinite(norm) and coefficient < 1.0:
             for parameter in module.parameters():
                 if parameter.grad is not None:
                     parameter.grad.mul_(coefficient)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -51,7 +52,9 @@ from lightning_hetero.pipeline.placement import (
 from lightning_hetero.pipeline.report import describe_stages, summarize_stages
 from lightning_hetero.pipeline.stage import Pipeline
 from lightning_hetero.plan.split import micro_batch_sizes
+from lightning_hetero.precision.nonfinite import NonFiniteGuard
 from lightning_hetero.recover.recovery import Recovery
+from lightning_hetero.recover.refusal import ResumeRefused
 from lightning_hetero.recover.resume import file_route, resume_route
 from lightning_hetero.runtime.collectives import Collectives
 from lightning_hetero.train.loaders import loader_batch_size
@@ -99,6 +102,7 @@ class PipelineTraining:
         loss_weights: LossWeights,
         emulation: Any,
         recovery: Recovery,
+        nonfinite: NonFiniteGuard,
         rebalance: Optional[bool],
         rebalance_window: int,
         rebalance_threshold: float,
@@ -107,7 +111,8 @@ class PipelineTraining:
         self.pipeline = pipeline
         self._rank, self._world_size = rank, world_size
         self._collectives, self._sharding, self._loss_weights = collectives, sharding, loss_weights
-        self._emulation, self._recovery = emulation, recovery
+        self._emulation, self._recovery, self._nonfinite = emulation, recovery, nonfinite
+        self._norm_nonfinite = False  # this step's whole-model gradient norm was inf or NaN (every rank alike)
         self._rebalance, self._rebalance_window, self._rebalance_threshold = (
             rebalance,
             rebalance_window,
@@ -154,6 +159,14 @@ class PipelineTraining:
         config["gradient_clipping"] = 0.0
         self._accumulated = trainer.accumulate_grad_batches
         self._batches_since_step = 0
+        # Every rank clips by the same norm and accumulates alike, or the norm's all-reduce would meet another call.
+        settings = self._collectives.gather_objects((self._max_norm, self._accumulated))
+        if len(set(settings)) > 1:
+            raise ValueError(
+                "HeteroStrategy(pipeline=...): the ranks' gradient clipping and `accumulate_grad_batches` differ"
+                f" (per rank: {settings}); every stage must clip by the whole model's norm and accumulate alike. Give"
+                " every rank the same `Trainer(gradient_clip_val=..., accumulate_grad_batches=...)`."
+            )
         precisions, device_facts = surveyed.precisions, surveyed.device_facts
         memory_byte_ceilings = surveyed.memory_byte_ceilings
         pipeline, choice = self.pipeline, self.pipeline.choice
@@ -278,23 +291,27 @@ class PipelineTraining:
         self._emulation.around_deepspeed_exchanges(engine)
         engine.allreduce_gradients = lambda *args, **kwargs: None
         self._engine = engine
-        engine.step = self._clipped_step(engine.step, engine.module)
+        if engine.optimizer is not None:
+            engine.step = self._agreed_step(engine.step, engine.module)
+            self._nonfinite.agreed_nonfinite = lambda: self._norm_nonfinite
 
-    def _clipped_step(self, step: Callable[..., Any], module: torch.nn.Module) -> Callable[..., Any]:
-        """DeepSpeed's step, after the whole model's gradients are clipped (when clipping is on); the next batch
-        starts an optimizer step's accumulation."""
+    def _agreed_step(self, step: Callable[..., Any], module: torch.nn.Module) -> Callable[..., Any]:
+        """DeepSpeed's step after the whole model's gradient norm is agreed (one all-reduce of a number): when it is
+        not finite every stage skips the step (the non-finite guard reads it), else the gradients are clipped by it
+        when clipping is on. The next batch starts an optimizer step's accumulation."""
 
-        def clipped(*args: Any, **kwargs: Any) -> Any:
-            if self._max_norm > 0:
-                self.pipeline.clip_gradients(module, self._max_norm)
+        def agreed(*args: Any, **kwargs: Any) -> Any:
+            norm = self.pipeline.clip_gradients(module, self._max_norm if self._max_norm > 0 else math.inf)
+            self._norm_nonfinite = not math.isfinite(norm)
             self._batches_since_step = 0
             return step(*args, **kwargs)
 
-        return clipped
+        return agreed
 
     def detach(self) -> None:
         self.pipeline.uninstall()
         self._engine = None
+        self._nonfinite.agreed_nonfinite = lambda: False
 
     def shard(self, dataloader: DataLoader, trainer: Any) -> Any:
         """Every stage of a pipeline takes the same samples: the split is over the pipelines."""
@@ -457,7 +474,11 @@ class PipelineTraining:
             stage_is_automatic=stage_is_automatic,
         )
         saved = manifest["pipeline"]
-        assert self.pipeline.placement is not None and self.pipeline.layout is not None  # (installed at setup)
+        if self.pipeline.placement is None or self.pipeline.layout is None:
+            raise ResumeRefused(
+                f"HeteroStrategy(pipeline=...) cannot load {chosen} before the stages are placed: resume it with"
+                " `trainer.fit(model, ckpt_path=...)`, which places them first."
+            )
         rank_zero_info(
             f"HeteroStrategy: resuming the pipeline checkpoint {chosen} (boundaries {saved['boundaries']}, "
             f"{saved['replicas']} pipeline(s)) on boundaries {list(self.pipeline.placement.boundaries)}"

@@ -101,6 +101,10 @@ class NonFiniteGuard:
         self._precision = "fp32"
         # Local SGD / DiLoCo: this rank's index; its steps are its own, so a stop is decided and said by it alone.
         self.rank_local: Optional[int] = None
+        # Whether the ranks agreed that this step's gradients are not finite somewhere (a pipeline's stages hold
+        # different parameters: one stage's inf is not in the others' gradients, so they agree on the whole model's
+        # norm; see pipeline/training.py). Read when the optimizer steps, beside this rank's own gradients.
+        self.agreed_nonfinite: Callable[[], bool] = lambda: False
 
     def attach(self, engine: Any, has_loss_scale: bool, skipping_installed: bool, precision: str) -> None:
         """``skipping_installed``: the precision plugin already decides the steps to skip (fp16 ranks)."""
@@ -116,7 +120,8 @@ class NonFiniteGuard:
             # step itself and the engine counts it; it is also built without any optimizer, for validate and test.
             return
         parameters = [p for p in engine.module.parameters() if p.requires_grad]
-        self._undo = skip_agreed_overflows(engine.optimizer, lambda: not gradients_are_finite(parameters))
+        skips = lambda: self.agreed_nonfinite() or not gradients_are_finite(parameters)  # noqa: E731
+        self._undo = skip_agreed_overflows(engine.optimizer, skips)
 
     def detach(self) -> None:
         if self._undo is not None:

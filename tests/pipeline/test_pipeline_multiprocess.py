@@ -35,11 +35,12 @@ def one_process(
     width: int = WIDTH,
     clip: Optional[float] = None,
     accumulate: int = 1,
+    skipped: tuple[int, ...] = (),
 ) -> dict[str, torch.Tensor]:
     """The reference: one process, the whole model, the same global batches in the loader's order; ``accumulate``
     batches per step, each batch's mean loss divided by it (as Lightning's closure does), an epoch's last step taking
     what is left (as Lightning steps at an epoch's last batch), and the whole model's gradient clipped to the norm
-    ``clip`` before each step."""
+    ``clip`` before each step; the steps in ``skipped`` change nothing (a non-finite gradient's step)."""
     seed_everything(1, verbose=False)
     model = ChainModel(optimizer, width=width)
     (opt,) = [model.configure_optimizers()]
@@ -55,7 +56,8 @@ def one_process(
             (loss / accumulate).backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
+        if step not in skipped:
+            opt.step()
     return {name: tensor.detach() for name, tensor in model.state_dict().items()}
 
 
@@ -307,6 +309,17 @@ def test_clipping_over_every_stage_and_accumulation_update_as_one_process(
     if accumulate > 1:
         one_batch_steps = one_process(optimizer, steps, global_batch, clip=clip)
         assert largest_difference(one_batch_steps, ranks) > 1e-3
+
+
+@pytest.mark.multiprocess
+def test_an_inf_gradient_on_one_stage_skips_the_step_on_every_stage(tmp_path):
+    """Block 0's gradient is inf at step 1 on stage 0 only: the stages agree on the whole model's norm, so every stage
+    skips that step, as one process would, instead of the finite stage stepping alone."""
+    steps, batch = 4, 6
+    arguments = ["--devices", "2", "--stages", "2", "--boundaries", "3", "--steps", str(steps), "--batch", str(batch)]
+    ranks = run_pipeline(tmp_path, *arguments, "--inf-step", "1")
+    assert largest_difference(one_process("sgd", steps, batch, skipped=(1,)), ranks) <= 1e-5
+    assert largest_difference(one_process("sgd", steps, batch), ranks) > 1e-3  # (the skip changed the run)
 
 
 SETUP = [

@@ -131,10 +131,16 @@ def main() -> None:
     parser.add_argument("--iterable", action="store_true", help="train on an IterableDataset")
     parser.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...)")
     parser.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
+    parser.add_argument("--inf-step", type=int, default=None, help="block 0's first weight gets an inf gradient there")
     args = parser.parse_args()
     seed_everything(1, verbose=False)
     model = ChainModel(args.optimizer, args.container, args.kill, args.width)
     model.sync_dist = args.sync_dist
+    if (
+        args.inf_step is not None
+    ):  # (on the rank whose stage holds block 0 only: the other stages' gradients are finite)
+        inf_step = args.inf_step
+        model.net[0][0].weight.register_hook(lambda g: g * float("inf") if model.trainer.global_step == inf_step else g)
     pipeline = {"stages": args.stages, "blocks": args.blocks, "schedule": args.schedule}
     if args.boundaries:
         pipeline["boundaries"] = [int(b) for b in args.boundaries.split(",")]
