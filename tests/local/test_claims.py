@@ -174,12 +174,13 @@ class ThreadRanks:
         seed: int,
         read_ahead: bool = False,
         durations: list[float] | None = None,
+        stagger: bool = False,
     ) -> None:
         self.world, self.samples, self.micro, self.sync_every, self.speeds = world, samples, micro, sync_every, speeds
         self.lock, self.values, self.log = threading.Lock(), {}, []
         self.barriers: dict[tuple[int, int], threading.Barrier] = {}
         self.random = random.Random(seed)
-        self.read_ahead, self.durations = read_ahead, durations
+        self.read_ahead, self.durations, self.stagger = read_ahead, durations, stagger
 
     def add(self, key: str, amount: int) -> int:
         with self.lock:
@@ -227,6 +228,10 @@ class ThreadRanks:
                     merges.epoch_starts(epoch, sampler.claims())
                     batches = iter(sampler)
                     ahead = next(batches, None)
+                    if self.durations and self.stagger:
+                        # (ranks of equal speed a fraction of a micro-batch apart, as devices are: drawing at the same
+                        # instant, which rank's draw lands in which interval is a race, and the rate a coin toss)
+                        time.sleep(rank * self.durations[rank] / self.world)
                     while ahead is not None:
                         indices = ahead
                         claim = sampler.pending.popleft()
@@ -371,13 +376,16 @@ def test_when_a_slow_rank_drew_ahead_at_an_epochs_end_the_fast_one_takes_that_cl
 
 @pytest.mark.parametrize("durations, sync_every", [([0.1, 0.1], 20), ([0.1, 0.1, 0.1], 20), ([0.02, 0.04], 1)])
 def test_ranks_of_equal_speeds_or_in_lockstep_behind_frequent_merges_draw_to_the_end(durations, sync_every):
-    """Leaving would end their epoch later: the others have as much in hand as the one that would leave. (Micro-batches
-    of 100 ms: the rate is the mean of a rank's last four intervals, and equal ranks leave at a rate 1.25 times theirs,
-    so one thread woken a micro-batch late near the end makes a rank leave, which is right for what it measured. With
-    10 ms micro-batches a 20 ms hold-up did so in a CI run, and with 40 ms ones three threads did in two runs of the
-    suite on 2 busy cores.)"""
+    """Leaving would end their epoch later: the others have as much in hand as the one that would leave. (Ranks of
+    equal speed start each epoch a fraction of a micro-batch apart. Started together, they draw at the same instants,
+    and the rate, a mean over at most four intervals, counts whichever draws won the race: a rank then measured the
+    others up to twice as fast and left, about 1 run in 4 of the fast tier beside the other worker, whatever the
+    micro-batches' length.)"""
     world, samples, micro, epochs = len(durations), 160, 4, 2
-    ranks = ThreadRanks(world, samples, micro, sync_every, [1.0] * world, 0, read_ahead=True, durations=durations)
+    stagger = len(set(durations)) == 1
+    ranks = ThreadRanks(
+        world, samples, micro, sync_every, [1.0] * world, 0, read_ahead=True, durations=durations, stagger=stagger
+    )
     ranks.run(epochs)
     assert not [e for e in ranks.log if e[0] == "left"]
     for epoch in range(epochs):
