@@ -144,7 +144,7 @@ def check_pipeline_config(config: Mapping[str, Any]) -> None:
 def pipeline_job_refusal(precision: str, automatic_optimization: bool, evaluating: bool) -> Optional[str]:
     """Why this trainer call cannot run with a pipeline (yet), or None; checked at setup on every rank, before any
     collective (every rank sees the same trainer). Gradient clipping and `accumulate_grad_batches` run: the norm is
-    taken over every stage (:meth:`~lightning_hetero.pipeline.stage.Pipeline.clip_gradients`), and each batch's
+    taken over every stage (:meth:`~lightning_hetero.pipeline.stage.Pipeline.gradient_norm`), and each batch's
     gradients are added to the accumulated ones after its own sums."""
     if precision not in ("32-true", "32"):
         return (

@@ -16,7 +16,6 @@ one process on the whole batch.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -333,13 +332,10 @@ class Pipeline:
         for parameter, grad in earlier:
             parameter.grad = grad if parameter.grad is None else parameter.grad + grad
 
-    def clip_gradients(self, module: nn.Module, max_norm: float) -> float:
-        """Scale every gradient by one factor so that the whole model's gradient norm is at most ``max_norm``, as one
-        process's ``torch.nn.utils.clip_grad_norm_`` on the whole model (``coefficient = max_norm / (norm + 1e-6)``,
-        applied when under 1). The squared norm is summed over the stages in one all-reduce, each stage counted once
-        (by its first pipeline: the pipelines holding a stage hold the same summed gradients) and the modules outside
-        the chain once (by rank 0: every rank holds them equal). Returns the norm (every rank the same); an inf or
-        NaN norm scales nothing (the step is skipped: see PipelineTraining), ``max_norm`` inf only measures it."""
+    def gradient_norm(self) -> float:
+        """The whole model's gradient norm, the same on every rank: the squared norm summed over the stages in one
+        all-reduce, each stage counted once (by its first pipeline: the pipelines holding a stage hold the same summed
+        gradients) and the modules outside the chain once (by rank 0: every rank holds them equal)."""
         assert self.stage_of_chain is not None
         counted = [p for p in self.stage_of_chain.parameters() if p.grad is not None] if self.replica == 0 else []
         if self.rank == 0:
@@ -349,13 +345,18 @@ class Pipeline:
             assert parameter.grad is not None
             squares += parameter.grad.detach().double().pow(2).sum()
         dist.all_reduce(squares)
-        norm = float(squares.sqrt())
+        return float(squares.sqrt())
+
+    @staticmethod
+    def clip_gradients(module: nn.Module, max_norm: float, norm: float) -> None:
+        """Scale every gradient by one factor so that the whole model's gradient ``norm`` (:meth:`gradient_norm`)
+        is at most ``max_norm``, as one process's ``torch.nn.utils.clip_grad_norm_`` on the whole model
+        (``coefficient = max_norm / (norm + 1e-6)``, applied when under 1)."""
         coefficient = max_norm / (norm + 1e-6)
-        if math.isfinite(norm) and coefficient < 1.0:
+        if coefficient < 1.0:
             for parameter in module.parameters():
                 if parameter.grad is not None:
                     parameter.grad.mul_(coefficient)
-        return norm
 
     def hold_gradients(self, module: nn.Module) -> None:
         """Take the step's gradients off the parameters: Lightning zeroes them between ``training_step`` (where the

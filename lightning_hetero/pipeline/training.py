@@ -301,8 +301,10 @@ class PipelineTraining:
         when clipping is on. The next batch starts an optimizer step's accumulation."""
 
         def agreed(*args: Any, **kwargs: Any) -> Any:
-            norm = self.pipeline.clip_gradients(module, self._max_norm if self._max_norm > 0 else math.inf)
+            norm = self.pipeline.gradient_norm()
             self._norm_nonfinite = not math.isfinite(norm)
+            if self._max_norm > 0 and not self._norm_nonfinite:  # (a skipped step's gradients are left as they are)
+                self.pipeline.clip_gradients(module, self._max_norm, norm)
             self._batches_since_step = 0
             return step(*args, **kwargs)
 
