@@ -53,3 +53,19 @@ def test_every_measured_file_is_rendered_by_its_scripts_page(render):
         script = render.script_of(path.name)
         assert script in render.SCRIPTS, f"{path.name}: no renderer for its script (benchmarks/render.py SCRIPTS)"
         assert f"`{path.name}`: `" in render.page(script, render.sections_of(script))
+
+
+def test_a_column_writes_its_figures_in_its_own_form(render):
+    """A parameter difference or a time in seconds is no ratio: its column says how to write it."""
+    assert render.cell([3.2e-7, 1.0e-8, 2.0e-6], ".1e") == "3.2e-07 [1.0e-08-2.0e-06], n=3"
+    assert render.cell([12.25, 11.0], ".2f") == "11.62 [11.00-12.25], n=2"
+
+
+def test_every_page_module_has_a_title_an_introduction_and_its_sections(render):
+    """A page module in benchmarks/result_pages/ is found by its file; one that lacks a piece fails here, not when
+    its first JSON is committed."""
+    assert {"throughput", "throttled", "pipeline_balance", "communication"} <= set(render.SCRIPTS)
+    for name, module in render.SCRIPTS.items():
+        assert module.TITLE and module.INTRO, name
+        assert callable(module.sections), name
+        assert (REPO / "benchmarks" / f"{name}.py").is_file(), f"result_pages/{name}.py names no script"
