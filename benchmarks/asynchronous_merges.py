@@ -24,6 +24,11 @@ The figures, per run:
   reached last, merge by merge over the micro-batch waited for (the slowed rank's, from the start of its last
   micro-batch to the merge: what the claims bound a wait by);
 - each fit's training time, and the samples each epoch trained (the run report's batch sizes).
+
+The JSON (``--out``, default ``benchmarks/results/asynchronous_merges.json``) holds every run: the command, the
+commit, the machine and the date, the setting, and every round's figures for both fits (their validation curves
+included). A run worth keeping is committed as ``benchmarks/measured/asynchronous_merges_<what>.json`` and rendered by
+``python benchmarks/render.py`` (``docs/results/asynchronous_merges.md``).
 """
 
 from __future__ import annotations
@@ -37,10 +42,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 HERE = Path(__file__).resolve().parent
+# The package beside this script, not an installed one: a run measures the checkout it is run from (a worktree);
+# the fits started by local_sgd.launch get it first on their PYTHONPATH.
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from local_sgd import MICRO_BATCH, SPEEDS, TRAIN_SAMPLES, launch  # noqa: E402
+from jobs import run_facts  # noqa: E402
+from local_sgd import LINK, MICRO_BATCH, SPEEDS, TRAIN_SAMPLES, launch  # noqa: E402
 
 from lightning_hetero.local.claim_decisions import merge_summary  # noqa: E402
 
@@ -183,6 +191,7 @@ def analyse(fits: dict[str, dict[str, Any]], epochs: int) -> dict[str, Any]:
             "most_wait_over_slow_step": max(waits) / micro,
             "median_wait_over_slow_step": statistics.median(waits) / micro,
             "samples_per_epoch": samples_per_epoch(report, epochs),
+            "curve": fit["curve"],  # (every validation: seconds from the start of training, loss, accuracy)
         }
     figures["loss_ratio"] = figures["asynchronous"]["final_val_loss"] / figures["synchronous"]["final_val_loss"]
     figures["last3_ratio"] = figures["asynchronous"]["last3_val_loss"] / figures["synchronous"]["last3_val_loss"]
@@ -299,16 +308,31 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--again", action="store_true", help="analyse the fits of an earlier run with this --out")
     args = parser.parse_args(argv)
     assert TRAIN_SAMPLES % MICRO_BATCH == 0
+    facts = run_facts("benchmarks/asynchronous_merges.py", argv if argv is not None else sys.argv[1:], HERE)
     results = run_all(
         args.runs, args.epochs, args.out.parent / "asynchronous_merges_runs", not args.no_drift, args.again, args.anneal
     )
     text = table(results)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    setting = {"drift": not args.no_drift, "anneal": args.anneal}
-    args.out.write_text(
-        json.dumps({"runs": args.runs, "epochs": args.epochs, "setting": setting, "results": results, "table": text})
-    )
+    setting = {
+        "rounds": args.runs,
+        "epochs": args.epochs,
+        "seeds": list(range(args.runs)),
+        "drift": not args.no_drift,
+        "anneal": args.anneal,
+        "again": args.again,  # (the fits of an earlier invocation analysed again: their code may be older)
+        "speeds": SPEEDS,
+        "slow_rank": SLOW_RANK,
+        "slowdown": SLOWDOWN,
+        "drift_after": DRIFT_AFTER,
+        "sync_every": SYNC_EVERY,
+        "link": LINK,
+        "train_samples": TRAIN_SAMPLES,
+        "micro_batch": MICRO_BATCH,
+    }
+    record = {**facts, "setting": setting, "runs": results, "table": text}
+    args.out.write_text(json.dumps(record, indent=1))
     print(f"written to {args.out}")
 
 

@@ -16,9 +16,11 @@ exchange itself, plus any delay in waking the rank that arrived first and blocke
 
 This is the per-step cost that data_stall.py's split cannot move: on a host where waking a blocked thread takes
 microseconds, the late rank's exchange is the copy and the reduction alone (``--keep-cores-awake`` shows how much of
-it is the wake-up: see ``awake.py``). Results are printed (median, 90th
-percentile, and the share of exchanges that took more than 2 ms) and written to
-``benchmarks/results/collective_latency.json``.
+it is the wake-up: see ``awake.py``). Results are printed (median, 90th percentile, and the share of exchanges that
+took more than 2 ms); the JSON (``--out``, default ``benchmarks/results/collective_latency.json``) holds every
+exchange's time in each setting with those figures, the command, the commit, the machine and the date. A run worth
+keeping is committed as ``benchmarks/measured/collective_latency_<what>.json`` and rendered by ``python
+benchmarks/render.py``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from awake import cores_kept_awake  # noqa: E402
+from jobs import run_facts  # noqa: E402
 
 DEFAULT_OUT = HERE / "results" / "collective_latency.json"
 WARMUP_ROUNDS = 50
@@ -107,6 +110,7 @@ def main() -> None:
         parser.error(f"--rounds {args.rounds} and --kib {args.kib}: give positive numbers")
     import torch.multiprocessing as mp
 
+    facts = run_facts("benchmarks/collective_latency.py", sys.argv[1:], HERE)
     results = {}
     for setting in SETTINGS:
         name = f"{setting[0]}, {'pinned' if setting[1] else 'unpinned'}"
@@ -114,8 +118,10 @@ def main() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         with cores_kept_awake(args.keep_cores_awake):
             mp.start_processes(rank_main, args=(free_port(), setting, args, str(out)), nprocs=2, start_method="spawn")
-        results[name] = figures(json.loads(out.read_text()))
+        exchange_ms = json.loads(out.read_text())
         out.unlink()
+        # every exchange of the late rank, in order (to the tenth of a microsecond), beside the figures taken from them
+        results[name] = {**figures(exchange_ms), "exchange_ms": [round(ms, 4) for ms in exchange_ms]}
         row = results[name]
         print(
             f"{name:22s} the late rank's all-reduce: median {row['median_ms']:.2f} ms, 90th percentile"
@@ -128,8 +134,10 @@ def main() -> None:
         "late_ms": args.late_ms,
         "kib": args.kib,
         "cores_kept_awake": args.keep_cores_awake,
+        "warmup_rounds": WARMUP_ROUNDS,
+        "slow_exchange_ms": SLOW_EXCHANGE_MS,
     }
-    args.out.write_text(json.dumps({"setting": setting_text, "results": results}, indent=1))
+    args.out.write_text(json.dumps({**facts, "setting": setting_text, "results": results}, indent=1))
     print(f"written to {args.out}")
 
 

@@ -2,6 +2,7 @@
 
     python benchmarks/data_stall.py                  # 3 fits of 6 phases (41 s on 2 cores)
     python benchmarks/data_stall.py --runs 5 --stall-ms 5
+    python benchmarks/data_stall.py --sweep          # the ceiling: fixed splits in turn (see below)
 
 Two CPU ranks of the same speed train the examples' spiral classifier (width ``--hidden``, 4 blocks, without logging
 its loss every step; a global batch of 128, Adam, ZeRO-0). Rank 1's loader is ``--stall-ms`` (default 5 ms) behind on
@@ -43,6 +44,11 @@ fixed splits in turn (``--sweep-shares``: the stalled rank's share in sixteenths
 the figure is each split's speedup over the equal one: what a fixed split gave on this machine and model, whatever
 the re-planner does. With ``--sweep-phase-steps 10`` the splits change every window, so two splits alternate
 every 150 ms or so, closer than the machine's slow and fast spells.
+
+The JSON (``--out``; default ``benchmarks/results/data_stall.json``, ``data_stall_sweep.json`` with ``--sweep``) holds
+the command, the commit, the machine and the date, the setting, and every phase and pair of every fit (with
+``--sweep``, every phase's median step of every split); a run worth keeping is committed as
+``benchmarks/measured/data_stall_<what>.json`` and rendered by ``python benchmarks/render.py``.
 """
 
 from __future__ import annotations
@@ -61,9 +67,10 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from awake import cores_kept_awake  # noqa: E402
-from jobs import run_job  # noqa: E402
+from jobs import run_facts, run_job  # noqa: E402
 
 DEFAULT_OUT = HERE / "results" / "data_stall.json"
+DEFAULT_SWEEP_OUT = HERE / "results" / "data_stall_sweep.json"
 GLOBAL_BATCH = 128
 STEPS_PER_EPOCH = 100
 STALLED_RANK = 1
@@ -282,6 +289,13 @@ def run_figures(report: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- driver
 
 
+def fit_environment() -> dict[str, str]:
+    """A fit's environment: this checkout's package first on the path of every rank (Lightning's launcher starts
+    rank 1 with it), so that a run from a worktree measures that worktree."""
+    path = os.pathsep.join([str(HERE.parent), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return {**os.environ, "PYTHONPATH": path}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
@@ -289,7 +303,7 @@ def main() -> None:
     parser.add_argument("--stall-ms", type=float, default=5.0)
     parser.add_argument("--hidden", type=int, default=HIDDEN)
     parser.add_argument("--global-batch", type=int, default=GLOBAL_BATCH)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, help=f"default {DEFAULT_OUT} ({DEFAULT_SWEEP_OUT.name} with --sweep)")
     parser.add_argument("--sweep", action="store_true", help="fixed splits in turn: the best split's speedup")
     parser.add_argument("--sweep-epochs", type=int, default=15, help="with --sweep: the fit's epochs")
     parser.add_argument(
@@ -323,6 +337,9 @@ def main() -> None:
         epochs, stall, hidden, global_batch, out, sweep, baseline = args.fit
         fit(int(epochs), float(stall), int(hidden), int(global_batch), Path(out), sweep, baseline)
         return
+    args.facts = run_facts("benchmarks/data_stall.py", sys.argv[1:], HERE)
+    if args.out is None:
+        args.out = DEFAULT_SWEEP_OUT if args.sweep else DEFAULT_OUT
     if args.pin:
         os.environ["DATA_STALL_PIN"] = ",".join(str(core) for core in sorted(os.sched_getaffinity(0)))
     if args.sweep:
@@ -357,7 +374,7 @@ def phases_main(args: argparse.Namespace) -> None:
             args.baseline,
         ]
         command = [sys.executable, __file__, "--fit", *setting]
-        run_job(command, out / "log.txt", dict(os.environ), FIT_TIMEOUT, f"run {run}")
+        run_job(command, out / "log.txt", fit_environment(), FIT_TIMEOUT, f"run {run}")
         figures = run_figures(json.loads((out / "hetero" / "report.json").read_text()))
         runs.append(figures)
         for index, pair in enumerate(figures["pairs"]):
@@ -377,7 +394,9 @@ def phases_main(args: argparse.Namespace) -> None:
     speedups = [pair["step_speedup"] for run in runs for pair in run["pairs"]]
     run_medians = [statistics.median(pair["step_speedup"] for pair in run["pairs"]) for run in runs]
     result = {
+        **args.facts,
         "setting": {
+            "mode": "phases",
             "ranks": 2,
             "stalled_rank": STALLED_RANK,
             "stall_ms": args.stall_ms,
@@ -414,7 +433,7 @@ def sweep_main(args: argparse.Namespace) -> None:
     run_job(
         [sys.executable, __file__, "--fit", *setting, sweep, "-"],
         out / "log.txt",
-        dict(os.environ),
+        fit_environment(),
         FIT_TIMEOUT,
         "sweep",
     )
@@ -428,7 +447,12 @@ def sweep_main(args: argparse.Namespace) -> None:
         )
     best = max(split["speedup_over_equal"] for split in figures.values())
     result = {
+        **args.facts,
         "setting": {
+            "mode": "sweep",
+            "ranks": 2,
+            "stalled_rank": STALLED_RANK,
+            "window": WINDOW,
             "stall_ms": args.stall_ms,
             "pinned": args.pin,
             "cores_kept_awake": args.keep_cores_awake,
@@ -441,10 +465,9 @@ def sweep_main(args: argparse.Namespace) -> None:
         "splits": figures,
         "best_speedup_over_equal": best,
     }
-    path = args.out.with_name(args.out.stem + "_sweep.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
-    print(f"the best fixed split: {best:.3f}x the equal split; written to {path}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(f"the best fixed split: {best:.3f}x the equal split; written to {args.out}")
 
 
 if __name__ == "__main__":

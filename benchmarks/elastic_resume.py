@@ -3,6 +3,7 @@
     python benchmarks/elastic_resume.py                                  # SGD with momentum, ZeRO-2 (issue 29)
     python benchmarks/elastic_resume.py --optimizer nadam                # refused: NAdam's mu_product is no tensor
     python benchmarks/elastic_resume.py --rdzv-conf last_call_timeout=5 --out /tmp/elastic.json
+    python benchmarks/elastic_resume.py --runs 3                         # the same job 3 times, one after another
 
 Two torchrun agents on 127.0.0.1 (c10d rendezvous, ``--nnodes=1:2 --nproc-per-node=1 --max-restarts=3``, torchrun's
 default rendezvous timeouts unless ``--rdzv-conf``) train ``tests/workers/fit.py`` (global batch 16, a checkpoint
@@ -10,8 +11,12 @@ every 5 steps, ``fit(ckpt_path="last")``, 40 steps). Once the 2-rank checkpoint 
 there), the second agent and its worker are SIGKILLed (a lost node). The first agent re-rendezvouses alone and its
 worker resumes on 1 rank. Reported: the seconds from the kill to the survivor's exit, its exit code, the exit code of
 each worker that failed after the kill (in order: the first lost its peer), and (when the job finished) the largest
-parameter difference from one process trained on the same global batches. Results are printed and written to
-``--out`` (default ``benchmarks/results/elastic_resume.json``).
+parameter difference from one process trained on the same global batches. Each of ``--runs`` jobs is a round.
+Results are printed and written to ``--out`` (default ``benchmarks/results/elastic_resume.json``): every round's
+figures, with the command, the commit, the machine and the date; a run worth keeping is committed as
+``benchmarks/measured/elastic_resume_<what>.json`` and rendered by ``python benchmarks/render.py``
+(``docs/results/elastic_resume.md``). The workers import the package beside this script (``PYTHONPATH``), so a run
+from a git worktree measures that worktree.
 """
 
 from __future__ import annotations
@@ -30,10 +35,13 @@ from pathlib import Path
 
 import psutil
 
-REPO = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
 WORKERS = REPO / "tests" / "workers"
 sys.path.insert(0, str(WORKERS))
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(HERE))  # benchmarks/jobs.py (benchmarks/ is no package: its scripts run as files)
+from jobs import run_facts  # noqa: E402
 
 SAMPLES, GLOBAL_BATCH, EPOCHS = 160, 16, 4
 
@@ -94,6 +102,9 @@ def run(optimizer: str, stage: int, rdzv_conf: str, timeout: float, root: Path) 
         f"5:{root.parent / 'go_on'}",
     ]
     environment = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    # The package beside this script before an installed one, in the workers too (tests/workers/fit.py puts only its
+    # own folder on sys.path): a run from a worktree measures the worktree.
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     agents = []
     with contextlib.ExitStack() as files:
         logs = [files.enter_context(open(root.parent / f"agent{i}.log", "w")) for i in range(2)]
@@ -149,21 +160,42 @@ def main() -> None:
     parser.add_argument("--optimizer", default="sgd")
     parser.add_argument("--stage", type=int, default=2)
     parser.add_argument("--rdzv-conf", default="", help="torchrun's --rdzv-conf (default: its defaults)")
+    parser.add_argument("--runs", type=int, default=1, help="jobs, one after another (each a round)")
     parser.add_argument("--timeout", type=float, default=600)
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "elastic_resume.json")
-    parser.add_argument("--logs", type=Path, help="keep the two agents' output here")
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "elastic_resume.json")
+    parser.add_argument("--logs", type=Path, help="keep the two agents' output here (run<N>/ for each job)")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="elastic-resume-") as directory:
-        try:
-            result = run(args.optimizer, args.stage, args.rdzv_conf, args.timeout, Path(directory) / "run")
-        finally:
-            if args.logs is not None:
-                args.logs.mkdir(parents=True, exist_ok=True)
-                for log in Path(directory).glob("agent*.log"):
-                    (args.logs / log.name).write_text(log.read_text())
-    print(json.dumps(result, indent=2))
+    facts = run_facts("benchmarks/elastic_resume.py", sys.argv[1:], HERE)
+    results = []
+    for round_ in range(args.runs):
+        with tempfile.TemporaryDirectory(prefix="elastic-resume-") as directory:
+            try:
+                result = run(args.optimizer, args.stage, args.rdzv_conf, args.timeout, Path(directory) / "run")
+            finally:
+                if args.logs is not None:
+                    logs = args.logs if args.runs == 1 else args.logs / f"run{round_}"
+                    logs.mkdir(parents=True, exist_ok=True)
+                    for log in Path(directory).glob("agent*.log"):
+                        (logs / log.name).write_text(log.read_text())
+        results.append(result)
+        print(json.dumps(result, indent=2), flush=True)
+    setting = {
+        "optimizer": args.optimizer,
+        "stage": args.stage,
+        "rdzv_conf": args.rdzv_conf or "torchrun's defaults",
+        "nnodes": "1:2",
+        "nproc_per_node": 1,
+        "max_restarts": 3,
+        "samples": SAMPLES,
+        "global_batch": GLOBAL_BATCH,
+        "epochs": EPOCHS,
+        "steps": SAMPLES // GLOBAL_BATCH * EPOCHS,
+        "checkpoint_every": 5,
+        "killed_after_step": 5,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.write_text(json.dumps({**facts, "setting": setting, "runs": results}, indent=2) + "\n")
+    print(f"written to {args.out}")
 
 
 if __name__ == "__main__":

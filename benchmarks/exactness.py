@@ -1,10 +1,14 @@
 """Figures for "same result as one process": HeteroStrategy on CPU vs one process on the same global batches.
 
     python benchmarks/exactness.py            # ZeRO 0-3, 2 ranks with micro-batches [3, 13], SGD with momentum
+    python benchmarks/exactness.py --stages 2 --cases plain --out /tmp/exactness.json
 
-For each stage and case it runs the test worker (tests/workers/fit.py: 2 ranks, gloo), rebuilds the same training
-in one plain torch process (DDP's update), and prints the largest absolute parameter difference; results go to
-benchmarks/results/exactness.json. The cases:
+For each stage and case it runs the test worker (tests/workers/fit.py: 2 ranks, gloo; this checkout's package first
+on its PYTHONPATH), rebuilds the same training in one plain torch process (DDP's update), and prints the largest
+absolute parameter difference. The JSON (``--out``, default ``benchmarks/results/exactness.json``) holds every case
+and stage (each parameter's difference too) with the command, the commit, the machine and the date; a run worth
+keeping is committed as ``benchmarks/measured/exactness_<what>.json`` and rendered by ``python
+benchmarks/render.py``. The cases:
 
 - plain: 4 steps, mean loss;
 - accumulate: `Trainer(accumulate_grad_batches=3)`, 2 epochs of 4 batches (windows of 3 and 1 per epoch);
@@ -19,16 +23,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+# The package beside this script, not an installed one: a run measures the checkout it is run from (a worktree).
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO / "tests" / "workers"))
 
 import torch  # noqa: E402
 from common import IndexedRegression, reference_training  # noqa: E402
+from jobs import run_facts  # noqa: E402  (benchmarks/jobs.py)
 
 # case -> (worker arguments, reference_training arguments, global batches trained)
 CASES = {
@@ -47,6 +56,12 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[3, 13])
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "exactness.json")
     args = parser.parse_args()
+    facts = run_facts("benchmarks/exactness.py", sys.argv[1:], REPO)
+    # The worker and the rank Lightning starts from it import this checkout's package, not the installed one.
+    environment = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
     global_batch = sum(args.batch_sizes)
     samples = 4 * global_batch
     dataset = IndexedRegression(samples)
@@ -72,20 +87,38 @@ def main() -> None:
                     *map(str, args.batch_sizes),
                     *worker_args,
                 ]
-                subprocess.run(command, check=True, capture_output=True, timeout=300)
+                subprocess.run(command, check=True, capture_output=True, timeout=300, env=environment)
                 result = json.loads((Path(tmp) / "result.json").read_text())
-            difference = max(
-                (torch.tensor(result["params"][f"network.{name}"], dtype=torch.float64) - value.double())
+            differences = {
+                name: (torch.tensor(result["params"][f"network.{name}"], dtype=torch.float64) - value.double())
                 .abs()
                 .max()
                 .item()
                 for name, value in reference.items()
+            }
+            difference = max(differences.values())
+            rows.append(
+                {
+                    "case": case,
+                    "stage": stage,
+                    "batch_sizes": args.batch_sizes,
+                    "max_abs_diff": difference,
+                    "max_abs_diff_per_parameter": differences,
+                }
             )
-            rows.append({"case": case, "stage": stage, "batch_sizes": args.batch_sizes, "max_abs_diff": difference})
             sizes = args.batch_sizes
             print(f"{case:18s} ZeRO-{stage}  micro-batches {sizes}  max |param - DDP param| = {difference:.2e}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rows, indent=2))
+    setting = {
+        "ranks": len(args.batch_sizes),
+        "batch_sizes": args.batch_sizes,
+        "samples": samples,
+        "optimizer": "SGD, lr 0.05, momentum 0.9",
+        "stages": args.stages,
+        "cases": args.cases,
+        "case_arguments": {case: CASES[case][0] for case in args.cases},
+    }
+    args.out.write_text(json.dumps({**facts, "setting": setting, "runs": rows}, indent=1))
     print(f"written to {args.out}")
 
 

@@ -16,7 +16,13 @@ gone (a zombie counts as gone). For each survivor the figure is the seconds from
 said: ``75`` when it printed the package's "exits with code 75" (the watchdog's or a broken collective's message),
 or what ended it otherwise (Lightning's launcher ending the job, torchrun stopping the workers). The target is every
 survivor gone within ``peer_timeout + 2`` seconds. ``--load N`` runs N busy processes meanwhile (the machine has 2
-cores, so the ranks compete for them). Results are printed and written to ``benchmarks/results/faults.json``.
+cores, so the ranks compete for them).
+
+Results are printed and written to ``--out`` (default ``benchmarks/results/faults.json``): every case of every run,
+each survivor's seconds and what it said, with the command, the commit, the machine and the date; a run worth keeping
+is committed as ``benchmarks/measured/faults_<what>.json`` and rendered by ``python benchmarks/render.py``
+(``docs/results/faults.md``). The ranks import the package beside this script (``PYTHONPATH``), so a run from a git
+worktree measures that worktree.
 """
 
 from __future__ import annotations
@@ -38,9 +44,14 @@ from typing import Any
 
 import psutil
 
-REPO = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))  # benchmarks/jobs.py (benchmarks/ is no package: its scripts run as files)
+from jobs import run_facts  # noqa: E402
+
 WORKER = REPO / "tests" / "workers" / "fit.py"
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "faults.json"
+DEFAULT_OUT = HERE / "results" / "faults.json"
+BATCH_SIZES = ["8", "8"]
 CASES = [
     f"{launcher}:{victim}:{how}"
     for launcher in ("lightning", "env", "torchrun")
@@ -63,8 +74,7 @@ def start(launcher: str, out: Path, peer_timeout: float) -> list[subprocess.Pope
         "--out",
         str(out),
         "--batch-sizes",
-        "8",
-        "8",
+        *BATCH_SIZES,
         "--max-epochs",
         "100000",
         "--signal-test",
@@ -72,6 +82,9 @@ def start(launcher: str, out: Path, peer_timeout: float) -> list[subprocess.Pope
         json.dumps({"peer_timeout": peer_timeout}),
     ]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    # The package beside this script before an installed one (tests/workers/fit.py puts only its own folder on
+    # sys.path): a run from a worktree measures the worktree.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     popen = {
         "cwd": REPO,
         "stdout": subprocess.PIPE,
@@ -181,6 +194,7 @@ def main() -> None:
     parser.add_argument("--load", type=int, default=2, help="busy processes running meanwhile")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()
+    facts = run_facts("benchmarks/faults.py", sys.argv[1:], HERE)
     load = busy_processes(args.load)
     results = []
     try:
@@ -196,6 +210,7 @@ def main() -> None:
     finally:
         for process in load:
             process.kill()
+            process.wait()
     late = [s for r in results for s in r["seconds"].values() if s is None or s > args.peer_timeout + 2]
     every = [s for r in results for s in r["seconds"].values() if s is not None]
     summary = {
@@ -205,12 +220,21 @@ def main() -> None:
         "max_seconds": max(every) if every else None,
     }
     print(f"peer_timeout={args.peer_timeout:g} s, {args.load} busy processes: {json.dumps(summary)}")
+    setting = {
+        "peer_timeout": args.peer_timeout,
+        "target_seconds": args.peer_timeout + 2,
+        "load": args.load,
+        "cases": args.cases,
+        "runs": args.runs,
+        "batch_sizes": [int(size) for size in BATCH_SIZES],
+        "watch_seconds": WATCH_SECONDS,
+        "poll_seconds": POLL_SECONDS,
+    }
+    # Every case of every run: each survivor's seconds from the signal to its end (None: still running when the
+    # watch ended) and what it said.
+    record = {**facts, "setting": setting, "results": results, "summary": summary}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {"peer_timeout": args.peer_timeout, "load": args.load, "results": results, "summary": summary}, indent=1
-        )
-    )
+    args.out.write_text(json.dumps(record, indent=1))
     print(f"written to {args.out}")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shlex
 import signal
 import subprocess
 import time
@@ -38,9 +39,10 @@ def commit_of(checkout: Path) -> str:
 
 def run_facts(script: str, argv: Sequence[str], checkout: Path) -> dict[str, Any]:
     """What every run's JSON records beside its figures, so that a results page can say what was run, where and when:
-    the command (``script`` with ``argv``), the commit of ``checkout``, the machine, its CPUs and the start time."""
+    the command (``script`` with ``argv``, quoted as a shell needs it), the commit of ``checkout``, the machine, its
+    CPUs and the start time."""
     return {
-        "command": " ".join([script, *argv]),
+        "command": shlex.join([script, *argv]),  # (an argument may hold spaces: local_sgd.py's --only)
         "commit": commit_of(checkout),
         "machine": platform.node(),
         "cpus": os.cpu_count(),

@@ -45,6 +45,11 @@ Each fit trains the same number of epochs (every sample once per epoch in
 every mode). From each fit: the wall-clock time from the start of training to each validation and its loss and
 accuracy; the bytes on the wire from the run report. The figures: the time to reach every_step's final validation
 loss (the first validation at or below it), its ratio to every_step's time, and the final loss against every_step's.
+
+The JSON (``--out``, default ``benchmarks/results/local_sgd.json``) holds every run: the command, the commit, the
+machine and the date, the setting, and every round's figures for each fit (its validation curve included). A run
+worth keeping is committed as ``benchmarks/measured/local_sgd_<what>.json`` and rendered by
+``python benchmarks/render.py`` (``docs/results/local_sgd.md``).
 """
 
 from __future__ import annotations
@@ -59,10 +64,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 HERE = Path(__file__).resolve().parent
+# The package beside this script, not an installed one: a run measures the checkout it is run from (a worktree).
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from jobs import run_job  # noqa: E402
+from jobs import run_facts, run_job  # noqa: E402
 
 DEFAULT_OUT = HERE / "results" / "local_sgd.json"
 SPEEDS = [1.0, 0.4]
@@ -254,7 +260,12 @@ def launch(
     command = [sys.executable, __file__, "--fit", mode, str(sync_every), str(epochs), str(out)]
     command += ["--fit-options", json.dumps(options or {}), "--fit-seed", str(seed)]
     command += ["--anneal"] * anneal + ["--no-emulation"] * (not emulate)
-    run_job(command, out / "log.txt", dict(os.environ), FIT_TIMEOUT, name)
+    # (this checkout first for the fit and the ranks Lightning starts from it, whatever the editable install)
+    environment = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")])),
+    }
+    run_job(command, out / "log.txt", environment, FIT_TIMEOUT, name)
     return {
         "curve": json.loads((out / "curve.json").read_text()),
         "report": json.loads((out / "hetero" / "report.json").read_text()),
@@ -431,6 +442,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             not args.no_emulation,
         )
         return
+    facts = run_facts("benchmarks/local_sgd.py", argv if argv is not None else sys.argv[1:], HERE)
     work = args.out.parent / "local_sgd_runs"
     results = run_all(
         args.runs,
@@ -449,15 +461,26 @@ def main(argv: Optional[list[str]] = None) -> None:
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     setting = {
+        "rounds": args.runs,
+        "epochs": args.epochs,
+        "sync_every": args.sync_every,
+        "variants": args.variants,
+        "only": args.only,
+        "fits": [name for name in results[0] if name != "target_val_loss"],
         "anneal": args.anneal,
         "emulated": not args.no_emulation,
         "inner_steps": args.inner_steps,
         "seed_per_run": args.seed_per_run,
         "first_seed": args.first_seed,
+        "seeds": [args.first_seed + run if args.seed_per_run else 0 for run in range(args.runs)],
+        "speeds": SPEEDS if not args.no_emulation else None,
+        "link": LINK if not args.no_emulation else None,
+        "train_samples": TRAIN_SAMPLES,
+        "val_samples": VAL_SAMPLES,
+        "micro_batch": MICRO_BATCH,
     }
-    args.out.write_text(
-        json.dumps({"runs": args.runs, "epochs": args.epochs, "setting": setting, "results": results, "table": text})
-    )
+    record = {**facts, "setting": setting, "runs": results, "table": text}
+    args.out.write_text(json.dumps(record, indent=1))
     print(f"written to {args.out}")
 
 

@@ -22,14 +22,17 @@ hit them alike; every ratio is taken within a pair. Measured in each job, on ran
 Targets: step ratio (hetero / ddp) <= 1.03; start-up within 3 s of DDP's. With ``--plain``, each pair also times the
 same model in plain loops without Lightning or this package (``torch.distributed.run``, 2 ranks): torch's
 DistributedDataParallel, and DeepSpeed's engine at ZeRO 0 and 2 (``deepspeed.initialize``, contiguous gradients and
-overlap off): what DeepSpeed's ZeRO itself costs beside DDP, apart from the package. Results are printed and written
-to ``benchmarks/results/overhead.json``.
+overlap off): what DeepSpeed's ZeRO itself costs beside DDP, apart from the package. Results are printed; the JSON
+(``--out``, default ``benchmarks/results/overhead.json``) holds every pair's figures with the command, the commit, the
+machine and the date. A run worth keeping is committed as ``benchmarks/measured/overhead_<what>.json`` and rendered by
+``python benchmarks/render.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -40,6 +43,9 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 # The package beside this script, not an installed one: a run measures the checkout it is run from (a worktree).
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+from jobs import run_facts  # noqa: E402  (benchmarks/jobs.py)
+
 DEFAULT_OUT = HERE / "results" / "overhead.json"
 STRATEGIES = ("ddp", "default", "zero0", "zero2")
 HETERO = STRATEGIES[1:]
@@ -129,8 +135,6 @@ def fit(strategy: str, steps: int, out: Path) -> None:
 
 def plain_loop(strategy: str, steps: int, out: Path) -> None:
     """The same model and per-rank batch in a plain training loop, on each rank of ``torch.distributed.run``."""
-    import os
-
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -185,7 +189,13 @@ def timed_child(command: list[str], what: str, out: Path) -> dict[str, Any]:
         capture_output=True,
         text=True,
         timeout=FIT_TIMEOUT,
-        env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
+        env={
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONWARNINGS": "ignore",
+            # this checkout's package in every rank, whoever starts it (Lightning's launcher, torch.distributed.run)
+            "PYTHONPATH": os.pathsep.join([str(HERE.parent), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        },
     )
     if result.returncode != 0:
         raise RuntimeError(f"{what} failed ({result.returncode}):\n{(result.stdout + result.stderr)[-3000:]}")
@@ -233,6 +243,7 @@ def main() -> None:
     if args.plain_fit:
         plain_loop(args.plain_fit, args.steps, args.fit_out)
         return
+    facts = run_facts("benchmarks/overhead.py", sys.argv[1:], HERE)
     runs: list[dict[str, Any]] = []
     work = args.out.parent / "overhead_runs"
     for pair in range(args.pairs):
@@ -289,7 +300,19 @@ def main() -> None:
         )
     print(json.dumps(summary, indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"runs": runs, "summary": summary}, indent=1))
+    setting = {
+        "ranks": 2,
+        "threads_per_rank": 1,
+        "model": "MLP 256-1024-1024-10, Adam lr 1e-3",
+        "global_batch": GLOBAL_BATCH,
+        "batch_sizes": [GLOBAL_BATCH // 2] * 2,
+        "steps": args.steps,
+        "steady_from": STEADY_FROM,
+        "pairs": args.pairs,
+        "strategies": list(STRATEGIES),
+        "plain": args.plain,
+    }
+    args.out.write_text(json.dumps({**facts, "setting": setting, "runs": runs, "summary": summary}, indent=1))
     print(f"written to {args.out}")
 
 

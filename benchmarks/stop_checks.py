@@ -17,6 +17,11 @@ steps take turns in the same fit:
 The figure is each pair of neighbouring phases' ratio of the median wall time between two steps' starts on rank 0
 (over each phase's second half): how much longer a step takes when the ranks agree at every step. The ranks exchange
 their step records every 20 steps, as long as a phase, so the exchanges fall on both kinds in turn.
+
+Results are printed and written to ``--out`` (default ``benchmarks/results/stop_checks.json``): every fit's pairs,
+with the command, the commit, the machine and the date; a run worth keeping is committed as
+``benchmarks/measured/stop_checks_<what>.json`` and rendered by ``python benchmarks/render.py``
+(``docs/results/stop_checks.md``). Each fit's log stays in ``benchmarks/results/stop_checks_runs/`` (``--work``).
 """
 
 from __future__ import annotations
@@ -31,13 +36,16 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+# The package beside this script, not an installed one: a run (and each fit, which runs this file) measures the
+# checkout it is run from (a worktree).
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from data_stall import pin_to_own_core  # noqa: E402
-from jobs import run_job  # noqa: E402
+from jobs import run_facts, run_job  # noqa: E402
 
 DEFAULT_OUT = HERE / "results" / "stop_checks.json"
+DEFAULT_WORK = HERE / "results" / "stop_checks_runs"  # (gitignored, wherever --out is: benchmarks/measured/ too)
 PHASE_STEPS = 20  # the rebalance window too: each kind of phase gets every other exchange
 FIT_TIMEOUT = 600
 
@@ -132,6 +140,7 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=512)
     parser.add_argument("--pin", action="store_true", help="each rank's threads on a core of its own")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--work", type=Path, default=DEFAULT_WORK, help="each fit's folder (its log)")
     parser.add_argument("--fit", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.fit:
@@ -140,10 +149,11 @@ def main() -> None:
         return
     if args.steps < 6 * PHASE_STEPS:
         parser.error(f"--steps {args.steps}: give at least {6 * PHASE_STEPS} (two pairs of {PHASE_STEPS}-step phases)")
+    facts = run_facts("benchmarks/stop_checks.py", sys.argv[1:], HERE)
     os.environ["STOP_CHECKS_CORES"] = ",".join(str(core) for core in sorted(os.sched_getaffinity(0)))
     runs = []
     for run in range(args.runs):
-        out = args.out.parent / "stop_checks_runs" / f"run{run}"
+        out = args.work / f"run{run}"
         out.mkdir(parents=True, exist_ok=True)
         setting = [str(args.steps), str(args.hidden), str(args.global_batch), str(out), "pin" if args.pin else "-"]
         run_job(
@@ -160,6 +170,7 @@ def main() -> None:
         )
     ratios = [pair["ratio"] for pairs in runs for pair in pairs]
     result = {
+        **facts,
         "setting": {
             "ranks": 2,
             "hidden": args.hidden,
@@ -167,8 +178,9 @@ def main() -> None:
             "steps": args.steps,
             "phase_steps": PHASE_STEPS,
             "pinned": args.pin,
+            "fits": args.runs,
         },
-        "runs": runs,
+        "runs": runs,  # per fit, every pair of phases: its first step, both medians (ms) and their ratio
         "ratios": ratios,
         "median_ratio": statistics.median(ratios),
     }
