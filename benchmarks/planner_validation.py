@@ -1,8 +1,9 @@
 """`lightning-hetero plan`'s GPU model held against published training speeds and batch sizes.
 
-    python benchmarks/planner_validation.py          # the table: about 2 minutes here
+    python benchmarks/planner_validation.py          # the table: about 5 minutes on 2 idle cores
     python benchmarks/planner_validation.py --fit    # also re-fit the catalog's constants on the calibration rows
                                                      # (written to benchmarks/planner_fit.json)
+    python benchmarks/planner_validation.py --out /tmp/planner_validation.json
 
 The published rows (benchmarks/published_figures.json, each with its source file at a commit) are per-GPU training
 throughput with mixed precision on one GPU: Lambda's deeplearning-benchmark (NVIDIA's PyTorch examples run by
@@ -21,7 +22,12 @@ for each source and model, every kind's speed relative to the A100-80GB, predict
 split the planner makes for A100-80GB + V100-16GB + A10 on ResNet-50 at a global batch of 768, against the split
 the published speeds imply (samples in proportion to speed: every device done at once), and the time and memory
 `lightning-hetero plan` takes here for ResNet-50 and BERT-base at a global batch of 1,024 over 3 GPUs.
-Figures go to benchmarks/results/planner_validation.json.
+
+Printed, and written to ``--out`` (default ``benchmarks/results/planner_validation.json``): the run's command, commit,
+machine and date, its setting (the clusters, the catalog's constants it ran with), every row's figures (with the
+predicted over the published speed, and the predicted over the published speed relative to the A100-80GB), the split,
+the linearity checks, the timing of `plan` and the models measured. A run worth keeping is committed as
+``benchmarks/measured/planner_validation_<what>.json`` and rendered by ``python benchmarks/render.py``.
 """
 
 from __future__ import annotations
@@ -37,11 +43,15 @@ import sys
 import tempfile
 import time
 from dataclasses import replace
+from pathlib import Path
+from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
+
+from jobs import run_facts  # noqa: E402  (benchmarks/jobs.py: benchmarks/ is no package)
 
 from lightning_hetero.plan.planner import plan_min_max  # noqa: E402
 from lightning_hetero.simulate import catalog, device_model  # noqa: E402
@@ -189,6 +199,7 @@ def table(rows: list[dict], workloads: dict) -> list[dict]:
                 "shown_to_fit": row["shown_to_fit"],
                 "room_gib": room_bytes(row, workloads[row["model"]]) / 2**30,
                 "max_batch_ratio": max_batch / row["shown_to_fit"],
+                "predicted_over_published": speed / row["samples_per_second"],
             }
         )
     for result in results:  # speed relative to the reference kind of the same source and model
@@ -202,9 +213,12 @@ def table(rows: list[dict], workloads: dict) -> list[dict]:
         )
         if reference is None or reference is result:
             result["ratio_error"] = None
+            result["relative_predicted_over_published"] = None
             continue
         published = result["samples_per_second"] / reference["samples_per_second"]
         result["ratio_error"] = (result["predicted"] / reference["predicted"]) / published - 1
+        # the kind's speed relative to the reference kind's, predicted over published (1: the ratio is right)
+        result["relative_predicted_over_published"] = (result["predicted"] / reference["predicted"]) / published
     return results
 
 
@@ -330,17 +344,27 @@ def show(results: list[dict], split: dict, laptop: list[dict], linearity_checks:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fit", action="store_true", help="re-fit the catalog's constants on the calibration rows")
     parser.add_argument("--no-laptop", action="store_true", help="skip timing `lightning-hetero plan` itself")
     parser.add_argument("--workloads", help="a pickle of the measured models to reuse (written if absent)")
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=Path(HERE) / "results" / "planner_validation.json")
+    args = parser.parse_args(argv)
+    facts = run_facts("benchmarks/planner_validation.py", argv if argv is not None else sys.argv[1:], Path(ROOT))
+    # the catalog's constants this run's predictions are made with (--fit only prints and writes what it fits)
+    constants = {
+        "MATMUL_EFFICIENCY": device_model.MATMUL_EFFICIENCY,
+        "BANDWIDTH_EFFICIENCY": dict(catalog.BANDWIDTH_EFFICIENCY),
+        "DEFAULT_BANDWIDTH_EFFICIENCY": catalog.DEFAULT_BANDWIDTH_EFFICIENCY,
+        "HALF_PRECISION_ACTIVATIONS": device_model.HALF_PRECISION_ACTIVATIONS,
+    }
     rows = load_rows()
     # first, while this process is small: a child's peak memory counts what it inherits at the fork
     laptop = [] if args.no_laptop else laptop_check()
     started = time.perf_counter()
-    if args.workloads and os.path.exists(args.workloads):
+    reused = bool(args.workloads and os.path.exists(args.workloads))
+    if reused:
         with open(args.workloads, "rb") as handle:
             workloads = pickle.load(handle)
     else:
@@ -355,13 +379,25 @@ def main() -> None:
     linearity_checks = linearity("resnet50", (8, 32)) + linearity("bert-base", (8,))
     print(show(results, split, laptop, linearity_checks, fitted))
     print(f"\n(the three models measured here in {measured_in:.0f} s)")
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     if fitted:  # tracked: tests/simulate/test_predict.py checks that the catalog carries these figures
         with open(os.path.join(HERE, "planner_fit.json"), "w") as handle:
             json.dump(fitted, handle, indent=1)
-    with open(os.path.join(HERE, "results", "planner_validation.json"), "w") as handle:
+    setting = {
+        "published": "benchmarks/published_figures.json",
+        "models": MODELS,
+        "reference_kind": REFERENCE_KIND,
+        "split": {"cluster": SPLIT_CLUSTER, "model": "resnet50", "global_batch": 768},
+        "laptop": None if args.no_laptop else {"cluster": LAPTOP_CLUSTER, "global_batch": 1024},
+        "workloads_from": args.workloads if reused else None,
+        "constants": constants,
+    }
+    with open(args.out, "w") as handle:
         json.dump(
             {
+                **facts,
+                "setting": setting,
+                "measured_in_seconds": None if reused else measured_in,
                 "rows": results,
                 "split": split,
                 "laptop": laptop,

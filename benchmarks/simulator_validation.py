@@ -2,6 +2,7 @@
 
     python benchmarks/simulator_validation.py             # 7 configurations, one fit each: about 4 minutes
     python benchmarks/simulator_validation.py --runs 3    # every configuration 3 times (order rotated)
+    python benchmarks/simulator_validation.py --configurations 0 3 --out /tmp/simulator_validation.json  # two of them
 
 Each configuration is a real fit of the examples' spiral classifier (global batch 256, 80 steps, automatic split,
 one thread per rank, gloo) on emulated hardware: speeds by ``emulate_speeds``, nodes and a slow link between them
@@ -26,8 +27,12 @@ between runs does not enter the split):
     step ms       the predicted step time, at the predicted split and at the run's own split ("at used": the step
                   model alone, without the split's difference); "error" columns against the measured one
 
-Targets (issue 21): split within 10 %, step time within 20 %. Figures go to
-benchmarks/results/simulator_validation.json.
+Targets (issue 21): split within 10 %, step time within 20 %. Printed, and written to ``--out`` (default
+``benchmarks/results/simulator_validation.json``): the run's command, commit, machine and date, its setting, the link
+and the model measured here, the calibration, and every fit's figures (its predicted and measured splits and step
+times, the errors above, and the same as ratios, predicted over measured). The fits run the package of this checkout
+(first on ``sys.path`` and ``PYTHONPATH``), not an installed one. A run worth keeping is committed as
+``benchmarks/measured/simulator_validation_<what>.json`` and rendered by ``python benchmarks/render.py``.
 """
 
 from __future__ import annotations
@@ -41,10 +46,13 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from jobs import run_job  # benchmarks/jobs.py (scripts run from this folder)
-
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+# The package beside this script, not an installed one: a run measures the checkout it is run from (a worktree).
+sys.path.insert(0, str(ROOT))
+from jobs import run_facts, run_job  # noqa: E402  (benchmarks/jobs.py: benchmarks/ is no package)
+
 DEFAULT_OUT = HERE / "results" / "simulator_validation.json"
 GLOBAL_BATCH = 256
 STEPS = 80
@@ -100,7 +108,9 @@ def fit(configuration: dict[str, Any], out: Path) -> None:
 
 def launch(configuration: dict[str, Any], out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
-    environment = dict(os.environ)
+    # the checkout first for the fit and every rank it starts, whatever they import before this script's path
+    paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     if configuration["nodes"]:
         environment["LIGHTNING_HETERO_EMULATE_NODES"] = str(configuration["nodes"])
         environment["LIGHTNING_HETERO_EMULATE_LINK"] = f"{LINK[0]},{LINK[1]}"
@@ -241,6 +251,7 @@ def compare(prediction: Any, measured: dict[str, Any]) -> dict[str, Any]:
     shares = [(p / total, m / total) for p, m in zip(split, measured["balancing"])]
     beside_compute = prediction.step_seconds - prediction.compute_seconds
     at_used = max(device.cost.time(b) for device, b in zip(prediction.devices, measured["used"])) + beside_compute
+    worst = max(shares, key=lambda share: abs(share[0] - share[1]) / share[1])  # the rank of split_error
     return {
         "predicted_split": split,
         "predicted_step_ms": 1e3 * prediction.step_seconds,
@@ -249,6 +260,11 @@ def compare(prediction: Any, measured: dict[str, Any]) -> dict[str, Any]:
         "share_points": 100 * max(abs(p - m) for p, m in shares),
         "step_error": (prediction.step_seconds * 1e3 - measured["step_ms"]) / measured["step_ms"],
         "step_error_at_used_split": (at_used * 1e3 - measured["step_ms"]) / measured["step_ms"],
+        # the same as ratios, predicted over measured (1: a right prediction); for the split, the share of the rank
+        # whose split_error it is, predicted over balancing
+        "split_predicted_over_balancing": worst[0] / worst[1],
+        "step_predicted_over_measured": prediction.step_seconds * 1e3 / measured["step_ms"],
+        "step_at_used_split_predicted_over_measured": at_used * 1e3 / measured["step_ms"],
     }
 
 
@@ -330,6 +346,12 @@ def summary(rows: list[dict[str, Any]]) -> str:
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument(
+        "--configurations",
+        type=int,
+        nargs="+",
+        help="only these configurations, by their index in CONFIGURATIONS from 0 (default: all 7)",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--work", type=Path, default=Path("/tmp/lightning_hetero_simulator_validation"))
     parser.add_argument("--show-clusters", action="store_true")
@@ -338,9 +360,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.fit:
         fit(json.loads(args.fit[0]), Path(args.fit[1]))
         return
+    facts = run_facts("benchmarks/simulator_validation.py", argv if argv is not None else sys.argv[1:], ROOT)
+    chosen = args.configurations if args.configurations is not None else range(len(CONFIGURATIONS))
     configurations = [
         {"name": name, "speeds": speeds, "stage": stage, "compression": compression, "nodes": nodes}
-        for name, speeds, stage, compression, nodes in CONFIGURATIONS
+        for name, speeds, stage, compression, nodes in (CONFIGURATIONS[index] for index in chosen)
     ]
     link = measure_local_link()
     print(f"this machine's gloo all-reduce between 2 processes: {link[0] * 8 / 1e9:.2f} Gbit/s, {link[1] * 1e6:.0f} us")
@@ -377,7 +401,25 @@ def main(argv: Optional[list[str]] = None) -> None:
         "compute_factor": loop.compute_factor,
         "step_overhead_seconds": loop.step_overhead_seconds,
     }
-    args.out.write_text(json.dumps({"link": link, "calibration": calibration, "rows": rows}, indent=1))
+    setting = {
+        "global_batch": GLOBAL_BATCH,
+        "steps": STEPS,
+        "settled": SETTLED,
+        "emulated_link": {"gbit_per_s": LINK[0], "latency_ms": LINK[1]},
+        "runs": args.runs,
+        "configurations": configurations,
+        "calibration_fit": CALIBRATION,
+    }
+    measured_here = {
+        world: {
+            "flops_per_sample": workload.flops_per_sample,
+            "here_fixed_seconds": workload.here_fixed_seconds,
+            "here_seconds_per_sample": workload.here_seconds_per_sample,
+        }
+        for world, workload in workloads.items()
+    }
+    record = {**facts, "setting": setting, "link": link, "workloads": measured_here, "calibration": calibration}
+    args.out.write_text(json.dumps({**record, "rows": rows}, indent=1))
     print(f"\nwritten to {args.out}")
 
 
