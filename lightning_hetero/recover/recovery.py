@@ -225,9 +225,12 @@ class Recovery:
         zero3 = engine.zero_optimization_stage() == 3 and engine.optimizer is not None
         try:
             with universal.loading_zero3(engine.optimizer, in_full) if zero3 else contextlib.nullcontext():
-                return load(str(directory))
+                loaded = load(str(directory))
         finally:
             engine_config.load_universal_checkpoint = False
+        # (DeepSpeed's universal load leaves the module's buffers alone: they come from the checkpoint's own file.)
+        universal.restore_buffers(engine.module, chosen / (chosen / "latest").read_text().strip(), in_full)
+        return loaded
 
     @staticmethod
     def resume_from_lightning_file(

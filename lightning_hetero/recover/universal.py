@@ -294,6 +294,26 @@ def convert(tag: Path, output: Path, in_full: bool = False) -> None:
     (output.parent / "latest_universal").write_text(output.name)
 
 
+def restore_buffers(module: torch.nn.Module, tag: Path, in_full: bool = False) -> list[str]:
+    """Copy the buffers of checkpoint tag folder ``tag`` (rank 0's model-states file: every buffer whole, at any ZeRO
+    stage) into ``module``'s; the names restored. DeepSpeed's universal load reads the parameters from the
+    per-parameter files and skips the module's state dict (``DeepSpeedEngine._load_checkpoint``: ``if not
+    self.load_universal_checkpoint(): self.load_module_state_dict(...)``), so without this a BatchNorm's running
+    statistics or a step counter would come back as a fresh model's. A buffer the model does not register as
+    persistent is in no state dict and is left as the model made it."""
+    model_file = next((tag / name for name in _RANK_0_MODEL_STATES if (tag / name).is_file()), None)
+    if model_file is None:
+        raise ValueError(f"{tag} holds no model-states file ({' or '.join(_RANK_0_MODEL_STATES)})")
+    saved = load_deepspeed_file(model_file, in_full)["module"]
+    restored = []
+    with torch.no_grad():
+        for name, buffer in module.named_buffers():
+            if name in saved:
+                buffer.copy_(saved[name])
+                restored.append(name)
+    return restored
+
+
 def _common_step(tag: Path, steps: Sequence[Any]) -> Any:
     values = [float(step) for step in steps]
     if any(value != values[0] for value in values):

@@ -22,7 +22,12 @@ import torch
 from conftest import REPO, WORKERS, free_port, kill_tree, run_bounded, run_fit
 
 sys.path.insert(0, str(WORKERS))
-from common import IndexedRegression, max_param_difference, reference_training  # noqa: E402
+from common import (  # noqa: E402
+    IndexedRegression,
+    batchnorm_reference_training,
+    max_param_difference,
+    reference_training,
+)
 from torch.utils.data import RandomSampler  # noqa: E402
 
 from lightning_hetero.recover import checkpoint  # noqa: E402
@@ -424,6 +429,49 @@ def test_checkpoints_of_2_ranks_resume_on_1_and_on_3_ranks_as_the_uninterrupted_
         " not the step). Resume on 2 ranks"
     )
     assert refusal in one.output and "exits with code 78 (retrying cannot help)" in one.output, one.output[-3000:]
+
+
+@pytest.mark.fault
+def test_a_resume_on_another_number_of_ranks_keeps_the_buffers_at_zero_2_and_3(tmp_path):
+    """DeepSpeed's universal load skips the module's state dict (it loads the parameters from the per-parameter
+    files): a BatchNorm's running statistics came back as a fresh model's. 2 ranks (synchronized BatchNorm, 8 + 8)
+    save at step 3; 1 rank resumes at ZeRO-2 and ZeRO-3 and ends the epoch with one process's parameters and running
+    statistics on the global batch of 16."""
+    common = ["--samples", "96", "--max-epochs", "1", "--batchnorm"]
+    stages = (2, 3)
+    first = run_fit(
+        tmp_path / "two",
+        *common,
+        "--batch-sizes",
+        "8",
+        "8",
+        "--sync-batchnorm",
+        "--checkpoint-every",
+        "3",
+        "--each",
+        json.dumps([["--out", str(tmp_path / "two" / str(stage)), "--stage", str(stage)] for stage in stages]),
+        timeout=400,
+    )
+    assert first.returncode == 0, first.output[-3000:]
+    resumed = [
+        ["--out", str(tmp_path / "one" / str(stage)), "--stage", str(stage), "--ckpt-path"]
+        + [str(tmp_path / "two" / str(stage) / "ckpt" / "epoch=0-step=3.ckpt")]
+        for stage in stages
+    ]
+    one = run_fit(tmp_path / "one", *common, "--devices", "1", "--each", json.dumps(resumed), timeout=400)
+    assert one.returncode == 0, one.output[-3000:]
+    parameters, statistics = batchnorm_reference_training(
+        IndexedRegression(96), contiguous_steps(96, 16), [8, 8], [1, 1]
+    )
+    for stage in stages:
+        result = json.loads((tmp_path / "one" / str(stage) / "result.json").read_text())
+        assert result["global_step"] == 6 and sorted(sum(result["seen"], [])) == list(range(48, 96))
+        trained = {name.removeprefix("network."): torch.tensor(v) for name, v in result["running_statistics"].items()}
+        assert trained.keys() == statistics.keys()
+        differences = {name: (trained[name] - value.double()).abs().max().item() for name, value in statistics.items()}
+        print(f"ZeRO-{stage}, 2 -> 1 rank: running statistics {differences}")
+        assert max_param_difference(result, parameters) <= TOLERANCE, stage
+        assert max(differences.values()) <= TOLERANCE, (stage, differences)
 
 
 @pytest.mark.fault
