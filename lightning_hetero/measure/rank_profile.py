@@ -59,9 +59,12 @@ class RankProfile:
 
 def probe_sizes(global_batch_size: int, world_size: int) -> list[int]:
     """Micro-batch sizes to time: from an eighth of the equal share to twice it, so that the fitted line holds for
-    the small batches a slow rank may be given as well as the large ones of a fast rank."""
+    the small batches a slow rank may be given as well as the large ones of a fast rank. Never one sample where the
+    share is more: a BatchNorm in training refuses a batch of one sample per channel ("Expected more than 1 value
+    per channel"), so a model that trains at its share would fail in the probe."""
     share = max(1, global_batch_size // world_size)
-    return sorted({max(1, share // 8), max(1, share // 2), share, max(2, 2 * share)})
+    smallest = min(share, 2)
+    return sorted({max(smallest, share // 8), max(smallest, share // 2), share, max(2, 2 * share)})
 
 
 def fit_linear_cost(batch_sizes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
