@@ -56,7 +56,7 @@ JSON_DOC = """--json prints one object:
            [{kind, inner_steps, micro_batch, inner_step_ms}], training_step_ms: {total, compute, link_wait,
            overhead}, link_wait_over_compute, merge: {bytes_per_rank, ms, inter_node_bytes, every_steps},
            samples_per_second, speedup_over_every_step (its samples per second over the plan's above)}
-  pipeline (with --pipeline-blocks): {stages: [{device, kind, rank, blocks, compute_ms_per_micro_batch,
+  pipeline (with --pipeline-blocks): {stages: [{stage, kind, rank, blocks, compute_ms_per_micro_batch,
            memory_bytes, memory_capacity_bytes}], replicas, schedule, micro_batches, micro_batch, step_ms,
            transfer_ms, bubble, balance, data_parallel_error (why the batch split cannot train, or null)}"""
 

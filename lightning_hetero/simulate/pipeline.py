@@ -93,7 +93,7 @@ def predict_pipeline(
     return {
         "stages": [
             {
-                "device": s,
+                "stage": s,
                 "kind": first[rank].kind.name,
                 "rank": rank,
                 "blocks": [chain.names[b] for b in placement.blocks_of(s)],
@@ -123,7 +123,7 @@ def describe_pipeline_prediction(result: dict[str, Any], data_parallel_ms: Optio
         blocks = stage["blocks"]
         shown = f"{blocks[0]}..{blocks[-1]}" if len(blocks) > 1 else blocks[0]
         lines.append(
-            f"  stage {stage['device']} on device {stage['rank']} ({stage['kind']}): blocks {shown} ({len(blocks)}),"
+            f"  stage {stage['stage']} on device {stage['rank']} ({stage['kind']}): blocks {shown} ({len(blocks)}),"
             f" {stage['compute_ms_per_micro_batch']:.2f} ms per micro-batch, {stage['memory_bytes'] / 2**30:.2f} of"
             f" {stage['memory_capacity_bytes'] / 2**30:.0f} GiB"
         )

@@ -47,6 +47,7 @@ def test_a_model_too_large_for_the_small_device_is_placed_within_each_memory():
     result = predict_pipeline(cluster, WORKLOAD, CHAIN, options, stages=2)
     last, first = result["stages"][1], result["stages"][0]
     assert last["rank"] == 0 and last["kind"] == "A100-80GB"  # rank 0 runs the last stage
+    assert [s["stage"] for s in result["stages"]] == [0, 1]  # (the stage's index: it was labelled "device")
     # The V100 holds at most 4 blocks (12 GiB of its 13.4 usable) and is the slower device: it gets fewer blocks.
     assert len(first["blocks"]) + len(last["blocks"]) == 8 and len(first["blocks"]) < 4
     assert first["memory_bytes"] <= usable_memory_bytes(lookup("V100-16GB"))
