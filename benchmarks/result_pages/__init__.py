@@ -23,11 +23,13 @@ from typing import Any, Optional
 
 
 def cell(values: Sequence[Optional[float]], form: str = ".3f") -> str:
-    """``median [min-max], n`` of the finite ``values`` (a figure's rounds), each written with ``form``; "-" where
-    there is none."""
+    """``median [min-max], n`` of the finite ``values`` (a figure's rounds), each written with ``form``; the value
+    alone with ``n=1`` where there is one; "-" where there is none."""
     finite = [value for value in values if value is not None and math.isfinite(value)]
     if not finite:
         return "-"
+    if len(finite) == 1:  # (one fit, one case: no range to give)
+        return f"{finite[0]:{form}}, n=1"
     median, low, high = statistics.median(finite), min(finite), max(finite)
     return f"{median:{form}} [{low:{form}}-{high:{form}}], n={len(finite)}"
 
