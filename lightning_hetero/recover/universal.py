@@ -304,7 +304,8 @@ def restore_buffers(module: torch.nn.Module, tag: Path, in_full: bool = False) -
     model_file = next((tag / name for name in _RANK_0_MODEL_STATES if (tag / name).is_file()), None)
     if model_file is None:
         raise ValueError(f"{tag} holds no model-states file ({' or '.join(_RANK_0_MODEL_STATES)})")
-    saved = load_deepspeed_file(model_file, in_full)["module"]
+    # (memory-mapped: at ZeRO 1-2 the file holds every parameter too, and only the buffers are read)
+    saved = load_deepspeed_file(model_file, in_full, mmap=True)["module"]
     restored = []
     with torch.no_grad():
         for name, buffer in module.named_buffers():
