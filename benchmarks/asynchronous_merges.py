@@ -55,6 +55,7 @@ from lightning_hetero.local.claim_decisions import merge_summary  # noqa: E402
 DEFAULT_OUT = HERE / "results" / "asynchronous_merges.json"
 SYNC_EVERY = 8
 DRIFT_AFTER = 110  # rank 1's micro-batches before it slows down
+MIN_EPOCHS = 4  # the fewest with steps and epoch ends after the drift (found by trying: 3 crashed on an empty median)
 SLOWDOWN = 3.0
 SLOW_RANK = 1
 
@@ -308,6 +309,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--again", action="store_true", help="analyse the fits of an earlier run with this --out")
     args = parser.parse_args(argv)
     assert TRAIN_SAMPLES % MICRO_BATCH == 0
+    if args.epochs < MIN_EPOCHS:  # (fewer leave no step or epoch's end after the drift to measure: an empty median)
+        parser.error(
+            f"--epochs {args.epochs}: at least {MIN_EPOCHS} are needed, since rank 1 slows after its"
+            f" {DRIFT_AFTER}th micro-batch and the waits are measured after that; pass --epochs {MIN_EPOCHS} or more"
+        )
     facts = run_facts("benchmarks/asynchronous_merges.py", argv if argv is not None else sys.argv[1:], HERE)
     results = run_all(
         args.runs, args.epochs, args.out.parent / "asynchronous_merges_runs", not args.no_drift, args.again, args.anneal

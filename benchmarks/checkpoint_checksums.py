@@ -76,6 +76,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()
+    if args.repeats < 1 or args.gigabytes <= 0:
+        parser.error(
+            f"--repeats {args.repeats} --gigabytes {args.gigabytes:g}: a run needs at least one repeat of a checkpoint"
+            " of more than 0 GB (e.g. --repeats 3 --gigabytes 1)"
+        )
     facts = run_facts("benchmarks/checkpoint_checksums.py", sys.argv[1:], HERE)
     figures: dict[str, list[float]] = {"write": [], "sizes": [], "manifest": [], "verify": [], "verify cold": []}
     total = int(args.gigabytes * 1e9)

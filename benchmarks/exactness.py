@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -37,7 +36,9 @@ sys.path.insert(0, str(REPO / "tests" / "workers"))
 
 import torch  # noqa: E402
 from common import IndexedRegression, reference_training  # noqa: E402
-from jobs import run_facts  # noqa: E402  (benchmarks/jobs.py)
+from jobs import run_facts, run_job  # noqa: E402  (benchmarks/jobs.py)
+
+LOGS = Path(tempfile.gettempdir()) / "lightning_hetero_exactness"  # each fit's output, by case and stage
 
 # case -> (worker arguments, reference_training arguments, global batches trained)
 CASES = {
@@ -62,6 +63,7 @@ def main() -> None:
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
     }
+    LOGS.mkdir(parents=True, exist_ok=True)
     global_batch = sum(args.batch_sizes)
     samples = 4 * global_batch
     dataset = IndexedRegression(samples)
@@ -87,7 +89,10 @@ def main() -> None:
                     *map(str, args.batch_sizes),
                     *worker_args,
                 ]
-                subprocess.run(command, check=True, capture_output=True, timeout=300, env=environment)
+                # (a session of its own: past its deadline the worker is killed with the rank it started; its log
+                # outlives the temporary folder, for a failure to point at)
+                log = LOGS / f"{case}-zero{stage}.log"
+                run_job(command, log, environment, 300, f"{case} at ZeRO-{stage}")
                 result = json.loads((Path(tmp) / "result.json").read_text())
             differences = {
                 name: (torch.tensor(result["params"][f"network.{name}"], dtype=torch.float64) - value.double())

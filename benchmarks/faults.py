@@ -200,7 +200,12 @@ def main() -> None:
     try:
         for run in range(args.runs):
             for case in args.cases:
-                result = run_case(case, args.peer_timeout)
+                try:
+                    result = run_case(case, args.peer_timeout)
+                except RuntimeError as error:  # (a job that never started training: recorded, the others go on)
+                    results.append({"case": case, "run": run, "seconds": {}, "said": {}, "error": str(error)})
+                    print(f"{case:22s} not measured: {error}", flush=True)
+                    continue
                 results.append({**result, "run": run})
                 parts = [
                     f"{name} {'still running' if s is None else f'{s:.1f} s'} ({result['said'][name]})"
@@ -216,6 +221,7 @@ def main() -> None:
     summary = {
         "survivors": len(every) + sum(s is None for r in results for s in r["seconds"].values()),
         "later_than_peer_timeout_plus_2": len(late),
+        "cases_not_started": sum("error" in r for r in results),
         "median_seconds": statistics.median(every) if every else None,
         "max_seconds": max(every) if every else None,
     }

@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,7 +43,7 @@ HERE = Path(__file__).resolve().parent
 # The package beside this script, not an installed one: a run measures the checkout it is run from (a worktree).
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
-from jobs import run_facts  # noqa: E402  (benchmarks/jobs.py)
+from jobs import run_facts, run_job  # noqa: E402  (benchmarks/jobs.py)
 
 DEFAULT_OUT = HERE / "results" / "overhead.json"
 STRATEGIES = ("ddp", "default", "zero0", "zero2")
@@ -183,22 +182,17 @@ def plain_loop(strategy: str, steps: int, out: Path) -> None:
 
 
 def timed_child(command: list[str], what: str, out: Path) -> dict[str, Any]:
-    """Run one measured fit in a process of its own (bounded by FIT_TIMEOUT); the timing.json it wrote in ``out``."""
-    result = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        timeout=FIT_TIMEOUT,
-        env={
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "PYTHONWARNINGS": "ignore",
-            # this checkout's package in every rank, whoever starts it (Lightning's launcher, torch.distributed.run)
-            "PYTHONPATH": os.pathsep.join([str(HERE.parent), *filter(None, [os.environ.get("PYTHONPATH")])]),
-        },
-    )
-    if result.returncode != 0:
-        raise RuntimeError(f"{what} failed ({result.returncode}):\n{(result.stdout + result.stderr)[-3000:]}")
+    """Run one measured fit in a process session of its own (killed whole past FIT_TIMEOUT; its output in
+    ``out/fit.log``); the timing.json it wrote in ``out``."""
+    environment = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+        # this checkout's package in every rank, whoever starts it (Lightning's launcher, torch.distributed.run)
+        "PYTHONPATH": os.pathsep.join([str(HERE.parent), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
+    # (a session of its own: a fit past its deadline is killed with every rank it started; its output is in the log)
+    run_job(command, out / "fit.log", environment, FIT_TIMEOUT, what)
     return json.loads((out / "timing.json").read_text())
 
 

@@ -75,6 +75,9 @@ def sections(files: Sequence[Path]) -> list[Section]:
             said = ", ".join(sorted({f"{said}" for _, _, said in found}))
             still = late(found, target)
             described = f"{case}, {setting['load']} busy: said {said}" + (f"; {still} late" if still else "")
+            failed = [r for r in record["results"] if r["case"] == case and "error" in r]
+            if failed:  # (the job never started training in these rounds: nothing measured there)
+                described += f"; {len(failed)} round(s) not started"
             cases.append(row_of(path, record, described, {"seconds": [seconds for _, seconds, _ in found]}))
     result = []
     for timeout, (summary, cases) in sorted(by_timeout.items()):
