@@ -67,7 +67,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from awake import cores_kept_awake  # noqa: E402
-from jobs import run_facts, run_job  # noqa: E402
+from jobs import checkout_first, run_facts, run_job  # noqa: E402
 
 DEFAULT_OUT = HERE / "results" / "data_stall.json"
 DEFAULT_SWEEP_OUT = HERE / "results" / "data_stall_sweep.json"
@@ -289,13 +289,6 @@ def run_figures(report: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- driver
 
 
-def fit_environment() -> dict[str, str]:
-    """A fit's environment: this checkout's package first on the path of every rank (Lightning's launcher starts
-    rank 1 with it), so that a run from a worktree measures that worktree."""
-    path = os.pathsep.join([str(HERE.parent), *filter(None, [os.environ.get("PYTHONPATH")])])
-    return {**os.environ, "PYTHONPATH": path}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
@@ -374,7 +367,7 @@ def phases_main(args: argparse.Namespace) -> None:
             args.baseline,
         ]
         command = [sys.executable, __file__, "--fit", *setting]
-        run_job(command, out / "log.txt", fit_environment(), FIT_TIMEOUT, f"run {run}")
+        run_job(command, out / "log.txt", checkout_first(HERE.parent), FIT_TIMEOUT, f"run {run}")
         figures = run_figures(json.loads((out / "hetero" / "report.json").read_text()))
         runs.append(figures)
         for index, pair in enumerate(figures["pairs"]):
@@ -433,7 +426,7 @@ def sweep_main(args: argparse.Namespace) -> None:
     run_job(
         [sys.executable, __file__, "--fit", *setting, sweep, "-"],
         out / "log.txt",
-        fit_environment(),
+        checkout_first(HERE.parent),
         FIT_TIMEOUT,
         "sweep",
     )

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import re
 import socket
 import subprocess
@@ -41,7 +40,7 @@ WORKERS = REPO / "tests" / "workers"
 sys.path.insert(0, str(WORKERS))
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE))  # benchmarks/jobs.py (benchmarks/ is no package: its scripts run as files)
-from jobs import run_facts  # noqa: E402
+from jobs import checkout_first, run_facts  # noqa: E402
 
 SAMPLES, GLOBAL_BATCH, EPOCHS = 160, 16, 4
 
@@ -101,10 +100,9 @@ def run(optimizer: str, stage: int, rdzv_conf: str, timeout: float, root: Path) 
         "--hold-at",
         f"5:{root.parent / 'go_on'}",
     ]
-    environment = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     # The package beside this script before an installed one, in the workers too (tests/workers/fit.py puts only its
     # own folder on sys.path): a run from a worktree measures the worktree.
-    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    environment = checkout_first(REPO, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     agents = []
     with contextlib.ExitStack() as files:
         logs = [files.enter_context(open(root.parent / f"agent{i}.log", "w")) for i in range(2)]

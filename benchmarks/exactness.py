@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -36,7 +35,7 @@ sys.path.insert(0, str(REPO / "tests" / "workers"))
 
 import torch  # noqa: E402
 from common import IndexedRegression, reference_training  # noqa: E402
-from jobs import run_facts, run_job  # noqa: E402  (benchmarks/jobs.py)
+from jobs import checkout_first, run_facts, run_job  # noqa: E402  (benchmarks/jobs.py)
 
 LOGS = Path(tempfile.gettempdir()) / "lightning_hetero_exactness"  # each fit's output, by case and stage
 
@@ -59,10 +58,7 @@ def main() -> None:
     args = parser.parse_args()
     facts = run_facts("benchmarks/exactness.py", sys.argv[1:], REPO)
     # The worker and the rank Lightning starts from it import this checkout's package, not the installed one.
-    environment = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
-    }
+    environment = checkout_first(REPO)
     LOGS.mkdir(parents=True, exist_ok=True)
     global_batch = sum(args.batch_sizes)
     samples = 4 * global_batch

@@ -47,7 +47,7 @@ import psutil
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))  # benchmarks/jobs.py (benchmarks/ is no package: its scripts run as files)
-from jobs import run_facts  # noqa: E402
+from jobs import checkout_first, run_facts  # noqa: E402
 
 WORKER = REPO / "tests" / "workers" / "fit.py"
 DEFAULT_OUT = HERE / "results" / "faults.json"
@@ -81,10 +81,9 @@ def start(launcher: str, out: Path, peer_timeout: float) -> list[subprocess.Pope
         "--strategy-args",
         json.dumps({"peer_timeout": peer_timeout}),
     ]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     # The package beside this script before an installed one (tests/workers/fit.py puts only its own folder on
     # sys.path): a run from a worktree measures the worktree.
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = checkout_first(REPO, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     popen = {
         "cwd": REPO,
         "stdout": subprocess.PIPE,

@@ -31,6 +31,14 @@ def run_job(command: list[str], log: Path, environment: dict[str, str], timeout:
         raise RuntimeError(f"{name} failed ({process.returncode}); see {log}")
 
 
+def checkout_first(checkout: Path, **variables: str) -> dict[str, str]:
+    """This process's environment, with ``variables`` set and ``checkout`` first on ``PYTHONPATH``: a fit and every
+    rank it starts (Lightning's launcher, torchrun) import the package of the checkout the benchmark is run from, not
+    the editable install, so that a run from a git worktree measures that worktree."""
+    path = os.pathsep.join(filter(None, [str(checkout), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, **variables, "PYTHONPATH": path}
+
+
 def commit_of(checkout: Path) -> str:
     """The short commit of a git checkout ("" where it is not one: a copy of a working tree), for a run's record."""
     found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=checkout)

@@ -68,7 +68,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from jobs import run_facts, run_job  # noqa: E402
+from jobs import checkout_first, run_facts, run_job  # noqa: E402
 
 DEFAULT_OUT = HERE / "results" / "local_sgd.json"
 SPEEDS = [1.0, 0.4]
@@ -261,10 +261,7 @@ def launch(
     command += ["--fit-options", json.dumps(options or {}), "--fit-seed", str(seed)]
     command += ["--anneal"] * anneal + ["--no-emulation"] * (not emulate)
     # (this checkout first for the fit and the ranks Lightning starts from it, whatever the editable install)
-    environment = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")])),
-    }
+    environment = checkout_first(HERE.parent)
     run_job(command, out / "log.txt", environment, FIT_TIMEOUT, name)
     return {
         "curve": json.loads((out / "curve.json").read_text()),

@@ -43,7 +43,7 @@ HERE = Path(__file__).resolve().parent
 # The package beside this script, not an installed one: a run measures the checkout it is run from (a worktree).
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
-from jobs import run_facts, run_job  # noqa: E402  (benchmarks/jobs.py)
+from jobs import checkout_first, run_facts, run_job  # noqa: E402  (benchmarks/jobs.py)
 
 DEFAULT_OUT = HERE / "results" / "overhead.json"
 STRATEGIES = ("ddp", "default", "zero0", "zero2")
@@ -184,13 +184,8 @@ def plain_loop(strategy: str, steps: int, out: Path) -> None:
 def timed_child(command: list[str], what: str, out: Path) -> dict[str, Any]:
     """Run one measured fit in a process session of its own (killed whole past FIT_TIMEOUT; its output in
     ``out/fit.log``); the timing.json it wrote in ``out``."""
-    environment = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONWARNINGS": "ignore",
-        # this checkout's package in every rank, whoever starts it (Lightning's launcher, torch.distributed.run)
-        "PYTHONPATH": os.pathsep.join([str(HERE.parent), *filter(None, [os.environ.get("PYTHONPATH")])]),
-    }
+    # this checkout's package in every rank, whoever starts it (Lightning's launcher, torch.distributed.run)
+    environment = checkout_first(HERE.parent, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     # (a session of its own: a fit past its deadline is killed with every rank it started; its output is in the log)
     run_job(command, out / "fit.log", environment, FIT_TIMEOUT, what)
     return json.loads((out / "timing.json").read_text())

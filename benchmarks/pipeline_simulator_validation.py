@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from typing import Optional
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from jobs import run_facts  # noqa: E402  (benchmarks/ is no package: its scripts run as files)
+from jobs import checkout_first, run_facts  # noqa: E402  (benchmarks/ is no package: its scripts run as files)
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "pipeline_simulator_validation.json"
 CLUSTER = "nodes:\n  - devices: [{kind: cpu, cores: 1}, {kind: cpu, cores: 1, speed: 0.4}]\n"
@@ -39,12 +38,6 @@ CONFIG = "configs/spirals_pipeline.yaml"
 BLOCKS = 12  # SpiralChain's blocks
 # The package of this checkout, not an installed one: a run from a worktree measures that worktree.
 CLI = [sys.executable, "-m", "lightning_hetero.cli"]
-
-
-def environment() -> dict[str, str]:
-    """This process's environment with the checkout first on ``PYTHONPATH`` (for the CLI and every rank it starts)."""
-    paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 def predict(scratch: Path) -> dict:
@@ -64,7 +57,7 @@ def predict(scratch: Path) -> dict:
         "--json",
     ]
     result = subprocess.run(
-        command, capture_output=True, text=True, cwd=ROOT, timeout=300, check=True, env=environment()
+        command, capture_output=True, text=True, cwd=ROOT, timeout=300, check=True, env=checkout_first(ROOT)
     )
     return json.loads(result.stdout)["pipeline"]
 
@@ -72,7 +65,7 @@ def predict(scratch: Path) -> dict:
 def run(scratch: Path, index: int) -> dict:
     root = scratch / f"run{index}"
     command = [*CLI, "fit", "--config", CONFIG, "--trainer.max_epochs=1", f"--trainer.default_root_dir={root}"]
-    subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600, check=True, env=environment())
+    subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600, check=True, env=checkout_first(ROOT))
     (report,) = root.rglob("pipeline_report.json")
     return json.loads(report.read_text())
 

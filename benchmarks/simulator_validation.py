@@ -51,7 +51,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 # The package beside this script, not an installed one: a run measures the checkout it is run from (a worktree).
 sys.path.insert(0, str(ROOT))
-from jobs import run_facts, run_job  # noqa: E402  (benchmarks/jobs.py: benchmarks/ is no package)
+from jobs import checkout_first, run_facts, run_job  # noqa: E402  (benchmarks/jobs.py: benchmarks/ is no package)
 
 DEFAULT_OUT = HERE / "results" / "simulator_validation.json"
 GLOBAL_BATCH = 256
@@ -109,8 +109,7 @@ def fit(configuration: dict[str, Any], out: Path) -> None:
 def launch(configuration: dict[str, Any], out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     # the checkout first for the fit and every rank it starts, whatever they import before this script's path
-    paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    environment = checkout_first(ROOT)
     if configuration["nodes"]:
         environment["LIGHTNING_HETERO_EMULATE_NODES"] = str(configuration["nodes"])
         environment["LIGHTNING_HETERO_EMULATE_LINK"] = f"{LINK[0]},{LINK[1]}"
