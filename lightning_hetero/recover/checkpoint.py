@@ -180,6 +180,11 @@ def complete_checkpoints(directory: Path) -> list[Path]:
     return sorted(found, key=age)
 
 
+def deepspeed_tag(path: Path) -> str:
+    """The tag folder's name of DeepSpeed checkpoint directory ``path``, as its ``latest`` file names it."""
+    return (path / "latest").read_text().strip()
+
+
 def is_last_name(path: Path) -> bool:
     """Whether ``path`` is named like Lightning's "last" checkpoints (last.ckpt, last-v1.ckpt)."""
     return bool(_LAST_NAME.match(Path(path).name))

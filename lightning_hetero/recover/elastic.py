@@ -256,7 +256,7 @@ def check_convertible(path: Path, manifest: dict[str, Any], world_size: int, in_
     """Every rank, before anything is converted: refuse an optimizer whose state is not per parameter (read from rank
     0's optimizer file, memory-mapped; ``in_full``: the user trusts the checkpoint), with what to do, as every restart
     on as many ranks would be refused."""
-    tag = (path / "latest").read_text().strip()
+    tag = checkpoint.deepspeed_tag(path)
     keys = universal.state_keys(path / tag, in_full)
     why = universal.refusal(
         path,
@@ -283,7 +283,7 @@ def convert_to_universal(path: Path, in_full: bool = False) -> tuple[Path, Optio
         return converted, None
     staging = path / f".{checkpoint.DERIVED_DIRNAME}.partial"
     shutil.rmtree(staging, ignore_errors=True)
-    tag = (path / "latest").read_text().strip()
+    tag = checkpoint.deepspeed_tag(path)
     started = time.perf_counter()
     try:
         universal.convert(path / tag, staging / tag, in_full)

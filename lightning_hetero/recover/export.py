@@ -76,7 +76,7 @@ def lightning_checkpoint(path: Any, weights_only: Optional[bool] = None) -> dict
     in_full = unpickles_in_full(weights_only)
     if not in_full:
         check_checkpoint_directory(path)
-    tag = (path / "latest").read_text().strip()
+    tag = checkpoint.deepspeed_tag(path)
     stage = (checkpoint.read_manifest(path) or {}).get("zero_stage", 0)
     client = load_deepspeed_file(Path(get_model_state_file(str(path / tag), stage)), in_full)
     if stage == 0:

@@ -49,7 +49,7 @@ def deepspeed_strategy_facts(path: Path, in_full: bool = False) -> Optional[dict
     path = Path(path)
     if not path.is_dir() or (path / checkpoint.MANIFEST_NAME).exists() or not (path / "latest").is_file():
         return None
-    tag = (path / "latest").read_text().strip()
+    tag = checkpoint.deepspeed_tag(path)
     folder = path / tag
     first = next(
         (f for f in (folder / _MODEL_STATES, folder / _ZERO_3_MODEL_STATES.format(rank=0)) if f.is_file()), None

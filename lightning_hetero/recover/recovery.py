@@ -229,7 +229,7 @@ class Recovery:
         finally:
             engine_config.load_universal_checkpoint = False
         # (DeepSpeed's universal load leaves the module's buffers alone: they come from the checkpoint's own file.)
-        universal.restore_buffers(engine.module, chosen / (chosen / "latest").read_text().strip(), in_full)
+        universal.restore_buffers(engine.module, chosen / checkpoint.deepspeed_tag(chosen), in_full)
         return loaded
 
     @staticmethod

@@ -227,10 +227,7 @@ class _Partitions:
 
     def param_shapes(self) -> list[Mapping[str, Any]]:
         """The full shape of every parameter, per (sub-)group, from the model-states file."""
-        model_file = next((self.tag / name for name in _RANK_0_MODEL_STATES if (self.tag / name).is_file()), None)
-        if model_file is None:
-            raise ValueError(f"{self.tag} holds no model-states file ({' or '.join(_RANK_0_MODEL_STATES)})")
-        return self._load(model_file)[self.c.PARAM_SHAPES]
+        return self._load(rank_0_model_states(self.tag))[self.c.PARAM_SHAPES]
 
     def pieces(self, group: int, param_shapes: Sequence[Mapping[str, Any]]) -> dict[str, list[Piece]]:
         if self.stage <= 2:
@@ -294,6 +291,15 @@ def convert(tag: Path, output: Path, in_full: bool = False) -> None:
     (output.parent / "latest_universal").write_text(output.name)
 
 
+def rank_0_model_states(tag: Path) -> Path:
+    """Rank 0's model-states file in checkpoint tag folder ``tag`` (``mp_rank_00_...`` below ZeRO-3,
+    ``zero_pp_rank_0_...`` at ZeRO-3)."""
+    model_file = next((tag / name for name in _RANK_0_MODEL_STATES if (tag / name).is_file()), None)
+    if model_file is None:
+        raise ValueError(f"{tag} holds no model-states file ({' or '.join(_RANK_0_MODEL_STATES)})")
+    return model_file
+
+
 def restore_buffers(module: torch.nn.Module, tag: Path, in_full: bool = False) -> list[str]:
     """Copy the buffers of checkpoint tag folder ``tag`` (rank 0's model-states file: every buffer whole, at any ZeRO
     stage) into ``module``'s; the names restored. DeepSpeed's universal load reads the parameters from the
@@ -301,9 +307,7 @@ def restore_buffers(module: torch.nn.Module, tag: Path, in_full: bool = False) -
     self.load_universal_checkpoint(): self.load_module_state_dict(...)``), so without this a BatchNorm's running
     statistics or a step counter would come back as a fresh model's. A buffer the model does not register as
     persistent is in no state dict and is left as the model made it."""
-    model_file = next((tag / name for name in _RANK_0_MODEL_STATES if (tag / name).is_file()), None)
-    if model_file is None:
-        raise ValueError(f"{tag} holds no model-states file ({' or '.join(_RANK_0_MODEL_STATES)})")
+    model_file = rank_0_model_states(tag)
     # (memory-mapped: at ZeRO 1-2 the file holds every parameter too, and only the buffers are read)
     saved = load_deepspeed_file(model_file, in_full, mmap=True)["module"]
     restored = []
