@@ -209,6 +209,8 @@ class HeteroJob:
             assert settings.pipeline is not None
             # (a point-to-point wait has a deadline; without a watchdog, torch's default's 30 min)
             timeout = settings.peer_timeout or 1800.0
+            # (an evaluation after a fit keeps the fit's stages: each rank holds its own blocks only)
+            earlier = self.mode.pipeline.placement if isinstance(self.mode, PipelineTraining) else None
             return PipelineTraining(
                 Pipeline(settings.pipeline, self.rank, self.world_size, device, timeout),
                 rank=self.rank,
@@ -223,6 +225,7 @@ class HeteroJob:
                 rebalance_window=settings.rebalance_window,
                 rebalance_threshold=settings.rebalance_threshold,
                 loss_reduction=settings.loss_reduction,
+                earlier_placement=earlier,
             )
         parts = RankParts(
             rank=self.rank,
@@ -367,6 +370,15 @@ class HeteroJob:
     def evaluation_step(self, batch: Any, user_step: Callable[[Any], Any]) -> Any:
         """A validation or test step, as the mode takes it."""
         return self._mode().evaluation_step(batch, user_step)
+
+    def prediction_step(self, batch: Any, user_step: Callable[[Any], Any]) -> Any:
+        """A predict step, as the mode takes it."""
+        return self._mode().prediction_step(batch, user_step)
+
+    def sampler_replicas(self) -> Optional[tuple[int, int]]:
+        """(replicas, this rank's index) for Lightning's distributed sampler, which shards `predict`'s data (the
+        package shards the other loaders itself); None before a trainer call set the mode up."""
+        return self.mode.sampler_replicas(self.rank, self.world_size) if self.mode is not None else None
 
     def before_collective(self, name: str) -> None:
         """The user's ``all_gather``, ``broadcast`` or ``barrier``: refused in a micro-batch before the rank's last.

@@ -375,7 +375,11 @@ class HeteroStrategy(DeepSpeedStrategy):
         # Hooks a ZeRO-3 engine of an earlier trainer call left on the modules broke the new engine's first step.
         assert self.lightning_module is not None
         drop_deepspeed_hooks(self.lightning_module)
-        super().init_deepspeed()
+        trainer = self._trainer()
+        # A fit's engine is built in _setup_model_and_optimizer (wrapped there); validate's, test's and predict's here.
+        evaluating = not (trainer is not None and trainer.training)
+        with self.job.engine_built(self.lightning_module, None) if evaluating else contextlib.nullcontext():
+            super().init_deepspeed()
         engine, plugin = self.deepspeed_engine, self.precision_plugin
         self._forward_redirection = attach_to_engine(plugin, engine, self.root_device, self._plain_redirection)
         self.job.attach(engine, plugin)
@@ -451,6 +455,20 @@ class HeteroStrategy(DeepSpeedStrategy):
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         parent = super().test_step
         return self.job.evaluation_step(args[0], lambda batch: parent(batch, *args[1:], **kwargs))
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        parent = super().predict_step
+        return self.job.prediction_step(args[0], lambda batch: parent(batch, *args[1:], **kwargs))
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        # Lightning's sampler shards only `predict`'s data (DataSharding shards the rest): over the mode's replicas.
+        replicas = self.job.sampler_replicas()
+        if replicas is None:  # (no trainer call has set the job up)
+            return super().distributed_sampler_kwargs
+        return {"num_replicas": replicas[0], "rank": replicas[1]}
 
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:

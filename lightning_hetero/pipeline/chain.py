@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from lightning_hetero.pipeline.options import PipelineChoice
 from lightning_hetero.pipeline.placement import check_boundaries
+from lightning_hetero.plan.model_agreement import model_signature
 
 CHAINS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -75,15 +76,22 @@ def block_of(chain: nn.Module, name: str) -> nn.Module:
     return block
 
 
-def check_chain_shape(module: nn.Module, choice: PipelineChoice) -> tuple[nn.Module, list[str]]:
-    """The chain exists, and ``stages`` and ``boundaries`` fit its blocks; checked before any collective."""
+def check_chain_shape(
+    module: nn.Module, choice: PipelineChoice, stage_kept: bool = False
+) -> tuple[nn.Module, list[str]]:
+    """The chain exists, and ``stages`` and ``boundaries`` fit its blocks; checked before any collective.
+    ``stage_kept``: the strategy keeps the placement of an earlier call with ``pipeline`` (an evaluation after its
+    fit), so a chain that call split, each rank holding its own stage's blocks, runs on that placement."""
     chain, names = find_chain(module, choice.blocks)
     elsewhere = [name for name in names if isinstance(chain._modules[name], ElsewhereBlock)]
-    if elsewhere:
+    if elsewhere and not stage_kept:
+        # (placed anew, a rank could be given a block it no longer has, and run its stand-in silently)
         raise ValueError(
             f"HeteroStrategy(pipeline=...): `{choice.blocks}` was split by an earlier pipeline fit on this rank (blocks"
-            f" {elsewhere[:5]} are held elsewhere): build the model again for another fit, or load a pipeline"
-            " checkpoint into a whole model with `lightning_hetero.pipeline.state.whole_model_state(path)`."
+            f" {elsewhere[:5]} are held elsewhere): build the model again and pass the fit's checkpoint"
+            " (`trainer.fit(model, ckpt_path=...)`; `validate`, `test` and `predict` run on the Trainer that fitted"
+            " it, or likewise with `ckpt_path`), or load a pipeline checkpoint into a whole model with"
+            " `lightning_hetero.pipeline.state.whole_model_state(path)`."
         )
     if choice.stages > len(names):
         raise ValueError(
@@ -97,11 +105,14 @@ def check_chain_shape(module: nn.Module, choice: PipelineChoice) -> tuple[nn.Mod
 
 class ElsewhereBlock(nn.Module):
     """A block another stage holds: no parameters; what flows into it flows on (and is replaced by the received
-    activation at this stage's first block, or never reached after this stage's last)."""
+    activation at this stage's first block, or never reached after this stage's last). It keeps the block's
+    :func:`~lightning_hetero.plan.model_agreement.model_signature`, so that the ranks of a split model compare as the
+    whole model at a later trainer call's setup."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, block: nn.Module) -> None:
         super().__init__()
         self.held_by_another_stage = name
+        self.stands_in_for = model_signature(block)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return args[0] if args else next(iter(kwargs.values()))
@@ -120,8 +131,16 @@ class StageOfChain:
 
     def install(self) -> None:
         for index, name in enumerate(self.names):
-            if index not in self.owned:
-                self.chain._modules[name] = ElsewhereBlock(name)
+            if index not in self.owned and not isinstance(block_of(self.chain, name), ElsewhereBlock):
+                self.chain._modules[name] = ElsewhereBlock(name, block_of(self.chain, name))
+        self.hook()
+
+    def hook(self) -> None:
+        """The order check on every block, the hand-in and hand-off on this stage's first and last; again after
+        something removed every module hook (Lightning's DeepSpeed inference setup does, before building the engine
+        of `validate`, `test` and `predict`)."""
+        self.uninstall()
+        for index, name in enumerate(self.names):
             block = block_of(self.chain, name)
             self._handles.append(block.register_forward_pre_hook(self._order_hook(index), with_kwargs=True))
         first, last = block_of(self.chain, self.names[self.owned[0]]), block_of(self.chain, self.names[self.owned[-1]])

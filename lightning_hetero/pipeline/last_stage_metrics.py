@@ -58,3 +58,6 @@ class LastStageMetrics(Callback):
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if not trainer.sanity_checking:
             self._share(trainer)
+
+    def on_test_end(self, trainer: Any, pl_module: Any) -> None:
+        self._share(trainer)

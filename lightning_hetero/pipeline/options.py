@@ -141,11 +141,12 @@ def check_pipeline_config(config: Mapping[str, Any]) -> None:
         )
 
 
-def pipeline_job_refusal(precision: str, automatic_optimization: bool, evaluating: bool) -> Optional[str]:
+def pipeline_job_refusal(precision: str, automatic_optimization: bool) -> Optional[str]:
     """Why this trainer call cannot run with a pipeline (yet), or None; checked at setup on every rank, before any
     collective (every rank sees the same trainer). Gradient clipping and `accumulate_grad_batches` run: the norm is
     taken over every stage (:meth:`~lightning_hetero.pipeline.stage.Pipeline.gradient_norm`), and each batch's
-    gradients are added to the accumulated ones after its own sums."""
+    gradients are added to the accumulated ones after its own sums. ``automatic_optimization``: the module's, in a
+    fit (an evaluation runs no backward: pass True)."""
     if precision not in ("32-true", "32"):
         return (
             f"HeteroStrategy(pipeline=...) with `Trainer(precision={precision!r})`: the stages train in 32-bit"
@@ -155,12 +156,5 @@ def pipeline_job_refusal(precision: str, automatic_optimization: bool, evaluatin
         return (
             "HeteroStrategy(pipeline=...) with manual optimization: the pipeline runs the backward of every"
             " micro-batch itself. Use automatic optimization."
-        )
-    if evaluating:
-        return (
-            "HeteroStrategy(pipeline=...) runs `trainer.fit` (its validation included); `validate`, `test` and"
-            " `predict` do not run through the stages yet. Run them without `pipeline`, with the weights of a"
-            " pipeline checkpoint: `model.load_state_dict(lightning_hetero.pipeline.state."
-            "whole_model_state(path))`."
         )
     return None

@@ -57,7 +57,8 @@ def save_stage(directory: Path, rank: int, module: nn.Module, optimizer: Any, tr
 def load_stage(
     directory: Path, module: nn.Module, optimizer: Any, weights_only: Optional[bool] = None
 ) -> dict[str, Any]:
-    """This rank's parameters and optimizer state from every rank's file, by name; returns the trainer's state.
+    """This rank's parameters and optimizer state (``optimizer`` None: none) from every rank's file, by name; returns
+    the trainer's state.
 
     The rank files hold tensors and plain containers (read weights-only); the trainer's state holds what the user's
     module and callbacks saved (its hyper-parameters may be a ``Path``, a config object), so it is read as Lightning
@@ -87,7 +88,8 @@ def load_stage(
             " with the model it was trained with."
         )
     module.load_state_dict({name: model[name] for name in wanted})
-    _load_optimizer(module, optimizer, state, groups)
+    if optimizer is not None:  # (None: `validate`, `test` or `predict`, whose engine has no optimizer)
+        _load_optimizer(module, optimizer, state, groups)
     return load_lightning_file(directory / CLIENT_FILE, weights_only)
 
 

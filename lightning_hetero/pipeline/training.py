@@ -43,6 +43,7 @@ from lightning_hetero.pipeline.description import describe_pipeline
 from lightning_hetero.pipeline.last_stage_metrics import LastStageMetrics
 from lightning_hetero.pipeline.options import PipelineChoice, pipeline_job_refusal, replicas_of
 from lightning_hetero.pipeline.placement import (
+    StagePlacement,
     block_costs,
     pipeline_shares,
     place_stages,
@@ -72,12 +73,13 @@ def check_pipeline_job(choice: PipelineChoice, trainer: Any, precision: str, wor
     if trainer is None:
         return
     module = trainer.lightning_module
-    evaluating = trainer.state.fn != TrainerFn.FITTING  # (a fit's validation runs through the stages)
-    refusal = pipeline_job_refusal(precision, module.automatic_optimization, evaluating)
+    fitting = trainer.state.fn == TrainerFn.FITTING  # (validate, test and predict run through the stages too)
+    refusal = pipeline_job_refusal(precision, module.automatic_optimization or not fitting)
     if refusal:
         raise ValueError(refusal)
     if not is_overridden("configure_model", module):  # (else the chain exists only later: checked at setup)
-        check_chain_shape(module, choice)
+        # (an evaluation's stages may be its fit's, which split the chain: checked again when placed)
+        check_chain_shape(module, choice, stage_kept=not fitting)
     if not any(isinstance(c, LastStageMetrics) for c in trainer.callbacks):
         # First, before the callbacks that read the metrics (Lightning runs checkpoint callbacks last).
         trainer.callbacks.insert(0, LastStageMetrics())
@@ -107,8 +109,11 @@ class PipelineTraining:
         rebalance_window: int,
         rebalance_threshold: float,
         loss_reduction: str,
+        earlier_placement: Optional[StagePlacement] = None,
     ) -> None:
         self.pipeline = pipeline
+        # The placement of this strategy's last pipeline fit: the blocks each rank kept, which an evaluation reuses.
+        self._earlier_placement = earlier_placement
         self._rank, self._world_size = rank, world_size
         self._collectives, self._sharding, self._loss_weights = collectives, sharding, loss_weights
         self._emulation, self._recovery, self._nonfinite = emulation, recovery, nonfinite
@@ -153,6 +158,8 @@ class PipelineTraining:
         reaches here: :func:`check_pipeline_job` refused the rest). Gradient clipping is taken over from DeepSpeed,
         whose engine would clip each stage by its own norm: ``config``'s ``gradient_clipping`` (else the Trainer's
         ``gradient_clip_val``) is the whole model's, and the engine's is set to 0."""
+        if not fitting:
+            return self._place_for_evaluation(module, surveyed)
         trainer = module.trainer
         given = config.get("gradient_clipping")
         self._max_norm = float(given if given is not None else (trainer.gradient_clip_val or 0.0))
@@ -268,6 +275,48 @@ class PipelineTraining:
             rank_zero_info(described)
         return micro_batch
 
+    def _place_for_evaluation(self, module: LightningModule, surveyed: Surveyed) -> int:
+        """``validate``, ``test`` or ``predict``: the stages placed without measuring (an evaluation runs no
+        backward, and no training loader is there to measure with): the placement of this strategy's last pipeline
+        fit, whose blocks this rank holds; else the given ``boundaries``; else equal numbers of blocks per stage,
+        within each device's memory. A checkpoint (``ckpt_path``) is loaded after, by parameter name, into whatever
+        placement this is. Returns the micro-batch DeepSpeed's inference engine is told (it runs none)."""
+        pipeline, choice = self.pipeline, self.pipeline.choice
+        self._device_facts = list(surveyed.device_facts)
+        replicas = replicas_of(choice, self._world_size)
+        placement = self._earlier_placement  # (its blocks are the ones this rank kept)
+        chain, names = check_chain_shape(module, choice, stage_kept=placement is not None)
+        blocks = [block_of(chain, name) for name in names]
+        source = "as this strategy's last trainer call placed them"
+        if placement is None:
+            costs = block_costs(
+                None,
+                len(names),
+                self._world_size,
+                [training_bytes(block) for block in blocks],
+                training_bytes(module) - sum(training_bytes(block) for block in blocks),
+                memory.capped_free_bytes([None] * self._world_size, surveyed.memory_byte_ceilings),
+            )
+            placement = place_stages(
+                costs,
+                choice.stages,
+                choice.schedule,
+                boundaries=choice.boundaries,
+                ranks=tuple(range(choice.stages)),
+                search_orders=False,
+                last_rank=0,
+            )
+            source = "at the given boundaries" if choice.boundaries else "in equal numbers (not measured outside a fit)"
+        pipeline.shares = tuple(micro_batch_sizes(replicas, replicas))  # (no training loader is cut)
+        pipeline.install(module, placement, replicas, 0)
+        if self._rank == 0:
+            stage_lines = describe_pipeline(placement, names, choice, replicas, 1, 1, None).splitlines()[1:]
+            rank_zero_info(
+                f"HeteroStrategy pipeline for evaluation: {choice.stages} stages x {replicas} pipeline(s), blocks"
+                f" placed {source}:\n" + "\n".join(stage_lines)
+            )
+        return 1
+
     def write_plan(self, trainer: Any, config: dict[str, Any]) -> None:
         return None  # (start printed the placement; the report finds its directory at the end)
 
@@ -291,6 +340,9 @@ class PipelineTraining:
         self._emulation.around_deepspeed_exchanges(engine)
         engine.allreduce_gradients = lambda *args, **kwargs: None
         self._engine = engine
+        if engine.optimizer is None:  # (an evaluation's engine: Lightning removed every module hook before it)
+            assert self.pipeline.stage_of_chain is not None
+            self.pipeline.stage_of_chain.hook()
         if engine.optimizer is not None:
             engine.step = self._agreed_step(engine.step, engine.module)
             self._nonfinite.agreed_nonfinite = lambda: self._norm_nonfinite
@@ -481,8 +533,10 @@ class PipelineTraining:
                 f"HeteroStrategy(pipeline=...) cannot load {chosen} before the stages are placed: resume it with"
                 " `trainer.fit(model, ckpt_path=...)`, which places them first."
             )
+        fitting = engine.optimizer is not None  # (an evaluation's engine has none)
         rank_zero_info(
-            f"HeteroStrategy: resuming the pipeline checkpoint {chosen} (boundaries {saved['boundaries']}, "
+            f"HeteroStrategy: {'resuming' if fitting else 'loading for evaluation'} the pipeline checkpoint {chosen}"
+            f" (boundaries {saved['boundaries']}, "
             f"{saved['replicas']} pipeline(s)) on boundaries {list(self.pipeline.placement.boundaries)}"
             f" and {self.pipeline.layout.replicas} pipeline(s), by parameter name."
         )
@@ -504,6 +558,15 @@ class PipelineTraining:
     def evaluation_step(self, batch: Any, user_step: Callable[[Any], Any]) -> Any:
         """A validation step through the stages (forward only); the last stage's output, None on the others."""
         return self.pipeline.evaluation_step(batch, user_step)
+
+    def prediction_step(self, batch: Any, user_step: Callable[[Any], Any]) -> Any:
+        """A predict step through the stages: the prediction on each pipeline's last stage (rank 0 holds the first
+        pipeline's), None on the other stages."""
+        return self.pipeline.evaluation_step(batch, user_step)
+
+    def sampler_replicas(self, rank: int, world_size: int) -> tuple[int, int]:
+        """Every stage of a pipeline takes the same samples: `predict`'s data is split over the pipelines."""
+        return self.pipeline.replicas, self.pipeline.replica
 
     def write_report(self, trainer: Any, plugin: Any) -> None:
         """Every rank's stage times gathered; rank 0 prints the per-stage summary and writes it as JSON."""

@@ -10,15 +10,47 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Optional
 
+# A placeholder module's attribute: the signature (:func:`model_signature`) of the part it stands in for, which
+# another rank holds (a pipeline's stage keeps its own blocks only: :class:`~lightning_hetero.pipeline.chain.
+# ElsewhereBlock`). The ranks of a split model then still compare as the whole model they hold between them.
+STANDS_IN_FOR = "stands_in_for"
+
 
 def model_signature(module: Any) -> list[tuple[str, str, tuple[int, ...], str, bool]]:
     """What must be the same on every rank for their collectives to line up: each parameter's and buffer's name,
-    shape (the full one of a ZeRO-3 partitioned parameter), dtype and ``requires_grad``, in module order."""
-    entries = []
-    for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
-        for name, tensor in named:
-            shape = tuple(getattr(tensor, "ds_shape", None) or tensor.shape)
-            entries.append((kind, name, tuple(int(n) for n in shape), str(tensor.dtype), bool(tensor.requires_grad)))
+    shape (the full one of a ZeRO-3 partitioned parameter), dtype and ``requires_grad``, in module order (that of
+    ``named_parameters()``, then ``named_buffers()``); a placeholder (:data:`STANDS_IN_FOR`) gives its part's."""
+    entries: list[tuple[str, str, tuple[int, ...], str, bool]] = []
+    for kind in ("parameter", "buffer"):
+        seen: set[int] = set()  # (a tensor shared by two modules counts once, as named_parameters() has it)
+        for prefix, submodule in module.named_modules():
+            stands_in_for = getattr(submodule, STANDS_IN_FOR, None)
+            if stands_in_for is not None:
+                entries.extend(
+                    (kind, f"{prefix}.{name}" if prefix else name, tuple(shape), dtype, requires_grad)
+                    for entry_kind, name, shape, dtype, requires_grad in stands_in_for
+                    if entry_kind == kind
+                )
+                continue
+            named = (
+                submodule.named_parameters(recurse=False)
+                if kind == "parameter"
+                else submodule.named_buffers(recurse=False)
+            )
+            for name, tensor in named:
+                if id(tensor) in seen:
+                    continue
+                seen.add(id(tensor))
+                shape = tuple(getattr(tensor, "ds_shape", None) or tensor.shape)
+                entries.append(
+                    (
+                        kind,
+                        f"{prefix}.{name}" if prefix else name,
+                        tuple(int(n) for n in shape),
+                        str(tensor.dtype),
+                        bool(tensor.requires_grad),
+                    )
+                )
     return entries
 
 

@@ -169,6 +169,12 @@ class DataParallelTraining:
         with self.parts.loss_weights.weighted_sync(evaluating=True):
             return user_step(batch)
 
+    def prediction_step(self, batch: Any, user_step: Callable[[Any], Any]) -> Any:
+        return user_step(batch)
+
+    def sampler_replicas(self, rank: int, world_size: int) -> tuple[int, int]:
+        return world_size, rank
+
     def write_report(self, trainer: Any, plugin: Any) -> None:
         """Every rank hands in its last records; rank 0 writes the run report and prints its summary."""
         parts = self.parts

@@ -116,6 +116,14 @@ class TrainingMode(Protocol):
         """A validation or test step."""
         ...
 
+    def prediction_step(self, batch: Any, user_step: Callable[[Any], Any]) -> Any:
+        """A predict step: its output (None on a rank that holds no output of its own)."""
+        ...
+
+    def sampler_replicas(self, rank: int, world_size: int) -> tuple[int, int]:
+        """(the replicas, this rank's index) that Lightning's distributed sampler splits `predict`'s data over."""
+        ...
+
     def write_report(self, trainer: Any, plugin: Any) -> None:
         """Every rank hands in its records; rank 0 writes the run report."""
         ...

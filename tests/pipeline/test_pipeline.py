@@ -311,6 +311,24 @@ def test_a_tensor_that_cannot_travel_is_named():
         header_of(torch.zeros(2, dtype=torch.complex64))
 
 
+def test_each_stage_of_a_split_model_has_the_whole_model_s_signature():
+    """The setup survey compares the ranks' models: after a pipeline fit each rank holds its own stage only, and a
+    later trainer call (an evaluation on the fit's Trainer) still sees one model on every rank."""
+    from lightning_hetero.plan.model_agreement import model_signature
+
+    whole = model_signature(Model())
+    for owned in (range(0, 2), range(2, 5)):
+        model = Model()
+        chain, names = find_chain(model, "net")
+        StageOfChain(chain, names, owned, 0 if owned.start == 0 else 1, 2, "net").install()
+        assert model_signature(model) == whole
+        StageOfChain(chain, names, owned, 0 if owned.start == 0 else 1, 2, "net").install()  # (installed again)
+        assert model_signature(model) == whole
+    other = Model()
+    other.net[3] = nn.Linear(4, 5)
+    assert model_signature(other) != whole
+
+
 def test_a_model_split_by_an_earlier_fit_is_refused_for_another():
     model = Model()
     chain, names = find_chain(model, "net")
@@ -319,3 +337,5 @@ def test_a_model_split_by_an_earlier_fit_is_refused_for_another():
         ValueError, match=r"was split by an earlier pipeline fit on this rank \(blocks \['2', '3', '4'\]"
     ):
         check_chain_shape(model, PipelineChoice(2, "net"))
+    # An evaluation on the strategy that split it runs on that split (each rank's own stage), so it is let through.
+    assert check_chain_shape(model, PipelineChoice(2, "net"), stage_kept=True)[1] == ["0", "1", "2", "3", "4"]

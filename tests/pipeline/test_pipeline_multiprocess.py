@@ -141,6 +141,44 @@ def test_validation_runs_through_the_stages(tmp_path, sync_dist):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize(("devices", "batch"), [(2, 12), (4, 6)], ids=["one-pipeline", "two-pipelines"])
+def test_validate_test_and_predict_run_through_the_stages_as_one_process(tmp_path, devices, batch):
+    """After a 4-step fit on boundaries [2], with `sync_dist=True`: validate, test and predict on the 96 samples with
+    the fit's Trainer (its stages), then with a freshly built model on a new strategy (3 blocks per stage) from the
+    fit's checkpoint. Every rank sees one process's losses, each pipeline's last stage (rank 0 the first's) returns
+    one process's predictions of its share of the samples (every other one with two pipelines, as a distributed
+    sampler deals them), and the first stages predict nothing of their own."""
+    out = tmp_path / "out"
+    run_pipeline(
+        tmp_path,
+        *("--devices", str(devices), "--batch", str(batch), "--boundaries", "2", "--steps", "4"),
+        *("--save-every", "4", "--sync-dist", "--evaluate"),
+    )
+    seed_everything(1, verbose=False)
+    reference = ChainModel("sgd")
+    reference.load_state_dict(one_process("sgd", 4, 12))
+    x, y = dataset().tensors
+    with torch.no_grad():
+        predictions = reference(x)
+    loss = torch.nn.functional.mse_loss(predictions, y).item()
+    ranks = [torch.load(out / f"evaluated_rank{rank}.pt") for rank in range(devices)]
+    pipelines = devices // 2
+    for how in ("after_fit", "from_checkpoint"):
+        last_stages = [evaluated[how] for evaluated in ranks if evaluated[how]["stage"] == 1]
+        assert ranks[0][how]["stage"] == 1, "rank 0 runs the first pipeline's last stage"
+        for pipeline, last_stage in enumerate(last_stages):
+            assert last_stage["validate"][0]["val_loss"] == pytest.approx(loss, abs=1e-5), how
+            assert last_stage["test"][0]["test_loss"] == pytest.approx(loss, abs=1e-5), how
+            share = predictions[pipeline::pipelines]
+            assert (torch.cat(last_stage["predict"]) - share).abs().max().item() <= 1e-5, (how, pipeline)
+        for evaluated in ranks:
+            if evaluated[how]["stage"] == 0:
+                assert all(batch is None for batch in evaluated[how]["predict"]), how
+            assert evaluated[how]["validate_seen"]["val_loss"] == pytest.approx(loss, abs=1e-5), how
+            assert evaluated[how]["test_seen"]["test_loss"] == pytest.approx(loss, abs=1e-5), how
+
+
+@pytest.mark.multiprocess
 def test_a_model_that_fits_no_rank_with_data_parallelism_trains_as_a_pipeline(tmp_path):
     """Blocks of 256 x 256 (1 MiB each counted with Adam's state, 6.2 MiB in all); rank 1's device emulated at 2.5 MiB,
     of which 2 MiB may be planned: below even ZeRO-3's share (3.2 MiB). Data parallelism (Adam) is refused before

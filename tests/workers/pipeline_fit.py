@@ -82,6 +82,13 @@ class ChainModel(LightningModule):
         self.log("val_loss", loss, sync_dist=self.sync_dist)
         return loss
 
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", nn.functional.mse_loss(self(x), y), sync_dist=self.sync_dist)
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
     def configure_optimizers(self):
         if self.optimizer_name == "adam":
             return torch.optim.Adam(self.parameters(), lr=0.01)
@@ -132,6 +139,13 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...)")
     parser.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
     parser.add_argument("--inf-step", type=int, default=None, help="block 0's first weight gets an inf gradient there")
+    parser.add_argument(
+        "--evaluate",
+        action="store_true",
+        help="after the fit, validate, test and predict on the whole dataset: with the fit's Trainer, then with a"
+        " freshly built model and a new strategy (blocks placed without boundaries) from the last checkpoint in"
+        " OUT/ckpt; each rank's results in OUT/evaluated_rank{r}.pt",
+    )
     args = parser.parse_args()
     seed_everything(1, verbose=False)
     model = ChainModel(args.optimizer, args.container, args.kill, args.width)
@@ -201,6 +215,42 @@ def main() -> None:
     stage = strategy.pipeline.stage if strategy.pipeline else None
     record = {"stage": stage, "metrics": metrics, "replans": strategy.pipeline_replans}
     (args.out / f"rank{rank}.json").write_text(json.dumps(record))
+    if args.evaluate:
+        evaluated = {"after_fit": evaluate(trainer, model, None)}
+        (saved,) = sorted((args.out / "ckpt").iterdir())[-1:]
+        fresh_model = ChainModel(args.optimizer, args.container, width=args.width)
+        fresh_model.sync_dist = args.sync_dist
+        fresh = Trainer(
+            accelerator="cpu",
+            devices=args.devices,
+            strategy=HeteroStrategy(pipeline={"stages": args.stages, "blocks": args.blocks}),
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=str(args.out),
+        )
+        evaluated["from_checkpoint"] = evaluate(fresh, fresh_model, saved)
+        torch.save(evaluated, args.out / f"evaluated_rank{rank}.pt")
+
+
+def evaluate(trainer: Trainer, model: ChainModel, ckpt_path: Path | None) -> dict:
+    """validate, test and predict on the whole dataset in the loader's order: what they returned on this rank, and
+    the metrics it saw."""
+    loader = DataLoader(dataset(), batch_size=12, shuffle=False)
+    trainer.limit_val_batches = 1.0
+    validated = trainer.validate(model, loader, ckpt_path=ckpt_path, verbose=False)
+    validated_seen = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    tested = trainer.test(model, loader, ckpt_path=ckpt_path, verbose=False)
+    tested_seen = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    predicted = trainer.predict(model, loader, ckpt_path=ckpt_path)
+    return {
+        "validate": validated,
+        "validate_seen": validated_seen,
+        "test": tested,
+        "test_seen": tested_seen,
+        "predict": predicted,
+        "stage": trainer.strategy.pipeline.stage,
+    }
 
 
 if __name__ == "__main__":
