@@ -17,6 +17,7 @@ The loss scale's state is the plugin's ``state_dict``, which Lightning saves int
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any, Optional
 
@@ -144,8 +145,13 @@ def skip_agreed_overflows(optimizer: Any, should_skip: Callable[[], bool]) -> Ca
         return undo_zero12
     if isinstance(optimizer, torch.optim.Optimizer):  # ZeRO-0: DeepSpeed steps the user's optimizer itself
         step = optimizer.step
+        earlier = optimizer.__dict__.get("step")  # (an LR scheduler's counting wrapper, set on the instance)
         patched: Any = optimizer  # (given instance attributes: `overflow`, and a `step` that shadows the method)
 
+        # functools.wraps carries the scheduler's mark (`_wrapped_by_lr_sched`) over: without it torch's scheduler
+        # warned at its first step that `optimizer.step()` "has been overridden after learning rate scheduler
+        # initialization", on every rank of every fit with a scheduler.
+        @functools.wraps(step)
         def skippable_step(*args: Any, **kwargs: Any) -> Any:
             patched.overflow = should_skip()  # the engine reads it to count skipped steps
             return None if patched.overflow else step(*args, **kwargs)
@@ -154,6 +160,8 @@ def skip_agreed_overflows(optimizer: Any, should_skip: Callable[[], bool]) -> Ca
 
         def undo_zero0() -> None:
             optimizer.__dict__.pop("step", None)
+            if earlier is not None:  # (the scheduler's wrapper stays: it counts the next fit's steps)
+                optimizer.__dict__["step"] = earlier
             optimizer.__dict__.pop("overflow", None)
 
         return undo_zero0

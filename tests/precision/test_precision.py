@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 
 import pytest
 import torch
@@ -183,6 +184,23 @@ def test_a_skipped_zero0_step_leaves_parameters_and_optimizer_state_untouched():
     assert not optimizer.overflow and optimizer.state
     undo()
     assert "step" not in optimizer.__dict__ and not hasattr(optimizer, "overflow")
+
+
+def test_a_learning_rate_scheduler_still_counts_the_steps_of_a_skippable_zero0_step():
+    """torch's scheduler marks the `step` it wraps; the skippable step keeps the mark (without it every fit with a
+    scheduler warned that `optimizer.step()` "has been overridden"), and undoing it leaves the scheduler's wrapper."""
+    layer = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.AdamW(layer.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    scheduler_step = optimizer.step
+    undo = skip_agreed_overflows(optimizer, lambda: False)
+    layer(torch.ones(1, 2)).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (the warning, or "lr_scheduler.step() before optimizer.step()")
+        optimizer.step()
+        scheduler.step()
+    undo()
+    assert optimizer.step == scheduler_step
 
 
 class _Module(torch.nn.Module):
