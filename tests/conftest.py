@@ -49,8 +49,8 @@ PROCESS_TIERS = ("multiprocess", "fault")
 # With `pytest -n 2` (pytest-xdist, the README's test command) the engine tests run on one worker, one after the
 # other: each starts a cluster's daemons (Ray's, Slurm's, torchrun agents in two network namespaces) that would
 # otherwise compete with another cluster's for the same two cores; the other worker takes the rest.
-# NOT IN EFFECT with pytest 9.2 and pytest-xdist 3.8: xdist marks a group by renaming `item._nodeid`, which pytest 9.2
-# no longer reads (pytest-dev/pytest-xdist#1386), so `--dist loadgroup` runs these tests on both workers at once.
+# pytest 9.2 with pytest-xdist 3.8 ignores the group (xdist renames `item._nodeid`, which pytest 9.2 no longer reads:
+# pytest-dev/pytest-xdist#1386): the test extra keeps pytest below 9.2 until xdist follows.
 ENGINES_ONE_AT_A_TIME = pytest.mark.xdist_group("engines")
 
 

@@ -124,6 +124,26 @@ NOISE = [
 ]
 
 
+def test_the_llm_example_places_a_gpt2_pipeline_by_speed_and_learns():
+    """examples/finetune_llm.py, short: its placement gives the rank emulated at 0.5 fewer of the 6 blocks, the loss
+    falls, and its output is the placement, the loss lines and the result (skipped without the `llm` extra)."""
+    pytest.importorskip("transformers", reason='the example needs transformers: pip install -e ".[llm]"')
+    returncode, output = run_bounded(
+        [sys.executable, "examples/finetune_llm.py", "--steps", "16", "--no-baseline"],
+        timeout=300,
+        cwd=REPO,
+        env={"PYTHONWARNINGS": "default"},
+    )
+    assert returncode == 0, output[-4000:]
+    assert [line for line in NOISE if line in output] == [], output[-4000:]
+    assert "[transformers]" not in output and "Warning" not in output, output
+    stages = dict(re.findall(r"^  stage (\d) on rank \d: blocks \S+ \((\d)\)", output, re.M))
+    assert int(stages["1"]) > int(stages["0"]), output  # (stage 0 runs on rank 1, the slower)
+    losses = [float(loss) for loss in re.findall(r"^  steps +\d+- *\d+  loss ([\d.]+)", output, re.M)]
+    first, last = map(float, re.search(r"^placed by speed: loss ([\d.]+) -> ([\d.]+)", output, re.M).groups())
+    assert len(losses) == 8 and (first, last) == (losses[0], losses[-1]) and last < first, output
+
+
 def test_example_learns_and_compares_with_the_equal_split(tmp_path):
     returncode, output = run_bounded(
         [sys.executable, "examples/train_spirals.py", "--epochs", "2", "--root", str(tmp_path)],

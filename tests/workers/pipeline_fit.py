@@ -95,6 +95,70 @@ class ChainModel(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
 
+TOKENS, VOCABULARY, SEQUENCES = 16, 50, 48
+
+
+def token_dataset() -> TensorDataset:
+    """Sequences of random token ids, for the transformers models."""
+    generator = torch.Generator().manual_seed(7)
+    return TensorDataset(torch.randint(0, VOCABULARY, (SEQUENCES, TOKENS), generator=generator))
+
+
+def transformers_model(kind: str) -> tuple[nn.Module, str]:
+    """A small GPT-2 or Llama from ``transformers``, built from its config (dropout off), and its chain's path."""
+    import transformers
+
+    if kind == "gpt2":
+        config = transformers.GPT2Config(
+            vocab_size=VOCABULARY,
+            n_positions=TOKENS,
+            n_embd=32,
+            n_layer=4,
+            n_head=2,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            use_cache=False,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        return transformers.GPT2LMHeadModel(config), "model.transformer.h"
+    assert kind == "llama", kind
+    config = transformers.LlamaConfig(
+        vocab_size=VOCABULARY,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=TOKENS,
+        use_cache=False,
+    )
+    return transformers.LlamaForCausalLM(config), "model.model.layers"
+
+
+class LanguageModel(LightningModule):
+    """A causal language model from ``transformers``; its loss is the model's own (next-token cross-entropy)."""
+
+    def __init__(self, kind: str, optimizer: str = "sgd") -> None:
+        super().__init__()
+        self.model, self.chain = transformers_model(kind)
+        self.optimizer_name = optimizer
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, labels=ids).loss
+
+    def training_step(self, batch, batch_idx):
+        loss = self(batch[0])
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        if self.optimizer_name == "adam":
+            return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.01)
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
 class Stream(torch.utils.data.IterableDataset):
     def __init__(self, samples: TensorDataset) -> None:
         self.samples = samples
@@ -139,6 +203,7 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...)")
     parser.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
     parser.add_argument("--inf-step", type=int, default=None, help="block 0's first weight gets an inf gradient there")
+    parser.add_argument("--transformers", choices=["gpt2", "llama"], help="train that transformers model instead")
     parser.add_argument(
         "--evaluate",
         action="store_true",
@@ -148,8 +213,12 @@ def main() -> None:
     )
     args = parser.parse_args()
     seed_everything(1, verbose=False)
-    model = ChainModel(args.optimizer, args.container, args.kill, args.width)
-    model.sync_dist = args.sync_dist
+    if args.transformers:
+        model = LanguageModel(args.transformers, args.optimizer)
+        args.blocks = model.chain
+    else:
+        model = ChainModel(args.optimizer, args.container, args.kill, args.width)
+        model.sync_dist = args.sync_dist
     if (
         args.inf_step is not None
     ):  # (on the rank whose stage holds block 0 only: the other stages' gradients are finite)
@@ -195,7 +264,7 @@ def main() -> None:
         val_check_interval=args.val_every or None,
         num_sanity_val_steps=0,
     )
-    data = Stream(dataset()) if args.iterable else dataset()
+    data = Stream(dataset()) if args.iterable else token_dataset() if args.transformers else dataset()
     loader = DataLoader(data, batch_size=args.batch, shuffle=False)
     validation = DataLoader(dataset(), batch_size=args.batch, shuffle=False) if args.val_every else None
     if args.signal_test:
