@@ -103,6 +103,7 @@ class HeteroJob:
         self.mode: Optional[TrainingMode] = None  # the way of training, from join()
         self.engine: Optional[Any] = None  # DeepSpeed's engine of this trainer call, from attach()
         self._optimizer_parameters: list[tuple[str, Any]] = []  # (name, parameter) in the optimizer's order
+        self._precision_plugin: Callable[[], Any] = lambda: None  # the strategy's (it is replaced at setup)
 
     # What the run established, for users and the monitor (HeteroStrategy's properties of the same names).
     plan = property(lambda self: self.split.plan, doc="The split in force.")
@@ -181,6 +182,7 @@ class HeteroJob:
         self.communication.collective_observer = self.watcher.meter.collective  # (time blocked before the exchange)
         self.communication.send_hold = self.emulation.send_seconds
         self.watcher.loss_scale = lambda: loss_scale_value(plugin())
+        self._precision_plugin = plugin
         if trainer is not None:
             at_each_step = self.mode_class.exchanges_each_step
             self.recovery.stop_together_on_sigterm(trainer, device, at_each_step=at_each_step)
@@ -226,6 +228,7 @@ class HeteroJob:
                 rebalance_threshold=settings.rebalance_threshold,
                 loss_reduction=settings.loss_reduction,
                 earlier_placement=earlier,
+                loss_scale=lambda: loss_scale_value(self._precision_plugin()),
             )
         parts = RankParts(
             rank=self.rank,
@@ -312,6 +315,8 @@ class HeteroJob:
         precisions = ", ".join(sorted(set(self.setup.precisions))) or str(plugin.precision)
         self.nonfinite.attach(engine, has_loss_scale=scaled, skipping_installed=scaled, precision=precisions)
         self._mode().attach(engine)
+        if own_precision:  # (a mode's agreement that the step is not finite counts as an fp16 overflow: pipelines)
+            plugin.agreed_nonfinite = lambda: self.nonfinite.agreed_nonfinite()
 
     def detach(self, plugin: Any, trainer: Optional[Any]) -> None:
         """The trainer call ends: the patches are undone (the engine's traced step dies with it), the watch stops."""

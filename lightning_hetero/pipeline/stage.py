@@ -178,6 +178,7 @@ class Pipeline:
         slowed: Callable[[], contextlib.AbstractContextManager],
         backward: Callable[[Tensor], None],
         accumulated: int = 1,
+        loss_scale: float = 1.0,
     ) -> Tensor:
         """One step's schedule on this stage; returns the global batch's loss (the same on every rank).
 
@@ -186,7 +187,8 @@ class Pipeline:
         is the engine's backward (DeepSpeed refuses a direct ``tensor.backward()``): a stage before the last runs it
         on ``(output * received_gradient).sum()``, whose gradients are those of the output's backward with it.
         ``accumulated``: the Trainer's ``accumulate_grad_batches``; the last stage's backward divides each loss by it
-        (as Lightning's closure divides a step's loss), the returned loss does not."""
+        (as Lightning's closure divides a step's loss), the returned loss does not. ``loss_scale``: an fp16 stage's
+        (else 1): its backward is multiplied by it, and the gradient it sends to the stage before divided by it."""
         assert self.layout is not None and self.stage_of_chain is not None
         stage, stages, layout = self.stage, self.choice.stages, self.layout
         previous = layout.rank_of(self.replica, stage - 1) if stage > 0 else None
@@ -228,11 +230,14 @@ class Pipeline:
                 started = time.perf_counter()
                 with slowed():
                     output = outputs.pop(m)
-                    backward(output if gradient is None else (output * gradient.to(output.dtype)).sum())
+                    scalar = output if gradient is None else (output * gradient.to(output.dtype)).sum()
+                    backward(scalar * loss_scale if loss_scale != 1.0 else scalar)
                 compute += time.perf_counter() - started
                 if previous is not None:
                     received = inputs.pop(m)
                     grad = received.grad if received.grad is not None else torch.zeros_like(received)
+                    if loss_scale != 1.0:
+                        grad = grad / loss_scale  # (an inf from an fp16 overflow stays inf: every stage skips)
                     self.link.send(grad, previous, f"micro-batch {m}'s gradient")
         self.link.flush()
         self.step_times.append((compute, time.perf_counter() - step_started - compute))

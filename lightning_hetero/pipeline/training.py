@@ -110,14 +110,20 @@ class PipelineTraining:
         rebalance_threshold: float,
         loss_reduction: str,
         earlier_placement: Optional[StagePlacement] = None,
+        loss_scale: Callable[[], Optional[float]] = lambda: None,
     ) -> None:
         self.pipeline = pipeline
         # The placement of this strategy's last pipeline fit: the blocks each rank kept, which an evaluation reuses.
         self._earlier_placement = earlier_placement
+        # The fp16 loss scale (the precision plugin's, the same on every rank; None without an fp16 rank): an fp16
+        # stage multiplies its backward by it (its gradient hooks divide it out of its parameters' gradients) and
+        # divides it out of the gradient it sends to the stage before, which sees unscaled gradients only.
+        self._loss_scale = loss_scale
+        self._scales_backward = False  # this rank computes in fp16, from start()
         self._rank, self._world_size = rank, world_size
         self._collectives, self._sharding, self._loss_weights = collectives, sharding, loss_weights
         self._emulation, self._recovery, self._nonfinite = emulation, recovery, nonfinite
-        self._norm_nonfinite = False  # this step's whole-model gradient norm was inf or NaN (every rank alike)
+        self._step_norm: Optional[float] = None  # the optimizer step's agreed gradient norm, once computed
         self._rebalance, self._rebalance_window, self._rebalance_threshold = (
             rebalance,
             rebalance_window,
@@ -179,12 +185,7 @@ class PipelineTraining:
         pipeline, choice = self.pipeline, self.pipeline.choice
         self._device_facts = list(device_facts)
         replicas = replicas_of(choice, self._world_size)
-        if "16-mixed" in precisions:  # (every rank has every rank's precision: every rank raises)
-            raise ValueError(
-                f"HeteroStrategy(pipeline=...) with ranks in '16-mixed' (precisions {list(precisions)}):"
-                " fp16's loss scaling is not built into the pipeline's backward. Give those ranks 'bf16-mixed' or"
-                " '32-true' in `device_precision`."
-            )
+        self._scales_backward = precisions[self._rank] == "16-mixed"
         replica_batch = micro_batch_sizes(global_batch_size, replicas)[0]  # (until the shares are known)
         micro_batches = choice.micro_batches_for(replica_batch)
         micro_batch = -(-replica_batch // micro_batches)
@@ -345,20 +346,30 @@ class PipelineTraining:
             self.pipeline.stage_of_chain.hook()
         if engine.optimizer is not None:
             engine.step = self._agreed_step(engine.step, engine.module)
-            self._nonfinite.agreed_nonfinite = lambda: self._norm_nonfinite
+            self._nonfinite.agreed_nonfinite = lambda: not math.isfinite(self._agreed_norm())
+
+    def _agreed_norm(self) -> float:
+        """The whole model's gradient norm for the optimizer step under way, agreed over every stage (one all-reduce
+        of a number, at the first call of the step on every rank): an fp16 job's precision plugin asks first (an inf
+        that only a later stage received is an overflow too), then the step clips by it and skips on it."""
+        if self._step_norm is None:
+            self._step_norm = self.pipeline.gradient_norm()
+        return self._step_norm
 
     def _agreed_step(self, step: Callable[..., Any], module: torch.nn.Module) -> Callable[..., Any]:
-        """DeepSpeed's step after the whole model's gradient norm is agreed (one all-reduce of a number): when it is
-        not finite every stage skips the step (the non-finite guard reads it), else the gradients are clipped by it
-        when clipping is on. The next batch starts an optimizer step's accumulation."""
+        """DeepSpeed's step after the whole model's gradient norm is agreed: when it is not finite every stage skips
+        the step (the non-finite guard, or an fp16 job's precision plugin, reads it), else the gradients are clipped
+        by it when clipping is on. The next batch starts an optimizer step's accumulation."""
 
         def agreed(*args: Any, **kwargs: Any) -> Any:
-            norm = self.pipeline.gradient_norm()
-            self._norm_nonfinite = not math.isfinite(norm)
-            if self._max_norm > 0 and not self._norm_nonfinite:  # (a skipped step's gradients are left as they are)
+            norm = self._agreed_norm()
+            if self._max_norm > 0 and math.isfinite(norm):  # (a skipped step's gradients are left as they are)
                 self.pipeline.clip_gradients(module, self._max_norm, norm)
             self._batches_since_step = 0
-            return step(*args, **kwargs)
+            try:
+                return step(*args, **kwargs)
+            finally:
+                self._step_norm = None
 
         return agreed
 
@@ -466,7 +477,11 @@ class PipelineTraining:
         # With accumulate_grad_batches, the earlier batches' gradients (summed already) stay out of this batch's sums.
         earlier = pipeline.set_aside_gradients(module)
         slowed, accumulated = self._emulation.slowed, self._accumulated
-        loss = pipeline.run_step(micro_batches, user_step, weight_of, slowed, engine.backward, accumulated)
+        scale = (self._loss_scale() or 1.0) if self._scales_backward else 1.0
+        if self._batches_since_step == 0:
+            self._step_norm = None  # (a new optimizer step's gradients)
+        loss = pipeline.run_step(micro_batches, user_step, weight_of, slowed, engine.backward, accumulated, scale)
+        self._nonfinite.loss_computed(loss)  # (the global batch's, the same on every rank)
         pipeline.reduce_gradients()
         pipeline.add_back(earlier)
         pipeline.hold_gradients(module)
@@ -547,7 +562,11 @@ class PipelineTraining:
         self.pipeline.return_gradients()
 
     def optimizer_step(self, step: Callable[[], Any], backward: Backward, trainer: Any, closure: Any) -> Any:
-        return step()
+        """Lightning's optimizer step; then the non-finite guard counts it (the stages skip alike, so a run of
+        skipped steps stops every rank together, and `skipped_steps` lists them)."""
+        result = step()
+        self._nonfinite.step_ended(trainer.global_step)
+        return result
 
     def synchronize(self, counted: bool) -> None:
         pass  # (the stages' gradients were summed at each step: one model)

@@ -295,6 +295,10 @@ class HeteroPrecision(DeepSpeedPrecision):
         self._skip = False
         # (the trainer's global step, ranks that overflowed, scale before and after): what the run report shows.
         self.overflows: list[dict[str, Any]] = []
+        # Whether the ranks agreed that this step's gradients are not finite somewhere that no fp16 rank's gradient
+        # hooks see (a pipeline's stage after an fp16 one receives its overflowed gradient): an overflow too. Called
+        # once per optimizer step on every rank, where the ranks agree (it may be a collective).
+        self.agreed_nonfinite: Callable[[], bool] = lambda: False
 
     @property
     def skips_this_step(self) -> bool:
@@ -358,9 +362,10 @@ class HeteroPrecision(DeepSpeedPrecision):
         local = self._gradients.take_found_inf() if self._gradients is not None else torch.zeros(())
         flags = self._gather_flags(local.reshape(1).float())
         overflowed = [rank for rank, flag in enumerate(flags) if float(flag.item()) > 0]
+        nonfinite_elsewhere = self.agreed_nonfinite()  # (on every rank, whatever the flags: it may be a collective)
         scale_before = self.loss_scale.scale
         try:
-            self._skip = self.loss_scale.update(bool(overflowed))
+            self._skip = self.loss_scale.update(bool(overflowed) or nonfinite_elsewhere)
         except FloatingPointError as error:
             raise FloatingPointError(
                 f"{error} It happened on rank(s) {overflowed}, which train in '16-mixed'. Give them 'bf16-mixed' (if"

@@ -360,6 +360,35 @@ def test_an_inf_gradient_on_one_stage_skips_the_step_on_every_stage(tmp_path):
     assert largest_difference(one_process("sgd", steps, batch), ranks) > 1e-3  # (the skip changed the run)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("precisions", "inf_step"),
+    [("32-true,16-mixed", None), ("16-mixed,32-true", 1)],
+    ids=["fp16-first-stage", "fp16-last-stage-inf-on-the-fp32-one"],
+)
+def test_fp16_stages_scale_their_backward_and_every_stage_skips_an_overflow(tmp_path, precisions, inf_step):
+    """An fp16 stage (rank 1 runs stage 0, rank 0 the last) scales its own backward by the job's loss scale and sends
+    the stage before it unscaled gradients. Every stage skips the same steps (an fp16 overflow, or an inf that only
+    the fp32 stage holding block 0 saw, which the agreed norm catches), each skip halves the one scale, and the blocks
+    end near one process that skips those steps (not equal: the fp16 stage computed in fp16)."""
+    steps, batch = 4, 6
+    out = tmp_path / "out"
+    inf = ["--inf-step", str(inf_step)] if inf_step is not None else []
+    arguments = ["--boundaries", "3", "--steps", str(steps), "--batch", str(batch), "--device-precision", precisions]
+    ranks = run_pipeline(tmp_path, *arguments, *inf)
+    records = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+    skipped = records[0]["skipped_steps"]
+    assert records[1]["skipped_steps"] == skipped
+    if inf_step is not None:
+        assert inf_step in skipped
+    assert [record["precision"]["loss_scale"] for record in records] == [2.0**16 * 0.5 ** len(skipped)] * 2
+    reference = one_process("sgd", steps, batch, skipped=tuple(skipped))
+    assert largest_difference(reference, ranks) < 2e-3
+    fp16_rank = precisions.split(",").index("16-mixed")
+    fp16_blocks = {n: t for n, t in ranks[fp16_rank].items() if n.startswith("net.")}
+    assert max((t - reference[n]).abs().max().item() for n, t in fp16_blocks.items()) > 1e-7
+
+
 SETUP = [
     (["--blocks", "layers"], 2, "`blocks` 'layers': ChainModel has no attribute 'layers' (its modules: ['embed',"),
     (["--devices", "3"], 3, "3 ranks cannot form pipelines of `stages` 2; use a number of ranks that is a multiple"),

@@ -283,6 +283,8 @@ def main() -> None:
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     stage = strategy.pipeline.stage if strategy.pipeline else None
     record = {"stage": stage, "metrics": metrics, "replans": strategy.pipeline_replans}
+    summary = getattr(trainer.strategy.precision_plugin, "summary", None)  # (a HeteroPrecision's: device_precision)
+    record.update(skipped_steps=strategy.skipped_steps, precision=summary() if summary else None)
     (args.out / f"rank{rank}.json").write_text(json.dumps(record))
     if args.evaluate:
         evaluated = {"after_fit": evaluate(trainer, model, None)}
