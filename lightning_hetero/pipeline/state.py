@@ -20,28 +20,15 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from lightning_hetero.recover.by_name import (  # noqa: F401 (whole_model_state: this module's documented name)
+    CLIENT_FILE,
+    EXCLUDED,
+    RANK_FILE,
+    named_optimizer_state,
+    rank_files,
+    whole_model_state,
+)
 from lightning_hetero.runtime.safe_load import load_lightning_file, load_package_file
-
-RANK_FILE = "pipeline_rank{rank}.pt"
-CLIENT_FILE = "pipeline_trainer_state.pt"
-EXCLUDED = ("state_dict", "optimizer_states")  # (as DeepSpeedStrategy leaves them out of its client state)
-
-
-def named_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's state and groups with parameter names in place of its indices."""
-    names = {id(p): n for n, p in module.named_parameters()}
-    saved = optimizer.state_dict()
-    ordered = [p for group in optimizer.param_groups for p in group["params"]]
-    state = {names[id(ordered[index])]: value for index, value in saved["state"].items()}
-    groups = []
-    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
-        groups.append(
-            {
-                **{k: v for k, v in saved_group.items() if k != "params"},
-                "params": [names[id(p)] for p in group["params"]],
-            }
-        )
-    return {"state": state, "param_groups": groups}
 
 
 def save_stage(directory: Path, rank: int, module: nn.Module, optimizer: Any, trainer_state: dict[str, Any]) -> None:
@@ -64,12 +51,7 @@ def load_stage(
     module and callbacks saved (its hyper-parameters may be a ``Path``, a config object), so it is read as Lightning
     reads a ``.ckpt``, as ``weights_only`` (``Trainer.fit``'s) asks.
     """
-    files = sorted(directory.glob(RANK_FILE.format(rank="*")))
-    if not files or not (directory / CLIENT_FILE).is_file():
-        raise ValueError(
-            f"{directory} holds no pipeline checkpoint ({RANK_FILE.format(rank='N')} and {CLIENT_FILE}): it was"
-            " saved without `pipeline`. Resume it without `pipeline`, or start this pipeline run afresh."
-        )
+    files = rank_files(directory)
     model: dict[str, Any] = {}
     state: dict[str, Any] = {}
     groups: list[dict[str, Any]] = []
@@ -111,15 +93,3 @@ def _load_optimizer(module: nn.Module, optimizer: Any, state: dict[str, Any], gr
         index += count
     rebuilt_state = {i: state[name] for i, name in enumerate(ordered) if name in state}
     optimizer.load_state_dict({"state": rebuilt_state, "param_groups": rebuilt_groups})
-
-
-def whole_model_state(directory: Path) -> dict[str, Any]:
-    """The whole model's ``state_dict`` from a pipeline checkpoint (every rank's blocks, merged by name): what a run
-    without ``pipeline`` loads, e.g. ``model.load_state_dict(whole_model_state(path))`` before ``trainer.test``."""
-    merged: dict[str, Any] = {}
-    for path in sorted(Path(directory).glob(RANK_FILE.format(rank="*"))):
-        for name, tensor in load_package_file(path)["model"].items():
-            merged.setdefault(name, tensor)
-    if not merged:
-        raise ValueError(f"{directory} holds no pipeline checkpoint ({RANK_FILE.format(rank='N')}).")
-    return merged

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_hetero.recover import checkpoint, elastic, failures, liveness, refusal, universal
+from lightning_hetero.recover import by_name, checkpoint, elastic, failures, liveness, refusal, universal
 from lightning_hetero.recover import from_deepspeed as resume_deepspeed
 from lightning_hetero.recover import from_lightning as resume_lightning
 from lightning_hetero.recover.stopping import (
@@ -27,7 +27,12 @@ from lightning_hetero.recover.stopping import (
     slurm_job_id,
 )
 from lightning_hetero.runtime.collectives import Collectives
-from lightning_hetero.runtime.safe_load import check_checkpoint_directory, check_package_files, unpickles_in_full
+from lightning_hetero.runtime.safe_load import (
+    check_checkpoint_directory,
+    check_package_files,
+    load_lightning_file,
+    unpickles_in_full,
+)
 from lightning_hetero.runtime.shutdown import exit_with_if_uncaught, requested_exit_code
 
 Load = Callable[..., dict[str, Any]]
@@ -231,6 +236,31 @@ class Recovery:
         # (DeepSpeed's universal load leaves the module's buffers alone: they come from the checkpoint's own file.)
         universal.restore_buffers(engine.module, chosen / checkpoint.deepspeed_tag(chosen), in_full)
         return loaded
+
+    @staticmethod
+    def resume_from_pipeline(
+        chosen: Path,
+        manifest: dict[str, Any],
+        module: Any,
+        engine: Any,
+        optimizer_parameters: list[tuple[str, Any]],
+        weights_only: Optional[bool] = None,
+    ) -> dict[str, Any]:
+        """A pipeline's checkpoint into training without ``pipeline``: every rank's blocks and optimizer state merged
+        by parameter name into this rank's module and DeepSpeed's optimizer (any ZeRO stage), and the trainer's state
+        (loops, callbacks, schedulers, the loader's position in global samples) as the pipeline saved it."""
+        weights = by_name.whole_model_state(chosen)
+        resume_lightning.load_module_weights(module, weights, strict=module.strict_loading)
+        if engine.optimizer is not None and optimizer_parameters:
+            named = by_name.whole_named_optimizer_state(chosen)
+            indexed = by_name.indexed_optimizer_state(named, optimizer_parameters)
+            resume_lightning.load_optimizer_state(engine, optimizer_parameters, indexed, weights)
+        saved = manifest.get("pipeline") or {}
+        rank_zero_info(
+            f"HeteroStrategy: continuing from {chosen}, a checkpoint of {saved.get('stages')} pipeline stages"
+            f" (boundaries {saved.get('boundaries')}), as the whole model on every rank, by parameter name."
+        )
+        return load_lightning_file(chosen / by_name.CLIENT_FILE, weights_only)
 
     @staticmethod
     def resume_from_lightning_file(

@@ -19,6 +19,7 @@ from lightning_hetero.recover.refusal import ResumeRefused
 class Route(enum.Enum):
     LIGHTNING_FILE = "a .ckpt file another strategy (DDP...) wrote"
     PIPELINE = "a pipeline's checkpoint directory, each rank's blocks by name"
+    FROM_PIPELINE = "a pipeline's checkpoint directory, into training without `pipeline`, the whole model by name"
     # A ZeRO directory, this package's or Lightning's DeepSpeedStrategy's (whose data position is added after).
     SAME_WORLD_SIZE = "a ZeRO checkpoint directory saved by as many ranks"
     ANOTHER_WORLD_SIZE = "a ZeRO checkpoint directory saved by another number of ranks"
@@ -53,10 +54,12 @@ def resume_route(
             " data-parallel training into a pipeline is not built yet."
         )
     if saved_pipeline and not pipeline:
-        raise ResumeRefused(
-            f"Checkpoint {chosen} was saved with `pipeline` (each rank's blocks apart): resume it with `pipeline`;"
-            " a pipeline checkpoint into a run without one is not built yet."
-        )
+        if local is not None:
+            raise ResumeRefused(
+                f"Checkpoint {chosen} was saved with `pipeline`, and `sync={local!r}` needs each rank's own optimizer"
+                " state: resume it with `pipeline`, or without `sync` (data parallel takes the whole model by name)."
+            )
+        return Route.FROM_PIPELINE
     if pipeline:
         return Route.PIPELINE
     mismatch = resume_stage_mismatch(manifest.get("zero_stage"), zero_stage, stage_is_automatic, str(chosen))

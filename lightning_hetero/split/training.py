@@ -260,6 +260,11 @@ class DataParallelTraining:
             zero_stage=zero_stage,
             stage_is_automatic=stage_is_automatic,
         )
+        if route is Route.FROM_PIPELINE:  # (the whole model by name; the global batch as the loader's state says)
+            setup.settle_the_global_batch(chosen, {}, zero_stage, module, same_world_size=True)
+            return parts.recovery.resume_from_pipeline(
+                chosen, manifest, module, engine, self._optimizer_order(), weights_only
+            )
         same_world_size = route is Route.SAME_WORLD_SIZE
         parts.communication.load(chosen, parts.rank, manifest, same_world_size)
         setup.settle_the_global_batch(chosen, manifest, zero_stage, module, same_world_size)

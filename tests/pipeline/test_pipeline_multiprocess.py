@@ -122,6 +122,22 @@ def test_a_resume_in_the_middle_equals_the_uninterrupted_run(tmp_path, devices, 
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_pipeline_checkpoint_continues_as_data_parallel_as_the_uninterrupted_run(tmp_path, stage):
+    """Adam, 2 stages on boundaries [2]: 4 steps with a checkpoint, then 4 more without `pipeline` on 2 data-parallel
+    ranks at ZeRO-0 or ZeRO-2 (the same global batch: 6 per rank), from that checkpoint: one process's 8 steps."""
+    first = tmp_path / "first"
+    run_pipeline(first, "--boundaries", "2", "--optimizer", "adam", "--steps", "4", "--save-every", "4")
+    (saved,) = sorted((first / "out" / "ckpt").iterdir())
+    ranks = run_pipeline(
+        tmp_path / "data-parallel",
+        *("--stages", "0", "--zero-stage", str(stage), "--optimizer", "adam", "--steps", "8", "--batch", "6"),
+        *("--ckpt-path", str(saved)),
+    )
+    assert largest_difference(one_process("adam", 8, 12), ranks) <= 1e-5
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("sync_dist", [False, True])
 def test_validation_runs_through_the_stages(tmp_path, sync_dist):
     """Validation after step 4 on 2 batches: the last stage (rank 0) logs one process's validation loss; with

@@ -203,6 +203,7 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...)")
     parser.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
     parser.add_argument("--inf-step", type=int, default=None, help="block 0's first weight gets an inf gradient there")
+    parser.add_argument("--zero-stage", type=int, default=None, help="with --stages 0: HeteroStrategy(stage=...)")
     parser.add_argument("--transformers", choices=["gpt2", "llama"], help="train that transformers model instead")
     parser.add_argument(
         "--evaluate",
@@ -241,6 +242,7 @@ def main() -> None:
         callbacks.append(ModelCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=args.save_every, save_top_k=-1))
     # (--stages 0: data parallel, no pipeline, as a reference)
     strategy = HeteroStrategy(
+        stage=None if args.stages else args.zero_stage,
         pipeline=pipeline if args.stages else None,
         emulate_speeds=speeds,
         peer_timeout=args.peer_timeout,
