@@ -298,9 +298,11 @@ class HeteroJob:
         """Around ``deepspeed.initialize`` (the mode's part: a pipeline skips the engine's broadcast of rank 0's
         parameters); the optimizer's parameters kept in its order, which another strategy's optimizer state is
         indexed by."""
-        names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
-        groups = optimizer.param_groups if optimizer is not None else []
-        self._optimizer_parameters = [(names.get(id(p), ""), p) for g in groups for p in g["params"]]
+        if optimizer is not None:  # (an evaluation's engine has none: the last fit's order stays)
+            names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
+            self._optimizer_parameters = [
+                (names.get(id(p), ""), p) for g in optimizer.param_groups for p in g["params"]
+            ]
         with self._mode().engine_built():
             yield
 

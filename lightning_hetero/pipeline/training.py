@@ -113,7 +113,7 @@ class PipelineTraining:
         loss_scale: Callable[[], Optional[float]] = lambda: None,
     ) -> None:
         self.pipeline = pipeline
-        # The placement of this strategy's last pipeline fit: the blocks each rank kept, which an evaluation reuses.
+        # The placement of this strategy's last trainer call: the blocks each rank kept, which an evaluation reuses.
         self._earlier_placement = earlier_placement
         # The fp16 loss scale (the precision plugin's, the same on every rank; None without an fp16 rank): an fp16
         # stage multiplies its backward by it (its gradient hooks divide it out of its parameters' gradients) and
@@ -160,10 +160,10 @@ class PipelineTraining:
     ) -> int:
         """Pipeline parallelism (pipeline/stage.py): the blocks measured on every rank (unless ``boundaries`` are
         given), placed on the stages by speed and memory, and this rank's stage kept; then the plan is printed.
-        ``surveyed``: every rank's precision, device facts and emulated memory, from the setup survey (only a fit
-        reaches here: :func:`check_pipeline_job` refused the rest). Gradient clipping is taken over from DeepSpeed,
-        whose engine would clip each stage by its own norm: ``config``'s ``gradient_clipping`` (else the Trainer's
-        ``gradient_clip_val``) is the whole model's, and the engine's is set to 0."""
+        ``surveyed``: every rank's precision, device facts and emulated memory, from the setup survey. Outside a fit
+        the stages are placed without measuring (:meth:`_place_for_evaluation`). Gradient clipping is taken over
+        from DeepSpeed, whose engine would clip each stage by its own norm: ``config``'s ``gradient_clipping`` (else
+        the Trainer's ``gradient_clip_val``) is the whole model's, and the engine's is set to 0."""
         if not fitting:
             return self._place_for_evaluation(module, surveyed)
         trainer = module.trainer
@@ -278,10 +278,10 @@ class PipelineTraining:
 
     def _place_for_evaluation(self, module: LightningModule, surveyed: Surveyed) -> int:
         """``validate``, ``test`` or ``predict``: the stages placed without measuring (an evaluation runs no
-        backward, and no training loader is there to measure with): the placement of this strategy's last pipeline
-        fit, whose blocks this rank holds; else the given ``boundaries``; else equal numbers of blocks per stage,
-        within each device's memory. A checkpoint (``ckpt_path``) is loaded after, by parameter name, into whatever
-        placement this is. Returns the micro-batch DeepSpeed's inference engine is told (it runs none)."""
+        backward, and no training loader is there to measure with): the placement of this strategy's last trainer
+        call (a fit's), whose blocks this rank kept; else the given ``boundaries``; else equal numbers of blocks per
+        stage, within each device's memory. A checkpoint (``ckpt_path``) is loaded after, by parameter name, into
+        whatever placement this is. Returns the micro-batch DeepSpeed's inference engine is told (it runs none)."""
         pipeline, choice = self.pipeline, self.pipeline.choice
         self._device_facts = list(surveyed.device_facts)
         replicas = replicas_of(choice, self._world_size)
@@ -584,8 +584,10 @@ class PipelineTraining:
         return self.pipeline.evaluation_step(batch, user_step)
 
     def sampler_replicas(self, rank: int, world_size: int) -> tuple[int, int]:
-        """Every stage of a pipeline takes the same samples: `predict`'s data is split over the pipelines."""
-        return self.pipeline.replicas, self.pipeline.replica
+        """Every stage of a pipeline takes the same samples: `predict`'s data is split over the pipelines (pipeline
+        ``p`` is ranks ``p*S .. p*S+S-1`` whatever the placement: known before the stages are placed)."""
+        stages = self.pipeline.choice.stages
+        return world_size // stages, rank // stages
 
     def write_report(self, trainer: Any, plugin: Any) -> None:
         """Every rank's stage times gathered; rank 0 prints the per-stage summary and writes it as JSON."""
