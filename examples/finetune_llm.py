@@ -115,6 +115,7 @@ class Progress(Callback):
         self.losses: list[float] = []  # each optimizer step's (its last batch's, as Lightning logs it)
         self.printed: list[float] = []  # the means printed
         self._last: float | None = None
+        self._last_step = 0  # the optimizer steps done at the last batch's end
 
     def on_train_batch_end(self, trainer: Trainer, module: LightningModule, outputs: Any, batch: Any, i: int) -> None:
         now = time.perf_counter()
@@ -122,9 +123,9 @@ class Progress(Callback):
             self.batch_seconds.append(now - self._last)
         self._last = now
         step = trainer.global_step
-        steps_ended = (i + 1) % trainer.accumulate_grad_batches == 0  # (the batch that ended an optimizer step)
-        if not (trainer.is_global_zero and steps_ended and "train_loss" in trainer.callback_metrics):
-            return
+        ended, self._last_step = step != self._last_step, step  # (an optimizer step ended with this batch)
+        if not ended or not trainer.is_global_zero or "train_loss" not in trainer.callback_metrics:
+            return  # (this batch did not end an optimizer step, or this rank has no loss: a first stage)
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
         if step % self.every == 0 or step == trainer.max_steps:
             mean = statistics.mean(self.losses[-self.every :])
