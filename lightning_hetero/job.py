@@ -229,6 +229,7 @@ class HeteroJob:
                 loss_reduction=settings.loss_reduction,
                 earlier_placement=earlier,
                 loss_scale=lambda: loss_scale_value(self._precision_plugin()),
+                parameters_arrived=self._parameters_arrived,
             )
         parts = RankParts(
             rank=self.rank,
@@ -256,6 +257,13 @@ class HeteroJob:
                 parts, self.setup, could_replan, order, self.local, settings.sync, load_local, settings.sync_every
             )
         return LocalTrainingMode(parts, self.setup, could_replan, order, self.local, settings.sync, load_local)
+
+    def _parameters_arrived(self, parameters: list[torch.nn.Parameter]) -> None:
+        """Parameters that joined this rank's module during a fit (a pipeline's moved blocks): this rank's precision
+        plugin takes them on (an fp16 rank unscales their gradients)."""
+        plugin = self._precision_plugin()
+        if isinstance(plugin, HeteroPrecision):
+            plugin.parameters_arrived(parameters)
 
     def configure(
         self,

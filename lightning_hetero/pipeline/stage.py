@@ -276,11 +276,12 @@ class Pipeline:
             )
         return output
 
-    def move_blocks(self, placement: StagePlacement, optimizer: torch.optim.Optimizer) -> None:
+    def move_blocks(self, placement: StagePlacement, optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
         """Take the re-planned ``placement``'s blocks: every rank sends the blocks it gives away (their parameters,
         buffers and optimizer state) to every rank, each takes the ones it gets and drops the others; at a step
         boundary, so the next step trains as if nothing moved (the same values, the same optimizer state). Every
-        rank calls it with the same placement (the decision is made from gathered values)."""
+        rank calls it with the same placement (the decision is made from gathered values). Returns the parameters that
+        arrived here (new tensors: hooks on the parameters that were here before do not reach them)."""
         assert self.stage_of_chain is not None and self.placement is not None
         chain, names = self.stage_of_chain.chain, self.stage_of_chain.names
         old, new = self.placement.blocks_of(self.stage), placement.blocks_of(self.stage)
@@ -302,6 +303,7 @@ class Pipeline:
                 optimizer.state.pop(parameter, None)
             group["params"] = [p for p in group["params"] if id(p) not in lost]
             self._skeletons[index] = block.to("meta")
+        arrived: list[nn.Parameter] = []
         for index in taking:
             block = self._skeletons.pop(index).to_empty(device=self.device)
             model_state, optimizer_state = arriving[index]
@@ -309,11 +311,13 @@ class Pipeline:
             chain._modules[names[index]] = block
             for local, parameter in block.named_parameters():
                 group["params"].append(parameter)
+                arrived.append(parameter)
                 if optimizer_state.get(local):
                     optimizer.state[parameter] = {k: _to(v, self.device) for k, v in optimizer_state[local].items()}
         self.stage_of_chain = StageOfChain(chain, names, new, self.stage, self.choice.stages, self.choice.blocks)
         self.stage_of_chain.install()
         self.placement = placement
+        return arrived
 
     def reduce_gradients(self) -> None:
         """Sum each block's gradients over the pipelines holding its stage, and the outside modules' over every

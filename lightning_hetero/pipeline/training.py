@@ -111,6 +111,7 @@ class PipelineTraining:
         loss_reduction: str,
         earlier_placement: Optional[StagePlacement] = None,
         loss_scale: Callable[[], Optional[float]] = lambda: None,
+        parameters_arrived: Callable[[list[torch.nn.Parameter]], None] = lambda parameters: None,
     ) -> None:
         self.pipeline = pipeline
         # The placement of this strategy's last trainer call: the blocks each rank kept, which an evaluation reuses.
@@ -120,6 +121,8 @@ class PipelineTraining:
         # divides it out of the gradient it sends to the stage before, which sees unscaled gradients only.
         self._loss_scale = loss_scale
         self._scales_backward = False  # this rank computes in fp16, from start()
+        # Told the parameters of blocks a re-plan moved here (new tensors): an fp16 rank's gradient hooks take them on.
+        self._parameters_arrived = parameters_arrived
         self._rank, self._world_size = rank, world_size
         self._collectives, self._sharding, self._loss_weights = collectives, sharding, loss_weights
         self._emulation, self._recovery, self._nonfinite = emulation, recovery, nonfinite
@@ -450,7 +453,7 @@ class PipelineTraining:
         )
         if decision.placement is None:
             return
-        pipeline.move_blocks(decision.placement, optimizer)
+        self._parameters_arrived(pipeline.move_blocks(decision.placement, optimizer))
         self._placed_at_batch = len(pipeline.step_times)
         self.replans.append(
             {"step": global_step, "boundaries": list(decision.placement.boundaries), "reason": decision.reason}

@@ -99,6 +99,10 @@ class UnscaledGradients:
         self.found_inf += torch.isfinite(unscaled).all().logical_not()
         return unscaled
 
+    def track(self, parameters: Iterable[torch.nn.Parameter]) -> None:
+        """Also unscale these parameters' gradients (parameters that joined the module after the engine was built)."""
+        self._handles += [p.register_hook(self._unscale) for p in parameters if p.requires_grad]
+
     def take_found_inf(self) -> Tensor:
         """How many gradients were not finite since the last call (a device tensor), and reset the count."""
         found = self.found_inf.clone()
@@ -317,6 +321,12 @@ class HeteroPrecision(DeepSpeedPrecision):
         if self.rank_precision == FP16:
             self._gradients = UnscaledGradients(engine.module.parameters(), device, self.loss_scale)
         self._undo_skipping = skip_agreed_overflows(engine.optimizer, lambda: self._skip)
+
+    def parameters_arrived(self, parameters: Iterable[torch.nn.Parameter]) -> None:
+        """Parameters that joined this rank's module after the engine was built (a pipeline's blocks moved here by a
+        re-plan, new tensors): an fp16 rank unscales their gradients too, as it does its own since the start."""
+        if self._gradients is not None:
+            self._gradients.track(parameters)
 
     def detach(self) -> None:
         if self._in_order is not None:

@@ -405,6 +405,21 @@ def test_fp16_stages_scale_their_backward_and_every_stage_skips_an_overflow(tmp_
     assert max((t - reference[n]).abs().max().item() for n, t in fp16_blocks.items()) > 1e-7
 
 
+@pytest.mark.multiprocess
+def test_blocks_moved_onto_an_fp16_stage_have_their_gradients_unscaled(tmp_path):
+    """Rank 0 trains in fp16 and rank 1 slows to 0.2 from step 6 (windows of 4 steps): blocks move onto rank 0 as new
+    tensors, which its gradient hooks take on, so 16 steps end within 2e-3 of one process (before: 1.6e3 off, the
+    moved blocks stepping with gradients 2**16 times too large)."""
+    schedule = '{"0": [1.0, 1.0], "6": [1.0, 0.2]}'
+    arguments = ["--speed-schedule", schedule, "--rebalance-window", "4", "--steps", "16"]
+    ranks = run_pipeline(tmp_path, *arguments, "--device-precision", "16-mixed,32-true")
+    record = json.loads((tmp_path / "out" / "rank0.json").read_text())
+    blocks_on_rank_0 = sorted({n.split(".")[1] for n in ranks[0] if n.startswith("net.")})
+    assert record["replans"] and len(blocks_on_rank_0) > 3, (record["replans"], blocks_on_rank_0)
+    reference = one_process("sgd", 16, 12, skipped=tuple(record["skipped_steps"]))
+    assert largest_difference(reference, ranks) < 2e-3
+
+
 SETUP = [
     (["--blocks", "layers"], 2, "`blocks` 'layers': ChainModel has no attribute 'layers' (its modules: ['embed',"),
     (["--devices", "3"], 3, "3 ranks cannot form pipelines of `stages` 2; use a number of ranks that is a multiple"),
