@@ -25,10 +25,10 @@ from lightning_hetero.recover.by_name import (  # noqa: F401 (whole_model_state:
     EXCLUDED,
     RANK_FILE,
     named_optimizer_state,
-    rank_files,
     whole_model_state,
+    whole_state,
 )
-from lightning_hetero.runtime.safe_load import load_lightning_file, load_package_file
+from lightning_hetero.runtime.safe_load import load_lightning_file
 
 
 def save_stage(directory: Path, rank: int, module: nn.Module, optimizer: Any, trainer_state: dict[str, Any]) -> None:
@@ -51,17 +51,7 @@ def load_stage(
     module and callbacks saved (its hyper-parameters may be a ``Path``, a config object), so it is read as Lightning
     reads a ``.ckpt``, as ``weights_only`` (``Trainer.fit``'s) asks.
     """
-    files = rank_files(directory)
-    model: dict[str, Any] = {}
-    state: dict[str, Any] = {}
-    groups: list[dict[str, Any]] = []
-    for path in files:
-        part = load_package_file(path)
-        for name, tensor in part["model"].items():
-            model.setdefault(name, tensor)  # (the modules outside the chain are in every file, equal)
-        for name, value in part["optimizer"]["state"].items():
-            state.setdefault(name, value)
-        groups = groups or part["optimizer"]["param_groups"]
+    model, named = whole_state(directory)
     wanted = module.state_dict()
     missing = [name for name in wanted if name not in model]
     if missing:
@@ -71,7 +61,7 @@ def load_stage(
         )
     module.load_state_dict({name: model[name] for name in wanted})
     if optimizer is not None:  # (None: `validate`, `test` or `predict`, whose engine has no optimizer)
-        _load_optimizer(module, optimizer, state, groups)
+        _load_optimizer(module, optimizer, named["state"], named["param_groups"])
     return load_lightning_file(directory / CLIENT_FILE, weights_only)
 
 

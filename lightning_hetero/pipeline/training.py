@@ -43,6 +43,7 @@ from lightning_hetero.pipeline.description import describe_pipeline
 from lightning_hetero.pipeline.last_stage_metrics import LastStageMetrics
 from lightning_hetero.pipeline.options import PipelineChoice, pipeline_job_refusal, replicas_of
 from lightning_hetero.pipeline.placement import (
+    BlockCosts,
     StagePlacement,
     block_costs,
     pipeline_shares,
@@ -231,14 +232,7 @@ class PipelineTraining:
                     for turn in range(self._world_size)
                 ]
             measured = [BlockMeasurement.from_dict(m) for m in gathered]
-        costs = block_costs(
-            measured,
-            len(names),
-            self._world_size,
-            [training_bytes(block) for block in blocks],
-            training_bytes(module) - sum(training_bytes(block) for block in blocks),
-            memory.capped_free_bytes([None] * self._world_size, memory_byte_ceilings),
-        )
+        costs = self._block_costs(measured, module, blocks, memory_byte_ceilings)
         placement = place_stages(
             costs,
             choice.stages,
@@ -279,6 +273,24 @@ class PipelineTraining:
             rank_zero_info(described)
         return micro_batch
 
+    def _block_costs(
+        self,
+        measured: Optional[list[BlockMeasurement]],
+        module: LightningModule,
+        blocks: list[torch.nn.Module],
+        memory_byte_ceilings: Optional[list[Optional[int]]],
+    ) -> BlockCosts:
+        """The placement's input (:func:`~lightning_hetero.pipeline.placement.block_costs`): the blocks' measured
+        times (None: one second each), their training state and the rest of the model's, every rank's memory."""
+        return block_costs(
+            measured,
+            len(blocks),
+            self._world_size,
+            [training_bytes(block) for block in blocks],
+            training_bytes(module) - sum(training_bytes(block) for block in blocks),
+            memory.capped_free_bytes([None] * self._world_size, memory_byte_ceilings),
+        )
+
     def _place_for_evaluation(self, module: LightningModule, surveyed: Surveyed) -> int:
         """``validate``, ``test`` or ``predict``: the stages placed without measuring (an evaluation runs no
         backward, and no training loader is there to measure with): the placement of this strategy's last trainer
@@ -293,14 +305,7 @@ class PipelineTraining:
         blocks = [block_of(chain, name) for name in names]
         source = "as this strategy's last trainer call placed them"
         if placement is None:
-            costs = block_costs(
-                None,
-                len(names),
-                self._world_size,
-                [training_bytes(block) for block in blocks],
-                training_bytes(module) - sum(training_bytes(block) for block in blocks),
-                memory.capped_free_bytes([None] * self._world_size, surveyed.memory_byte_ceilings),
-            )
+            costs = self._block_costs(None, module, blocks, surveyed.memory_byte_ceilings)
             placement = place_stages(
                 costs,
                 choice.stages,

@@ -5,7 +5,7 @@ blocks under the model's names, and the modules outside the chain) and its optim
 parameter names in place of indices (:func:`named_optimizer_state`); rank 0 also writes what Lightning's checkpoint
 holds besides (``pipeline_trainer_state.pt``). Every rank's names together are the whole model: a pipeline on other
 boundaries keeps the names it holds now (:mod:`lightning_hetero.pipeline.state`), and data-parallel training takes
-them all (:func:`whole_model_state`, :func:`whole_named_optimizer_state`, :func:`indexed_optimizer_state`).
+them all (:func:`whole_state`, :func:`indexed_optimizer_state`).
 """
 
 from __future__ import annotations
@@ -65,24 +65,28 @@ def whole_model_state(directory: Path) -> dict[str, Any]:
     return merged
 
 
-def whole_named_optimizer_state(directory: Path) -> dict[str, Any]:
-    """Every rank's optimizer state merged by name: ``{"state": {name: ...}, "param_groups": [{..., "params":
-    [names]}]}``, each group's names from every rank that holds some (its hyper-parameters are the same on all)."""
+def whole_state(directory: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every rank's file read once and merged by name: the whole model's ``state_dict``, and the optimizer's
+    ``{"state": {name: ...}, "param_groups": [{..., "params": [names]}]}``, each group's names from every rank that
+    holds some (its hyper-parameters are the same on all)."""
+    model: dict[str, Any] = {}
     state: dict[str, Any] = {}
     groups: list[dict[str, Any]] = []
     for path in rank_files(directory):
-        saved = load_package_file(path)["optimizer"]
-        for name, value in saved["state"].items():
+        part = load_package_file(path)
+        for name, tensor in part["model"].items():
+            model.setdefault(name, tensor)  # (the modules outside the chain are in every file, equal)
+        for name, value in part["optimizer"]["state"].items():
             state.setdefault(name, value)
-        for index, group in enumerate(saved["param_groups"]):
+        for index, group in enumerate(part["optimizer"]["param_groups"]):
             if index == len(groups):
                 groups.append({**group, "params": []})
             groups[index]["params"] += [name for name in group["params"] if name not in groups[index]["params"]]
-    return {"state": state, "param_groups": groups}
+    return model, {"state": state, "param_groups": groups}
 
 
 def indexed_optimizer_state(named: dict[str, Any], parameters: Sequence[tuple[str, Any]]) -> dict[str, Any]:
-    """``named`` (:func:`whole_named_optimizer_state`) as a torch ``state_dict`` for an optimizer over
+    """``named`` (the optimizer's part of :func:`whole_state`) as a torch ``state_dict`` for an optimizer over
     ``parameters`` ((name, parameter) in its order, its groups one after another): state and groups by index."""
     index_of = {name: index for index, (name, _) in enumerate(parameters)}
     missing = sorted(set(index_of) - {name for group in named["param_groups"] for name in group["params"]})

@@ -249,10 +249,9 @@ class Recovery:
         """A pipeline's checkpoint into training without ``pipeline``: every rank's blocks and optimizer state merged
         by parameter name into this rank's module and DeepSpeed's optimizer (any ZeRO stage), and the trainer's state
         (loops, callbacks, schedulers, the loader's position in global samples) as the pipeline saved it."""
-        weights = by_name.whole_model_state(chosen)
+        weights, named = by_name.whole_state(chosen)
         resume_lightning.load_module_weights(module, weights, strict=module.strict_loading)
         if engine.optimizer is not None and optimizer_parameters:
-            named = by_name.whole_named_optimizer_state(chosen)
             indexed = by_name.indexed_optimizer_state(named, optimizer_parameters)
             resume_lightning.load_optimizer_state(engine, optimizer_parameters, indexed, weights)
         saved = manifest.get("pipeline") or {}
