@@ -230,6 +230,8 @@ class HeteroJob:
                 earlier_placement=earlier,
                 loss_scale=lambda: loss_scale_value(self._precision_plugin()),
                 parameters_arrived=self._parameters_arrived,
+                shard_optimizer=settings.stage == 1,
+                shards=settings.shards,
             )
         parts = RankParts(
             rank=self.rank,

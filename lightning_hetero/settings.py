@@ -32,6 +32,10 @@ from lightning_hetero.local.inner_steps import (
     sync_overlap,
     sync_refusal,
 )
+from lightning_hetero.pipeline.optimizer_shards import (
+    check_shards,
+    shards_refusal,
+)
 from lightning_hetero.pipeline.options import (
     PipelineChoice,
     check_pipeline_argument,
@@ -117,6 +121,7 @@ class HeteroSettings:
     lr_scaling: Optional[str] = None  # a resume with another global batch scales the learning rate (plan/lr_scaling.py)
     trace: Optional[tuple[int, ...]] = None  # the training steps a profiler trace records (watch/trace.py)
     emulate_slowdown: str = "compute"  # how an emulated slower rank is slower (emulate/emulation.py)
+    shards: str = "equal"  # a pipeline's `stage=1` optimizer shards: equal, or sized by memory (optimizer_shards.py)
 
     @classmethod
     def from_arguments(
@@ -146,6 +151,7 @@ class HeteroSettings:
         lr_scaling: Optional[str] = None,
         trace: Any = None,
         emulate_slowdown: Any = None,
+        shards: Any = "equal",
     ) -> HeteroSettings:
         """Every argument checked, each error naming the argument, its value and the fix (keyword-only: twenty
         arguments, two of which swapped would otherwise pass unnoticed)."""
@@ -176,6 +182,9 @@ class HeteroSettings:
         if refusal:
             raise ValueError(refusal)
         pipeline_choice = check_pipeline_argument(pipeline)
+        refusal = shards_refusal(check_shards(shards), stage, pipeline_choice is not None)
+        if refusal:
+            raise ValueError(refusal)
         if pipeline_choice is not None:
             refusal = pipeline_argument_refusal(
                 stage=stage,
@@ -219,6 +228,7 @@ class HeteroSettings:
             lr_scaling=check_lr_scaling(lr_scaling, sync, pipeline_choice),
             trace=check_trace(trace, pipeline_choice),
             emulate_slowdown=check_slowdown(emulate_slowdown),
+            shards=shards,
         )
 
     @property
@@ -226,6 +236,8 @@ class HeteroSettings:
         """The ZeRO stage the DeepSpeed config starts with: the one given; else 0 for local SGD / DiLoCo (each rank
         keeps its whole optimizer state) and for a hooked exchange (compression hooks, ``hierarchical=True``: ZeRO-0
         only); else the lowest stage :meth:`automatic_stages` allows, until setup chooses among them."""
+        if self.pipeline is not None:
+            return 0  # (each stage's engine runs ZeRO-0; with `stage=1` the pipeline shards the optimizer state itself)
         if self.stage is not None:
             return self.stage
         if self.local or self._needs_stage_0 or self.pipeline is not None:
@@ -290,7 +302,10 @@ class HeteroSettings:
         dict stays as given); returns the warning to show when ``stage`` loses to the config's. A config without a
         stage is ZeRO-0, as DeepSpeed reads it (not the default stage)."""
         zero = config.setdefault("zero_optimization", {})
-        zero["stage"], stage_warning = user_config_stage(zero.get("stage"), self.stage)
+        # (a pipeline's engines run ZeRO-0 whatever `stage` says: its `stage=1` shards the optimizer state itself)
+        zero["stage"], stage_warning = user_config_stage(
+            zero.get("stage"), self.zero_stage if self.pipeline else self.stage
+        )
         return stage_warning
 
     def reconcile_user_config(self, config: dict[str, Any], deepspeed_arguments: dict[str, Any]) -> None:

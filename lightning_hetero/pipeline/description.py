@@ -23,8 +23,10 @@ def describe_pipeline(
     measured: Optional[Sequence[Any]],
     memory_bytes: Optional[Sequence[Optional[int]]] = None,
     shares: Sequence[int] = (),
+    pooled_memory: bool = False,
 ) -> str:
-    """The plan as printed at fit start: each stage's rank, blocks, time per micro-batch and memory."""
+    """The plan as printed at fit start: each stage's rank, blocks, time per micro-batch and memory (``pooled_memory``:
+    ``memory_bytes`` is the mean of each stage's ranks, which memory-sized optimizer shards fill)."""
     lines = [
         f"HeteroStrategy pipeline: {choice.stages} stages x {replicas} pipeline(s), {choice.schedule}, {micro_batches}"
         f" micro-batches of {micro_batch} samples per pipeline and step"
@@ -39,7 +41,9 @@ def describe_pipeline(
         line += f", {placement.stage_bytes[stage] / 2**20:.1f} MiB"
         ceiling = memory_bytes[placement.ranks[stage]] if memory_bytes else None
         if ceiling is not None:
-            line += f" of the {ceiling / 2**20:.1f} MiB it may use"
+            line += f" of the {ceiling / 2**20:.1f} MiB " + (
+                "its ranks may use on average" if pooled_memory else "it may use"
+            )
         lines.append(line)
     if measured:
         predicted = placement.step_seconds(micro_batches, micro_batch)

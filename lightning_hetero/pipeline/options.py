@@ -106,8 +106,9 @@ def pipeline_argument_refusal(**arguments: Any) -> Optional[str]:
     """Why the strategy's other arguments cannot go with ``pipeline`` (yet), or None. Checked in the constructor."""
     refused = {
         "stage": (
-            "ZeRO-1/2/3 inside a stage are not built yet: each stage holds its own blocks whole (ZeRO-0)",
-            lambda v: v not in (None, 0),
+            "ZeRO-2/3 inside a stage are not built yet: each stage holds its own blocks whole (`stage=1` shards the"
+            " optimizer state over the pipelines holding a stage)",
+            lambda v: v not in (None, 0, 1),
         ),
         "sync": ("local SGD / DiLoCo between pipelines is not built", lambda v: v != "every_step"),
         "batch_sizes": ("the pipelines share the global batch equally for now", lambda v: v is not None),

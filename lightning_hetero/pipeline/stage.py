@@ -114,6 +114,11 @@ class Pipeline:
         return self.layout.replicas
 
     @property
+    def stage_group(self) -> Any:
+        """The process group of the ranks holding this rank's stage, one per pipeline (None with one pipeline)."""
+        return self._stage_group
+
+    @property
     def is_last(self) -> bool:
         return self.stage == self.choice.stages - 1
 
@@ -293,7 +298,15 @@ class Pipeline:
             outgoing[index] = ({k: v.detach().cpu() for k, v in block.state_dict().items()}, state)
         everyone: list[Any] = [None] * self.world_size
         dist.all_gather_object(everyone, outgoing)
-        arriving = {index: part for sent in everyone for index, part in sent.items()}
+        # Every pipeline's copy of a stage gives the same blocks: their parameters are equal, and their optimizer
+        # state is the union of what each copy held (all of it, or with `stage=1` the parameters each copy owned).
+        arriving: dict[int, tuple[dict[str, Tensor], dict[str, Any]]] = {}
+        for sent in everyone:
+            for index, (model_state, optimizer_state) in sent.items():
+                _, merged = arriving.setdefault(index, (model_state, {}))
+                for local, value in optimizer_state.items():
+                    if value or local not in merged:
+                        merged[local] = value
         self.stage_of_chain.uninstall()
         group = optimizer.param_groups[0]
         for index in giving:

@@ -41,11 +41,19 @@ from lightning_hetero.pipeline.blocks import (
 from lightning_hetero.pipeline.chain import block_of, check_chain_shape
 from lightning_hetero.pipeline.description import describe_pipeline
 from lightning_hetero.pipeline.last_stage_metrics import LastStageMetrics
+from lightning_hetero.pipeline.optimizer_shards import (
+    OptimizerShards,
+    ShardedSet,
+    shard_fractions,
+    shard_rooms,
+    sharded_costs,
+)
 from lightning_hetero.pipeline.options import PipelineChoice, pipeline_job_refusal, replicas_of
 from lightning_hetero.pipeline.placement import (
     BlockCosts,
     StagePlacement,
     block_costs,
+    in_flight,
     pipeline_shares,
     place_stages,
     replan_stages,
@@ -113,8 +121,14 @@ class PipelineTraining:
         earlier_placement: Optional[StagePlacement] = None,
         loss_scale: Callable[[], Optional[float]] = lambda: None,
         parameters_arrived: Callable[[list[torch.nn.Parameter]], None] = lambda parameters: None,
+        shard_optimizer: bool = False,
+        shards: str = "equal",
     ) -> None:
         self.pipeline = pipeline
+        # ZeRO-1 over the copies (`stage=1`): each rank steps its share of its stage's parameters and of the outside
+        # modules', sized by `shards` (pipeline/optimizer_shards.py); built at start, once the stages are placed.
+        self._shard_optimizer, self._shards_choice = shard_optimizer, shards
+        self.shards: Optional[OptimizerShards] = None
         # The placement of this strategy's last trainer call: the blocks each rank kept, which an evaluation reuses.
         self._earlier_placement = earlier_placement
         # The fp16 loss scale (the precision plugin's, the same on every rank; None without an fp16 rank): an fp16
@@ -232,7 +246,10 @@ class PipelineTraining:
                     for turn in range(self._world_size)
                 ]
             measured = [BlockMeasurement.from_dict(m) for m in gathered]
-        costs = self._block_costs(measured, module, blocks, memory_byte_ceilings)
+        own_costs = self._block_costs(measured, module, blocks, memory_byte_ceilings)  # (each rank's own memory)
+        # Every pipeline keeps the first one's placement: its ranks stand for their stage's copies, and with `stage=1`
+        # a rank holds its share of the optimizer state.
+        costs = sharded_costs(own_costs, choice.stages, replicas, self._shard_optimizer, self._shards_choice)
         placement = place_stages(
             costs,
             choice.stages,
@@ -250,6 +267,7 @@ class PipelineTraining:
             pipeline.shares = tuple(micro_batch_sizes(global_batch_size, replicas))
         micro_batch = -(-max(pipeline.shares) // micro_batches)
         pipeline.install(module, placement, replicas, global_batch_size)
+        shard_lines = self._shard_optimizer_state(module, own_costs, placement, micro_batches, micro_batch)
         # Blocks follow what the ranks measure, as the batch split does: on when placed by measurement, unless off.
         self._replan = (
             choice.boundaries is None and self._rebalance is not False,
@@ -269,9 +287,71 @@ class PipelineTraining:
                 measured,
                 costs.memory_bytes if memory_byte_ceilings else None,
                 pipeline.shares,
+                pooled_memory=self._shard_optimizer and self._shards_choice == "memory" and replicas > 1,
             )
-            rank_zero_info(described)
+            rank_zero_info("\n".join([described, *shard_lines]))
         return micro_batch
+
+    def _shard_optimizer_state(
+        self,
+        module: LightningModule,
+        own_costs: BlockCosts,
+        placement: StagePlacement,
+        micro_batches: int,
+        micro_batch: int,
+    ) -> list[str]:
+        """With ``stage=1``: this rank's shards of the optimizer state (its stage's over the pipelines holding it,
+        sized by ``shards``; the outside modules' over every rank, equal), and the plan's lines saying who holds
+        what and why. Every rank decides every stage's shares from the same gathered costs."""
+        self.shards = None
+        if not self._shard_optimizer:
+            return []
+        pipeline, choice = self.pipeline, self.pipeline.choice
+        layout, stage_of_chain = pipeline.layout, pipeline.stage_of_chain
+        assert layout is not None and stage_of_chain is not None
+        lines, sets = [], []
+        for stage in range(choice.stages):
+            ranks = layout.stage_ranks(stage)
+            held = in_flight(choice.schedule, stage, choice.stages, micro_batches) * micro_batch
+            rooms = shard_rooms(own_costs, placement, stage, ranks, held)
+            short = [(r, room) for r, room in zip(ranks, rooms) if room is not None and room < 0]
+            if len(ranks) > 1 and self._shards_choice == "memory" and short:
+                rank, room = short[0]
+                raise ValueError(
+                    f"HeteroStrategy(pipeline=..., stage=1, shards='memory'): rank {rank} cannot hold stage {stage}'s"
+                    f" parameters, gradients and activations ({-room / 2**20:.1f} MiB over its memory) before any"
+                    " optimizer state. Use more stages, fewer micro-batch samples, or `shards='equal'`."
+                )
+            fractions, reason = shard_fractions(rooms, self._shards_choice)
+            if len(ranks) > 1:
+                left = "" if rooms[0] is None else "; MiB left after activations: "
+                left += ", ".join(f"{room / 2**20:.1f}" for room in rooms if room is not None)
+                shares = ", ".join(f"rank {r} {100 * f:.0f} %" for r, f in zip(ranks, fractions))
+                lines.append(f"  optimizer state of stage {stage} sharded ({reason}): {shares}{left}")
+            if stage == pipeline.stage and len(ranks) > 1:
+                names, parameters = self._stage_parameters(module)
+                sets.append(ShardedSet(names, parameters, ranks, pipeline.stage_group, fractions, reason))
+        outside = [
+            (n, p) for n, p in module.named_parameters() if p.requires_grad and any(p is q for q in pipeline.outside)
+        ]
+        if outside and self._world_size > 1:
+            everyone = list(range(self._world_size))
+            equal = tuple(1.0 / self._world_size for _ in everyone)
+            names, parameters = [n for n, _ in outside], [p for _, p in outside]
+            sets.append(ShardedSet(names, parameters, everyone, None, equal, "equal shares"))
+            lines.append(
+                f"  optimizer state of the modules outside the chain sharded over all {self._world_size} ranks, equal"
+            )
+        self.shards = OptimizerShards(self._rank, sets)
+        return lines
+
+    def _stage_parameters(self, module: LightningModule) -> tuple[list[str], list[torch.nn.Parameter]]:
+        """This rank's blocks' trained parameters and their names, in the chain's order."""
+        stage_of_chain = self.pipeline.stage_of_chain
+        assert stage_of_chain is not None
+        held = {id(p) for p in stage_of_chain.parameters()}
+        named = [(n, p) for n, p in module.named_parameters() if id(p) in held and p.requires_grad]
+        return [n for n, _ in named], [p for _, p in named]
 
     def _block_costs(
         self,
@@ -374,8 +454,14 @@ class PipelineTraining:
             if self._max_norm > 0 and math.isfinite(norm):  # (a skipped step's gradients are left as they are)
                 self.pipeline.clip_gradients(module, self._max_norm, norm)
             self._batches_since_step = 0
+            shards = self.shards
+            if shards is not None:  # (ZeRO-1: each rank steps what it owns, then the owners broadcast it)
+                shards.drop_unowned_gradients()
             try:
-                return step(*args, **kwargs)
+                result = step(*args, **kwargs)
+                if shards is not None:
+                    shards.gather_parameters()
+                return result
             finally:
                 self._step_norm = None
 
@@ -444,7 +530,8 @@ class PipelineTraining:
             return
         layout = pipeline.layout
         slots = [max(factors[layout.rank_of(p, s)] for p in range(layout.replicas)) for s in range(layout.stages)]
-        by_rank = [0.0] * layout.stages
+        # (the placement's costs hold every rank; its ranks, the first pipeline's, stand for their stage's copies)
+        by_rank = [1.0] * self._world_size
         for stage, slot_factor in enumerate(slots):
             by_rank[layout.order[stage]] = slot_factor
         decision = replan_stages(
@@ -459,6 +546,8 @@ class PipelineTraining:
         if decision.placement is None:
             return
         self._parameters_arrived(pipeline.move_blocks(decision.placement, optimizer))
+        if self.shards is not None and pipeline.replicas > 1:  # (the stage's set: the first, when the stage has copies)
+            self.shards.reassign(0, *self._stage_parameters(self._engine.module), optimizer)
         self._placed_at_batch = len(pipeline.step_times)
         self.replans.append(
             {"step": global_step, "boundaries": list(decision.placement.boundaries), "reason": decision.reason}
@@ -563,7 +652,10 @@ class PipelineTraining:
             f"{saved['replicas']} pipeline(s)) on boundaries {list(self.pipeline.placement.boundaries)}"
             f" and {self.pipeline.layout.replicas} pipeline(s), by parameter name."
         )
-        return pipeline_state.load_stage(chosen, engine.module, engine.optimizer, weights_only)
+        loaded = pipeline_state.load_stage(chosen, engine.module, engine.optimizer, weights_only)
+        if self.shards is not None and engine.optimizer is not None:  # (each rank keeps the state it owns)
+            self.shards.drop_unowned_state(engine.optimizer)
+        return loaded
 
     def backward(self, closure_loss: Tensor, backward: Backward, trainer: Any, zero_stage: int) -> None:
         """Lightning's backward of the step: the schedule ran it; its gradients go back on the parameters."""

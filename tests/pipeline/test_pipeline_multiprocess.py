@@ -508,3 +508,94 @@ def test_a_lost_stage_stops_the_other_within_the_peer_timeout(tmp_path, how):
         assert heartbeat or deadline, output[-3000:]
     else:
         assert "terminated with code -9" in output or "rank 1" in output, output[-3000:]
+
+
+def state_holders(out: Path) -> list[list[str]]:
+    """Each rank's parameters that its optimizer keeps state for (the worker's record)."""
+    records = [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
+    return [record["optimizer_state_names"] for record in records]
+
+
+def held_bytes(ranks: list[dict[str, torch.Tensor]], names: list[str], rank: int) -> int:
+    return sum(ranks[rank][name].numel() * ranks[rank][name].element_size() for name in names)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("shards", "optimizer", "width"), [("equal", "adam", WIDTH), ("memory", "sgd", 256)])
+def test_stage_1_shards_each_stage_s_optimizer_state_over_its_pipelines_and_updates_as_one_process(
+    tmp_path, shards, optimizer, width
+):
+    """Two pipelines of two stages at `stage=1`, clipped at 0.05: each parameter's optimizer state is on exactly one
+    rank of those holding it, and 4 steps equal one process's on the whole batch.
+
+    `shards="memory"`: blocks of 256 x 256 (a stage holds 3 MiB counted with Adam's state); rank 3's device emulated
+    at 2.5 MiB (2.0 MiB may be planned): ZeRO-0 (the whole stage, 3.0 MiB) and equal shards (2.3 MiB) do not fit it,
+    and memory-sized shards do, giving it a small share of its stage's state (its room after the parameters and
+    gradients: 0.5 MiB of rank 1's 4.9). (SGD with momentum at that width: Adam's first step turns gradient entries
+    that cancel to ~1e-10, summed in another order, into updates of ~1e-4, sharded or not: 4.19e-5 both ways,
+    measured.)"""
+    arguments = ["--devices", "4", "--boundaries", "3", "--width", str(width), "--optimizer", optimizer]
+    arguments += ["--steps", "4", "--batch", "6", "--clip", "0.05", "--zero-stage", "1", "--shards", shards]
+    memory = {"LIGHTNING_HETERO_EMULATE_MEMORY": "8MiB,8MiB,8MiB,2.5MiB"} if shards == "memory" else {}
+    if shards == "memory":  # what does not fit it
+        for refused in (["--zero-stage", "0", "--shards", "equal"], ["--zero-stage", "1", "--shards", "equal"]):
+            code, output = run_worker(tmp_path / "refused", *arguments, *refused, timeout=120, env=memory)
+            assert code != 0 and "needs" in output and "above its 2.0 MiB" in output, output[-3000:]
+    out = tmp_path / "out"
+    code, output = run_worker(out, *arguments, timeout=240, env=memory)
+    assert code == 0, output[-4000:]
+    ranks = [torch.load(path) for path in sorted(out.glob("rank*.pt"))]
+    assert largest_difference(one_process(optimizer, 4, 12, width=width, clip=0.05), ranks) <= 1e-5
+    holders = state_holders(out)
+    for name, _ in ChainModel(width=width).named_parameters():  # each parameter's state on exactly one rank
+        assert sum(name in held for held in holders) == 1, (name, holders)
+    stages = [sorted({n.split(".")[1] for n in state if n.startswith("net.")}) for state in ranks]
+    assert stages[1] == stages[3] == ["0", "1", "2"]  # (stage 0 on ranks 1 and 3: rank 0 runs the last stage)
+    rank_1, rank_3 = (held_bytes(ranks, [n for n in holders[r] if n.startswith("net.")], r) for r in (1, 3))
+    assert rank_1 > 0 and rank_3 > 0
+    if shards == "equal":  # within one parameter (a weight) of half each
+        assert abs(rank_1 - rank_3) <= (width * width + 2 * width) * 4, (rank_1, rank_3)
+    else:
+        assert rank_3 < rank_1 / 4, (rank_1, rank_3)
+        assert "optimizer state of stage 0 sharded (in proportion to the memory left after activations)" in output
+
+
+@pytest.mark.multiprocess
+def test_a_sharded_checkpoint_resumes_unsharded_and_sharded_as_the_uninterrupted_run(tmp_path):
+    """4 Adam steps as two pipelines at `stage=1` (each rank saves the state it owns), then 4 more from that
+    checkpoint as one pipeline of 2 ranks without shards, and as two pipelines with other boundaries and equal
+    shards: both are one process's 8 steps."""
+    first = tmp_path / "first"
+    arguments = ["--devices", "4", "--boundaries", "2", "--optimizer", "adam", "--batch", "6", "--zero-stage", "1"]
+    run_pipeline(first, *arguments, "--steps", "4", "--save-every", "4")
+    (saved,) = sorted((first / "out" / "ckpt").iterdir())
+    reference = one_process("adam", 8, 12)
+    unsharded = run_pipeline(
+        tmp_path / "unsharded", "--boundaries", "4", "--optimizer", "adam", "--steps", "8", "--ckpt-path", str(saved)
+    )
+    assert largest_difference(reference, unsharded) <= 1e-5
+    resharded = run_pipeline(
+        tmp_path / "resharded",
+        *("--devices", "4", "--boundaries", "4", "--optimizer", "adam", "--batch", "6", "--zero-stage", "1"),
+        *("--steps", "8", "--ckpt-path", str(saved)),
+    )
+    assert largest_difference(reference, resharded) <= 1e-5
+    holders = state_holders(tmp_path / "resharded" / "out")
+    assert all(sum(name in held for held in holders) == 1 for name in reference)
+
+
+@pytest.mark.multiprocess
+def test_blocks_moved_between_sharded_stages_keep_every_parameter_s_state_once(tmp_path):
+    """Two pipelines at `stage=1`; ranks 1 and 3 slow to 0.2 from step 6 (windows of 4 steps): blocks move off
+    their stage, each moved parameter's Adam state (spread over the copies that held it) reaches its new owner, and
+    16 steps equal one process's."""
+    ranks = run_pipeline(
+        tmp_path,
+        *("--devices", "4", "--batch", "6", "--zero-stage", "1", "--optimizer", "adam", "--steps", "16"),
+        *("--speed-schedule", '{"0": [1.0, 1.0, 1.0, 1.0], "6": [1.0, 0.2, 1.0, 0.2]}', "--rebalance-window", "4"),
+    )
+    replans = json.loads((tmp_path / "out" / "rank0.json").read_text())["replans"]
+    assert replans, "no block moved"
+    assert largest_difference(one_process("adam", 16, 12), ranks) <= 1e-5
+    holders = state_holders(tmp_path / "out")
+    assert all(sum(name in held for held in holders) == 1 for name in one_process("adam", 0, 12))

@@ -203,7 +203,8 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...)")
     parser.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
     parser.add_argument("--inf-step", type=int, default=None, help="block 0's first weight gets an inf gradient there")
-    parser.add_argument("--zero-stage", type=int, default=None, help="with --stages 0: HeteroStrategy(stage=...)")
+    parser.add_argument("--zero-stage", type=int, default=None, help="HeteroStrategy(stage=...)")
+    parser.add_argument("--shards", default="equal", help="HeteroStrategy(shards=...)")
     parser.add_argument("--transformers", choices=["gpt2", "llama"], help="train that transformers model instead")
     parser.add_argument(
         "--evaluate",
@@ -242,7 +243,8 @@ def main() -> None:
         callbacks.append(ModelCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=args.save_every, save_top_k=-1))
     # (--stages 0: data parallel, no pipeline, as a reference)
     strategy = HeteroStrategy(
-        stage=None if args.stages else args.zero_stage,
+        stage=args.zero_stage,
+        shards=args.shards,
         pipeline=pipeline if args.stages else None,
         emulate_speeds=speeds,
         peer_timeout=args.peer_timeout,
@@ -287,6 +289,8 @@ def main() -> None:
     record = {"stage": stage, "metrics": metrics, "replans": strategy.pipeline_replans}
     summary = getattr(trainer.strategy.precision_plugin, "summary", None)  # (a HeteroPrecision's: device_precision)
     record.update(skipped_steps=strategy.skipped_steps, precision=summary() if summary else None)
+    names = {id(p): n for n, p in model.named_parameters()}
+    record["optimizer_state_names"] = sorted(names[id(p)] for p in trainer.optimizers[0].state if id(p) in names)
     (args.out / f"rank{rank}.json").write_text(json.dumps(record))
     if args.evaluate:
         evaluated = {"after_fit": evaluate(trainer, model, None)}
