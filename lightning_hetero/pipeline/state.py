@@ -52,17 +52,26 @@ def load_stage(
     reads a ``.ckpt``, as ``weights_only`` (``Trainer.fit``'s) asks.
     """
     model, named = whole_state(directory)
+    load_named_state(directory, model, named, module, optimizer)
+    return load_lightning_file(directory / CLIENT_FILE, weights_only)
+
+
+def load_named_state(
+    source: Path, model: dict[str, Any], named: dict[str, Any], module: nn.Module, optimizer: Any
+) -> None:
+    """This rank's parameters, buffers and optimizer state (``optimizer`` None: none) out of the whole model's
+    ``model`` and ``named`` optimizer state, by name: a pipeline's checkpoint (:func:`whole_state`) or a data-parallel
+    one (:mod:`lightning_hetero.recover.into_pipeline`), ``source``."""
     wanted = module.state_dict()
     missing = [name for name in wanted if name not in model]
     if missing:
         raise ValueError(
-            f"The pipeline checkpoint {directory} holds no {missing[:5]}: it was saved from another model. Resume it"
-            " with the model it was trained with."
+            f"The checkpoint {source} holds no {missing[:5]}: it was saved from another model. Resume it with the"
+            " model it was trained with."
         )
     module.load_state_dict({name: model[name] for name in wanted})
     if optimizer is not None:  # (None: `validate`, `test` or `predict`, whose engine has no optimizer)
         _load_optimizer(module, optimizer, named["state"], named["param_groups"])
-    return load_lightning_file(directory / CLIENT_FILE, weights_only)
 
 
 def _load_optimizer(module: nn.Module, optimizer: Any, state: dict[str, Any], groups: list[dict[str, Any]]) -> None:

@@ -63,10 +63,12 @@ from lightning_hetero.pipeline.report import describe_stages, summarize_stages
 from lightning_hetero.pipeline.stage import Pipeline
 from lightning_hetero.plan.split import micro_batch_sizes
 from lightning_hetero.precision.nonfinite import NonFiniteGuard
+from lightning_hetero.recover import checkpoint, elastic, into_pipeline
 from lightning_hetero.recover.recovery import Recovery
 from lightning_hetero.recover.refusal import ResumeRefused
-from lightning_hetero.recover.resume import file_route, resume_route
+from lightning_hetero.recover.resume import Route, file_route, resume_route
 from lightning_hetero.runtime.collectives import Collectives
+from lightning_hetero.runtime.safe_load import unpickles_in_full
 from lightning_hetero.train.loaders import loader_batch_size
 from lightning_hetero.train.mode import Backward, LoadCheckpoint, Surveyed, UserStep, WriteCheckpoint
 from lightning_hetero.train.sharding import BatchListeners, DataSharding
@@ -625,12 +627,13 @@ class PipelineTraining:
         engine: Any,
         weights_only: Optional[bool],
     ) -> dict[str, Any]:
-        """A pipeline checkpoint into this pipeline run, whatever its boundaries and number of pipelines
-        (``weights_only``: Lightning's, for the trainer's state it holds); anything else is refused."""
+        """A checkpoint into this pipeline run: a pipeline's, whatever its boundaries and number of pipelines, or a
+        data-parallel one at any ZeRO stage (``weights_only``: Lightning's, for the trainer's state it holds); a
+        Lightning file or local training's is refused."""
         if path.is_file():  # (a Lightning checkpoint file: refused)
             file_route(path, pipeline=True)
         chosen, manifest = self._recovery.choose(path, weights_only)
-        resume_route(
+        route = resume_route(
             chosen,
             manifest,
             pipeline=True,
@@ -639,23 +642,65 @@ class PipelineTraining:
             zero_stage=zero_stage,
             stage_is_automatic=stage_is_automatic,
         )
-        saved = manifest["pipeline"]
         if self.pipeline.placement is None or self.pipeline.layout is None:
             raise ResumeRefused(
                 f"HeteroStrategy(pipeline=...) cannot load {chosen} before the stages are placed: resume it with"
                 " `trainer.fit(model, ckpt_path=...)`, which places them first."
             )
         fitting = engine.optimizer is not None  # (an evaluation's engine has none)
+        if route is Route.INTO_PIPELINE:
+            loaded = self._load_data_parallel(chosen, manifest, engine, fitting, weights_only)
+        else:
+            loaded = self._load_pipeline(chosen, manifest, engine, fitting, weights_only)
+        if self.shards is not None and engine.optimizer is not None:  # (each rank keeps the state it owns)
+            self.shards.drop_unowned_state(engine.optimizer)
+        return loaded
+
+    def _load_pipeline(
+        self, chosen: Path, manifest: dict[str, Any], engine: Any, fitting: bool, weights_only: Optional[bool]
+    ) -> dict[str, Any]:
+        """A pipeline's own checkpoint, whatever its boundaries and number of pipelines."""
+        assert self.pipeline.placement is not None and self.pipeline.layout is not None
+        saved = manifest["pipeline"]
         rank_zero_info(
             f"HeteroStrategy: {'resuming' if fitting else 'loading for evaluation'} the pipeline checkpoint {chosen}"
             f" (boundaries {saved['boundaries']}, "
             f"{saved['replicas']} pipeline(s)) on boundaries {list(self.pipeline.placement.boundaries)}"
             f" and {self.pipeline.layout.replicas} pipeline(s), by parameter name."
         )
-        loaded = pipeline_state.load_stage(chosen, engine.module, engine.optimizer, weights_only)
-        if self.shards is not None and engine.optimizer is not None:  # (each rank keeps the state it owns)
-            self.shards.drop_unowned_state(engine.optimizer)
-        return loaded
+        return pipeline_state.load_stage(chosen, engine.module, engine.optimizer, weights_only)
+
+    def _load_data_parallel(
+        self, chosen: Path, manifest: dict[str, Any], engine: Any, fitting: bool, weights_only: Optional[bool]
+    ) -> dict[str, Any]:
+        """A data-parallel checkpoint (any ZeRO stage, any number of ranks) into this pipeline: each rank takes its
+        blocks, the modules outside the chain and their optimizer state by name (:mod:`~lightning_hetero.recover.
+        into_pipeline`; ZeRO 1-3 through DeepSpeed's universal copy, which rank 0 makes once), and the trainer's
+        state as saved (the loader's position is in global samples, whatever the split)."""
+        in_full = unpickles_in_full(weights_only)
+        if (chosen / checkpoint.LOCAL_STATE_DIRNAME).is_dir():  # (saved before manifests recorded `sync`)
+            raise ResumeRefused(
+                f"Checkpoint {chosen} was saved by local SGD / DiLoCo: each rank trained on its own and holds its own"
+                " optimizer state, which no stage can take. Resume it with the same `sync` and without `pipeline`."
+            )
+        universal_copy = None
+        stage = manifest.get("zero_stage", 0)
+        if stage > 0:
+            elastic.check_convertible(chosen, manifest, self._world_size, in_full)
+            _, results = self._collectives.gather_or_raise(
+                "converting the checkpoint",
+                lambda: (None, elastic.convert_to_universal(chosen, in_full) if self._rank == 0 else None),
+            )
+            universal_copy = results[0][0]
+        model, named, client = into_pipeline.data_parallel_state(chosen, manifest, universal_copy, in_full)
+        pipeline_state.load_named_state(chosen, model, named, engine.module, engine.optimizer)
+        assert self.pipeline.placement is not None
+        rank_zero_info(
+            f"HeteroStrategy: {'resuming' if fitting else 'loading for evaluation'} {chosen}, a data-parallel"
+            f" checkpoint (ZeRO-{stage}, {manifest.get('world_size')} ranks), on boundaries"
+            f" {list(self.pipeline.placement.boundaries)}, by parameter name."
+        )
+        return client
 
     def backward(self, closure_loss: Tensor, backward: Backward, trainer: Any, zero_stage: int) -> None:
         """Lightning's backward of the step: the schedule ran it; its gradients go back on the parameters."""

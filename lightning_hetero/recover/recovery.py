@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_hetero.recover import by_name, checkpoint, elastic, failures, liveness, refusal, universal
+from lightning_hetero.recover import by_name, checkpoint, elastic, failures, into_pipeline, liveness, refusal, universal
 from lightning_hetero.recover import from_deepspeed as resume_deepspeed
 from lightning_hetero.recover import from_lightning as resume_lightning
 from lightning_hetero.recover.stopping import (
@@ -312,9 +312,16 @@ def manifest_facts(
     engine: Any,
     devices: list[str],
     communication: dict[str, Any],
+    sync: Optional[str] = None,
 ) -> dict[str, Any]:
-    """What a checkpoint's manifest records besides its files (see :func:`.checkpoint.write_manifest`)."""
+    """What a checkpoint's manifest records besides its files (see :func:`.checkpoint.write_manifest`): at ZeRO-0
+    also the optimizer's parameter names, which its indexed state needs to be read by name (a pipeline resumes it:
+    :mod:`.into_pipeline`); ``sync``: local training's mode (None: every step), whose ranks each hold their own
+    optimizer state."""
+    names = into_pipeline.optimizer_parameter_names(engine.module, engine.optimizer) if zero_stage == 0 else None
     return {
+        **({"sync": sync} if sync is not None else {}),
+        **({into_pipeline.NAMES_KEY: names} if names is not None else {}),
         "world_size": world_size,
         "global_step": saved.get("global_step"),
         "epoch": saved.get("epoch"),

@@ -20,6 +20,7 @@ class Route(enum.Enum):
     LIGHTNING_FILE = "a .ckpt file another strategy (DDP...) wrote"
     PIPELINE = "a pipeline's checkpoint directory, each rank's blocks by name"
     FROM_PIPELINE = "a pipeline's checkpoint directory, into training without `pipeline`, the whole model by name"
+    INTO_PIPELINE = "a data-parallel checkpoint directory, into a pipeline: each rank's blocks by name"
     # A ZeRO directory, this package's or Lightning's DeepSpeedStrategy's (whose data position is added after).
     SAME_WORLD_SIZE = "a ZeRO checkpoint directory saved by as many ranks"
     ANOTHER_WORLD_SIZE = "a ZeRO checkpoint directory saved by another number of ranks"
@@ -49,10 +50,13 @@ def resume_route(
     model into stages; ``local``: its ``sync`` mode when ranks train on their own (local SGD / DiLoCo), else None."""
     saved_pipeline = bool(manifest.get("pipeline"))
     if pipeline and not saved_pipeline:
-        raise ResumeRefused(
-            f"Checkpoint {chosen} was saved without `pipeline`: resume it without `pipeline`; a checkpoint of"
-            " data-parallel training into a pipeline is not built yet."
-        )
+        if manifest.get("sync") is not None:
+            raise ResumeRefused(
+                f"Checkpoint {chosen} was saved with `sync={manifest['sync']!r}`: each rank trained on its own and"
+                " holds its own optimizer state, which no stage can take. Resume it with the same `sync` and without"
+                " `pipeline`."
+            )
+        return Route.INTO_PIPELINE
     if saved_pipeline and not pipeline:
         if local is not None:
             raise ResumeRefused(

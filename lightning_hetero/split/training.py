@@ -219,6 +219,7 @@ class DataParallelTraining:
                 engine,
                 [facts.describe() for facts in self._setup.device_facts],
                 parts.communication.checkpoint_facts(),
+                sync=self._local_sync(),
             )
 
         parts.recovery.save(target, write_this_rank, facts)

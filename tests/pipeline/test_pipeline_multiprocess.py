@@ -599,3 +599,27 @@ def test_blocks_moved_between_sharded_stages_keep_every_parameter_s_state_once(t
     assert largest_difference(one_process("adam", 16, 12), ranks) <= 1e-5
     holders = state_holders(tmp_path / "out")
     assert all(sum(name in held for held in holders) == 1 for name in one_process("adam", 0, 12))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("stage", "devices", "sharded"), [(0, 2, False), (2, 4, True)], ids=["zero-0", "zero-2"])
+def test_a_data_parallel_checkpoint_continues_as_a_pipeline_as_the_uninterrupted_run(tmp_path, stage, devices, sharded):
+    """Adam: 4 steps data parallel on 2 ranks at ZeRO-0 (its optimizer's parameter names in the manifest) or ZeRO-2
+    (read through DeepSpeed's universal copy), with a checkpoint; then 4 more from it as one pipeline of 2 stages,
+    or as two pipelines at `stage=1` (the same global batch of 12): one process's 8 steps."""
+    first = tmp_path / "first"
+    run_pipeline(
+        first,
+        *("--stages", "0", "--zero-stage", str(stage), "--optimizer", "adam", "--steps", "4", "--batch", "6"),
+        *("--save-every", "4"),
+    )
+    (saved,) = sorted((first / "out" / "ckpt").iterdir())
+    arguments = ["--devices", str(devices), "--boundaries", "2", "--optimizer", "adam", "--steps", "8"]
+    arguments += ["--batch", str(24 // devices), "--ckpt-path", str(saved)]
+    if sharded:
+        arguments += ["--zero-stage", "1"]
+    ranks = run_pipeline(tmp_path / "pipeline", *arguments)
+    assert largest_difference(one_process("adam", 8, 12), ranks) <= 1e-5
+    if sharded:
+        holders = state_holders(tmp_path / "pipeline" / "out")
+        assert all(sum(name in held for held in holders) == 1 for name in one_process("adam", 0, 12))

@@ -26,16 +26,20 @@ def route(manifest, pipeline=False, local=None, world_size=2, zero_stage=0, stag
 
 
 @pytest.mark.parametrize(
-    ("saved_pipeline", "pipeline", "saved_world", "world_size", "local"),
-    list(itertools.product([False, True], [False, True], [2, 4, None], [2, 4], [None, "diloco"])),
+    ("saved_pipeline", "pipeline", "saved_world", "world_size", "local", "saved_sync"),
+    list(itertools.product([False, True], [False, True], [2, 4, None], [2, 4], [None, "diloco"], [None, "local_sgd"])),
 )
-def test_every_job_and_manifest_gets_one_route_or_one_refusal(saved_pipeline, pipeline, saved_world, world_size, local):
+def test_every_job_and_manifest_gets_one_route_or_one_refusal(
+    saved_pipeline, pipeline, saved_world, world_size, local, saved_sync
+):
     manifest = {"zero_stage": 0, **({"pipeline": {"stages": 2}} if saved_pipeline else {})}
+    if saved_sync is not None and not saved_pipeline:  # (local training's manifest says its mode)
+        manifest["sync"] = saved_sync
     if saved_world is not None:
         manifest["world_size"] = saved_world
     same = saved_world in (None, world_size)
-    if pipeline and not saved_pipeline:
-        expected = "saved without `pipeline`"
+    if pipeline and not saved_pipeline:  # (data parallel into a pipeline, by name; not local training's state)
+        expected = Route.INTO_PIPELINE if saved_sync is None else "saved with `sync='local_sgd'`"
     elif saved_pipeline and not pipeline:  # (the whole model by name, at any world size; not into local training)
         expected = Route.FROM_PIPELINE if local is None else "`sync='diloco'` needs each rank's own optimizer state"
     elif pipeline:

@@ -1,0 +1,83 @@
+"""A data-parallel checkpoint read by parameter name for a pipeline (:mod:`lightning_hetero.recover.into_pipeline`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_hetero.recover.into_pipeline import NAMES_KEY, data_parallel_state, optimizer_parameter_names
+from lightning_hetero.recover.refusal import ResumeRefused
+
+
+def model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    # Two groups, in an order that is not the module's: indices only mean something with the names beside them.
+    optimizer = torch.optim.Adam(
+        [{"params": [model[1].weight, model[0].bias]}, {"params": [model[0].weight, model[1].bias], "lr": 0.5}]
+    )
+    model(torch.randn(5, 3)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def zero_0_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> Path:
+    """What DeepSpeed writes at ZeRO-0 (the module, the client optimizer's state_dict, its own entries) beside
+    Lightning's client state."""
+    (directory / "checkpoint").mkdir(parents=True)
+    (directory / "latest").write_text("checkpoint")
+    states = {
+        "module": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "ds_version": "0.19.8",
+        "global_steps": 1,
+        "epoch": 0,
+        "global_step": 1,
+        "loops": {"fit_loop": {}},
+    }
+    torch.save(states, directory / "checkpoint" / "mp_rank_00_model_states.pt")
+    return directory
+
+
+def test_a_zero_0_checkpoint_is_read_by_the_names_its_manifest_recorded(tmp_path):
+    model, optimizer = model_and_optimizer()
+    names = optimizer_parameter_names(model, optimizer)
+    assert names == [["1.weight", "0.bias"], ["0.weight", "1.bias"]]
+    chosen = zero_0_checkpoint(tmp_path, model, optimizer)
+    weights, named, client = data_parallel_state(chosen, {"zero_stage": 0, NAMES_KEY: names}, None)
+    assert weights.keys() == model.state_dict().keys()
+    for name, parameter in model.named_parameters():
+        assert torch.equal(named["state"][name]["exp_avg"], optimizer.state[parameter]["exp_avg"])
+    assert [group["params"] for group in named["param_groups"]] == names
+    assert [group["lr"] for group in named["param_groups"]] == [0.001, 0.5]
+    assert client == {"epoch": 0, "global_step": 1, "loops": {"fit_loop": {}}}  # (DeepSpeed's own entries left out)
+
+
+def test_a_zero_0_checkpoint_without_names_or_with_other_counts_is_refused_with_what_to_do(tmp_path):
+    model, optimizer = model_and_optimizer()
+    chosen = zero_0_checkpoint(tmp_path, model, optimizer)
+    with pytest.raises(ResumeRefused, match="records no names .* Resume it once without `pipeline` and save again"):
+        data_parallel_state(chosen, {"zero_stage": 0}, None)
+    with pytest.raises(ResumeRefused, match=r"\[1, 2\] per group.*\[2, 2\].*altered"):
+        data_parallel_state(chosen, {"zero_stage": 0, NAMES_KEY: [["1.weight"], ["0.weight", "1.bias"]]}, None)
+
+
+def test_deepspeed_s_own_fp16_optimizer_state_is_refused(tmp_path):
+    model, optimizer = model_and_optimizer()
+    chosen = zero_0_checkpoint(tmp_path, model, optimizer)
+    path = chosen / "checkpoint" / "mp_rank_00_model_states.pt"
+    states = torch.load(path)
+    states["optimizer"] = {"optimizer_state_dict": states["optimizer"], "loss_scaler": 1.0}
+    torch.save(states, path)
+    with pytest.raises(ResumeRefused, match="DeepSpeed's own fp16/bf16 optimizer"):
+        data_parallel_state(chosen, {"zero_stage": 0, NAMES_KEY: [["a"]]}, None)
+
+
+def test_an_optimizer_over_parameters_outside_the_module_records_no_names():
+    model, _ = model_and_optimizer()
+    stranger = nn.Parameter(torch.zeros(2))
+    assert optimizer_parameter_names(model, torch.optim.SGD([stranger, *model.parameters()], lr=0.1)) is None
+    assert optimizer_parameter_names(model, None) is None
