@@ -19,6 +19,7 @@ from typing import Optional
 
 from lightning_hetero.measure.cost import CostModel, last_true
 from lightning_hetero.plan.planner import (
+    MIN_SAMPLES_PER_RANK,
     AutomaticSplit,
     PlannedSplit,
     check_plannable,
@@ -195,7 +196,7 @@ def plan_automatic_split_in_micro_steps(
     """
     planned = plan_micro_steps(costs, global_batch_size)
     try:
-        single = plan_min_max(costs, global_batch_size)
+        single = plan_min_max(costs, global_batch_size, MIN_SAMPLES_PER_RANK)
     except ValueError:  # the ceilings together hold less than the global batch
         single = None
     if single is not None and single.predicted_step_time <= planned.predicted_step_time:

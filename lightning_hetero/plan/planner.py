@@ -65,9 +65,23 @@ def equal_split_time(costs: Sequence[CostModel], global_batch_size: int) -> floa
     return predicted_step_time(costs, split_by_weights(global_batch_size, [1.0] * len(costs)))
 
 
-def plan_min_max(costs: Sequence[CostModel], global_batch_size: int) -> PlannedSplit:
-    """Integer micro-batch sizes ``b_r`` (``1 <= b_r <= max_batch_r``, summing to ``global_batch_size``) that minimise
-    the predicted step time ``max_r costs[r].time(b_r)`` exactly.
+# The fewest samples the planner gives a rank when the global batch allows it: a rank with one sample crashes a model
+# whose BatchNorm is not synchronized ("Expected more than 1 value per channel when training"), as DDP would with a
+# per-rank batch of one, and the package chose that split, not the user.
+MIN_SAMPLES_PER_RANK = 2
+
+
+def rank_floors(costs: Sequence[CostModel], global_batch_size: int, minimum: int) -> list[int]:
+    """Each rank's fewest samples: ``minimum``, or its ceiling when lower; one each when the batch cannot give every
+    rank that many."""
+    floors = [minimum if cost.max_batch is None else max(1, min(minimum, cost.max_batch)) for cost in costs]
+    return floors if sum(floors) <= global_batch_size else [1] * len(costs)
+
+
+def plan_min_max(costs: Sequence[CostModel], global_batch_size: int, minimum: int = 1) -> PlannedSplit:
+    """Integer micro-batch sizes ``b_r`` (``f_r <= b_r <= max_batch_r``, summing to ``global_batch_size``) that minimise
+    the predicted step time ``max_r costs[r].time(b_r)`` exactly. ``f_r``: ``minimum`` samples, or the rank's ceiling
+    when lower, or 1 when the batch cannot give every rank ``minimum`` (:func:`rank_floors`).
 
     Ties among optimal splits are broken so that every rank computes the same answer and no rank waits longer than it
     must: the split returned makes the vector of per-rank times, sorted from slowest to fastest, lexicographically
@@ -77,25 +91,27 @@ def plan_min_max(costs: Sequence[CostModel], global_batch_size: int) -> PlannedS
     holds whenever each rank's time strictly grows with its batch, which is always the case unless ``per_sample`` is
     so small next to ``fixed`` that adjacent batch sizes round to the same float; the maximum is minimal in every case.
 
-    How: call a sample's *cost* the time its rank reaches when it takes that sample. Each rank's first sample is
-    compulsory; of the rest, an optimal split takes the ``B - W`` cheapest. So it finds the lowest level ``L`` with at
-    least ``B - W`` optional samples costing ``<= L`` (a search over the at most 2**63 non-negative doubles, each probe
+    How: call a sample's *cost* the time its rank reaches when it takes that sample. Each rank's first ``f_r``
+    samples are compulsory; of the rest, an optimal split takes the ``B - sum(f)`` cheapest. So it finds the lowest
+    level ``L`` with at least ``B - sum(f)`` optional samples costing ``<= L`` (a search over the at most 2**63
+    non-negative doubles, each probe
     counting O(1) per rank), gives every rank all its samples cheaper than ``L``, and hands out the ones costing exactly
     ``L`` to the ranks already closest to ``L``. O(64 W) time evaluations in the usual case plus an O(W log W) sort,
     independent of ``B``.
 
     Raises ValueError when the batch cannot be split: fewer samples than ranks, or more than the memory ceilings hold.
     """
-    world_size = check_plannable(costs, global_batch_size)
-    optional_samples = global_batch_size - world_size  # beyond every rank's compulsory first one
+    check_plannable(costs, global_batch_size)
+    floors = rank_floors(costs, global_batch_size, minimum)
+    optional_samples = global_batch_size - sum(floors)  # beyond every rank's compulsory ones
     if optional_samples == 0:
-        sizes = [1] * world_size
+        sizes = list(floors)
     else:
-        # No rank ever takes more than B - (W - 1) samples (the others hold one each): this bounds every search even
-        # for ranks without a memory ceiling.
-        cap = optional_samples + 1
-        level = _lowest_sufficient_level(costs, optional_samples, cap)
-        sizes = _fill_up_to_level(costs, level, global_batch_size, cap)
+        # No rank ever takes more than its floor plus every optional sample: this bounds every search even for ranks
+        # without a memory ceiling.
+        cap = optional_samples + max(floors)
+        level = _lowest_sufficient_level(costs, floors, optional_samples, cap)
+        sizes = _fill_up_to_level(costs, floors, level, global_batch_size, cap)
     times = tuple(cost.time(size) for cost, size in zip(costs, sizes))
     return PlannedSplit(batch_sizes=tuple(sizes), predicted_step_time=max(times), predicted_times=times)
 
@@ -124,17 +140,21 @@ def check_plannable(costs: Sequence[CostModel], global_batch_size: int) -> int:
     return world_size
 
 
-def _optional_samples_within(costs: Sequence[CostModel], level: float, cap: int, enough: int) -> int:
-    """How many optional samples (each rank's second and later) cost ``<= level``; stops counting at ``enough``."""
+def _optional_samples_within(
+    costs: Sequence[CostModel], floors: Sequence[int], level: float, cap: int, enough: int
+) -> int:
+    """How many optional samples (each rank's beyond its floor) cost ``<= level``; stops counting at ``enough``."""
     total = 0
-    for cost in costs:
-        total += max(0, cost.largest_batch_within(level, cap) - 1)
+    for cost, floor in zip(costs, floors):
+        total += max(0, cost.largest_batch_within(level, cap) - floor)
         if total >= enough:
             break
     return total
 
 
-def _lowest_sufficient_level(costs: Sequence[CostModel], optional_samples: int, cap: int) -> float:
+def _lowest_sufficient_level(
+    costs: Sequence[CostModel], floors: Sequence[int], optional_samples: int, cap: int
+) -> float:
     """The smallest float ``L`` with at least ``optional_samples`` non-compulsory samples costing ``<= L``.
 
     The count only changes at values ``time_r(k)``, so the smallest such float *is* one of them: searching the floats
@@ -152,26 +172,28 @@ def _lowest_sufficient_level(costs: Sequence[CostModel], optional_samples: int, 
     def from_ordinal(ordinal_value: int) -> float:
         return double.unpack(signed.pack(ordinal_value))[0]
 
-    # Below the cheapest second sample nothing optional fits; at the dearest sample any rank may need, all of them do
-    # (`check_plannable` made sure that is enough).
-    reachable = [cost for cost in costs if cost.max_batch is None or cost.max_batch >= 2]
-    too_low = ordinal(min(cost.time(2) for cost in reachable)) - 1
+    # Below the cheapest first optional sample nothing optional fits; at the dearest sample any rank may need, all of
+    # them do (`check_plannable` made sure that is enough).
+    reachable = [(c, f) for c, f in zip(costs, floors) if c.max_batch is None or c.max_batch > f]
+    too_low = ordinal(min(cost.time(floor + 1) for cost, floor in reachable)) - 1
     high_enough = ordinal(max(cost.time(cap if cost.max_batch is None else min(cap, cost.max_batch)) for cost in costs))
     while high_enough - too_low > 1:
         middle = (too_low + high_enough) // 2
-        if _optional_samples_within(costs, from_ordinal(middle), cap, optional_samples) >= optional_samples:
+        if _optional_samples_within(costs, floors, from_ordinal(middle), cap, optional_samples) >= optional_samples:
             high_enough = middle
         else:
             too_low = middle
     return from_ordinal(high_enough)
 
 
-def _fill_up_to_level(costs: Sequence[CostModel], level: float, global_batch_size: int, cap: int) -> list[int]:
+def _fill_up_to_level(
+    costs: Sequence[CostModel], floors: Sequence[int], level: float, global_batch_size: int, cap: int
+) -> list[int]:
     """Give every rank all its samples cheaper than ``level``, then the missing ones among those costing exactly it."""
     just_below = math.nextafter(level, -math.inf)
-    # max(1, ...): the compulsory first sample counts even when it alone costs more than `level`.
-    sizes = [max(1, cost.largest_batch_within(just_below, cap)) for cost in costs]
-    at_level = [max(1, cost.largest_batch_within(level, cap)) - size for cost, size in zip(costs, sizes)]
+    # max(floor, ...): the compulsory samples count even when they alone cost more than `level`.
+    sizes = [max(f, cost.largest_batch_within(just_below, cap)) for cost, f in zip(costs, floors)]
+    at_level = [max(f, c.largest_batch_within(level, cap)) - size for c, f, size in zip(costs, floors, sizes)]
     missing = global_batch_size - sum(sizes)
     # A rank that gets no sample at `level` stays at its current time, so the ranks already closest to `level` should
     # get them: that leaves the lowest times to the others (the lexicographic tie-break of plan_min_max) and serves
@@ -222,7 +244,7 @@ def plan_automatic_split(
     costs: Sequence[CostModel], global_batch_size: int, min_gain: float = MIN_PREDICTED_GAIN
 ) -> AutomaticSplit:
     """:func:`plan_min_max`, unless the equal split fits in memory and is predicted within ``min_gain`` of it."""
-    planned = plan_min_max(costs, global_batch_size)
+    planned = plan_min_max(costs, global_batch_size, MIN_SAMPLES_PER_RANK)
     equal_time = equal_split_time(costs, global_batch_size)
     if planned.speedup_over(equal_time) >= 1 + min_gain:
         return AutomaticSplit(planned, equal_time, kept_equal=False, min_gain=min_gain)

@@ -53,7 +53,7 @@ from lightning_hetero.plan.explore import (
     window_of,
 )
 from lightning_hetero.plan.micro_steps import micro_steps_for, plan_micro_steps, rank_time
-from lightning_hetero.plan.planner import plan_min_max, predicted_step_time
+from lightning_hetero.plan.planner import MIN_SAMPLES_PER_RANK, plan_min_max, predicted_step_time
 from lightning_hetero.runtime.checks import check_positive_int, is_real
 
 DEFAULT_THRESHOLD = 0.05
@@ -365,7 +365,7 @@ def _planned_over(
     if micro_steps:
         in_steps = plan_micro_steps(costs, samples)
         return in_steps.samples, in_steps.micro_steps
-    return plan_min_max(costs, samples).batch_sizes, (1,) * len(costs)
+    return plan_min_max(costs, samples, MIN_SAMPLES_PER_RANK).batch_sizes, (1,) * len(costs)
 
 
 @dataclass

@@ -45,7 +45,8 @@ def data_parallel_state(
     """The checkpoint ``chosen`` (data parallel, any ZeRO stage) by name: the whole model's ``state_dict``, the
     optimizer's ``{"state": {name: ...}, "param_groups": [{..., "params": [names]}]}``, and the trainer's state.
     ``universal_copy``: the directory DeepSpeed's universal copy is in, its tag folder inside (ZeRO 1-3;
-    :func:`.elastic.convert_to_universal` made it); ``in_full``: the user trusts the checkpoint (else DeepSpeed's files load weights-only)."""
+    :func:`.elastic.convert_to_universal` made it); ``in_full``: the user trusts the checkpoint (else DeepSpeed's
+    files load weights-only)."""
     tag = chosen / checkpoint.deepspeed_tag(chosen)
     stage = manifest.get("zero_stage", 0)
     if stage == 0:

@@ -19,12 +19,14 @@ from hypothesis import strategies as st
 from lightning_hetero.measure.cost import CostModel
 from lightning_hetero.plan.planner import (
     MIN_PREDICTED_GAIN,
+    MIN_SAMPLES_PER_RANK,
     PlannedSplit,
     equal_split_time,
     plan_automatic_split,
     plan_min_max,
     predicted_step_time,
     predicted_times,
+    rank_floors,
     required_gain,
 )
 from lightning_hetero.plan.split import split_by_weights
@@ -456,3 +458,55 @@ def test_same_model_devices_need_a_wide_margin_to_leave_the_equal_split():
     # A same-model rank that is really 1.6x slower (a throttled board) is still split around.
     throttled = [CostModel(fixed=0.0, per_sample=1.0), CostModel(fixed=0.0, per_sample=1.6)]
     assert not plan_automatic_split(throttled, 200, min_gain=required_gain(same_model=True)).kept_equal
+
+
+# ------------------------------------------------------------------------------------- the floor of samples per rank
+
+
+def brute_force_with_floor(costs: Sequence[CostModel], total: int, minimum: int):
+    floors = rank_floors(costs, total, minimum)
+    allowed = [sizes for sizes in compositions(costs, total) if all(b >= f for b, f in zip(sizes, floors))]
+    best = None
+    for sizes in allowed:
+        key = (tuple(sorted((c.time(b) for c, b in zip(costs, sizes)), reverse=True)), tuple(-b for b in sizes))
+        if best is None or key < best:
+            best = key
+    return None if best is None else (best[0], tuple(-b for b in best[1]))
+
+
+def test_a_floor_of_samples_per_rank_matches_brute_force_on_all_small_cases():
+    rng = random.Random(20261130)
+    checked = floored = 0
+    for _ in range(600):
+        world_size = rng.randint(1, 4)
+        costs = [random_cost(rng) for _ in range(world_size)]
+        total = rng.randint(world_size, 14)
+        minimum = rng.choice([2, 3])
+        expected = brute_force_with_floor(costs, total, minimum)
+        if expected is None:
+            with pytest.raises(ValueError, match="does not fit"):
+                plan_min_max(costs, total, minimum)
+            continue
+        plan = plan_min_max(costs, total, minimum)
+        assert_valid(costs, total, plan)
+        floors = rank_floors(costs, total, minimum)
+        assert all(b >= f for b, f in zip(plan.batch_sizes, floors))
+        assert plan.predicted_step_time == expected[0][0], (costs, total, minimum, plan)
+        if all(strictly_increasing(c, total) for c in costs):
+            assert plan.batch_sizes == expected[1], (costs, total, minimum, plan)
+        floored += any(f > 1 for f in floors)
+        checked += 1
+    assert checked > 400 and floored > 200
+
+
+def test_a_very_slow_rank_gets_two_samples_not_one_when_the_batch_allows():
+    """The automatic split and the re-planner never leave a rank one sample (an unsynchronized BatchNorm fails on
+    it) unless the batch is too small for two each or the rank's memory holds one."""
+    costs = [CostModel(0.0, 100.0)] + [CostModel(0.0, 1.0)] * 3
+    assert plan_min_max(costs, 40).batch_sizes == (1, 13, 13, 13)  # (the bare planner: one is the least)
+    assert plan_automatic_split(costs, 40).planned.batch_sizes == (2, 13, 13, 12)
+    assert plan_automatic_split(costs, 7).planned.batch_sizes == (1, 2, 2, 2)  # (too small for two each)
+    bounded = [CostModel(0.0, 100.0, max_batch=1)] + [CostModel(0.0, 1.0)] * 3
+    assert plan_automatic_split(bounded, 40).planned.batch_sizes == (1, 13, 13, 13)
+    assert rank_floors(bounded, 40, MIN_SAMPLES_PER_RANK) == [1, 2, 2, 2]
+    assert rank_floors(costs, 7, MIN_SAMPLES_PER_RANK) == [1, 1, 1, 1]
