@@ -185,6 +185,12 @@ class HeteroSettings:
         refusal = shards_refusal(check_shards(shards), stage, pipeline_choice is not None)
         if refusal:
             raise ValueError(refusal)
+        if pipeline_choice is not None and pipeline_choice.schedule == "interleaved" and rebalance:
+            raise ValueError(
+                "HeteroStrategy(pipeline={'schedule': 'interleaved', ...}, rebalance=True): blocks do not move between"
+                " the chunks of an interleaved pipeline yet; they stay where they were placed. Leave out `rebalance`,"
+                " or use `schedule='1f1b'`."
+            )
         if pipeline_choice is not None:
             refusal = pipeline_argument_refusal(
                 stage=stage,

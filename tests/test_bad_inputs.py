@@ -112,8 +112,25 @@ CONSTRUCTOR = [
     ({"pipeline": {"stages": 2, "blocks": "net", "boundaries": 3}}, "`boundaries` 3 must be a list of 1 block"),
     (
         {"pipeline": {"stages": 2, "blocks": "net", "schedule": "zb"}},
-        "`schedule` 'zb' must be one of ['1f1b', 'gpipe']",
+        "`schedule` 'zb' must be one of ['1f1b', 'gpipe', 'interleaved']",
     ),
+    (
+        {"pipeline": {"stages": 2, "blocks": "net", "schedule": "interleaved", "virtual_stages": 1}},
+        "`virtual_stages` 1 must be an integer >= 2 with the interleaved schedule",
+    ),
+    (
+        {"pipeline": {"stages": 2, "blocks": "net", "virtual_stages": 2}},
+        "`virtual_stages` 2 goes with `schedule='interleaved'` only",
+    ),
+    (
+        {"pipeline": {"stages": 2, "blocks": "net", "schedule": "interleaved", "micro_batches": 3}},
+        "`micro_batches` 3 must be a multiple of `stages` 2 with the interleaved schedule",
+    ),
+    (
+        {"pipeline": {"stages": 2, "blocks": "net", "schedule": "interleaved"}, "rebalance": True},
+        "blocks do not move between the chunks of an interleaved pipeline yet",
+    ),
+    ({"shards": "memory"}, "HeteroStrategy(shards='memory'): memory-sized optimizer shards run inside a pipeline"),
     ({"pipeline": {"stages": 2, "blocks": "net", "micro_batches": 0}}, "`micro_batches` 0 must be an integer >= 1"),
     ({"pipeline": {"stages": 2, "blocks": "net"}, "stage": 3}, "HeteroStrategy(pipeline=..., stage=3): not with a"),
     ({"pipeline": {"stages": 2, "blocks": "net"}, "batch_sizes": [4, 4]}, "(pipeline=..., batch_sizes=[4, 4]): not"),

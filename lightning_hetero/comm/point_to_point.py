@@ -25,20 +25,23 @@ class PeerTimeout(RuntimeError):
     """A neighbouring stage did not send, or take, a tensor within the deadline."""
 
 
-def header_of(tensor: Tensor) -> Tensor:
-    """The dtype and shape of ``tensor`` as a fixed-size int64 header."""
+def header_of(tensor: Tensor, key: int = 0) -> Tensor:
+    """The dtype and shape of ``tensor`` as a fixed-size int64 header, and the message's ``key``."""
     if tensor.dim() > MAX_DIMENSIONS or tensor.dtype not in DTYPES:
         raise ValueError(
             f"HeteroStrategy(pipeline=...): a stage's output of dtype {tensor.dtype} and {tensor.dim()} dimensions"
             f" cannot cross a stage boundary (at most {MAX_DIMENSIONS} dimensions, a dtype of {list(DTYPES)})."
         )
     shape = list(tensor.shape) + [0] * (MAX_DIMENSIONS - tensor.dim())
-    return torch.tensor([DTYPES.index(tensor.dtype), tensor.dim(), *shape], dtype=torch.int64)
+    return torch.tensor([DTYPES.index(tensor.dtype), tensor.dim(), *shape, key], dtype=torch.int64)
 
 
 def empty_from(header: Tensor, device: torch.device) -> Tensor:
-    dtype_index, dimensions, *shape = (int(v) for v in header.tolist())
+    dtype_index, dimensions, *shape = (int(v) for v in header.tolist()[:-1])
     return torch.empty(shape[:dimensions], dtype=DTYPES[dtype_index], device=device)
+
+
+HEADER_LENGTH = 3 + MAX_DIMENSIONS
 
 
 class PeerLink:
@@ -48,23 +51,34 @@ class PeerLink:
         self.device = device
         self.timeout = timedelta(seconds=timeout_seconds)
         self._pending: list[tuple[Any, int, str, list[Tensor]]] = []  # (work, peer, what, tensors kept alive)
+        # Messages that arrived before the one awaited, by (peer, key): the interleaved schedule receives from a peer
+        # in another order than the peer sends (a peer's messages arrive in its order; a key names each).
+        self._arrived: dict[tuple[int, int], Tensor] = {}
 
-    def send(self, tensor: Tensor, peer: int, what: str) -> None:
+    def send(self, tensor: Tensor, peer: int, what: str, key: int = 0) -> None:
+        """``tensor`` to rank ``peer`` without waiting; ``key`` names the message to a receiver that may await
+        another first (the same key twice between two ranks in one step: in order)."""
         data = tensor.detach().to(self.device).contiguous()
         if data.dtype in (torch.bfloat16, torch.float16):
             # Stages may train in different precisions (`device_precision`): a boundary carries fp32, and each
             # stage's autocast casts what it computes in (as DeepSpeed's fp32 collectives do between such ranks).
             data = data.float()
-        header = header_of(data).to(self.device)
+        header = header_of(data, key).to(self.device)
         for part in (header, data):
             self._pending.append((dist.isend(part, peer), peer, what, [part]))
 
-    def receive(self, peer: int, what: str) -> Tensor:
-        header = torch.empty(2 + MAX_DIMENSIONS, dtype=torch.int64, device=self.device)
-        self._wait(dist.irecv(header, peer), peer, f"the header of {what}")
-        data = empty_from(header.cpu(), self.device)
-        self._wait(dist.irecv(data, peer), peer, what)
-        return data
+    def receive(self, peer: int, what: str, key: int = 0) -> Tensor:
+        """Message ``key`` from rank ``peer``: those the peer sent before it are kept for their own receive."""
+        while (peer, key) not in self._arrived:
+            header = torch.empty(HEADER_LENGTH, dtype=torch.int64, device=self.device)
+            self._wait(dist.irecv(header, peer), peer, f"the header of {what}")
+            data = empty_from(header.cpu(), self.device)
+            self._wait(dist.irecv(data, peer), peer, what)
+            arrived = int(header[-1])
+            if (peer, arrived) in self._arrived:
+                raise RuntimeError(f"HeteroStrategy(pipeline=...): rank {peer} sent message {arrived} twice")
+            self._arrived[(peer, arrived)] = data
+        return self._arrived.pop((peer, key))
 
     def flush(self) -> None:
         """Every send handed over (before the step's reduction, which must not overtake them)."""

@@ -25,7 +25,8 @@ module, and how a stage sits in it, can be read (and tested) without any process
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
 
 from torch import Tensor, nn
@@ -120,14 +121,59 @@ class ElsewhereBlock(nn.Module):
 
 class StageOfChain:
     """This rank's stage installed in the user's module: blocks of other stages dropped, hooks on its first and last
-    block (the received input in, the hand-off out), and a check that the chain runs in order, each block once."""
+    block (the received input in, the hand-off out), and a check that the chain runs in order, each block once.
 
-    def __init__(self, chain: nn.Module, names: Sequence[str], owned: range, stage: int, stages: int, path: str):
-        self.chain, self.names, self.owned = chain, list(names), owned
+    With the interleaved schedule the stage holds several chunks (``chunks``, contiguous ranges in the chain's order;
+    chunk ``v`` is the chain's chunk ``v * stages + stage``): each forward pass runs one of them (:meth:`running`),
+    whose first block takes the received input and whose last block hands off; the stage's blocks of earlier chunks
+    stand aside during it (their work belongs to their own pass)."""
+
+    def __init__(
+        self,
+        chain: nn.Module,
+        names: Sequence[str],
+        owned: Sequence[int],
+        stage: int,
+        stages: int,
+        path: str,
+        chunks: Optional[Sequence[range]] = None,
+    ):
+        self.chain, self.names, self.owned = chain, list(names), list(owned)
+        self.chunks = list(chunks) if chunks is not None else [range(self.owned[0], self.owned[-1] + 1)]
         self.stage, self.stages, self.path = stage, stages, path
         self.incoming: Optional[Tensor] = None
+        self.active = 0  # the chunk the forward pass under way runs
         self._called: list[int] = []
         self._handles: list[Any] = []
+        self._stand_ins: dict[str, ElsewhereBlock] = {}  # (for the blocks of earlier chunks, made once)
+
+    def _global_chunk(self, chunk: int) -> int:
+        return chunk * self.stages + self.stage
+
+    def takes_input(self, chunk: int) -> bool:
+        """Whether chunk ``chunk``'s first block takes a received input (every chunk but the chain's first)."""
+        return self._global_chunk(chunk) > 0
+
+    def hands_off(self, chunk: int) -> bool:
+        """Whether chunk ``chunk``'s last block hands off (every chunk but the chain's last)."""
+        return self._global_chunk(chunk) < self.stages * len(self.chunks) - 1
+
+    @contextlib.contextmanager
+    def running(self, chunk: int) -> Iterator[None]:
+        """A forward pass of chunk ``chunk``: the stage's blocks of earlier chunks stand aside (what flows into them
+        flows on, and is replaced at this chunk's first block), and are back in place after it."""
+        self.active = chunk
+        aside = {self.names[i]: block_of(self.chain, self.names[i]) for c in self.chunks[:chunk] for i in c}
+        for name, block in aside.items():
+            if name not in self._stand_ins:
+                self._stand_ins[name] = ElsewhereBlock(name, block)
+            self.chain._modules[name] = self._stand_ins[name]
+        try:
+            yield
+        finally:
+            for name, block in aside.items():
+                self.chain._modules[name] = block
+            self.active = 0
 
     def install(self) -> None:
         for index, name in enumerate(self.names):
@@ -143,11 +189,12 @@ class StageOfChain:
         for index, name in enumerate(self.names):
             block = block_of(self.chain, name)
             self._handles.append(block.register_forward_pre_hook(self._order_hook(index), with_kwargs=True))
-        first, last = block_of(self.chain, self.names[self.owned[0]]), block_of(self.chain, self.names[self.owned[-1]])
-        if self.stage > 0:
-            self._handles.append(first.register_forward_pre_hook(self._take_incoming, with_kwargs=True))
-        if self.stage < self.stages - 1:
-            self._handles.append(last.register_forward_hook(self._hand_off))
+        for chunk, blocks in enumerate(self.chunks):
+            first, last = block_of(self.chain, self.names[blocks[0]]), block_of(self.chain, self.names[blocks[-1]])
+            if self.takes_input(chunk):
+                self._handles.append(first.register_forward_pre_hook(self._take_incoming_for(chunk), with_kwargs=True))
+            if self.hands_off(chunk):
+                self._handles.append(last.register_forward_hook(self._hand_off_for(chunk)))
 
     def uninstall(self) -> None:
         for handle in self._handles:
@@ -173,6 +220,19 @@ class StageOfChain:
 
         return check
 
+    def _take_incoming_for(self, chunk: int) -> Callable[..., Any]:
+        def take(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+            return self._take_incoming(module, args, kwargs) if self.active == chunk else None
+
+        return take
+
+    def _hand_off_for(self, chunk: int) -> Callable[..., None]:
+        def hand_off(module: nn.Module, args: tuple, output: Any) -> None:
+            if self.active == chunk:
+                self._hand_off(module, args, output)
+
+        return hand_off
+
     def _take_incoming(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.incoming is None:
             raise RuntimeError(
@@ -186,8 +246,9 @@ class StageOfChain:
 
     def _hand_off(self, module: nn.Module, args: tuple, output: Any) -> None:
         if not isinstance(output, Tensor):
+            last = self.names[self.chunks[self.active][-1]]
             raise ValueError(
-                f"HeteroStrategy(pipeline=...): block {self.names[self.owned[-1]]!r} of `{self.path}` returned a"
+                f"HeteroStrategy(pipeline=...): block {last!r} of `{self.path}` returned a"
                 f" {type(output).__name__}; a stage boundary passes one tensor. Put the boundary after a block that"
                 " returns a tensor (`boundaries`)."
             )

@@ -34,7 +34,10 @@ def describe_pipeline(
     ]
     for stage in range(choice.stages):
         blocks = placement.blocks_of(stage)
-        shown = f"{names[blocks[0]]}..{names[blocks[-1]]}" if len(blocks) > 1 else names[blocks[0]]
+        shown = " + ".join(
+            f"{names[chunk[0]]}..{names[chunk[-1]]}" if len(chunk) > 1 else names[chunk[0]]
+            for chunk in placement.chunks_of(stage)
+        )
         line = f"  stage {stage} on rank {placement.ranks[stage]}: blocks {shown} ({len(blocks)})"
         if measured:
             line += f", {placement.stage_seconds[stage] * micro_batch * 1e3:.2f} ms per micro-batch"

@@ -12,29 +12,32 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
 
 
 @dataclass(frozen=True)
 class PipelineChoice:
     """The checked ``pipeline`` argument: ``stages`` per pipeline, the chain's attribute path ``blocks``, fixed
-    ``boundaries`` (None: placed by the blocks' measured costs), the ``schedule`` and ``micro_batches`` per step."""
+    ``boundaries`` (None: placed by the blocks' measured costs), the ``schedule``, ``micro_batches`` per step and,
+    for the interleaved schedule, ``virtual_stages``: the chunks of the chain each rank holds (1 otherwise)."""
 
     stages: int
     blocks: str
     boundaries: Optional[tuple[int, ...]] = None
     schedule: str = "1f1b"
     micro_batches: Optional[int] = None  # None: twice the stages, so the bubble is at most a third of the step
+    virtual_stages: int = 1
 
     def micro_batches_for(self, samples: int) -> int:
         return max(1, min(samples, self.micro_batches or 2 * self.stages))
 
     def describe(self) -> str:
         where = f"boundaries {list(self.boundaries)}" if self.boundaries else "boundaries placed by speed and memory"
-        return f"{self.stages} stages of `{self.blocks}`, {where}, {self.schedule}"
+        schedule = self.schedule + (f" ({self.virtual_stages} chunks per rank)" if self.virtual_stages > 1 else "")
+        return f"{self.stages} stages of `{self.blocks}`, {where}, {schedule}"
 
 
-PIPELINE_KEYS = ("stages", "blocks", "boundaries", "schedule", "micro_batches")
+PIPELINE_KEYS = ("stages", "blocks", "boundaries", "schedule", "micro_batches", "virtual_stages")
 
 
 def check_pipeline_argument(value: Any) -> Optional[PipelineChoice]:
@@ -89,7 +92,25 @@ def check_pipeline_argument(value: Any) -> Optional[PipelineChoice]:
             f"HeteroStrategy(pipeline=...): `micro_batches` {micro_batches!r} must be an integer >= 1 (each"
             " pipeline's batch is cut into that many micro-batches per step); leave it out for twice the stages."
         )
-    return PipelineChoice(stages, blocks, boundaries, schedule, micro_batches)
+    virtual_stages = value.get("virtual_stages", 2 if schedule == "interleaved" else 1)
+    if schedule == "interleaved":
+        if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 2:
+            raise ValueError(
+                f"HeteroStrategy(pipeline=...): `virtual_stages` {virtual_stages!r} must be an integer >= 2 with the"
+                " interleaved schedule (the chunks of the chain each rank holds); leave it out for 2."
+            )
+        if micro_batches is not None and micro_batches % stages:
+            raise ValueError(
+                f"HeteroStrategy(pipeline=...): `micro_batches` {micro_batches} must be a multiple of `stages` {stages}"
+                " with the interleaved schedule (its micro-batches go round the stages in groups of `stages`); use"
+                f" {stages * max(1, round(micro_batches / stages))}, or leave it out for {2 * stages}."
+            )
+    elif virtual_stages != 1:
+        raise ValueError(
+            f"HeteroStrategy(pipeline=...): `virtual_stages` {virtual_stages!r} goes with `schedule='interleaved'`"
+            f" only; with {schedule!r} each rank holds one contiguous part of the chain. Leave it out."
+        )
+    return PipelineChoice(stages, blocks, boundaries, schedule, micro_batches, virtual_stages)
 
 
 def replicas_of(choice: PipelineChoice, world_size: int) -> int:

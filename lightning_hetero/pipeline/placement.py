@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from lightning_hetero.plan.split import split_by_weights
@@ -81,14 +81,26 @@ class StagePlacement:
     stage_bytes: tuple[int, ...]
     blocks: int
     source: str  # "balanced" (searched) or "boundaries" (the user's)
+    # The interleaved schedule's chunks: the first block of each of the S*V chunks of the chain, chunk g held by
+    # stage g % S (empty: each stage holds its one contiguous range, `boundaries`).
+    chunk_starts: tuple[int, ...] = ()
 
     @property
     def starts(self) -> tuple[int, ...]:
         return (0, *self.boundaries)
 
-    def blocks_of(self, stage: int) -> range:
-        ends = (*self.boundaries, self.blocks)
-        return range(self.starts[stage], ends[stage])
+    def chunks_of(self, stage: int) -> list[range]:
+        """The contiguous ranges of blocks ``stage`` holds: its chunks in the chain's order (one without chunks)."""
+        if not self.chunk_starts:
+            ends = (*self.boundaries, self.blocks)
+            return [range(self.starts[stage], ends[stage])]
+        stages = len(self.ranks)
+        ends = (*self.chunk_starts[1:], self.blocks)
+        return [range(self.chunk_starts[g], ends[g]) for g in range(stage, len(self.chunk_starts), stages)]
+
+    def blocks_of(self, stage: int) -> list[int]:
+        """Every block ``stage`` holds, in the chain's order."""
+        return [block for chunk in self.chunks_of(stage) for block in chunk]
 
     @property
     def slowest_seconds(self) -> float:
@@ -103,17 +115,58 @@ class StagePlacement:
 
     def step_seconds(self, micro_batches: int, micro_batch: int) -> float:
         """A step of ``micro_batches`` micro-batches of ``micro_batch`` samples by GPipe's or 1F1B's schedule: the
-        slowest stage for every micro-batch, plus the others once while the pipeline fills and drains."""
+        slowest stage for every micro-batch, plus the others once while the pipeline fills and drains. Interleaved
+        with ``V`` chunks per stage, the fill and drain pass through chunks, a ``V``-th of a stage each: the others'
+        part shrinks ``V`` times."""
         per = [t * micro_batch for t in self.stage_seconds]
-        return (micro_batches - 1) * max(per) + sum(per)
+        chunks = len(self.chunk_starts) // len(self.ranks) if self.chunk_starts else 1
+        return micro_batches * max(per) + (sum(per) - max(per)) / chunks
 
 
-def in_flight(schedule: str, stage: int, stages: int, micro_batches: int) -> int:
+def in_flight(schedule: str, stage: int, stages: int, micro_batches: int, chunks: int = 1) -> int:
     """Micro-batches whose activations stage ``stage`` holds at once: all of them under GPipe (every forward before
-    any backward), ``stages - stage`` at most under 1F1B (its warm-up)."""
+    any backward), ``stages - stage`` at most under 1F1B (its warm-up). Interleaved, with ``chunks`` per rank: its
+    warm-up's chunk passes and one more, each a chunk's activations (a ``chunks``-th of the stage's), in whole
+    micro-batches of the stage."""
     if schedule == "gpipe":
         return micro_batches
+    if schedule == "interleaved":
+        passes = min(micro_batches * chunks, (stages - stage - 1) * 2 + (chunks - 1) * stages + 1)
+        return -(-passes // chunks)
     return min(stages - stage, micro_batches)
+
+
+def interleave(costs: BlockCosts, placement: StagePlacement, chunks: int, holds: Sequence[int]) -> StagePlacement:
+    """``placement`` (contiguous stages, placed by speed) cut into ``chunks`` chunks per stage for the interleaved
+    schedule: stage ``s``'s block count split into ``chunks`` near-equal parts, the chain laid out as chunk 0 of every
+    stage in order, then chunk 1 of every stage, and so on; each stage holds as many blocks as placed, and its time and
+    memory are those of the blocks it now holds. Raises ValueError when a stage holds fewer blocks than ``chunks``."""
+    stages = len(placement.ranks)
+    ends = (*placement.boundaries, placement.blocks)
+    counts = [ends[s] - placement.starts[s] for s in range(stages)]
+    short = [(s, n) for s, n in enumerate(counts) if n < chunks]
+    if short:
+        stage, count = short[0]
+        raise ValueError(
+            f"HeteroStrategy(pipeline=...): stage {stage} holds {count} block(s), fewer than `virtual_stages` {chunks};"
+            " each chunk needs a block. Use fewer `virtual_stages`, fewer `stages`, or a chain of more blocks."
+        )
+    parts = [split_by_weights(n, [1.0] * chunks) for n in counts]
+    starts, first = [], 0
+    for chunk in range(chunks):
+        for stage in range(stages):
+            starts.append(first)
+            first += parts[stage][chunk]
+    interleaved = replace(placement, chunk_starts=tuple(starts))
+    seconds, used = [], []
+    for stage in range(stages):
+        rank = placement.ranks[stage]
+        held = interleaved.blocks_of(stage)
+        time = sum(costs.seconds[rank][b] for b in held) + costs.before_seconds[rank]
+        seconds.append(time + (costs.after_seconds[rank] if stage == stages - 1 else 0.0))
+        activations = sum(costs.activation_bytes[b] for b in held)
+        used.append(costs.outside_bytes + sum(costs.parameter_bytes[b] for b in held) + holds[stage] * activations)
+    return replace(interleaved, stage_seconds=tuple(seconds), stage_bytes=tuple(used))
 
 
 def check_boundaries(boundaries: Sequence[int], stages: int, blocks: int) -> tuple[int, ...]:
@@ -193,6 +246,7 @@ def place_stages(
     ranks: Optional[Sequence[int]] = None,
     search_orders: bool = True,
     last_rank: Optional[int] = None,
+    chunks: int = 1,
 ) -> StagePlacement:
     """The placement of the chain on ``stages`` of the ranks ``ranks`` (default: all of ``costs``' ranks, one stage
     each) whose slowest stage is fastest within every device's memory, the ranks in any order (in theirs without
@@ -209,10 +263,12 @@ def place_stages(
             f"HeteroStrategy(pipeline=...): `stages` {stages} is more than the chain's {costs.blocks} blocks; every"
             f" stage needs at least one block. Use at most {costs.blocks} stages."
         )
-    holds = [in_flight(schedule, s, stages, micro_batches) * micro_batch for s in range(stages)]
+    holds = [in_flight(schedule, s, stages, micro_batches, chunks) * micro_batch for s in range(stages)]
     if boundaries is not None:
         starts = (0, *check_boundaries(boundaries, stages, costs.blocks))
         placement = _placement(costs, pool, starts, holds, "boundaries")
+        if chunks > 1:
+            placement = interleave(costs, placement, chunks, holds)
         _raise_if_over(costs, placement)
         return placement
     orders: Any = [pool]
@@ -231,7 +287,11 @@ def place_stages(
             f" the devices' memory (ceilings {_mib(ceilings)} MiB; the whole chain needs {needed / 2**20:.1f} MiB"
             f" with {max(holds)} samples in flight). Use more stages, fewer micro-batch samples, or larger devices."
         )
-    return _placement(costs, found[2], found[1], holds, "balanced")
+    placed = _placement(costs, found[2], found[1], holds, "balanced")
+    if chunks > 1:  # (the counts placed by speed, cut into chunks: within memory as the chunks' own blocks say)
+        placed = interleave(costs, placed, chunks, holds)
+        _raise_if_over(costs, placed)
+    return placed
 
 
 def _raise_if_over(costs: BlockCosts, placement: StagePlacement) -> None:

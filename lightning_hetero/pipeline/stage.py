@@ -51,6 +51,36 @@ def schedule_actions(schedule: str, stage: int, stages: int, micro_batches: int)
     return actions
 
 
+def interleaved_actions(stage: int, stages: int, micro_batches: int, chunks: int) -> list[tuple[str, int, int]]:
+    """Stage ``stage``'s passes ``(kind, micro-batch, chunk)`` under the interleaved schedule with ``chunks`` chunks per
+    stage (Megatron-LM's interleaved 1F1B): the micro-batches go round the stages in groups of ``stages``, each group
+    through chunk 0 of every stage, then chunk 1...; a warm-up of ``2 (stages - stage - 1) + (chunks - 1) stages``
+    forwards, then one forward and one backward in turn, then the backwards left. The bubble shrinks by ``chunks``
+    against 1F1B's, for ``chunks`` times the hand-offs.
+
+    When ``micro_batches`` is not a multiple of ``stages`` (an epoch's short last batch) that order can deadlock, so the
+    step runs GPipe's order over the chunks instead (every forward, then every backward), which cannot."""
+    groups = [range(first, min(first + stages, micro_batches)) for first in range(0, micro_batches, stages)]
+    forwards = [(m, v) for group in groups for v in range(chunks) for m in group]
+    backwards = [(m, v) for group in groups for v in reversed(range(chunks)) for m in group]
+    total = micro_batches * chunks
+    if micro_batches % stages:
+        return [("F", m, v) for m, v in forwards] + [("B", m, v) for m, v in backwards]
+    warm_up = min(total, 2 * (stages - stage - 1) + (chunks - 1) * stages)
+    actions = [("F", *forwards[k]) for k in range(warm_up)]
+    for index in range(total - warm_up):
+        actions += [("F", *forwards[warm_up + index]), ("B", *backwards[index])]
+    actions += [("B", *backwards[k]) for k in range(total - warm_up, total)]
+    return actions
+
+
+def stage_actions(choice: PipelineChoice, stage: int, micro_batches: int) -> list[tuple[str, int, int]]:
+    """This stage's passes ``(kind, micro-batch, chunk)`` in one step under ``choice``'s schedule."""
+    if choice.schedule == "interleaved":
+        return interleaved_actions(stage, choice.stages, micro_batches, choice.virtual_stages)
+    return [(kind, m, 0) for kind, m in schedule_actions(choice.schedule, stage, choice.stages, micro_batches)]
+
+
 @dataclass(frozen=True)
 class PipelineLayout:
     """Which rank runs which stage of which pipeline: pipeline ``p`` is ranks ``p*S .. p*S+S-1``, its stage ``s`` on
@@ -137,7 +167,9 @@ class Pipeline:
         owned = placement.blocks_of(self.stage)
         # The blocks other stages hold, kept without storage ("meta"): a re-plan that moves one here fills it in.
         self._skeletons = {i: block_of(chain, n) for i, n in enumerate(names) if i not in owned}
-        self.stage_of_chain = StageOfChain(chain, names, owned, self.stage, self.choice.stages, self.choice.blocks)
+        self.stage_of_chain = StageOfChain(
+            chain, names, owned, self.stage, self.choice.stages, self.choice.blocks, placement.chunks_of(self.stage)
+        )
         self.stage_of_chain.install()
         for skeleton in self._skeletons.values():
             skeleton.to("meta")
@@ -195,29 +227,31 @@ class Pipeline:
         (as Lightning's closure divides a step's loss), the returned loss does not. ``loss_scale``: an fp16 stage's
         (else 1): its backward is multiplied by it, and the gradient it sends to the stage before divided by it."""
         assert self.layout is not None and self.stage_of_chain is not None
-        stage, stages, layout = self.stage, self.choice.stages, self.layout
-        previous = layout.rank_of(self.replica, stage - 1) if stage > 0 else None
-        following = layout.rank_of(self.replica, stage + 1) if stage < stages - 1 else None
-        inputs: dict[int, Tensor] = {}
-        outputs: dict[int, Tensor] = {}
+        stage_of_chain = self.stage_of_chain
+        inputs: dict[tuple[int, int], Tensor] = {}
+        outputs: dict[tuple[int, int], Tensor] = {}
         total = torch.zeros((), dtype=torch.float64)
         compute = 0.0
         step_started = time.perf_counter()
-        for kind, m in schedule_actions(self.choice.schedule, stage, stages, len(micro_batches)):
+        for kind, m, v in stage_actions(self.choice, self.stage, len(micro_batches)):
+            previous, following = self._neighbours(v)
             if kind == "F":
                 if previous is not None:
-                    received = self.link.receive(previous, f"micro-batch {m}'s activation").requires_grad_()
-                    inputs[m] = received
-                    self.stage_of_chain.incoming = received
-                self.stage_of_chain.pass_starts()
+                    what = f"micro-batch {m}'s activation" + (f" (chunk {v})" if v else "")
+                    received = self.link.receive(previous, what, self._key("A", m, v)).requires_grad_()
+                    inputs[(m, v)] = received
+                    stage_of_chain.incoming = received
+                stage_of_chain.pass_starts()
                 batch, samples = micro_batches[m]
                 started = time.perf_counter()
-                with slowed():
+                with slowed(), stage_of_chain.running(v):
                     output = self._forward(forward, batch, samples, following is not None)
                 compute += time.perf_counter() - started
                 if following is not None:
-                    self.link.send(output, following, f"micro-batch {m}'s activation")
-                    outputs[m] = output
+                    to = v if stage_of_chain.stage < self.choice.stages - 1 else v + 1  # (the chunk it feeds)
+                    what = f"micro-batch {m}'s activation" + (f" (chunk {v})" if v else "")
+                    self.link.send(output, following, what, self._key("A", m, to))
+                    outputs[(m, v)] = output
                 else:
                     loss = step_loss(output)
                     if not isinstance(loss, Tensor):
@@ -227,23 +261,26 @@ class Pipeline:
                         )
                     weighted = loss * weight_of(samples)
                     total += weighted.detach().double().cpu()
-                    outputs[m] = weighted / accumulated if accumulated > 1 else weighted
+                    outputs[(m, v)] = weighted / accumulated if accumulated > 1 else weighted
             else:
                 gradient = None
                 if following is not None:
-                    gradient = self.link.receive(following, f"micro-batch {m}'s gradient")
+                    what = f"micro-batch {m}'s gradient" + (f" (chunk {v})" if v else "")
+                    gradient = self.link.receive(following, what, self._key("G", m, v))
                 started = time.perf_counter()
                 with slowed():
-                    output = outputs.pop(m)
+                    output = outputs.pop((m, v))
                     scalar = output if gradient is None else (output * gradient.to(output.dtype)).sum()
                     backward(scalar * loss_scale if loss_scale != 1.0 else scalar)
                 compute += time.perf_counter() - started
                 if previous is not None:
-                    received = inputs.pop(m)
+                    received = inputs.pop((m, v))
                     grad = received.grad if received.grad is not None else torch.zeros_like(received)
                     if loss_scale != 1.0:
                         grad = grad / loss_scale  # (an inf from an fp16 overflow stays inf: every stage skips)
-                    self.link.send(grad, previous, f"micro-batch {m}'s gradient")
+                    to = v if stage_of_chain.stage > 0 else v - 1  # (the chunk whose output it is the gradient of)
+                    what = f"micro-batch {m}'s gradient" + (f" (chunk {v})" if v else "")
+                    self.link.send(grad, previous, what, self._key("G", m, to))
         self.link.flush()
         self.step_times.append((compute, time.perf_counter() - step_started - compute))
         # The last stages' weighted losses: the global batch's loss, on every rank (on the device: NCCL moves only
@@ -252,20 +289,38 @@ class Pipeline:
         dist.all_reduce(total)
         return total.float()
 
+    def _neighbours(self, chunk: int) -> tuple[Optional[int], Optional[int]]:
+        """The ranks chunk ``chunk`` of this stage receives its input from and hands its output to (None: the chain's
+        start or end). With chunks, the last stage's chunk ``v`` feeds the first stage's chunk ``v + 1``."""
+        assert self.layout is not None and self.stage_of_chain is not None
+        stage, stages, replica = self.stage, self.choice.stages, self.replica
+        takes, hands = self.stage_of_chain.takes_input(chunk), self.stage_of_chain.hands_off(chunk)
+        previous = self.layout.rank_of(replica, (stage - 1) % stages) if takes else None
+        following = self.layout.rank_of(replica, (stage + 1) % stages) if hands else None
+        return previous, following
+
+    def _key(self, kind: str, micro_batch: int, chunk: int) -> int:
+        """The key of an activation ("A", into ``chunk``) or a gradient ("G", of ``chunk``'s output) of one
+        micro-batch between two ranks, unique within a step (see
+        :class:`~lightning_hetero.comm.point_to_point.PeerLink`)."""
+        return (("A", "G").index(kind) * 64 + chunk) * 2**32 + micro_batch
+
     def evaluation_step(self, batch: Any, forward: Callable[[Any], Any]) -> Any:
         """``forward(batch)`` (the user's validation step) through the stages, the whole batch at once: the last
         stage's output; None on the others (their part of the step ends at their hand-off)."""
         assert self.layout is not None and self.stage_of_chain is not None
-        stage, layout = self.stage, self.layout
-        previous = layout.rank_of(self.replica, stage - 1) if stage > 0 else None
-        following = layout.rank_of(self.replica, stage + 1) if stage < self.choice.stages - 1 else None
-        if previous is not None:
-            self.stage_of_chain.incoming = self.link.receive(previous, "an evaluation batch's activation")
-        self.stage_of_chain.pass_starts()
-        output = self._forward(lambda b, _: forward(b), batch, 0, following is not None)
-        if following is None:
-            return output
-        self.link.send(output, following, "an evaluation batch's activation")
+        stage_of_chain = self.stage_of_chain
+        for chunk in range(len(stage_of_chain.chunks)):
+            previous, following = self._neighbours(chunk)
+            if previous is not None:
+                stage_of_chain.incoming = self.link.receive(previous, "an evaluation batch's activation")
+            stage_of_chain.pass_starts()
+            with stage_of_chain.running(chunk):
+                output = self._forward(lambda b, _: forward(b), batch, 0, following is not None)
+            if following is None:
+                self.link.flush()  # (the last stage's earlier chunks sent theirs)
+                return output
+            self.link.send(output, following, "an evaluation batch's activation")
         self.link.flush()
         return None
 

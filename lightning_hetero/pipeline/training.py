@@ -262,6 +262,7 @@ class PipelineTraining:
             ranks=tuple(range(choice.stages)),
             search_orders=replicas == 1,
             last_rank=0,
+            chunks=choice.virtual_stages,
         )
         if measured is not None and replicas > 1:  # a faster pipeline takes more samples
             pipeline.shares = pipeline_shares(costs, placement, replicas, global_batch_size)
@@ -271,8 +272,9 @@ class PipelineTraining:
         pipeline.install(module, placement, replicas, global_batch_size)
         shard_lines = self._shard_optimizer_state(module, own_costs, placement, micro_batches, micro_batch)
         # Blocks follow what the ranks measure, as the batch split does: on when placed by measurement, unless off.
+        # (not between an interleaved pipeline's chunks: refused when asked for, off by default)
         self._replan = (
-            choice.boundaries is None and self._rebalance is not False,
+            choice.boundaries is None and self._rebalance is not False and choice.virtual_stages == 1,
             costs,
             micro_batches,
             micro_batch,
@@ -314,7 +316,7 @@ class PipelineTraining:
         lines, sets = [], []
         for stage in range(choice.stages):
             ranks = layout.stage_ranks(stage)
-            held = in_flight(choice.schedule, stage, choice.stages, micro_batches) * micro_batch
+            held = in_flight(choice.schedule, stage, choice.stages, micro_batches, choice.virtual_stages) * micro_batch
             rooms = shard_rooms(own_costs, placement, stage, ranks, held)
             short = [(r, room) for r, room in zip(ranks, rooms) if room is not None and room < 0]
             if len(ranks) > 1 and self._shards_choice == "memory" and short:
@@ -396,6 +398,7 @@ class PipelineTraining:
                 ranks=tuple(range(choice.stages)),
                 search_orders=False,
                 last_rank=0,
+                chunks=choice.virtual_stages,
             )
             source = "at the given boundaries" if choice.boundaries else "in equal numbers (not measured outside a fit)"
         pipeline.shares = tuple(micro_batch_sizes(replicas, replicas))  # (no training loader is cut)

@@ -138,11 +138,13 @@ def test_a_pipeline_checkpoint_continues_as_data_parallel_as_the_uninterrupted_r
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("sync_dist", [False, True])
-def test_validation_runs_through_the_stages(tmp_path, sync_dist):
+@pytest.mark.parametrize(("sync_dist", "schedule"), [(False, "1f1b"), (True, "1f1b"), (False, "interleaved")])
+def test_validation_runs_through_the_stages(tmp_path, sync_dist, schedule):
     """Validation after step 4 on 2 batches: the last stage (rank 0) logs one process's validation loss; with
-    `sync_dist=True` too (reduced over the last stages, which alone log)."""
-    run_pipeline(tmp_path, "--boundaries", "3", "--steps", "4", "--val-every", "4", *(["--sync-dist"] * sync_dist))
+    `sync_dist=True` too (reduced over the last stages, which alone log); interleaved, through each rank's chunks in
+    turn."""
+    arguments = ["--boundaries", "3", "--steps", "4", "--val-every", "4", "--schedule", schedule]
+    run_pipeline(tmp_path, *arguments, *(["--sync-dist"] * sync_dist))
     metrics = json.loads((tmp_path / "out" / "rank0.json").read_text())["metrics"]
     seed_everything(1, verbose=False)
     model = ChainModel("sgd")
@@ -157,8 +159,12 @@ def test_validation_runs_through_the_stages(tmp_path, sync_dist):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("devices", "batch"), [(2, 12), (4, 6)], ids=["one-pipeline", "two-pipelines"])
-def test_validate_test_and_predict_run_through_the_stages_as_one_process(tmp_path, devices, batch):
+@pytest.mark.parametrize(
+    ("devices", "batch", "schedule"),
+    [(2, 12, "1f1b"), (4, 6, "1f1b"), (2, 12, "interleaved")],
+    ids=["one-pipeline", "two-pipelines", "interleaved"],
+)
+def test_validate_test_and_predict_run_through_the_stages_as_one_process(tmp_path, devices, batch, schedule):
     """After a 4-step fit on boundaries [2], with `sync_dist=True`: validate, test and predict on the 96 samples with
     the fit's Trainer (its stages), then with a freshly built model on a new strategy (3 blocks per stage) from the
     fit's checkpoint. Every rank sees one process's losses, each pipeline's last stage (rank 0 the first's) returns
@@ -168,7 +174,7 @@ def test_validate_test_and_predict_run_through_the_stages_as_one_process(tmp_pat
     run_pipeline(
         tmp_path,
         *("--devices", str(devices), "--batch", str(batch), "--boundaries", "2", "--steps", "4"),
-        *("--save-every", "4", "--sync-dist", "--evaluate"),
+        *("--save-every", "4", "--sync-dist", "--evaluate", "--schedule", schedule),
     )
     seed_everything(1, verbose=False)
     reference = ChainModel("sgd")
@@ -295,6 +301,10 @@ CASES = [
     pytest.param(2, 2, "4", "gpipe", "adam", None, None, "warm", id="2-stages-uneven-gpipe-adam"),
     pytest.param(3, 3, "1,4", "1f1b", "adam", None, 5, "warm", id="3-stages-1f1b-adam-5-micro"),
     pytest.param(4, 2, "3", "1f1b", "sgd", "1.0,1.0,0.5,0.5", None, "warm", id="2-pipelines-unequal-speed-sgd"),
+    # Interleaved, 2 chunks per rank (each rank holds two non-adjacent parts of the chain)
+    pytest.param(2, 2, "3", "interleaved", "adam", None, None, "warm", id="2-stages-interleaved-adam"),
+    pytest.param(3, 3, "2,4", "interleaved", "sgd", None, 6, "warm", id="3-stages-interleaved-sgd"),
+    pytest.param(4, 2, "3", "interleaved", "adam", "1.0,1.0,0.5,0.5", None, "warm", id="2-pipelines-interleaved"),
 ]
 
 
@@ -623,3 +633,13 @@ def test_a_data_parallel_checkpoint_continues_as_a_pipeline_as_the_uninterrupted
     if sharded:
         holders = state_holders(tmp_path / "pipeline" / "out")
         assert all(sum(name in held for held in holders) == 1 for name in one_process("adam", 0, 12))
+
+
+@pytest.mark.multiprocess
+def test_an_interleaved_step_whose_micro_batches_do_not_divide_into_the_stages_runs_gpipe_s_order(tmp_path):
+    """Batches of 3 on 2 interleaved stages: 3 micro-batches a step, which the interleaved order could deadlock on,
+    so each step runs GPipe's order over the chunks; 4 Adam steps equal one process's."""
+    ranks = run_pipeline(
+        tmp_path, *("--boundaries", "3", "--schedule", "interleaved", "--optimizer", "adam"), "--batch", "3"
+    )
+    assert largest_difference(one_process("adam", 4, 3), ranks) <= 1e-5

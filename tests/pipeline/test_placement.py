@@ -174,3 +174,34 @@ def test_a_faster_pipeline_gets_a_larger_share():
     placement = place_stages(costs, 2, ranks=(0, 1), search_orders=False, last_rank=0)
     assert pipeline_shares(costs, placement, 2, 70) == (50, 20)
     assert pipeline_shares(costs, placement, 1, 70) == (70,)
+
+
+def test_an_interleaved_placement_cuts_each_stage_s_blocks_into_chunks_round_the_stages():
+    """Placed by speed (6 blocks on rank 0 beside 2 on the slower rank 1), then each stage's blocks cut into 2 chunks
+    laid out round the stages: rank 0's chunks [0-2] and [4-6], rank 1's [3] and [7]; each stage keeps its count, and
+    its time and memory are those of the blocks it holds."""
+    costs = BlockCosts(
+        seconds=((1.0,) * 8, (2.5,) * 8),
+        parameter_bytes=tuple(range(1, 9)),
+        activation_bytes=(1,) * 8,
+        memory_bytes=(None, None),
+    )
+    placement = place_stages(costs, 2, "interleaved", 4, 1, ranks=(0, 1), search_orders=False, chunks=2)
+    assert [list(c) for c in placement.chunks_of(0)] == [[0, 1, 2], [4, 5, 6]]
+    assert [list(c) for c in placement.chunks_of(1)] == [[3], [7]]
+    assert placement.blocks_of(1) == [3, 7] and placement.boundaries == (6,)
+    holds = [in_flight("interleaved", s, 2, 4, 2) for s in range(2)]  # (4 + 1 and 2 + 1 chunk passes: 3 and 2)
+    assert holds == [3, 2]
+    assert placement.stage_bytes == (1 + 2 + 3 + 5 + 6 + 7 + 3 * 6, 4 + 8 + 2 * 2)
+    assert placement.stage_seconds == (6.0, 5.0)
+    # The step: every micro-batch at the slowest stage's pace, the fill and drain through chunks of half a stage.
+    assert placement.step_seconds(4, 1) == pytest.approx(4 * 6 + 5 / 2)
+    assert place_stages(costs, 2, ranks=(0, 1), search_orders=False).step_seconds(4, 1) == pytest.approx(4 * 6 + 5)
+
+
+def test_a_stage_with_fewer_blocks_than_chunks_is_refused():
+    costs = BlockCosts(
+        seconds=((1.0,) * 4,) * 2, parameter_bytes=(1,) * 4, activation_bytes=(0,) * 4, memory_bytes=(None, None)
+    )
+    with pytest.raises(ValueError, match=r"stage 0 holds 1 block\(s\), fewer than `virtual_stages` 2"):
+        place_stages(costs, 2, "interleaved", boundaries=[1], chunks=2)

@@ -180,6 +180,7 @@ def main() -> None:
     parser.add_argument("--boundaries", default=None)
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--micro-batches", type=int, default=None)
+    parser.add_argument("--virtual-stages", type=int, default=None, help="with --schedule interleaved")
     parser.add_argument("--optimizer", default="sgd")
     parser.add_argument("--container", default="sequential")
     parser.add_argument("--speeds", default=None)
@@ -231,6 +232,8 @@ def main() -> None:
         pipeline["boundaries"] = [int(b) for b in args.boundaries.split(",")]
     if args.micro_batches:
         pipeline["micro_batches"] = args.micro_batches
+    if args.virtual_stages:
+        pipeline["virtual_stages"] = args.virtual_stages
     speeds = [float(s) for s in args.speeds.split(",")] if args.speeds else None
     if args.speed_schedule:
         speeds = {int(k): v for k, v in json.loads(args.speed_schedule).items()}
@@ -300,7 +303,7 @@ def main() -> None:
         fresh = Trainer(
             accelerator="cpu",
             devices=args.devices,
-            strategy=HeteroStrategy(pipeline={"stages": args.stages, "blocks": args.blocks}),
+            strategy=HeteroStrategy(pipeline={"stages": args.stages, "blocks": args.blocks, "schedule": args.schedule}),
             logger=False,
             enable_progress_bar=False,
             enable_model_summary=False,
