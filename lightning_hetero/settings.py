@@ -34,6 +34,7 @@ from lightning_hetero.local.inner_steps import (
 )
 from lightning_hetero.pipeline.optimizer_shards import (
     check_shards,
+    default_shards,
     shards_refusal,
 )
 from lightning_hetero.pipeline.options import (
@@ -121,7 +122,7 @@ class HeteroSettings:
     lr_scaling: Optional[str] = None  # a resume with another global batch scales the learning rate (plan/lr_scaling.py)
     trace: Optional[tuple[int, ...]] = None  # the training steps a profiler trace records (watch/trace.py)
     emulate_slowdown: str = "compute"  # how an emulated slower rank is slower (emulate/emulation.py)
-    shards: str = "equal"  # a pipeline's `stage=1` optimizer shards: equal, or sized by memory (optimizer_shards.py)
+    shards: str = "equal"  # a pipeline's `stage=1` optimizer shards: sized by memory, or equal (optimizer_shards.py)
 
     @classmethod
     def from_arguments(
@@ -151,7 +152,7 @@ class HeteroSettings:
         lr_scaling: Optional[str] = None,
         trace: Any = None,
         emulate_slowdown: Any = None,
-        shards: Any = "equal",
+        shards: Any = None,
     ) -> HeteroSettings:
         """Every argument checked, each error naming the argument, its value and the fix (keyword-only: twenty
         arguments, two of which swapped would otherwise pass unnoticed)."""
@@ -234,7 +235,7 @@ class HeteroSettings:
             lr_scaling=check_lr_scaling(lr_scaling, sync, pipeline_choice),
             trace=check_trace(trace, pipeline_choice),
             emulate_slowdown=check_slowdown(emulate_slowdown),
-            shards=shards,
+            shards=default_shards(shards, stage, pipeline_choice is not None),
         )
 
     @property

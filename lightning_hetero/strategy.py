@@ -102,8 +102,9 @@ class HeteroStrategy(DeepSpeedStrategy):
             ``boundaries``, ``schedule`` (``"1f1b"`` or ``"gpipe"``) and ``micro_batches`` (see
             :mod:`lightning_hetero.pipeline.chain`). With ``stage=1`` the pipelines holding a stage shard its
             optimizer state (ZeRO-1: :mod:`lightning_hetero.pipeline.optimizer_shards`).
-        shards: how a pipeline's ``stage=1`` sizes each copy's share of the optimizer state: ``"equal"`` (default, as
-            DeepSpeed) or ``"memory"`` (in proportion to the memory each rank has left after its activations).
+        shards: how a pipeline's ``stage=1`` sizes each copy's share of the optimizer state: ``"memory"`` (default: in
+            proportion to the memory each rank has left after its activations, equal where it is equal or unknown)
+            or ``"equal"`` (as DeepSpeed).
         config: a DeepSpeed config dict or JSON path, as for :class:`DeepSpeedStrategy`. It must not set the
             micro-batch, the train batch or ``gradient_accumulation_steps``; the strategy owns them.
         **kwargs: any other :class:`DeepSpeedStrategy` argument. Those that only build the default DeepSpeed config
@@ -141,7 +142,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         lr_scaling: Optional[str] = None,
         trace: Optional[dict[str, Any]] = None,
         emulate_slowdown: Optional[str] = None,
-        shards: str = "equal",
+        shards: Optional[str] = None,
         **kwargs: Any,
     ) -> None:
         user_config = config is not None or self.DEEPSPEED_ENV_VAR in os.environ

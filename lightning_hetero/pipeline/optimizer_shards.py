@@ -9,9 +9,10 @@ are the summed ones, clipped by the whole model's norm before any of this, and t
 from its own gradient and state. The modules outside the chain, which every rank holds, are sharded the same way over
 every rank, in equal shares.
 
-How much each copy owns (``shards``): ``"equal"`` (default, as DeepSpeed's ZeRO: the same bytes each) or
-``"memory"``, in proportion to what each rank's memory leaves once its stage's parameters, gradients and activations
-are in (:func:`shard_fractions`), so a device with little memory holds a small shard of the state beside a large one.
+How much each copy owns (``shards``): ``"memory"`` (the default), in proportion to what each rank's memory leaves
+once its stage's parameters, gradients and activations are in (:func:`shard_fractions`), so a device with little
+memory holds a small shard of the state beside a large one, and equal shares where the memory is equal or not known;
+or ``"equal"``, as DeepSpeed's ZeRO (the same bytes each).
 The placement counts the state as held (:func:`sharded_costs`): a rank holds its share of it, and under ``"memory"``
 a stage fits when the mean memory of its ranks holds it (the shares then fit each rank by construction).
 
@@ -41,9 +42,9 @@ SHARDS = ("equal", "memory")
 STATE_SHARE = 0.5
 
 
-def check_shards(value: Any) -> str:
-    """The ``shards`` argument, checked in the constructor."""
-    if value not in SHARDS:
+def check_shards(value: Any) -> Optional[str]:
+    """The ``shards`` argument, checked in the constructor (None: the default, :func:`default_shards`)."""
+    if value is not None and value not in SHARDS:
         raise ValueError(
             f"HeteroStrategy(shards={value!r}): give one of {list(SHARDS)}: 'equal' gives each copy the same share of"
             " the optimizer state (DeepSpeed's ZeRO), 'memory' a share in proportion to its free memory."
@@ -51,9 +52,17 @@ def check_shards(value: Any) -> str:
     return value
 
 
-def shards_refusal(shards: str, stage: Optional[int], pipeline: bool) -> Optional[str]:
+def default_shards(shards: Optional[str], stage: Optional[int], pipeline: bool) -> str:
+    """``shards`` when given; else ``"memory"`` for a pipeline at ``stage=1`` (equal shares where the ranks' memory is
+    equal or unknown: :func:`shard_fractions`), and ``"equal"`` elsewhere (DeepSpeed's ZeRO)."""
+    if shards is not None:
+        return shards
+    return "memory" if pipeline and stage == 1 else "equal"
+
+
+def shards_refusal(shards: Optional[str], stage: Optional[int], pipeline: bool) -> Optional[str]:
     """Why ``shards`` cannot go with the other arguments, or None (checked in the constructor)."""
-    if shards == "equal":
+    if shards in (None, "equal"):
         return None
     if not pipeline:
         return (

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from lightning_hetero import HeteroStrategy
 from lightning_hetero.pipeline.optimizer_shards import (
     check_shards,
+    default_shards,
     owners_by_fraction,
     shard_fractions,
     shard_rooms,
@@ -114,8 +115,12 @@ def test_three_blocks_that_fit_only_with_memory_shards_are_placed_and_their_room
     assert fractions[0] < 0.2 < 0.8 < fractions[1]
 
 
-def test_the_shards_argument_is_checked_with_the_fix():
-    assert check_shards("memory") == "memory"
+def test_the_shards_argument_is_checked_with_the_fix_and_defaults_to_memory_in_a_pipeline_at_stage_1():
+    assert check_shards("memory") == "memory" and check_shards(None) is None
+    assert default_shards(None, 1, pipeline=True) == "memory"
+    assert default_shards(None, 1, pipeline=False) == default_shards(None, 0, pipeline=True) == "equal"
+    assert default_shards("equal", 1, pipeline=True) == "equal"
+    assert HeteroStrategy(pipeline={"stages": 2, "blocks": "net"}, stage=1).settings.shards == "memory"
     with pytest.raises(ValueError, match=r"shards='even'.*'equal', 'memory'"):
         check_shards("even")
     assert shards_refusal("equal", None, pipeline=False) is None

@@ -152,10 +152,22 @@ def test_the_interleaved_schedule_runs_each_chunk_s_passes_once_and_never_deadlo
 def test_the_interleaved_order_is_megatron_s_for_two_stages_of_two_chunks():
     """Stage 0 of 2, 2 chunks, 4 micro-batches: micro-batches 0-1 through chunk 0, then chunk 1, then 2-3..."""
     assert interleaved_actions(0, 2, 4, 2) == [
-        ("F", 0, 0), ("F", 1, 0), ("F", 0, 1), ("F", 1, 1),  # warm-up: 2 (2 - 0 - 1) + (2 - 1) 2 = 4
-        ("F", 2, 0), ("B", 0, 1), ("F", 3, 0), ("B", 1, 1),
-        ("F", 2, 1), ("B", 0, 0), ("F", 3, 1), ("B", 1, 0),
-        ("B", 2, 1), ("B", 3, 1), ("B", 2, 0), ("B", 3, 0),
+        ("F", 0, 0),
+        ("F", 1, 0),
+        ("F", 0, 1),
+        ("F", 1, 1),  # warm-up: 2 (2 - 0 - 1) + (2 - 1) 2 = 4
+        ("F", 2, 0),
+        ("B", 0, 1),
+        ("F", 3, 0),
+        ("B", 1, 1),
+        ("F", 2, 1),
+        ("B", 0, 0),
+        ("F", 3, 1),
+        ("B", 1, 0),
+        ("B", 2, 1),
+        ("B", 3, 1),
+        ("B", 2, 0),
+        ("B", 3, 0),
     ]  # fmt: skip (four passes a line: the warm-up, the steady state in pairs and the cool-down read as the schedule)
 
 

@@ -205,7 +205,7 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
     parser.add_argument("--inf-step", type=int, default=None, help="block 0's first weight gets an inf gradient there")
     parser.add_argument("--zero-stage", type=int, default=None, help="HeteroStrategy(stage=...)")
-    parser.add_argument("--shards", default="equal", help="HeteroStrategy(shards=...)")
+    parser.add_argument("--shards", default=None, help="HeteroStrategy(shards=...)")
     parser.add_argument("--transformers", choices=["gpt2", "llama"], help="train that transformers model instead")
     parser.add_argument(
         "--evaluate",
