@@ -6,8 +6,11 @@ predicted step against the measured one, on 2 CPU ranks.
 
 A chain of 8 equal blocks (Linear 1024 -> 1024 and tanh) between a small embedding and head; 2 stages placed by
 measured speed (the blocks measured on each rank), re-planning off so that both fits keep their first placement;
-4 micro-batches of 16 samples per step; 40 steps per fit. Each pair runs two fits back to back, their order
-alternating: ``1f1b`` and ``interleaved`` (2 chunks per rank: each rank holds two non-adjacent quarters of the chain).
+4 micro-batches of 16 samples per step; 40 steps per fit. With ``--boundary B`` both fits give stage 0 B blocks
+instead (the interleaved one cut into chunks), so that the schedules alone differ: placed by measurement, the two
+fits of a pair may be placed differently by the measurements' noise. Each pair runs two fits back to back, their
+order alternating: ``1f1b`` and ``interleaved`` (2 chunks per rank: each rank holds two non-adjacent parts of the
+chain).
 Measured in each fit over steps 5-39 (medians):
 
     step           wall time between the starts of two training steps (rank 0)
@@ -45,7 +48,7 @@ WIDTH, BLOCKS, MICRO_BATCHES, MICRO_BATCH, STEPS, FIRST = 1024, 8, 4, 16, 40, 5
 SCHEDULES = ("1f1b", "interleaved")
 
 
-def fit(schedule: str, speeds: list[float], out: Path) -> None:
+def fit(schedule: str, speeds: list[float], boundary: int, out: Path) -> None:
     """One fit (run by Lightning's launcher on both ranks); rank 0 writes the step starts and the prediction, every
     rank its stage's compute and waiting per step."""
     import torch
@@ -83,6 +86,8 @@ def fit(schedule: str, speeds: list[float], out: Path) -> None:
     global_batch = MICRO_BATCHES * MICRO_BATCH
     data = TensorDataset(torch.randn(global_batch * 8, 32), torch.randn(global_batch * 8, 1))
     pipeline = {"stages": 2, "blocks": "net", "micro_batches": MICRO_BATCHES, "schedule": schedule}
+    if boundary:  # (the same blocks per stage in both fits: the schedules alone differ; nothing is measured)
+        pipeline["boundaries"] = [boundary]
     strategy = HeteroStrategy(pipeline=pipeline, emulate_speeds=speeds, rebalance=False)
     starts = StepStarts()
     trainer = Trainer(
@@ -103,17 +108,18 @@ def fit(schedule: str, speeds: list[float], out: Path) -> None:
         "stage": strategy.pipeline.stage,
         "boundaries": list(placement.boundaries),
         "chunks": [[list(c) for c in placement.chunks_of(s)] for s in range(2)],
-        "predicted_step_ms": 1e3 * placement.step_seconds(MICRO_BATCHES, MICRO_BATCH),
+        # (with `boundaries` the blocks are not measured: no prediction)
+        "predicted_step_ms": None if boundary else 1e3 * placement.step_seconds(MICRO_BATCHES, MICRO_BATCH),
     }
     if trainer.global_rank == 0:
         record["starts"] = starts.starts
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
-def measure(schedule: str, speeds: list[float], directory: Path) -> dict[str, Any]:
+def measure(schedule: str, speeds: list[float], boundary: int, directory: Path) -> dict[str, Any]:
     directory.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, __file__, "--fit", schedule, "--fit-out", str(directory)]
-    command += ["--speeds", ",".join(str(s) for s in speeds)]
+    command += ["--speeds", ",".join(str(s) for s in speeds), "--boundary", str(boundary)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     if result.returncode != 0:
         raise RuntimeError(f"the {schedule} fit failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
@@ -122,12 +128,13 @@ def measure(schedule: str, speeds: list[float], directory: Path) -> dict[str, An
     starts = ranks[0]["starts"]
     steps = [b - a for a, b in zip(starts[FIRST : STEPS - 1], starts[FIRST + 1 : STEPS])]
     step_ms = 1e3 * statistics.median(steps)
+    predicted = ranks[0]["predicted_step_ms"]
     return {
         "step_ms": step_ms,
         "bubble_ms": [1e3 * statistics.median(t[1] for t in rank["step_times"][FIRST:]) for rank in by_stage],
         "compute_ms": [1e3 * statistics.median(t[0] for t in rank["step_times"][FIRST:]) for rank in by_stage],
-        "predicted_step_ms": ranks[0]["predicted_step_ms"],
-        "measured_over_predicted": step_ms / ranks[0]["predicted_step_ms"],
+        "predicted_step_ms": predicted,
+        "measured_over_predicted": step_ms / predicted if predicted else None,
         "boundaries": ranks[0]["boundaries"],
         "chunks": ranks[0]["chunks"],
     }
@@ -137,20 +144,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--speeds", default="1.0,1.0", help="emulate_speeds of the 2 ranks")
+    parser.add_argument(
+        "--boundary", type=int, default=0, help="stage 1's first block in both fits (0: placed by measured speed)"
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--fit", choices=SCHEDULES, help=argparse.SUPPRESS)
     parser.add_argument("--fit-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     speeds = [float(s) for s in args.speeds.split(",")]
     if args.fit:
-        fit(args.fit, speeds, args.fit_out)
+        fit(args.fit, speeds, args.boundary, args.fit_out)
         return
     facts = run_facts("benchmarks/pipeline_schedules.py", sys.argv[1:], HERE)
     scratch = Path("/tmp/pipeline_schedules_runs")
     pairs = []
     for pair in range(args.pairs):
         order = SCHEDULES if pair % 2 == 0 else tuple(reversed(SCHEDULES))
-        runs = {schedule: measure(schedule, speeds, scratch / f"pair{pair}_{schedule}") for schedule in order}
+        runs = {
+            schedule: measure(schedule, speeds, args.boundary, scratch / f"pair{pair}_{schedule}") for schedule in order
+        }
         plain, interleaved = runs["1f1b"], runs["interleaved"]
         ratios = {
             "step_1f1b_over_interleaved": plain["step_ms"] / interleaved["step_ms"],
@@ -161,8 +173,9 @@ def main() -> None:
         pairs.append({"order": list(order), **runs, **ratios})
         print(
             f"pair {pair} ({', '.join(order)}): step ms 1f1b {plain['step_ms']:.1f} (predicted"
-            f" {plain['predicted_step_ms']:.1f}), interleaved {interleaved['step_ms']:.1f} (predicted"
-            f" {interleaved['predicted_step_ms']:.1f}); per stage bubble ms 1f1b"
+            f" {plain['predicted_step_ms']}), interleaved {interleaved['step_ms']:.1f} (predicted"
+            f" {interleaved['predicted_step_ms']}); boundaries {plain['boundaries']} and {interleaved['chunks']};"
+            " per stage bubble ms 1f1b"
             f" {[round(b, 1) for b in plain['bubble_ms']]}, interleaved"
             f" {[round(b, 1) for b in interleaved['bubble_ms']]}; compute ms 1f1b"
             f" {[round(c, 1) for c in plain['compute_ms']]}, interleaved"
@@ -179,7 +192,8 @@ def main() -> None:
     }
     print(json.dumps(summary, indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({**facts, "speeds": speeds, "pairs": pairs, "summary": summary}, indent=1))
+    record = {**facts, "speeds": speeds, "boundary": args.boundary or None, "pairs": pairs, "summary": summary}
+    args.out.write_text(json.dumps(record, indent=1))
     print(f"written to {args.out}")
 
 

@@ -33,9 +33,12 @@ def sections(files: Sequence[Path]) -> list[Section]:
     for path in files:
         record = json.loads(path.read_text())
         summary = record["summary"]
-        setting = f"{len(record['pairs'])} pairs, speeds {record.get('speeds')}"
+        placed = f"boundaries [{record['boundary']}]" if record.get("boundary") else "placed by speed"
+        setting = f"{len(record['pairs'])} pairs, speeds {record.get('speeds')}, {placed}"
         date = record.get("started", "")[:10]
         for columns, rows in ((RATIO_COLUMNS, ratio_rows), (PREDICTION_COLUMNS, prediction_rows)):
+            if columns is PREDICTION_COLUMNS and record.get("boundary"):
+                continue  # (blocks not measured: no prediction)
             values = {column.key: summary[column.key] for column in columns}
             rows.append(Row(path.name, record.get("commit", ""), date, setting, values, record.get("note", "")))
     if not ratio_rows:

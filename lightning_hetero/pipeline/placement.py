@@ -214,8 +214,11 @@ def _placement(costs: BlockCosts, order: Sequence[int], starts: Sequence[int], h
     )
 
 
-def _best_for_order(costs: BlockCosts, order: Sequence[int], holds: Sequence[int]) -> Optional[tuple[float, tuple]]:
-    """The min-max split of the chain over the stages in ``order``: (slowest stage, first blocks), None if none fits.
+def _best_for_order(
+    costs: BlockCosts, order: Sequence[int], holds: Sequence[int], least: int = 1
+) -> Optional[tuple[float, tuple]]:
+    """The min-max split of the chain over the stages in ``order``, each stage holding at least ``least`` blocks
+    (the interleaved schedule's chunks): (slowest stage, first blocks), None if none fits.
 
     ``best[s][j]``: the least slowest-stage time of stages ``s..S-1`` holding blocks ``j..B-1``. Ties go to the split
     whose earlier stages hold fewer blocks, so the answer is the same on every rank."""
@@ -223,9 +226,9 @@ def _best_for_order(costs: BlockCosts, order: Sequence[int], holds: Sequence[int
     best: list[list[Optional[tuple[float, tuple]]]] = [[None] * (blocks + 1) for _ in range(stages + 1)]
     best[stages][blocks] = (0.0, ())
     for s in range(stages - 1, -1, -1):
-        for first in range(blocks - (stages - s) + 1):
+        for first in range(blocks - (stages - s) * least + 1):
             candidates = []
-            for end in range(first + 1, blocks - (stages - s - 1) + 1):
+            for end in range(first + least, blocks - (stages - s - 1) * least + 1):
                 rest = best[s + 1][end]
                 if rest is None or not _fits(costs, order[s], _stage_bytes(costs, first, end, holds[s])):
                     continue
@@ -263,6 +266,11 @@ def place_stages(
             f"HeteroStrategy(pipeline=...): `stages` {stages} is more than the chain's {costs.blocks} blocks; every"
             f" stage needs at least one block. Use at most {costs.blocks} stages."
         )
+    if stages * chunks > costs.blocks:
+        raise ValueError(
+            f"HeteroStrategy(pipeline=...): {stages} stages of `virtual_stages` {chunks} chunks need {stages * chunks}"
+            f" blocks, and the chain has {costs.blocks}. Use fewer `virtual_stages` or fewer `stages`."
+        )
     holds = [in_flight(schedule, s, stages, micro_batches, chunks) * micro_batch for s in range(stages)]
     if boundaries is not None:
         starts = (0, *check_boundaries(boundaries, stages, costs.blocks))
@@ -276,7 +284,7 @@ def place_stages(
         orders = (o for o in itertools.permutations(pool) if last_rank not in pool or o[-1] == last_rank)
     found: Optional[tuple[float, tuple, tuple]] = None
     for order in orders:
-        result = _best_for_order(costs, order, holds)
+        result = _best_for_order(costs, order, holds, chunks)  # (each stage at least a block per chunk)
         if result is not None and (found is None or (result[0], order) < (found[0], found[2])):
             found = (result[0], result[1], order)
     if found is None:

@@ -205,3 +205,18 @@ def test_a_stage_with_fewer_blocks_than_chunks_is_refused():
     )
     with pytest.raises(ValueError, match=r"stage 0 holds 1 block\(s\), fewer than `virtual_stages` 2"):
         place_stages(costs, 2, "interleaved", boundaries=[1], chunks=2)
+
+
+def test_an_interleaved_placement_by_speed_gives_every_stage_a_block_per_chunk():
+    """Rank 1 at a sixth of rank 0's speed: 1F1B gives it 1 of 8 blocks; interleaved with 2 chunks it must hold 2 (one
+    per chunk), which the search keeps to instead of refusing the split it would have made. A chain too short for
+    every stage's chunks is refused with the counts."""
+    costs = BlockCosts(
+        seconds=((1.0,) * 8, (6.0,) * 8), parameter_bytes=(1,) * 8, activation_bytes=(0,) * 8, memory_bytes=(None,) * 2
+    )
+    assert [len(place_stages(costs, 2, ranks=(0, 1), search_orders=False).blocks_of(s)) for s in range(2)] == [7, 1]
+    interleaved = place_stages(costs, 2, "interleaved", 4, 1, ranks=(0, 1), search_orders=False, chunks=2)
+    assert [len(interleaved.blocks_of(s)) for s in range(2)] == [6, 2]
+    assert [len(c) for c in interleaved.chunks_of(1)] == [1, 1]
+    with pytest.raises(ValueError, match="2 stages of `virtual_stages` 5 chunks need 10 blocks, and the chain has 8"):
+        place_stages(costs, 2, "interleaved", 4, 1, ranks=(0, 1), chunks=5)
