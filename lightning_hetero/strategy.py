@@ -99,7 +99,8 @@ class HeteroStrategy(DeepSpeedStrategy):
             package's phases named, into ``trace_*.json`` beside the run report (:mod:`lightning_hetero.watch.trace`).
         pipeline: split the model, not only the batch: ``{"stages": 2, "blocks": "net"}`` runs the chain of blocks
             at the module's attribute ``net`` as ``stages`` stages placed by speed and memory; optional
-            ``boundaries``, ``schedule`` (``"1f1b"`` or ``"gpipe"``) and ``micro_batches`` (see
+            ``boundaries``, ``schedule`` (``"1f1b"``, ``"gpipe"`` or ``"interleaved"`` with ``virtual_stages`` chunks
+            per rank), ``micro_batches`` and ``virtual_stages`` (see
             :mod:`lightning_hetero.pipeline.chain`). With ``stage=1`` the pipelines holding a stage shard its
             optimizer state (ZeRO-1: :mod:`lightning_hetero.pipeline.optimizer_shards`).
         shards: how a pipeline's ``stage=1`` sizes each copy's share of the optimizer state: ``"memory"`` (default: in

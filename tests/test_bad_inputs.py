@@ -116,7 +116,7 @@ CONSTRUCTOR = [
     ),
     (
         {"pipeline": {"stages": 2, "blocks": "net", "schedule": "interleaved", "virtual_stages": 1}},
-        "`virtual_stages` 1 must be an integer >= 2 with the interleaved schedule",
+        "`virtual_stages` 1 must be an integer from 2 to 32 with the interleaved schedule",
     ),
     (
         {"pipeline": {"stages": 2, "blocks": "net", "virtual_stages": 2}},

@@ -204,9 +204,18 @@ class OptimizerShards:
         for parameter in self._unowned():
             parameter.grad = None
 
+    def unowned_names(self) -> set[str]:
+        """The names of the parameters this rank holds but another copy steps: a resume loads no state for them."""
+        return {
+            name
+            for sharded in self.sets
+            for name, owner in zip(sharded.names, sharded.owners)
+            if sharded.ranks[owner] != self.rank
+        }
+
     def drop_unowned_state(self, optimizer: torch.optim.Optimizer) -> None:
-        """The optimizer state of parameters this rank does not own forgotten (after a resume, which loads the
-        state of every parameter the rank holds)."""
+        """The optimizer state of parameters this rank does not own forgotten: an optimizer that makes its state when
+        it is built (Adagrad's sums) made it for every parameter."""
         for parameter in self._unowned():
             optimizer.state.pop(parameter, None)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
+MAX_VIRTUAL_STAGES = 32  # (a message's key between two ranks holds the chunk in 6 bits: stage.Pipeline._key)
 
 
 @dataclass(frozen=True)
@@ -94,10 +95,15 @@ def check_pipeline_argument(value: Any) -> Optional[PipelineChoice]:
         )
     virtual_stages = value.get("virtual_stages", 2 if schedule == "interleaved" else 1)
     if schedule == "interleaved":
-        if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 2:
+        if (
+            isinstance(virtual_stages, bool)
+            or not isinstance(virtual_stages, int)
+            or not 2 <= virtual_stages <= MAX_VIRTUAL_STAGES
+        ):
             raise ValueError(
-                f"HeteroStrategy(pipeline=...): `virtual_stages` {virtual_stages!r} must be an integer >= 2 with the"
-                " interleaved schedule (the chunks of the chain each rank holds); leave it out for 2."
+                f"HeteroStrategy(pipeline=...): `virtual_stages` {virtual_stages!r} must be an integer from 2 to"
+                f" {MAX_VIRTUAL_STAGES} with the interleaved schedule (the chunks of the chain each rank holds); leave"
+                " it out for 2."
             )
         if micro_batches is not None and micro_batches % stages:
             raise ValueError(
@@ -158,8 +164,9 @@ def check_pipeline_config(config: Mapping[str, Any]) -> None:
     if stage or offloaded:
         what = f"`zero_optimization.stage={stage}`" if stage else f"`zero_optimization.{offloaded[0]}`"
         raise ValueError(
-            f"HeteroStrategy(pipeline=...) with a DeepSpeed config that sets {what}: each stage holds its blocks"
-            " whole (ZeRO-0, nothing offloaded) for now. Leave the stage and offloading out of the config."
+            f"HeteroStrategy(pipeline=...) with a DeepSpeed config that sets {what}: each stage's engine runs at"
+            " ZeRO-0, nothing offloaded. Leave the stage and offloading out of the config;"
+            " `HeteroStrategy(pipeline=..., stage=1)` shards the optimizer state over the pipelines that hold a stage."
         )
 
 

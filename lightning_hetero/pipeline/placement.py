@@ -307,10 +307,15 @@ def _raise_if_over(costs: BlockCosts, placement: StagePlacement) -> None:
         if not _fits(costs, rank, used):
             ceiling = costs.memory_bytes[rank]
             assert ceiling is not None  # (an unknown ceiling fits)
+            fix = (
+                " (`boundaries`). Move blocks to another stage, or leave out `boundaries` to have them placed."
+                if placement.source == "boundaries"
+                else " once its blocks are cut into `virtual_stages` chunks. Use fewer `virtual_stages`, fewer"
+                " micro-batch samples, or more stages."
+            )
             raise ValueError(
                 f"HeteroStrategy(pipeline=...): stage {stage} (blocks {list(placement.blocks_of(stage))}) needs"
-                f" {used / 2**20:.1f} MiB on rank {rank}, above its {ceiling / 2**20:.1f} MiB"
-                " (`boundaries`). Move blocks to another stage, or leave out `boundaries` to have them placed."
+                f" {used / 2**20:.1f} MiB on rank {rank}, above its {ceiling / 2**20:.1f} MiB{fix}"
             )
 
 

@@ -14,6 +14,7 @@ form, is refused on every rank with what to do.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Optional
 
@@ -42,7 +43,11 @@ def save_stage(directory: Path, rank: int, module: nn.Module, optimizer: Any, tr
 
 
 def load_stage(
-    directory: Path, module: nn.Module, optimizer: Any, weights_only: Optional[bool] = None
+    directory: Path,
+    module: nn.Module,
+    optimizer: Any,
+    weights_only: Optional[bool] = None,
+    skipped: Collection[str] = (),
 ) -> dict[str, Any]:
     """This rank's parameters and optimizer state (``optimizer`` None: none) from every rank's file, by name; returns
     the trainer's state.
@@ -52,16 +57,22 @@ def load_stage(
     reads a ``.ckpt``, as ``weights_only`` (``Trainer.fit``'s) asks.
     """
     model, named = whole_state(directory)
-    load_named_state(directory, model, named, module, optimizer)
+    load_named_state(directory, model, named, module, optimizer, skipped)
     return load_lightning_file(directory / CLIENT_FILE, weights_only)
 
 
 def load_named_state(
-    source: Path, model: dict[str, Any], named: dict[str, Any], module: nn.Module, optimizer: Any
+    source: Path,
+    model: dict[str, Any],
+    named: dict[str, Any],
+    module: nn.Module,
+    optimizer: Any,
+    skipped: Collection[str] = (),
 ) -> None:
     """This rank's parameters, buffers and optimizer state (``optimizer`` None: none) out of the whole model's
     ``model`` and ``named`` optimizer state, by name: a pipeline's checkpoint (:func:`whole_state`) or a data-parallel
-    one (:mod:`lightning_hetero.recover.into_pipeline`), ``source``."""
+    one (:mod:`lightning_hetero.recover.into_pipeline`), ``source``. ``skipped``: parameters whose optimizer state
+    another rank keeps (``stage=1``'s shards)."""
     wanted = module.state_dict()
     missing = [name for name in wanted if name not in model]
     if missing:
@@ -71,7 +82,8 @@ def load_named_state(
         )
     module.load_state_dict({name: model[name] for name in wanted})
     if optimizer is not None:  # (None: `validate`, `test` or `predict`, whose engine has no optimizer)
-        _load_optimizer(module, optimizer, named["state"], named["param_groups"])
+        state = {name: value for name, value in named["state"].items() if name not in skipped}
+        _load_optimizer(module, optimizer, state, named["param_groups"])
 
 
 def _load_optimizer(module: nn.Module, optimizer: Any, state: dict[str, Any], groups: list[dict[str, Any]]) -> None:

@@ -269,6 +269,14 @@ class PipelineTraining:
         else:
             pipeline.shares = tuple(micro_batch_sizes(global_batch_size, replicas))
         micro_batch = -(-max(pipeline.shares) // micro_batches)
+        uneven = sorted({choice.micro_batches_for(share) for share in pipeline.shares} - {micro_batches})
+        if choice.schedule == "interleaved" and any(count % choice.stages for count in uneven):
+            rank_zero_warn(
+                f"HeteroStrategy(pipeline=...): a pipeline's share of the batch {list(pipeline.shares)} makes"
+                f" {uneven} micro-batches, not a multiple of the {choice.stages} stages: its steps run GPipe's order"
+                " over the chunks (all forwards, then all backwards), holding every micro-batch's activations. Give"
+                f" the pipelines at least {micro_batches} samples each (a larger batch), or fewer `micro_batches`."
+            )
         pipeline.install(module, placement, replicas, global_batch_size)
         shard_lines = self._shard_optimizer_state(module, own_costs, placement, micro_batches, micro_batch)
         # Blocks follow what the ranks measure, as the batch split does: on when placed by measurement, unless off.
@@ -389,7 +397,8 @@ class PipelineTraining:
         blocks = [block_of(chain, name) for name in names]
         source = "as this strategy's last trainer call placed them"
         if placement is None:
-            costs = self._block_costs(None, module, blocks, surveyed.memory_byte_ceilings)
+            own_costs = self._block_costs(None, module, blocks, surveyed.memory_byte_ceilings)
+            costs = sharded_costs(own_costs, choice.stages, replicas, False, "equal")  # (each stage's least memory)
             placement = place_stages(
                 costs,
                 choice.stages,
@@ -438,6 +447,8 @@ class PipelineTraining:
             assert self.pipeline.stage_of_chain is not None
             self.pipeline.stage_of_chain.hook()
         if engine.optimizer is not None:
+            if self.shards is not None:  # (an optimizer that made state for every parameter when it was built)
+                self.shards.drop_unowned_state(engine.optimizer)
             engine.step = self._agreed_step(engine.step, engine.module)
             self._nonfinite.agreed_nonfinite = lambda: not math.isfinite(self._agreed_norm())
 
@@ -651,16 +662,20 @@ class PipelineTraining:
                 " `trainer.fit(model, ckpt_path=...)`, which places them first."
             )
         fitting = engine.optimizer is not None  # (an evaluation's engine has none)
+        # With `stage=1` each rank loads the state of the parameters it owns only (never the whole stage's at once).
+        skipped = self.shards.unowned_names() if self.shards is not None else set()
         if route is Route.INTO_PIPELINE:
-            loaded = self._load_data_parallel(chosen, manifest, engine, fitting, weights_only)
-        else:
-            loaded = self._load_pipeline(chosen, manifest, engine, fitting, weights_only)
-        if self.shards is not None and engine.optimizer is not None:  # (each rank keeps the state it owns)
-            self.shards.drop_unowned_state(engine.optimizer)
-        return loaded
+            return self._load_data_parallel(chosen, manifest, engine, fitting, weights_only, skipped)
+        return self._load_pipeline(chosen, manifest, engine, fitting, weights_only, skipped)
 
     def _load_pipeline(
-        self, chosen: Path, manifest: dict[str, Any], engine: Any, fitting: bool, weights_only: Optional[bool]
+        self,
+        chosen: Path,
+        manifest: dict[str, Any],
+        engine: Any,
+        fitting: bool,
+        weights_only: Optional[bool],
+        skipped: set[str],
     ) -> dict[str, Any]:
         """A pipeline's own checkpoint, whatever its boundaries and number of pipelines."""
         assert self.pipeline.placement is not None and self.pipeline.layout is not None
@@ -671,10 +686,16 @@ class PipelineTraining:
             f"{saved['replicas']} pipeline(s)) on boundaries {list(self.pipeline.placement.boundaries)}"
             f" and {self.pipeline.layout.replicas} pipeline(s), by parameter name."
         )
-        return pipeline_state.load_stage(chosen, engine.module, engine.optimizer, weights_only)
+        return pipeline_state.load_stage(chosen, engine.module, engine.optimizer, weights_only, skipped)
 
     def _load_data_parallel(
-        self, chosen: Path, manifest: dict[str, Any], engine: Any, fitting: bool, weights_only: Optional[bool]
+        self,
+        chosen: Path,
+        manifest: dict[str, Any],
+        engine: Any,
+        fitting: bool,
+        weights_only: Optional[bool],
+        skipped: set[str],
     ) -> dict[str, Any]:
         """A data-parallel checkpoint (any ZeRO stage, any number of ranks) into this pipeline: each rank takes its
         blocks, the modules outside the chain and their optimizer state by name (:mod:`~lightning_hetero.recover.
@@ -689,14 +710,14 @@ class PipelineTraining:
         universal_copy = None
         stage = manifest.get("zero_stage", 0)
         if stage > 0:
-            elastic.check_convertible(chosen, manifest, self._world_size, in_full)
+            into_pipeline.check_readable_by_name(chosen, manifest, in_full)
             _, results = self._collectives.gather_or_raise(
                 "converting the checkpoint",
                 lambda: (None, elastic.convert_to_universal(chosen, in_full) if self._rank == 0 else None),
             )
             universal_copy = results[0][0]
         model, named, client = into_pipeline.data_parallel_state(chosen, manifest, universal_copy, in_full)
-        pipeline_state.load_named_state(chosen, model, named, engine.module, engine.optimizer)
+        pipeline_state.load_named_state(chosen, model, named, engine.module, engine.optimizer, skipped)
         assert self.pipeline.placement is not None
         rank_zero_info(
             f"HeteroStrategy: {'resuming' if fitting else 'loading for evaluation'} {chosen}, a data-parallel"

@@ -39,6 +39,21 @@ def optimizer_parameter_names(module: Any, optimizer: Any) -> Optional[list[list
     return None if any(name is None for group in groups for name in group) else groups  # type: ignore[return-value]
 
 
+def check_readable_by_name(chosen: Path, manifest: dict[str, Any], in_full: bool = False) -> None:
+    """Every rank, before rank 0 converts a ZeRO 1-3 checkpoint: refuse an optimizer whose state is not per
+    parameter (DeepSpeed's flat partitions cannot be cut per parameter for it), saying what to do instead."""
+    from lightning_hetero.recover import universal
+
+    keys = universal.state_keys(chosen / checkpoint.deepspeed_tag(chosen), in_full)
+    refused = sorted({entry for group in keys for entry in group.refused})
+    if refused:
+        raise ResumeRefused(
+            f"Checkpoint {chosen} (data parallel, ZeRO-{manifest.get('zero_stage')}) cannot continue as a pipeline:"
+            f" a stage takes its blocks' optimizer state by parameter name, and the {manifest.get('optimizer')}"
+            f" optimizer keeps state that is not per parameter ({', '.join(refused)}). Resume it without `pipeline`."
+        )
+
+
 def data_parallel_state(
     chosen: Path, manifest: dict[str, Any], universal_copy: Optional[Path], in_full: bool = False
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:

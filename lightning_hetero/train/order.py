@@ -25,6 +25,7 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
+from lightning_hetero.plan.planner import MIN_SAMPLES_PER_RANK
 from lightning_hetero.plan.split import split_by_weights
 
 # Keys of the loader state saved in Lightning's checkpoint. No key depends on the rank: DeepSpeed writes the client
@@ -86,10 +87,19 @@ def epoch_steps(num_samples: int, batch_sizes: Sequence[int], drop_last: bool, s
     return [
         GlobalStep(
             begin,
-            tuple(batch_sizes) if end - begin == global_batch else tuple(split_by_weights(end - begin, batch_sizes)),
+            tuple(batch_sizes)
+            if end - begin == global_batch
+            else tuple(split_by_weights(end - begin, batch_sizes, _short_batch_floor(end - begin, batch_sizes))),
         )
         for begin, end in steps
     ]
+
+
+def _short_batch_floor(samples: int, batch_sizes: Sequence[int]) -> int:
+    """The fewest samples a rank takes of an epoch's short last batch: 2 where the split gives every rank 2 or more
+    and the batch has 2 for each (a BatchNorm that is not synchronized fails on one sample), else 1."""
+    floor = MIN_SAMPLES_PER_RANK
+    return floor if min(batch_sizes) >= floor and samples >= floor * len(batch_sizes) else 1
 
 
 def checked_new_split(current: Sequence[int], new: Sequence[int]) -> tuple[int, ...]:

@@ -531,7 +531,9 @@ def held_bytes(ranks: list[dict[str, torch.Tensor]], names: list[str], rank: int
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("shards", "optimizer", "width"), [("equal", "adam", WIDTH), ("memory", "sgd", 256)])
+@pytest.mark.parametrize(
+    ("shards", "optimizer", "width"), [("equal", "adam", WIDTH), ("equal", "adagrad", WIDTH), ("memory", "sgd", 256)]
+)
 def test_stage_1_shards_each_stage_s_optimizer_state_over_its_pipelines_and_updates_as_one_process(
     tmp_path, shards, optimizer, width
 ):
@@ -543,7 +545,9 @@ def test_stage_1_shards_each_stage_s_optimizer_state_over_its_pipelines_and_upda
     and memory-sized shards do, giving it a small share of its stage's state (its room after the parameters and
     gradients: 0.5 MiB of rank 1's 4.9). (SGD with momentum at that width: Adam's first step turns gradient entries
     that cancel to ~1e-10, summed in another order, into updates of ~1e-4, sharded or not: 4.19e-5 both ways,
-    measured.)"""
+    measured.)
+
+    Adagrad makes its state for every parameter when it is built: the ranks that do not own a parameter drop it."""
     arguments = ["--devices", "4", "--boundaries", "3", "--width", str(width), "--optimizer", optimizer]
     arguments += ["--steps", "4", "--batch", "6", "--clip", "0.05", "--zero-stage", "1", "--shards", shards]
     memory = {"LIGHTNING_HETERO_EMULATE_MEMORY": "8MiB,8MiB,8MiB,2.5MiB"} if shards == "memory" else {}
@@ -612,11 +616,13 @@ def test_blocks_moved_between_sharded_stages_keep_every_parameter_s_state_once(t
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("stage", "devices", "sharded"), [(0, 2, False), (2, 4, True)], ids=["zero-0", "zero-2"])
+@pytest.mark.parametrize(
+    ("stage", "devices", "sharded"), [(0, 2, False), (2, 4, True), (3, 2, False)], ids=["zero-0", "zero-2", "zero-3"]
+)
 def test_a_data_parallel_checkpoint_continues_as_a_pipeline_as_the_uninterrupted_run(tmp_path, stage, devices, sharded):
-    """Adam: 4 steps data parallel on 2 ranks at ZeRO-0 (its optimizer's parameter names in the manifest) or ZeRO-2
-    (read through DeepSpeed's universal copy), with a checkpoint; then 4 more from it as one pipeline of 2 stages,
-    or as two pipelines at `stage=1` (the same global batch of 12): one process's 8 steps."""
+    """Adam: 4 steps data parallel on 2 ranks at ZeRO-0 (its optimizer's parameter names in the manifest), ZeRO-2 or
+    ZeRO-3 (read through DeepSpeed's universal copy), with a checkpoint; then 4 more from it as one pipeline of 2
+    stages, or as two pipelines at `stage=1` (the same global batch of 12): one process's 8 steps."""
     first = tmp_path / "first"
     run_pipeline(
         first,

@@ -81,3 +81,22 @@ def test_an_optimizer_over_parameters_outside_the_module_records_no_names():
     stranger = nn.Parameter(torch.zeros(2))
     assert optimizer_parameter_names(model, torch.optim.SGD([stranger, *model.parameters()], lr=0.1)) is None
     assert optimizer_parameter_names(model, None) is None
+
+
+def test_a_zero_2_checkpoint_whose_optimizer_state_is_not_per_parameter_is_refused_with_what_to_do(
+    tmp_path, monkeypatch
+):
+    """NAdam's `mu_product` has no per-element meaning: a pipeline cannot take its state by name. The refusal says to
+    resume without `pipeline` (not "on as many ranks", the other-world-size advice)."""
+    from lightning_hetero.recover import universal
+    from lightning_hetero.recover.into_pipeline import check_readable_by_name
+
+    (tmp_path / "latest").write_text("checkpoint")
+    groups = [universal.StateKeys(("exp_avg", "exp_avg_sq"), True, ("'mu_product' (a number that is not the step)",))]
+    monkeypatch.setattr(universal, "state_keys", lambda tag, in_full=False: groups)
+    with pytest.raises(ResumeRefused, match=r"ZeRO-2\) cannot continue as a pipeline.*NAdam.*mu_product.*without"):
+        check_readable_by_name(tmp_path, {"zero_stage": 2, "optimizer": "NAdam"})
+    monkeypatch.setattr(
+        universal, "state_keys", lambda tag, in_full=False: [universal.StateKeys(("exp_avg",), True, ())]
+    )
+    check_readable_by_name(tmp_path, {"zero_stage": 2, "optimizer": "Adam"})

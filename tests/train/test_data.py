@@ -734,3 +734,13 @@ def test_several_training_loaders_are_refused_and_one_inside_a_collection_is_use
         CombinedLoader({"a": first, "b": second}, "max_size_cycle")
     )
     assert "is 2 loaders" in describe_several_training_loaders([first, second])
+
+
+def test_an_epoch_s_short_last_batch_leaves_no_rank_one_sample_where_the_split_gave_each_two():
+    """A planned (62, 2) split and 94 samples: the last batch of 30 is split 28/2, not 29/1 (a BatchNorm that is not
+    synchronized fails on one sample); a batch too short for two each, or a split that gave a rank one, keeps the
+    floor of one."""
+    steps = epoch_steps(94, [62, 2], drop_last=False)
+    assert [step.sizes for step in steps] == [(62, 2), (28, 2)]
+    assert epoch_steps(67, [62, 2], drop_last=False)[-1].sizes == (2, 1)  # (3 samples: not two each)
+    assert epoch_steps(95, [63, 1], drop_last=False)[-1].sizes == (30, 1)  # (the user's split gave one)

@@ -92,6 +92,8 @@ class ChainModel(LightningModule):
     def configure_optimizers(self):
         if self.optimizer_name == "adam":
             return torch.optim.Adam(self.parameters(), lr=0.01)
+        if self.optimizer_name == "adagrad":  # (its state is made for every parameter when it is built)
+            return torch.optim.Adagrad(self.parameters(), lr=0.05)
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
 
