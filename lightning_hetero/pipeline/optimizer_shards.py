@@ -119,7 +119,8 @@ def shard_rooms(
         + held_samples * sum(costs.activation_bytes[b] for b in blocks)
         + _state_bytes_held(costs.outside_bytes, costs.ranks)
     )
-    return [None if costs.memory_bytes[r] is None else int(costs.memory_bytes[r] - used) for r in stage_ranks]
+    memory = [costs.memory_bytes[r] for r in stage_ranks]
+    return [None if m is None else int(m - used) for m in memory]
 
 
 def shard_fractions(rooms: Sequence[Optional[int]], shards: str) -> tuple[tuple[float, ...], str]:

@@ -448,7 +448,7 @@ class Pipeline:
         self._held = []
 
 
-def moved_blocks(old: range, new: range) -> tuple[list[int], list[int]]:
+def moved_blocks(old: Sequence[int], new: Sequence[int]) -> tuple[list[int], list[int]]:
     """The blocks a stage gives away and the ones it takes when its range changes from ``old`` to ``new``."""
     return [b for b in old if b not in new], [b for b in new if b not in old]
 

@@ -563,6 +563,7 @@ class PipelineTraining:
             return
         self._parameters_arrived(pipeline.move_blocks(decision.placement, optimizer))
         if self.shards is not None and pipeline.replicas > 1:  # (the stage's set: the first, when the stage has copies)
+            assert self._engine is not None  # (a training step runs with the engine attached)
             self.shards.reassign(0, *self._stage_parameters(self._engine.module), optimizer)
         self._placed_at_batch = len(pipeline.step_times)
         self.replans.append(
