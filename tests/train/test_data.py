@@ -118,12 +118,15 @@ def test_epoch_steps_properties(num_samples, batch_sizes, drop_last, start_offse
         assert all(size >= 1 for size in step.sizes)  # every rank takes part in every step
         # The ranks' slices tile the step in rank order.
         assert [p for rank in range(world) for p in step.positions(rank)] == list(range(step.begin, step.end))
-    # Full steps carry exactly the split; only the last step may differ, split in the same proportions.
+    # Full steps carry exactly the split; only the last step may differ, split in the same proportions with at least
+    # 2 samples a rank where the split gave every rank 2 and the step has 2 for each (else 1).
     assert all(step.sizes == tuple(batch_sizes) for step in steps[:-1])
     if steps and steps[-1].sizes != tuple(batch_sizes):
         last = steps[-1]
         assert not drop_last
-        assert list(last.sizes) == split_by_weights(last.global_size, batch_sizes)
+        floor = 2 if min(batch_sizes) >= 2 and last.global_size >= 2 * world else 1
+        assert list(last.sizes) == split_by_weights(last.global_size, batch_sizes, floor)
+        assert min(last.sizes) >= floor
         assert world <= last.global_size < global_batch + world
 
     if drop_last:
