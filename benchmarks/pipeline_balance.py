@@ -40,9 +40,10 @@ WIDTH, BLOCKS, MICRO_BATCHES, MICRO_BATCH, STEPS = 1024, 8, 4, 16, 50
 REPLAN_WINDOW = 20  # HeteroStrategy's default rebalance_window: the placed fit may move blocks at steps 20 and 40
 
 
-def fit(kind: str, out: Path) -> None:
-    """One fit (run by Lightning's launcher on both ranks); rank 0 writes the step starts, every rank its stage's
-    compute and waiting per step."""
+def fit_chain(pipeline: dict[str, Any], steps: int, **strategy_arguments: Any) -> tuple[Any, Any, list[float]]:
+    """One fit of the chain (run by Lightning's launcher on both ranks) under ``HeteroStrategy(pipeline=pipeline,
+    **strategy_arguments)`` for ``steps`` steps: the trainer, the strategy, and the wall time at each training step's
+    start (also used by ``benchmarks/pipeline_schedules.py``)."""
     import torch
     from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
     from torch import nn
@@ -77,16 +78,13 @@ def fit(kind: str, out: Path) -> None:
 
     global_batch = MICRO_BATCHES * MICRO_BATCH
     data = TensorDataset(torch.randn(global_batch * 8, 32), torch.randn(global_batch * 8, 1))
-    pipeline: dict[str, Any] = {"stages": 2, "blocks": "net", "micro_batches": MICRO_BATCHES}
-    if kind == "equal":
-        pipeline["boundaries"] = [BLOCKS // 2]
-    strategy = HeteroStrategy(pipeline=pipeline, emulate_speeds=[1.0, 0.4])
+    strategy = HeteroStrategy(pipeline=pipeline, **strategy_arguments)
     starts = StepStarts()
     trainer = Trainer(
         accelerator="cpu",
         devices=2,
         strategy=strategy,
-        max_steps=STEPS,
+        max_steps=steps,
         enable_checkpointing=False,
         logger=False,
         enable_progress_bar=False,
@@ -94,6 +92,16 @@ def fit(kind: str, out: Path) -> None:
         callbacks=[starts],
     )
     trainer.fit(Chain(), DataLoader(data, batch_size=global_batch, shuffle=True))
+    return trainer, strategy, starts.starts
+
+
+def fit(kind: str, out: Path) -> None:
+    """One fit (run by Lightning's launcher on both ranks); rank 0 writes the step starts, every rank its stage's
+    compute and waiting per step."""
+    pipeline: dict[str, Any] = {"stages": 2, "blocks": "net", "micro_batches": MICRO_BATCHES}
+    if kind == "equal":
+        pipeline["boundaries"] = [BLOCKS // 2]
+    trainer, strategy, starts = fit_chain(pipeline, STEPS, emulate_speeds=[1.0, 0.4])
     pipeline_state = strategy.pipeline
     record = {
         "step_times": pipeline_state.step_times,
@@ -103,7 +111,7 @@ def fit(kind: str, out: Path) -> None:
         "stage_ranks": list(pipeline_state.placement.ranks),
     }
     if trainer.global_rank == 0:
-        record["starts"] = starts.starts
+        record["starts"] = starts
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 

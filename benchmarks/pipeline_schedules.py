@@ -35,73 +35,26 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from jobs import run_facts  # noqa: E402  (benchmarks/ is no package: its scripts run as files)
+from pipeline_balance import MICRO_BATCH, MICRO_BATCHES, fit_chain  # noqa: E402  (the same chain)
 
 DEFAULT_OUT = HERE / "results" / "pipeline_schedules.json"
-WIDTH, BLOCKS, MICRO_BATCHES, MICRO_BATCH, STEPS, FIRST = 1024, 8, 4, 16, 40, 5
+STEPS, FIRST = 40, 5
 SCHEDULES = ("1f1b", "interleaved")
 
 
 def fit(schedule: str, speeds: list[float], boundary: int, out: Path) -> None:
     """One fit (run by Lightning's launcher on both ranks); rank 0 writes the step starts and the prediction, every
     rank its stage's compute and waiting per step."""
-    import torch
-    from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
-    from torch import nn
-    from torch.utils.data import DataLoader, TensorDataset
-
-    sys.path.insert(0, str(HERE.parent))
-    from lightning_hetero import HeteroStrategy
-
-    torch.set_num_threads(1)
-    seed_everything(0, verbose=False)
-
-    class Chain(LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed = nn.Linear(32, WIDTH)
-            self.net = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(BLOCKS)])
-            self.head = nn.Linear(WIDTH, 1)
-
-        def training_step(self, batch: Any, batch_idx: int) -> Any:
-            x, y = batch
-            return nn.functional.mse_loss(self.head(self.net(self.embed(x))), y)
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.SGD(self.parameters(), lr=0.001)
-
-    class StepStarts(Callback):
-        def __init__(self) -> None:
-            self.starts: list[float] = []
-
-        def on_train_batch_start(self, *args: Any) -> None:
-            self.starts.append(time.perf_counter())
-
-    global_batch = MICRO_BATCHES * MICRO_BATCH
-    data = TensorDataset(torch.randn(global_batch * 8, 32), torch.randn(global_batch * 8, 1))
-    pipeline = {"stages": 2, "blocks": "net", "micro_batches": MICRO_BATCHES, "schedule": schedule}
+    pipeline: dict[str, Any] = {"stages": 2, "blocks": "net", "micro_batches": MICRO_BATCHES, "schedule": schedule}
     if boundary:  # (the same blocks per stage in both fits: the schedules alone differ; nothing is measured)
         pipeline["boundaries"] = [boundary]
-    strategy = HeteroStrategy(pipeline=pipeline, emulate_speeds=speeds, rebalance=False)
-    starts = StepStarts()
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=STEPS,
-        enable_checkpointing=False,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[starts],
-    )
-    trainer.fit(Chain(), DataLoader(data, batch_size=global_batch, shuffle=True))
+    trainer, strategy, starts = fit_chain(pipeline, STEPS, emulate_speeds=speeds, rebalance=False)
     placement = strategy.pipeline.placement
     record = {
         "step_times": strategy.pipeline.step_times,
@@ -112,7 +65,7 @@ def fit(schedule: str, speeds: list[float], boundary: int, out: Path) -> None:
         "predicted_step_ms": None if boundary else 1e3 * placement.step_seconds(MICRO_BATCHES, MICRO_BATCH),
     }
     if trainer.global_rank == 0:
-        record["starts"] = starts.starts
+        record["starts"] = starts
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
@@ -138,6 +91,10 @@ def measure(schedule: str, speeds: list[float], boundary: int, directory: Path) 
         "boundaries": ranks[0]["boundaries"],
         "chunks": ranks[0]["chunks"],
     }
+
+
+def _ms(value: Any) -> str:
+    return "none: blocks not measured" if value is None else f"{value:.1f}"
 
 
 def main() -> None:
@@ -173,8 +130,8 @@ def main() -> None:
         pairs.append({"order": list(order), **runs, **ratios})
         print(
             f"pair {pair} ({', '.join(order)}): step ms 1f1b {plain['step_ms']:.1f} (predicted"
-            f" {plain['predicted_step_ms']}), interleaved {interleaved['step_ms']:.1f} (predicted"
-            f" {interleaved['predicted_step_ms']}); boundaries {plain['boundaries']} and {interleaved['chunks']};"
+            f" {_ms(plain['predicted_step_ms'])}), interleaved {interleaved['step_ms']:.1f} (predicted"
+            f" {_ms(interleaved['predicted_step_ms'])}); boundaries {plain['boundaries']} and {interleaved['chunks']};"
             " per stage bubble ms 1f1b"
             f" {[round(b, 1) for b in plain['bubble_ms']]}, interleaved"
             f" {[round(b, 1) for b in interleaved['bubble_ms']]}; compute ms 1f1b"

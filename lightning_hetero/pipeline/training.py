@@ -343,9 +343,8 @@ class PipelineTraining:
             if stage == pipeline.stage and len(ranks) > 1:
                 names, parameters = self._stage_parameters(module)
                 sets.append(ShardedSet(names, parameters, ranks, pipeline.stage_group, fractions, reason))
-        outside = [
-            (n, p) for n, p in module.named_parameters() if p.requires_grad and any(p is q for q in pipeline.outside)
-        ]
+        outside_ids = {id(p) for p in pipeline.outside}
+        outside = [(n, p) for n, p in module.named_parameters() if p.requires_grad and id(p) in outside_ids]
         if outside and self._world_size > 1:
             everyone = list(range(self._world_size))
             equal = tuple(1.0 / self._world_size for _ in everyone)

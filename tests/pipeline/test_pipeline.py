@@ -69,23 +69,10 @@ def test_every_schedule_runs_each_pass_once_and_never_deadlocks(schedule, stages
         )
         for m in range(micro_batches):
             assert actions.index(("F", m)) < actions.index(("B", m))
-    # Run them against each other: a forward needs the previous stage's forward, a backward the next stage's
-    # backward (receives block, sends never do). Every stage must finish.
-    done = [set() for _ in range(stages)]
-    position = [0] * stages
-    progress = True
-    while progress:
-        progress = False
-        for s in range(stages):
-            if position[s] == len(plans[s]):
-                continue
-            kind, m = plans[s][position[s]]
-            ready = (s == 0 or ("F", m) in done[s - 1]) if kind == "F" else (s == stages - 1 or ("B", m) in done[s + 1])
-            if ready:
-                done[s].add((kind, m))
-                position[s] += 1
-                progress = True
-    assert position == [len(p) for p in plans]
+    # Run them against each other (one chunk each): a forward needs the previous stage's forward, a backward the next
+    # stage's backward (receives block, sends never do). Every stage must finish.
+    chunked = [[(kind, m, 0) for kind, m in actions] for actions in plans]
+    assert run_against_each_other(chunked, chunks=1) == [len(p) for p in plans]
     if schedule == "1f1b":  # at most stages - s micro-batches held at once
         for s, actions in enumerate(plans):
             held = peak = 0

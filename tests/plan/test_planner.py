@@ -54,10 +54,16 @@ def compositions(costs: Sequence[CostModel], total: int):
             yield (*head, rest)
 
 
-def brute_force(costs: Sequence[CostModel], total: int) -> Optional[tuple[tuple[float, ...], tuple[int, ...]]]:
-    """The lexicographically smallest slowest-first time vector, and the lexicographically largest split reaching it."""
+def brute_force(
+    costs: Sequence[CostModel], total: int, minimum: int = 1
+) -> Optional[tuple[tuple[float, ...], tuple[int, ...]]]:
+    """The lexicographically smallest slowest-first time vector, and the lexicographically largest split reaching it,
+    among the splits that give every rank its floor (:func:`rank_floors`; one each with ``minimum`` 1)."""
+    floors = rank_floors(costs, total, minimum)
     best = None
     for sizes in compositions(costs, total):
+        if any(b < f for b, f in zip(sizes, floors)):
+            continue
         key = (tuple(sorted((c.time(b) for c, b in zip(costs, sizes)), reverse=True)), tuple(-b for b in sizes))
         if best is None or key < best:
             best = key
@@ -463,17 +469,6 @@ def test_same_model_devices_need_a_wide_margin_to_leave_the_equal_split():
 # ------------------------------------------------------------------------------------- the floor of samples per rank
 
 
-def brute_force_with_floor(costs: Sequence[CostModel], total: int, minimum: int):
-    floors = rank_floors(costs, total, minimum)
-    allowed = [sizes for sizes in compositions(costs, total) if all(b >= f for b, f in zip(sizes, floors))]
-    best = None
-    for sizes in allowed:
-        key = (tuple(sorted((c.time(b) for c, b in zip(costs, sizes)), reverse=True)), tuple(-b for b in sizes))
-        if best is None or key < best:
-            best = key
-    return None if best is None else (best[0], tuple(-b for b in best[1]))
-
-
 def test_a_floor_of_samples_per_rank_matches_brute_force_on_all_small_cases():
     rng = random.Random(20261130)
     checked = floored = 0
@@ -482,7 +477,7 @@ def test_a_floor_of_samples_per_rank_matches_brute_force_on_all_small_cases():
         costs = [random_cost(rng) for _ in range(world_size)]
         total = rng.randint(world_size, 14)
         minimum = rng.choice([2, 3])
-        expected = brute_force_with_floor(costs, total, minimum)
+        expected = brute_force(costs, total, minimum)
         if expected is None:
             with pytest.raises(ValueError, match="does not fit"):
                 plan_min_max(costs, total, minimum)
