@@ -47,6 +47,7 @@ from lightning_hetero.recover.recovery import Recovery
 from lightning_hetero.runtime.collectives import Collectives
 from lightning_hetero.runtime.tracing import traced
 from lightning_hetero.settings import HeteroSettings
+from lightning_hetero.split.optimizer_shards import MemoryShards
 from lightning_hetero.split.steps import RankParts
 from lightning_hetero.split.training import DataParallelTraining
 from lightning_hetero.train.micro_batches import MicroBatchGuard
@@ -251,7 +252,10 @@ class HeteroJob:
         could_replan = settings.rebalancing(profiled=True, world_size=self.world_size)
         order = lambda: self._optimizer_parameters  # noqa: E731
         if kind is DataParallelTraining:
-            return DataParallelTraining(parts, self.setup, could_replan, order)
+            shards = (
+                MemoryShards(self.rank, self.world_size, settings.stage or 0) if settings.shards_by_memory else None
+            )
+            return DataParallelTraining(parts, self.setup, could_replan, order, shards)
         assert self.local is not None and settings.sync is not None
         load_local = self.setup.load_local_training
         if kind is AsynchronousTrainingMode:
@@ -284,9 +288,11 @@ class HeteroJob:
         zero = config["zero_optimization"]
         global_batch_size = self.setup.survey(trainer, fitting, module, device, str(precision.precision), zero["stage"])
         own_plugin = self.setup.plugin_for_this_rank(precision)
+        half = own_plugin is None and half_precision_engine
         if automatic_stages is not None:
-            half = own_plugin is None and half_precision_engine
             zero["stage"] = self.setup.choose_zero_stage(global_batch_size, module, fitting, automatic_stages, half)
+        else:
+            self.setup.check_given_stage_fits(global_batch_size, module, fitting, zero["stage"], half)
         self.setup.configure_communication(config)
         setup = self.setup
         surveyed = Surveyed(setup.precisions, setup.device_facts, setup.memory_byte_ceilings)

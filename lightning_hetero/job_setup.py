@@ -34,12 +34,13 @@ from lightning_hetero.plan.lr_scaling import LrScaling, lr_scaling_for
 from lightning_hetero.plan.micro_steps import automatic_micro_steps_allowed
 from lightning_hetero.plan.model_agreement import model_signature
 from lightning_hetero.plan.split import SplitPlan, micro_batch_sizes
-from lightning_hetero.plan.zero_stage import ModelSize, StageChoice, choose_stage, shared_free_bytes
+from lightning_hetero.plan.zero_stage import FP32_BYTES, ModelSize, StageChoice, choose_stage, shared_free_bytes
 from lightning_hetero.precision.choice import rank_precision
 from lightning_hetero.precision.job import gradient_bytes_held_until_step, job_plugin
 from lightning_hetero.precision.plugin import HeteroPrecision, autocast_for
 from lightning_hetero.recover.refusal import ResumeRefused
 from lightning_hetero.settings import HeteroSettings, check_ranks_agree
+from lightning_hetero.split.optimizer_shards import optimizer_rooms
 from lightning_hetero.train.lr_scaling import scale_optimizers
 from lightning_hetero.train.order import agreed_seed, local_seed
 from lightning_hetero.train.sharding import DataSharding, check_trainable
@@ -78,6 +79,7 @@ class JobSetup:
         self.device_facts: list[DeviceFacts] = []
         self.precisions: list[str] = []
         self.profiles: Optional[list[Any]] = None  # every rank's RankProfile (automatic split only)
+        self.optimizer_shards_line = ""  # memory-sized shards' line in the plan (split/optimizer_shards.py)
         self.loss_ratios: list[Optional[float]] = []  # every rank's loss on a batch given twice over its own, or None
         self.identical_devices = True
         self.memory_ceilings: Optional[list[Optional[int]]] = None  # emulated, per rank (emulate/memory.py)
@@ -235,7 +237,8 @@ class JobSetup:
         emulated_nodes, slow_link = self._emulated_topology
         nodes = topology.topology_from_hosts(hosts, emulated_nodes)
         stage = config["zero_optimization"]["stage"]
-        self._communication.setup(nodes, slow_link, config, stage, self._rank)
+        elsewhere = "memory-sized shards reduce each gradient to its owner" if self._settings.shards_by_memory else None
+        self._communication.setup(nodes, slow_link, config, stage, self._rank, elsewhere)
         config.update(self._communication.deepspeed_entries())
 
     def choose_zero_stage(
@@ -249,6 +252,47 @@ class JobSetup:
         """The lowest of ``allowed`` ZeRO stages at which every rank's model state and activations fit its memory
         (:func:`~lightning_hetero.plan.zero_stage.choose_stage`; the same decision on every rank: what it reads was
         gathered). Its reason goes into the plan output."""
+        size, room, activations = self._memory_view(
+            global_batch_size, module, fitting, allowed[0], half_precision_engine
+        )
+        choice = choose_stage(size, self._world_size, room, activations, allowed, fitting)
+        reason = choice.reason.split("; the fit may run out of memory")[0]
+        self._refuse_an_emulated_misfit(choice, f"HeteroStrategy: {reason}")
+        self.stage_choice = choice
+        return choice.stage
+
+    def check_given_stage_fits(
+        self, global_batch_size: int, module: LightningModule, fitting: bool, stage: int, half_precision_engine: bool
+    ) -> None:
+        """A ZeRO stage the user gave to data-parallel training, against emulated device memory: refused when the
+        model state and activations do not fit it, as a real device of that memory would fail (real devices are left
+        to DeepSpeed). A pipeline places its stages within the memory itself, local training keeps whole states at
+        ZeRO-0 by design, and memory-sized shards check their own shares (split/optimizer_shards.py)."""
+        settings = self._settings
+        if self.memory_byte_ceilings is None or settings.pipeline is not None or settings.local:
+            return
+        if settings.shards_by_memory:
+            return
+        size, room, activations = self._memory_view(global_batch_size, module, fitting, stage, half_precision_engine)
+        choice = choose_stage(size, self._world_size, room, activations, (stage,), fitting)
+        misfit = choice.reason.split("do not fit at any stage (")[-1].split("); the fit may run out of memory")[0]
+        self._refuse_an_emulated_misfit(choice, f"HeteroStrategy(stage={stage}): {misfit}")
+
+    def _refuse_an_emulated_misfit(self, choice: StageChoice, what: str) -> None:
+        if self.memory_byte_ceilings is not None and choice.spare_bytes is not None and choice.spare_bytes < 0:
+            # (an emulated device that a real run would overflow: refused, as a real one would fail)
+            raise ValueError(
+                f"{what}, with the device memory {memory.ENV_VAR} gives ({_mib_list(self.memory_byte_ceilings)} MiB):"
+                " an out-of-memory error on a real device. Split the model instead of only the batch:"
+                " `pipeline={'stages': ..., 'blocks': ...}` (each rank then holds only its stage's blocks), shard the"
+                " optimizer state by memory (`shards='memory'`), or give the ranks more memory."
+            )
+
+    def _memory_view(
+        self, global_batch_size: int, module: LightningModule, fitting: bool, stage: int, half_precision_engine: bool
+    ) -> tuple[ModelSize, list[Optional[float]], Optional[list[float]]]:
+        """The model's size, each rank's free memory (its device's share, within its emulated ceiling) and its
+        activations at the micro-batch planned at ``stage`` (None: not measured)."""
         parameters = list(module.parameters())
         size = ModelSize(
             sum(p.numel() for p in parameters),
@@ -257,28 +301,35 @@ class JobSetup:
         )
         profiles = self.profiles if fitting else None
         free = [p.free_bytes for p in profiles] if profiles else [f.free_memory_bytes for f in self.device_facts]
-        devices = [(f.hostname, f.kind, f.index if f.kind == "cuda" else None) for f in self.device_facts]
         activations = None
         if profiles and all(p.bytes_per_sample is not None for p in profiles):
             # The planned micro-batches (the planner's memory ceilings leave the model's state out).
-            stage = allowed[0]
             held, unequal = self._held_bytes(stage, module), self._unequal_steps(stage, module)
             plan = self._plan_start(global_batch_size, held, unequal).plan
             largest = [max(micro_batch_sizes(b, k)) for b, k in zip(plan.batch_sizes, plan.micro_steps)]
             activations = [p.bytes_per_sample * b for p, b in zip(profiles, largest)]
+        return size, self._free_bytes(free), activations
+
+    def _free_bytes(self, free: list[Optional[float]]) -> list[Optional[float]]:
+        devices = [(f.hostname, f.kind, f.index if f.kind == "cuda" else None) for f in self.device_facts]
         # (an emulated ceiling is one rank's own device: applied after the host's memory is shared among its ranks)
-        room = memory.capped_free_bytes(shared_free_bytes(free, devices), self.memory_byte_ceilings)
-        choice = choose_stage(size, self._world_size, room, activations, allowed, fitting)
-        if self.memory_byte_ceilings is not None and choice.spare_bytes is not None and choice.spare_bytes < 0:
-            # (an emulated device that a real run would overflow: refused, as a real one would fail)
-            raise ValueError(
-                f"HeteroStrategy: {choice.reason.split('; the fit may run out of memory')[0]}, with the device memory"
-                f" {memory.ENV_VAR} gives ({_mib_list(self.memory_byte_ceilings)} MiB): an out-of-memory error on a"
-                " real device. Split the model instead of only the batch: `pipeline={'stages': ..., 'blocks': ...}`"
-                " (each rank then holds only its stage's blocks), or give the ranks more memory."
-            )
-        self.stage_choice = choice
-        return choice.stage
+        return memory.capped_free_bytes(shared_free_bytes(free, devices), self.memory_byte_ceilings)
+
+    def optimizer_rooms(self, module: LightningModule) -> tuple[list[Optional[float]], bool]:
+        """What each rank's memory leaves for its share of the optimizer state under the split in force
+        (:func:`~lightning_hetero.split.optimizer_shards.optimizer_rooms`), and whether the memory is emulated."""
+        plan = self._split.plan
+        assert plan is not None, "the split starts first"
+        profiles = self.profiles
+        free = [p.free_bytes for p in profiles] if profiles else [f.free_memory_bytes for f in self.device_facts]
+        activations = None
+        if profiles and all(p.bytes_per_sample is not None for p in profiles):
+            largest = [max(micro_batch_sizes(b, k)) for b, k in zip(plan.batch_sizes, plan.micro_steps)]
+            activations = [p.bytes_per_sample * b for p, b in zip(profiles, largest)]
+        parameters = list(module.parameters())
+        model_bytes = sum(FP32_BYTES * p.numel() * (2 if p.requires_grad else 1) for p in parameters)
+        rooms = optimizer_rooms(self._free_bytes(free), model_bytes, activations)
+        return rooms, self.memory_byte_ceilings is not None
 
     # ------------------------------------------------------------------ plan
 
@@ -448,6 +499,8 @@ class JobSetup:
         """The plan output's lines below the table: the ZeRO stage's reason, the exchange, local training's sync."""
         settings = self._settings
         line = self._communication.plan_line()
+        if self.optimizer_shards_line:
+            line = f"{self.optimizer_shards_line}\n{line}"
         if self.stage_choice is not None:
             line = f"{self.stage_choice.reason}\n{line}"
         if settings.local:

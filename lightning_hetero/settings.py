@@ -32,11 +32,6 @@ from lightning_hetero.local.inner_steps import (
     sync_overlap,
     sync_refusal,
 )
-from lightning_hetero.pipeline.optimizer_shards import (
-    check_shards,
-    default_shards,
-    shards_refusal,
-)
 from lightning_hetero.pipeline.options import (
     PipelineChoice,
     check_pipeline_argument,
@@ -54,6 +49,12 @@ from lightning_hetero.precision.nonfinite import check_max_nonfinite_steps
 from lightning_hetero.recover import liveness
 from lightning_hetero.runtime.checks import check_loss_reduction, check_one_per_rank, check_stage
 from lightning_hetero.train.loaders import loader_batch_size
+from lightning_hetero.train.optimizer_shards import (
+    check_shards,
+    check_shards_config,
+    default_shards,
+    shards_refusal,
+)
 from lightning_hetero.watch.trace import check_trace
 
 # Arguments of DeepSpeedStrategy that only build its default DeepSpeed config: a user config replaces them all.
@@ -183,7 +184,20 @@ class HeteroSettings:
         if refusal:
             raise ValueError(refusal)
         pipeline_choice = check_pipeline_argument(pipeline)
-        refusal = shards_refusal(check_shards(shards), stage, pipeline_choice is not None)
+        compression_choice = compression.check_compression(compression_mode, compression_options)
+        exchange = (
+            f"compression={compression_mode!r}"
+            if compression_choice.mode is not None
+            else ("hierarchical=True" if hierarchical is True else None)
+        )
+        refusal = shards_refusal(
+            check_shards(shards), stage, pipeline_choice is not None, local=sync in LOCAL_MODES, exchange=exchange
+        )
+        if refusal is None and shards == "memory" and pipeline_choice is None and device_precision is not None:
+            refusal = (
+                "HeteroStrategy(shards='memory', device_precision=...): memory-sized shards train in 32-bit on every"
+                " rank for now. Leave out `device_precision`, or `shards`."
+            )
         if refusal:
             raise ValueError(refusal)
         if pipeline_choice is not None and pipeline_choice.schedule == "interleaved" and rebalance:
@@ -245,6 +259,8 @@ class HeteroSettings:
         only); else the lowest stage :meth:`automatic_stages` allows, until setup chooses among them."""
         if self.pipeline is not None:
             return 0  # (each stage's engine runs ZeRO-0; with `stage=1` the pipeline shards the optimizer state itself)
+        if self.shards_by_memory:
+            return 0  # (the package shards the optimizer state itself: split/optimizer_shards.py)
         if self.stage is not None:
             return self.stage
         if self.local or self._needs_stage_0 or self.pipeline is not None:
@@ -252,6 +268,13 @@ class HeteroSettings:
         stages = self.automatic_stages({})
         assert stages is not None  # (no stage, local training, hook or pipeline settles it: checked above)
         return stages[0]
+
+    @property
+    def shards_by_memory(self) -> bool:
+        """Data-parallel training whose optimizer state the package shards by memory (``stage=1 or 2,
+        shards="memory"``): DeepSpeed's engine runs ZeRO-0 and :mod:`lightning_hetero.split.optimizer_shards`
+        reduces each gradient to its owner."""
+        return self.shards == "memory" and self.pipeline is None and not self.local
 
     @property
     def _needs_stage_0(self) -> bool:
@@ -263,7 +286,7 @@ class HeteroSettings:
         training, a hooked exchange, `zero_optimization=False`). Offloading names its stages: the optimizer state
         from ZeRO-2, the parameters at ZeRO-3; unequal `micro_steps` rule out ZeRO-3."""
         if self.stage is not None or self.local or self._needs_stage_0 or self.pipeline is not None:
-            return None
+            return None  # (`shards="memory"` needs a given stage: shards_refusal)
         if deepspeed_arguments.get("zero_optimization") is False:
             return None
         if deepspeed_arguments.get("offload_parameters"):
@@ -310,8 +333,14 @@ class HeteroSettings:
         stage is ZeRO-0, as DeepSpeed reads it (not the default stage)."""
         zero = config.setdefault("zero_optimization", {})
         # (a pipeline's engines run ZeRO-0 whatever `stage` says: its `stage=1` shards the optimizer state itself)
+        if self.shards_by_memory and zero.get("stage", 0) != 0:
+            raise ValueError(
+                f"HeteroStrategy(shards='memory', config=...): the DeepSpeed config sets zero_optimization.stage"
+                f"={zero['stage']}, but memory-sized shards are the package's own, on DeepSpeed's ZeRO-0 engine. Leave"
+                f" the stage out of the config (`stage={self.stage}` says it), or leave out `shards`."
+            )
         zero["stage"], stage_warning = user_config_stage(
-            zero.get("stage"), self.zero_stage if self.pipeline else self.stage
+            zero.get("stage"), self.zero_stage if self.pipeline or self.shards_by_memory else self.stage
         )
         return stage_warning
 
@@ -346,6 +375,8 @@ class HeteroSettings:
             self.reconcile_user_config(config, deepspeed_arguments)
         if self.pipeline is not None:
             check_pipeline_config(config)
+        if self.shards_by_memory:
+            check_shards_config(config, self.stage)
         compression.check_exchange(self.compression, self.hierarchical, config["zero_optimization"]["stage"], config)
         return None if user_config else self.automatic_stages(deepspeed_arguments)
 

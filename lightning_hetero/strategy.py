@@ -103,9 +103,12 @@ class HeteroStrategy(DeepSpeedStrategy):
             per rank), ``micro_batches`` and ``virtual_stages`` (see
             :mod:`lightning_hetero.pipeline.chain`). With ``stage=1`` the pipelines holding a stage shard its
             optimizer state (ZeRO-1: :mod:`lightning_hetero.pipeline.optimizer_shards`).
-        shards: how a pipeline's ``stage=1`` sizes each copy's share of the optimizer state: ``"memory"`` (default: in
-            proportion to the memory each rank has left after its activations, equal where it is equal or unknown)
-            or ``"equal"`` (as DeepSpeed).
+        shards: how each rank's share of the optimizer state is sized: ``"memory"`` in proportion to the memory it has
+            left after the model and its activations (equal where that is equal or unknown), or ``"equal"`` (as
+            DeepSpeed). The default is ``"memory"`` for a pipeline's ``stage=1`` and ``"equal"`` elsewhere.
+            Data parallel with ``stage=1`` or ``2`` and ``shards="memory"``: DeepSpeed's engine runs ZeRO-0, and the
+            package reduces each gradient to the rank that owns it, steps that rank's share with the user's
+            optimizer and broadcasts it (:mod:`lightning_hetero.split.optimizer_shards`).
         config: a DeepSpeed config dict or JSON path, as for :class:`DeepSpeedStrategy`. It must not set the
             micro-batch, the train batch or ``gradient_accumulation_steps``; the strategy owns them.
         **kwargs: any other :class:`DeepSpeedStrategy` argument. Those that only build the default DeepSpeed config

@@ -219,11 +219,21 @@ class Communication:
         return {"compression": self.choice.describe(), "hierarchical": self.requested_hierarchical}
 
     def setup(
-        self, topology: Topology, link: Optional[SlowLink], config: dict[str, Any], stage: int, rank: int
+        self,
+        topology: Topology,
+        link: Optional[SlowLink],
+        config: dict[str, Any],
+        stage: int,
+        rank: int,
+        exchange_elsewhere: Optional[str] = None,
     ) -> None:
+        """``exchange_elsewhere``: why the gradients are exchanged by another part of the package (memory-sized
+        shards reduce them to their owners), None when DeepSpeed's exchange (or this one's hook) runs."""
         self.topology, self.link = topology, link
         blocker = compress.hierarchical_blocker(self.choice, config)
-        if blocker and self.requested_hierarchical == "auto":  # (True was refused in the constructor)
+        if exchange_elsewhere is not None:  # (True was refused in the constructor)
+            self.hierarchical, self.hierarchical_reason = False, f"off: {exchange_elsewhere}"
+        elif blocker and self.requested_hierarchical == "auto":  # (True was refused in the constructor)
             self.hierarchical, self.hierarchical_reason = False, f"off: {blocker}"
         elif stage in compress.HOOK_STAGES:
             self.hierarchical, self.hierarchical_reason = decide_hierarchical(self.requested_hierarchical, topology)

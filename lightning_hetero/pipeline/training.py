@@ -41,13 +41,7 @@ from lightning_hetero.pipeline.blocks import (
 from lightning_hetero.pipeline.chain import block_of, check_chain_shape
 from lightning_hetero.pipeline.description import describe_pipeline
 from lightning_hetero.pipeline.last_stage_metrics import LastStageMetrics
-from lightning_hetero.pipeline.optimizer_shards import (
-    OptimizerShards,
-    ShardedSet,
-    shard_fractions,
-    shard_rooms,
-    sharded_costs,
-)
+from lightning_hetero.pipeline.optimizer_shards import shard_rooms, sharded_costs
 from lightning_hetero.pipeline.options import PipelineChoice, pipeline_job_refusal, replicas_of
 from lightning_hetero.pipeline.placement import (
     BlockCosts,
@@ -71,6 +65,7 @@ from lightning_hetero.runtime.collectives import Collectives
 from lightning_hetero.runtime.safe_load import unpickles_in_full
 from lightning_hetero.train.loaders import loader_batch_size
 from lightning_hetero.train.mode import Backward, LoadCheckpoint, Surveyed, UserStep, WriteCheckpoint
+from lightning_hetero.train.optimizer_shards import OptimizerShards, ShardedSet, shard_fractions
 from lightning_hetero.train.sharding import BatchListeners, DataSharding
 from lightning_hetero.train.streams import is_stream
 from lightning_hetero.train.weights import LossWeights

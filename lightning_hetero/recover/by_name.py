@@ -21,6 +21,9 @@ from lightning_hetero.recover.refusal import ResumeRefused
 from lightning_hetero.runtime.safe_load import load_package_file
 
 RANK_FILE = "pipeline_rank{rank}.pt"
+# Data-parallel training with memory-sized shards (split/optimizer_shards.py): each rank's optimizer state by name.
+SHARD_FILE = "optimizer_shard_rank{rank}.pt"
+SHARDS_KEY = "optimizer_shards"  # the manifest's: the optimizer state is in the shard files (and who held what)
 CLIENT_FILE = "pipeline_trainer_state.pt"
 EXCLUDED = ("state_dict", "optimizer_states")  # (as DeepSpeedStrategy leaves them out of its client state)
 
@@ -106,3 +109,26 @@ def indexed_optimizer_state(named: dict[str, Any], parameters: Sequence[tuple[st
 def _own_tensors(value: dict[str, Any]) -> dict[str, Any]:
     """A parameter's optimizer state with tensors of its own (a loaded file may share one tensor between entries)."""
     return {key: item.clone() if isinstance(item, torch.Tensor) else item for key, item in value.items()}
+
+
+def merged_shard_state(directory: Path, saved_by: int) -> dict[str, Any]:
+    """The optimizer state of a data-parallel checkpoint saved with memory-sized shards, every rank's file merged by
+    name (each parameter's state is in its owner's file alone; the groups are in every file, equal). ``saved_by``:
+    the number of ranks that saved it, as its manifest says; a file short is refused, naming it."""
+    files = {int(path.stem.rsplit("rank", 1)[1]): path for path in Path(directory).glob(SHARD_FILE.format(rank="*"))}
+    missing = [rank for rank in range(saved_by) if rank not in files]
+    if missing or not files:
+        raise ResumeRefused(
+            f"The checkpoint {directory} was saved with memory-sized optimizer shards by {saved_by} ranks, and holds"
+            f" no {SHARD_FILE.format(rank=missing[0] if missing else 0)}: that rank's optimizer state is lost. Resume"
+            " a checkpoint with every file its save wrote."
+        )
+    state: dict[str, Any] = {}
+    groups: list[dict[str, Any]] = []
+    for rank in sorted(files):
+        part = load_package_file(files[rank])["optimizer"]
+        for name, value in part["state"].items():
+            state.setdefault(name, value)
+        if not groups:
+            groups = part["param_groups"]
+    return {"state": state, "param_groups": groups}

@@ -20,7 +20,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_hetero.recover import checkpoint
+from lightning_hetero.recover import by_name, checkpoint
+from lightning_hetero.recover.by_name import SHARDS_KEY
 from lightning_hetero.recover.export import _DEEPSPEED_STATES
 from lightning_hetero.recover.refusal import ResumeRefused
 from lightning_hetero.runtime.safe_load import load_deepspeed_file
@@ -67,7 +68,10 @@ def data_parallel_state(
     if stage == 0:
         states = load_deepspeed_file(tag / "mp_rank_00_model_states.pt", in_full)
         model = {name.removeprefix(_PREFIX): value for name, value in states["module"].items()}
-        named = _named_zero_0_state(chosen, manifest, states.get("optimizer"))
+        if SHARDS_KEY in manifest:  # (memory-sized shards: each rank's optimizer state by name, in its own file)
+            named = by_name.merged_shard_state(chosen, len(manifest[SHARDS_KEY].get("ranks") or []))
+        else:
+            named = _named_zero_0_state(chosen, manifest, states.get("optimizer"))
     else:
         assert universal_copy is not None, "ZeRO 1-3 are read from the universal copy"
         from lightning_hetero.recover.universal import rank_0_model_states

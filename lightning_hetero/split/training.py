@@ -16,15 +16,17 @@ from typing import Any, Optional, Protocol
 
 import torch
 from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_hetero.precision.plugin import HeteroPrecision
 from lightning_hetero.recover import from_deepspeed
 from lightning_hetero.recover.recovery import manifest_facts
+from lightning_hetero.recover.refusal import ResumeRefused
 from lightning_hetero.recover.resume import Route, file_route, resume_route
 from lightning_hetero.runtime.tracing import phase
+from lightning_hetero.split.optimizer_shards import MANIFEST_KEY, MemoryShards, load_named_shards, shards_resume_refusal
 from lightning_hetero.split.steps import RankParts, TrainingSteps
 from lightning_hetero.train.buffers import BufferSync
 from lightning_hetero.train.mode import Backward, LoadCheckpoint, Surveyed, UserStep, WriteCheckpoint
@@ -35,9 +37,13 @@ from lightning_hetero.watch.publish import publish_to_loggers, report_directory
 
 class SplitSetup(Protocol):
     """What the job's setup (``job_setup.JobSetup``) does for the split: start it at a fit, print and write the plan,
-    settle the global batch of a resumed checkpoint; and every rank's device facts, for the checkpoint's manifest."""
+    settle the global batch of a resumed checkpoint, tell the memory each rank leaves for its optimizer state; and
+    every rank's device facts, for the checkpoint's manifest."""
 
     device_facts: list[Any]
+    optimizer_shards_line: str
+
+    def optimizer_rooms(self, module: Any) -> tuple[list[Optional[float]], bool]: ...
 
     def start_the_split(self, global_batch_size: int, zero_stage: int, module: Any) -> None: ...
 
@@ -51,7 +57,8 @@ class SplitSetup(Protocol):
 class DataParallelTraining:
     """This rank's data-parallel training: its ``parts``, the job's ``setup`` of the split, whether the report says
     the split could be re-planned (``could_replan``), and the optimizer's parameters in its order (``optimizer_order``:
-    a callable, set by the job around ``deepspeed.initialize``; another strategy's optimizer state is indexed by it)."""
+    a callable, set by the job around ``deepspeed.initialize``; another strategy's optimizer state is indexed by it),
+    and the optimizer state's memory-sized shards (``memory_shards``, :mod:`.optimizer_shards`; None: DeepSpeed's)."""
 
     exchanges_each_step = True
 
@@ -61,8 +68,11 @@ class DataParallelTraining:
         setup: SplitSetup,
         could_replan: bool,
         optimizer_order: Callable[[], list[tuple[str, Any]]],
+        memory_shards: Optional[MemoryShards] = None,
     ) -> None:
         self.parts, self._setup, self._could_replan = parts, setup, could_replan
+        self.memory_shards = memory_shards
+        self._engine: Optional[Any] = None
         self._optimizer_order = optimizer_order
         self.steps = TrainingSteps(parts)
         self.report_directory: Optional[Path] = None  # where this fit's plan and report go (watch/publish.py)
@@ -71,8 +81,14 @@ class DataParallelTraining:
 
     @staticmethod
     def check_trainer(settings: Any, trainer: Optional[Any], precision: str, world_size: int) -> None:
-        """What this mode refuses of the trainer before the process group exists: nothing beyond what the settings
-        refuse (``settings.check_job``)."""
+        """What this mode refuses of the trainer before the process group exists, beyond what the settings refuse
+        (``settings.check_job``): memory-sized shards step a plain torch optimizer, so they train in 32-bit."""
+        if getattr(settings, "shards_by_memory", False) and precision not in ("32-true", "32"):
+            raise ValueError(
+                f"HeteroStrategy(stage={settings.stage}, shards='memory') with `Trainer(precision={precision!r})`:"
+                " DeepSpeed's own fp16/bf16 training wraps the optimizer in one of its own, whose state cannot be"
+                " sharded by memory. Use `precision='32-true'`, or leave out `shards`."
+            )
 
     def start(
         self,
@@ -86,7 +102,21 @@ class DataParallelTraining:
     ) -> int:
         if fitting:
             self._setup.start_the_split(global_batch_size, zero_stage, module)
+            self._start_memory_shards(module, config)
         return self.parts.split.micro_batch
+
+    def _start_memory_shards(self, module: Any, config: dict[str, Any]) -> None:
+        """Each rank's share of the optimizer state, from the memory its micro-batch leaves (every rank decides from
+        the same gathered facts), said in the plan."""
+        shards = self.memory_shards
+        self._setup.optimizer_shards_line = ""
+        if shards is None:
+            return
+        rooms, emulated = self._setup.optimizer_rooms(module)
+        warning = shards.start(module, rooms, emulated, config, module.trainer)
+        if warning:
+            rank_zero_warn(warning)
+        self._setup.optimizer_shards_line = shards.description
 
     def write_plan(self, trainer: Any, config: dict[str, Any]) -> Optional[Path]:
         self.report_directory = self._setup.write_plan(trainer, config)
@@ -101,6 +131,9 @@ class DataParallelTraining:
         emulated slower rank arrives once it has paid its delay. Rank 0's buffers go to every rank before each
         forward."""
         parts = self.parts
+        self._engine = engine
+        if self.memory_shards is not None:  # (before the exchange is timed and slowed: the reduction is the exchange)
+            self.memory_shards.attach(engine, lambda agreed: setattr(parts.nonfinite, "agreed_nonfinite", agreed))
         time_deepspeed_exchanges(engine, parts.watcher.meter)
         parts.emulation.around_deepspeed_exchanges(engine)
         self.steps.engine = engine
@@ -109,6 +142,9 @@ class DataParallelTraining:
 
     def detach(self) -> None:
         self.report_directory, self.steps.engine, self.steps.buffer_sync = None, None, None
+        if self.memory_shards is not None:
+            self.memory_shards.detach()
+        self._engine = None
 
     # ------------------------------------------------------------------ data and steps
 
@@ -210,7 +246,7 @@ class DataParallelTraining:
 
         def facts() -> dict[str, Any]:
             plan = parts.split.plan
-            return manifest_facts(
+            recorded = manifest_facts(
                 saved,
                 parts.world_size,
                 plan.batch_sizes if plan is not None else None,
@@ -221,11 +257,18 @@ class DataParallelTraining:
                 parts.communication.checkpoint_facts(),
                 sync=self._local_sync(),
             )
+            if self.memory_shards is not None and engine.optimizer is not None:
+                recorded[MANIFEST_KEY] = self.memory_shards.manifest_entry()
+            return recorded
 
         parts.recovery.save(target, write_this_rank, facts)
 
     def _save_own_state(self, directory: Path) -> None:
-        pass  # (DeepSpeed's files hold all of this rank's state)
+        """This rank's state that DeepSpeed's files do not hold: its share of the optimizer state, by name, with
+        memory-sized shards (DeepSpeed's ZeRO-0 save keeps rank 0's optimizer alone)."""
+        engine = self._engine
+        if self.memory_shards is not None and engine is not None and engine.optimizer is not None:
+            self.memory_shards.save(directory, engine.module, engine.optimizer)
 
     def load_checkpoint(
         self,
@@ -242,7 +285,7 @@ class DataParallelTraining:
         if path.is_file():  # a .ckpt file another strategy (DDP...) wrote
             file_route(path, pipeline=False)
             setup.settle_the_global_batch(path, {}, zero_stage, module, same_world_size=True)  # (none recorded)
-            return parts.recovery.resume_from_lightning_file(
+            client_state = parts.recovery.resume_from_lightning_file(
                 path,
                 module,
                 engine,
@@ -251,7 +294,12 @@ class DataParallelTraining:
                 parts.split.global_batch_size,
                 weights_only,
             )
+            self._load_optimizer_shares(path, {}, engine)
+            return client_state
         chosen, manifest = parts.recovery.choose(path, weights_only)
+        refusal = shards_resume_refusal(chosen, manifest, self.memory_shards is not None, zero_stage)
+        if refusal:
+            raise ResumeRefused(refusal)
         route = resume_route(
             chosen,
             manifest,
@@ -263,9 +311,11 @@ class DataParallelTraining:
         )
         if route is Route.FROM_PIPELINE:  # (the whole model by name; the global batch as the loader's state says)
             setup.settle_the_global_batch(chosen, {}, zero_stage, module, same_world_size=True)
-            return parts.recovery.resume_from_pipeline(
+            client_state = parts.recovery.resume_from_pipeline(
                 chosen, manifest, module, engine, self._optimizer_order(), weights_only
             )
+            self._load_optimizer_shares(chosen, {}, engine)
+            return client_state
         same_world_size = route is Route.SAME_WORLD_SIZE
         parts.communication.load(chosen, parts.rank, manifest, same_world_size)
         setup.settle_the_global_batch(chosen, manifest, zero_stage, module, same_world_size)
@@ -274,6 +324,7 @@ class DataParallelTraining:
             self._load_own_state(chosen)
         else:
             client_state = parts.recovery.load_on_another_world_size(chosen, manifest, engine, load, weights_only)
+        self._load_optimizer_shares(chosen, manifest, engine)
         if from_deepspeed.is_deepspeed_strategys(manifest):  # Lightning's DeepSpeedStrategy wrote it (no manifest)
             return from_deepspeed.with_data_position(client_state, manifest, parts.sharding.training_order())
         return client_state
@@ -283,3 +334,15 @@ class DataParallelTraining:
 
     def _load_own_state(self, directory: Path) -> None:
         pass
+
+    def _load_optimizer_shares(self, chosen: Path, manifest: dict[str, Any], engine: Any) -> None:
+        """After DeepSpeed's load: a checkpoint saved with memory-sized shards gives every rank the state it owns now
+        (every name, without shards), by name; with shards, the state of parameters another rank owns is dropped
+        (a checkpoint saved without them held it all)."""
+        if engine is None or engine.optimizer is None:
+            return
+        skipped = self.memory_shards.unowned_names() if self.memory_shards is not None else set()
+        if MANIFEST_KEY in manifest:
+            load_named_shards(chosen, manifest, engine.module, engine.optimizer, self._optimizer_order(), skipped)
+        if self.memory_shards is not None and self.memory_shards.shards is not None:
+            self.memory_shards.shards.drop_unowned_state(engine.optimizer)

@@ -193,15 +193,19 @@ def reference_training(
     batches_per_epoch: int = 0,
     sum_over_ranks: int = 0,
     optimizer_name: str = "sgd",
+    hidden: int = 8,
+    depth: int = 1,
+    clip: float = 0.0,
 ):
     """One process, whole global batches: what every HeteroStrategy run must reproduce.
 
     ``steps`` are global batches; with ``accumulate=k`` an optimizer step follows every k of them and the last of
     each epoch (``batches_per_epoch``, default: all steps are one epoch), each batch's loss divided by k: DDP's
     gradient accumulation in Lightning. ``sum_over_ranks=W`` trains a summed loss as DDP on W ranks does: the
-    gradient of the global batch's sum divided by W.
+    gradient of the global batch's sum divided by W. ``clip``: each step's gradients clipped to that norm, as
+    ``Trainer(gradient_clip_val=clip)`` on one process.
     """
-    network = make_network()
+    network = make_network(hidden=hidden, depth=depth)
     optimizer = make_optimizer(optimizer_name, network.parameters(), lr, momentum)
     epoch_length = batches_per_epoch or len(steps)
     windows = [
@@ -218,6 +222,8 @@ def reference_training(
             else:
                 loss = batch_loss(network, x, y)
             (loss / accumulate).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(network.parameters(), clip)
         optimizer.step()
     return {name: p.detach().clone() for name, p in network.named_parameters()}
 

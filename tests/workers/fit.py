@@ -331,6 +331,12 @@ class WriteResult(Callback):
         claims = getattr(mode, "claims", None)  # (asynchronous merges' training mode)
         merges = [None] * trainer.world_size
         torch.distributed.all_gather_object(merges, claims.merges.records if claims is not None else None)
+        # Which parameters each rank keeps optimizer state for (memory-sized shards: each on exactly one rank).
+        names = {id(p): n for n, p in pl_module.named_parameters()}
+        optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        held = sorted(names[id(p)] for p in optimizer.state if id(p) in names) if optimizer is not None else None
+        state_names = [None] * trainer.world_size
+        torch.distributed.all_gather_object(state_names, held)
         if trainer.is_global_zero:
             result = {
                 "params": params,
@@ -339,6 +345,7 @@ class WriteResult(Callback):
                 "emulated_delay": emulated_delay,
                 "buffer_traces": buffer_traces,
                 "merges": merges,
+                "optimizer_state_names": state_names,
                 "batchnorm_types": self.batchnorm_types,
                 "running_statistics": {
                     name: b.double().tolist()
@@ -401,6 +408,7 @@ def main() -> None:
     parser.add_argument("--record-steps", action="store_true", help="append every rank's step indices to steps.jsonl")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd")
     parser.add_argument("--hidden", type=int, default=8)
+    parser.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...)")
     parser.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d first; buffer traces in the result")
     parser.add_argument("--sync-batchnorm", action="store_true", help="Trainer(sync_batchnorm=True)")
     parser.add_argument("--hidden-on-rank-1", type=int, help="a model whose width depends on the rank")
@@ -537,6 +545,7 @@ def fit(args: argparse.Namespace) -> None:
         num_sanity_val_steps=0,
         sync_batchnorm=args.sync_batchnorm,
         default_root_dir=args.out,
+        gradient_clip_val=args.clip,
     )
     model_class = ConfiguredRegressionModule if args.configure_model else RegressionModule
     model_kwargs = {}

@@ -1,0 +1,336 @@
+"""Split: the optimizer state sharded over the data-parallel ranks by each one's memory (``HeteroStrategy(stage=1 or
+2, shards="memory")``).
+
+DeepSpeed's ZeRO-1/2 give every rank the same share of the optimizer state, so beside a large device a small one
+decides whether the model fits, and how much room its micro-batch's activations have. Here DeepSpeed's engine runs
+ZeRO-0 and the package takes over its gradient exchange and its step:
+
+- each rank owns a contiguous run of the module's parameters (in the module's order), sized in proportion to what its
+  memory leaves once the parameters, gradients and its micro-batch's activations are in (:func:`optimizer_rooms`,
+  :func:`~lightning_hetero.train.optimizer_shards.shard_fractions`); equal shares where no rank's memory is known;
+- at the optimizer step's boundary (where DeepSpeed's ZeRO-0 all-reduces) each owner's gradients are reduced to it
+  alone, one ``reduce`` per owner of a flat tensor of its parameters' gradients (an uneven reduce-scatter, which gloo
+  and NCCL both run), averaged over the ranks as DeepSpeed averages them; the other ranks drop those gradients
+  (``stage=2``'s gradient shards: the gradients are whole during the backward, as at ZeRO-1, and only the owner's
+  share outlives the exchange);
+- the whole model's gradient norm is the owners' squared norms summed (one all-reduce of a number): clipping by it,
+  and the non-finite guard's agreement to skip a step, see one process's norm;
+- each owner steps its parameters with the user's torch optimizer, which so keeps state for those alone, then
+  broadcasts them (:class:`~lightning_hetero.train.optimizer_shards.OptimizerShards`).
+
+The update is one process's: the same averaged gradients, clipped by the same norm, each parameter stepped from its
+own gradient and state.
+
+Checkpoints: DeepSpeed's files hold the module and the trainer's state; the optimizer state they hold is rank 0's share
+alone and is never read back. Each rank writes the state it owns by parameter name (``optimizer_shard_rank{r}.pt``,
+:mod:`lightning_hetero.recover.by_name`), so a resume on any number of ranks, any memory, or without shards at ZeRO-0
+takes every name from whichever file holds it (:func:`load_named_shards`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_hetero.measure.rank_profile import MEMORY_HEADROOM
+from lightning_hetero.plan.zero_stage import OPTIMIZER_STATE_BYTES, UNPROFILED_ACTIVATION_SHARE
+from lightning_hetero.recover import by_name
+from lightning_hetero.train.optimizer_shards import OptimizerShards, ShardedSet, shard_fractions
+
+MiB = 2**20
+MANIFEST_KEY = by_name.SHARDS_KEY  # the manifest's: the optimizer state is in the shard files (and who held what)
+
+
+# ---------------------------------------------------------------------------------------------------- decisions
+
+
+def optimizer_rooms(
+    free_bytes: Sequence[Optional[float]], model_bytes: float, activation_bytes: Optional[Sequence[float]]
+) -> list[Optional[float]]:
+    """What each rank's memory leaves for its share of the optimizer state: ``MEMORY_HEADROOM`` of its free bytes
+    (None: not known), less the whole model's parameters and gradients (``model_bytes``) and its micro-batch's
+    activations; where nothing measured the activations (``activation_bytes`` None) half of the room is kept for them,
+    as the ZeRO stage's choice keeps it (:func:`~lightning_hetero.plan.zero_stage.choose_stage`)."""
+    rooms: list[Optional[float]] = []
+    for rank, free in enumerate(free_bytes):
+        if free is None:
+            rooms.append(None)
+            continue
+        room = MEMORY_HEADROOM * free
+        if activation_bytes is None:
+            rooms.append(UNPROFILED_ACTIVATION_SHARE * room - model_bytes)
+        else:
+            rooms.append(room - model_bytes - activation_bytes[rank])
+    return rooms
+
+
+def shares_misfit(rooms: Sequence[Optional[float]], fractions: Sequence[float], state_bytes: float) -> Optional[str]:
+    """Where a rank's share of ``state_bytes`` (the optimizer state) does not fit its room, the first such rank
+    said; None when every share fits (or no room is known)."""
+    for rank, (room, fraction) in enumerate(zip(rooms, fractions)):
+        if room is not None and fraction * state_bytes > room:
+            return (
+                f"rank {rank} would hold {fraction * state_bytes / MiB:.2f} MiB of the optimizer state with"
+                f" {max(room, 0.0) / MiB:.2f} MiB left after the model, its gradients and activations"
+            )
+    return None
+
+
+def shards_resume_refusal(chosen: Path, manifest: dict[str, Any], sharded_now: bool, zero_stage: int) -> Optional[str]:
+    """Why a data-parallel job cannot resume ``chosen``, or None: a checkpoint of memory-sized shards keeps its
+    optimizer state by name, one file per rank, which this package reads with shards or at ZeRO-0; DeepSpeed's ZeRO
+    1-3 optimizers read DeepSpeed's own files only."""
+    if MANIFEST_KEY not in manifest or sharded_now or zero_stage == 0:
+        return None
+    return (
+        f"Checkpoint {chosen} was saved with memory-sized optimizer shards (`shards='memory'`): its optimizer state is"
+        f" in one file per rank, by name, which DeepSpeed's ZeRO-{zero_stage} optimizer cannot read. Resume it with"
+        " `shards='memory'` (at `stage=1` or `2`, on any number of ranks), or at `stage=0`."
+    )
+
+
+def plan_line(
+    rooms: Sequence[Optional[float]], fractions: Sequence[float], reason: str, held: Sequence[int], stage: int
+) -> str:
+    """The plan's line: each rank's share of the optimizer state, why, and what each had room for."""
+    total = sum(held) or 1
+    shares = ", ".join(f"rank {r} {100 * b / total:.0f} %" for r, b in enumerate(held))
+    gradients = " and its gradients" if stage == 2 else ""
+    left = ""
+    if all(room is not None for room in rooms):
+        left = "; MiB left after the model, gradients and activations: " + ", ".join(
+            f"{max(room, 0.0) / MiB:.1f}" for room in rooms if room is not None
+        )
+    return f"optimizer state{gradients} sharded by memory ({reason}): {shares}{left}"
+
+
+# ---------------------------------------------------------------------------------------------------- training
+
+
+class MemoryShards:
+    """This rank's part of memory-sized shards in data-parallel training: started with the rooms at a fit's start
+    (:meth:`start`), attached to DeepSpeed's ZeRO-0 engine (:meth:`attach`: its exchange and step replaced), its
+    state saved and loaded by name."""
+
+    def __init__(self, rank: int, world_size: int, stage: int) -> None:
+        self.rank, self.world_size, self.stage = rank, world_size, stage
+        self.shards: Optional[OptimizerShards] = None
+        self.max_norm = 0.0  # the whole model's gradient clipping (0: none), taken over from DeepSpeed at start
+        self.description = ""
+        self._engine: Optional[Any] = None
+        self._step_norm: Optional[float] = None
+        self._undo: list[Callable[[], None]] = []
+
+    @property
+    def _set(self) -> ShardedSet:
+        assert self.shards is not None
+        return self.shards.sets[0]
+
+    def start(
+        self,
+        module: nn.Module,
+        rooms: Sequence[Optional[float]],
+        emulated: bool,
+        config: dict[str, Any],
+        trainer: Any,
+    ) -> Optional[str]:
+        """Decide each rank's share from ``rooms`` (:func:`optimizer_rooms`; every rank the same); returns a warning
+        when a share does not fit a real device's memory (``emulated``: an emulated one, where it is refused as the
+        device would fail). Gradient clipping is taken over from DeepSpeed, whose ZeRO-0 engine would clip each
+        rank's shard by its own norm: ``config``'s ``gradient_clipping`` (else the Trainer's ``gradient_clip_val``)
+        is the whole model's, and the engine's is set to 0."""
+        given = config.get("gradient_clipping")
+        self.max_norm = float(given if given is not None else (trainer.gradient_clip_val or 0.0))
+        config["gradient_clipping"] = 0.0
+        named = list(module.named_parameters())
+        short = [(rank, room) for rank, room in enumerate(rooms) if room is not None and room < 0]
+        if short and self.world_size > 1:
+            rank, room = short[0]
+            raise ValueError(
+                f"HeteroStrategy(stage={self.stage}, shards='memory'): rank {rank} cannot hold the model, its gradients"
+                f" and its micro-batch's activations ({-room / MiB:.1f} MiB over its memory) before any optimizer"
+                " state. Give it fewer samples (`batch_sizes`, `micro_steps`), or split the model (`pipeline`)."
+            )
+        fractions, reason = shard_fractions(
+            [None if room is None else int(room) for room in rooms], "memory" if self.world_size > 1 else "equal"
+        )
+        parameters = [p for _, p in named]
+        self.shards = OptimizerShards(
+            self.rank,
+            [ShardedSet([n for n, _ in named], parameters, list(range(self.world_size)), None, fractions, reason)],
+        )
+        held = self._set.share_bytes()
+        self.description = plan_line(rooms, fractions, reason, held, self.stage)
+        trained = sum(p.numel() for p in parameters if p.requires_grad)
+        misfit = shares_misfit(rooms, [b / (sum(held) or 1) for b in held], OPTIMIZER_STATE_BYTES * trained)
+        if misfit is None:
+            return None
+        message = (
+            f"HeteroStrategy(stage={self.stage}, shards='memory'): {misfit} (counting Adam's state,"
+            f" {OPTIMIZER_STATE_BYTES} bytes per trained parameter)"
+        )
+        if emulated:
+            raise ValueError(f"{message}: an out-of-memory error on a real device. Split the model (`pipeline`).")
+        return f"{message}; the fit may run out of memory."
+
+    # ------------------------------------------------------------------ the engine
+
+    def attach(self, engine: Any, agree_nonfinite: Callable[[Callable[[], bool]], None]) -> None:
+        """DeepSpeed's ZeRO-0 engine exists: its exchange becomes the reduction to the owners, its step clips by the
+        whole model's norm and broadcasts what each owner stepped. ``agree_nonfinite``: hands the non-finite guard
+        the question every rank answers alike (is the whole model's gradient norm finite?)."""
+        if engine.optimizer is None:  # (an evaluation's engine: nothing is stepped)
+            return
+        if (
+            engine.fp16_enabled()
+            or engine.bfloat16_enabled()
+            or not isinstance(engine.optimizer, torch.optim.Optimizer)
+        ):
+            raise ValueError(
+                f"HeteroStrategy(stage={self.stage}, shards='memory'): DeepSpeed's engine wraps the optimizer"
+                f" ({type(engine.optimizer).__name__}: its own fp16/bf16 training), so each rank's share cannot be"
+                " stepped alone. Train with `Trainer(precision='32-true')`, or leave out `shards`."
+            )
+        assert self.shards is not None, "start() decides the shares before the engine is built"
+        self._engine = engine
+        self.shards.drop_unowned_state(engine.optimizer)  # (an optimizer that made its state when it was built)
+        engine.allreduce_gradients = self.reduce_to_owners
+        step = engine.step
+        engine.step = self._agreed_step(step)
+        agree_nonfinite(self._nonfinite)
+        self._undo = [
+            lambda: engine.__dict__.pop("allreduce_gradients", None),
+            lambda: setattr(engine, "step", step),
+            lambda: agree_nonfinite(lambda: False),
+        ]
+
+    def detach(self) -> None:
+        for undo in self._undo:
+            undo()
+        self._undo, self._engine, self._step_norm = [], None, None
+
+    def reduce_to_owners(self, *args: Any, **kwargs: Any) -> None:
+        """In place of DeepSpeed's ZeRO-0 all-reduce (DeepSpeed calls it after every backward, and in its step when
+        the package's config leaves the accumulation to Lightning; like it, this exchanges only at the accumulation
+        boundary): each owner receives the mean over the ranks of its parameters' gradients, one flat tensor per
+        owner, and the other ranks drop them. A parameter that trains but got no gradient on a rank counts zeros
+        there, as DeepSpeed's all-reduce does. Then the whole model's norm is agreed and the owned gradients are
+        clipped by it (``coefficient = max_norm / (norm + 1e-6)`` when under 1, as ``clip_grad_norm_``), before
+        DeepSpeed's optimizer step runs."""
+        engine = self._engine
+        if engine is None or not engine.is_gradient_accumulation_boundary():
+            return
+        sharded = self._set
+        with torch.no_grad():
+            for copy, owner in enumerate(sharded.ranks):
+                owned = [p for p, o in zip(sharded.parameters, sharded.owners) if o == copy and p.requires_grad]
+                if not owned:
+                    continue
+                flat = torch.cat([_gradient(p).reshape(-1) for p in owned])
+                if self.world_size > 1:
+                    dist.reduce(flat, dst=owner)
+                if owner != self.rank:
+                    for parameter in owned:
+                        parameter.grad = None
+                    continue
+                flat.div_(self.world_size)
+                offset = 0
+                for parameter in owned:
+                    parameter.grad = flat[offset : offset + parameter.numel()].view_as(parameter).clone()
+                    offset += parameter.numel()
+            norm = self._whole_norm()
+            self._step_norm = norm
+            if self.max_norm > 0 and math.isfinite(norm):  # (a step skipped for its norm keeps its gradients)
+                coefficient = self.max_norm / (norm + 1e-6)
+                if coefficient < 1.0:
+                    for parameter in sharded.owned_by(self.rank):
+                        if parameter.grad is not None:
+                            parameter.grad.mul_(coefficient)
+
+    def _whole_norm(self) -> float:
+        """The whole model's gradient norm, the same on every rank: the owners' squared norms summed in one
+        all-reduce."""
+        squares = torch.zeros((), dtype=torch.float64)
+        for parameter in self._set.owned_by(self.rank):
+            if parameter.grad is not None:
+                squares += parameter.grad.detach().double().pow(2).sum().cpu()
+        if self.world_size > 1:
+            device = self._set.parameters[0].device if self._set.parameters else torch.device("cpu")
+            on_device = squares.to(device)
+            dist.all_reduce(on_device)
+            squares = on_device.cpu()
+        return float(squares.sqrt())
+
+    def _nonfinite(self) -> bool:
+        """Whether this step's whole gradient norm, agreed at the reduction, is not finite (False before it)."""
+        return self._step_norm is not None and not math.isfinite(self._step_norm)
+
+    def _agreed_step(self, step: Callable[..., Any]) -> Callable[..., Any]:
+        """DeepSpeed's step (whose optimizer steps each rank's owned parameters, or skips on every rank alike when
+        the agreed norm is not finite), then, when the gradients were reduced for it, every owner's parameters
+        broadcast."""
+
+        def agreed(*args: Any, **kwargs: Any) -> Any:
+            shards = self.shards
+            assert shards is not None
+            try:
+                result = step(*args, **kwargs)
+                if self._step_norm is not None:  # (reduced: the optimizer step ran, or was skipped everywhere)
+                    shards.drop_unowned_gradients()
+                    shards.gather_parameters()
+                return result
+            finally:
+                self._step_norm = None
+
+        return agreed
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def manifest_entry(self) -> dict[str, Any]:
+        """What the manifest records: the state is in the shard files, and who held what."""
+        sharded = self._set
+        return {"ranks": sharded.ranks, "share_bytes": sharded.share_bytes(), "reason": sharded.reason}
+
+    def save(self, directory: Path, module: nn.Module, optimizer: Any) -> None:
+        """This rank's optimizer state, by parameter name (every group's names, its own parameters' state)."""
+        torch.save(
+            {"optimizer": by_name.named_optimizer_state(module, optimizer)},
+            directory / by_name.SHARD_FILE.format(rank=self.rank),
+        )
+
+    def unowned_names(self) -> set[str]:
+        return self.shards.unowned_names() if self.shards is not None else set()
+
+
+def _gradient(parameter: nn.Parameter) -> torch.Tensor:
+    if parameter.grad is None:
+        return torch.zeros_like(parameter)
+    return parameter.grad.detach()
+
+
+def load_named_shards(
+    directory: Path,
+    manifest: dict[str, Any],
+    module: nn.Module,
+    optimizer: Any,
+    optimizer_parameters: Sequence[tuple[str, Any]],
+    skipped: set[str],
+) -> None:
+    """A checkpoint saved with memory-sized shards: the optimizer state of every rank's file, by name, into this
+    rank's ``optimizer`` (over ``optimizer_parameters``, (name, parameter) in its order), less the names another rank
+    of this job owns (``skipped``). DeepSpeed's load already put rank 0's share in: it is replaced whole."""
+    if optimizer is None or not optimizer_parameters:
+        return
+    saved_by = manifest.get(MANIFEST_KEY, {}).get("ranks") or []
+    named = by_name.merged_shard_state(directory, len(saved_by))
+    kept = {
+        "state": {k: v for k, v in named["state"].items() if k not in skipped},
+        "param_groups": named["param_groups"],
+    }
+    optimizer.load_state_dict(by_name.indexed_optimizer_state(kept, list(optimizer_parameters)))
