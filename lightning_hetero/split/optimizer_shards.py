@@ -104,8 +104,8 @@ def plan_line(
     gradients = " and its gradients" if stage == 2 else ""
     left = ""
     if all(room is not None for room in rooms):
-        left = "; MiB left after the model, gradients and activations: " + ", ".join(
-            f"{max(room, 0.0) / MiB:.1f}" for room in rooms if room is not None
+        left = "; left after the model, gradients and activations: " + ", ".join(
+            _readable(max(room, 0.0)) for room in rooms if room is not None
         )
     return f"optimizer state{gradients} sharded by memory ({reason}): {shares}{left}"
 
@@ -306,6 +306,13 @@ class MemoryShards:
 
     def unowned_names(self) -> set[str]:
         return self.shards.unowned_names() if self.shards is not None else set()
+
+
+def _readable(size: float) -> str:
+    for unit, factor in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= factor:
+            return f"{size / factor:.1f} {unit}"
+    return f"{size:.0f} B"
 
 
 def _gradient(parameter: nn.Parameter) -> torch.Tensor:

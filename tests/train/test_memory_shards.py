@@ -59,7 +59,7 @@ def test_the_plan_line_says_each_share_why_and_the_rooms():
     line = plan_line([30 * MiB, 10 * MiB], (0.75, 0.25), "in proportion to the memory", [300, 100], stage=2)
     assert line == (
         "optimizer state and its gradients sharded by memory (in proportion to the memory): rank 0 75 %, rank 1 25 %;"
-        " MiB left after the model, gradients and activations: 30.0, 10.0"
+        " left after the model, gradients and activations: 30.0 MiB, 10.0 MiB"
     )
     assert plan_line([None, None], (0.5, 0.5), "equal shares", [1, 1], stage=1).startswith(
         "optimizer state sharded by memory (equal shares): rank 0 50 %, rank 1 50 %"
