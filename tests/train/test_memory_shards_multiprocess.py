@@ -1,7 +1,7 @@
 """Memory-sized optimizer shards in data-parallel training, end to end: CPU ranks (gloo) with emulated device memory.
 
 The claims under test: with `stage=1 or 2, shards="memory"` the update equals one process on the global batch (SGD
-with momentum, Adam, AdamW, gradient clipping), each parameter's optimizer state is on exactly one rank and the
+with momentum, Adam, AdamW, gradient clipping, micro-steps with Lightning's accumulation), each parameter's optimizer state is on exactly one rank and the
 small device holds the small share, a model whose state does not fit the small device at DeepSpeed's even ZeRO-2
 shards is refused there and trains with memory-sized shards, and a checkpoint resumes on another number of ranks.
 """
@@ -36,6 +36,7 @@ CASES = {  # optimizer, clipping (chosen to clip: the first steps' norms are abo
     "sgd": ("sgd", None),
     "adam": ("adam", 0.05),
     "adamw": ("adamw", None),
+    "accumulated": ("sgd", None),  # rank 0 in micro-steps of 3, and Lightning's accumulate_grad_batches=2
 }
 
 
@@ -43,9 +44,15 @@ def shards_args(stage: int) -> list[str]:
     return ["--stage", str(stage), "--strategy-args", json.dumps({"shards": "memory"})]
 
 
-def reference(steps, optimizer: str, clip) -> dict:
+def reference(steps, optimizer: str, clip, accumulate: int = 1) -> dict:
     return reference_training(
-        IndexedRegression(48), steps, optimizer_name=optimizer, hidden=HIDDEN, depth=DEPTH, clip=clip or 0.0
+        IndexedRegression(48),
+        steps,
+        optimizer_name=optimizer,
+        hidden=HIDDEN,
+        depth=DEPTH,
+        clip=clip or 0.0,
+        accumulate=accumulate,
     )
 
 
@@ -68,6 +75,9 @@ def test_memory_shards_train_as_one_process_where_even_zero_2_shards_do_not_fit(
     for case, (optimizer, clip) in CASES.items():
         stage = "1" if case == "adamw" else "2"
         more = ["--out", str(tmp_path / case), "--optimizer", optimizer, "--stage", stage]
+        if case == "accumulated":
+            shards = json.dumps({"shards": "memory", "micro_steps": [3, 1]})  # (micro-batches of 2: shares 6 and 2)
+            more += ["--accumulate", "2", "--batch-sizes", "2", "2", "--strategy-args", shards]
         each.append(more + (["--clip", str(clip)] if clip else []))
     run = run_fit(
         tmp_path,
@@ -86,7 +96,8 @@ def test_memory_shards_train_as_one_process_where_even_zero_2_shards_do_not_fit(
     for case, (optimizer, clip) in CASES.items():
         result = json.loads((tmp_path / case / "result.json").read_text())
         assert result["seen"] == rank_slices(steps, SHARES)
-        difference = max_param_difference(result, reference(steps, optimizer, clip))
+        accumulate = 2 if case == "accumulated" else 1
+        difference = max_param_difference(result, reference(steps, optimizer, clip, accumulate))
         print(f"{case}: {difference:.3g} off one process")
         assert difference <= TOLERANCE, case
         held = assert_each_state_on_one_rank(result, 2)
