@@ -25,8 +25,15 @@ from lightning_hetero.local.inner_steps import (
 from lightning_hetero.simulate import catalog
 from lightning_hetero.simulate.calibration import efficiency_by_kind, loop_from_run
 from lightning_hetero.simulate.cluster import Cluster, ClusterFileError, SimulatedDevice, load_cluster
-from lightning_hetero.simulate.device_model import GPU_CONTEXT_BYTES, PLANNING_HEADROOM, precision_of
+from lightning_hetero.simulate.device_model import (
+    GPU_CONTEXT_BYTES,
+    PLANNING_HEADROOM,
+    activation_bytes,
+    precision_of,
+    usable_memory_bytes,
+)
 from lightning_hetero.simulate.local_merge import evaluate_local
+from lightning_hetero.simulate.memory_fit import memory_fit
 from lightning_hetero.simulate.pipeline import ChainShares, chain_shares, describe_pipeline_prediction, predict_pipeline
 from lightning_hetero.simulate.predict import Prediction, automatic_stage, predict
 from lightning_hetero.simulate.step_options import LoopCalibration, Options
@@ -48,6 +55,9 @@ JSON_DOC = """--json prints one object:
   speedup_over_equal: the equal split's step time over this plan's
   best_homogeneous: {kind, devices, step_ms, speedup} (the fastest single-kind subset; null if none can train)
   wire: {bytes_per_step, inter_node_bytes_per_step, hierarchical, reason}
+  memory_fit: the largest model (trainable parameters, fp32 with Adam) beside each device's planned activations:
+           {zero1_even_parameters, zero2_even_parameters (DeepSpeed's even shards), memory_sized_parameters
+           (stage=2, shards='memory'), even_limited_by (the device kind with the least room), room_bytes}
   settings: {global_batch_size, zero_stage, zero_stage_reason (why, when --stage was not given), compression,
              devices, nodes, memory_headroom (the fraction of each device's memory a plan leaves free),
              gpu_context_bytes (what a GPU's CUDA context and workspaces take before the plan)}
@@ -286,6 +296,13 @@ def evaluate(cluster: Cluster, workload, options: Options) -> dict[str, Any]:
             "step_ms": _breakdown(best[2]),
             "speedup": best[2].step_seconds / planned.step_seconds,
         },
+        "memory_fit": memory_fit(
+            [device.kind.name for device in cluster.devices],
+            [
+                usable_memory_bytes(device.kind) - activation_bytes(workload, d.precision) * d.micro_batch
+                for device, d in zip(cluster.devices, planned.devices)
+            ],
+        ),
         "wire": {
             "bytes_per_step": planned.exchange.wire_bytes,
             "inter_node_bytes_per_step": planned.exchange.inter_node_bytes,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_hetero.simulate.memory_fit import describe as describe_memory_fit
+
 GIB = 1024**3
 
 
@@ -103,6 +105,8 @@ def _section(result: dict[str, Any]) -> list[str]:
             f"best homogeneous subset: the {best['devices']} x {best['kind']} alone, {_step(best['step_ms'])}:"
             f" the whole cluster is {_faster_or_slower(best['speedup'])}"
         )
+    if "memory_fit" in result:
+        lines.append(describe_memory_fit(result["memory_fit"]))
     wire = result["wire"]
     lines.append(
         f"on the wire: {wire['bytes_per_step'] / 1e6:.2f} MB per step, {wire['inter_node_bytes_per_step'] / 1e6:.2f}"

@@ -299,3 +299,16 @@ def test_the_cli_help_names_the_planner(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     assert "lightning-hetero plan --help" in capsys.readouterr().out
+
+
+def test_the_plan_says_the_largest_model_with_even_and_memory_sized_shards(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    cluster = tmp_path / "mixed.yaml"
+    cluster.write_text("nodes:\n  - {devices: [{kind: RTX-4090, count: 1}, {kind: A100-80GB, count: 1}]}\n")
+    code, out, _ = run(["--cluster", str(cluster), *MODEL, "--json"], capsys)
+    assert code == 0
+    fit = json.loads(out)["memory_fit"]
+    assert fit["even_limited_by"] == "RTX-4090"
+    assert fit["zero1_even_parameters"] < fit["zero2_even_parameters"] < fit["memory_sized_parameters"]
+    code, out, _ = run(["--cluster", str(cluster), *MODEL], capsys)
+    assert code == 0 and "memory-sized shards (`stage=2, shards='memory'`)" in out

@@ -1,9 +1,10 @@
 """Memory-sized optimizer shards in data-parallel training, end to end: CPU ranks (gloo) with emulated device memory.
 
 The claims under test: with `stage=1 or 2, shards="memory"` the update equals one process on the global batch (SGD
-with momentum, Adam, AdamW, gradient clipping, micro-steps with Lightning's accumulation), each parameter's optimizer state is on exactly one rank and the
-small device holds the small share, a model whose state does not fit the small device at DeepSpeed's even ZeRO-2
-shards is refused there and trains with memory-sized shards, and a checkpoint resumes on another number of ranks.
+with momentum, Adam, AdamW, gradient clipping, micro-steps with Lightning's accumulation), each parameter's optimizer
+state is on exactly one rank and the small device holds the small share, a model whose state does not fit the small
+device at DeepSpeed's even ZeRO-2 shards is refused there and trains with memory-sized shards, and a checkpoint
+resumes on another number of ranks.
 """
 
 from __future__ import annotations
