@@ -95,6 +95,23 @@ def shards_resume_refusal(chosen: Path, manifest: dict[str, Any], sharded_now: b
     )
 
 
+# A re-plan moves the shards when a rank's share would change by this much of the state (or a share no longer fits):
+# smaller changes are not worth sending optimizer state for.
+MOVE_THRESHOLD = 0.05
+
+
+def shares_to_move(
+    current: Sequence[float], wanted: Sequence[float], rooms: Sequence[Optional[float]], state_bytes: float
+) -> bool:
+    """Whether a re-planned split's rooms call for new shares: a rank's share would change by
+    :data:`MOVE_THRESHOLD` or more, or the current shares no longer fit the rooms while the wanted ones do."""
+    if len(current) != len(wanted):
+        return True
+    if max(abs(c - w) for c, w in zip(current, wanted)) >= MOVE_THRESHOLD:
+        return True
+    return shares_misfit(rooms, current, state_bytes) is not None and shares_misfit(rooms, wanted, state_bytes) is None
+
+
 def plan_line(
     rooms: Sequence[Optional[float]], fractions: Sequence[float], reason: str, held: Sequence[int], stage: int
 ) -> str:
@@ -178,6 +195,26 @@ class MemoryShards:
         if emulated:
             raise ValueError(f"{message}: an out-of-memory error on a real device. Split the model (`pipeline`).")
         return f"{message}; the fit may run out of memory."
+
+    def replan(self, rooms: Sequence[Optional[float]], optimizer: Any) -> Optional[str]:
+        """The split was re-planned (between two steps, on every rank alike): when its rooms call for other shares
+        (:func:`shares_to_move`), the owners are decided again and the optimizer state goes to its new owners; returns
+        the line saying so (None: the shares stay)."""
+        if self.shards is None or self.world_size < 2:
+            return None
+        sharded = self._set
+        held = sharded.share_bytes()
+        current = [b / (sum(held) or 1) for b in held]
+        fractions, reason = shard_fractions([None if room is None else max(0, int(room)) for room in rooms], "memory")
+        trained = sum(p.numel() for p in sharded.parameters if p.requires_grad)
+        if not shares_to_move(current, fractions, rooms, OPTIMIZER_STATE_BYTES * trained):
+            return None
+        self.shards.reassign(0, sharded.names, sharded.parameters, optimizer, tuple(fractions), reason)
+        moved = self._set.share_bytes()
+        self.description = plan_line(rooms, fractions, reason, moved, self.stage)
+        before = ", ".join(f"{100 * c:.0f} %" for c in current)
+        after = ", ".join(f"{100 * b / (sum(moved) or 1):.0f} %" for b in moved)
+        return f"HeteroStrategy re-plan: the optimizer state's shards move from [{before}] to [{after}] ({reason})"
 
     # ------------------------------------------------------------------ the engine
 

@@ -73,6 +73,8 @@ class DataParallelTraining:
         self.parts, self._setup, self._could_replan = parts, setup, could_replan
         self.memory_shards = memory_shards
         self._engine: Optional[Any] = None
+        if memory_shards is not None:  # (a re-planned split changes what each rank's activations leave)
+            parts.split.follow(lambda micro_batch: self._split_changed())
         self._optimizer_order = optimizer_order
         self.steps = TrainingSteps(parts)
         self.report_directory: Optional[Path] = None  # where this fit's plan and report go (watch/publish.py)
@@ -104,6 +106,18 @@ class DataParallelTraining:
             self._setup.start_the_split(global_batch_size, zero_stage, module)
             self._start_memory_shards(module, config)
         return self.parts.split.micro_batch
+
+    def _split_changed(self) -> None:
+        """The split in force changed during a fit (a re-plan, or a resumed checkpoint's split), between two steps on
+        every rank alike: the memory-sized shards follow the rooms it leaves."""
+        engine, shards = self._engine, self.memory_shards
+        if engine is None or engine.optimizer is None or shards is None or shards.shards is None:
+            return  # (the split's start, before the shares are decided, or outside a fit)
+        rooms, _ = self._setup.optimizer_rooms(engine.module)
+        moved = shards.replan(rooms, engine.optimizer)
+        if moved:
+            rank_zero_info(moved)
+            self._setup.optimizer_shards_line = shards.description
 
     def _start_memory_shards(self, module: Any, config: dict[str, Any]) -> None:
         """Each rank's share of the optimizer state, from the memory its micro-batch leaves (every rank decides from

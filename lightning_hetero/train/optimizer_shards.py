@@ -213,13 +213,27 @@ class OptimizerShards:
                             offset += parameter.numel()
 
     def reassign(
-        self, index: int, names: list[str], parameters: list[nn.Parameter], optimizer: torch.optim.Optimizer
+        self,
+        index: int,
+        names: list[str],
+        parameters: list[nn.Parameter],
+        optimizer: torch.optim.Optimizer,
+        fractions: Optional[tuple[float, ...]] = None,
+        reason: Optional[str] = None,
     ) -> None:
-        """Set ``index`` now holds ``parameters`` (blocks moved in or out): owners decided again with the same
-        fractions, and each parameter's optimizer state sent to its new owner (every copy sends the state it holds
-        but no longer owns; a moved block arrived with the state of all its former owners)."""
+        """Set ``index`` now holds ``parameters`` (blocks moved in or out) at ``fractions`` (None: the same): owners
+        decided again, and each parameter's optimizer state sent to its new owner (every copy sends the state it
+        holds but no longer owns; a moved block arrived with the state of all its former owners). Every rank of the
+        set calls it."""
         old = self.sets[index]
-        new = ShardedSet(names, parameters, old.ranks, old.group, old.fractions, old.reason)
+        new = ShardedSet(
+            names,
+            parameters,
+            old.ranks,
+            old.group,
+            fractions if fractions is not None else old.fractions,
+            reason if reason is not None else old.reason,
+        )
         owned = {id(p) for p in new.owned_by(self.rank)}
         leaving = {
             name: {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in optimizer.state[p].items()}

@@ -100,3 +100,26 @@ def test_a_zero_2_checkpoint_whose_optimizer_state_is_not_per_parameter_is_refus
         universal, "state_keys", lambda tag, in_full=False: [universal.StateKeys(("exp_avg",), True, ())]
     )
     check_readable_by_name(tmp_path, {"zero_stage": 2, "optimizer": "Adam"})
+
+
+def test_a_checkpoint_of_memory_sized_shards_is_read_from_every_rank_s_shard_file(tmp_path):
+    """DeepSpeed's file holds rank 0's share alone; the state comes from each rank's file, by name."""
+    from lightning_hetero.recover import by_name
+
+    model, optimizer = model_and_optimizer()
+    everything = by_name.named_optimizer_state(model, optimizer)
+    owners = {"1.weight": 0, "0.bias": 0, "0.weight": 1, "1.bias": 1}
+    chosen = zero_0_checkpoint(tmp_path, model, torch.optim.Adam(model.parameters()))  # (DeepSpeed's: no state)
+    for rank in (0, 1):
+        share = {name: value for name, value in everything["state"].items() if owners[name] == rank}
+        torch.save(
+            {"optimizer": {"state": share, "param_groups": everything["param_groups"]}},
+            chosen / by_name.SHARD_FILE.format(rank=rank),
+        )
+    manifest = {"zero_stage": 0, by_name.SHARDS_KEY: {"ranks": [0, 1]}}
+    _, named, _ = data_parallel_state(chosen, manifest, None)
+    for name, parameter in model.named_parameters():
+        assert torch.equal(named["state"][name]["exp_avg"], optimizer.state[parameter]["exp_avg"])
+    (chosen / by_name.SHARD_FILE.format(rank=1)).unlink()
+    with pytest.raises(ResumeRefused, match="holds no optimizer_shard_rank1.pt"):
+        data_parallel_state(chosen, manifest, None)

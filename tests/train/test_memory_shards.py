@@ -140,3 +140,24 @@ def test_a_missing_shard_file_is_refused_naming_it(tmp_path):
         load_named_shards(
             tmp_path, {MANIFEST_KEY: {"ranks": [0, 1]}}, module, optimizer, list(module.named_parameters()), set()
         )
+
+
+@pytest.mark.multiprocess
+def test_a_replan_moves_the_shares_and_the_optimizer_state_and_training_stays_one_process_s(tmp_path):
+    """Two gloo ranks (tests/workers/shards_replan.py): rank 0 holds most of the state until the rooms turn round
+    after 3 Adam steps; the shares move and 3 more steps end within 1e-6 of one process (Adam's moments travelled)."""
+    import json
+    import sys
+
+    from conftest import run_bounded
+
+    worker = Path(__file__).parents[1] / "workers" / "shards_replan.py"
+    code, output = run_bounded([sys.executable, str(worker), str(tmp_path / "store")], timeout=120)
+    assert code == 0, output[-3000:]
+    result = json.loads(output.strip().splitlines()[-1])
+    before, after = result["before"], result["after"]
+    assert before[0] > before[1] and after[0] < after[1]
+    held = [set(names) for names in result["held"]]
+    assert not held[0] & held[1] and len(held[0] | held[1]) == 6  # every parameter's state on one rank
+    assert result["line"].startswith("HeteroStrategy re-plan: the optimizer state's shards move from [")
+    assert result["difference"] <= 1e-6
