@@ -280,12 +280,18 @@ class JobSetup:
 
     def _refuse_an_emulated_misfit(self, choice: StageChoice, what: str) -> None:
         if self.memory_byte_ceilings is not None and choice.spare_bytes is not None and choice.spare_bytes < 0:
-            # (an emulated device that a real run would overflow: refused, as a real one would fail)
+            # (an emulated device that a real run would overflow: refused, as a real one would fail). Memory-sized
+            # shards keep the whole parameters and gradients on every rank: a way out only below ZeRO-3.
+            shards = (
+                " shard the optimizer state by memory (`stage=1` or `2`, `shards='memory'`),"
+                if choice.stage < 3
+                else ""
+            )
             raise ValueError(
                 f"{what}, with the device memory {memory.ENV_VAR} gives ({_mib_list(self.memory_byte_ceilings)} MiB):"
                 " an out-of-memory error on a real device. Split the model instead of only the batch:"
-                " `pipeline={'stages': ..., 'blocks': ...}` (each rank then holds only its stage's blocks), shard the"
-                " optimizer state by memory (`shards='memory'`), or give the ranks more memory."
+                f" `pipeline={{'stages': ..., 'blocks': ...}}` (each rank then holds only its stage's blocks),{shards}"
+                " or give the ranks more memory."
             )
 
     def _memory_view(

@@ -139,6 +139,10 @@ CONSTRUCTOR = [
     ({"shards": "memory", "stage": 1, "device_precision": "auto"}, "memory-sized shards train in 32-bit on every"),
     ({"shards": "memory", "stage": 2, "offload_optimizer": True}, "with `offload_optimizer`: memory-sized shards"),
     (
+        {"shards": "memory", "stage": 1, "config": {"optimizer": {"type": "Adam", "params": {"lr": 0.001}}}},
+        "with a DeepSpeed config that sets `optimizer`: each rank's share is stepped by the torch optimizer",
+    ),
+    (
         {"shards": "memory", "stage": 1, "config": {"zero_optimization": {"stage": 2}}},
         "the DeepSpeed config sets zero_optimization.stage=2, but memory-sized shards are the package's own",
     ),

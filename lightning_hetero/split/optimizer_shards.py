@@ -41,7 +41,7 @@ from torch import nn
 from lightning_hetero.measure.rank_profile import MEMORY_HEADROOM
 from lightning_hetero.plan.zero_stage import OPTIMIZER_STATE_BYTES, UNPROFILED_ACTIVATION_SHARE
 from lightning_hetero.recover import by_name
-from lightning_hetero.train.optimizer_shards import OptimizerShards, ShardedSet, shard_fractions
+from lightning_hetero.train.optimizer_shards import OptimizerShards, ShardedSet, same_dtype_groups, shard_fractions
 
 MiB = 2**20
 MANIFEST_KEY = by_name.SHARDS_KEY  # the manifest's: the optimizer state is in the shard files (and who held what)
@@ -86,6 +86,13 @@ def shards_resume_refusal(chosen: Path, manifest: dict[str, Any], sharded_now: b
     """Why a data-parallel job cannot resume ``chosen``, or None: a checkpoint of memory-sized shards keeps its
     optimizer state by name, one file per rank, which this package reads with shards or at ZeRO-0; DeepSpeed's ZeRO
     1-3 optimizers read DeepSpeed's own files only."""
+    saved_stage = manifest.get("zero_stage", 0)
+    if sharded_now and MANIFEST_KEY not in manifest and saved_stage:
+        return (
+            f"Checkpoint {chosen} was saved by DeepSpeed's ZeRO-{saved_stage} optimizer, and memory-sized shards run on"
+            f" DeepSpeed's ZeRO-0 engine. Resume it without `shards` (at `stage={saved_stage}`); a checkpoint that run"
+            " saves at `stage=0` resumes with `shards='memory'`."
+        )
     if MANIFEST_KEY not in manifest or sharded_now or zero_stage == 0:
         return None
     return (
@@ -169,11 +176,19 @@ class MemoryShards:
         short = [(rank, room) for rank, room in enumerate(rooms) if room is not None and room < 0]
         if short and self.world_size > 1:
             rank, room = short[0]
-            raise ValueError(
-                f"HeteroStrategy(stage={self.stage}, shards='memory'): rank {rank} cannot hold the model, its gradients"
-                f" and its micro-batch's activations ({-room / MiB:.1f} MiB over its memory) before any optimizer"
-                " state. Give it fewer samples (`batch_sizes`, `micro_steps`), or split the model (`pipeline`)."
+            message = (
+                f"HeteroStrategy(stage={self.stage}, shards='memory'): rank {rank} cannot hold the model, its"
+                f" gradients and its micro-batch's activations ({_readable(-room)} over its memory) before any"
+                " optimizer state"
             )
+            if emulated:  # (an emulated device that a real one would overflow: refused, as the device would fail)
+                raise ValueError(
+                    f"{message}: an out-of-memory error on a real device. Split the model (`pipeline`), or give the"
+                    " ranks more memory."
+                )
+            warning: Optional[str] = f"{message}; the fit may run out of memory (rank {rank} holds none of the state)."
+        else:
+            warning = None
         fractions, reason = shard_fractions(
             [None if room is None else int(room) for room in rooms], "memory" if self.world_size > 1 else "equal"
         )
@@ -186,8 +201,8 @@ class MemoryShards:
         self.description = plan_line(rooms, fractions, reason, held, self.stage)
         trained = sum(p.numel() for p in parameters if p.requires_grad)
         misfit = shares_misfit(rooms, [b / (sum(held) or 1) for b in held], OPTIMIZER_STATE_BYTES * trained)
-        if misfit is None:
-            return None
+        if warning is not None or misfit is None:
+            return warning
         message = (
             f"HeteroStrategy(stage={self.stage}, shards='memory'): {misfit} (counting Adam's state,"
             f" {OPTIMIZER_STATE_BYTES} bytes per trained parameter)"
@@ -207,7 +222,8 @@ class MemoryShards:
         current = [b / (sum(held) or 1) for b in held]
         fractions, reason = shard_fractions([None if room is None else max(0, int(room)) for room in rooms], "memory")
         trained = sum(p.numel() for p in sharded.parameters if p.requires_grad)
-        if not shares_to_move(current, fractions, rooms, OPTIMIZER_STATE_BYTES * trained):
+        # (the targets compared, not the shares held: a few large tensors keep those away from any target)
+        if not shares_to_move(sharded.fractions, fractions, rooms, OPTIMIZER_STATE_BYTES * trained):
             return None
         self.shards.reassign(0, sharded.names, sharded.parameters, optimizer, tuple(fractions), reason)
         moved = self._set.share_bytes()
@@ -267,20 +283,19 @@ class MemoryShards:
         with torch.no_grad():
             for copy, owner in enumerate(sharded.ranks):
                 owned = [p for p, o in zip(sharded.parameters, sharded.owners) if o == copy and p.requires_grad]
-                if not owned:
-                    continue
-                flat = torch.cat([_gradient(p).reshape(-1) for p in owned])
-                if self.world_size > 1:
-                    dist.reduce(flat, dst=owner)
-                if owner != self.rank:
-                    for parameter in owned:
-                        parameter.grad = None
-                    continue
-                flat.div_(self.world_size)
-                offset = 0
-                for parameter in owned:
-                    parameter.grad = flat[offset : offset + parameter.numel()].view_as(parameter).clone()
-                    offset += parameter.numel()
+                for group in same_dtype_groups(owned):  # (torch.cat would promote a mixed run)
+                    flat = torch.cat([_gradient(p).reshape(-1) for p in group])
+                    if self.world_size > 1:
+                        dist.reduce(flat, dst=owner)
+                    if owner != self.rank:
+                        for parameter in group:
+                            parameter.grad = None
+                        continue
+                    flat.div_(self.world_size)
+                    offset = 0
+                    for parameter in group:
+                        parameter.grad = flat[offset : offset + parameter.numel()].view_as(parameter).clone()
+                        offset += parameter.numel()
             norm = self._whole_norm()
             self._step_norm = norm
             if self.max_norm > 0 and math.isfinite(norm):  # (a step skipped for its norm keeps its gradients)

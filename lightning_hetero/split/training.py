@@ -257,6 +257,10 @@ class DataParallelTraining:
             parts.recovery.write_with_deferred_errors(engine, lambda: write(directory), parts.rank == 0)
             parts.communication.save(directory, parts.rank)  # per-rank error feedback, in the manifest
             self._save_own_state(directory)
+            if self.memory_shards is not None and engine.optimizer is not None:
+                # (DeepSpeed's ZeRO-0 save keeps rank 0's optimizer alone; `engine`: the strategy's, which outlives
+                # the fit for `trainer.save_checkpoint` after it)
+                self.memory_shards.save(directory, engine.module, engine.optimizer)
 
         def facts() -> dict[str, Any]:
             plan = parts.split.plan
@@ -278,11 +282,7 @@ class DataParallelTraining:
         parts.recovery.save(target, write_this_rank, facts)
 
     def _save_own_state(self, directory: Path) -> None:
-        """This rank's state that DeepSpeed's files do not hold: its share of the optimizer state, by name, with
-        memory-sized shards (DeepSpeed's ZeRO-0 save keeps rank 0's optimizer alone)."""
-        engine = self._engine
-        if self.memory_shards is not None and engine is not None and engine.optimizer is not None:
-            self.memory_shards.save(directory, engine.module, engine.optimizer)
+        pass  # (DeepSpeed's files hold the rest of this rank's state)
 
     def load_checkpoint(
         self,

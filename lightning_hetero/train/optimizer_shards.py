@@ -87,6 +87,12 @@ def check_shards_config(config: Mapping[str, Any], stage: Optional[int]) -> None
     """A DeepSpeed config (the user's, or the one the arguments made) that memory-sized data-parallel shards cannot
     run with: offloading is DeepSpeed's, in its ZeRO optimizer's equal shards. Raised in the constructor."""
     zero = config.get("zero_optimization") or {}
+    if config.get("optimizer"):
+        raise ValueError(
+            f"HeteroStrategy(stage={stage}, shards='memory') with a DeepSpeed config that sets `optimizer`: each rank's"
+            " share is stepped by the torch optimizer `configure_optimizers` returns, and saved by its parameters'"
+            " names. Leave `optimizer` out of the config and return the optimizer from `configure_optimizers`."
+        )
     offloaded = [key for key in ("offload_optimizer", "offload_param") if isinstance(zero, Mapping) and zero.get(key)]
     if offloaded:
         raise ValueError(
@@ -144,8 +150,8 @@ class ShardedSet:
     owners: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
-        if not self.owners:
-            self.owners = owners_by_fraction([_bytes(p) for p in self.parameters], self.fractions)
+        if not self.owners:  # (a frozen parameter weighs nothing: it has no optimizer state)
+            self.owners = owners_by_fraction([_trained_bytes(p) for p in self.parameters], self.fractions)
 
     def owned_by(self, rank: int) -> list[nn.Parameter]:
         copy = self.ranks.index(rank)
@@ -156,7 +162,7 @@ class ShardedSet:
         keeps per parameter)."""
         held = [0] * len(self.ranks)
         for parameter, owner in zip(self.parameters, self.owners):
-            held[owner] += _bytes(parameter)
+            held[owner] += _trained_bytes(parameter)
         return held
 
 
@@ -201,16 +207,18 @@ class OptimizerShards:
                 if len(sharded.ranks) < 2:
                     continue
                 for copy, source in enumerate(sharded.ranks):
-                    owned = [p for p, owner in zip(sharded.parameters, sharded.owners) if owner == copy]
-                    if not owned:
-                        continue
-                    flat = torch.cat([p.detach().reshape(-1) for p in owned])
-                    dist.broadcast(flat, src=source, group=sharded.group)
-                    if source != self.rank:
-                        offset = 0
-                        for parameter in owned:
-                            parameter.copy_(flat[offset : offset + parameter.numel()].view_as(parameter))
-                            offset += parameter.numel()
+                    # (a frozen parameter was not stepped; one flat tensor per dtype: torch.cat would promote)
+                    owned = [
+                        p for p, owner in zip(sharded.parameters, sharded.owners) if owner == copy and p.requires_grad
+                    ]
+                    for group in same_dtype_groups(owned):
+                        flat = torch.cat([p.detach().reshape(-1) for p in group])
+                        dist.broadcast(flat, src=source, group=sharded.group)
+                        if source != self.rank:
+                            offset = 0
+                            for parameter in group:
+                                parameter.copy_(flat[offset : offset + parameter.numel()].view_as(parameter))
+                                offset += parameter.numel()
 
     def reassign(
         self,
@@ -264,5 +272,14 @@ class OptimizerShards:
         return lines
 
 
-def _bytes(parameter: nn.Parameter) -> int:
-    return parameter.numel() * parameter.element_size()
+def _trained_bytes(parameter: nn.Parameter) -> int:
+    return parameter.numel() * parameter.element_size() if parameter.requires_grad else 0
+
+
+def same_dtype_groups(parameters: Sequence[Any]) -> list[list[Any]]:
+    """``parameters`` in runs of one dtype each, in their order of first appearance (the same on every rank: the
+    same model), so that each run travels as one flat tensor."""
+    groups: dict[torch.dtype, list[Any]] = {}
+    for parameter in parameters:
+        groups.setdefault(parameter.dtype, []).append(parameter)
+    return list(groups.values())

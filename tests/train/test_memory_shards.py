@@ -22,9 +22,10 @@ from lightning_hetero.split.optimizer_shards import (
     plan_line,
     shards_resume_refusal,
     shares_misfit,
+    shares_to_move,
 )
 from lightning_hetero.split.training import DataParallelTraining
-from lightning_hetero.train.optimizer_shards import shard_fractions, shards_refusal
+from lightning_hetero.train.optimizer_shards import same_dtype_groups, shard_fractions, shards_refusal
 
 KiB, MiB = 2**10, 2**20
 
@@ -66,12 +67,15 @@ def test_the_plan_line_says_each_share_why_and_the_rooms():
     )
 
 
-def test_a_rank_without_room_for_the_model_is_refused_and_a_real_misfit_only_warned():
+def test_a_misfit_is_refused_on_an_emulated_device_and_warned_on_a_real_one():
     module = torch.nn.Linear(100, 100)  # 10,100 parameters: Adam's state 80.8 KB
     shards = MemoryShards(rank=0, world_size=2, stage=1)
     trainer = type("Trainer", (), {"gradient_clip_val": 0.5})()
     with pytest.raises(ValueError, match=r"rank 1 cannot hold the model, its gradients and its micro-batch's"):
-        shards.start(module, [MiB, -KiB], emulated=False, config={}, trainer=trainer)
+        shards.start(module, [MiB, -KiB], emulated=True, config={}, trainer=trainer)
+    warning = shards.start(module, [MiB, -KiB], emulated=False, config={}, trainer=trainer)
+    assert warning is not None and "the fit may run out of memory (rank 1 holds none of the state)" in warning
+    assert shards._set.share_bytes()[1] == 0
     config: dict = {}
     warning = shards.start(module, [40 * KiB, 10 * KiB], emulated=False, config=config, trainer=trainer)
     assert warning is not None and "rank 0 would hold" in warning and "the fit may run out of memory" in warning
@@ -80,6 +84,29 @@ def test_a_rank_without_room_for_the_model_is_refused_and_a_real_misfit_only_war
         shards.start(module, [40 * KiB, 10 * KiB], emulated=True, config={}, trainer=trainer)
     assert shards.start(module, [400 * KiB, 100 * KiB], emulated=True, config={}, trainer=trainer) is None
     assert shards.description.startswith("optimizer state sharded by memory (in proportion to the memory left")
+
+
+def test_frozen_parameters_weigh_nothing_in_the_shares():
+    module = torch.nn.Sequential(torch.nn.Linear(100, 100), torch.nn.Linear(100, 10))
+    module[0].requires_grad_(False)  # (a frozen backbone: 90 % of the bytes, no optimizer state)
+    shards = MemoryShards(rank=0, world_size=2, stage=2)
+    trainer = type("Trainer", (), {"gradient_clip_val": 0.0})()
+    shards.start(module, [900 * KiB, 100 * KiB], emulated=False, config={}, trainer=trainer)
+    held = shards._set.share_bytes()
+    assert held == [1000 * 4, 10 * 4]  # the trained head's weight and bias, 90 % and 10 % of the trained bytes
+    assert "rank 0 99 %, rank 1 1 %" in shards.description
+
+
+def test_a_replan_moves_the_shares_when_a_target_changes_by_five_points_or_the_shares_stop_fitting():
+    assert not shares_to_move([0.5, 0.5], [0.53, 0.47], [MiB, MiB], MiB)
+    assert shares_to_move([0.5, 0.5], [0.55, 0.45], [MiB, MiB], MiB)
+    assert shares_to_move([0.5, 0.5], [0.52, 0.48], [0.6 * MiB, 0.49 * MiB], MiB)  # (0.5 no longer fits rank 1)
+    assert shares_to_move([0.5, 0.5], [0.3, 0.3, 0.4], [MiB] * 3, MiB)  # (another number of ranks)
+
+
+def test_same_dtype_groups_keep_the_order_of_first_appearance():
+    a, b, c = torch.zeros(1), torch.zeros(1, dtype=torch.float64), torch.zeros(2)
+    assert [[id(t) for t in group] for group in same_dtype_groups([a, b, c])] == [[id(a), id(c)], [id(b)]]
 
 
 def test_the_arguments_run_deepspeed_at_zero_0_and_refuse_what_the_shards_cannot_run():
@@ -96,6 +123,9 @@ def test_the_arguments_run_deepspeed_at_zero_0_and_refuse_what_the_shards_cannot
 
 
 def test_a_sharded_checkpoint_is_refused_by_deepspeeds_zero_1_to_3_and_read_with_shards_or_at_zero_0(tmp_path):
+    refusal = shards_resume_refusal(tmp_path, {"zero_stage": 2}, sharded_now=True, zero_stage=0)
+    assert refusal is not None and "Resume it without `shards` (at `stage=2`)" in refusal
+    assert shards_resume_refusal(tmp_path, {"zero_stage": 0}, sharded_now=True, zero_stage=0) is None
     manifest = {MANIFEST_KEY: {"ranks": [0, 1]}}
     refusal = shards_resume_refusal(tmp_path, manifest, sharded_now=False, zero_stage=2)
     assert refusal is not None and "Resume it with `shards='memory'`" in refusal and "or at `stage=0`" in refusal
@@ -145,7 +175,8 @@ def test_a_missing_shard_file_is_refused_naming_it(tmp_path):
 @pytest.mark.multiprocess
 def test_a_replan_moves_the_shares_and_the_optimizer_state_and_training_stays_one_process_s(tmp_path):
     """Two gloo ranks (tests/workers/shards_replan.py): rank 0 holds most of the state until the rooms turn round
-    after 3 Adam steps; the shares move and 3 more steps end within 1e-6 of one process (Adam's moments travelled)."""
+    after 3 Adam steps; the shares move and 3 more steps end within 1e-6 of one process (Adam's moments travelled).
+    The model has a frozen layer (no state anywhere) and a float64 parameter (reduced and sent in its own dtype)."""
     import json
     import sys
 
@@ -158,6 +189,7 @@ def test_a_replan_moves_the_shares_and_the_optimizer_state_and_training_stays_on
     before, after = result["before"], result["after"]
     assert before[0] > before[1] and after[0] < after[1]
     held = [set(names) for names in result["held"]]
-    assert not held[0] & held[1] and len(held[0] | held[1]) == 6  # every parameter's state on one rank
+    assert not held[0] & held[1] and len(held[0] | held[1]) == 7  # every trained parameter's state on one rank
+    assert not any(name.startswith("frozen.") for name in held[0] | held[1])
     assert result["line"].startswith("HeteroStrategy re-plan: the optimizer state's shards move from [")
     assert result["difference"] <= 1e-6

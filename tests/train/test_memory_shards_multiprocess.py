@@ -1,10 +1,10 @@
 """Memory-sized optimizer shards in data-parallel training, end to end: CPU ranks (gloo) with emulated device memory.
 
 The claims under test: with `stage=1 or 2, shards="memory"` the update equals one process on the global batch (SGD
-with momentum, Adam, AdamW, gradient clipping, micro-steps with Lightning's accumulation), each parameter's optimizer
-state is on exactly one rank and the small device holds the small share, a model whose state does not fit the small
-device at DeepSpeed's even ZeRO-2 shards is refused there and trains with memory-sized shards, and a checkpoint
-resumes on another number of ranks.
+with momentum, Adam, AdamW, gradient clipping, micro-steps with Lightning's accumulation, steps skipped on every
+rank for one rank's NaN), each parameter's optimizer state is on exactly one rank and the small device holds the small
+share, a model whose state does not fit the small device at DeepSpeed's even ZeRO-2 shards is refused there and trains
+with memory-sized shards, and a checkpoint resumes on another number of ranks.
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ CASES = {  # optimizer, clipping (chosen to clip: the first steps' norms are abo
     "adam": ("adam", 0.05),
     "adamw": ("adamw", None),
     "accumulated": ("sgd", None),  # rank 0 in micro-steps of 3, and Lightning's accumulate_grad_batches=2
+    "skipped": ("sgd", None),  # rank 1's loss NaN at steps 2 and 3: every rank skips them (the agreed norm)
 }
+SKIPPED = [2, 3]
 
 
 def shards_args(stage: int) -> list[str]:
@@ -76,6 +78,9 @@ def test_memory_shards_train_as_one_process_where_even_zero_2_shards_do_not_fit(
     for case, (optimizer, clip) in CASES.items():
         stage = "1" if case == "adamw" else "2"
         more = ["--out", str(tmp_path / case), "--optimizer", optimizer, "--stage", stage]
+        if case == "skipped":
+            shards = json.dumps({"shards": "memory", "max_nonfinite_steps": None})
+            more += ["--nan-from", "1:2", "--nan-until", "4", "--strategy-args", shards]
         if case == "accumulated":
             shards = json.dumps({"shards": "memory", "micro_steps": [3, 1]})  # (micro-batches of 2: shares 6 and 2)
             more += ["--accumulate", "2", "--batch-sizes", "2", "2", "--strategy-args", shards]
@@ -98,22 +103,26 @@ def test_memory_shards_train_as_one_process_where_even_zero_2_shards_do_not_fit(
         result = json.loads((tmp_path / case / "result.json").read_text())
         assert result["seen"] == rank_slices(steps, SHARES)
         accumulate = 2 if case == "accumulated" else 1
-        difference = max_param_difference(result, reference(steps, optimizer, clip, accumulate))
+        trained = [step for index, step in enumerate(steps) if case != "skipped" or index not in SKIPPED]
+        difference = max_param_difference(result, reference(trained, optimizer, clip, accumulate))
         print(f"{case}: {difference:.3g} off one process")
         assert difference <= TOLERANCE, case
         held = assert_each_state_on_one_rank(result, 2)
         assert 0 < elements(result, held[1]) < 0.1 * elements(result, held[0])  # the small device's share is small
+    report = json.loads(next((tmp_path / "skipped").rglob("hetero/report.json")).read_text())
+    assert report["nonfinite"]["skipped_steps"] == SKIPPED
     # The same model at DeepSpeed's even ZeRO-2 shards, on the same emulated devices: refused before training.
     even = run_fit(tmp_path / "even", *COMMON, "--stage", "2", env=MEMORY)
     assert even.returncode != 0
     assert "HeteroStrategy(stage=2): at ZeRO stage 2 rank 1 would need 12.2 KiB of its 10.8 KiB" in even.output
-    assert "shard the optimizer state by memory (`shards='memory'`)" in even.output
+    assert "shard the optimizer state by memory (`stage=1` or `2`, `shards='memory'`)" in even.output
 
 
 @pytest.mark.fault
 def test_a_memory_sharded_checkpoint_resumes_on_another_number_of_ranks_and_without_shards(tmp_path):
-    """2 ranks (6 + 2) train Adam with memory-sized shards and save at step 2; 3 ranks (4 + 2 + 2, other memories)
-    resume with shards, and 1 rank resumes at ZeRO-0 without them: both end the epoch at one process's parameters."""
+    """2 ranks (6 + 2) train Adam with memory-sized shards and save at step 2 (`trainer.save_checkpoint` after the fit
+    writes every rank's share too); 3 ranks (4 + 2 + 2, other memories) resume with shards, and 1 rank resumes at
+    ZeRO-0 without them: both end the epoch at one process's parameters."""
     steps = contiguous_steps(48, 8, 6)
     first = run_fit(
         tmp_path / "two",
@@ -125,6 +134,8 @@ def test_a_memory_sharded_checkpoint_resumes_on_another_number_of_ranks_and_with
         "2",
         "--checkpoint-every",
         "2",
+        "--save-after-fit",
+        str(tmp_path / "after_fit.ckpt"),
         env=MEMORY,
     )
     assert first.returncode == 0, first.output[-4000:]
@@ -133,6 +144,13 @@ def test_a_memory_sharded_checkpoint_resumes_on_another_number_of_ranks_and_with
         "optimizer_shard_rank0.pt",
         "optimizer_shard_rank1.pt",
     ]
+    # `trainer.save_checkpoint` after the fit holds every rank's share too, the same as the fit's own save at step 2.
+    after_fit = tmp_path / "after_fit.ckpt"
+    for rank in (0, 1):
+        saved = torch.load(checkpoint / f"optimizer_shard_rank{rank}.pt", weights_only=True)["optimizer"]["state"]
+        again = torch.load(after_fit / f"optimizer_shard_rank{rank}.pt", weights_only=True)["optimizer"]["state"]
+        assert saved.keys() == again.keys() and saved
+        assert all(torch.equal(saved[n]["exp_avg"], again[n]["exp_avg"]) for n in saved)
     expected = reference(steps, "adam", None)
     three = run_fit(
         tmp_path / "three",

@@ -409,6 +409,7 @@ def main() -> None:
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd")
     parser.add_argument("--hidden", type=int, default=8)
     parser.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...)")
+    parser.add_argument("--save-after-fit", type=Path, help="trainer.save_checkpoint(PATH) once the fit ends")
     parser.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d first; buffer traces in the result")
     parser.add_argument("--sync-batchnorm", action="store_true", help="Trainer(sync_batchnorm=True)")
     parser.add_argument("--hidden-on-rank-1", type=int, help="a model whose width depends on the rank")
@@ -592,6 +593,8 @@ def fit(args: argparse.Namespace) -> None:
         trainer.test(model, test, verbose=False)
     weights_only = None if args.weights_only is None else args.weights_only == "true"
     trainer.fit(model, None if args.loader_in_hook else train, val, ckpt_path=args.ckpt_path, weights_only=weights_only)
+    if args.save_after_fit:
+        trainer.save_checkpoint(args.save_after_fit)
     if args.test_samples and not args.test_first:
         trainer.test(model, test, verbose=False)
     if args.predict_samples:

@@ -2,9 +2,10 @@
 
 Run by tests/train/test_memory_shards.py.
 
-Each rank trains a small MLP with Adam on its half of every batch through :class:`MemoryShards` attached to a stand-in
-for DeepSpeed's ZeRO-0 engine (its exchange and step, as DeepSpeed calls them); after 3 steps the rooms change, the
-shares move (the optimizer state goes to its new owners), and 3 more steps follow. Rank 0 prints a JSON line: the
+Each rank trains a small MLP (a frozen layer, a float64 parameter) with Adam on its half of every batch through
+:class:`MemoryShards` attached to a stand-in for DeepSpeed's ZeRO-0 engine (its exchange and step, as DeepSpeed calls
+them); after 3 steps the rooms change, the shares move (the optimizer state goes to its new owners), and 3 more steps
+follow. Rank 0 prints a JSON line: the
 shares before and after, each rank's parameters with state, and the largest difference from one process on the
 whole batches."""
 
@@ -26,11 +27,25 @@ from lightning_hetero.split.optimizer_shards import MemoryShards  # noqa: E402
 STEPS_BEFORE, STEPS_AFTER = 3, 3
 
 
+class Network(torch.nn.Module):
+    """An MLP with a frozen input layer (no optimizer state, never sent) and a float64 output scale (its own dtype:
+    a flat tensor of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = torch.nn.Linear(4, 4).requires_grad_(False)
+        self.layers = torch.nn.Sequential(
+            torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+        )
+        self.scale = torch.nn.Parameter(torch.ones(1, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(self.frozen(x)) * self.scale.float()
+
+
 def network() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
-    )
+    return Network()
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -65,7 +80,7 @@ class Engine:
 def rank_main(rank: int, store: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(60))
     module = network()
-    optimizer = torch.optim.Adam(module.parameters(), lr=0.05)
+    optimizer = torch.optim.Adam([p for p in module.parameters() if p.requires_grad], lr=0.05)
     shards = MemoryShards(rank, 2, stage=2)
     trainer = type("Trainer", (), {"gradient_clip_val": 0.0})()
     shards.start(module, [3000.0, 1000.0], emulated=False, config={}, trainer=trainer)
@@ -86,7 +101,7 @@ def rank_main(rank: int, store: str) -> None:
     dist.all_gather_object(everyone, held)
     if rank == 0:
         reference = network()
-        reference_optimizer = torch.optim.Adam(reference.parameters(), lr=0.05)
+        reference_optimizer = torch.optim.Adam([p for p in reference.parameters() if p.requires_grad], lr=0.05)
         for x, y in batches():
             torch.nn.functional.mse_loss(reference(x), y).backward()
             reference_optimizer.step()
