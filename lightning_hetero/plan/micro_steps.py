@@ -71,54 +71,60 @@ def most_samples_within(cost: CostModel, level: float, cap: int) -> int:
     return last_true(lambda n: rank_time(cost, n) <= level, guess, cap)
 
 
-def plan_micro_steps(costs: Sequence[CostModel], global_batch_size: int) -> MicroStepPlan:
-    """The samples and micro-steps per rank that minimise the slowest rank's time for exactly ``global_batch_size``.
+def plan_micro_steps(costs: Sequence[CostModel], global_batch_size: int, minimum: int = 1) -> MicroStepPlan:
+    """The samples and micro-steps per rank that minimise the slowest rank's time for exactly ``global_batch_size``,
+    every rank taking at least ``minimum`` samples (1 each when the batch cannot give every rank that many; a memory
+    ceiling does not lower it: a rank takes its samples in micro-batches).
 
     Searches the one number that decides it, the lowest time level at which the ranks together can take the global
     batch (bisection over floats down to adjacent values; a rank's time grows with its samples). A rank too slow for
-    even one sample within it still takes one: it then sets the step time, and the level balances the others. Ranks
-    with equal cost models are evaluated once per model, so 10,000 devices of a few kinds cost a few evaluations per
-    level.
+    even its floor within it still takes its floor: it then sets the step time, and the level balances the others.
+    Ranks with equal cost models are evaluated once per model, so 10,000 devices of a few kinds cost a few evaluations
+    per level.
     """
     check_plannable([CostModel(c.fixed, c.per_sample) for c in costs], global_batch_size)
+    floor = minimum if minimum * len(costs) <= global_batch_size else 1
     groups = Counter(costs)
-    # Every rank takes at least one sample, however long one takes it; the level balances the others below that.
-    low, high = 0.0, max(rank_time(c, 1) for c in groups)
-    while _capacity(groups, high, global_batch_size) < global_batch_size:
+    # Every rank takes at least its floor, however long that takes it; the level balances the others below that.
+    low, high = 0.0, max(rank_time(c, floor) for c in groups)
+    while _capacity(groups, high, global_batch_size, floor) < global_batch_size:
         low, high = high, high * 2 if high > 0 else 1.0
     while True:
         middle = (low + high) / 2
         if middle in (low, high):
             break
-        if _capacity(groups, middle, global_batch_size) >= global_batch_size:
+        if _capacity(groups, middle, global_batch_size, floor) >= global_batch_size:
             high = middle
         else:
             low = middle
-    at_level = {cost: max(1, most_samples_within(cost, high, global_batch_size)) for cost in groups}
-    below = {cost: max(1, most_samples_within(cost, math.nextafter(high, 0.0), global_batch_size)) for cost in groups}
-    samples = _trim_to(costs, at_level, below, global_batch_size)
+    at_level = {cost: max(floor, most_samples_within(cost, high, global_batch_size)) for cost in groups}
+    below = {
+        cost: max(floor, most_samples_within(cost, math.nextafter(high, 0.0), global_batch_size)) for cost in groups
+    }
+    samples = _trim_to(costs, at_level, below, global_batch_size, floor)
     steps = tuple(micro_steps_for(c, n) for c, n in zip(costs, samples))
     return MicroStepPlan(tuple(samples), steps, tuple(rank_time(c, n) for c, n in zip(costs, samples)))
 
 
-def _capacity(groups: Counter, level: float, cap: int) -> int:
-    """Samples the ranks take within ``level``, each at least one."""
+def _capacity(groups: Counter, level: float, cap: int, floor: int) -> int:
+    """Samples the ranks take within ``level``, each at least ``floor``."""
     total = 0
     for cost, count in groups.items():
-        total += count * max(1, most_samples_within(cost, level, cap))
+        total += count * max(floor, most_samples_within(cost, level, cap))
         if total >= cap:
             return total
     return total
 
 
-def _trim_to(costs: Sequence[CostModel], at_level: dict, below: dict, global_batch_size: int) -> list[int]:
+def _trim_to(costs: Sequence[CostModel], at_level: dict, below: dict, global_batch_size: int, floor: int) -> list[int]:
     """Exactly ``global_batch_size`` samples: the level's samples less some of those that only the level itself allows
-    (one per rank in turn, so equal devices differ by at most one), then, if still too many, any above one each."""
+    (one per rank in turn, so equal devices differ by at most one), then, if still too many, any above ``floor``
+    each."""
     samples = [at_level[cost] for cost in costs]
     excess = sum(samples) - global_batch_size
-    for floor in ([below[cost] for cost in costs], [1] * len(costs)):
+    for floors in ([below[cost] for cost in costs], [floor] * len(costs)):
         while excess > 0:
-            removable = [rank for rank, n in enumerate(samples) if n > floor[rank]]
+            removable = [rank for rank, n in enumerate(samples) if n > floors[rank]]
             if not removable:
                 break
             take = min(excess, len(removable))
@@ -194,7 +200,7 @@ def plan_automatic_split_in_micro_steps(
     micro-steps is predicted faster (or the only one that fits), and it is compared with the equal split taken in as
     few micro-steps as each rank's memory allows (what DDP with gradient accumulation would need).
     """
-    planned = plan_micro_steps(costs, global_batch_size)
+    planned = plan_micro_steps(costs, global_batch_size, MIN_SAMPLES_PER_RANK)
     try:
         single = plan_min_max(costs, global_batch_size, MIN_SAMPLES_PER_RANK)
     except ValueError:  # the ceilings together hold less than the global batch

@@ -363,7 +363,7 @@ def _planned_over(
     """The min-max split of ``samples`` over these ranks (:func:`plan_min_max`, or with ``micro_steps``
     :func:`plan_micro_steps`) and each rank's micro-steps (1 each without)."""
     if micro_steps:
-        in_steps = plan_micro_steps(costs, samples)
+        in_steps = plan_micro_steps(costs, samples, MIN_SAMPLES_PER_RANK)
         return in_steps.samples, in_steps.micro_steps
     return plan_min_max(costs, samples, MIN_SAMPLES_PER_RANK).batch_sizes, (1,) * len(costs)
 

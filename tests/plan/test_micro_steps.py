@@ -23,10 +23,10 @@ from lightning_hetero.plan.planner import plan_automatic_split, plan_min_max
 from lightning_hetero.plan.replan import Rebalancer
 
 
-def brute_force(costs: list[CostModel], global_batch_size: int) -> Optional[float]:
-    """The lowest slowest-rank time over every composition of the batch into at least one sample per rank."""
+def brute_force(costs: list[CostModel], global_batch_size: int, minimum: int = 1) -> Optional[float]:
+    """The lowest slowest-rank time over every composition of the batch into at least ``minimum`` samples per rank."""
     best = None
-    for choice in itertools.product(range(1, global_batch_size + 1), repeat=len(costs)):
+    for choice in itertools.product(range(minimum, global_batch_size + 1), repeat=len(costs)):
         if sum(choice) == global_batch_size:
             slowest = max(rank_time(c, n) for c, n in zip(costs, choice))
             best = slowest if best is None else min(best, slowest)
@@ -57,6 +57,28 @@ def test_the_plan_is_as_fast_as_brute_force_and_exact(costs, global_batch_size):
         assert cost.max_batch is None or b <= cost.max_batch  # every micro-batch fits
         assert k == 1 or (k - 1) * cost.max_batch < n  # and no fewer micro-batches would
         assert seconds == k * cost.fixed + cost.per_sample * n
+
+
+@settings(max_examples=300, deadline=None)
+@given(costs=st.lists(costs_strategy, min_size=1, max_size=3), global_batch_size=st.integers(1, 11))
+def test_with_a_floor_of_two_samples_the_plan_is_brute_forces_over_the_splits_that_keep_it(costs, global_batch_size):
+    if global_batch_size < len(costs):
+        return  # (refused: the test above)
+    plan = plan_micro_steps(costs, global_batch_size, minimum=2)
+    floor = 2 if 2 * len(costs) <= global_batch_size else 1  # (one each when the batch cannot give every rank two)
+    assert plan.global_batch_size == global_batch_size and min(plan.samples) >= floor
+    assert plan.predicted_step_time == brute_force(costs, global_batch_size, floor)
+
+
+def test_the_automatic_split_in_micro_steps_keeps_the_floor_of_two_samples():
+    """Profiles a fit measured (2026-11-30): rank 1's larger fixed cost made the micro-step plan give it 1 sample of 32
+    (31/1, every micro-step 1), beating the floored single split by 0.3 %; the floor of 2 was lost that way."""
+    costs = [
+        CostModel(fixed=0.0005443739566075018, per_sample=8.106037475344764e-06, max_batch=68761307),
+        CostModel(fixed=0.00091892552268244, per_sample=3.7224122287968734e-06, max_batch=68761307),
+    ]
+    decision, steps = plan_automatic_split_in_micro_steps(costs, 32, min_gain=0.05)
+    assert min(decision.planned.batch_sizes) >= 2 and sum(decision.planned.batch_sizes) == 32
 
 
 @settings(max_examples=200, deadline=None)
