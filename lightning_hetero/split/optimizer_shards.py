@@ -225,12 +225,20 @@ class MemoryShards:
         # (the targets compared, not the shares held: a few large tensors keep those away from any target)
         if not shares_to_move(sharded.fractions, fractions, rooms, OPTIMIZER_STATE_BYTES * trained):
             return None
+        moved_set = ShardedSet(sharded.names, sharded.parameters, sharded.ranks, None, tuple(fractions), reason)
+        if moved_set.owners == sharded.owners:  # (the same owners at the new targets: nothing to send)
+            self.shards.sets[0] = moved_set
+            return None
+        changed = sum(1 for old, new in zip(sharded.owners, moved_set.owners) if old != new)
         self.shards.reassign(0, sharded.names, sharded.parameters, optimizer, tuple(fractions), reason)
         moved = self._set.share_bytes()
         self.description = plan_line(rooms, fractions, reason, moved, self.stage)
-        before = ", ".join(f"{100 * c:.0f} %" for c in current)
-        after = ", ".join(f"{100 * b / (sum(moved) or 1):.0f} %" for b in moved)
-        return f"HeteroStrategy re-plan: the optimizer state's shards move from [{before}] to [{after}] ({reason})"
+        before = ", ".join(f"{100 * c:.1f} %" for c in current)
+        after = ", ".join(f"{100 * b / (sum(moved) or 1):.1f} %" for b in moved)
+        return (
+            f"HeteroStrategy re-plan: the optimizer state's shards move, {changed} of {len(moved_set.owners)}"
+            f" parameters to another rank: [{before}] -> [{after}] ({reason})"
+        )
 
     # ------------------------------------------------------------------ the engine
 

@@ -199,3 +199,41 @@ def test_a_memory_sharded_checkpoint_resumes_on_another_number_of_ranks_and_with
     )
     assert refused.returncode != 0
     assert "was saved with memory-sized optimizer shards (`shards='memory'`)" in refused.output
+
+
+@pytest.mark.fault
+def test_a_split_taken_from_a_checkpoint_moves_the_shares_inside_a_fit_and_stays_one_process(tmp_path):
+    """The automatic split (activations measured, so each rank's room follows its samples), 1,500 KiB of emulated
+    memory each. Rank 1 at a fifth of rank 0's speed takes few samples and saves at step 2; the resume has the speeds
+    the other way round, plans the opposite split and shares, then takes up the checkpoint's split before its first
+    batch: the shares move inside the fit (the split's follower, not a stand-in), and the epoch ends at one process's
+    parameters (SGD with momentum)."""
+    common = ["--hidden", "128", "--depth", "6", "--samples", "320", "--global-batch-size", "64", "--stage", "2"]
+    common += ["--strategy-args", json.dumps({"shards": "memory"})]
+    memory = {"LIGHTNING_HETERO_EMULATE_MEMORY": "1500KiB,1500KiB"}
+    first = run_fit(
+        tmp_path / "first",
+        *common,
+        "--emulate-speeds",
+        "1.0",
+        "0.2",
+        "--max-steps",
+        "2",
+        "--checkpoint-every",
+        "2",
+        env=memory,
+    )
+    assert first.returncode == 0, first.output[-4000:]
+    split = json.loads((tmp_path / "first" / "hetero" / "plan.json").read_text())["batch_sizes"]
+    assert split[0] > split[1], split
+    (checkpoint,) = (tmp_path / "first" / "ckpt").iterdir()
+    resumed = run_fit(
+        tmp_path / "resumed", *common, "--emulate-speeds", "0.2", "1.0", "--ckpt-path", str(checkpoint), env=memory
+    )
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    assert f"resumes with the checkpoint's micro-batches {split}" in resumed.output
+    assert "HeteroStrategy re-plan: the optimizer state's shards move, " in resumed.output
+    steps = contiguous_steps(320, 64, 5)
+    expected = reference_training(IndexedRegression(320), steps, hidden=128, depth=6)
+    assert max_param_difference(resumed.result, expected) <= TOLERANCE
+    assert_each_state_on_one_rank(resumed.result, 2)
