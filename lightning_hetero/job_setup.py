@@ -34,7 +34,14 @@ from lightning_hetero.plan.lr_scaling import LrScaling, lr_scaling_for
 from lightning_hetero.plan.micro_steps import automatic_micro_steps_allowed
 from lightning_hetero.plan.model_agreement import model_signature
 from lightning_hetero.plan.split import SplitPlan, micro_batch_sizes
-from lightning_hetero.plan.zero_stage import FP32_BYTES, ModelSize, StageChoice, choose_stage, shared_free_bytes
+from lightning_hetero.plan.zero_stage import (
+    FP32_BYTES,
+    ModelSize,
+    StageChoice,
+    choose_stage,
+    readable_bytes,
+    shared_free_bytes,
+)
 from lightning_hetero.precision.choice import rank_precision
 from lightning_hetero.precision.job import gradient_bytes_held_until_step, job_plugin
 from lightning_hetero.precision.plugin import HeteroPrecision, autocast_for
@@ -51,8 +58,9 @@ from lightning_hetero.watch.publish import report_directory
 from lightning_hetero.watch.watcher import JobFacts, Watcher
 
 
-def _mib_list(values: Any) -> list:
-    return ["-" if v is None else round(v / 2**20, 1) for v in values]
+def _sizes(values: Any) -> str:
+    """Each rank's emulated device memory, readable ("-": no ceiling)."""
+    return ", ".join("-" if v is None else readable_bytes(v) for v in values)
 
 
 class JobSetup:
@@ -288,7 +296,7 @@ class JobSetup:
                 else ""
             )
             raise ValueError(
-                f"{what}, with the device memory {memory.ENV_VAR} gives ({_mib_list(self.memory_byte_ceilings)} MiB):"
+                f"{what}, with the device memory {memory.ENV_VAR} gives ({_sizes(self.memory_byte_ceilings)}):"
                 " an out-of-memory error on a real device. Split the model instead of only the batch:"
                 f" `pipeline={{'stages': ..., 'blocks': ...}}` (each rank then holds only its stage's blocks),{shards}"
                 " or give the ranks more memory."

@@ -60,7 +60,8 @@ class StageChoice:
     spare_bytes: Optional[float]  # the least room left on any rank at that stage (None: no rank's memory is known)
 
 
-def _bytes(value: float) -> str:
+def readable_bytes(value: float) -> str:
+    """``value`` bytes in the largest binary unit that keeps it at or above 1 (``12.2 KiB``)."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(value) >= size:
             return f"{value / size:.1f} {unit}"
@@ -113,8 +114,9 @@ def choose_stage(
             spare = left if spare is None else min(spare, left)
             if left < 0 and misfit is None:
                 misfit = (
-                    f"at ZeRO stage {stage} rank {rank} would need {_bytes(need)} of its {_bytes(limit)}"
-                    f" ({_bytes(free)} free x {MEMORY_HEADROOM:g}"
+                    f"at ZeRO stage {stage} rank {rank} would need {readable_bytes(need)} of its"
+                    f" {readable_bytes(limit)}"
+                    f" ({readable_bytes(free)} free x {MEMORY_HEADROOM:g}"
                     + (
                         f" x {UNPROFILED_ACTIVATION_SHARE:g} kept from unmeasured activations)"
                         if activation_bytes is None
@@ -123,12 +125,13 @@ def choose_stage(
                 )
         if misfit is None:
             assert spare is not None  # (some rank's memory is known)
-            held = f"{what} ({_bytes(state)}{counted})"
+            held = f"{what} ({readable_bytes(state)}{counted})"
             activations = "" if activation_bytes is None else " and each rank's micro-batch activations"
             lower = f"; {first_misfit}" if first_misfit else ""
             return StageChoice(
                 stage,
-                f"ZeRO stage {stage} (auto): {held}{activations} fit every device with {_bytes(spare)} to spare{lower}",
+                f"ZeRO stage {stage} (auto): {held}{activations} fit every device with {readable_bytes(spare)} to"
+                f" spare{lower}",
                 spare,
             )
         first_misfit = first_misfit or misfit

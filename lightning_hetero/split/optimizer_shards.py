@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_hetero.measure.rank_profile import MEMORY_HEADROOM
-from lightning_hetero.plan.zero_stage import OPTIMIZER_STATE_BYTES, UNPROFILED_ACTIVATION_SHARE
+from lightning_hetero.plan.zero_stage import OPTIMIZER_STATE_BYTES, UNPROFILED_ACTIVATION_SHARE, readable_bytes
 from lightning_hetero.recover import by_name
 from lightning_hetero.train.optimizer_shards import OptimizerShards, ShardedSet, same_dtype_groups, shard_fractions
 
@@ -129,7 +129,7 @@ def plan_line(
     left = ""
     if all(room is not None for room in rooms):
         left = "; left after the model, gradients and activations: " + ", ".join(
-            _readable(max(room, 0.0)) for room in rooms if room is not None
+            readable_bytes(max(room, 0.0)) for room in rooms if room is not None
         )
     return f"optimizer state{gradients} sharded by memory ({reason}): {shares}{left}"
 
@@ -178,7 +178,7 @@ class MemoryShards:
             rank, room = short[0]
             message = (
                 f"HeteroStrategy(stage={self.stage}, shards='memory'): rank {rank} cannot hold the model, its"
-                f" gradients and its micro-batch's activations ({_readable(-room)} over its memory) before any"
+                f" gradients and its micro-batch's activations ({readable_bytes(-room)} over its memory) before any"
                 " optimizer state"
             )
             if emulated:  # (an emulated device that a real one would overflow: refused, as the device would fail)
@@ -366,13 +366,6 @@ class MemoryShards:
 
     def unowned_names(self) -> set[str]:
         return self.shards.unowned_names() if self.shards is not None else set()
-
-
-def _readable(size: float) -> str:
-    for unit, factor in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if size >= factor:
-            return f"{size / factor:.1f} {unit}"
-    return f"{size:.0f} B"
 
 
 def _gradient(parameter: nn.Parameter) -> torch.Tensor:

@@ -115,6 +115,7 @@ def test_memory_shards_train_as_one_process_where_even_zero_2_shards_do_not_fit(
     even = run_fit(tmp_path / "even", *COMMON, "--stage", "2", env=MEMORY)
     assert even.returncode != 0
     assert "HeteroStrategy(stage=2): at ZeRO stage 2 rank 1 would need 12.2 KiB of its 10.8 KiB" in even.output
+    assert "with the device memory LIGHTNING_HETERO_EMULATE_MEMORY gives (64.0 KiB, 27.0 KiB)" in even.output
     assert "shard the optimizer state by memory (`stage=1` or `2`, `shards='memory'`)" in even.output
 
 
