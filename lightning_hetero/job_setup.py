@@ -9,6 +9,7 @@ the refusals are :class:`~lightning_hetero.settings.HeteroSettings`'; this modul
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
@@ -313,36 +314,39 @@ class JobSetup:
             sum(p.numel() for p in parameters if p.requires_grad),
             half_precision_engine,
         )
-        profiles = self.profiles if fitting else None
+
+        def planned() -> SplitPlan:  # (the planner's memory ceilings leave the model's state out)
+            held, unequal = self._held_bytes(stage, module), self._unequal_steps(stage, module)
+            return self._plan_start(global_batch_size, held, unequal).plan
+
+        free, activations = self._free_and_activations(self.profiles if fitting else None, planned)
+        return size, free, activations
+
+    def _free_and_activations(
+        self, profiles: Optional[list[Any]], plan: Callable[[], SplitPlan]
+    ) -> tuple[list[Optional[float]], Optional[list[float]]]:
+        """Each rank's free memory (the profile's, else its device facts'; its device's share, within its emulated
+        ceiling) and its activations at the largest micro-batch of ``plan()`` (asked only when every profile measured
+        its bytes per sample; None: not measured)."""
         free = [p.free_bytes for p in profiles] if profiles else [f.free_memory_bytes for f in self.device_facts]
         activations = None
         if profiles and all(p.bytes_per_sample is not None for p in profiles):
-            # The planned micro-batches (the planner's memory ceilings leave the model's state out).
-            held, unequal = self._held_bytes(stage, module), self._unequal_steps(stage, module)
-            plan = self._plan_start(global_batch_size, held, unequal).plan
-            largest = [max(micro_batch_sizes(b, k)) for b, k in zip(plan.batch_sizes, plan.micro_steps)]
+            split = plan()
+            largest = [max(micro_batch_sizes(b, k)) for b, k in zip(split.batch_sizes, split.micro_steps)]
             activations = [p.bytes_per_sample * b for p, b in zip(profiles, largest)]
-        return size, self._free_bytes(free), activations
-
-    def _free_bytes(self, free: list[Optional[float]]) -> list[Optional[float]]:
         devices = [(f.hostname, f.kind, f.index if f.kind == "cuda" else None) for f in self.device_facts]
         # (an emulated ceiling is one rank's own device: applied after the host's memory is shared among its ranks)
-        return memory.capped_free_bytes(shared_free_bytes(free, devices), self.memory_byte_ceilings)
+        return memory.capped_free_bytes(shared_free_bytes(free, devices), self.memory_byte_ceilings), activations
 
     def optimizer_rooms(self, module: LightningModule) -> tuple[list[Optional[float]], bool]:
         """What each rank's memory leaves for its share of the optimizer state under the split in force
         (:func:`~lightning_hetero.split.optimizer_shards.optimizer_rooms`), and whether the memory is emulated."""
-        plan = self._split.plan
-        assert plan is not None, "the split starts first"
-        profiles = self.profiles
-        free = [p.free_bytes for p in profiles] if profiles else [f.free_memory_bytes for f in self.device_facts]
-        activations = None
-        if profiles and all(p.bytes_per_sample is not None for p in profiles):
-            largest = [max(micro_batch_sizes(b, k)) for b, k in zip(plan.batch_sizes, plan.micro_steps)]
-            activations = [p.bytes_per_sample * b for p, b in zip(profiles, largest)]
+        in_force = self._split.plan
+        assert in_force is not None, "the split starts first"
+        free, activations = self._free_and_activations(self.profiles, lambda: in_force)
         parameters = list(module.parameters())
         model_bytes = sum(FP32_BYTES * p.numel() * (2 if p.requires_grad else 1) for p in parameters)
-        rooms = optimizer_rooms(self._free_bytes(free), model_bytes, activations)
+        rooms = optimizer_rooms(free, model_bytes, activations)
         return rooms, self.memory_byte_ceilings is not None
 
     # ------------------------------------------------------------------ plan

@@ -32,6 +32,7 @@ from lightning_hetero.pipeline.last_stage_metrics import log_synced_over
 from lightning_hetero.pipeline.options import PipelineChoice
 from lightning_hetero.pipeline.placement import StagePlacement
 from lightning_hetero.plan.split import micro_batch_sizes
+from lightning_hetero.train.gradient_norm import clip_to_norm, squared_norm
 from lightning_hetero.train.micro_batches import split_batch, step_loss
 
 
@@ -414,26 +415,18 @@ class Pipeline:
         all-reduce, each stage counted once (by its first pipeline: the pipelines holding a stage hold the same summed
         gradients) and the modules outside the chain once (by rank 0: every rank holds them equal)."""
         assert self.stage_of_chain is not None
-        counted = [p for p in self.stage_of_chain.parameters() if p.grad is not None] if self.replica == 0 else []
+        counted = list(self.stage_of_chain.parameters()) if self.replica == 0 else []
         if self.rank == 0:
-            counted += [p for p in self.outside if p.grad is not None]
-        squares = torch.zeros((), dtype=torch.float64, device=self.device)
-        for parameter in counted:
-            assert parameter.grad is not None
-            squares += parameter.grad.detach().double().pow(2).sum()
+            counted += self.outside
+        squares = squared_norm(counted, self.device)
         dist.all_reduce(squares)
         return float(squares.sqrt())
 
     @staticmethod
     def clip_gradients(module: nn.Module, max_norm: float, norm: float) -> None:
         """Scale every gradient by one factor so that the whole model's gradient ``norm`` (:meth:`gradient_norm`)
-        is at most ``max_norm``, as one process's ``torch.nn.utils.clip_grad_norm_`` on the whole model
-        (``coefficient = max_norm / (norm + 1e-6)``, applied when under 1)."""
-        coefficient = max_norm / (norm + 1e-6)
-        if coefficient < 1.0:
-            for parameter in module.parameters():
-                if parameter.grad is not None:
-                    parameter.grad.mul_(coefficient)
+        is at most ``max_norm``, as one process's ``torch.nn.utils.clip_grad_norm_`` on the whole model."""
+        clip_to_norm(module.parameters(), max_norm, norm)
 
     def hold_gradients(self, module: nn.Module) -> None:
         """Take the step's gradients off the parameters: Lightning zeroes them between ``training_step`` (where the

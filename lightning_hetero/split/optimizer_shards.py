@@ -41,6 +41,7 @@ from torch import nn
 from lightning_hetero.measure.rank_profile import MEMORY_HEADROOM
 from lightning_hetero.plan.zero_stage import OPTIMIZER_STATE_BYTES, UNPROFILED_ACTIVATION_SHARE, readable_bytes
 from lightning_hetero.recover import by_name
+from lightning_hetero.train.gradient_norm import clip_to_norm, squared_norm
 from lightning_hetero.train.optimizer_shards import OptimizerShards, ShardedSet, same_dtype_groups, shard_fractions
 
 MiB = 2**20
@@ -304,28 +305,16 @@ class MemoryShards:
                     for parameter in group:
                         parameter.grad = flat[offset : offset + parameter.numel()].view_as(parameter).clone()
                         offset += parameter.numel()
-            norm = self._whole_norm()
+            # The whole model's norm, the same on every rank: the owners' squared norms summed in one all-reduce.
+            owned = sharded.owned_by(self.rank)
+            device = sharded.parameters[0].device if sharded.parameters else torch.device("cpu")
+            squares = squared_norm(owned, device)
+            if self.world_size > 1:
+                dist.all_reduce(squares)
+            norm = float(squares.sqrt())
             self._step_norm = norm
             if self.max_norm > 0 and math.isfinite(norm):  # (a step skipped for its norm keeps its gradients)
-                coefficient = self.max_norm / (norm + 1e-6)
-                if coefficient < 1.0:
-                    for parameter in sharded.owned_by(self.rank):
-                        if parameter.grad is not None:
-                            parameter.grad.mul_(coefficient)
-
-    def _whole_norm(self) -> float:
-        """The whole model's gradient norm, the same on every rank: the owners' squared norms summed in one
-        all-reduce."""
-        squares = torch.zeros((), dtype=torch.float64)
-        for parameter in self._set.owned_by(self.rank):
-            if parameter.grad is not None:
-                squares += parameter.grad.detach().double().pow(2).sum().cpu()
-        if self.world_size > 1:
-            device = self._set.parameters[0].device if self._set.parameters else torch.device("cpu")
-            on_device = squares.to(device)
-            dist.all_reduce(on_device)
-            squares = on_device.cpu()
-        return float(squares.sqrt())
+                clip_to_norm(owned, self.max_norm, norm)
 
     def _nonfinite(self) -> bool:
         """Whether this step's whole gradient norm, agreed at the reduction, is not finite (False before it)."""

@@ -72,7 +72,6 @@ class DataParallelTraining:
     ) -> None:
         self.parts, self._setup, self._could_replan = parts, setup, could_replan
         self.memory_shards = memory_shards
-        self._engine: Optional[Any] = None
         if memory_shards is not None:  # (a re-planned split changes what each rank's activations leave)
             parts.split.follow(lambda micro_batch: self._split_changed())
         self._optimizer_order = optimizer_order
@@ -110,7 +109,7 @@ class DataParallelTraining:
     def _split_changed(self) -> None:
         """The split in force changed during a fit (a re-plan, or a resumed checkpoint's split), between two steps on
         every rank alike: the memory-sized shards follow the rooms it leaves."""
-        engine, shards = self._engine, self.memory_shards
+        engine, shards = self.steps.engine, self.memory_shards
         if engine is None or engine.optimizer is None or shards is None or shards.shards is None:
             return  # (the split's start, before the shares are decided, or outside a fit)
         rooms, _ = self._setup.optimizer_rooms(engine.module)
@@ -145,7 +144,6 @@ class DataParallelTraining:
         emulated slower rank arrives once it has paid its delay. Rank 0's buffers go to every rank before each
         forward."""
         parts = self.parts
-        self._engine = engine
         if self.memory_shards is not None:  # (before the exchange is timed and slowed: the reduction is the exchange)
             self.memory_shards.attach(engine, lambda agreed: setattr(parts.nonfinite, "agreed_nonfinite", agreed))
         time_deepspeed_exchanges(engine, parts.watcher.meter)
@@ -158,7 +156,6 @@ class DataParallelTraining:
         self.report_directory, self.steps.engine, self.steps.buffer_sync = None, None, None
         if self.memory_shards is not None:
             self.memory_shards.detach()
-        self._engine = None
 
     # ------------------------------------------------------------------ data and steps
 
