@@ -68,4 +68,12 @@ def test_every_page_module_has_a_title_an_introduction_and_its_sections(render):
     for name, module in render.SCRIPTS.items():
         assert module.TITLE and module.INTRO, name
         assert callable(module.sections), name
-        assert (REPO / "benchmarks" / f"{name}.py").is_file(), f"result_pages/{name}.py names no script"
+        script = getattr(module, "SCRIPT", f"{name}.py")  # (a script in a folder of its own names itself)
+        assert (REPO / "benchmarks" / script).is_file(), f"result_pages/{name}.py names no script"
+
+
+def test_the_compatibility_page_counts_only_passed_tests_and_names_every_other(render):
+    """An `xfail`, a skip or an error is no pass: the counts the drop-in page quotes are the tests that passed."""
+    compat = render.SCRIPTS["lightning_compat"]
+    assert compat.counts({"a": "PASSED", "b": "XFAIL", "c": "FAILED", "d": "PASSED", "e": "ERROR"}) == (2, 5)
+    assert compat.counts({}) == (0, 0)

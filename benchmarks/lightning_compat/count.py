@@ -5,8 +5,10 @@
 
 The CPU tests run in one pytest process; each moved (GPU) test in a process of its own, as Lightning's standalone
 tests do (two-rank ones start their second rank themselves). About 10 minutes on 2 cores. Prints one line per moved
-test, the counts, and writes every outcome to --out (JSON). A failing second rank kills the first before it reports:
-that is counted as a failure. To count another commit, put its package first on PYTHONPATH.
+test, the counts, and writes every outcome to --out (JSON), with the command, the commit, the machine, the date and
+the versions of Lightning, DeepSpeed and torch. A failing second rank kills the first before it reports: that is
+counted as a failure. To count another commit, put its package first on PYTHONPATH. The committed counts
+(``benchmarks/measured/lightning_compat_<strategy>.json``) are rendered by ``benchmarks/render.py``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # the benchmarks' shared helpers (jobs.py)
+from jobs import run_facts  # noqa: E402
+
 TESTS = HERE / "lightning_tests.py"
 OUTCOME = r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\S* \S*::{}(?:\s|$)"
 WORST_FIRST = ("FAILED", "ERROR", "XPASS", "XFAIL", "SKIPPED", "PASSED")
@@ -56,8 +61,10 @@ def outcome(output: str, test: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("strategy", choices=["hetero", "deepspeed"])
-    parser.add_argument("--out", type=Path, default=HERE.parent / "results" / "lightning_compat.json")
+    parser.add_argument("--out", type=Path, help="default: benchmarks/results/lightning_compat_<strategy>.json")
     args = parser.parse_args()
+    args.out = args.out or HERE.parent / "results" / f"lightning_compat_{args.strategy}.json"
+    facts = run_facts("benchmarks/lightning_compat/count.py", sys.argv[1:], HERE)
     env = {**os.environ, "LT_STRATEGY": args.strategy, "PYTHONWARNINGS": "ignore"}
     env.pop("LT_STANDALONE", None)
     output = run([str(TESTS)], env, 900)
@@ -76,7 +83,16 @@ def main() -> None:
         f" {dict(Counter(results.values()))} of {len(results)}"
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"strategy": args.strategy, "cpu": cpu, "moved": results}, indent=1))
+    record = {**facts, "versions": library_versions(), "strategy": args.strategy, "cpu": cpu, "moved": results}
+    args.out.write_text(json.dumps(record, indent=1))
+    print(f"written to {args.out}")
+
+
+def library_versions() -> dict[str, str]:
+    """The versions the counts were taken with (Lightning's tests are those of its 2.6.5 release)."""
+    from importlib.metadata import version
+
+    return {name: version(name) for name in ("lightning", "deepspeed", "torch")}
 
 
 if __name__ == "__main__":
