@@ -72,7 +72,7 @@ def test_every_page_module_has_a_title_an_introduction_and_its_sections(render):
         assert (REPO / "benchmarks" / script).is_file(), f"result_pages/{name}.py names no script"
 
 
-def test_the_compatibility_page_counts_only_passed_tests_and_names_every_other(render):
+def test_the_compatibility_page_counts_only_passed_tests(render):
     """An `xfail`, a skip or an error is no pass: the counts the drop-in page quotes are the tests that passed."""
     compat = render.SCRIPTS["lightning_compat"]
     assert compat.counts({"a": "PASSED", "b": "XFAIL", "c": "FAILED", "d": "PASSED", "e": "ERROR"}) == (2, 5)
