@@ -1,13 +1,14 @@
 """Count how many of Lightning 2.6.5's DeepSpeed tests (adapted to CPU, lightning_tests.py) pass for a strategy.
 
-    python benchmarks/lightning_compat/count.py hetero      # HeteroStrategy (the package importable here)
+    python benchmarks/lightning_compat/count.py hetero      # HeteroStrategy (the package of this checkout)
     python benchmarks/lightning_compat/count.py deepspeed   # Lightning's DeepSpeedStrategy, the reference
 
 The CPU tests run in one pytest process; each moved (GPU) test in a process of its own, as Lightning's standalone
 tests do (two-rank ones start their second rank themselves). About 10 minutes on 2 cores. Prints one line per moved
 test, the counts, and writes every outcome to --out (JSON), with the command, the commit, the machine, the date and
 the versions of Lightning, DeepSpeed and torch. A failing second rank kills the first before it reports: that is
-counted as a failure. To count another commit, put its package first on PYTHONPATH. The committed counts
+counted as a failure. The tests import the package of the checkout this script is in (first on PYTHONPATH), so a run
+from a git worktree counts that worktree, and the commit it records is the one counted. The committed counts
 (``benchmarks/measured/lightning_compat_<strategy>.json``) are rendered by ``benchmarks/render.py``.
 """
 
@@ -26,7 +27,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # the benchmarks' shared helpers (jobs.py)
-from jobs import run_facts  # noqa: E402
+from jobs import checkout_first, run_facts  # noqa: E402
 
 TESTS = HERE / "lightning_tests.py"
 OUTCOME = r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\S* \S*::{}(?:\s|$)"
@@ -65,7 +66,8 @@ def main() -> None:
     args = parser.parse_args()
     args.out = args.out or HERE.parent / "results" / f"lightning_compat_{args.strategy}.json"
     facts = run_facts("benchmarks/lightning_compat/count.py", sys.argv[1:], HERE)
-    env = {**os.environ, "LT_STRATEGY": args.strategy, "PYTHONWARNINGS": "ignore"}
+    versions = library_versions()  # (before the 10 minutes of tests: a missing library fails at once)
+    env = checkout_first(HERE.parents[1], LT_STRATEGY=args.strategy, PYTHONWARNINGS="ignore")
     env.pop("LT_STANDALONE", None)
     output = run([str(TESTS)], env, 900)
     tests = re.findall(r"^(?:PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\S* \S*::(\S+)", output, re.M)
@@ -83,7 +85,7 @@ def main() -> None:
         f" {dict(Counter(results.values()))} of {len(results)}"
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    record = {**facts, "versions": library_versions(), "strategy": args.strategy, "cpu": cpu, "moved": results}
+    record = {**facts, "versions": versions, "strategy": args.strategy, "cpu": cpu, "moved": results}
     args.out.write_text(json.dumps(record, indent=1))
     print(f"written to {args.out}")
 

@@ -15,7 +15,8 @@ INTRO = (
     "in `benchmarks/lightning_compat/lightning_tests.py`) run against `HeteroStrategy` and, as the reference, against "
     "Lightning's `DeepSpeedStrategy`. The *CPU tests* run as Lightning wrote them; the *moved tests* are the GPU ones "
     "moved to CPU (bf16 for fp16; for DeepSpeedStrategy its three CPU blockers removed), each in a process of its "
-    "own. A count is the number of tests that passed (an `xfail` Lightning marks counts as not passed). The notes "
+    "own. The notes give the versions installed (the tests are those of Lightning's 2.6.5 release). A count is the "
+    "number of tests that passed (an `xfail` Lightning marks counts as not passed). The notes "
     "name every test that did not pass; why each one fails is in [the drop-in page](../drop-in.md)."
 )
 
@@ -56,6 +57,8 @@ def sections(files: Sequence[Path]) -> list[Section]:
         note = f"{versions}; not passed: {', '.join(not_passed) or 'none'}"
         setting = STRATEGIES[record["strategy"]]
         rows.append(Row(path.name, record.get("commit", ""), record.get("started", "")[:10], setting, values, note))
+    if not rows:
+        return []
     return [
         Section(
             "Tests passed, by strategy",

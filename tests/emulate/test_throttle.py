@@ -83,6 +83,7 @@ spec = importlib.util.spec_from_file_location("throttle", {module!r})
 throttle = importlib.util.module_from_spec(spec)
 sys.modules["throttle"] = throttle  # (its dataclasses look their module up while they are made)
 spec.loader.exec_module(throttle)
+assert not {{"torch", "lightning_hetero"}} & set(sys.modules), "throttle.py imports more than the standard library"
 if {duty_cycle}:
     throttle.cgroup_place = lambda *args: None  # (where no cgroup can be made)
 held = throttle.start_throttle({speed}) if {speed} < 1 else None
