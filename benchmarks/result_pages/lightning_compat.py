@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from result_pages import Column, Row, Section
+from result_pages import Column, Section, record_of, row_of
 
 SCRIPT = "lightning_compat/count.py"  # (the script and the Lightning tests it runs have a folder of their own)
 TITLE = "Lightning's DeepSpeed tests: `benchmarks/lightning_compat/count.py`"
@@ -15,9 +14,9 @@ INTRO = (
     "in `benchmarks/lightning_compat/lightning_tests.py`) run against `HeteroStrategy` and, as the reference, against "
     "Lightning's `DeepSpeedStrategy`. The *CPU tests* run as Lightning wrote them; the *moved tests* are the GPU ones "
     "moved to CPU (bf16 for fp16; for DeepSpeedStrategy its three CPU blockers removed), each in a process of its "
-    "own. The notes give the versions installed (the tests are those of Lightning's 2.6.5 release). A count is the "
-    "number of tests that passed (an `xfail` Lightning marks counts as not passed). The notes "
-    "name every test that did not pass; why each one fails is in [the drop-in page](../drop-in.md)."
+    "own. A count is the number of tests that passed (an `xfail` Lightning marks counts as not passed). The notes "
+    "give the versions installed (the tests are those of Lightning's 2.6.5 release) and name every test that did not "
+    "pass; why each one fails is in [the drop-in page](../drop-in.md)."
 )
 
 COLUMNS = (
@@ -38,7 +37,7 @@ def sections(files: Sequence[Path]) -> list[Section]:
     """One table: a row per counted strategy and run, its failures in the notes."""
     rows = []
     for path in files:
-        record = json.loads(path.read_text())
+        record = record_of(path)
         cpu_passed, cpu_run = counts(record["cpu"])
         moved_passed, moved_run = counts(record["moved"])
         values = {
@@ -55,8 +54,7 @@ def sections(files: Sequence[Path]) -> list[Section]:
         )
         versions = ", ".join(f"{name} {number}" for name, number in record.get("versions", {}).items())
         note = f"{versions}; not passed: {', '.join(not_passed) or 'none'}"
-        setting = STRATEGIES[record["strategy"]]
-        rows.append(Row(path.name, record.get("commit", ""), record.get("started", "")[:10], setting, values, note))
+        rows.append(row_of(path, record, STRATEGIES[record["strategy"]], values, note))
     if not rows:
         return []
     return [

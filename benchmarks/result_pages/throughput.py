@@ -54,7 +54,7 @@ THROUGHPUT_SCENARIOS = {
         'No emulation: `device_precision=["bf16-mixed", "32-true"]`, rank 0 under bf16 autocast, rank 1 in '
         "fp32, on this CPU (AVX512-BF16, no AMX). The automatic split against the equal one, two fits per run in "
         "alternating order. *slowest compute, equal / auto* is the slowest rank's compute per step, median over the "
-        "steady steps, of the equal fit over the automatic one (above 1: the split took work off the fp32 rank).",
+        "steady steps, of the equal fit over the automatic one (above 1: the split took work off the slowest rank).",
         (
             Column("auto / equal, samples/s", "auto_over_equal"),
             Column("slowest compute, equal / auto", "equal_over_auto_slowest_compute"),
