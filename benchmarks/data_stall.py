@@ -132,7 +132,7 @@ def fit(
 
     from examples.spirals import SpiralClassifier, SpiralDataModule
     from lightning_hetero import HeteroStrategy
-    from lightning_hetero.plan import replan
+    from lightning_hetero.split.decisions import replan
 
     torch.set_num_threads(1)  # one core's worth per rank, as one device
     if os.environ.get("DATA_STALL_PIN"):

@@ -53,11 +53,11 @@ sys.path.insert(0, ROOT)
 
 from jobs import run_facts  # noqa: E402  (benchmarks/jobs.py: benchmarks/ is no package)
 
-from lightning_hetero.plan.planner import plan_min_max  # noqa: E402
 from lightning_hetero.simulate import catalog, device_model  # noqa: E402
 from lightning_hetero.simulate import predict as step_model  # noqa: E402
 from lightning_hetero.simulate.cluster import load_cluster_text  # noqa: E402
 from lightning_hetero.simulate.step_options import Options  # noqa: E402
+from lightning_hetero.split.decisions.planner import plan_min_max  # noqa: E402
 
 MODELS = {
     "resnet50": "published_models:ResNet50",

@@ -132,7 +132,7 @@ def measured_figures(report: dict[str, Any], profiles: list[dict[str, Any]]) -> 
     that band. ``used``: the split the run ran its last steps with.
     """
     from lightning_hetero.measure.cost import CostModel
-    from lightning_hetero.plan.planner import plan_min_max
+    from lightning_hetero.split.decisions.planner import plan_min_max
 
     settled = report["steps"][-SETTLED:]
     world = len(profiles)

@@ -75,8 +75,8 @@ def fit(steps: int, hidden: int, global_batch: int, out: Path, pin: bool) -> Non
 
     from examples.spirals import SpiralClassifier, SpiralDataModule
     from lightning_hetero import HeteroStrategy
-    from lightning_hetero.plan import replan
     from lightning_hetero.recover.stopping import StopOnSigterm
+    from lightning_hetero.split.decisions import replan
 
     torch.set_num_threads(1)
     if pin:  # (the cores the driver may use: rank 1 starts from rank 0's process, pinned by then)

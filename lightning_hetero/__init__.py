@@ -11,7 +11,9 @@ The layout follows a run's flow, one folder per stage, lowest first::
     runtime/    argument checks, collectives, private-internals list, quiet output, start-up, clean exit
     emulate/    slower devices emulated on identical hardware (a test and demo aid)
     measure/    device facts and a profile of the user's step (a cost model per rank)
-    plan/       the split (arithmetic, exact planner), re-plan decisions, each rank's DeepSpeed config
+    split/decisions/
+                the split's pure decisions: the arithmetic, the exact planner, micro-steps, the first plan, re-plans
+    configure/  each rank's DeepSpeed config, the ZeRO stage that fits, the registered names, the resume's lr rule
     precision/  each rank's precision: the choice, the Precision plugin, one loss scale, non-finite steps
     comm/       compression, topology, the gradient exchange and the bytes on the wire
     train/      the data order cut into per-rank slices, streams, buffers kept equal, micro-batches, modes' lifecycle
@@ -22,6 +24,7 @@ Above the stages, a folder per way of training holds its training mode (``train/
 calls at each hook point), with what belongs to that way alone::
 
     split/      data parallel on the uneven split: one step's micro-batches, the mode, its report and checkpoints
+                (its decisions, in ``split/decisions/``, sit low in the order: the layers above use them too)
     local/      local SGD / DiLoCo and asynchronous merges: inner steps, fragments and claims decided, the merges'
                 state, the claiming loader, the modes
     pipeline/   the model split into stages: options, blocks measured, stages placed and re-placed, the stage's
@@ -39,10 +42,10 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_hetero.fabric import register_fabric_names
-from lightning_hetero.plan.split import SplitPlan, split_by_weights
 from lightning_hetero.recover import export
 from lightning_hetero.recover.elastic import launched_layout
 from lightning_hetero.recover.export import save_as_lightning_checkpoint
+from lightning_hetero.split.decisions.split import SplitPlan, split_by_weights
 from lightning_hetero.strategy import HeteroStrategy
 from lightning_hetero.watch.monitor import HeteroMonitor
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_hetero.plan.presets import PRESETS
+from lightning_hetero.configure.presets import PRESETS
 
 
 class HeteroFabricStrategy:

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 
 from lightning_hetero.comm.communication import Communication
 from lightning_hetero.comm.topology import slow_link_from_environment
+from lightning_hetero.configure.deepspeed_config import config_disagreements, disagreement_message
 from lightning_hetero.emulate.emulation import (
     REFERENCE_GBIT_PER_SECOND,
     Emulation,
@@ -38,7 +39,6 @@ from lightning_hetero.local.claims import REBUILT_LOADERS
 from lightning_hetero.local.training import AsynchronousTrainingMode, LocalTrainingMode, local_training_state
 from lightning_hetero.pipeline.stage import Pipeline
 from lightning_hetero.pipeline.training import PipelineTraining
-from lightning_hetero.plan.deepspeed_config import config_disagreements, disagreement_message
 from lightning_hetero.precision.job import loss_scale_value
 from lightning_hetero.precision.nonfinite import NonFiniteGuard
 from lightning_hetero.precision.plugin import HeteroPrecision

@@ -3,8 +3,9 @@
 :class:`JobSetup` runs the setup gather (every rank's arguments, data-order seed, model, device facts, precision and
 profile, checked to agree), keeps what it established (every rank holds the same), and plans from it: this rank's
 precision plugin, the ZeRO stage, the exchange's settings, the split (or local training's inner steps) and the
-re-planner that follows it. The decisions are the stages' pure functions (``measure/``, ``plan/``, ``precision/``);
-the refusals are :class:`~lightning_hetero.settings.HeteroSettings`'; this module orders them and does the gathers.
+re-planner that follows it. The decisions are the stages' pure functions (``measure/``, ``split/decisions/``,
+``configure/``, ``precision/``); the refusals are :class:`~lightning_hetero.settings.HeteroSettings`'; this module
+orders them and does the gathers.
 """
 
 from __future__ import annotations
@@ -20,6 +21,16 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_hetero.comm import topology
 from lightning_hetero.comm.communication import Communication
+from lightning_hetero.configure.lr_scaling import LrScaling, lr_scaling_for
+from lightning_hetero.configure.model_agreement import model_signature
+from lightning_hetero.configure.zero_stage import (
+    FP32_BYTES,
+    ModelSize,
+    StageChoice,
+    choose_stage,
+    readable_bytes,
+    shared_free_bytes,
+)
 from lightning_hetero.emulate import memory
 from lightning_hetero.local.claims_refusal import describe_asynchronous_refusal
 from lightning_hetero.local.inner_steps import InnerStepsRebalancer, describe_sync, local_split
@@ -30,24 +41,14 @@ from lightning_hetero.measure.partitioned import partitioned_parameters, whole_p
 from lightning_hetero.measure.profiler import loss_ratio_from_loader
 from lightning_hetero.measure.rank_profile import loss_reduction_mismatch
 from lightning_hetero.measure.survey import JobSurvey, RankSurvey, profile_rank
-from lightning_hetero.plan.initial import InitialPlan, initial_plan, rebalancer_for, within_emulated_memory
-from lightning_hetero.plan.lr_scaling import LrScaling, lr_scaling_for
-from lightning_hetero.plan.micro_steps import automatic_micro_steps_allowed
-from lightning_hetero.plan.model_agreement import model_signature
-from lightning_hetero.plan.split import SplitPlan, micro_batch_sizes
-from lightning_hetero.plan.zero_stage import (
-    FP32_BYTES,
-    ModelSize,
-    StageChoice,
-    choose_stage,
-    readable_bytes,
-    shared_free_bytes,
-)
 from lightning_hetero.precision.choice import rank_precision
 from lightning_hetero.precision.job import gradient_bytes_held_until_step, job_plugin
 from lightning_hetero.precision.plugin import HeteroPrecision, autocast_for
 from lightning_hetero.recover.refusal import ResumeRefused
 from lightning_hetero.settings import HeteroSettings, check_ranks_agree
+from lightning_hetero.split.decisions.initial import InitialPlan, initial_plan, rebalancer_for, within_emulated_memory
+from lightning_hetero.split.decisions.micro_steps import automatic_micro_steps_allowed
+from lightning_hetero.split.decisions.split import SplitPlan, micro_batch_sizes
 from lightning_hetero.split.optimizer_shards import optimizer_rooms
 from lightning_hetero.train.lr_scaling import scale_optimizers
 from lightning_hetero.train.order import agreed_seed, local_seed
@@ -259,7 +260,7 @@ class JobSetup:
         half_precision_engine: bool,
     ) -> int:
         """The lowest of ``allowed`` ZeRO stages at which every rank's model state and activations fit its memory
-        (:func:`~lightning_hetero.plan.zero_stage.choose_stage`; the same decision on every rank: what it reads was
+        (:func:`~lightning_hetero.configure.zero_stage.choose_stage`; the same decision on every rank: what it reads was
         gathered). Its reason goes into the plan output."""
         size, room, activations = self._memory_view(
             global_batch_size, module, fitting, allowed[0], half_precision_engine

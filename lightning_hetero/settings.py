@@ -18,6 +18,9 @@ from torch.utils.data import DataLoader
 
 from lightning_hetero.comm import compression, topology
 from lightning_hetero.comm.compression import CompressionChoice
+from lightning_hetero.configure.deepspeed_config import check_user_config, raise_if_arguments_differ, user_config_stage
+from lightning_hetero.configure.lr_scaling import check_lr_scaling
+from lightning_hetero.configure.model_agreement import model_disagreement
 from lightning_hetero.emulate import memory
 from lightning_hetero.emulate.emulation import check_slowdown
 from lightning_hetero.emulate.slowdown import ENV_VAR as EMULATE_ENV_VAR
@@ -38,16 +41,13 @@ from lightning_hetero.pipeline.options import (
     check_pipeline_config,
     pipeline_argument_refusal,
 )
-from lightning_hetero.plan.deepspeed_config import check_user_config, raise_if_arguments_differ, user_config_stage
-from lightning_hetero.plan.lr_scaling import check_lr_scaling
-from lightning_hetero.plan.micro_steps import micro_steps_refusal
-from lightning_hetero.plan.model_agreement import model_disagreement
-from lightning_hetero.plan.replan import check_rebalance_arguments
-from lightning_hetero.plan.split import check_split_arguments, resolve_split
 from lightning_hetero.precision import choice as precision
 from lightning_hetero.precision.nonfinite import check_max_nonfinite_steps
 from lightning_hetero.recover import liveness
 from lightning_hetero.runtime.checks import check_loss_reduction, check_one_per_rank, check_stage
+from lightning_hetero.split.decisions.micro_steps import micro_steps_refusal
+from lightning_hetero.split.decisions.replan import check_rebalance_arguments
+from lightning_hetero.split.decisions.split import check_split_arguments, resolve_split
 from lightning_hetero.train.loaders import loader_batch_size
 from lightning_hetero.train.optimizer_shards import (
     check_shards,
@@ -120,7 +120,9 @@ class HeteroSettings:
     eager: bool = True  # overlap: each rank trains on from its own progress's outer step until the average arrives
     asynchronous: bool = False  # merges by speed: each rank trains what it has time for (local/claims.py)
     pipeline: Optional[PipelineChoice] = None  # the model split into stages (pipeline/stage.py)
-    lr_scaling: Optional[str] = None  # a resume with another global batch scales the learning rate (plan/lr_scaling.py)
+    lr_scaling: Optional[str] = (
+        None  # a resume with another global batch scales the learning rate (configure/lr_scaling.py)
+    )
     trace: Optional[tuple[int, ...]] = None  # the training steps a profiler trace records (watch/trace.py)
     emulate_slowdown: str = "compute"  # how an emulated slower rank is slower (emulate/emulation.py)
     shards: str = "equal"  # a pipeline's `stage=1` optimizer shards: sized by memory, or equal (optimizer_shards.py)
@@ -281,7 +283,7 @@ class HeteroSettings:
         return self.compression.needs_hook or self.hierarchical is True
 
     def automatic_stages(self, deepspeed_arguments: dict[str, Any]) -> Optional[tuple[int, ...]]:
-        """The stages setup chooses among when the user named none (:mod:`~lightning_hetero.plan.zero_stage`: the
+        """The stages setup chooses among when the user named none (:mod:`~lightning_hetero.configure.zero_stage`: the
         lowest that fits), or None when the stage is settled: given, set by a DeepSpeed config, or implied (local
         training, a hooked exchange, `zero_optimization=False`). Offloading names its stages: the optimizer state
         from ZeRO-2, the parameters at ZeRO-3; unequal `micro_steps` rule out ZeRO-3."""

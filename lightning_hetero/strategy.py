@@ -28,9 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_hetero.job import HeteroJob
-from lightning_hetero.measure.partitioned import drop_deepspeed_hooks
-from lightning_hetero.plan.deepspeed_config import (
+from lightning_hetero.configure.deepspeed_config import (
     CPU_ZERO_SETTINGS,
     check_config_argument,
     default_config_stage,
@@ -38,9 +36,10 @@ from lightning_hetero.plan.deepspeed_config import (
     rank_config,
     with_cpu_zero_settings,
 )
-from lightning_hetero.plan.presets import PRESETS
-from lightning_hetero.plan.replan import DEFAULT_THRESHOLD, DEFAULT_WINDOW
-from lightning_hetero.plan.zero_stage import HALF_PRECISION_ENGINES
+from lightning_hetero.configure.presets import PRESETS
+from lightning_hetero.configure.zero_stage import HALF_PRECISION_ENGINES
+from lightning_hetero.job import HeteroJob
+from lightning_hetero.measure.partitioned import drop_deepspeed_hooks
 from lightning_hetero.precision.choice import FP16_LOSS_SCALE_ARGUMENTS, unused_fp16_arguments
 from lightning_hetero.precision.job import attach_to_engine
 from lightning_hetero.precision.nonfinite import DEFAULT_MAX_NONFINITE_STEPS
@@ -48,6 +47,7 @@ from lightning_hetero.recover import elastic, liveness
 from lightning_hetero.runtime import quiet, safe_load, startup
 from lightning_hetero.runtime.shutdown import register_exit_cleanup
 from lightning_hetero.settings import HeteroSettings
+from lightning_hetero.split.decisions.replan import DEFAULT_THRESHOLD, DEFAULT_WINDOW
 from lightning_hetero.train.sync_batchnorm import with_layer_sync
 
 
@@ -94,7 +94,8 @@ class HeteroStrategy(DeepSpeedStrategy):
         sync_options: DiLoCo's outer optimizer (``outer_lr`` 0.7, ``outer_momentum`` 0.9, ``nesterov`` True),
             ``fragments``, ``overlap``/``overlap_steps``/``eager`` and ``asynchronous`` (see docs/usage.md).
         lr_scaling: ``"linear"`` or ``"sqrt"``: a resume whose global batch differs from the checkpoint's keeps it and
-            scales the learning rate (default None: keep the checkpoint's; see :mod:`lightning_hetero.plan.lr_scaling`).
+            scales the learning rate (default None: keep the checkpoint's; see
+            :mod:`lightning_hetero.configure.lr_scaling`).
         trace: ``{"steps": [20, 21, 22]}``: those training steps recorded by ``torch.profiler`` on every rank, the
             package's phases named, into ``trace_*.json`` beside the run report (:mod:`lightning_hetero.watch.trace`).
         pipeline: split the model, not only the batch: ``{"stages": 2, "blocks": "net"}`` runs the chain of blocks
@@ -192,7 +193,7 @@ class HeteroStrategy(DeepSpeedStrategy):
         # trainer call (validate, then fit) formats a fresh copy of what the user gave. `strategy.config` stays the
         # user's dict as given until a trainer call formats it, as under DeepSpeedStrategy.
         self._base_config = copy.deepcopy(self.config)
-        # No stage named: setup chooses the lowest that fits (plan/zero_stage.py); a config's stage is the user's.
+        # No stage named: setup chooses the lowest that fits (configure/zero_stage.py); a config's stage is the user's.
         self._automatic_stages = settings.settle_config(self._base_config, kwargs, user_config)
         self._user_config = user_config
         self._fp16_arguments = {name: kwargs[name] for name in FP16_LOSS_SCALE_ARGUMENTS if name in kwargs}
@@ -221,7 +222,7 @@ class HeteroStrategy(DeepSpeedStrategy):
     @override
     def handles_gradient_accumulation(self) -> bool:
         # False, as for DDP: Lightning's loop accumulates, so global_step, LR schedulers and checkpoints count optimizer
-        # updates. The DeepSpeed config follows it (plan/deepspeed_config.lightning_owns_accumulation).
+        # updates. The DeepSpeed config follows it (configure/deepspeed_config.lightning_owns_accumulation).
         return False
 
     @contextlib.contextmanager

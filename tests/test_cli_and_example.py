@@ -10,7 +10,7 @@ import sys
 import pytest
 from conftest import REPO, run_bounded
 
-from lightning_hetero.plan.planner import MIN_PREDICTED_GAIN
+from lightning_hetero.split.decisions.planner import MIN_PREDICTED_GAIN
 
 pytestmark = pytest.mark.multiprocess
 

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from lightning_hetero.configure.lr_scaling import LrScaling
 from lightning_hetero.job_setup import JobSetup
-from lightning_hetero.plan.lr_scaling import LrScaling
 from lightning_hetero.recover.refusal import ResumeRefused
 
 CHECKPOINT = Path("/checkpoints/epoch=0-step=3.ckpt")

@@ -9,12 +9,15 @@ from pathlib import Path
 import lightning_hetero
 
 PACKAGE = Path(lightning_hetero.__file__).parent
-# Lowest first, as in the package docstring; the modules at the top level sit above every stage.
+# Lowest first, as in the package docstring; the modules at the top level sit above every stage. A stage is a folder,
+# or a folder inside a capability's folder placed lower than the capability (``split/decisions``: the split's pure
+# decisions, which the shared layers and the other training modes use too).
 STAGES = (
     "runtime",
     "emulate",
     "measure",
-    "plan",
+    "split/decisions",
+    "configure",
     "precision",
     "comm",
     "train",
@@ -48,19 +51,54 @@ def package_imports(path: Path, at_run_time: bool = False) -> list[tuple[int, st
     return found
 
 
+def stage_of(dotted: str) -> str | None:
+    """The stage a module belongs to: the longest stage folder that holds it; None for a top-level module."""
+    parts = dotted.split(".")[1:]
+    holding = [stage for stage in STAGES if parts[: len(stage.split("/"))] == stage.split("/")]
+    return max(holding, key=len) if holding else None
+
+
 def level(dotted: str) -> int:
     """A module's place in the stage order; the top-level modules (strategy, settings, cli) come after every stage."""
-    parts = dotted.split(".")
-    if len(parts) == 1:
+    if "." not in dotted:
         return -1  # the package itself: only its public names, checked below
-    return STAGES.index(parts[1]) if parts[1] in STAGES else len(STAGES)
+    stage = stage_of(dotted)
+    return STAGES.index(stage) if stage is not None else len(STAGES)
+
+
+def test_level_places_a_module_in_its_innermost_stage():
+    assert stage_of("lightning_hetero.split.decisions.planner") == "split/decisions"
+    assert stage_of("lightning_hetero.split.decisions") == "split/decisions"
+    assert stage_of("lightning_hetero.split.training") == "split"
+    assert stage_of("lightning_hetero.split") == "split"
+    assert stage_of("lightning_hetero.splitter") is None
+    assert stage_of("lightning_hetero.strategy") is None
+    assert level("lightning_hetero.split.decisions.split") < level("lightning_hetero.train.loaders")
+    assert level("lightning_hetero.train.loaders") < level("lightning_hetero.split.steps")
+    assert level("lightning_hetero.strategy") == len(STAGES)
 
 
 def test_every_stage_folder_is_in_the_documented_order_and_nothing_else_is_a_folder():
     folders = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and not p.name.startswith("__"))
-    assert folders == sorted(STAGES)
+    assert folders == sorted({stage.split("/")[0] for stage in STAGES})
     for stage in STAGES:
+        assert (PACKAGE / stage / "__init__.py").is_file(), f"{stage}/ is not a package"
         assert f"    {stage}/" in lightning_hetero.__doc__
+    documented = [
+        line.split()[0] for line in lightning_hetero.__doc__.splitlines() if re.match(r"    [a-z_/]+/( |$)", line)
+    ]
+    assert documented == [f"{stage}/" for stage in STAGES], "the package docstring lists the stages in another order"
+
+
+def test_a_capability_holding_a_lower_stage_imports_nothing_in_its_init():
+    """Importing ``split.decisions`` from ``train/`` runs ``split/__init__.py`` first: an import there of the
+    capability's training mode would pull the layers above ``train/`` into every import of the decisions, a cycle
+    through ``train/`` whenever a module of it is the first to import them."""
+    for stage in STAGES:
+        parts = stage.split("/")
+        for depth in range(1, len(parts)):
+            init = PACKAGE.joinpath(*parts[:depth], "__init__.py")
+            assert not package_imports(init), f"{init.relative_to(PACKAGE)} imports from the package"
 
 
 def test_imports_point_down_the_stage_order_and_no_stage_imports_the_strategy():

@@ -464,7 +464,7 @@ def test_a_resplit_mid_epoch_equals_one_process_and_a_checkpoint_after_it_resume
     # (the test suite's other workers), after three or four: the ranks' arrivals then count in the refit, and their
     # noise can hold the first windows' decisions back (after three seen once in a fresh-clone run of the suite, after
     # four once more, 2026-11-29; the data-stall test above allows the same). How soon the re-planner decides is its
-    # pure tests' (tests/plan/test_replan.py, on a fake clock); this test is about a split changed inside an epoch.
+    # pure tests' (tests/split/test_replan.py, on a fake clock); this test is about a split changed inside an epoch.
     assert replans and replans[0]["step"] in (6, 9, 12), (replans, splits)
     first_replan = replans[0]["step"]
     assert splits[:first_replan] == [(8, 8)] * first_replan and splits[first_replan][0] > 8, splits  # to the fast rank

@@ -21,9 +21,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from lightning_hetero.measure.cost import CostModel
-from lightning_hetero.plan.replan import Replan
-from lightning_hetero.plan.split import SplitPlan, split_by_weights
 from lightning_hetero.runtime.checks import check_one_per_rank, check_positive_int, is_int, is_real, per_rank_list
+from lightning_hetero.split.decisions.replan import Replan
+from lightning_hetero.split.decisions.split import SplitPlan, split_by_weights
 
 SYNC_MODES = ("every_step", "local_sgd", "diloco")
 LOCAL_MODES = ("local_sgd", "diloco")
@@ -348,11 +348,11 @@ def inner_steps_for(step_seconds: Sequence[float], waits: Sequence[float] = ()) 
 
 class InnerStepsRebalancer:
     """Re-plans the inner steps of local training from what the ranks measure, like the split's re-planner
-    (:class:`~lightning_hetero.plan.replan.Rebalancer`, same interface for the watch): every exchange of step records,
-    each rank's seconds per sample is the median over the steps since the last change of its compute divided by its
-    samples (its wait for data per step likewise, which the other ranks fill with inner steps), and the counts change
-    when the new ones are predicted to balance the step at least ``MIN_BALANCE_GAIN`` better. Pure arithmetic on the
-    exchanged records: every rank takes the same decision.
+    (:class:`~lightning_hetero.split.decisions.replan.Rebalancer`, same interface for the watch): every exchange of step
+    records, each rank's seconds per sample is the median over the steps since the last change of its compute divided by
+    its samples (its wait for data per step likewise, which the other ranks fill with inner steps), and the counts
+    change when the new ones are predicted to balance the step at least ``MIN_BALANCE_GAIN`` better. Pure arithmetic on
+    the exchanged records: every rank takes the same decision.
 
     The samples of a training step stay the same (the loader's epoch keeps its number of steps, which Lightning
     counted at the start): new counts share them out in proportion to ``inner_steps[r] * micro_batches[r]``, so the

@@ -9,10 +9,11 @@ sends its pseudo-gradient ``anchor - parameters`` weighted by its share of the s
 every rank applies the same outer step to the anchor: ``anchor - average`` for local SGD (the sample-weighted average
 of the ranks' parameters), an outer SGD step with the average as its gradient for DiLoCo. Every rank then holds the
 same parameters, which become the next anchor. With ``sync_options={"fragments": F}`` (streaming) the model's values
-are cut into F contiguous fragments of equal size (inside a tensor where one ends there, :mod:`~.plan.fragments`)
-that merge in turn, one every ``sync_every / F`` steps, each weighted by the samples since its own last merge;
-between its merges a fragment trains on, so 1/F of the model crosses the wire at a time. The anchor, and DiLoCo's
-outer optimizer, hold one tensor per piece of a parameter tensor (the tensor itself where it is not cut).
+are cut into F contiguous fragments of equal size (inside a tensor where one ends there,
+:mod:`~lightning_hetero.local.fragments`) that merge in turn, one every ``sync_every / F`` steps, each weighted by the
+samples since its own last merge; between its merges a fragment trains on, so 1/F of the model crosses the wire at a
+time. The anchor, and DiLoCo's outer optimizer, hold one tensor per piece of a parameter tensor (the tensor itself where
+it is not cut).
 
 With ``sync_options={"overlap": True}`` a merge inside an epoch does not wait for the link. The ranks sum their
 sample counts (a few bytes), start the exchange of their weighted progress in the background and train on;

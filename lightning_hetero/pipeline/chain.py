@@ -31,9 +31,9 @@ from typing import Any, Optional
 
 from torch import Tensor, nn
 
+from lightning_hetero.configure.model_agreement import model_signature
 from lightning_hetero.pipeline.options import PipelineChoice
 from lightning_hetero.pipeline.placement import check_boundaries
-from lightning_hetero.plan.model_agreement import model_signature
 
 CHAINS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -107,8 +107,8 @@ def check_chain_shape(
 class ElsewhereBlock(nn.Module):
     """A block another stage holds: no parameters; what flows into it flows on (and is replaced by the received
     activation at this stage's first block, or never reached after this stage's last). It keeps the block's
-    :func:`~lightning_hetero.plan.model_agreement.model_signature`, so that the ranks of a split model compare as the
-    whole model at a later trainer call's setup."""
+    :func:`~lightning_hetero.configure.model_agreement.model_signature`, so that the ranks of a split model compare as
+    the whole model at a later trainer call's setup."""
 
     def __init__(self, name: str, block: nn.Module) -> None:
         super().__init__()

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
-from lightning_hetero.plan.split import split_by_weights
+from lightning_hetero.split.decisions.split import split_by_weights
 
 MAX_ORDERS_SEARCHED = 6  # 720 orders at most; beyond, the ranks keep their order (fast devices first is not better)
 

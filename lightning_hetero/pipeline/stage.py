@@ -31,7 +31,7 @@ from lightning_hetero.pipeline.chain import HandOff, StageOfChain, block_of, fin
 from lightning_hetero.pipeline.last_stage_metrics import log_synced_over
 from lightning_hetero.pipeline.options import PipelineChoice
 from lightning_hetero.pipeline.placement import StagePlacement
-from lightning_hetero.plan.split import micro_batch_sizes
+from lightning_hetero.split.decisions.split import micro_batch_sizes
 from lightning_hetero.train.gradient_norm import clip_to_norm, squared_norm
 from lightning_hetero.train.micro_batches import split_batch, step_loss
 

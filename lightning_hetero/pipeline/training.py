@@ -55,7 +55,6 @@ from lightning_hetero.pipeline.placement import (
 )
 from lightning_hetero.pipeline.report import describe_stages, summarize_stages
 from lightning_hetero.pipeline.stage import Pipeline
-from lightning_hetero.plan.split import micro_batch_sizes
 from lightning_hetero.precision.nonfinite import NonFiniteGuard
 from lightning_hetero.recover import checkpoint, elastic, into_pipeline
 from lightning_hetero.recover.recovery import Recovery
@@ -63,6 +62,7 @@ from lightning_hetero.recover.refusal import ResumeRefused
 from lightning_hetero.recover.resume import Route, file_route, resume_route
 from lightning_hetero.runtime.collectives import Collectives
 from lightning_hetero.runtime.safe_load import unpickles_in_full
+from lightning_hetero.split.decisions.split import micro_batch_sizes
 from lightning_hetero.train.loaders import loader_batch_size
 from lightning_hetero.train.mode import Backward, LoadCheckpoint, Surveyed, UserStep, WriteCheckpoint
 from lightning_hetero.train.optimizer_shards import OptimizerShards, ShardedSet, shard_fractions

@@ -191,8 +191,9 @@ class ParameterOrderReduction:
     flushes (collectives) whenever it is left, also when a failure on one rank abandons the step, which would send
     that rank into reductions its peers never join. Here leaving without the flush is :meth:`undo`.
 
-    * ZeRO-3 (DeepSpeed's managed accumulation, see :func:`~.plan.deepspeed_config.lightning_owns_accumulation`):
-      what the engine's context does on entry (no boundary work in backward) and on a normal exit (the flush).
+    * ZeRO-3 (DeepSpeed's managed accumulation, see
+      :func:`~lightning_hetero.configure.deepspeed_config.lightning_owns_accumulation`): what the engine's context does
+      on entry (no boundary work in backward) and on a normal exit (the flush).
     * ZeRO-2 (unmanaged accumulation): the flag, and the end-of-backward epilogue held back until the flush runs it.
     * ZeRO-0/1 reduce in parameter order at the step already: not used there.
 

@@ -12,7 +12,7 @@ import enum
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_hetero.plan.zero_stage import resume_stage_mismatch
+from lightning_hetero.configure.zero_stage import resume_stage_mismatch
 from lightning_hetero.recover.refusal import ResumeRefused
 
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+from lightning_hetero.configure import zero_stage as zero_stage_plan
+from lightning_hetero.configure.zero_stage import ModelSize
 from lightning_hetero.measure.cost import CostModel
 from lightning_hetero.measure.operators import OperatorCost, roofline_seconds
-from lightning_hetero.plan import zero_stage as zero_stage_plan
-from lightning_hetero.plan.zero_stage import ModelSize
 from lightning_hetero.precision.choice import FP32, unsupported
 from lightning_hetero.simulate.catalog import (
     DEFAULT_BANDWIDTH_EFFICIENCY,

@@ -2,14 +2,15 @@
 the training step, and what the merges cost on the link, with streaming fragments, overlap and quantization.
 
 A training step is the slowest rank's inner steps: rank r takes ``inner_steps[r]`` micro-batches of ``b_r`` samples,
-each with its own optimizer step (ZeRO-0), planned as the package plans them (:func:`~.plan.local_steps.
-plan_inner_steps`). One fragment merges every ``sync_every / fragments`` steps: an all-reduce of its values (fp32,
-fp16 or bf16), or gathers of every rank's int8 / int4 blocks and of their scales (:mod:`~.comm.quantize`), over the
-slowest link the ranks use, after an all-reduce of the sample counts (latency only). Without overlap every rank
-waits for the merge; with ``overlap_steps`` k the exchange runs behind the next k training steps, and a rank waits
-only for what outlasts them. The counts are always waited for; the merge of every fragment at an epoch's end
-(waited for, once an epoch) is not charged. The loop calibration's overhead (``--calibrate``) is added to each
-training step, as to every-step training's. Pure functions of the cluster, the workload and the settings.
+each with its own optimizer step (ZeRO-0), planned as the package plans them
+(:func:`~lightning_hetero.local.inner_steps.plan_inner_steps`). One fragment merges every ``sync_every / fragments``
+steps: an all-reduce of its values (fp32, fp16 or bf16), or gathers of every rank's int8 / int4 blocks and of their
+scales (:mod:`~.comm.quantize`), over the slowest link the ranks use, after an all-reduce of the sample counts (latency
+only). Without overlap every rank waits for the merge; with ``overlap_steps`` k the exchange runs behind the next k
+training steps, and a rank waits only for what outlasts them. The counts are always waited for; the merge of every
+fragment at an epoch's end (waited for, once an epoch) is not charged. The loop calibration's overhead (``--calibrate``)
+is added to each training step, as to every-step training's. Pure functions of the cluster, the workload and the
+settings.
 """
 
 from __future__ import annotations

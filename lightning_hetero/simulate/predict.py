@@ -4,8 +4,8 @@ to. Pure functions of the cluster, the workload and the options.
 A step is ``max_r(compute_r) + exchange + max_r(optimizer_r) + loop overhead``: the ranks wait for the slowest
 before the exchange and DeepSpeed steps the optimizer after it (no overlap is assumed); the loop overhead is 0 unless
 a run calibrates it (:class:`~.step_options.LoopCalibration`). Compute is ``k_r * fixed_r + per_sample_r * n_r`` for
-``n_r`` samples in ``k_r`` micro-batches (:mod:`~lightning_hetero.plan.micro_steps`); memory is the model's state for
-the ZeRO stage, DeepSpeed's gradient buffer and activations per sample, within the device's memory less
+``n_r`` samples in ``k_r`` micro-batches (:mod:`~lightning_hetero.split.decisions.micro_steps`); memory is the model's
+state for the ZeRO stage, DeepSpeed's gradient buffer and activations per sample, within the device's memory less
 ``PLANNING_HEADROOM`` (:mod:`.device_model`) and, on a GPU, its CUDA context.
 
 Each device's cost model and memory ceiling is :mod:`.device_model` (a GPU's compute is a roofline over the step's
@@ -20,12 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from lightning_hetero.comm.compression import check_compression
+from lightning_hetero.configure import zero_stage as zero_stage_plan
+from lightning_hetero.configure.zero_stage import ModelSize, StageChoice
 from lightning_hetero.measure.cost import CostModel
 from lightning_hetero.measure.rank_profile import MEMORY_HEADROOM
-from lightning_hetero.plan import zero_stage as zero_stage_plan
-from lightning_hetero.plan.micro_steps import MicroStepPlan, micro_steps_for, plan_micro_steps
-from lightning_hetero.plan.split import split_by_weights
-from lightning_hetero.plan.zero_stage import ModelSize, StageChoice
 from lightning_hetero.simulate.cluster import Cluster
 from lightning_hetero.simulate.device_model import (
     activation_bytes,
@@ -38,6 +36,8 @@ from lightning_hetero.simulate.device_model import (
 from lightning_hetero.simulate.gradient_exchange import Exchange, exchange
 from lightning_hetero.simulate.step_options import Options
 from lightning_hetero.simulate.workload import Workload
+from lightning_hetero.split.decisions.micro_steps import MicroStepPlan, micro_steps_for, plan_micro_steps
+from lightning_hetero.split.decisions.split import split_by_weights
 
 
 @dataclass(frozen=True)
@@ -68,9 +68,10 @@ class Prediction:
 
 
 def automatic_stage(cluster: Cluster, workload: Workload, options: Options) -> StageChoice:
-    """The stage HeteroStrategy chooses when none is named (:func:`~lightning_hetero.plan.zero_stage.choose_stage`):
-    the lowest at which every device holds the model's state and its planned micro-batch's activations (those of the
-    plan at ZeRO-3, which leaves the most room); ZeRO-0 alone with a compression hook."""
+    """The stage HeteroStrategy chooses when none is named
+    (:func:`~lightning_hetero.configure.zero_stage.choose_stage`): the lowest at which every device holds the model's
+    state and its planned micro-batch's activations (those of the plan at ZeRO-3, which leaves the most room); ZeRO-0
+    alone with a compression hook."""
     choice = check_compression(options.compression, options.compression_options or None)
     allowed = (0,) if choice.needs_hook or options.hierarchical is True else zero_stage_plan.STAGES
     roomiest = predict(cluster, workload, replace(options, zero_stage=allowed[-1]))

@@ -1,8 +1,12 @@
-"""The uneven data-parallel split's training: every rank holds the whole model and trains its slice of each batch.
+"""The uneven data-parallel split: every rank holds the whole model and trains its own share of each batch.
 
+- :mod:`.decisions`: the pure decisions (the split, the planner, micro-steps, the first plan, re-planning), placed low
+  in the stage order because the shared layers and the other training modes use them too;
 - :mod:`.steps`: one training step on this rank, in one or several micro-batches, each weighted;
+- :mod:`.optimizer_shards`: uneven optimizer-state shards by device memory;
 - :mod:`.training`: the data-parallel training mode the job calls at each lifecycle point, its report and checkpoints.
 
-The split's decisions (the planner, micro-steps, re-planning) are in :mod:`lightning_hetero.plan`, the split in force
-and the data order in :mod:`lightning_hetero.train`.
+The split in force, the data order and the loss weights it applies are in :mod:`lightning_hetero.train`, which every
+training mode shares. This ``__init__`` imports nothing, so importing :mod:`.decisions` from below runs no code of
+the training mode.
 """

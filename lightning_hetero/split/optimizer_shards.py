@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_hetero.configure.zero_stage import OPTIMIZER_STATE_BYTES, UNPROFILED_ACTIVATION_SHARE, readable_bytes
 from lightning_hetero.measure.rank_profile import MEMORY_HEADROOM
-from lightning_hetero.plan.zero_stage import OPTIMIZER_STATE_BYTES, UNPROFILED_ACTIVATION_SHARE, readable_bytes
 from lightning_hetero.recover import by_name
 from lightning_hetero.train.gradient_norm import clip_to_norm, squared_norm
 from lightning_hetero.train.optimizer_shards import OptimizerShards, ShardedSet, same_dtype_groups, shard_fractions
@@ -57,7 +57,7 @@ def optimizer_rooms(
     """What each rank's memory leaves for its share of the optimizer state: ``MEMORY_HEADROOM`` of its free bytes
     (None: not known), less the whole model's parameters and gradients (``model_bytes``) and its micro-batch's
     activations; where nothing measured the activations (``activation_bytes`` None) half of the room is kept for them,
-    as the ZeRO stage's choice keeps it (:func:`~lightning_hetero.plan.zero_stage.choose_stage`)."""
+    as the ZeRO stage's choice keeps it (:func:`~lightning_hetero.configure.zero_stage.choose_stage`)."""
     rooms: list[Optional[float]] = []
     for rank, free in enumerate(free_bytes):
         if free is None:

@@ -22,11 +22,11 @@ from typing import Any, Optional
 from torch import Tensor
 
 from lightning_hetero.comm.communication import Communication
-from lightning_hetero.plan.split import micro_batch_sizes
 from lightning_hetero.precision.nonfinite import NonFiniteGuard
 from lightning_hetero.recover.recovery import Recovery
 from lightning_hetero.runtime.collectives import Collectives
 from lightning_hetero.runtime.tracing import phase
+from lightning_hetero.split.decisions.split import micro_batch_sizes
 from lightning_hetero.train.buffers import BufferSync
 from lightning_hetero.train.micro_batches import (
     MicroBatchGuard,

@@ -19,8 +19,8 @@ from torch.utils.data import (
 )
 from torch.utils.data.distributed import DistributedSampler
 
-from lightning_hetero.plan.split import split_by_weights
 from lightning_hetero.runtime.randomness import preserved_random_state
+from lightning_hetero.split.decisions.split import split_by_weights
 from lightning_hetero.train.order import (
     _STATE_KEYS,
     FINGERPRINT_POSITIONS,

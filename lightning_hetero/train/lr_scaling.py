@@ -1,4 +1,5 @@
-"""Train: a learning-rate scaling (:mod:`lightning_hetero.plan.lr_scaling`) applied to the optimizers and schedulers.
+"""Train: a learning-rate scaling (:mod:`lightning_hetero.configure.lr_scaling`) applied to the optimizers and
+schedulers.
 
 It runs as the resumed fit's training starts (the strategy's ``on_train_start``): after DeepSpeed restored the
 optimizer's groups and Lightning the schedulers' state (a scheduler restored after a scaling would undo it at its next
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-from lightning_hetero.plan.lr_scaling import LrScaling
+from lightning_hetero.configure.lr_scaling import LrScaling
 
 # Learning rates a parameter group may hold besides "lr": the schedulers' starting rate and OneCycleLR's bounds.
 GROUP_RATES = ("lr", "initial_lr", "max_lr", "min_lr")

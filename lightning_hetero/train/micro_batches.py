@@ -10,7 +10,7 @@ DeepSpeed's ZeRO-2 reduces the gradients in every backward; a rank's backward pa
 with that reduction held back (:func:`reduction_held_back`, the flag DeepSpeed's own ``coalesce_grad_reduction``
 sets), so the gradients add up locally and the last backward reduces their sum: one reduction per batch on every
 rank, as without micro-steps. ZeRO-0/1 reduce in the optimizer step anyway; ZeRO-3 gathers in every forward, so its
-ranks must all run as many micro-batches (``plan/micro_steps.py`` refuses the rest).
+ranks must all run as many micro-batches (``split/decisions/micro_steps.py`` refuses the rest).
 
 Every rank must make the same collective calls in the same order, and ranks run different numbers of micro-batches.
 So collectives that the user's ``training_step`` makes are only made by the last micro-batch on each rank (one call

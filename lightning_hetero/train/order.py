@@ -25,8 +25,8 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-from lightning_hetero.plan.planner import MIN_SAMPLES_PER_RANK
-from lightning_hetero.plan.split import split_by_weights
+from lightning_hetero.split.decisions.planner import MIN_SAMPLES_PER_RANK
+from lightning_hetero.split.decisions.split import split_by_weights
 
 # Keys of the loader state saved in Lightning's checkpoint. No key depends on the rank: DeepSpeed writes the client
 # state from data-parallel rank 0 only and every rank reads that one file.

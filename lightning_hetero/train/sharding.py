@@ -16,7 +16,7 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
-from lightning_hetero.plan.deepspeed_config import config_disagreements
+from lightning_hetero.configure.deepspeed_config import config_disagreements
 from lightning_hetero.runtime.collectives import Collectives
 from lightning_hetero.train.loaders import (
     HeteroDataLoader,

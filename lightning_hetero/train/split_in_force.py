@@ -12,7 +12,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
-from lightning_hetero.plan.split import SplitPlan
+from lightning_hetero.split.decisions.split import SplitPlan
 from lightning_hetero.train.order import STATE_SAMPLES_CONSUMED
 
 

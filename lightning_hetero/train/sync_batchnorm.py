@@ -8,7 +8,8 @@ each channel's sum, sum of squares and count in the forward, and one of the grad
 that the update and the running statistics are those of one process on the global batch.
 
 With ``micro_steps`` each of a rank's forward passes exchanges statistics, so every rank must make as many (the
-ranks' i-th micro-batches normalize together); :func:`~lightning_hetero.plan.micro_steps.micro_steps_refusal` says so.
+ranks' i-th micro-batches normalize together); :func:`~lightning_hetero.split.decisions.micro_steps.micro_steps_refusal`
+says so.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Train: the corrections unequal batches need, so that the update and the logged metrics are DDP's.
 
 DeepSpeed averages the ranks' gradients equally, so each rank's loss is weighted by its share of the global batch
-(:func:`~lightning_hetero.plan.split.loss_weight`): ``b_r * W / B`` for a mean, 1 for a sum, ``n_r * W / N`` in
-tokens for a token mean. A ``self.log(..., sync_dist=True)`` mean inside a step is weighted by each rank's samples the
-same way. The counts come from each batch as the loader hands it over, so a short last batch is weighted right.
+(:func:`~lightning_hetero.split.decisions.split.loss_weight`): ``b_r * W / B`` for a mean, 1 for a sum, ``n_r * W / N``
+in tokens for a token mean. A ``self.log(..., sync_dist=True)`` mean inside a step is weighted by each rank's samples
+the same way. The counts come from each batch as the loader hands it over, so a short last batch is weighted right.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_hetero.plan.split import SplitPlan, loss_weight
 from lightning_hetero.runtime.checks import token_count
+from lightning_hetero.split.decisions.split import SplitPlan, loss_weight
 
 
 class LossWeights:

@@ -2,10 +2,10 @@
 
 :class:`SplitFollower` runs where the training loader is about to fetch a batch, a global-batch boundary that every
 rank reaches at the same step: it lets the watch close the last step and exchange records every window, asks the
-:class:`~lightning_hetero.plan.replan.Rebalancer` (pure decisions) whether to switch, and if so hands the new split to
-the split in force (:class:`~lightning_hetero.train.split_in_force.SplitInForce`, which tells the loader's batch
-sampler and DeepSpeed), all before the batch is cut. A fit resumed from a checkpoint takes up the split the checkpoint
-recorded first, when re-planning is on.
+:class:`~lightning_hetero.split.decisions.replan.Rebalancer` (pure decisions) whether to switch, and if so hands the new
+split to the split in force (:class:`~lightning_hetero.train.split_in_force.SplitInForce`, which tells the loader's
+batch sampler and DeepSpeed), all before the batch is cut. A fit resumed from a checkpoint takes up the split the
+checkpoint recorded first, when re-planning is on.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any, Optional, Protocol
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_hetero.plan.explore import StepSearch
-from lightning_hetero.plan.replan import Replan
+from lightning_hetero.split.decisions.explore import StepSearch
+from lightning_hetero.split.decisions.replan import Replan
 from lightning_hetero.train.split_in_force import SplitInForce
 from lightning_hetero.watch.meter import RunWatch, TensorGather
 
@@ -54,7 +54,7 @@ def search_text(search: StepSearch, step: int) -> str:
 
 class SplitRebalancer(Protocol):
     """What re-plans the split in force from the watch's steps: the data-parallel split's
-    :class:`~lightning_hetero.plan.replan.Rebalancer`, or local training's inner steps'
+    :class:`~lightning_hetero.split.decisions.replan.Rebalancer`, or local training's inner steps'
     (:class:`~lightning_hetero.local.inner_steps.InnerStepsRebalancer`). Pure decisions: every rank holds the same."""
 
     replans: list[Replan]

@@ -34,8 +34,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_hetero.plan.replan import DEFAULT_WINDOW
 from lightning_hetero.runtime.tracing import Span, open_span
+from lightning_hetero.split.decisions.replan import DEFAULT_WINDOW
 
 # A step's bytes on the wire, per rank: inside its node, and to groups that span nodes (see wire.py).
 WIRE_KINDS = ("intra_node_bytes", "inter_node_bytes")

@@ -8,14 +8,14 @@ metrics appear under its own name: ``hetero/rank_<r>/micro_batch`` (its largest)
 ``samples_per_second``, ``arrival_ms`` and ``exchange_ms`` (its own work before the gradient exchange on the wall
 clock, and its time inside the exchange), and for the job ``hetero/samples_per_second`` and
 ``hetero/balance_efficiency``; ``hetero/late_rank`` names the rank the others waited for at the exchange over the
-steps exchanged last, when one evidently arrives later (:func:`~lightning_hetero.plan.explore.late_and_early`). Each
-re-plan is logged at the step it takes effect as ``hetero/replan_predicted_gain`` (the new micro-batches show in
-``micro_batch`` from that step on). With fp16 ranks (``device_precision``), ``hetero/loss_scale`` is the job's loss
-scale after each optimizer step (the same on every rank; a halving marks a step skipped for an overflow).
-``hetero/skipped_steps`` counts the optimizer steps skipped so far for non-finite gradients, after each step.
-With PowerSGD or top-k under an error bound (``compression_options={"max_error": ...}``, the default),
-``hetero/compression_error`` is each check's relative error, logged at its step with ``hetero/compression_rank``
-(PowerSGD) or ``hetero/compression_ratio`` (top-k) the step ran with.
+steps exchanged last, when one evidently arrives later
+(:func:`~lightning_hetero.split.decisions.explore.late_and_early`). Each re-plan is logged at the step it takes effect
+as ``hetero/replan_predicted_gain`` (the new micro-batches show in ``micro_batch`` from that step on). With fp16 ranks
+(``device_precision``), ``hetero/loss_scale`` is the job's loss scale after each optimizer step (the same on every rank;
+a halving marks a step skipped for an overflow). ``hetero/skipped_steps`` counts the optimizer steps skipped so far for
+non-finite gradients, after each step. With PowerSGD or top-k under an error bound (``compression_options={"max_error":
+...}``, the default), ``hetero/compression_error`` is each check's relative error, logged at its step with
+``hetero/compression_rank`` (PowerSGD) or ``hetero/compression_ratio`` (top-k) the step ran with.
 
 With ``pipeline``, each stage's times instead: ``hetero/stage_<s>/compute_ms`` and ``wait_ms`` (the slowest of the
 ranks holding it) and ``hetero/pipeline_balance`` per step, exchanged every 20 steps and at the end of fit.
@@ -31,7 +31,7 @@ from typing import Any
 from lightning.pytorch import Callback
 from typing_extensions import override
 
-from lightning_hetero.plan.explore import late_and_early
+from lightning_hetero.split.decisions.explore import late_and_early
 from lightning_hetero.watch.meter import step_metrics
 from lightning_hetero.watch.watcher import Watcher
 

@@ -46,8 +46,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_hetero.plan.deepspeed_config import format_plan_table
-from lightning_hetero.plan.explore import HELD_STEP_SHARE, held_beyond_others, unexplained_seconds
+from lightning_hetero.configure.deepspeed_config import format_plan_table
+from lightning_hetero.split.decisions.explore import HELD_STEP_SHARE, held_beyond_others, unexplained_seconds
 from lightning_hetero.watch.meter import WIRE_KINDS, balance_efficiency
 
 FORMAT_VERSION = 1
@@ -71,7 +71,7 @@ def plan_text(
 ) -> str:
     """The plan as rank 0 prints it at fit start: a row per rank, and the predicted gain when it was profiled.
 
-    ``plan`` is a :class:`~lightning_hetero.plan.split.SplitPlan`, ``profiles`` the ranks'
+    ``plan`` is a :class:`~lightning_hetero.split.decisions.split.SplitPlan`, ``profiles`` the ranks'
     :class:`~lightning_hetero.measure.rank_profile.RankProfile` (automatic split only).
     """
     rows = []
@@ -136,7 +136,7 @@ def build_report(
     ``replanning`` whether the split followed the measurements (None: no re-planning of the split exists for this
     job; what the data-stall advice may promise);
     ``nonfinite`` the optimizer steps skipped for non-finite gradients (see :mod:`~.precision.nonfinite`);
-    ``asynchronous`` the merges by speed (see :func:`~.plan.claims.merge_summary`)."""
+    ``asynchronous`` the merges by speed (see :func:`~lightning_hetero.local.claim_decisions.merge_summary`)."""
     built: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "world_size": world_size,
@@ -193,10 +193,11 @@ def summarize(
 def late_rank_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
     """The rank the others waited for at the gradient exchange: the last to arrive in at least ``LATE_SHARE`` of the
     steps in which every rank's arrival was timed, by a median of at least ``LATE_SECONDS`` and ``LATE_STEP_SHARE`` of
-    the median step; with whether something besides its compute held it (:func:`~.plan.explore.held_beyond_others`),
-    and by how much more than the rank held least. Each rank's median arrival, time inside the exchange, time held by
-    the kernel and wall time before the exchange its compute does not explain either way; empty when nothing was timed
-    (local SGD's merges, a pipeline, one rank)."""
+    the median step; with whether something besides its compute held it
+    (:func:`~lightning_hetero.split.decisions.explore.held_beyond_others`), and by how much more than the rank held
+    least. Each rank's median arrival, time inside the exchange, time held by the kernel and wall time before the
+    exchange its compute does not explain either way; empty when nothing was timed (local SGD's merges, a pipeline, one
+    rank)."""
     timed = [step for step in steps if len(step.get("arrival_seconds", ())) > 1 and min(step["arrival_seconds"]) > 0]
     if not timed:
         return {}

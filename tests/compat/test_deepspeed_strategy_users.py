@@ -2,7 +2,7 @@
 
 Each case failed before (issue 29, item 8); the numbers compare parameters with one process trained on the same
 global batches (:func:`reference_training`), the claim "the same update as before the switch". The pure decisions
-behind them are in the fast tier: tests/plan/test_configure.py (a config's stage, ``zero_optimization=False``),
+behind them are in the fast tier: tests/configure/test_configure.py (a config's stage, ``zero_optimization=False``),
 tests/precision/test_nonfinite.py (DeepSpeed's own bf16), tests/recover/test_from_deepspeed.py (the directory).
 Lightning's own DeepSpeed tests, run against the strategy, are in test_lightning_deepspeed.py.
 """

@@ -26,7 +26,7 @@ from test_strategy_multiprocess import contiguous_steps  # noqa: E402
 
 from lightning_hetero.comm.quantize import wire_bytes  # noqa: E402
 from lightning_hetero.local.fragments import due_fragments  # noqa: E402
-from lightning_hetero.plan.split import micro_batch_sizes  # noqa: E402
+from lightning_hetero.split.decisions.split import micro_batch_sizes  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 

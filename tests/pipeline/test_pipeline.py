@@ -379,7 +379,7 @@ def test_a_tensor_that_cannot_travel_is_named():
 def test_each_stage_of_a_split_model_has_the_whole_model_s_signature():
     """The setup survey compares the ranks' models: after a pipeline fit each rank holds its own stage only, and a
     later trainer call (an evaluation on the fit's Trainer) still sees one model on every rank."""
-    from lightning_hetero.plan.model_agreement import model_signature
+    from lightning_hetero.configure.model_agreement import model_signature
 
     whole = model_signature(Model())
     for owned in (range(0, 2), range(2, 5)):

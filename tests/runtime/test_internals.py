@@ -81,7 +81,7 @@ def test_every_private_name_the_package_imports_from_a_library_is_listed():
 # Private attributes of the standard library the package reads (the list covers Lightning, DeepSpeed and torch).
 STANDARD_LIBRARY_PRIVATES = {
     "_exit": "os._exit: leave at once with a code, past atexit handlers (runtime/shutdown.py, recover/)",
-    "_mapping": "collections.abc.KeysView._mapping: the mapping a keys view reads (plan/deepspeed_config.py)",
+    "_mapping": "collections.abc.KeysView._mapping: the mapping a keys view reads (configure/deepspeed_config.py)",
 }
 
 

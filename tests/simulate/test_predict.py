@@ -8,7 +8,6 @@ from dataclasses import replace
 import pytest
 
 from lightning_hetero.measure.operators import OperatorCost
-from lightning_hetero.plan.planner import plan_min_max
 from lightning_hetero.simulate.catalog import GIB, cpu_kind, with_overrides
 from lightning_hetero.simulate.cluster import load_cluster_text
 from lightning_hetero.simulate.device_model import (
@@ -24,6 +23,7 @@ from lightning_hetero.simulate.gradient_exchange import exchange, gradient_paylo
 from lightning_hetero.simulate.predict import predict
 from lightning_hetero.simulate.step_options import LoopCalibration, Options, calibrate_loop
 from lightning_hetero.simulate.workload import Workload
+from lightning_hetero.split.decisions.planner import plan_min_max
 
 WORKLOAD = Workload(
     name="test",

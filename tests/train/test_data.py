@@ -27,7 +27,7 @@ from torch.utils.data import (
 )
 from torch.utils.data.distributed import DistributedSampler
 
-from lightning_hetero.plan.split import split_by_weights
+from lightning_hetero.split.decisions.split import split_by_weights
 from lightning_hetero.train.loaders import (
     HeteroDataLoader,
     describe_unsupported_loader,

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lightning_hetero.plan.lr_scaling import LrScaling
+from lightning_hetero.configure.lr_scaling import LrScaling
 from lightning_hetero.train.lr_scaling import base_optimizer, scale_optimizers
 
 

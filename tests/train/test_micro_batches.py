@@ -7,7 +7,7 @@ from collections import namedtuple
 import pytest
 import torch
 
-from lightning_hetero.plan.split import SplitPlan, loss_weight, micro_batch_sizes, resolve_split
+from lightning_hetero.split.decisions.split import SplitPlan, loss_weight, micro_batch_sizes, resolve_split
 from lightning_hetero.train.micro_batches import MicroBatchGuard, raise_if_unreduced, split_batch, step_loss
 from lightning_hetero.train.weights import LossWeights
 

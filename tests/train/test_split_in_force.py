@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_hetero.plan.split import SplitPlan
+from lightning_hetero.split.decisions.split import SplitPlan
 from lightning_hetero.train.order import STATE_SAMPLES_CONSUMED
 from lightning_hetero.train.split_in_force import SplitInForce
 

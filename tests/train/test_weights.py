@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_hetero.plan.split import SplitPlan
+from lightning_hetero.split.decisions.split import SplitPlan
 from lightning_hetero.train.weights import LossWeights
 
 

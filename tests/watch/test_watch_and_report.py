@@ -312,7 +312,7 @@ def test_the_monitor_refuses_another_strategy():
 
 
 def test_the_plan_says_whose_metrics_an_unsynced_log_shows_when_the_split_is_uneven():
-    from lightning_hetero.plan.split import SplitPlan
+    from lightning_hetero.split.decisions.split import SplitPlan
     from lightning_hetero.watch.report import plan_text
 
     uneven = plan_text(SplitPlan((3, 13), "batch_sizes"), 2, ["cpu", "cpu"], ["32-true"] * 2)
@@ -412,7 +412,7 @@ def test_a_slow_device_beside_a_fast_one_is_not_said_to_be_held():
     that is a large ratio (2x, against 1.3x for the slow one), which read as the ranks held unevenly. It is a
     difference that tells: the same 5 ms on both, so the slow rank is named late with nothing said to hold it, and
     the re-planner fits compute, not arrivals (an emulated 5x slower device was re-planned 9 steps late)."""
-    from lightning_hetero.plan.replan import held_most
+    from lightning_hetero.split.decisions.replan import held_most
 
     steps = late_steps([(0.010, 0.025)] * 10, compute=(0.005, 0.020), step_seconds=0.027)
     late = report.summarize(steps, [])["late_rank"]

@@ -8,8 +8,8 @@ import torch
 
 from lightning_hetero.measure.cost import CostModel
 from lightning_hetero.measure.devices import collect_device_facts
-from lightning_hetero.plan.replan import Rebalancer
-from lightning_hetero.plan.split import SplitPlan
+from lightning_hetero.split.decisions.replan import Rebalancer
+from lightning_hetero.split.decisions.split import SplitPlan
 from lightning_hetero.train.split_in_force import SplitInForce
 from lightning_hetero.watch.watcher import JobFacts, Watcher
 
@@ -61,7 +61,7 @@ def test_the_follower_is_built_once_per_fit_and_takes_a_new_re_planner_and_split
 
 
 def test_a_re_plan_line_names_the_ranks_that_wait_for_their_data_and_the_fix():
-    from lightning_hetero.plan.replan import Replan
+    from lightning_hetero.split.decisions.replan import Replan
     from lightning_hetero.watch.follower import data_wait_text
 
     line = data_wait_text(Replan(40, (44, 20), 0.24, (), (0.0002, 0.0051)))

@@ -1,4 +1,5 @@
-"""Unit tests for lightning_hetero.plan: the split of a global batch into per-rank micro-batches (pure functions)."""
+"""Unit tests for lightning_hetero.configure: the split of a global batch into per-rank micro-batches (pure
+functions)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_hetero.plan.split import SplitPlan, check_split_arguments, loss_weight, resolve_split, split_by_weights
+from lightning_hetero.split.decisions.split import (
+    SplitPlan,
+    check_split_arguments,
+    loss_weight,
+    resolve_split,
+    split_by_weights,
+)
 
 FAST = settings(database=None, max_examples=100, deadline=None)
 
@@ -306,8 +313,8 @@ def test_giving_both_batch_sizes_and_weights_is_reported_before_their_lengths():
 def test_a_token_mean_is_weighted_by_tokens_and_counted_outside_the_loss():
     import torch
 
-    from lightning_hetero.plan.split import loss_weight
     from lightning_hetero.runtime.checks import token_count
+    from lightning_hetero.split.decisions.split import loss_weight
 
     assert loss_weight(30, 40, 2, "token_mean") == 1.5 and loss_weight(10, 40, 2, "token_mean") == 0.5
     assert loss_weight(0, 0, 2, "token_mean") == 0.0  # no token anywhere: nothing to learn from this batch

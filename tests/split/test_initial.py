@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from lightning_hetero.measure.rank_profile import RankProfile
-from lightning_hetero.plan.initial import cost_models, initial_plan, rebalancer_for
-from lightning_hetero.plan.split import SplitPlan
+from lightning_hetero.split.decisions.initial import cost_models, initial_plan, rebalancer_for
+from lightning_hetero.split.decisions.split import SplitPlan
 
 
 def profile(per_sample, fixed=0.001, max_batch=None, loss_ratio=None):

@@ -1,4 +1,4 @@
-"""Plan: the strategy names registered with Lightning, and the arguments each one stands for.
+"""Configure: the strategy names registered with Lightning, and the arguments each one stands for.
 
 The default, one per ZeRO stage, and the CPU-offload variants Lightning registers for DeepSpeed, with the prefix
 "hetero" (the "deepspeed*" names belong to Lightning's DeepSpeedStrategy): ``Trainer(strategy="hetero_stage_3")``, or

@@ -1,17 +1,18 @@
-"""The ZeRO stage when none is named (:mod:`lightning_hetero.plan.zero_stage`): the lowest that fits every device."""
+"""The ZeRO stage when none is named (:mod:`lightning_hetero.configure.zero_stage`): the lowest that fits every
+device."""
 
 from __future__ import annotations
 
 import pytest
 
-from lightning_hetero.measure.rank_profile import MEMORY_HEADROOM
-from lightning_hetero.plan.zero_stage import (
+from lightning_hetero.configure.zero_stage import (
     UNPROFILED_ACTIVATION_SHARE,
     ModelSize,
     choose_stage,
     model_state_bytes,
     shared_free_bytes,
 )
+from lightning_hetero.measure.rank_profile import MEMORY_HEADROOM
 
 MILLION = ModelSize(1_000_000, 1_000_000)  # 16 MB at ZeRO-0 in fp32 with Adam's state
 
@@ -84,7 +85,7 @@ def test_ranks_on_one_device_share_its_free_memory():
 
 
 def test_a_checkpoint_of_another_stage_is_refused_naming_the_stage_to_pass():
-    from lightning_hetero.plan.zero_stage import resume_stage_mismatch
+    from lightning_hetero.configure.zero_stage import resume_stage_mismatch
 
     assert resume_stage_mismatch(2, 2, True, "ckpt") is None and resume_stage_mismatch(None, 0, True, "ckpt") is None
     message = resume_stage_mismatch(2, 0, True, "ckpt")

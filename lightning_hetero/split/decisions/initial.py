@@ -13,11 +13,11 @@ from typing import Any, Optional
 from lightning_hetero.emulate.memory import lower_ceiling
 from lightning_hetero.measure.cost import CostModel
 from lightning_hetero.measure.rank_profile import RankProfile, loss_reduction_mismatch
-from lightning_hetero.plan.explore import StepSearch
-from lightning_hetero.plan.micro_steps import plan_automatic_split_in_micro_steps, with_fixed_micro_steps
-from lightning_hetero.plan.planner import plan_automatic_split, required_gain
-from lightning_hetero.plan.replan import Rebalancer
-from lightning_hetero.plan.split import SplitPlan, check_every_micro_batch_has_a_sample, resolve_split
+from lightning_hetero.split.decisions.explore import StepSearch
+from lightning_hetero.split.decisions.micro_steps import plan_automatic_split_in_micro_steps, with_fixed_micro_steps
+from lightning_hetero.split.decisions.planner import plan_automatic_split, required_gain
+from lightning_hetero.split.decisions.replan import Rebalancer
+from lightning_hetero.split.decisions.split import SplitPlan, check_every_micro_batch_has_a_sample, resolve_split
 
 
 @dataclass(frozen=True)
@@ -58,11 +58,11 @@ def initial_plan(
     """The fixed split the user gave, or the planner's from the profiles.
 
     ``identical_devices``: same-model devices in one precision and no emulated speeds, presumed equally fast unless
-    the profile says otherwise by a wide margin (:func:`~lightning_hetero.plan.planner.required_gain`).
+    the profile says otherwise by a wide margin (:func:`~lightning_hetero.split.decisions.planner.required_gain`).
     ``held_bytes``: memory each rank holds until the step that its profile did not see.
     ``micro_steps``: the user's micro-steps per rank (the planner splits the samples around them), or None: one per
     rank unless ``unequal_micro_steps`` lets the planner give a memory-bound rank more
-    (:func:`~lightning_hetero.plan.micro_steps.plan_automatic_split_in_micro_steps`).
+    (:func:`~lightning_hetero.split.decisions.micro_steps.plan_automatic_split_in_micro_steps`).
     """
     if profiles is None:
         return InitialPlan(resolve_split(world_size, global_batch_size, batch_sizes, weights, micro_steps), None)

@@ -1,4 +1,4 @@
-"""Tests of the min-max batch planner in :mod:`lightning_hetero.plan` (``plan_min_max`` and its helpers).
+"""Tests of the min-max batch planner in :mod:`lightning_hetero.configure` (``plan_min_max`` and its helpers).
 
 The planner claims exactness, so the main check is against brute force: every composition of small batches.
 """
@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_hetero.measure.cost import CostModel
-from lightning_hetero.plan.planner import (
+from lightning_hetero.split.decisions.planner import (
     MIN_PREDICTED_GAIN,
     MIN_SAMPLES_PER_RANK,
     PlannedSplit,
@@ -29,7 +29,7 @@ from lightning_hetero.plan.planner import (
     rank_floors,
     required_gain,
 )
-from lightning_hetero.plan.split import split_by_weights
+from lightning_hetero.split.decisions.split import split_by_weights
 
 # Values that collide often (dyadic, so sums are exact) next to ones that round (0.1, 0.3): ties between ranks
 # exercise the tie-break, rounding exercises the "compare only computed times" rule.

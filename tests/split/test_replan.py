@@ -1,4 +1,4 @@
-"""The re-plan decision (lightning_hetero.plan.replan): pure functions fed synthetic, noisy measurements.
+"""The re-plan decision (lightning_hetero.split.decisions.replan): pure functions fed synthetic, noisy measurements.
 
 The simulator plays a job: each step every rank computes for its true cost at its micro-batch, times a random
 noise factor (and now and then a large outlier: a garbage collection, a page fault); every ``window`` steps the
@@ -13,8 +13,8 @@ import random
 import pytest
 
 from lightning_hetero.measure.cost import CostModel
-from lightning_hetero.plan.planner import plan_min_max, predicted_step_time
-from lightning_hetero.plan.replan import (
+from lightning_hetero.split.decisions.planner import plan_min_max, predicted_step_time
+from lightning_hetero.split.decisions.replan import (
     MIN_INTERVAL_WINDOWS,
     Rebalancer,
     check_rebalance_arguments,
@@ -23,7 +23,7 @@ from lightning_hetero.plan.replan import (
     refit_cost_models,
     weighted_median,
 )
-from lightning_hetero.plan.split import split_by_weights
+from lightning_hetero.split.decisions.split import split_by_weights
 
 WINDOW = 20
 
@@ -321,7 +321,7 @@ def test_adopting_a_checkpoints_split_restarts_the_interval():
         "micro_steps": [1, 1],
         "predicted_gain": pytest.approx(30 / 14 - 1),
         "data_wait_seconds": [0.0, 0.0],  # steps without a measured wait for data (a report from before it)
-        "source": "model",  # (not the search on the measured step: plan/explore.py)
+        "source": "model",  # (not the search on the measured step: split/decisions/explore.py)
         "late_rank": None,
     }
 
@@ -333,7 +333,7 @@ def test_where_the_cost_model_does_not_explain_the_step_the_search_on_the_measur
     own step misreads the fixed cost as a per-sample one: the cost model alone ends 4-6 % from the best split
     (past it: it takes more from the held rank than it needs). The search on the measured step (its trials recorded
     as re-plans from the search) brings the second half of the run within 3 %."""
-    from lightning_hetero.plan.explore import StepSearch
+    from lightning_hetero.split.decisions.explore import StepSearch
 
     profile = [CostModel(0.001, 0.0002)] * 2
     truth = [CostModel(0.001, 0.0002), CostModel(0.011, 0.0002)]
@@ -372,7 +372,7 @@ def test_the_search_runs_where_micro_steps_are_planned_and_its_splits_take_the_m
     """The automatic split at ZeRO 0-2 may plan micro-steps where memory binds: the search runs there too (it was
     left out, so a rank held by a CPU quota was never searched away from), and a split it tries takes as many
     micro-steps as each rank's ceiling needs."""
-    from lightning_hetero.plan.explore import StepSearch
+    from lightning_hetero.split.decisions.explore import StepSearch
 
     base = [CostModel(0.001, 0.0002, max_batch=100), CostModel(0.001, 0.0002, max_batch=100)]
     rebalancer = Rebalancer(base, (64, 64), window=WINDOW, micro_steps=True, search=StepSearch(128, first_move=48))
@@ -400,7 +400,7 @@ def test_where_the_cost_models_explain_the_step_the_search_does_not_start():
     lands on): nobody is held beyond the others and nobody waits long inside the exchange under a rank the kernel
     holds longer, so the cost models' answer stands and no trial is run (the search ran there, 3-10 % slower than the
     split it left, in benchmarks/throttled.py). A rank held beyond the others does start it."""
-    from lightning_hetero.plan.explore import StepSearch, cost_model_leaves_unexplained
+    from lightning_hetero.split.decisions.explore import StepSearch, cost_model_leaves_unexplained
 
     def steps_with(compute, arrival, exchange):
         return [
@@ -433,7 +433,7 @@ def test_where_the_cost_models_explain_the_step_the_search_does_not_start():
 
 
 def test_the_line_through_a_held_ranks_two_measured_shares_keeps_at_least_its_profiles_slope():
-    from lightning_hetero.plan.replan import line_through
+    from lightning_hetero.split.decisions.replan import line_through
 
     assert line_through(100, 0.030, 50, 0.020, 0.0001) == pytest.approx((0.010, 0.0002))
     assert line_through(50, 0.020, 100, 0.030, 0.0001) == pytest.approx((0.010, 0.0002))  # (either order)
@@ -567,7 +567,7 @@ def test_a_rank_held_earlier_is_not_given_more_by_the_cost_model_until_its_mark_
     scaling its time at a few samples, gave it back past that share (benchmarks/throttled.py, 40 %: from 1 sample to
     144 and a 42 ms step, every third re-plan). A rank seen held stays marked for ``HELD_MEMORY_WINDOWS`` windows;
     then the model may give it more once, and a rank held again is marked for twice as long."""
-    from lightning_hetero.plan.replan import HELD_MEMORY_WINDOWS
+    from lightning_hetero.split.decisions.replan import HELD_MEMORY_WINDOWS
 
     profile = [CostModel(0.001, 0.00003)] * 2
     rebalancer = Rebalancer(profile, (256, 256), window=WINDOW, threshold=0.05)
@@ -597,8 +597,8 @@ def test_a_marked_rank_the_kernel_still_holds_longer_than_the_others_keeps_its_m
     """At 40 % with 1-50 of 512 samples rank 1's work fits its quota before the exchange, so its arrival no longer shows
     the quota, but the kernel still holds it 3-5 ms a step (the other rank 0.2 ms): its mark does not lapse, and the
     cost model never gives it back the share that was held."""
-    from lightning_hetero.plan.explore import kernel_holds_more
-    from lightning_hetero.plan.replan import HELD_MEMORY_WINDOWS
+    from lightning_hetero.split.decisions.explore import kernel_holds_more
+    from lightning_hetero.split.decisions.replan import HELD_MEMORY_WINDOWS
 
     profile = [CostModel(0.001, 0.00003)] * 2
     rebalancer = Rebalancer(profile, (256, 256), window=WINDOW, threshold=0.05)
@@ -619,7 +619,7 @@ def test_a_marked_rank_the_kernel_still_holds_longer_than_the_others_keeps_its_m
 def test_a_quota_that_comes_and_goes_is_followed_both_ways_the_lift_once_its_mark_lapses(seed):
     """Rank 1 held to 40 % from step 100 to step 700: the split moves off it, then, once the quota lifted and its mark
     lapsed (``HELD_MEMORY_WINDOWS`` windows without the rank seen held), back toward the equal split."""
-    from lightning_hetero.plan.replan import HELD_MEMORY_WINDOWS
+    from lightning_hetero.split.decisions.replan import HELD_MEMORY_WINDOWS
 
     devices = [CostModel(0.001, 0.0002)] * 2
     rebalancer = Rebalancer(devices, equal(2, 128), window=WINDOW, threshold=0.05)
@@ -654,7 +654,7 @@ def test_a_lifted_quota_is_followed_soon_after_the_kernel_stops_holding_the_rank
     its mark lapses two windows later instead of ``HELD_MEMORY_WINDOWS`` (a lifted quota had the split held off the
     rank 200 steps more), and a split the search kept for the held rank goes back to the cost model (in one fit it
     stayed at 462/50 to the end, 25 % slower than equal)."""
-    from lightning_hetero.plan.explore import StepSearch
+    from lightning_hetero.split.decisions.explore import StepSearch
 
     devices = [CostModel(0.001, 0.0002)] * 2
     rebalancer = Rebalancer(devices, equal(2, 128), window=WINDOW, threshold=0.05, search=StepSearch(128))

@@ -23,10 +23,10 @@ How a decision is made:
    quota: 5 re-plans, 200 steps). Elsewhere (``emulate_speeds``, a slower device) the profile's shape holds and the
    scaled line is the steadier one.
 2. **Plan** the split that minimises the slowest rank's predicted compute with the exact planner
-   (:func:`lightning_hetero.plan.planner.plan_min_max`), within each device's memory ceiling. A rank seen held stays
-   marked while the kernel holds it longer than the others, else for ``HELD_MEMORY_WINDOWS`` windows (doubled after
-   each lapse), and the plan never gives a marked rank more samples: past the share its quota carries, its step jumps
-   by a period of the quota, which its measured times at a smaller share do not show.
+   (:func:`lightning_hetero.split.decisions.planner.plan_min_max`), within each device's memory ceiling. A rank seen
+   held stays marked while the kernel holds it longer than the others, else for ``HELD_MEMORY_WINDOWS`` windows (doubled
+   after each lapse), and the plan never gives a marked rank more samples: past the share its quota carries, its step
+   jumps by a period of the quota, which its measured times at a smaller share do not show.
 3. **Switch** only if the new split is predicted faster than the current one by at least ``threshold`` plus the
    noise margin, judged by the same refitted models, and only once ``MIN_INTERVAL_WINDOWS`` windows have been
    measured under the current split. The threshold is a dead band (a split within it of the best is kept); the
@@ -44,7 +44,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from lightning_hetero.measure.cost import CostModel
-from lightning_hetero.plan.explore import (
+from lightning_hetero.runtime.checks import check_positive_int, is_real
+from lightning_hetero.split.decisions.explore import (
     StepSearch,
     cost_model_leaves_unexplained,
     held_beyond_others,
@@ -52,9 +53,8 @@ from lightning_hetero.plan.explore import (
     late_and_early,
     window_of,
 )
-from lightning_hetero.plan.micro_steps import micro_steps_for, plan_micro_steps, rank_time
-from lightning_hetero.plan.planner import MIN_SAMPLES_PER_RANK, plan_min_max, predicted_step_time
-from lightning_hetero.runtime.checks import check_positive_int, is_real
+from lightning_hetero.split.decisions.micro_steps import micro_steps_for, plan_micro_steps, rank_time
+from lightning_hetero.split.decisions.planner import MIN_SAMPLES_PER_RANK, plan_min_max, predicted_step_time
 
 DEFAULT_THRESHOLD = 0.05
 # Windows of records a refit looks back at, at most (their weights halve every window, so older ones hardly count).
@@ -109,7 +109,7 @@ class Replan:
     micro_steps: tuple[int, ...] = ()  # each rank's micro-steps under the new split (() : one each)
     data_waits: tuple[float, ...] = ()  # each rank's wait for its data per step, counted in its time
     # "model": planned from the refitted cost models; "search": a split the search on the measured step runs next
-    # (a trial, or back to the best it measured: plan/explore.py), with the late rank it moves samples from
+    # (a trial, or back to the best it measured: split/decisions/explore.py), with the late rank it moves samples from
     source: str = "model"
     late_rank: Optional[int] = None
 
@@ -189,7 +189,8 @@ def refit_cost_models(
 
     Weights halve every ``window`` steps; the newest ``window`` steps alone decide when they show a drift. None when
     some rank has no step with a measured compute (nothing to fit it to). ``micro_steps``: a rank's time is
-    :func:`~lightning_hetero.plan.micro_steps.rank_time` (its samples in as many micro-batches as memory needs).
+    :func:`~lightning_hetero.split.decisions.micro_steps.rank_time` (its samples in as many micro-batches as memory
+    needs).
 
     A rank's measured time is its compute or, where some rank is held beyond the others (:func:`held_most`), its
     arrival at the gradient exchange where that is longer (:mod:`~.watch.meter`: the wall time of its own work in the
@@ -324,8 +325,8 @@ def decide_split(
 
     A current split that breaks a memory ceiling is predicted infinitely slow: any split that fits is taken. With
     ``micro_steps`` a rank whose share exceeds its ceiling takes it in several micro-batches
-    (:func:`~lightning_hetero.plan.micro_steps.plan_micro_steps`) instead. A rank in ``kept_from_more`` that the
-    planner would give more keeps its current share, and the other ranks are planned over the rest.
+    (:func:`~lightning_hetero.split.decisions.micro_steps.plan_micro_steps`) instead. A rank in ``kept_from_more`` that
+    the planner would give more keeps its current share, and the other ranks are planned over the rest.
     """
 
     def step_time(split: Sequence[int]) -> float:
@@ -386,7 +387,7 @@ class Rebalancer:
     fixed_micro_steps: tuple[int, ...] = ()
     changed_at: int = 0  # the training step from which `split` is in use
     replans: list[Replan] = field(default_factory=list)
-    # The search on the measured step, for what the cost models do not explain (plan/explore.py; None: off)
+    # The search on the measured step, for what the cost models do not explain (split/decisions/explore.py; None: off)
     search: Optional[StepSearch] = None
     # Ranks seen held beyond the others, and the step from which each mark lapses (``HELD_MEMORY_WINDOWS``)
     held_until: dict[int, int] = field(default_factory=dict)
@@ -398,7 +399,7 @@ class Rebalancer:
         """Decide before training step ``next_step``, given every step so far (the same list on every rank): the
         cost models' re-plan, once ``MIN_INTERVAL_WINDOWS`` windows ran under the split in use, else, where they leave
         the step unexplained (:func:`~.explore.cost_model_leaves_unexplained`), the search's next split
-        (plan/explore.py); while the search holds the split (a trial, or one it kept), the search alone."""
+        (split/decisions/explore.py); while the search holds the split (a trial, or one it kept), the search alone."""
         self._mark_held(steps, next_step)
         if self.search is not None and self.search.holds:
             return self._searched(steps, next_step)

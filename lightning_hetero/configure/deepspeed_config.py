@@ -16,7 +16,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
-from lightning_hetero.plan.deepspeed_keys import check_deepspeed_keys
+from lightning_hetero.configure.deepspeed_keys import check_deepspeed_keys
 from lightning_hetero.runtime.checks import check_stage
 
 # Keys that legitimately differ by rank: the micro-batch and what DeepSpeed derives from it.

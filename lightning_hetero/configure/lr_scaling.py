@@ -1,4 +1,4 @@
-"""Plan: the learning rate when a resumed run's global batch differs from its checkpoint's (``lr_scaling``).
+"""Configure: the learning rate when a resumed run's global batch differs from its checkpoint's (``lr_scaling``).
 
 By default a resume keeps the optimisation it continues: on another number of ranks the checkpoint's global batch is
 kept (the split planned again for it), and a global batch the user fixed must agree with it. With

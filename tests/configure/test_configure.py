@@ -1,4 +1,4 @@
-"""Unit tests for plan/deepspeed_config.py: per-rank DeepSpeed configs and the check that shared settings agree."""
+"""Unit tests for configure/deepspeed_config.py: per-rank DeepSpeed configs and the check that shared settings agree."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from lightning_hetero.plan.deepspeed_config import (
+from lightning_hetero.configure.deepspeed_config import (
     PER_RANK_KEYS,
     check_user_config,
     config_disagreements,
@@ -295,7 +295,7 @@ def test_format_plan_table_missing_keys_and_no_rows():
 def test_model_signatures_name_the_first_difference_between_ranks():
     from torch import nn
 
-    from lightning_hetero.plan.model_agreement import model_disagreement, model_signature
+    from lightning_hetero.configure.model_agreement import model_disagreement, model_signature
 
     def model(width=8, frozen=False, dtype=None, extra=False):
         network = nn.Sequential(nn.Linear(4, width), nn.BatchNorm1d(width), nn.Linear(width, 1))
@@ -329,7 +329,7 @@ def test_model_signatures_name_the_first_difference_between_ranks():
 
 def test_deepspeeds_gpu_minded_zero_defaults_give_way_on_cpu_unless_the_user_chose_them():
     from lightning_hetero import HeteroStrategy
-    from lightning_hetero.plan.deepspeed_config import with_cpu_zero_settings
+    from lightning_hetero.configure.deepspeed_config import with_cpu_zero_settings
 
     config = {"zero_optimization": {"stage": 2, "contiguous_gradients": True, "overlap_comm": True}}
     assert with_cpu_zero_settings(config)["zero_optimization"] == {

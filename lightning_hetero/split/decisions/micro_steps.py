@@ -5,8 +5,8 @@ micro-batches, so a fast device with little memory still takes the share its spe
 and its micro-batches as equal as possible (sizes differ by at most one, so any ``n_r`` can be cut exactly; the loss
 weights make every sample count the same whatever its micro-batch). A rank's time is ``k_r * fixed_r +
 per_sample_r * n_r``. A pure function over cost models, like
-:func:`~lightning_hetero.plan.planner.plan_min_max`: it minimises the slowest rank's time for exactly the global batch.
-Without a binding memory ceiling every ``k_r = 1`` and the slowest rank's time is ``plan_min_max``'s.
+:func:`~lightning_hetero.split.decisions.planner.plan_min_max`: it minimises the slowest rank's time for exactly the
+global batch. Without a binding memory ceiling every ``k_r = 1`` and the slowest rank's time is ``plan_min_max``'s.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from lightning_hetero.measure.cost import CostModel, last_true
-from lightning_hetero.plan.planner import (
+from lightning_hetero.split.decisions.planner import (
     MIN_SAMPLES_PER_RANK,
     AutomaticSplit,
     PlannedSplit,
@@ -26,7 +26,7 @@ from lightning_hetero.plan.planner import (
     plan_automatic_split,
     plan_min_max,
 )
-from lightning_hetero.plan.split import split_by_weights
+from lightning_hetero.split.decisions.split import split_by_weights
 
 # ZeRO stages whose ranks may run different numbers of forward/backward passes per optimizer step: 0-2 reduce once, in
 # the step (the strategy runs them with DeepSpeed's managed accumulation off); ZeRO-3 gathers parameters in every

@@ -1,4 +1,4 @@
-"""Plan: the ZeRO stage when the user names none (``stage=None``, the default): the lowest stage that fits.
+"""Configure: the ZeRO stage when the user names none (``stage=None``, the default): the lowest stage that fits.
 
 Each ZeRO stage shards more of the model's state over the ranks (1: the optimizer state, 2: the gradients too, 3: the
 parameters too) and pays for it on every step: on 2 identical CPU ranks the default ZeRO-2 step cost 1.19x DDP's and

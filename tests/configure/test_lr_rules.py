@@ -1,4 +1,5 @@
-"""The learning-rate rules when a resume changes the global batch (lightning_hetero.plan.lr_scaling): pure decisions."""
+"""The learning-rate rules when a resume changes the global batch (lightning_hetero.configure.lr_scaling): pure
+decisions."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import math
 
 import pytest
 
-from lightning_hetero.plan.lr_scaling import LrScaling, check_lr_scaling, lr_scaling_for
+from lightning_hetero.configure.lr_scaling import LrScaling, check_lr_scaling, lr_scaling_for
 
 
 @pytest.mark.parametrize("old, new", [(16, 8), (8, 16), (96, 128), (128, 96), (7, 1)])

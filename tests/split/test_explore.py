@@ -1,4 +1,4 @@
-"""The search of the split on the measured step (lightning_hetero.plan.explore), on a fake clock.
+"""The search of the split on the measured step (lightning_hetero.split.decisions.explore), on a fake clock.
 
 The simulated job: each rank's own work per step is ``fixed + per_sample * samples``, the step is the slowest rank's
 plus an exchange, each time with a random noise factor (and now and then a large outlier); a rank's arrival at the
@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from lightning_hetero.plan.explore import StepSearch, Window, late_and_early, level_of, moved, window_of
+from lightning_hetero.split.decisions.explore import StepSearch, Window, late_and_early, level_of, moved, window_of
 
 WINDOW = 20  # (the re-planner's default window)
 BATCH = 512

@@ -1,4 +1,5 @@
-"""Tests of the per-rank micro-step planner (:mod:`lightning_hetero.plan.micro_steps`), against brute force."""
+"""Tests of the per-rank micro-step planner (:mod:`lightning_hetero.split.decisions.micro_steps`), against brute
+force."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_hetero.measure.cost import CostModel
-from lightning_hetero.plan.micro_steps import (
+from lightning_hetero.split.decisions.micro_steps import (
     automatic_micro_steps_allowed,
     micro_steps_refusal,
     most_samples_within,
@@ -19,8 +20,8 @@ from lightning_hetero.plan.micro_steps import (
     rank_time,
     with_fixed_micro_steps,
 )
-from lightning_hetero.plan.planner import plan_automatic_split, plan_min_max
-from lightning_hetero.plan.replan import Rebalancer
+from lightning_hetero.split.decisions.planner import plan_automatic_split, plan_min_max
+from lightning_hetero.split.decisions.replan import Rebalancer
 
 
 def brute_force(costs: list[CostModel], global_batch_size: int, minimum: int = 1) -> Optional[float]:

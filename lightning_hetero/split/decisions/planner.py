@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_hetero.measure.cost import CostModel
-from lightning_hetero.plan.split import check_global_batch_covers_ranks, split_by_weights
 from lightning_hetero.runtime.checks import check_positive_int
 from lightning_hetero.runtime.checks import is_int as _is_int
+from lightning_hetero.split.decisions.split import check_global_batch_covers_ranks, split_by_weights
 
 
 @dataclass(frozen=True)
