@@ -13,7 +13,8 @@ The layout follows a run's flow, one folder per stage, lowest first::
     measure/    device facts and a profile of the user's step (a cost model per rank)
     split/decisions/
                 the split's pure decisions: the arithmetic, the exact planner, micro-steps, the first plan, re-plans
-    configure/  each rank's DeepSpeed config, the ZeRO stage that fits, the registered names, the resume's lr rule
+    configure/  each rank's DeepSpeed config and the check of the user's keys, the ZeRO stage that fits, the
+                registered names, the resume's learning-rate rule, the check that every rank built the same model
     precision/  each rank's precision: the choice, the Precision plugin, one loss scale, non-finite steps
     comm/       compression, topology, the gradient exchange and the bytes on the wire
     train/      the data order cut into per-rank slices, streams, buffers kept equal, micro-batches, modes' lifecycle

@@ -120,9 +120,7 @@ class HeteroSettings:
     eager: bool = True  # overlap: each rank trains on from its own progress's outer step until the average arrives
     asynchronous: bool = False  # merges by speed: each rank trains what it has time for (local/claims.py)
     pipeline: Optional[PipelineChoice] = None  # the model split into stages (pipeline/stage.py)
-    lr_scaling: Optional[str] = (
-        None  # a resume with another global batch scales the learning rate (configure/lr_scaling.py)
-    )
+    lr_scaling: Optional[str] = None  # a resume on another global batch scales the lr (configure/lr_scaling.py)
     trace: Optional[tuple[int, ...]] = None  # the training steps a profiler trace records (watch/trace.py)
     emulate_slowdown: str = "compute"  # how an emulated slower rank is slower (emulate/emulation.py)
     shards: str = "equal"  # a pipeline's `stage=1` optimizer shards: sized by memory, or equal (optimizer_shards.py)

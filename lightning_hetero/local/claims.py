@@ -4,9 +4,10 @@ In the synchronous local modes every rank takes its planned inner steps per trai
 down after the plan makes the others wait at every step until the inner steps are re-planned. Here no rank waits for
 another between merges, and a rank that is slow contributes what it has:
 
-- **Claims.** The epoch's shared order is cut into micro-batches of the loader's batch size (:mod:`.plan.claims`).
-  Each rank trains its own first one, then asks a counter in the job's rendezvous store for the next (one ``add`` a
-  micro-batch), so each rank trains as many as its speed allows and every micro-batch is trained once an epoch.
+- **Claims.** The epoch's shared order is cut into micro-batches of the loader's batch size
+  (:mod:`~lightning_hetero.local.claim_decisions`). Each rank trains its own first one, then asks a counter in the job's
+  rendezvous store for the next (one ``add`` a micro-batch), so each rank trains as many as its speed allows and every
+  micro-batch is trained once an epoch.
 - **No collective between merges.** A training step is one micro-batch on each rank, and the ranks' steps are not
   in step: the per-step agreements of the synchronous modes move to the merges (the stop on SIGTERM, rank 0's
   buffers) or stay on the rank (a ``sync_dist`` value logged in ``training_step`` is the rank's own; epoch values

@@ -7,6 +7,6 @@
 - :mod:`.training`: the data-parallel training mode the job calls at each lifecycle point, its report and checkpoints.
 
 The split in force, the data order and the loss weights it applies are in :mod:`lightning_hetero.train`, which every
-training mode shares. This ``__init__`` imports nothing, so importing :mod:`.decisions` from below runs no code of
-the training mode.
+training mode shares. This ``__init__`` imports nothing: the layers below import :mod:`.decisions` through it, and an
+import here of the training mode would make each of them import the layers above it, a cycle through ``train/``.
 """

@@ -1,5 +1,4 @@
-"""Train: a learning-rate scaling (:mod:`lightning_hetero.configure.lr_scaling`) applied to the optimizers and
-schedulers.
+"""Train: apply a learning-rate scaling (:mod:`lightning_hetero.configure.lr_scaling`) to optimizers and schedulers.
 
 It runs as the resumed fit's training starts (the strategy's ``on_train_start``): after DeepSpeed restored the
 optimizer's groups and Lightning the schedulers' state (a scheduler restored after a scaling would undo it at its next

@@ -13,9 +13,10 @@ steps exchanged last, when one evidently arrives later
 as ``hetero/replan_predicted_gain`` (the new micro-batches show in ``micro_batch`` from that step on). With fp16 ranks
 (``device_precision``), ``hetero/loss_scale`` is the job's loss scale after each optimizer step (the same on every rank;
 a halving marks a step skipped for an overflow). ``hetero/skipped_steps`` counts the optimizer steps skipped so far for
-non-finite gradients, after each step. With PowerSGD or top-k under an error bound (``compression_options={"max_error":
-...}``, the default), ``hetero/compression_error`` is each check's relative error, logged at its step with
-``hetero/compression_rank`` (PowerSGD) or ``hetero/compression_ratio`` (top-k) the step ran with.
+non-finite gradients, after each step. With PowerSGD or top-k under an error bound
+(``compression_options={"max_error": ...}``, the default), ``hetero/compression_error`` is each check's relative error,
+logged at its step with ``hetero/compression_rank`` (PowerSGD) or ``hetero/compression_ratio`` (top-k) the step ran
+with.
 
 With ``pipeline``, each stage's times instead: ``hetero/stage_<s>/compute_ms`` and ``wait_ms`` (the slowest of the
 ranks holding it) and ``hetero/pipeline_balance`` per step, exchanged every 20 steps and at the end of fit.

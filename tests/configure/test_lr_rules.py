@@ -1,5 +1,4 @@
-"""The learning-rate rules when a resume changes the global batch (lightning_hetero.configure.lr_scaling): pure
-decisions."""
+"""The learning-rate rules when a resume changes the global batch (lightning_hetero.configure.lr_scaling)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The ZeRO stage when none is named (:mod:`lightning_hetero.configure.zero_stage`): the lowest that fits every
-device."""
+"""The ZeRO stage when none is named (:mod:`lightning_hetero.configure.zero_stage`): the lowest every device fits."""
 
 from __future__ import annotations
 

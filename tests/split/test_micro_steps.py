@@ -1,5 +1,4 @@
-"""Tests of the per-rank micro-step planner (:mod:`lightning_hetero.split.decisions.micro_steps`), against brute
-force."""
+"""The per-rank micro-step planner (:mod:`lightning_hetero.split.decisions.micro_steps`), against brute force."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Unit tests for lightning_hetero.configure: the split of a global batch into per-rank micro-batches (pure
-functions)."""
+"""Unit tests for lightning_hetero.split.decisions.split: the split of a global batch into per-rank micro-batches
+(pure functions)."""
 
 from __future__ import annotations
 

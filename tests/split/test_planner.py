@@ -1,4 +1,4 @@
-"""Tests of the min-max batch planner in :mod:`lightning_hetero.configure` (``plan_min_max`` and its helpers).
+"""Tests of the min-max batch planner (:mod:`lightning_hetero.split.decisions.planner`: ``plan_min_max`` and helpers).
 
 The planner claims exactness, so the main check is against brute force: every composition of small batches.
 """
