@@ -66,3 +66,28 @@ def test_every_relative_link_of_the_readme_reaches_a_file():
     assert links
     missing = [target for target in links if not (ROOT / target).exists()]
     assert not missing, f"README.md links to files that are not there: {missing}"
+
+
+def bullets(markdown: str) -> list[list[str]]:
+    """The top-level bullets of a Markdown page, each as its lines (the first, then its indented continuations)."""
+    found: list[list[str]] = []
+    for line in markdown.splitlines():
+        if line.startswith("- "):
+            found.append([line])
+        elif found and line.startswith("  ") and found[-1]:
+            found[-1].append(line)
+        elif found and found[-1]:
+            found.append([])  # anything else ends the bullet
+    return [bullet for bullet in found if bullet]
+
+
+def test_bullets_are_read_with_their_continuation_lines():
+    page = "# Title\n\n- one\n  two\n- three\n\ntext\n  not a continuation\n- four\n"
+    assert bullets(page) == [["- one", "  two"], ["- three"], ["- four"]]
+
+
+def test_each_limit_is_a_bullet_of_at_most_two_lines():
+    """docs/limits.md is read as a list of what not to expect, grouped by feature: a limit that needs more than two
+    lines is two limits, or has its details on the feature's page."""
+    long = [bullet[0][:60] for bullet in bullets((ROOT / "docs" / "limits.md").read_text()) if len(bullet) > 2]
+    assert not long, f"limits of more than two lines in docs/limits.md: {long}"
