@@ -1,5 +1,6 @@
-"""The documentation cannot go stale: every Python snippet in README.md and docs/ runs, and every relative link of
-the README reaches a file. (The site itself builds in CI with warnings as errors: `.ci/run`.)"""
+"""The documentation cannot go stale: every Python snippet in README.md and docs/ runs, every relative link of the
+README reaches a file, and each limit in docs/limits.md stays within two lines. (The site itself builds in CI with
+warnings as errors: `.ci/run`.)"""
 
 from __future__ import annotations
 
